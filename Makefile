@@ -1,0 +1,51 @@
+# The two set-up commands (README "Quickstart"): `make serve` and `make test`.
+# Each creates .venv if missing and installs through constraints.txt (torch pinned to the CPU build).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: serve test lint format bench peer-venv
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/ntk-service serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_kernels.py
+
+# The neural-tangents peer for benchmarks/ (issue 3), in its own venv: it needs jax 0.4.25 (newer jax breaks
+# NT 0.6.5's structured derivatives) and numpy<2, which must not touch $(VENV). No torch there: the peer
+# script is pure JAX. `--no-deps` skips NT's declared tensorflow/tf2jax (only its optional TF bridge uses
+# them; benchmarks/peer_neural_tangents.py stubs that module out, see NOTE there); frozendict is its one
+# other import. The transitive pins are the versions the benchmark was measured with.
+PEER_VENV := .peer-venv
+PEER_STAMP := $(PEER_VENV)/.installed-stamp
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || python3 -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install -q --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install -q jax==0.4.25 jaxlib==0.4.25 "numpy<2" ml_dtypes==0.5.4 \
+		scipy==1.17.1 opt_einsum==3.4.0 frozendict==2.5.1
+	$(PEER_VENV)/bin/python -m pip install -q --no-deps neural-tangents==0.6.5
+	$(PEER_VENV)/bin/python benchmarks/peer_neural_tangents.py --models mlp --sizes 2 \
+		--implementations structured_derivatives --repeats 1 > /dev/null
+	touch $(PEER_STAMP)
+
+peer-venv: $(PEER_STAMP)

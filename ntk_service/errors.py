@@ -1,0 +1,263 @@
+"""The one exception tree of ntk-service (no torch, no fastapi: the client imports it too).
+
+Every error carries a snake_case ``error_type`` (the ``type`` field of the wire error body) and the HTTP status it
+maps to. The server translates these once, in ``server/errors.py``; the client maps an error body back to the same
+class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
+
+    NtkServiceError
+    ├── InvalidInput                      422  the values are wrong (shapes, NaN, unknown names)
+    │   ├── ShapeMismatch                 422
+    │   ├── NonFiniteInput                422
+    │   ├── EmptyBatch                    422
+    │   ├── UnknownMode                   422
+    │   ├── UnknownImplementation         422
+    │   ├── NoMatchingParameters          422
+    │   └── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
+    ├── MalformedRequest                  400  the body cannot be parsed at all
+    ├── UnsupportedMediaType              415
+    ├── NotAcceptable                     406  e.g. a JSON response over the size cap
+    ├── AuthenticationError               401
+    ├── PermissionDenied                  403
+    ├── NotFound                          404
+    │   ├── ModelNotFound
+    │   ├── DatasetNotFound
+    │   └── JobNotFound
+    ├── Conflict                          409
+    │   ├── NameConflict
+    │   └── JobNotFinished
+    ├── ResourceLimit                     413
+    │   ├── PayloadTooLarge
+    │   ├── MemoryEstimateExceeded        carries estimate_bytes and budget_bytes
+    │   └── DiskEstimateExceeded          carries estimate_bytes and budget_bytes
+    ├── Busy                              429  carries retry_after_s
+    ├── ServiceUnavailable                503  carries retry_after_s
+    ├── OptionalDependencyMissing         501  e.g. the Ray executor without `ntk-service[ray]`
+    └── JobFailed                         500  a job's own computation failed (its message says why)
+
+Messages start with the operation, then say what was expected, what came, and how to fix it, e.g.
+``compute_ntk: x2 has per-example shape (3,), x1 has (784,); both sides must match``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "Busy",
+    "Conflict",
+    "DatasetNotFound",
+    "DiskEstimateExceeded",
+    "EmptyBatch",
+    "InvalidInput",
+    "JobFailed",
+    "JobNotFinished",
+    "JobNotFound",
+    "MalformedRequest",
+    "MemoryEstimateExceeded",
+    "ModelNotFound",
+    "NameConflict",
+    "NoMatchingParameters",
+    "NonFiniteInput",
+    "NotAcceptable",
+    "NotFound",
+    "NtkServiceError",
+    "OptionalDependencyMissing",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "ResourceLimit",
+    "ServiceUnavailable",
+    "ShapeMismatch",
+    "UnknownImplementation",
+    "UnknownMode",
+    "UnsupportedMediaType",
+    "UnsupportedModel",
+    "error_class_for",
+    "format_bytes",
+]
+
+
+class NtkServiceError(Exception):
+    """Base of every error the package raises on purpose."""
+
+    error_type: str = "ntk_service_error"
+    http_status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
+class InvalidInput(NtkServiceError):
+    """The request is well formed but its values are wrong."""
+
+    error_type = "invalid_input"
+    http_status = 422
+
+
+class ShapeMismatch(InvalidInput):
+    error_type = "shape_mismatch"
+
+
+class NonFiniteInput(InvalidInput):
+    error_type = "non_finite_input"
+
+
+class EmptyBatch(InvalidInput):
+    error_type = "empty_batch"
+
+
+class UnknownMode(InvalidInput):
+    error_type = "unknown_mode"
+
+
+class UnknownImplementation(InvalidInput):
+    error_type = "unknown_implementation"
+
+
+class NoMatchingParameters(InvalidInput):
+    error_type = "no_matching_parameters"
+
+
+class UnsupportedModel(InvalidInput):
+    """The model cannot be treated example by example (train-mode BatchNorm, interacting examples, ...)."""
+
+    error_type = "unsupported_model"
+
+
+class MalformedRequest(NtkServiceError):
+    error_type = "malformed_request"
+    http_status = 400
+
+
+class UnsupportedMediaType(NtkServiceError):
+    error_type = "unsupported_media_type"
+    http_status = 415
+
+
+class NotAcceptable(NtkServiceError):
+    error_type = "not_acceptable"
+    http_status = 406
+
+
+class AuthenticationError(NtkServiceError):
+    error_type = "unauthenticated"
+    http_status = 401
+
+
+class PermissionDenied(NtkServiceError):
+    error_type = "permission_denied"
+    http_status = 403
+
+
+class NotFound(NtkServiceError):
+    error_type = "not_found"
+    http_status = 404
+
+
+class ModelNotFound(NotFound):
+    error_type = "model_not_found"
+
+
+class DatasetNotFound(NotFound):
+    error_type = "dataset_not_found"
+
+
+class JobNotFound(NotFound):
+    error_type = "job_not_found"
+
+
+class Conflict(NtkServiceError):
+    error_type = "conflict"
+    http_status = 409
+
+
+class NameConflict(Conflict):
+    error_type = "name_conflict"
+
+
+class JobNotFinished(Conflict):
+    error_type = "job_not_finished"
+
+
+class ResourceLimit(NtkServiceError):
+    error_type = "resource_limit"
+    http_status = 413
+
+
+class PayloadTooLarge(ResourceLimit):
+    error_type = "payload_too_large"
+
+
+class _EstimateExceeded(ResourceLimit):
+    def __init__(self, message: str, *, estimate_bytes: int | None = None, budget_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.estimate_bytes = estimate_bytes
+        self.budget_bytes = budget_bytes
+
+
+class MemoryEstimateExceeded(_EstimateExceeded):
+    """Refused before allocating: the smallest chunking still needs more memory than the budget."""
+
+    error_type = "memory_estimate_exceeded"
+
+
+class DiskEstimateExceeded(_EstimateExceeded):
+    """Refused before starting: the result would not fit the disk budget."""
+
+    error_type = "disk_estimate_exceeded"
+
+
+class Busy(NtkServiceError):
+    """Over capacity right now; retry after ``retry_after_s`` seconds."""
+
+    error_type = "busy"
+    http_status = 429
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServiceUnavailable(Busy):
+    error_type = "service_unavailable"
+    http_status = 503
+
+
+class OptionalDependencyMissing(NtkServiceError):
+    error_type = "optional_dependency_missing"
+    http_status = 501
+
+
+class JobFailed(NtkServiceError):
+    error_type = "job_failed"
+    http_status = 500
+
+
+def _all_subclasses(cls: type[NtkServiceError]) -> list[type[NtkServiceError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_class_for(error_type: str, http_status: int) -> type[NtkServiceError]:
+    """The most specific class for a wire error body: by ``error_type``, else by status, else the base class."""
+    classes = [c for c in _all_subclasses(NtkServiceError) if not c.__name__.startswith("_")]
+    for cls in classes:
+        if cls.error_type == error_type:
+            return cls
+    for cls in classes:
+        if cls.http_status == http_status:
+            return cls
+    return NtkServiceError
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable size, e.g. ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

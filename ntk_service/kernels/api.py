@@ -1,0 +1,158 @@
+"""``compute_ntk``: the one public entry point of the kernel engine, and its dispatch table.
+
+Example::
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    >>> x1, x2 = torch.randn(5, 3), torch.randn(4, 3)
+    >>> compute_ntk(model, x1, x2).theta.shape                      # (N, M, k, k)
+    torch.Size([5, 4, 2, 2])
+    >>> compute_ntk(model, x1, mode="trace").theta.shape            # (N, N), exactly symmetric
+    torch.Size([5, 5])
+    >>> compute_ntk(model, x1, mode="example_diagonal").theta.shape # (N, k, k)
+    torch.Size([5, 2, 2])
+
+NOTE [auto choice]: AUTO plans every implementation for the memory budget and takes the one with the fewest
+estimated FLOPs (``NtkAlgorithm.flops``, from P, k, N, M and the counted forward FLOPs) among those that fit.
+Forward-mode products run at a lower fraction of peak than the dense matmuls of a contraction on CPU, so their
+FLOPs are weighted by ``_EFFICIENCY`` (measured with benchmarks/bench_kernels.py). It never times the candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import nn
+
+from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation
+from ntk_service.kernels.algorithm import NtkAlgorithm
+from ntk_service.kernels.blocks import run_blocks
+from ntk_service.kernels.functional import eval_semantics, prepare_problem
+from ntk_service.kernels.jacobian_contraction import JacobianContraction
+from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
+from ntk_service.kernels.planning import BlockPlan, default_memory_budget, plan_blocks
+from ntk_service.kernels.side_cache import SideCache
+from ntk_service.kernels.types import NtkImplementation, NtkResult, parse_implementation
+
+__all__ = ["DEFAULT_IMPLEMENTATION", "compute_ntk"]
+
+DEFAULT_IMPLEMENTATION = NtkImplementation.AUTO
+"""AUTO: users get the cheapest implementation that fits without having to know the trade-offs."""
+
+_ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
+    NtkImplementation.JACOBIAN_CONTRACTION: JacobianContraction(),
+    NtkImplementation.NTK_VECTOR_PRODUCTS: NtkVectorProducts(),
+}
+"""The dispatch table: one NtkAlgorithm per concrete implementation."""
+
+_EFFICIENCY: dict[NtkImplementation, float] = {
+    NtkImplementation.JACOBIAN_CONTRACTION: 1.0,
+    NtkImplementation.NTK_VECTOR_PRODUCTS: 3.0,
+}
+"""Relative cost of one estimated FLOP per implementation; see NOTE [auto choice]."""
+
+
+def _choose(
+    implementation: NtkImplementation,
+    problem_args: tuple,  # type: ignore[type-arg]
+    budget: int,
+) -> tuple[NtkAlgorithm, BlockPlan]:
+    problem, n, m, mode, symmetric = problem_args
+    if implementation is not NtkImplementation.AUTO:
+        if implementation not in _ALGORITHMS:
+            raise UnknownImplementation(
+                f"compute_ntk: implementation {implementation.value!r} is not available in this build; "
+                f"use one of {[i.value for i in _ALGORITHMS]} or 'auto'"
+            )
+        alg = _ALGORITHMS[implementation]
+        return alg, plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)
+    best: tuple[float, NtkAlgorithm, BlockPlan] | None = None
+    refusal: MemoryEstimateExceeded | None = None
+    for impl, alg in _ALGORITHMS.items():
+        try:
+            plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)
+        except MemoryEstimateExceeded as exc:
+            if refusal is None or (exc.estimate_bytes or 0) < (refusal.estimate_bytes or 0):
+                refusal = exc
+            continue
+        cost = alg.flops(problem, n, m, mode) * _EFFICIENCY.get(impl, 1.0)
+        if best is None or cost < best[0]:
+            best = (cost, alg, plan)
+    if best is None:
+        assert refusal is not None
+        raise refusal
+    return best[1], best[2]
+
+
+def compute_ntk(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    *,
+    mode: KernelMode | str = KernelMode.FULL,
+    implementation: NtkImplementation | str = DEFAULT_IMPLEMENTATION,
+    params: Sequence[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    memory_budget_bytes: int | None = None,
+    side_cache: SideCache | None = None,
+    x1_key: Hashable | None = None,
+    x2_key: Hashable | None = None,
+) -> NtkResult:
+    """Empirical NTK Θ(x1, x2) = J(x1) J(x2)ᵀ of ``model``, J = ∂f(x)/∂θ per example, shape (k, P).
+
+    Args:
+        model (nn.Module): maps a batch (N, *input) to (N, *out); k = prod(out). Run in eval semantics
+            (dropout off) and never mutated; BatchNorm in train mode is refused.
+        x1 (Tensor): (N, *input), float or integer (token ids).
+        x2 (Tensor, optional): (M, *input). Default: None, meaning x2 = x1: the x1 side is computed once and
+            the result is exactly symmetric.
+        mode (KernelMode or str): "full" (N, M, k, k), "trace" (N, M) (the plain sum over outputs;
+            neural-tangents divides by k), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k).
+            Default: "full".
+        implementation (NtkImplementation or str): "auto", "jacobian_contraction", "ntk_vector_products",
+            "structured". Default: "auto" (cheapest by the cost model; ``result.implementation`` says which).
+        params (list of str, optional): glob patterns over parameter names, e.g. ``["head.*"]``: the kernel
+            of that subset only. Tied weights count once. Default: None (all parameters).
+        dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
+        memory_budget_bytes (int, optional): the engine chunks to fit this peak. Default: half the memory
+            available now (``planning.default_memory_budget``).
+        side_cache (SideCache, optional): reuse per-side intermediates across calls, for sides with a key.
+        x1_key, x2_key (hashable, optional): keys naming the model version and the content of x1 / x2.
+
+    Returns:
+        NtkResult: ``theta`` (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k)
+        OUTPUT_DIAGONAL; plus the mode, the implementation that ran and the memory estimate.
+
+    Raises:
+        UnknownMode, UnknownImplementation, ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters,
+        UnsupportedModel: bad input (all InvalidInput).
+        MemoryEstimateExceeded: even the smallest blocks would not fit the budget (before allocating).
+    """
+    kernel_mode = parse_mode(mode)
+    impl = parse_implementation(implementation)
+    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    with eval_semantics(model):
+        problem, x1t, x2t = prepare_problem(model, x1, x2, params=params, dtype=dtype)
+        n = x1t.shape[0]
+        symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
+        m = n if x2t is None else x2t.shape[0]
+        alg, plan = _choose(impl, (problem, n, m, kernel_mode, symmetric), budget)
+        theta = run_blocks(
+            alg,
+            problem,
+            x1t,
+            None if symmetric else x2t,
+            kernel_mode,
+            plan,
+            side_cache=side_cache,
+            x1_key=x1_key,
+            x2_key=x2_key,
+        )
+    return NtkResult(
+        theta=theta,
+        mode=kernel_mode,
+        implementation=alg.implementation,
+        estimate_bytes=plan.estimate_bytes,
+        block_size=plan.block_n,
+    )

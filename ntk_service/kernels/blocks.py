@@ -1,0 +1,116 @@
+"""The block runner: walks theta block by block for any NtkAlgorithm, reusing sides and exploiting symmetry.
+
+When x2 is x1 only blocks on and above the diagonal are contracted; each is mirrored below it, and diagonal
+blocks are symmetrized as (B + Bᵀ)/2, so the result is exactly symmetric (IEEE addition commutes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from ntk_service.kernels.algorithm import NtkAlgorithm, Side
+from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.kernels.planning import BlockPlan
+from ntk_service.kernels.side_cache import SideCache
+
+__all__ = ["run_blocks"]
+
+
+def _swap_examples(block: torch.Tensor, mode: KernelMode) -> torch.Tensor:
+    """The block of Θ(x2, x1) from one of Θ(x1, x2): swap the example axes (and the output axes for FULL)."""
+    if mode is KernelMode.FULL:
+        return block.permute(1, 0, 3, 2)
+    if mode is KernelMode.TRACE:
+        return block.transpose(0, 1)
+    return block.permute(1, 0, 2)
+
+
+class _Sides:
+    """Computes sides once per plan (and once per SideCache key across calls)."""
+
+    def __init__(
+        self,
+        alg: NtkAlgorithm,
+        problem: NtkProblem,
+        cache: SideCache | None,
+        cache_tag: Hashable,
+    ) -> None:
+        self.alg, self.problem, self.cache, self.cache_tag = alg, problem, cache, cache_tag
+        self.kept: dict[tuple[bool, int, int], Side] = {}
+
+    def get(self, x: torch.Tensor, start: int, stop: int, *, left: bool, key: Hashable | None, keep: bool) -> Side:
+        role = left or self.alg.right_is_left  # right sides equal to left sides share entries
+        local = (role, start, stop)
+        if local in self.kept:
+            return self.kept[local]
+        cache_key = None if key is None or self.cache is None else (key, self.cache_tag, role, start, stop)
+        side = None if cache_key is None or self.cache is None else self.cache.get(cache_key)
+        if side is None:
+            block = x[start:stop]
+            side = self.alg.left(self.problem, block) if left else self.alg.right(self.problem, block)
+            if cache_key is not None and self.cache is not None:
+                self.cache.put(cache_key, side)
+        if keep:
+            self.kept[local] = side
+        return side
+
+
+def run_blocks(
+    alg: NtkAlgorithm,
+    problem: NtkProblem,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    mode: KernelMode,
+    plan: BlockPlan,
+    *,
+    side_cache: SideCache | None = None,
+    x1_key: Hashable | None = None,
+    x2_key: Hashable | None = None,
+) -> torch.Tensor:
+    """Compute theta for ``mode`` block by block.
+
+    Args:
+        alg: the implementation.
+        problem: the prepared model.
+        x1: (N, *input). x2: (M, *input), or None for x2 = x1.
+        mode: the kernel mode.
+        plan: block sizes from ``plan_blocks``.
+        side_cache: optional LRU of sides across calls; used for a side only when its key is given.
+        x1_key, x2_key: content keys of x1 and x2 for ``side_cache``.
+
+    Returns:
+        theta: (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k) OUTPUT_DIAGONAL.
+    """
+    n = x1.shape[0]
+    symmetric = x2 is None
+    xr = x1 if x2 is None else x2
+    m = xr.shape[0]
+    right_key = x1_key if symmetric else x2_key
+    tag = (alg.implementation.value, tuple(problem.params), str(problem.dtype))
+    sides = _Sides(alg, problem, side_cache, tag)
+    theta = torch.empty(result_shape(mode, n, m, problem.k), dtype=problem.dtype)
+    bn, bm = plan.block_n, plan.block_m
+    with torch.no_grad():
+        for i0 in range(0, n, bn):
+            i1 = min(i0 + bn, n)
+            keep_left = symmetric and alg.right_is_left and plan.keep_right_sides  # it is a later row's right side
+            left = sides.get(x1, i0, i1, left=True, key=x1_key, keep=keep_left)
+            if mode is KernelMode.EXAMPLE_DIAGONAL:
+                theta[i0:i1] = alg.diagonal(problem, left)
+                continue
+            for j0 in range(i0 if symmetric else 0, m, bm):
+                j1 = min(j0 + bm, m)
+                if symmetric and j0 == i0 and alg.right_is_left:
+                    right = left
+                else:
+                    right = sides.get(xr, j0, j1, left=False, key=right_key, keep=plan.keep_right_sides)
+                block = alg.pair(problem, left, right, mode)
+                if symmetric and j0 == i0:
+                    block = (block + _swap_examples(block, mode)) / 2
+                theta[i0:i1, j0:j1] = block
+                if symmetric and j0 != i0:
+                    theta[j0:j1, i0:i1] = _swap_examples(block, mode)
+    return theta

@@ -1,0 +1,280 @@
+"""From an ``nn.Module`` to the per-example function f(params, x) -> (k,) that every implementation differentiates.
+
+``prepare_problem`` validates the inputs, selects the parameters (globs, tied weights once), casts to the compute
+dtype, and probes the model once on a few examples: it checks that examples do not interact, measures the output
+size k, counts the forward FLOPs per example ([FP]) and the bytes autograd saves for backward per example. The
+planner turns those measurements into a cost and memory estimate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from torch.utils.flop_counter import FlopCounterMode
+
+from ntk_service.errors import (
+    EmptyBatch,
+    InvalidInput,
+    NoMatchingParameters,
+    NonFiniteInput,
+    ShapeMismatch,
+    UnsupportedModel,
+)
+from ntk_service.kernels.types import NamedTensors
+
+__all__ = ["NtkProblem", "eval_semantics", "prepare_problem", "select_parameters"]
+
+PROBE_EXAMPLES = 4
+"""Examples used to probe the model: enough to see examples interact, few enough to cost nothing."""
+
+_BATCHNORM_TYPES = (nn.modules.batchnorm._BatchNorm,)
+
+
+@dataclass
+class NtkProblem:
+    """A model prepared for kernel computation; all tensors are in the compute dtype.
+
+    Attributes:
+        module: the user's module (never mutated; called only through ``functional_call``).
+        params: the selected parameters, detached, by name (tied weights appear once).
+        frozen: every other parameter and buffer, detached, by name (constants of f).
+        out_shape: per-example output shape; k = prod(out_shape).
+        input_shape: per-example input shape.
+        dtype: the compute dtype (float32 or float64).
+        forward_flops: FLOPs of one example's forward pass, counted by ``FlopCounterMode``.
+        saved_bytes: bytes autograd saves for backward in one example's forward pass.
+    """
+
+    module: nn.Module
+    params: NamedTensors
+    frozen: NamedTensors
+    out_shape: tuple[int, ...]
+    input_shape: tuple[int, ...]
+    dtype: torch.dtype
+    forward_flops: float
+    saved_bytes: float
+
+    @property
+    def k(self) -> int:
+        return math.prod(self.out_shape)
+
+    @property
+    def num_params(self) -> int:
+        """P: the number of selected scalar parameters."""
+        return sum(p.numel() for p in self.params.values())
+
+    @property
+    def itemsize(self) -> int:
+        return torch.finfo(self.dtype).bits // 8
+
+    def f_batch(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
+        """The model on a batch: x (n, *input) -> (n, k)."""
+        out = functional_call(self.module, (params, self.frozen), (x,))
+        return out.reshape(x.shape[0], self.k)
+
+    def f_single(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
+        """The model on one example: x (*input) -> (k,). Use under ``vmap`` for batches."""
+        return self.f_batch(params, x.unsqueeze(0)).squeeze(0)
+
+
+@contextlib.contextmanager
+def eval_semantics(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` in eval mode (dropout off) and restore every submodule's flag afterwards.
+
+    Raises:
+        UnsupportedModel: a BatchNorm layer is in train mode (its batch statistics couple the examples).
+    """
+    in_train = [name for name, m in module.named_modules() if isinstance(m, _BATCHNORM_TYPES) and m.training]
+    if in_train:
+        raise UnsupportedModel(
+            f"compute_ntk: BatchNorm layer(s) {in_train[:3]} are in train mode, where batch statistics couple the "
+            "examples and the per-example kernel is undefined; call model.eval() first (running statistics are used)"
+        )
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, was_training in flags:
+            m.training = was_training
+
+
+def select_parameters(module: nn.Module, patterns: Sequence[str] | None) -> list[str]:
+    """Names of the parameters matched by glob ``patterns`` (all when None), in ``named_parameters()`` order.
+
+    Tied weights appear once, under their first name.
+
+    Raises:
+        NoMatchingParameters: a pattern matches nothing (the message lists the names), or the model has none.
+    """
+    names = [name for name, _ in module.named_parameters()]
+    if not names:
+        raise NoMatchingParameters("compute_ntk: the model has no parameters, so its NTK is zero-dimensional")
+    if patterns is None:
+        return names
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+        raise NoMatchingParameters(f"compute_ntk: params must be a list of glob strings, got {patterns!r}")
+    if len(patterns) == 0:
+        raise NoMatchingParameters("compute_ntk: params=[] selects nothing; pass None for all parameters")
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+            raise NoMatchingParameters(
+                f"compute_ntk: parameter glob {pattern!r} matches no parameter; the model has: {shown}"
+            )
+    return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+
+def _as_input(x: object, name: str, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.as_tensor(x)
+    if t.ndim == 0:
+        raise ShapeMismatch(f"compute_ntk: {name} must have a batch dimension (N, *input), got a scalar")
+    if t.shape[0] == 0:
+        raise EmptyBatch(f"compute_ntk: {name} is an empty batch (shape {tuple(t.shape)}); pass at least one example")
+    if t.is_floating_point():
+        if not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0])
+            raise NonFiniteInput(f"compute_ntk: {name} contains NaN or inf (first in example {bad}); clean the inputs")
+        return t.to(dtype)
+    if t.is_complex() or t.dtype == torch.bool:
+        raise ShapeMismatch(f"compute_ntk: {name} has dtype {t.dtype}; expected a float or integer tensor")
+    return t.to(torch.int64)
+
+
+def _cast_named(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
+    return {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()) for name, t in tensors}
+
+
+def _count_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[float, float]:
+    """(FLOPs, bytes saved for backward) of one batched forward pass on x, per example."""
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    params = {name: p.detach().requires_grad_(True) for name, p in problem.params.items()}
+    counter = FlopCounterMode(display=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+        problem.f_batch(params, x)
+    n = x.shape[0]
+    return counter.get_total_flops() / n, saved / n
+
+
+def _probe(problem: NtkProblem, x: torch.Tensor) -> None:
+    """Run the model on a few examples: output shape, examples independent, FLOPs and saved bytes counted."""
+    n = x.shape[0]
+    try:
+        with torch.no_grad():
+            batched = functional_call(problem.module, (problem.params, problem.frozen), (x,))
+    except Exception as exc:  # the model's own error, e.g. a shape mismatch inside a layer
+        raise ShapeMismatch(
+            f"compute_ntk: the model failed on inputs of per-example shape {tuple(x.shape[1:])} and dtype "
+            f"{x.dtype}: {type(exc).__name__}: {exc}. Check the input shape the model expects"
+        ) from exc
+    if not isinstance(batched, torch.Tensor) or batched.ndim < 1 or batched.shape[0] != n:
+        got = tuple(batched.shape) if isinstance(batched, torch.Tensor) else type(batched).__name__
+        raise UnsupportedModel(
+            f"compute_ntk: for a batch of {n} examples the model returned {got}; expected a tensor (N, *out) "
+            "with one output row per example"
+        )
+    problem.out_shape = tuple(batched.shape[1:])
+    try:
+        with torch.no_grad():
+            single = vmap(problem.f_single, (None, 0))(problem.params, x)
+    except Exception as exc:
+        raise UnsupportedModel(
+            f"compute_ntk: the model cannot be evaluated one example at a time under torch.func.vmap: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    batched = batched.reshape(n, -1)
+    scale = float(batched.abs().max()) + 1e-30
+    tol = (1e-4 if problem.dtype == torch.float32 else 1e-9) * scale
+    if n > 1 and float((batched - single).abs().max()) > tol:
+        raise UnsupportedModel(
+            "compute_ntk: the model's examples interact (its output for an example depends on the other examples "
+            "in the batch, e.g. batch statistics or mixing across dim 0), so the per-example NTK is undefined"
+        )
+    problem.forward_flops, problem.saved_bytes = _count_forward(problem, x)
+
+
+def prepare_problem(
+    module: nn.Module,
+    x1: object,
+    x2: object | None,
+    *,
+    params: Sequence[str] | None,
+    dtype: torch.dtype | str | None,
+) -> tuple[NtkProblem, torch.Tensor, torch.Tensor | None]:
+    """Validate inputs and build the NtkProblem. Call inside ``eval_semantics(module)``.
+
+    Args:
+        module: the model; a batch (N, *input) maps to (N, *out).
+        x1: (N, *input) float or integer tensor (or anything ``torch.as_tensor`` takes).
+        x2: (M, *input) or None.
+        params: glob patterns over parameter names, or None for all.
+        dtype: compute dtype (float32/float64, or their names); None = the model's floating dtype.
+
+    Returns:
+        (problem, x1, x2): x1 (N, *input) and x2 (M, *input) or None, cast to the compute dtype when floating.
+
+    Raises:
+        ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel.
+    """
+    if not isinstance(module, nn.Module):
+        raise UnsupportedModel(f"compute_ntk: model must be a torch.nn.Module, got {type(module).__name__}")
+    compute_dtype = _resolve_dtype(module, dtype)
+    x1t = _as_input(x1, "x1", compute_dtype)
+    x2t = None if x2 is None else _as_input(x2, "x2", compute_dtype)
+    if x2t is not None:
+        if x2t.shape[1:] != x1t.shape[1:]:
+            raise ShapeMismatch(
+                f"compute_ntk: x2 has per-example shape {tuple(x2t.shape[1:])}, x1 has {tuple(x1t.shape[1:])}; "
+                "both sides must have the same per-example shape"
+            )
+        if x2t.is_floating_point() != x1t.is_floating_point():
+            raise ShapeMismatch(f"compute_ntk: x1 is {x1t.dtype} but x2 is {x2t.dtype}; pass both as float or both as int")
+    selected = select_parameters(module, params)
+    all_params = dict(module.named_parameters())
+    problem = NtkProblem(
+        module=module,
+        params=_cast_named(((n, all_params[n]) for n in selected), compute_dtype),
+        frozen={
+            **_cast_named(((n, p) for n, p in all_params.items() if n not in set(selected)), compute_dtype),
+            **_cast_named(module.named_buffers(), compute_dtype),
+        },
+        out_shape=(),
+        input_shape=tuple(x1t.shape[1:]),
+        dtype=compute_dtype,
+        forward_flops=0.0,
+        saved_bytes=0.0,
+    )
+    probe = x1t[:PROBE_EXAMPLES]
+    if x2t is not None and probe.shape[0] < PROBE_EXAMPLES:
+        probe = torch.cat([probe, x2t[: PROBE_EXAMPLES - probe.shape[0]]])
+    _probe(problem, probe)
+    return problem, x1t, x2t
+
+
+def _resolve_dtype(module: nn.Module, dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
+        resolved = floating[0] if floating else torch.get_default_dtype()
+    elif isinstance(dtype, str):
+        resolved = {"float32": torch.float32, "float64": torch.float64}.get(dtype, None)  # type: ignore[assignment]
+        if resolved is None:
+            raise InvalidInput(f"compute_ntk: dtype {dtype!r} is not supported; expected 'float32' or 'float64'")
+    else:
+        resolved = dtype
+    if resolved not in (torch.float32, torch.float64):
+        raise InvalidInput(f"compute_ntk: dtype {resolved} is not supported; expected torch.float32 or torch.float64")
+    return resolved
+

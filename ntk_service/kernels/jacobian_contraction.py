@@ -1,0 +1,114 @@
+"""Jacobian contraction: J per block with ``vmap(jacrev)``, then one matmul per parameter tensor.
+
+Time (N+M)·k·[FP]·(1+2k)/k + N·M·k²·P for FULL (N·M·k·P for TRACE and OUTPUT_DIAGONAL, N·k²·P for
+EXAMPLE_DIAGONAL); memory (n+m)·k·P floats per block pair plus the block result. Best for small k and an
+expensive forward pass. The per-parameter Jacobians are never concatenated into one (N·k, P) matrix.
+
+Each mode is its own contraction, accumulated in place over parameter tensors:
+FULL (n·k, f) @ (f, m·k); TRACE (n, k·f) @ (k·f, m); OUTPUT_DIAGONAL k matmuls (n, f) @ (f, m);
+EXAMPLE_DIAGONAL n matmuls (k, f) @ (f, k).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import jacrev, vmap
+
+from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.types import NamedTensors, NtkImplementation
+
+__all__ = ["JacobianContraction", "jacobians"]
+
+
+def jacobians(problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
+    """Per-example Jacobians of the selected parameters.
+
+    Args:
+        problem: the prepared model.
+        x: (n, *input).
+
+    Returns:
+        name -> (n, k, p) with p = numel of that parameter.
+    """
+    jac = vmap(jacrev(problem.f_single), (None, 0))(problem.params, x)
+    return {name: j.reshape(x.shape[0], problem.k, -1) for name, j in jac.items()}
+
+
+def contract(j1: NamedTensors, j2: NamedTensors, mode: KernelMode) -> torch.Tensor:
+    """Contract per-parameter Jacobians j1 (name -> (n, k, p)) with j2 (name -> (m, k, p)) for ``mode``.
+
+    Returns:
+        (n, m, k, k) FULL, (n, m) TRACE, (n, m, k) OUTPUT_DIAGONAL.
+    """
+    first = next(iter(j1.values()))
+    n, k = first.shape[:2]
+    m = next(iter(j2.values())).shape[0]
+    if mode is KernelMode.FULL:
+        out = first.new_zeros(n * k, m * k)
+        for name, a in j1.items():
+            out.addmm_(a.reshape(n * k, -1), j2[name].reshape(m * k, -1).T)
+        return out.view(n, k, m, k).permute(0, 2, 1, 3)
+    if mode is KernelMode.TRACE:
+        out = first.new_zeros(n, m)
+        for name, a in j1.items():
+            out.addmm_(a.reshape(n, -1), j2[name].reshape(m, -1).T)
+        return out
+    if mode is KernelMode.OUTPUT_DIAGONAL:
+        out = first.new_zeros(k, n, m)
+        for name, a in j1.items():
+            out.baddbmm_(a.transpose(0, 1), j2[name].permute(1, 2, 0))
+        return out.permute(1, 2, 0)
+    raise ValueError(f"contract: mode {mode} is contracted by contract_diagonal")
+
+
+def contract_diagonal(j1: NamedTensors) -> torch.Tensor:
+    """EXAMPLE_DIAGONAL from per-parameter Jacobians name -> (n, k, p): (n, k, k)."""
+    first = next(iter(j1.values()))
+    n, k = first.shape[:2]
+    out = first.new_zeros(n, k, k)
+    for a in j1.values():
+        out.baddbmm_(a, a.transpose(1, 2))
+    return out
+
+
+class JacobianContraction:
+    """The NtkAlgorithm of Jacobian contraction (see the module docstring)."""
+
+    implementation = NtkImplementation.JACOBIAN_CONTRACTION
+    right_is_left = True
+
+    def left(self, problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
+        return jacobians(problem, x)
+
+    right = left
+
+    def pair(self, problem: NtkProblem, left: NamedTensors, right: NamedTensors, mode: KernelMode) -> torch.Tensor:
+        return contract(left, right, mode)
+
+    def diagonal(self, problem: NtkProblem, left: NamedTensors) -> torch.Tensor:
+        return contract_diagonal(left)
+
+    def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
+        kept = n * problem.k * problem.num_params * problem.itemsize
+        # vmap(jacrev): the forward's saved tensors plus k cotangents of them at once, and the Jacobian itself.
+        transient = n * problem.saved_bytes * (1 + problem.k)
+        return kept + transient, kept
+
+    def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        k = problem.k
+        per_pair = {KernelMode.FULL: k * k, KernelMode.TRACE: 1, KernelMode.OUTPUT_DIAGONAL: k}.get(mode, 0)
+        if mode is KernelMode.EXAMPLE_DIAGONAL:
+            return n * k * k * problem.itemsize
+        return 2 * n * m * per_pair * problem.itemsize  # the accumulator and its copy into theta
+
+    def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        k, p = problem.k, problem.num_params
+        sides = (n if mode is KernelMode.EXAMPLE_DIAGONAL else n + m) * problem.forward_flops * (1 + 2 * k)
+        contraction = {
+            KernelMode.FULL: 2 * n * m * k * k * p,
+            KernelMode.TRACE: 2 * n * m * k * p,
+            KernelMode.OUTPUT_DIAGONAL: 2 * n * m * k * p,
+            KernelMode.EXAMPLE_DIAGONAL: 2 * n * k * k * p,
+        }[mode]
+        return sides + contraction

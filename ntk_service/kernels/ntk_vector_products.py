@@ -1,0 +1,91 @@
+"""NTK-vector products: Θ(x1, x2) e_c = J(x2) (J(x1)ᵀ e_c); J(x2) is never built.
+
+For a block of x1 the k VJP rows u_{i,c} = J(x1_i)ᵀ e_c are formed (vmap over the output basis of one
+``vjp`` per example); for each x2 example one ``jvp`` per row gives J(x2_j) u_{i,c}, vmapped over rows and
+examples. TRACE and OUTPUT_DIAGONAL keep only the c-th entry of each product, inside the vmap.
+
+Time N·k·[FP]·(1+2k)/k + 2·N·M·k·[FP]; memory n·k·P for the rows plus n·k·m forward-mode activations per block.
+Best when P is huge relative to [FP] (wide layers, few examples) or k is large.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.func import jvp, vmap
+
+from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.jacobian_contraction import jacobians
+from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.types import NamedTensors, NtkImplementation
+
+__all__ = ["NtkVectorProducts"]
+
+VjpRows = tuple[torch.Tensor, NamedTensors]
+"""(x block (n, *input), rows name -> (n, k, *param_shape)): the x1-side of a block."""
+
+
+def _rows(problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
+    """u_{i,c} = J(x_i)ᵀ e_c for every example and output: name -> (n, k, *param_shape)."""
+    flat = jacobians(problem, x)
+    return {name: j.reshape(x.shape[0], problem.k, *problem.params[name].shape) for name, j in flat.items()}
+
+
+def _jvp_at(problem: NtkProblem, x: torch.Tensor, tangent: NamedTensors) -> torch.Tensor:
+    """J(x) t for one example x (*input) and one parameter-space tangent t: (k,)."""
+    _, out = jvp(lambda p: problem.f_single(p, x), (problem.params,), (tangent,))
+    return out
+
+
+class NtkVectorProducts:
+    """The NtkAlgorithm of NTK-vector products (see the module docstring)."""
+
+    implementation = NtkImplementation.NTK_VECTOR_PRODUCTS
+    right_is_left = False
+
+    def left(self, problem: NtkProblem, x: torch.Tensor) -> VjpRows:
+        return x, _rows(problem, x)
+
+    def right(self, problem: NtkProblem, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def pair(self, problem: NtkProblem, left: VjpRows, right: torch.Tensor, mode: KernelMode) -> torch.Tensor:
+        x1, rows = left
+        n, k = x1.shape[0], problem.k
+        flat_rows = {name: r.reshape(n * k, *r.shape[2:]) for name, r in rows.items()}
+        basis = torch.eye(k, dtype=problem.dtype).repeat(n, 1)  # (n·k, k): e_c for row (i, c)
+
+        def one(x2_j: torch.Tensor, row: NamedTensors, e_c: torch.Tensor) -> torch.Tensor:
+            product = _jvp_at(problem, x2_j, row)  # (k,) = Θ(x1_i, x2_j)[c, :]
+            return product if mode is KernelMode.FULL else (product * e_c).sum()
+
+        over_rows = vmap(one, (None, 0, 0))
+        products = vmap(over_rows, (0, None, None))(right, flat_rows, basis)  # (m, n·k[, k])
+        if mode is KernelMode.FULL:
+            return products.view(-1, n, k, k).permute(1, 0, 2, 3)
+        per_output = products.view(-1, n, k).permute(1, 0, 2)  # (n, m, k)
+        return per_output if mode is KernelMode.OUTPUT_DIAGONAL else per_output.sum(-1)
+
+    def diagonal(self, problem: NtkProblem, left: VjpRows) -> torch.Tensor:
+        x1, rows = left
+
+        def one(x_i: torch.Tensor, rows_i: NamedTensors) -> torch.Tensor:
+            return vmap(lambda row: _jvp_at(problem, x_i, row))(rows_i)  # (k, k)
+
+        return vmap(one)(x1, rows)
+
+    def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
+        if not left:
+            return 0.0, 0.0
+        kept = n * problem.k * problem.num_params * problem.itemsize
+        return kept + n * problem.saved_bytes * (1 + problem.k), kept
+
+    def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        k = problem.k
+        m = 1 if mode is KernelMode.EXAMPLE_DIAGONAL else m
+        # forward-mode: primal and tangent activations of every (row, x2 example) at once, and the products.
+        return n * k * m * (2 * problem.saved_bytes + 2 * k * problem.itemsize)
+
+    def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        k, fp = problem.k, problem.forward_flops
+        pairs = n if mode is KernelMode.EXAMPLE_DIAGONAL else n * m
+        return n * fp * (1 + 2 * k) + 2 * pairs * k * fp

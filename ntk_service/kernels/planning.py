@@ -1,0 +1,122 @@
+"""Cost and memory model: picks the implementation (AUTO) and the block sizes that fit a memory budget.
+
+Memory: a plan with blocks of n x1-examples and m x2-examples holds the result, one left side being built or
+kept, the right sides (all of them when they fit, so none is computed twice; else one at a time), and one
+block contraction. Each implementation reports those sizes (``NtkAlgorithm.side_bytes``/``pair_bytes``); the
+planner takes the largest blocks that fit. Nothing is allocated before the plan fits.
+
+Cost: each implementation estimates the FLOPs of the whole kernel from P, k, N, M and the counted forward
+FLOPs [FP] of one example (``FlopCounterMode``, deterministic, no timing noise); AUTO takes the cheapest one whose
+plan fits. See NOTE [auto choice] in api.py.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ntk_service.errors import MemoryEstimateExceeded, format_bytes
+from ntk_service.kernels.algorithm import NtkAlgorithm
+from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.modes import KernelMode, result_shape
+
+__all__ = ["DEFAULT_MEMORY_FRACTION", "BlockPlan", "default_memory_budget", "plan_blocks"]
+
+DEFAULT_MEMORY_FRACTION = 0.5
+"""Default budget: half of the memory available now, leaving room for the process, other requests and the OS."""
+
+
+def default_memory_budget() -> int:
+    """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * DEFAULT_MEMORY_FRACTION)
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MEMORY_FRACTION)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """How to walk the kernel: blocks of ``block_n`` x1-examples by ``block_m`` x2-examples.
+
+    Attributes:
+        block_n: examples of x1 per block.
+        block_m: examples of x2 per block (equal to block_n when x2 is x1).
+        keep_right_sides: keep every right side after first use (computed once each).
+        estimate_bytes: estimated peak memory, result included.
+    """
+
+    block_n: int
+    block_m: int
+    keep_right_sides: bool
+    estimate_bytes: int
+
+
+def _block_sizes(n: int, m: int) -> list[int]:
+    """Candidate block sizes, largest first: the whole batch, then powers of two down to 1."""
+    largest = max(n, m)
+    sizes = [largest] + [2**e for e in range(int(math.log2(largest)), -1, -1) if 2**e < largest]
+    return sizes
+
+
+def _estimate(
+    alg: NtkAlgorithm, problem: NtkProblem, n: int, m: int, bn: int, bm: int, mode: KernelMode, keep: bool
+) -> float:
+    result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
+    left_peak, _ = alg.side_bytes(problem, bn, left=True)
+    if mode is KernelMode.EXAMPLE_DIAGONAL:
+        return result + left_peak + alg.pair_bytes(problem, bn, bn, mode)
+    right_peak, right_kept = alg.side_bytes(problem, bm, left=False)
+    kept_total = right_kept * math.ceil(m / bm) if keep else 0.0
+    return result + left_peak + kept_total + right_peak + alg.pair_bytes(problem, bn, bm, mode)
+
+
+def plan_blocks(
+    alg: NtkAlgorithm,
+    problem: NtkProblem,
+    n: int,
+    m: int,
+    mode: KernelMode,
+    *,
+    symmetric: bool,
+    budget_bytes: int,
+) -> BlockPlan:
+    """The largest blocks whose estimated peak memory fits ``budget_bytes``.
+
+    Args:
+        alg: the implementation.
+        problem: the prepared model.
+        n, m: N and M (m = n when symmetric).
+        mode: the kernel mode.
+        symmetric: x2 is x1 (square blocks, only blocks on and above the diagonal).
+        budget_bytes: the memory budget.
+
+    Returns:
+        The BlockPlan.
+
+    Raises:
+        MemoryEstimateExceeded: even one example per block does not fit; carries the estimate and the budget.
+    """
+    smallest = math.inf
+    for size in _block_sizes(n, m):
+        bn = min(size, n)
+        bm = bn if symmetric else min(size, m)
+        single_pass = bn >= n  # every right side is used once: nothing to keep
+        for keep in ((False,) if single_pass else (True, False)):
+            estimate = _estimate(alg, problem, n, m, bn, bm, mode, keep)
+            smallest = min(smallest, estimate)
+            if estimate <= budget_bytes:
+                return BlockPlan(bn, bm, keep, int(estimate))
+    result_only = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
+    raise MemoryEstimateExceeded(
+        f"compute_ntk: {alg.implementation.value} needs at least {format_bytes(smallest)} for mode "
+        f"{mode.value} with N={n}, M={m}, k={problem.k}, P={problem.num_params} (the result alone is "
+        f"{format_bytes(result_only)}), over the memory budget of {format_bytes(budget_bytes)}; use a cheaper "
+        "mode (trace, output_diagonal), fewer examples, a parameter subset, or a batch job",
+        estimate_bytes=int(smallest),
+        budget_bytes=int(budget_bytes),
+    )
