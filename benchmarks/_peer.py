@@ -1,0 +1,141 @@
+"""Run the neural-tangents peer (``peer_neural_tangents.py``) from our benchmarks, in its own venv.
+
+The peer needs jax 0.4.25 and numpy<2, which must not touch the project's ``.venv``, so it lives in
+``.peer-venv`` (``make peer-venv``) and runs as a subprocess; results come back as JSON lines (timings) or an
+.npz (kernels for the cross-check).
+
+    from _peer import run_peer, check_peer_kernel
+    rows = run_peer(["mlp"], [64], ["structured_derivatives"], repeats=3)
+    # [{"model": "mlp", "n": 64, "implementation": "structured_derivatives", "seconds": 0.025, ...}]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from _models import export_weights_npz
+from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER_PYTHON = ROOT / ".peer-venv" / "bin" / "python"
+PEER_SCRIPT = ROOT / "benchmarks" / "peer_neural_tangents.py"
+
+PEER_IMPLEMENTATIONS = ("jacobian_contraction", "ntk_vector_products", "structured_derivatives")
+"""neural-tangents' three implementations, under our names."""
+
+CHECK_RTOL = 1e-4
+"""float32 agreement required between our kernel and the peer's, relative to max|theta|."""
+
+
+class PeerUnavailableError(RuntimeError):
+    """``.peer-venv`` is missing or the peer script failed."""
+
+
+def _run(args: Sequence[str], timeout: float | None) -> str:
+    if not PEER_PYTHON.exists():
+        raise PeerUnavailableError(
+            f"run_peer: the neural-tangents venv {PEER_PYTHON.parent.parent} does not exist; "
+            "create it with `make peer-venv` (jax 0.4.25, neural-tangents 0.6.5; about 300 MB)"
+        )
+    command = [str(PEER_PYTHON), str(PEER_SCRIPT), *args]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        raise PeerUnavailableError(
+            f"run_peer: `{' '.join(command)}` exited with {proc.returncode}; "
+            f"its stderr ends:\n{proc.stderr[-3000:]}"
+        )
+    return proc.stdout
+
+
+def run_peer(
+    models: Sequence[str],
+    sizes: Sequence[int],
+    implementations: Sequence[str] = PEER_IMPLEMENTATIONS,
+    repeats: int = 3,
+    *,
+    max_seconds: float = 60.0,
+    timeout: float | None = None,
+) -> list[dict[str, Any]]:
+    """Time neural-tangents' empirical NTK (full kernel, N = M) in ``.peer-venv``.
+
+    Args:
+        models: benchmark model names ('mlp', 'cnn').
+        sizes: N = M values.
+        implementations: subset of ``PEER_IMPLEMENTATIONS``. Default: all three.
+        repeats: timed runs after a warm-up; ``seconds`` is their median. Default: 3.
+        max_seconds: skip a combination whose N^2 extrapolation exceeds this. Default: 60.
+        timeout: seconds before the subprocess is killed. Default: none.
+
+    Returns:
+        One dict per (model, n, implementation): ``seconds`` (median, or None with ``skipped`` the reason),
+        ``runs``, ``compile_and_first_seconds``.
+
+    Raises:
+        PeerUnavailableError: ``.peer-venv`` is missing (run ``make peer-venv``) or the peer failed.
+    """
+    args = ["--models", *models, "--sizes", *map(str, sizes), "--implementations", *implementations]
+    args += ["--repeats", str(repeats), "--max-seconds", str(max_seconds)]
+    stdout = _run(args, timeout)
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def peer_kernel(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    implementations: Sequence[str] = PEER_IMPLEMENTATIONS,
+) -> dict[str, torch.Tensor]:
+    """neural-tangents' full kernel of a benchmark model on our weights and inputs.
+
+    Args:
+        model: ``make_mlp()``/``make_cnn()`` architecture (any weights).
+        x1: (N, *input) torch layout. x2: (M, *input). Default: ``x1``.
+        implementations: which NT implementations to run. Default: all three.
+
+    Returns:
+        implementation -> theta (N, M, k, k) float32.
+    """
+    with tempfile.TemporaryDirectory(prefix="ntk-peer-") as tmp:
+        weights, out = Path(tmp) / "weights.npz", Path(tmp) / "theta.npz"
+        export_weights_npz(model, x1, weights, x2=x2)
+        _run(["--check", str(weights), "--out", str(out), "--implementations", *implementations], None)
+        with np.load(out) as data:
+            return {impl: torch.from_numpy(data[f"theta_{impl}"]) for impl in implementations}
+
+
+def check_peer_kernel(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    theta: torch.Tensor,
+    implementations: Sequence[str] = PEER_IMPLEMENTATIONS,
+    rtol: float = CHECK_RTOL,
+) -> dict[str, float]:
+    """Check that our full kernel ``theta`` (N, M, k, k) equals neural-tangents' on the same weights.
+
+    Returns:
+        implementation -> max|theta - theta_nt| / max|theta_nt|.
+
+    Raises:
+        AssertionError: an implementation differs by more than ``rtol`` (relative to max|theta|).
+    """
+    errors = {}
+    for implementation, theta_nt in peer_kernel(model, x1, x2, implementations).items():
+        if theta_nt.shape != theta.shape:
+            raise AssertionError(
+                f"check_peer_kernel: neural-tangents {implementation} gave shape {tuple(theta_nt.shape)}, "
+                f"ours is {tuple(theta.shape)}"
+            )
+        diff = (theta.double() - theta_nt.double()).abs().max()
+        errors[implementation] = float(diff / theta_nt.double().abs().max())
+    bad = {impl: err for impl, err in errors.items() if err > rtol}
+    if bad:
+        raise AssertionError(f"check_peer_kernel: relative error above {rtol:g}: {bad}")
+    return errors

@@ -1,0 +1,254 @@
+"""The peer benchmark: Google's neural-tangents empirical NTK on the two benchmark models.
+
+Runs INSIDE ``.peer-venv`` (``make peer-venv``: jax/jaxlib 0.4.25, numpy<2, neural-tangents 0.6.5), never in
+the project's ``.venv``; it does not import torch. ``benchmarks/_peer.py`` launches it as a subprocess.
+
+Models (built with ``stax``, exactly the torch models of ``benchmarks/_models.py``):
+
+- ``mlp``: 784-512-512-10, ReLU, biases.
+- ``cnn``: input 3x32x32 (NHWC here, NCHW in torch), conv 3x3 3->32, ReLU, conv 3x3 stride 2 32->32, ReLU,
+  flatten, dense 6272->10; no padding ('VALID').
+
+Every ``stax.Dense``/``stax.Conv`` uses ``parameterization='standard'``: its apply function is then exactly
+``y = x W + b`` (``s = (1, 1)``), the semantics of torch's ``nn.Linear``/``nn.Conv2d`` (W_std/b_std only
+scale the initialisation; b_std must be non-None so the layer has a bias). Under the default 'ntk'
+parameterization the apply function multiplies by W_std / sqrt(fan_in) and the kernels would differ.
+
+Two modes:
+
+- timing (default): for each model x N (= M) x implementation, jit ``empirical_ntk_fn(apply_fn,
+  trace_axes=(), vmap_axes=0, implementation=...)`` (the full kernel, (N, M, k, k)), run it once to compile
+  and warm up, then time ``--repeats`` runs with ``block_until_ready`` and print one JSON object per line:
+  ``{"model", "n", "implementation", "seconds", ...}`` (``seconds`` is the median). A combination whose time,
+  extrapolated as N^2 from the largest smaller N measured for the same model and implementation, would exceed
+  ``--max-seconds`` is not run; it prints ``"seconds": null`` with ``"skipped"`` giving the prediction.
+- ``--check IN.npz --out OUT.npz``: load torch weights (Linear (out, in), Conv2d (out, in, kh, kw)) and inputs
+  (NCHW) written by ``_models.export_weights_npz``, and write NT's full kernel ``theta`` (N, M, k, k) for
+  each implementation to OUT.npz (keys ``theta_<implementation>``), so the torch side can compare numbers.
+
+Usage::
+
+    .peer-venv/bin/python benchmarks/peer_neural_tangents.py --models mlp cnn --sizes 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# NOTE [stubbing neural_tangents.experimental]
+# `import neural_tangents` runs `from . import experimental`, whose only content is the TensorFlow bridge
+# (`empirical_ntk_fn_tf`): it imports tensorflow, tf2jax and jax2tf (which needs absl) at import time. None of
+# it is used here, and installing TensorFlow only to import it is ~600 MB. An empty package registered in
+# sys.modules under that name before the import satisfies `from . import experimental` (Python falls back to
+# sys.modules for `from package import submodule`) and keeps the rest of neural-tangents untouched; any use
+# of `nt.experimental.*` fails loudly with AttributeError/ModuleNotFoundError rather than silently.
+_experimental_stub = types.ModuleType("neural_tangents.experimental")
+_experimental_stub.__path__ = []
+sys.modules.setdefault("neural_tangents.experimental", _experimental_stub)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import neural_tangents as nt  # noqa: E402
+import numpy as np  # noqa: E402
+from neural_tangents import stax  # noqa: E402
+
+IMPLEMENTATIONS = {
+    "jacobian_contraction": nt.NtkImplementation.JACOBIAN_CONTRACTION,
+    "ntk_vector_products": nt.NtkImplementation.NTK_VECTOR_PRODUCTS,
+    "structured_derivatives": nt.NtkImplementation.STRUCTURED_DERIVATIVES,
+}
+"""Our names (the values of ``NtkImplementation`` on the wire) -> neural-tangents' enum."""
+
+INPUT_SHAPES = {"mlp": (784,), "cnn": (32, 32, 3)}
+"""Per-example input shape in NT's layout (NHWC for the CNN; torch's is (3, 32, 32))."""
+
+DEFAULT_MAX_SECONDS = 60.0
+"""Skip a combination predicted to take longer than this: the benchmark must finish on 2 cores."""
+
+DEFAULT_REPEATS = 3
+"""Timed runs after the warm-up; the median is reported (CPU is shared, a single run is too noisy)."""
+
+_SEED = 0
+
+
+def _dense(out: int) -> Any:
+    # 'standard' + b_std not None: apply is x @ W + b with W (in, out), b (1, out), i.e. nn.Linear.
+    return stax.Dense(out, W_std=1.0, b_std=1.0, parameterization="standard")
+
+
+def _conv(out: int, stride: int) -> Any:
+    # NHWC input, HWIO kernel, cross-correlation like nn.Conv2d; b (1, 1, 1, out).
+    return stax.Conv(
+        out,
+        (3, 3),
+        strides=(stride, stride),
+        padding="VALID",
+        W_std=1.0,
+        b_std=1.0,
+        parameterization="standard",
+    )
+
+
+def build_model(name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """Return ``(init_fn, apply_fn)`` of the benchmark model ``name`` ('mlp' or 'cnn')."""
+    if name == "mlp":
+        layers = [_dense(512), stax.Relu(), _dense(512), stax.Relu(), _dense(10)]
+    elif name == "cnn":
+        layers = [_conv(32, 1), stax.Relu(), _conv(32, 2), stax.Relu(), stax.Flatten(), _dense(10)]
+    else:
+        raise ValueError(
+            f"peer_neural_tangents: unknown model {name!r}; expected one of {sorted(INPUT_SHAPES)}"
+        )
+    init_fn, apply_fn, _ = stax.serial(*layers)
+    return init_fn, apply_fn
+
+
+def _ntk_fn(apply_fn: Callable[..., Any], implementation: str) -> Callable[..., Any]:
+    # trace_axes=() keeps both output axes: theta (N, M, k, k). vmap_axes=0 is NT's own "for best
+    # performance" advice (examples are independent along axis 0 for both models).
+    fn = nt.empirical_ntk_fn(
+        apply_fn, trace_axes=(), vmap_axes=0, implementation=IMPLEMENTATIONS[implementation]
+    )
+    return jax.jit(fn)
+
+
+def _time_one(name: str, n: int, implementation: str, repeats: int) -> dict[str, Any]:
+    init_fn, apply_fn = build_model(name)
+    key_params, key_x1, key_x2 = jax.random.split(jax.random.PRNGKey(_SEED), 3)
+    _, params = init_fn(key_params, (-1, *INPUT_SHAPES[name]))
+    x1 = jax.random.normal(key_x1, (n, *INPUT_SHAPES[name]))
+    x2 = jax.random.normal(key_x2, (n, *INPUT_SHAPES[name]))
+    ntk_fn = _ntk_fn(apply_fn, implementation)
+
+    start = time.perf_counter()
+    theta = ntk_fn(x1, x2, params).block_until_ready()  # compile + first run
+    first_seconds = time.perf_counter() - start
+    assert theta.shape == (n, n, 10, 10), theta.shape
+
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ntk_fn(x1, x2, params).block_until_ready()
+        runs.append(time.perf_counter() - start)
+    return {
+        "model": name,
+        "n": n,
+        "implementation": implementation,
+        "seconds": statistics.median(runs),
+        "runs": runs,
+        "compile_and_first_seconds": first_seconds,
+    }
+
+
+def run_timings(
+    models: Sequence[str],
+    sizes: Sequence[int],
+    implementations: Sequence[str],
+    repeats: int,
+    max_seconds: float,
+) -> None:
+    """Print one JSON line per (model, N, implementation), smallest N first."""
+    for name in models:
+        for implementation in implementations:
+            measured: tuple[int, float] | None = None  # (n, seconds) of the largest N run so far
+            for n in sorted(sizes):
+                if measured is not None:
+                    predicted = measured[1] * (n / measured[0]) ** 2
+                    if predicted > max_seconds:
+                        row: dict[str, Any] = {
+                            "model": name,
+                            "n": n,
+                            "implementation": implementation,
+                            "seconds": None,
+                            "skipped": (
+                                f"predicted {predicted:.0f} s > --max-seconds {max_seconds:.0f} "
+                                f"(N^2 from {measured[1]:.2f} s at N={measured[0]})"
+                            ),
+                        }
+                        print(json.dumps(row), flush=True)
+                        continue
+                row = _time_one(name, n, implementation, repeats)
+                measured = (n, row["seconds"])
+                print(json.dumps(row), flush=True)
+
+
+def _params_from_torch(name: str, arrays: dict[str, np.ndarray], reference: Any) -> list[Any]:
+    """Convert the torch layers' weights (in forward order) to stax params shaped like ``reference``."""
+    torch_layers = sorted(
+        {key.split("_")[0] for key in arrays if key.startswith("layer")}, key=lambda s: int(s[5:])
+    )
+    converted = []
+    layer_iter = iter(torch_layers)
+    for ref in reference:
+        if ref == ():  # Relu / Flatten
+            converted.append(())
+            continue
+        layer = next(layer_iter)
+        weight, bias = arrays[f"{layer}_weight"], arrays[f"{layer}_bias"]
+        w_ref, b_ref = ref
+        if weight.ndim == 4:  # Conv2d (out, in, kh, kw) -> HWIO
+            weight = weight.transpose(2, 3, 1, 0)
+        else:  # Linear (out, in) -> (in, out)
+            weight = weight.T
+            if name == "cnn" and weight.shape[0] == 6272:
+                # torch flattens (C, H, W), stax.Flatten flattens NHWC as (H, W, C): permute the rows.
+                weight = weight.reshape(32, 14, 14, -1).transpose(1, 2, 0, 3).reshape(6272, -1)
+        bias = bias.reshape(b_ref.shape)
+        if weight.shape != w_ref.shape:
+            raise ValueError(
+                f"peer_neural_tangents --check: {layer} weight {weight.shape}, stax expects {w_ref.shape}"
+            )
+        converted.append((jnp.asarray(weight), jnp.asarray(bias)))
+    if next(layer_iter, None) is not None:
+        raise ValueError("peer_neural_tangents --check: the npz has more layers than the stax model")
+    return converted
+
+
+def run_check(in_path: str, out_path: str, implementations: Sequence[str]) -> None:
+    """Write NT's full kernel for the torch weights/inputs in ``in_path`` to ``out_path`` (theta_<impl>)."""
+    with np.load(in_path) as data:
+        arrays = {key: data[key] for key in data.files}
+    name = str(arrays.pop("model"))
+    x1, x2 = arrays.pop("x1"), arrays.pop("x2")
+    if x1.ndim == 4:  # NCHW -> NHWC
+        x1, x2 = x1.transpose(0, 2, 3, 1), x2.transpose(0, 2, 3, 1)
+    init_fn, apply_fn = build_model(name)
+    _, reference = init_fn(jax.random.PRNGKey(_SEED), (-1, *INPUT_SHAPES[name]))
+    params = _params_from_torch(name, arrays, reference)
+    out = {}
+    for implementation in implementations:
+        theta = _ntk_fn(apply_fn, implementation)(jnp.asarray(x1), jnp.asarray(x2), params)
+        out[f"theta_{implementation}"] = np.asarray(theta)
+    np.savez(out_path, **out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=sorted(INPUT_SHAPES))
+    parser.add_argument("--sizes", nargs="+", type=int, default=[64, 256], help="N = M values")
+    parser.add_argument(
+        "--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS)
+    )
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
+    parser.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS)
+    parser.add_argument("--check", metavar="IN.npz", help="torch weights and inputs from export_weights_npz")
+    parser.add_argument("--out", metavar="OUT.npz", help="where --check writes theta_<implementation>")
+    args = parser.parse_args(argv)
+    jax.config.update("jax_platforms", "cpu")
+    if args.check:
+        if not args.out:
+            parser.error("--check needs --out OUT.npz")
+        run_check(args.check, args.out, args.implementations)
+    else:
+        run_timings(args.models, args.sizes, args.implementations, args.repeats, args.max_seconds)
+
+
+if __name__ == "__main__":
+    main()
