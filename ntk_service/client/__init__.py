@@ -1,0 +1,30 @@
+"""Python client for an ntk-service server (httpx, sync); imports without torch or fastapi.
+
+    >>> from ntk_service.client import Client
+    >>> client = Client("http://127.0.0.1:8000", api_key="...")  # doctest: +SKIP
+    >>> theta = client.ntk("mlp", x1)  # doctest: +SKIP
+    ... # (N, N, k, k) numpy array
+
+Errors are the ``ntk_service.errors`` classes, mapped from the server's error bodies.
+"""
+
+from __future__ import annotations
+
+from ntk_service.client._base import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_MAX_RETRIES,
+    DEFAULT_MAX_RETRY_WAIT_S,
+    DEFAULT_TIMEOUT_S,
+    TransportFormat,
+)
+from ntk_service.client._client import Client, KernelResult
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_MAX_RETRIES",
+    "DEFAULT_MAX_RETRY_WAIT_S",
+    "DEFAULT_TIMEOUT_S",
+    "Client",
+    "KernelResult",
+    "TransportFormat",
+]

@@ -1,0 +1,378 @@
+"""``Client``: the service's resources (models, weights, data sets, kernels) as Python methods.
+
+Example::
+
+    >>> import numpy as np
+    >>> from ntk_service.client import Client
+    >>> with Client("http://127.0.0.1:8000", api_key="...") as client:  # doctest: +SKIP
+    ...     client.register_model("mlp", {"family": "mlp", "input_dim": 4, "hidden": [16], "output_dim": 3})
+    ...     x1 = np.random.rand(5, 4).astype("float32")
+    ...     theta = client.ntk("mlp", x1)                      # (5, 5, 3, 3)
+    ...     trace = client.ntk("mlp", x1, x1[:2], mode="trace")  # (5, 2)
+    ...     ds = client.upload_dataset(x1)
+    ...     block = client.ntk("mlp", {"dataset": ds["id"], "start": 0, "stop": 3})  # (3, 3, 3, 3)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+
+from ntk_service import wire
+from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors, _media
+from ntk_service.errors import NtkServiceError
+
+__all__ = ["Client", "KernelResult"]
+
+_DATASET_REF_KEYS = frozenset({"dataset", "start", "stop"})
+
+_ACCEPT = {"safetensors": wire.MEDIA_SAFETENSORS, "npy": wire.MEDIA_NPY, "json": wire.MEDIA_JSON}
+
+_NTK_HEADER_PREFIX = "x-ntk-"
+"""Kernel metadata rides in ``X-NTK-*`` response headers when the body is a bare .npy array."""
+
+
+@dataclass(frozen=True)
+class KernelResult:
+    """A kernel block and how it was computed.
+
+    Attributes:
+        theta: (N, M, k, k) for mode "full"; (N, M) for "trace"; (N, k, k) for "example_diagonal";
+            (N, M, k) for "output_diagonal". numpy by default, torch with ``as_torch=True``.
+        mode: the kernel mode's wire value.
+        implementation: the implementation that actually ran (never "auto").
+        model: the model's name.
+        version: the model version used.
+        elapsed_ms: server-side compute time in milliseconds.
+    """
+
+    theta: Any
+    mode: str
+    implementation: str
+    model: str
+    version: int
+    elapsed_ms: float
+
+
+class Client(BaseClient):
+    """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
+
+    Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).
+
+    Every method raises the ``ntk_service.errors`` class of the server's error (``ModelNotFound``,
+    ``MemoryEstimateExceeded``, ``Busy`` after the retries, ...), with ``.http_status`` and ``.message``;
+    ``ServiceUnavailable`` when the server cannot be reached.
+    """
+
+    def __enter__(self) -> Client:
+        return self
+
+    # ---- service ----
+
+    def health(self) -> dict[str, Any]:
+        """``GET /healthz``: liveness (no key needed)."""
+        return dict(self._get_json("/healthz"))
+
+    def architectures(self) -> Any:
+        """``GET /v1/architectures``: the built-in model families and their config fields."""
+        return self._get_json("/v1/architectures")
+
+    # ---- models ----
+
+    def register_model(self, name: str, architecture: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+        """Register a model from an architecture spec (write scope).
+
+        Args:
+            name (str): the model's unique name.
+            architecture (Mapping): ``{"family": "mlp" | "cnn" | "transformer" | "factory", ...config}``.
+            seed (int): initialises the weights (version 1). Default: 0.
+
+        Returns:
+            The model record: name, version, num_params, input_shape, output_dim, parameters, ...
+
+        Raises:
+            NameConflict: the name is taken. InvalidInput: a bad architecture spec.
+        """
+        body = {"name": name, "architecture": dict(architecture), "seed": seed}
+        return dict(self._send_json("POST", "/v1/models", body))
+
+    def list_models(self) -> list[dict[str, Any]]:
+        """``GET /v1/models``: every registered model's record."""
+        return _items(self._get_json("/v1/models"))
+
+    def get_model(self, name: str) -> dict[str, Any]:
+        """One model's record (latest version). Raises ``ModelNotFound``."""
+        return dict(self._get_json(f"/v1/models/{_segment(name)}"))
+
+    def delete_model(self, name: str) -> None:
+        """Delete a model and all its versions (write scope). Raises ``ModelNotFound``."""
+        self._request("DELETE", f"/v1/models/{_segment(name)}")
+
+    def upload_weights(
+        self, name: str, tensors: Mapping[str, Any] | bytes, metadata: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Upload weights as a new immutable version of a model (write scope).
+
+        Args:
+            name (str): the model.
+            tensors (Mapping[str, array] | bytes): parameter name -> array (numpy or torch, e.g. a
+                ``state_dict()``), or the bytes of a safetensors file.
+            metadata (Mapping[str, str] | None): string metadata for the safetensors header. Default: none.
+
+        Returns:
+            The model record of the new version.
+
+        Raises:
+            InvalidInput: names, shapes or dtypes that do not match the architecture.
+        """
+        if isinstance(tensors, bytes | bytearray):
+            content = bytes(tensors)
+        else:
+            arrays = {key: _to_numpy(value, name=key) for key, value in tensors.items()}
+            content = wire.encode_safetensors(arrays, dict(metadata) if metadata else None)
+        response = self._request(
+            "POST",
+            f"/v1/models/{_segment(name)}/versions",
+            content=content,
+            content_type=wire.MEDIA_SAFETENSORS,
+            accept=wire.MEDIA_JSON,
+        )
+        return dict(_decode_json(response))
+
+    def download_weights(
+        self, name: str, version: int | None = None, *, as_torch: bool = False
+    ) -> dict[str, Any]:
+        """The weights of one version, parameter name -> array (loadable with ``model.load_state_dict``).
+
+        Args:
+            name (str): the model.
+            version (int | None): the version. Default: the latest.
+            as_torch (bool): return torch tensors instead of numpy arrays. Default: False.
+        """
+        if version is None:
+            version = int(self.get_model(name)["version"])
+        response = self._request(
+            "GET",
+            f"/v1/models/{_segment(name)}/versions/{int(version)}/weights",
+            accept=wire.MEDIA_SAFETENSORS,
+        )
+        tensors, _ = _decode_tensors(response, npy_name="weights")
+        return {key: _maybe_torch(value, as_torch) for key, value in tensors.items()}
+
+    # ---- data sets ----
+
+    def upload_dataset(self, array: Any, name: str | None = None) -> dict[str, Any]:
+        """Upload inputs once, to reference them by id and row range in kernels (write scope).
+
+        Args:
+            array: (N, *input) numpy array or torch tensor.
+            name (str | None): a label. Default: none.
+
+        Returns:
+            The data set record: id, shape, dtype, sha256, ...
+        """
+        content = wire.encode_npy(_to_numpy(array, name="dataset"))
+        response = self._request(
+            "POST",
+            "/v1/datasets",
+            content=content,
+            content_type=wire.MEDIA_NPY,
+            accept=wire.MEDIA_JSON,
+            params={"name": name},
+        )
+        return dict(_decode_json(response))
+
+    def list_datasets(self) -> list[dict[str, Any]]:
+        """``GET /v1/datasets``: every data set's record."""
+        return _items(self._get_json("/v1/datasets"))
+
+    def get_dataset(self, dataset_id: str) -> dict[str, Any]:
+        """One data set's record. Raises ``DatasetNotFound``."""
+        return dict(self._get_json(f"/v1/datasets/{_segment(dataset_id)}"))
+
+    def delete_dataset(self, dataset_id: str) -> None:
+        """Delete a data set (write scope). Raises ``DatasetNotFound``."""
+        self._request("DELETE", f"/v1/datasets/{_segment(dataset_id)}")
+
+    # ---- kernels ----
+
+    def ntk(
+        self,
+        model: str,
+        x1: Any,
+        x2: Any = None,
+        *,
+        mode: str = "full",
+        implementation: str = "auto",
+        params: Sequence[str] | None = None,
+        dtype: str | None = None,
+        version: int | None = None,
+        as_torch: bool = False,
+    ) -> Any:
+        """The empirical NTK Θ(x1, x2) = J(x1) J(x2)ᵀ of a registered model.
+
+        Args:
+            model (str): the model's name.
+            x1: (N, *input) numpy array, torch tensor or nested list, or a data set slice
+                ``{"dataset": id, "start": i, "stop": j}`` (start/stop optional).
+            x2: (M, *input), same forms; ``None`` means x2 = x1 (computed once, exactly symmetric).
+                Default: None.
+            mode (str): "full" | "trace" | "example_diagonal" | "output_diagonal". Default: "full".
+            implementation (str): "auto" | "jacobian_contraction" | "ntk_vector_products" | "structured".
+                Default: "auto".
+            params (Sequence[str] | None): glob patterns over parameter names, e.g. ``["head.*"]``.
+                Default: all parameters.
+            dtype (str | None): "float32" or "float64". Default: the model's dtype.
+            version (int | None): the model version. Default: the latest.
+            as_torch (bool): return a torch tensor instead of a numpy array. Default: False.
+
+        Returns:
+            theta: (N, M, k, k) for "full"; (N, M) for "trace"; (N, k, k) for "example_diagonal";
+            (N, M, k) for "output_diagonal".
+
+        Raises:
+            ModelNotFound, DatasetNotFound, InvalidInput (ShapeMismatch, NonFiniteInput, ...),
+            MemoryEstimateExceeded (413, message carries the estimate), Busy (after the retries).
+        """
+        result = self.ntk_result(
+            model,
+            x1,
+            x2,
+            mode=mode,
+            implementation=implementation,
+            params=params,
+            dtype=dtype,
+            version=version,
+            as_torch=as_torch,
+        )
+        return result.theta
+
+    def ntk_result(
+        self,
+        model: str,
+        x1: Any,
+        x2: Any = None,
+        *,
+        mode: str = "full",
+        implementation: str = "auto",
+        params: Sequence[str] | None = None,
+        dtype: str | None = None,
+        version: int | None = None,
+        as_torch: bool = False,
+    ) -> KernelResult:
+        """Like ``ntk``, but returns a ``KernelResult``: theta plus implementation, version, elapsed_ms."""
+        side1, side2 = _kernel_side(x1, "x1"), None if x2 is None else _kernel_side(x2, "x2")
+        options: dict[str, Any] = {
+            "mode": mode,
+            "implementation": implementation,
+            "params": list(params) if params is not None else None,
+            "dtype": dtype,
+            "version": version,
+        }
+        path = f"/v1/models/{_segment(model)}/ntk"
+        accept = _ACCEPT[self.transport_format]
+        sides = [s for s in (side1, side2) if s is not None]
+        if self.transport_format == "json" or not all(isinstance(s, np.ndarray) for s in sides):
+            body = {
+                "x1": _side_to_json(side1),
+                "x2": None if side2 is None else _side_to_json(side2),
+                **options,
+            }
+            response = self._request("POST", path, json=body, accept=accept)
+        else:
+            if self.transport_format == "npy" and side2 is None:
+                content, content_type = wire.encode_npy(side1), wire.MEDIA_NPY
+            else:
+                tensors = {"x1": side1} if side2 is None else {"x1": side1, "x2": side2}
+                content, content_type = wire.encode_safetensors(tensors), wire.MEDIA_SAFETENSORS
+            response = self._request(
+                "POST", path, content=content, content_type=content_type, accept=accept, params=options
+            )
+        return _kernel_result(response, model=model, as_torch=as_torch)
+
+
+# ---- helpers ----
+
+
+def _segment(value: str) -> str:
+    """A path segment, percent-encoded so names with '/' or spaces cannot change the route."""
+    return quote(str(value), safe="")
+
+
+def _items(body: Any) -> list[dict[str, Any]]:
+    """A list endpoint's items, whether the server wraps them (``{"data": [...], "count": n}``) or not."""
+    if isinstance(body, dict) and "data" in body:
+        body = body["data"]
+    return [dict(item) for item in body]
+
+
+def _to_numpy(value: Any, *, name: str) -> np.ndarray:
+    """A numpy array from numpy, torch (any device, no grad) or nested lists, without importing torch."""
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
+        value = value.detach().cpu()
+        try:
+            return np.asarray(value.numpy())
+        except TypeError as exc:  # e.g. bfloat16 has no numpy dtype
+            raise TypeError(
+                f"{name}: torch dtype {value.dtype} has no numpy equivalent; use .float()"
+            ) from exc
+    return np.asarray(value)
+
+
+def _kernel_side(value: Any, name: str) -> np.ndarray | dict[str, Any]:
+    """An array, or a validated data set slice ``{"dataset": id, "start": i, "stop": j}``."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - _DATASET_REF_KEYS
+        if "dataset" not in value or unknown:
+            raise ValueError(
+                f"{name}: a data set slice is {{'dataset': id, 'start': i, 'stop': j}} "
+                f"(start and stop optional); got keys {sorted(value)}"
+            )
+        return {key: value[key] for key in ("dataset", "start", "stop") if value.get(key) is not None}
+    return _to_numpy(value, name=name)
+
+
+def _side_to_json(side: np.ndarray | dict[str, Any] | None) -> dict[str, Any] | None:
+    return wire.tensor_to_json(side) if isinstance(side, np.ndarray) else side
+
+
+def _kernel_result(response: httpx.Response, *, model: str, as_torch: bool) -> KernelResult:
+    """Theta and its metadata from a JSON, safetensors or npy kernel response."""
+    if _media(response) == wire.MEDIA_JSON:
+        body = _decode_json(response)
+        theta = wire.tensor_from_json(body.get("theta"), name="theta")
+        meta = {key: body.get(key) for key in ("mode", "implementation", "model", "version", "elapsed_ms")}
+    else:
+        tensors, meta_strings = _decode_tensors(response, npy_name="theta")
+        if "theta" not in tensors:
+            raise NtkServiceError(f"kernel response: no tensor 'theta' in the body (got {sorted(tensors)})")
+        theta = tensors["theta"]
+        headers = {
+            key[len(_NTK_HEADER_PREFIX) :].replace("-", "_"): value
+            for key, value in response.headers.items()
+            if key.lower().startswith(_NTK_HEADER_PREFIX)
+        }
+        meta = {**headers, **meta_strings}
+    return KernelResult(
+        theta=_maybe_torch(theta, as_torch),
+        mode=str(meta.get("mode") or ""),
+        implementation=str(meta.get("implementation") or ""),
+        model=str(meta.get("model") or model),
+        version=int(meta.get("version") or 0),
+        elapsed_ms=float(meta.get("elapsed_ms") or 0.0),
+    )
+
+
+def _maybe_torch(array: np.ndarray, as_torch: bool) -> Any:
+    if not as_torch:
+        return array
+    import torch  # lazily: the client must import without torch installed
+
+    return torch.from_numpy(array)
