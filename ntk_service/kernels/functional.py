@@ -91,6 +91,8 @@ def eval_semantics(module: nn.Module) -> Iterator[None]:
     Raises:
         UnsupportedModel: a BatchNorm layer is in train mode (its batch statistics couple the examples).
     """
+    if not isinstance(module, nn.Module):
+        raise UnsupportedModel(f"compute_ntk: model must be a torch.nn.Module, got {type(module).__name__}")
     in_train = [name for name, m in module.named_modules() if isinstance(m, _BATCHNORM_TYPES) and m.training]
     if in_train:
         raise UnsupportedModel(
@@ -229,8 +231,6 @@ def prepare_problem(
     Raises:
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel.
     """
-    if not isinstance(module, nn.Module):
-        raise UnsupportedModel(f"compute_ntk: model must be a torch.nn.Module, got {type(module).__name__}")
     compute_dtype = _resolve_dtype(module, dtype)
     x1t = _as_input(x1, "x1", compute_dtype)
     x2t = None if x2 is None else _as_input(x2, "x2", compute_dtype)
@@ -241,7 +241,9 @@ def prepare_problem(
                 "both sides must have the same per-example shape"
             )
         if x2t.is_floating_point() != x1t.is_floating_point():
-            raise ShapeMismatch(f"compute_ntk: x1 is {x1t.dtype} but x2 is {x2t.dtype}; pass both as float or both as int")
+            raise ShapeMismatch(
+                f"compute_ntk: x1 is {x1t.dtype} but x2 is {x2t.dtype}; pass both as float or both as int"
+            )
     selected = select_parameters(module, params)
     all_params = dict(module.named_parameters())
     problem = NtkProblem(
@@ -277,4 +279,3 @@ def _resolve_dtype(module: nn.Module, dtype: torch.dtype | str | None) -> torch.
     if resolved not in (torch.float32, torch.float64):
         raise InvalidInput(f"compute_ntk: dtype {resolved} is not supported; expected torch.float32 or torch.float64")
     return resolved
-

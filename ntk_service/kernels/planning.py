@@ -106,7 +106,7 @@ def plan_blocks(
         bn = min(size, n)
         bm = bn if symmetric else min(size, m)
         single_pass = bn >= n  # every right side is used once: nothing to keep
-        for keep in ((False,) if single_pass else (True, False)):
+        for keep in (False,) if single_pass else (True, False):
             estimate = _estimate(alg, problem, n, m, bn, bm, mode, keep)
             smallest = min(smallest, estimate)
             if estimate <= budget_bytes:

@@ -1,0 +1,117 @@
+"""compute_ntk against the independent float64 reference, for every implementation, mode and model of the zoo."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
+from ntk_service.kernels.api import _ALGORITHMS
+from tests.kernels.zoo import ZOO, ZooEntry
+from tests.reference import reference_ntk
+
+IMPLEMENTATIONS = [*_ALGORITHMS, NtkImplementation.AUTO]
+MODES = list(KernelMode)
+
+
+@functools.cache
+def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    entry = next(e for e in ZOO if e.name == name)
+    torch.manual_seed(0)
+    model = entry.build()
+    x1, x2 = entry.inputs(torch.Generator().manual_seed(1))
+    return model, x1, x2
+
+
+@functools.cache
+def _reference(name: str, mode: KernelMode, with_x2: bool, subset: bool) -> torch.Tensor:
+    model, x1, x2 = _case(name)
+    entry = next(e for e in ZOO if e.name == name)
+    return reference_ntk(model, x1, x2 if with_x2 else None, mode.value, entry.subset if subset else None)
+
+
+def _assert_close(theta: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    assert theta.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert scale > 0, "a zero reference kernel would make the comparison vacuous"
+    err = (theta.double() - expected).abs().max().item()
+    assert err <= rel * scale, f"max abs error {err:.3e} > {rel:.0e} x max|theta| {scale:.3e}"
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_float64_matches_reference(entry: ZooEntry, implementation: NtkImplementation, mode: KernelMode) -> None:
+    model, x1, x2 = _case(entry.name)
+    for with_x2 in (True, False):
+        for subset in (False, True):
+            result = compute_ntk(
+                model,
+                x1,
+                x2 if with_x2 else None,
+                mode=mode,
+                implementation=implementation,
+                params=entry.subset if subset else None,
+                dtype=torch.float64,
+            )
+            assert result.theta.dtype == torch.float64
+            assert result.implementation is not NtkImplementation.AUTO
+            if implementation is not NtkImplementation.AUTO:
+                assert result.implementation is implementation
+            _assert_close(result.theta, _reference(entry.name, mode, with_x2, subset), 1e-10)
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
+def test_float32_matches_reference(entry: ZooEntry, implementation: NtkImplementation) -> None:
+    model, x1, x2 = _case(entry.name)
+    result = compute_ntk(model, x1, x2, mode="full", implementation=implementation)
+    assert result.theta.dtype == torch.float32
+    _assert_close(result.theta, _reference(entry.name, KernelMode.FULL, True, False), 1e-4)
+
+
+@pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
+def test_same_inputs_give_exactly_symmetric_psd_kernel(entry: ZooEntry) -> None:
+    model, x1, _ = _case(entry.name)
+    for implementation in _ALGORITHMS:
+        theta = compute_ntk(model, x1, implementation=implementation, dtype=torch.float64).theta
+        n, _, k, _ = theta.shape
+        gram = theta.permute(0, 2, 1, 3).reshape(n * k, n * k)
+        assert torch.equal(gram, gram.T)
+        assert torch.linalg.eigvalsh(gram).min().item() >= -1e-10 * gram.abs().max().item()
+        trace = compute_ntk(model, x1, mode="trace", implementation=implementation, dtype=torch.float64).theta
+        assert torch.equal(trace, trace.T)
+
+
+@pytest.mark.parametrize("implementation", list(_ALGORITHMS), ids=str)
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_blocked_computation_matches_reference(implementation: NtkImplementation, mode: KernelMode) -> None:
+    """A budget that forces single-example blocks gives the same kernel (ragged blocks, mirrored halves)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    x1, x2 = torch.randn(7, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    for second in (x2, None):
+        whole = compute_ntk(model, x1, second, mode=mode, implementation=implementation, dtype=torch.float64)
+        budget = whole.estimate_bytes // 2
+        blocked = compute_ntk(
+            model,
+            x1,
+            second,
+            mode=mode,
+            implementation=implementation,
+            dtype=torch.float64,
+            memory_budget_bytes=budget,
+        )
+        assert blocked.block_size < x1.shape[0]
+        assert blocked.estimate_bytes <= budget
+        _assert_close(blocked.theta, reference_ntk(model, x1, second, mode.value), 1e-10)
+        if second is None and mode is not KernelMode.EXAMPLE_DIAGONAL:
+            assert torch.equal(
+                blocked.theta,
+                blocked.theta.transpose(0, 1).transpose(2, 3)
+                if mode is KernelMode.FULL
+                else blocked.theta.transpose(0, 1),
+            )

@@ -1,0 +1,170 @@
+"""Every bad input to compute_ntk gets a clear error whose message says what was expected and what came."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ntk_service.errors import (
+    EmptyBatch,
+    InvalidInput,
+    MemoryEstimateExceeded,
+    NoMatchingParameters,
+    NonFiniteInput,
+    ShapeMismatch,
+    UnknownImplementation,
+    UnknownMode,
+    UnsupportedModel,
+)
+from ntk_service.kernels import SideCache, compute_ntk
+from tests.reference import reference_ntk
+
+
+@pytest.fixture
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def test_wrong_feature_shape_names_the_shape(mlp: nn.Module) -> None:
+    with pytest.raises(ShapeMismatch, match=r"per-example shape \(5,\)"):
+        compute_ntk(mlp, torch.randn(2, 5))
+
+
+def test_x1_x2_mismatch(mlp: nn.Module) -> None:
+    with pytest.raises(ShapeMismatch, match=r"x2 has per-example shape \(3,\), x1 has \(4,\)"):
+        compute_ntk(mlp, torch.randn(2, 4), torch.randn(2, 3))
+
+
+def test_float_and_integer_sides_mismatch(mlp: nn.Module) -> None:
+    with pytest.raises(ShapeMismatch, match="both as float or both as int"):
+        compute_ntk(mlp, torch.randn(2, 4), torch.ones(2, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("which", ["x1", "x2"])
+def test_empty_batch(mlp: nn.Module, which: str) -> None:
+    x, empty = torch.randn(2, 4), torch.randn(0, 4)
+    args = (empty, x) if which == "x1" else (x, empty)
+    with pytest.raises(EmptyBatch, match=f"{which} is an empty batch"):
+        compute_ntk(mlp, *args)
+
+
+def test_scalar_input(mlp: nn.Module) -> None:
+    with pytest.raises(ShapeMismatch, match="batch dimension"):
+        compute_ntk(mlp, torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_input_names_the_example(mlp: nn.Module, bad: float) -> None:
+    x = torch.randn(3, 4)
+    x[2, 1] = bad
+    with pytest.raises(NonFiniteInput, match="first in example 2"):
+        compute_ntk(mlp, torch.randn(2, 4), x)
+
+
+def test_unknown_mode_lists_the_valid_ones(mlp: nn.Module) -> None:
+    with pytest.raises(UnknownMode, match="'diagonal'.*'full', 'trace', 'example_diagonal', 'output_diagonal'"):
+        compute_ntk(mlp, torch.randn(2, 4), mode="diagonal")
+
+
+def test_unknown_implementation(mlp: nn.Module) -> None:
+    with pytest.raises(UnknownImplementation, match="'fastest'.*'jacobian_contraction'"):
+        compute_ntk(mlp, torch.randn(2, 4), implementation="fastest")
+
+
+def test_glob_matching_nothing_lists_the_parameters(mlp: nn.Module) -> None:
+    with pytest.raises(NoMatchingParameters, match=r"'head\.\*' matches no parameter; the model has: 0.weight"):
+        compute_ntk(mlp, torch.randn(2, 4), params=["head.*"])
+
+
+def test_unsupported_dtype(mlp: nn.Module) -> None:
+    with pytest.raises(InvalidInput, match="'float16' is not supported"):
+        compute_ntk(mlp, torch.randn(2, 4), dtype="float16")
+
+
+def test_batchnorm_in_train_mode_is_refused_and_eval_mode_works() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    with pytest.raises(UnsupportedModel, match=r"BatchNorm layer\(s\) \['1'\] are in train mode.*model.eval\(\)"):
+        compute_ntk(model, x)
+    model.eval()
+    theta = compute_ntk(model, x, dtype=torch.float64).theta
+    expected = reference_ntk(model, x)
+    assert (theta - expected).abs().max() <= 1e-10 * expected.abs().max()
+
+
+class _BatchCentering(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(dim=0, keepdim=True)
+
+
+def test_interacting_examples_are_refused() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), _BatchCentering(), nn.Linear(4, 2))
+    with pytest.raises(UnsupportedModel, match="examples interact"):
+        compute_ntk(model, torch.randn(4, 3))
+
+
+def test_model_with_wrong_output_batch_is_refused() -> None:
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x).sum(0)
+
+    with pytest.raises(UnsupportedModel, match="one output row per example"):
+        compute_ntk(Pooled(), torch.randn(4, 3))
+
+
+def test_not_a_module() -> None:
+    with pytest.raises(UnsupportedModel, match="must be a torch.nn.Module, got function"):
+        compute_ntk(lambda x: x, torch.randn(2, 3))  # type: ignore[arg-type]
+
+
+def test_memory_refusal_carries_estimate_and_budget(mlp: nn.Module) -> None:
+    with pytest.raises(MemoryEstimateExceeded) as info:
+        compute_ntk(mlp, torch.randn(64, 4), mode="full", memory_budget_bytes=10_000)
+    exc = info.value
+    assert exc.budget_bytes == 10_000
+    assert exc.estimate_bytes is not None and exc.estimate_bytes > 10_000
+    assert "over the memory budget of 9.77 KiB" in exc.message
+    assert "the result alone is 144.00 KiB" in exc.message  # 64 * 64 * 3 * 3 float32
+
+
+def test_dropout_runs_in_eval_semantics_and_the_model_is_not_mutated() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Dropout(0.5), nn.Tanh(), nn.Linear(5, 2))
+    model.train()
+    x = torch.randn(4, 3)
+    first = compute_ntk(model, x, dtype=torch.float64).theta
+    second = compute_ntk(model, x, dtype=torch.float64).theta
+    assert torch.equal(first, second)
+    assert all(m.training for m in model.modules())
+    expected = reference_ntk(model, x)  # the reference runs the model in eval mode
+    assert (first - expected).abs().max() <= 1e-10 * expected.abs().max()
+    assert model[0].weight.dtype == torch.float32
+
+
+def test_side_cache_reuses_the_keyed_side(mlp: nn.Module) -> None:
+    cache = SideCache(max_bytes=2**20)
+    x1, x2 = torch.randn(3, 4), torch.randn(5, 4)
+    first = compute_ntk(mlp, x1, x2, side_cache=cache, x2_key=("mlp", 1, "dataset"))
+    assert len(cache) == 1 and cache.hits == 0
+    second = compute_ntk(mlp, x1 + 1, x2, side_cache=cache, x2_key=("mlp", 1, "dataset"))
+    assert cache.hits == 1
+    assert not torch.equal(first.theta, second.theta)
+    fresh = compute_ntk(mlp, x1 + 1, x2)
+    assert torch.equal(second.theta, fresh.theta)
+
+
+def test_side_cache_is_bounded() -> None:
+    cache = SideCache(max_bytes=1000)
+    cache.put("a", torch.zeros(100))  # 400 bytes
+    cache.put("b", torch.zeros(100))
+    cache.put("c", torch.zeros(100))
+    assert cache.nbytes <= 1000 and cache.get("a") is None and cache.get("c") is not None
+    cache.put("huge", torch.zeros(1000))
+    assert cache.get("huge") is None

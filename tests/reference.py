@@ -1,0 +1,64 @@
+"""The independent float64 reference every implementation is checked against.
+
+A plain loop: for every example and every output, one ``torch.autograd.grad`` of that scalar w.r.t. the selected
+parameters builds the row J_a(x) explicitly; then Θ(x1_n, x2_m)[a, b] = J_a(x1_n) · J_b(x2_m). No vmap, no
+torch.func, nothing shared with ntk_service.kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def reference_jacobian(model: nn.Module, x: torch.Tensor, params: Sequence[str] | None = None) -> torch.Tensor:
+    """J of each example, float64: (n, k, P), parameters in ``named_parameters()`` order (tied once)."""
+    model = copy.deepcopy(model).double().eval()
+    named = [
+        (name, p)
+        for name, p in model.named_parameters()
+        if params is None or any(fnmatch.fnmatchcase(name, g) for g in params)
+    ]
+    x = x.double() if x.is_floating_point() else x
+    rows = []
+    for i in range(x.shape[0]):
+        out = model(x[i : i + 1]).reshape(-1)
+        per_output = []
+        for a in range(out.shape[0]):
+            grads = torch.autograd.grad(out[a], [p for _, p in named], retain_graph=True, allow_unused=True)
+            per_output.append(
+                torch.cat(
+                    [
+                        (torch.zeros_like(p) if g is None else g).reshape(-1)
+                        for (_, p), g in zip(named, grads, strict=True)
+                    ]
+                )
+            )
+        rows.append(torch.stack(per_output))
+    return torch.stack(rows)
+
+
+def reference_ntk(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    mode: str = "full",
+    params: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Θ(x1, x2) in float64 for ``mode`` ("full", "trace", "example_diagonal", "output_diagonal")."""
+    j1 = reference_jacobian(model, x1, params)
+    j2 = j1 if x2 is None else reference_jacobian(model, x2, params)
+    full = torch.einsum("naf,mbf->nmab", j1, j2)
+    if mode == "full":
+        return full
+    if mode == "trace":
+        return full.diagonal(dim1=2, dim2=3).sum(-1)
+    if mode == "output_diagonal":
+        return full.diagonal(dim1=2, dim2=3)
+    if mode == "example_diagonal":
+        return torch.einsum("naf,nbf->nab", j1, j1)
+    raise ValueError(mode)
