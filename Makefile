@@ -19,6 +19,7 @@ serve: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile
 
 test: lint
 	$(PY) -m pytest -q
