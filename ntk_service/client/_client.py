@@ -78,9 +78,9 @@ class Client(BaseClient):
         """``GET /healthz``: liveness (no key needed)."""
         return dict(self._get_json("/healthz"))
 
-    def architectures(self) -> Any:
+    def architectures(self) -> list[dict[str, Any]]:
         """``GET /v1/architectures``: the built-in model families and their config fields."""
-        return self._get_json("/v1/architectures")
+        return _items(self._get_json("/v1/architectures"))
 
     # ---- models ----
 

@@ -1,0 +1,22 @@
+"""The ``ntk-service`` command line: ``serve``, ``models``, ``datasets``, ``kernel``.
+
+    $ ntk-service serve --port 8000
+    $ export NTK_URL=http://127.0.0.1:8000 NTK_API_KEY=...
+    $ ntk-service models register mlp -a '{"family": "mlp", "input_dim": 4, "hidden": [16], "output_dim": 3}'
+    $ ntk-service kernel mlp --x1 x.npy -o theta.npy        # (N, N, 3, 3)
+    $ ntk-service --json models list
+
+Exit codes: 0 ok, 1 the service refused or failed (``error: <type>: <message>`` on stderr), 2 usage.
+"""
+
+from __future__ import annotations
+
+from ntk_service.cli import _kernel, _serve  # noqa: F401  (their commands register on ``app``)
+from ntk_service.cli._app import app, main
+from ntk_service.cli._datasets import datasets_app
+from ntk_service.cli._models import models_app
+
+app.add_typer(models_app, name="models")
+app.add_typer(datasets_app, name="datasets")
+
+__all__ = ["app", "main"]

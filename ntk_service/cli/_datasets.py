@@ -1,0 +1,73 @@
+"""``ntk-service datasets upload|list|show|delete``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ntk_service.cli._app import JsonFlag, print_json, state_of, wants_json
+from ntk_service.cli._inputs import read_npy
+from ntk_service.cli._output import print_record, print_table
+
+__all__ = ["datasets_app"]
+
+datasets_app = typer.Typer(
+    help="Upload inputs once, then reference their rows in kernels as dataset:<id>[start:stop].",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+IdArg = Annotated[str, typer.Argument(help="The data set id (from `datasets upload` or `datasets list`).")]
+
+_LIST_COLUMNS = ("id", "name", "shape", "dtype", "created_at")
+
+
+@datasets_app.command("upload")
+def upload(
+    ctx: typer.Context,
+    path: Annotated[
+        Path,
+        typer.Argument(help="A .npy file of shape (N, *input).", exists=True, dir_okay=False, show_default=False),
+    ],
+    name: Annotated[str | None, typer.Option(help="A human-readable name.", show_default=False)] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Upload a .npy file as a data set (needs a write key); prints its id."""
+    array = read_npy(path, option="datasets upload")
+    record = state_of(ctx).client().upload_dataset(array, name=name)
+    if wants_json(ctx, json_output):
+        print_json(record)
+    else:
+        typer.echo(f"uploaded data set {record['id']}: shape {record.get('shape')} {record.get('dtype')}")
+
+
+@datasets_app.command("list")
+def list_datasets(ctx: typer.Context, json_output: JsonFlag = False) -> None:
+    """List data sets."""
+    records = state_of(ctx).client().list_datasets()
+    if wants_json(ctx, json_output):
+        print_json(records)
+    else:
+        print_table(records, _LIST_COLUMNS, empty="no data sets")
+
+
+@datasets_app.command("show")
+def show(ctx: typer.Context, dataset_id: IdArg, json_output: JsonFlag = False) -> None:
+    """Show a data set's record."""
+    record = state_of(ctx).client().get_dataset(dataset_id)
+    if wants_json(ctx, json_output):
+        print_json(record)
+    else:
+        print_record(record)
+
+
+@datasets_app.command("delete")
+def delete(ctx: typer.Context, dataset_id: IdArg, json_output: JsonFlag = False) -> None:
+    """Delete a data set (needs a write key)."""
+    state_of(ctx).client().delete_dataset(dataset_id)
+    if wants_json(ctx, json_output):
+        print_json({"deleted": dataset_id})
+    else:
+        typer.echo(f"deleted data set {dataset_id}")

@@ -1,0 +1,121 @@
+"""``ntk-service kernel``: compute Θ(x1, x2) of a registered model and write it as .npy."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
+from ntk_service.cli._inputs import read_side
+
+__all__ = ["Dtype", "Implementation", "Mode", "kernel"]
+
+
+class Mode(StrEnum):
+    """Wire values of the kernel modes (the engine's ``KernelMode``, without importing torch)."""
+
+    FULL = "full"  # (N, M, k, k)
+    TRACE = "trace"  # (N, M)
+    EXAMPLE_DIAGONAL = "example_diagonal"  # (N, k, k)
+    OUTPUT_DIAGONAL = "output_diagonal"  # (N, M, k)
+
+
+class Implementation(StrEnum):
+    """Wire values of the implementations (the engine's ``NtkImplementation``); auto picks by cost."""
+
+    AUTO = "auto"
+    JACOBIAN_CONTRACTION = "jacobian_contraction"
+    NTK_VECTOR_PRODUCTS = "ntk_vector_products"
+    STRUCTURED = "structured"
+
+
+class Dtype(StrEnum):
+    """Compute dtypes a kernel may ask for."""
+
+    FLOAT32 = "float32"
+    FLOAT64 = "float64"
+
+
+_SIDE_HELP = "a .npy file of shape ({rows}, *input), or dataset:<id>[start:stop] (rows of an uploaded data set)"
+
+_PRINT_LIMIT = 1000
+"""Without -o, a theta of at most this many values is printed; a bigger one needs a file."""
+
+
+@app.command()
+def kernel(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    x1: Annotated[str, typer.Option("--x1", help="x1: " + _SIDE_HELP.format(rows="N"), show_default=False)],
+    x2: Annotated[
+        str | None, typer.Option("--x2", help="x2: " + _SIDE_HELP.format(rows="M") + ". Default: x1.")
+    ] = None,
+    mode: Annotated[Mode, typer.Option(help="Kernel mode (shapes below).")] = Mode.FULL,
+    implementation: Annotated[
+        Implementation, typer.Option(help="Algorithm; auto picks by cost.")
+    ] = Implementation.AUTO,
+    params: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--params", help="Parameter name globs, repeatable or comma-separated, e.g. 'head.*'. Default: all."
+        ),
+    ] = None,
+    dtype: Annotated[
+        Dtype | None, typer.Option(help="Compute dtype. Default: the model's.", show_default=False)
+    ] = None,
+    version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write theta to this .npy file.", dir_okay=False)
+    ] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Compute the empirical NTK of MODEL between x1 and x2 (needs a read key).
+
+    theta has shape (N, M, k, k) for full, (N, M) for trace, (N, k, k) for example_diagonal and (N, M, k) for
+    output_diagonal.
+    """
+    import numpy as np
+
+    side1 = read_side(x1, option="--x1")
+    side2 = read_side(x2, option="--x2") if x2 is not None else None
+    globs = [g.strip() for item in params or [] for g in item.split(",") if g.strip()] or None
+    result = (
+        state_of(ctx)
+        .client()
+        .ntk_result(
+            model, side1, side2, mode=mode, implementation=implementation, params=globs, dtype=dtype, version=version
+        )
+    )
+    theta = result.theta
+    if output is not None:
+        try:
+            np.save(output, theta, allow_pickle=False)
+        except OSError as exc:
+            raise UsageError(f"-o: cannot write {str(output)!r} ({exc.strerror or exc})") from exc
+    elif theta.size > _PRINT_LIMIT and not wants_json(ctx, json_output):
+        raise UsageError(f"theta {theta.shape} has {theta.size} values; write it to a file with -o theta.npy")
+    summary = {
+        "model": result.model,
+        "version": result.version,
+        "mode": result.mode,
+        "implementation": result.implementation,
+        "elapsed_ms": result.elapsed_ms,
+        "shape": list(theta.shape),
+        "dtype": str(theta.dtype),
+        "output": str(output) if output is not None else None,
+    }
+    if wants_json(ctx, json_output):
+        from ntk_service.wire import tensor_to_json
+
+        print_json(summary if output is not None else {**summary, "theta": tensor_to_json(theta)})
+        return
+    where = f"wrote {output}" if output is not None else "theta"
+    typer.echo(
+        f"{where}: {tuple(theta.shape)} {theta.dtype} ({result.mode}, {result.implementation}, "
+        f"model {result.model} v{result.version}, {result.elapsed_ms:.1f} ms)"
+    )
+    if output is None:
+        typer.echo(np.array2string(theta, threshold=_PRINT_LIMIT))

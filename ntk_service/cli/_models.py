@@ -1,0 +1,134 @@
+"""``ntk-service models register|list|show|delete|upload-weights``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._output import print_record, print_table
+
+__all__ = ["models_app"]
+
+models_app = typer.Typer(
+    help="Register, inspect and delete models; upload weight versions.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+NameArg = Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)]
+
+_LIST_COLUMNS = ("name", "version", "family", "num_params", "input_shape", "output_dim")
+
+
+def _with_family(record: dict[str, Any]) -> dict[str, Any]:
+    architecture = record.get("architecture")
+    family = architecture.get("family") if isinstance(architecture, dict) else None
+    return {**record, "family": family}
+
+
+def _read_architecture(value: str) -> dict[str, Any]:
+    """``--architecture``: inline JSON, or ``@path`` to a JSON file."""
+    source = "--architecture"
+    if value.startswith("@"):
+        path = Path(value[1:])
+        source = f"--architecture file {str(path)!r}"
+        try:
+            value = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"{source}: cannot read it ({exc.strerror or exc})") from exc
+    try:
+        spec = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"{source}: not valid JSON ({exc.msg} at column {exc.colno}); "
+            'expected e.g. \'{"family": "mlp", "input_dim": 4, "hidden": [16], "output_dim": 3}\' or @spec.json'
+        ) from exc
+    if not isinstance(spec, dict):
+        raise UsageError(f"{source}: expected a JSON object with a 'family' field, got {type(spec).__name__}")
+    return spec
+
+
+@models_app.command("register")
+def register(
+    ctx: typer.Context,
+    name: NameArg,
+    architecture: Annotated[
+        str,
+        typer.Option(
+            "--architecture",
+            "-a",
+            help='Architecture spec as JSON, e.g. \'{"family": "mlp", "input_dim": 4, "hidden": [16], '
+            '"output_dim": 3}\', or @file.json.',
+            show_default=False,
+        ),
+    ],
+    seed: Annotated[int, typer.Option(help="Seed of the initial weights (version 1).")] = 0,
+    json_output: JsonFlag = False,
+) -> None:
+    """Register a model from an architecture spec (needs a write key)."""
+    record = state_of(ctx).client().register_model(name, _read_architecture(architecture), seed=seed)
+    if wants_json(ctx, json_output):
+        print_json(record)
+    else:
+        typer.echo(
+            f"registered {record['name']} version {record['version']}: {record.get('num_params')} parameters, "
+            f"input {record.get('input_shape')} {record.get('input_dtype', '')}, {record.get('output_dim')} outputs"
+        )
+
+
+@models_app.command("list")
+def list_models(ctx: typer.Context, json_output: JsonFlag = False) -> None:
+    """List registered models (latest version of each)."""
+    records = state_of(ctx).client().list_models()
+    if wants_json(ctx, json_output):
+        print_json(records)
+    else:
+        print_table([_with_family(r) for r in records], _LIST_COLUMNS, empty="no models registered")
+
+
+@models_app.command("show")
+def show(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
+    """Show a model's record: architecture, parameters, latest version, weights hash."""
+    record = state_of(ctx).client().get_model(name)
+    if wants_json(ctx, json_output):
+        print_json(record)
+    else:
+        print_record(record)
+
+
+@models_app.command("delete")
+def delete(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
+    """Delete a model and all its versions (needs a write key)."""
+    state_of(ctx).client().delete_model(name)
+    if wants_json(ctx, json_output):
+        print_json({"deleted": name})
+    else:
+        typer.echo(f"deleted model {name}")
+
+
+@models_app.command("upload-weights")
+def upload_weights(
+    ctx: typer.Context,
+    name: NameArg,
+    weights: Annotated[
+        Path,
+        typer.Argument(
+            help="A .safetensors file with every parameter by its named_parameters() name.",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+            show_default=False,
+        ),
+    ],
+    json_output: JsonFlag = False,
+) -> None:
+    """Upload weights as a new immutable version of a model (needs a write key)."""
+    record = state_of(ctx).client().upload_weights(name, weights.read_bytes())
+    if wants_json(ctx, json_output):
+        print_json(record)
+    else:
+        typer.echo(f"uploaded {name} version {record['version']} (sha256 {record.get('weights_sha256', '?')})")

@@ -1,0 +1,46 @@
+"""Human-readable output for the CLI: aligned tables and key/value records (``--json`` bypasses these)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import typer
+
+__all__ = ["format_value", "print_record", "print_table"]
+
+
+def format_value(value: Any) -> str:
+    """One cell: lists as ``[a, b]``, ``None`` as ``-``, the rest as ``str``."""
+    if value is None:
+        return "-"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    return str(value)
+
+
+def print_table(rows: Iterable[Mapping[str, Any]], columns: Sequence[str], *, empty: str) -> None:
+    """Rows as aligned columns under an upper-case header; ``empty`` when there are no rows."""
+    cells = [[format_value(row.get(col)) for col in columns] for row in rows]
+    if not cells:
+        typer.echo(empty)
+        return
+    header = [col.upper() for col in columns]
+    widths = [max(len(line[i]) for line in [header, *cells]) for i in range(len(columns))]
+    for line in [header, *cells]:
+        typer.echo("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
+
+
+def print_record(record: Mapping[str, Any]) -> None:
+    """``key: value`` lines; a list of parameter records becomes indented ``name shape`` lines."""
+    width = max((len(key) for key in record), default=0)
+    for key, value in record.items():
+        if key == "parameters" and isinstance(value, list):
+            typer.echo(f"{key.ljust(width)}:")
+            for item in value:
+                if isinstance(item, Mapping):
+                    typer.echo(f"  {item.get('name')}  {format_value(item.get('shape'))}")
+            continue
+        if isinstance(value, Mapping):
+            value = ", ".join(f"{k}={format_value(v)}" for k, v in value.items())
+        typer.echo(f"{key.ljust(width)}: {format_value(value)}")
