@@ -1,0 +1,171 @@
+"""The Ray executor: the same tiles as Ray tasks, on this machine or a Ray cluster (``NTK_EXECUTOR=ray``).
+
+- Ray is imported only when this executor runs; without ``pip install 'ntk-service[ray]'`` the job fails with
+  OptionalDependencyMissing saying so.
+- ``ray.init(address=NTK_RAY_ADDRESS)`` connects to a cluster (``"auto"`` or ``"ray://head:10001"``); without an
+  address a local Ray instance is started on first use. A Ray already initialised in this process is reused.
+- The model and the data sets are put in the object store once per job run; every task gets the references.
+- One task per tile: it computes the block, writes its chunk to the job's Zarr array (the path must be on a
+  filesystem every worker sees) and returns the outcome; the server records the tile as done when the task
+  returns. ``max_retries`` re-runs a task whose worker died (Ray's default is 3); an exception inside a task is not
+  retried and fails the job with its message.
+- At most ``max_in_flight`` tasks are submitted at once, so cancellation stops the job within that many tiles and a
+  10k-tile job does not flood the scheduler. ``num_gpus`` per task reserves a GPU and moves the tile's work there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ntk_service.errors import JobFailed, NtkServiceError, OptionalDependencyMissing
+from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, TileOutcome, run_tile
+from ntk_service.jobs.planner import Tile
+
+__all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "import_ray"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RETRIES = 3
+"""Re-runs of a task whose worker process died (OOM kill, node loss); Ray's own default."""
+
+_WAIT_S = 1.0
+"""How often the driver loop wakes to check for cancellation while tasks run."""
+
+
+def import_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        OptionalDependencyMissing: ray is not installed; the message says how to install it.
+    """
+    try:
+        return importlib.import_module("ray")
+    except ImportError as exc:
+        raise OptionalDependencyMissing(
+            "jobs: the Ray executor (NTK_EXECUTOR=ray) needs Ray, which is not installed; "
+            "install it with pip install 'ntk-service[ray]', or use NTK_EXECUTOR=local"
+        ) from exc
+
+
+def _tile_task(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    work: JobWork,
+    tile: Tile,
+    threads: int,
+    use_gpu: bool,
+) -> TileOutcome:
+    # Runs in a Ray worker: one torch thread per reserved CPU, so tasks sharing a node do not oversubscribe it.
+    torch.set_num_threads(max(1, threads))
+    if use_gpu and torch.cuda.is_available():
+        device = torch.device("cuda")
+        model, x1 = model.to(device), x1.to(device)
+        x2 = None if x2 is None else x2.to(device)
+    return run_tile(model, x1, x2, work, tile)
+
+
+class RayExecutor(Executor):
+    """Runs tiles as Ray tasks.
+
+    Args:
+        address: Ray cluster address for ``ray.init`` (None: reuse an initialised Ray, else start a local one).
+        num_cpus: CPUs reserved per task (also its torch threads). Default: 1.
+        num_gpus: GPUs reserved per task; > 0 runs the tile on CUDA. Default: 0.
+        max_retries: retries of a task whose worker died. Default: ``DEFAULT_MAX_RETRIES``.
+        max_in_flight: tasks submitted at once. Default: twice the cluster's CPUs divided by ``num_cpus``.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        *,
+        address: str | None = None,
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        max_in_flight: int | None = None,
+    ) -> None:
+        self.address = address
+        self.num_cpus = num_cpus
+        self.num_gpus = num_gpus
+        self.max_retries = max_retries
+        self.max_in_flight = max_in_flight
+        self._ray: Any = None
+
+    def _connect(self) -> Any:
+        if self._ray is None:
+            ray = import_ray()
+            if not ray.is_initialized():
+                logger.info("jobs: connecting to Ray at %s", self.address or "a new local instance")
+                ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING)
+            self._ray = ray
+        return self._ray
+
+    def _window(self, ray: Any) -> int:
+        if self.max_in_flight is not None:
+            return max(1, self.max_in_flight)
+        cpus = float(ray.cluster_resources().get("CPU", 1))
+        return max(1, int(2 * cpus / max(self.num_cpus, 0.001)))
+
+    def run(
+        self,
+        work: JobWork,
+        model: nn.Module,
+        x1: torch.Tensor,
+        x2: torch.Tensor | None,
+        tiles: Sequence[Tile],
+        callbacks: TileCallbacks,
+    ) -> None:
+        ray = self._connect()
+        # Put once: every task receives references to the same objects instead of its own copy.
+        model_ref, x1_ref = ray.put(model), ray.put(x1)
+        x2_ref = None if x2 is None else ray.put(x2)
+        remote = ray.remote(_tile_task).options(
+            num_cpus=self.num_cpus,
+            num_gpus=self.num_gpus,
+            max_retries=self.max_retries,
+            retry_exceptions=False,
+        )
+        threads = max(1, int(self.num_cpus))
+        pending = list(reversed(tiles))
+        in_flight: dict[Any, Tile] = {}
+        window = self._window(ray)
+        started = time.perf_counter()
+        while pending or in_flight:
+            while pending and len(in_flight) < window and not callbacks.should_stop():
+                tile = pending.pop()
+                if callbacks.claim(tile):
+                    ref = remote.remote(model_ref, x1_ref, x2_ref, work, tile, threads, self.num_gpus > 0)
+                    in_flight[ref] = tile
+            if callbacks.should_stop():
+                pending.clear()  # tasks already running finish at their tile boundary and are recorded
+            if not in_flight:
+                break
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=_WAIT_S)
+            for ref in ready:
+                tile = in_flight.pop(ref)
+                try:
+                    outcome: TileOutcome = ray.get(ref)
+                except Exception as exc:
+                    for other in in_flight:
+                        ray.cancel(other)
+                    raise _unwrap(exc, tile) from exc
+                callbacks.done(outcome)
+        logger.info("jobs: %s ran %d tile(s) on Ray in %.1f s", work.job_id, len(tiles), time.perf_counter() - started)
+
+
+def _unwrap(exc: Exception, tile: Tile) -> Exception:
+    """The domain error a task raised (Ray wraps it), else a JobFailed naming the tile."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, NtkServiceError):
+        return cause
+    return JobFailed(f"jobs: tile {tile.id} (rows {tile.rows}, cols {tile.cols}) failed on Ray: {exc}")

@@ -1,0 +1,512 @@
+"""JobManager: submit, run, watch, cancel and resume batch kernel jobs.
+
+One runner thread takes queued jobs in order and hands each job's remaining tiles to the executor (local or Ray);
+the executor reports every written tile back, and the manager records it in SQLite. Everything a job needs to
+resume (its resolved spec, its tiles' states) is on disk, so a server killed with SIGKILL loses nothing but the
+tiles that were being computed at that instant.
+
+    >>> manager = JobManager(data_dir=tmp, models=registry, datasets=datasets, executor=LocalExecutor())
+    >>> manager.start()                                                           # resumes unfinished jobs
+    >>> job = manager.submit(model="mlp", x1_dataset="ds_…", mode="trace")      # queued, tiles planned
+    >>> manager.wait_for_change(job.id, seen=0, timeout=1.0)                     # progress events
+    >>> manager.read_result(job.id, rows=(0, 128), cols=None).shape               # (128, N) once succeeded
+
+NOTE [resume]
+    A tile moves pending → running (``claim``: its attempt is counted) → done (after its chunk is written). When the
+    server dies, tiles left ``running`` are the ones being computed at that instant; at the next start they go back
+    to pending and run again (their chunk, if written, is overwritten with the same bits). Done tiles are never
+    recomputed. Every tile is computed with the same arguments and the memory budget fixed at submission, so the
+    resumed result is bitwise equal to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from ntk_service.errors import (
+    DiskEstimateExceeded,
+    InvalidInput,
+    JobNotFinished,
+    NtkServiceError,
+    ShapeMismatch,
+    format_bytes,
+)
+from ntk_service.jobs.executors.base import Executor, JobWork, TileOutcome
+from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
+from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
+from ntk_service.jobs.results import RESULT_ARRAY_NAME, ResultArray
+from ntk_service.jobs.store import JobStore
+from ntk_service.kernels import compute_ntk, default_memory_budget
+from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.types import parse_implementation
+
+__all__ = ["DISK_FREE_FRACTION", "DatasetSource", "JobManager", "ModelSource", "plan_of"]
+
+logger = logging.getLogger(__name__)
+
+DISK_FREE_FRACTION = 0.9
+"""Without an explicit disk budget a job may use 90% of the free space: the rest stays for the registry and logs."""
+
+_DTYPES = {"float32": 4, "float64": 8}
+
+
+class ModelSource(Protocol):
+    """What the manager needs of the model registry."""
+
+    def load_module(self, name: str, version: int | None = None) -> tuple[Any, nn.Module]: ...
+
+
+class DatasetSource(Protocol):
+    """What the manager needs of the data-set store."""
+
+    def get(self, dataset_id: str) -> Any: ...
+
+    def load(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> np.ndarray: ...
+
+
+def plan_of(spec: JobSpec) -> TilePlan:
+    """The job's TilePlan, recomputed from its spec (the same on every host and after every restart)."""
+    return plan_tiles(
+        n=spec.n, m=None if spec.is_symmetric else spec.m, tile_size=spec.tile_size, mode=KernelMode(spec.mode)
+    )
+
+
+@dataclass
+class _Run:
+    """In-memory progress of the current run of a job (for the ETA)."""
+
+    started: float
+    tiles_done: int = 0
+
+
+class _Callbacks:
+    """The TileCallbacks of one job run."""
+
+    def __init__(self, manager: JobManager, job_id: str, implementations: set[str]) -> None:
+        self.manager, self.job_id, self.implementations = manager, job_id, implementations
+
+    def claim(self, tile: Tile) -> bool:
+        return self.manager.store.claim_tile(self.job_id, tile.id)
+
+    def done(self, outcome: TileOutcome) -> None:
+        manager = self.manager
+        manager.store.mark_tile_done(self.job_id, outcome.tile_id, elapsed_s=outcome.elapsed_s)
+        if outcome.implementation not in self.implementations:
+            self.implementations.add(outcome.implementation)
+            manager.store.set_implementation_used(self.job_id, ",".join(sorted(self.implementations)))
+        with manager._lock:
+            run = manager._runs.get(self.job_id)
+            if run is not None:
+                run.tiles_done += 1
+        manager._bump(self.job_id)
+
+    def should_stop(self) -> bool:
+        return self.manager._stopping.is_set() or self.manager._is_cancelled(self.job_id)
+
+
+class JobManager:
+    """Owns the job store, the runner thread and the executor.
+
+    Args:
+        data_dir: the service's data directory; jobs live in ``<data_dir>/jobs/`` (SQLite file + one directory
+            per job holding its Zarr array).
+        models: the model registry (``load_module(name, version)``).
+        datasets: the data-set store (``get(id)``, ``load(id, start, stop)``).
+        executor: LocalExecutor or RayExecutor.
+        default_tile_size: tile size when a job names none. Default: ``DEFAULT_TILE_SIZE``.
+        disk_budget_bytes: largest result a job may store. Default: ``DISK_FREE_FRACTION`` of the free space.
+        memory_budget_bytes: the engine's memory budget per tile, fixed into each job at submission.
+            Default: the engine's default at submission time.
+    """
+
+    def __init__(
+        self,
+        *,
+        data_dir: Path,
+        models: ModelSource,
+        datasets: DatasetSource,
+        executor: Executor,
+        default_tile_size: int = DEFAULT_TILE_SIZE,
+        disk_budget_bytes: int | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
+        self.jobs_dir = Path(data_dir) / "jobs"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        self.store = JobStore(self.jobs_dir / "jobs.sqlite3")
+        self.models = models
+        self.datasets = datasets
+        self.executor = executor
+        self.default_tile_size = default_tile_size
+        self.disk_budget_bytes = disk_budget_bytes
+        self.memory_budget_bytes = memory_budget_bytes
+        self._queue: queue.Queue[str] = queue.Queue()
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._versions: dict[str, int] = {}
+        self._runs: dict[str, _Run] = {}
+        self._cancelled: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    # -- lifetime ---------------------------------------------------------------------------------------------------
+
+    def start(self) -> list[str]:
+        """Start the runner and re-queue every unfinished job (oldest first); returns the resumed ids."""
+        resumed = []
+        for record in sorted(
+            self.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RUNNING]), key=lambda r: r.created_at
+        ):
+            released = self.store.release_running_tiles(record.id)
+            self.store.set_status(record.id, JobStatus.QUEUED, only_from=[JobStatus.RUNNING, JobStatus.QUEUED])
+            logger.info(
+                "jobs: resuming %s at %d/%d tiles (%d interrupted tile(s) to redo)",
+                record.id,
+                record.tiles_done,
+                record.tiles_total,
+                released,
+            )
+            self._queue.put(record.id)
+            resumed.append(record.id)
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._runner, name="ntk-job-runner", daemon=True)
+        self._thread.start()
+        return resumed
+
+    def stop(self, timeout: float | None = 60.0) -> None:
+        """Stop after the tiles being computed finish (they are recorded); unfinished jobs resume at next start."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("jobs: a tile still runs after %.0f s; it will be redone at the next start", timeout)
+            self._thread = None
+        self.executor.close()
+
+    # -- submit / read ----------------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        *,
+        model: str,
+        x1_dataset: str,
+        version: int | None = None,
+        x2_dataset: str | None = None,
+        mode: str = KernelMode.FULL.value,
+        implementation: str = "auto",
+        dtype: str = "float32",
+        params: list[str] | None = None,
+        tile_size: int | None = None,
+    ) -> JobRecord:
+        """Validate, plan and queue a job.
+
+        Args:
+            model: registered model name. version: its version; None = latest.
+            x1_dataset: data set id of x1 (N examples). x2_dataset: data set id of x2 (M examples); None = x1
+                (symmetric job: only tiles on and above the diagonal are computed).
+            mode, implementation, dtype, params: as for ``compute_ntk``. Default: "full", "auto", "float32", all.
+            tile_size: examples per tile side. Default: the manager's ``default_tile_size``.
+
+        Returns:
+            The queued JobRecord.
+
+        Raises:
+            ModelNotFound, DatasetNotFound: unknown names (404).
+            InvalidInput and its subclasses: bad mode, implementation, dtype, tile size, shapes, parameter globs
+                (422; a one-example probe of ``compute_ntk`` finds these before anything is stored).
+            DiskEstimateExceeded: the result would not fit the disk budget (413, with the estimate).
+        """
+        kernel_mode = parse_mode(mode)
+        impl = parse_implementation(implementation)
+        if dtype not in _DTYPES:
+            raise InvalidInput(f"jobs: dtype {dtype!r} is not supported; use 'float32' or 'float64'")
+        tile = self.default_tile_size if tile_size is None else tile_size
+        record, module = self.models.load_module(model, version)
+        ds1 = self.datasets.get(x1_dataset)
+        ds2 = None if x2_dataset is None else self.datasets.get(x2_dataset)
+        if ds2 is not None and tuple(ds2.shape[1:]) != tuple(ds1.shape[1:]):
+            raise ShapeMismatch(
+                f"jobs: x2 data set {x2_dataset!r} has examples of shape {tuple(ds2.shape[1:])}, x1 data set "
+                f"{x1_dataset!r} has {tuple(ds1.shape[1:])}; both sides must match"
+            )
+        plan = plan_tiles(
+            n=int(ds1.shape[0]), m=None if ds2 is None else int(ds2.shape[0]), tile_size=tile, mode=kernel_mode
+        )
+        budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else default_memory_budget()
+        self._probe(module, x1_dataset, x2_dataset, kernel_mode, impl.value, dtype, params, budget)
+        k = int(record.output_dim)
+        estimate = plan.stored_bytes(k, _DTYPES[dtype])
+        self._check_disk(estimate, plan)
+        spec = JobSpec(
+            model=record.name,
+            version=int(record.version),
+            weights_sha256=str(record.weights_sha256),
+            x1_dataset=x1_dataset,
+            x2_dataset=x2_dataset,
+            x1_sha256=str(ds1.sha256),
+            x2_sha256=None if ds2 is None else str(ds2.sha256),
+            n=plan.n,
+            m=plan.m,
+            k=k,
+            mode=kernel_mode.value,
+            implementation=impl.value,
+            dtype=dtype,
+            params=None if params is None else list(params),
+            tile_size=tile,
+            memory_budget_bytes=budget,
+        )
+        job = JobRecord(
+            id=uuid.uuid4().hex,
+            spec=spec,
+            status=JobStatus.QUEUED,
+            tiles_done=0,
+            tiles_total=len(plan.tiles),
+            created_at=time.time(),
+            started_at=None,
+            finished_at=None,
+            error=None,
+            implementation_used=None,
+            executor=self.executor.name,
+            result_shape=list(plan.result_shape(k)),
+            estimate_bytes=estimate,
+        )
+        job_dir = self.jobs_dir / job.id
+        job_dir.mkdir(parents=True)
+        # The array first: a crash before the SQLite row leaves an orphan directory, never a job without its array.
+        ResultArray.create(job_dir / RESULT_ARRAY_NAME, plan=plan, k=k, dtype=dtype, attributes=_attributes(job))
+        self.store.create_job(job, tile_ids=[t.id for t in plan.tiles])
+        logger.info(
+            "jobs: queued %s (%s, %d tiles, %s)", job.id, kernel_mode.value, job.tiles_total, format_bytes(estimate)
+        )
+        self._bump(job.id)
+        self._queue.put(job.id)
+        return job
+
+    def _probe(
+        self,
+        module: nn.Module,
+        x1_dataset: str,
+        x2_dataset: str | None,
+        mode: KernelMode,
+        implementation: str,
+        dtype: str,
+        params: list[str] | None,
+        budget: int,
+    ) -> None:
+        # One example per side: finds wrong shapes, dtypes, parameter globs and unsupported models in milliseconds,
+        # so the client gets a 422 now instead of a failed job later.
+        x1 = self._tensor(x1_dataset, 0, 1)
+        x2 = None if x2_dataset is None else self._tensor(x2_dataset, 0, 1)
+        if mode is KernelMode.EXAMPLE_DIAGONAL:
+            x2 = None
+        compute_ntk(
+            module,
+            x1,
+            x2,
+            mode=mode,
+            implementation=implementation,
+            params=params,
+            dtype=dtype,
+            memory_budget_bytes=budget,
+        )
+
+    def _tensor(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(self.datasets.load(dataset_id, start, stop)))
+
+    def _check_disk(self, estimate: int, plan: TilePlan) -> None:
+        if self.disk_budget_bytes is not None:
+            budget, source = self.disk_budget_bytes, "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
+        else:
+            budget = int(shutil.disk_usage(self.jobs_dir).free * DISK_FREE_FRACTION)
+            source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.jobs_dir}"
+        if estimate > budget:
+            hint = " (already only the upper triangle)" if plan.symmetric else ""
+            raise DiskEstimateExceeded(
+                f"jobs: the result needs {format_bytes(estimate)} on disk{hint}, more than {source} "
+                f"of {format_bytes(budget)}; use mode 'trace' or 'output_diagonal', fewer examples, or more disk",
+                estimate_bytes=estimate,
+                budget_bytes=budget,
+            )
+
+    def get(self, job_id: str) -> JobRecord:
+        """The job's record. Raises JobNotFound (404)."""
+        return self.store.get_job(job_id)
+
+    def list(self) -> list[JobRecord]:
+        """Every job, newest first."""
+        return self.store.list_jobs()
+
+    def eta_s(self, record: JobRecord) -> float | None:
+        """Seconds left at this run's pace; 0 when finished, None before the first tile of this run."""
+        if record.is_finished:
+            return 0.0
+        with self._lock:
+            run = self._runs.get(record.id)
+            if run is None or run.tiles_done == 0:
+                return None
+            rate = run.tiles_done / max(time.monotonic() - run.started, 1e-9)
+        return (record.tiles_total - record.tiles_done) / rate
+
+    def cancel(self, job_id: str) -> JobRecord:
+        """Cancel a queued or running job (its running tiles finish and are kept); a finished job is unchanged.
+
+        Raises:
+            JobNotFound: no such job (404).
+        """
+        record = self.store.get_job(job_id)
+        if record.is_finished:
+            return record
+        with self._lock:
+            self._cancelled.add(job_id)
+        self.store.set_status(job_id, JobStatus.CANCELLED)
+        logger.info("jobs: cancelled %s at %d/%d tiles", job_id, record.tiles_done, record.tiles_total)
+        self._bump(job_id)
+        return self.store.get_job(job_id)
+
+    def open_result(self, job_id: str) -> tuple[JobRecord, ResultArray]:
+        """The finished job's record and its result array.
+
+        Raises:
+            JobNotFound: no such job (404).
+            JobNotFinished: the job has not succeeded (409): queued, running, failed or cancelled.
+        """
+        record = self.store.get_job(job_id)
+        if record.status is not JobStatus.SUCCEEDED:
+            why = f": {record.error}" if record.error else ""
+            raise JobNotFinished(
+                f"jobs: job {job_id} is {record.status.value} ({record.tiles_done}/{record.tiles_total} tiles){why}; "
+                "its result can be read once it has succeeded (watch GET /v1/jobs/{id}/events)"
+            )
+        return record, ResultArray.open(self.jobs_dir / job_id / RESULT_ARRAY_NAME, plan=plan_of(record.spec))
+
+    def read_result(
+        self, job_id: str, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
+    ) -> np.ndarray:
+        """The whole kernel of a succeeded job, or the block ``rows × cols`` (see ``ResultArray.read``)."""
+        _, array = self.open_result(job_id)
+        return array.read(rows=rows, cols=cols)
+
+    # -- events -----------------------------------------------------------------------------------------------------
+
+    def version(self, job_id: str) -> int:
+        """A counter that grows with every change of the job (tile done, status change) in this process."""
+        with self._lock:
+            return self._versions.get(job_id, 0)
+
+    def wait_for_change(self, job_id: str, seen: int, timeout: float) -> int:
+        """Block until the job's version exceeds ``seen`` or ``timeout`` seconds pass; returns the version."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self._versions.get(job_id, 0) <= seen:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return self._versions.get(job_id, 0)
+
+    def _bump(self, job_id: str) -> None:
+        with self._changed:
+            self._versions[job_id] = self._versions.get(job_id, 0) + 1
+            self._changed.notify_all()
+
+    def _is_cancelled(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._cancelled
+
+    # -- running ----------------------------------------------------------------------------------------------------
+
+    def _runner(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                job_id = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._run_job(job_id)
+            except Exception:  # noqa: BLE001 - the runner must survive anything one job does
+                logger.exception("jobs: runner failed on %s", job_id)
+
+    def _run_job(self, job_id: str) -> None:
+        record = self.store.get_job(job_id)
+        if record.is_finished or self._is_cancelled(job_id):
+            return
+        if not self.store.set_status(job_id, JobStatus.RUNNING, only_from=[JobStatus.QUEUED, JobStatus.RUNNING]):
+            return
+        with self._lock:
+            self._runs[job_id] = _Run(started=time.monotonic())
+        self._bump(job_id)
+        spec = record.spec
+        try:
+            plan = plan_of(spec)
+            pending = set(self.store.pending_tile_ids(job_id))
+            tiles = [t for t in plan.tiles if t.id in pending]
+            _, module = self.models.load_module(spec.model, spec.version)
+            x1 = self._tensor(spec.x1_dataset)
+            x2 = None if spec.x2_dataset is None else self._tensor(spec.x2_dataset)
+            work = JobWork(job_id=job_id, spec=spec, plan=plan, result_path=self.jobs_dir / job_id / RESULT_ARRAY_NAME)
+            used = set((record.implementation_used or "").split(",")) - {""}
+            self.executor.run(work, module, x1, x2, tiles, _Callbacks(self, job_id, used))
+        except Exception as exc:  # noqa: BLE001 - any failure of a tile fails the job with its message
+            message = exc.message if isinstance(exc, NtkServiceError) else f"{type(exc).__name__}: {exc}"
+            if not self._stopping.is_set():
+                logger.warning("jobs: %s failed: %s", job_id, message)
+                self.store.set_status(job_id, JobStatus.FAILED, error=message)
+        else:
+            self._finish(job_id, used)
+        finally:
+            with self._lock:
+                self._runs.pop(job_id, None)
+            self._bump(job_id)
+
+    def _finish(self, job_id: str, used: set[str]) -> None:
+        if self._is_cancelled(job_id):
+            return
+        if self._stopping.is_set():
+            self.store.release_running_tiles(job_id)  # resumed at the next start, see NOTE [resume]
+            return
+        record = self.store.get_job(job_id)
+        if record.tiles_done < record.tiles_total:
+            self.store.set_status(
+                job_id, JobStatus.FAILED, error=f"{record.tiles_total - record.tiles_done} tile(s) were not computed"
+            )
+            return
+        array = ResultArray.open(self.jobs_dir / job_id / RESULT_ARRAY_NAME, plan=plan_of(record.spec))
+        array.update_attributes({"implementation_used": sorted(used)})
+        self.store.set_status(job_id, JobStatus.SUCCEEDED, only_from=[JobStatus.RUNNING])
+        seconds = sum(self.store.tile_seconds(job_id))
+        logger.info("jobs: %s succeeded (%d tiles, %.1f tile-seconds)", job_id, record.tiles_total, seconds)
+
+
+def _attributes(job: JobRecord) -> dict[str, Any]:
+    spec = job.spec
+    return {
+        "job_id": job.id,
+        "model": spec.model,
+        "version": spec.version,
+        "weights_sha256": spec.weights_sha256,
+        "x1_dataset": spec.x1_dataset,
+        "x1_sha256": spec.x1_sha256,
+        "x2_dataset": spec.x2_dataset,
+        "x2_sha256": spec.x2_sha256,
+        "symmetric": spec.is_symmetric,
+        "mode": spec.mode,
+        "implementation": spec.implementation,
+        "implementation_used": [],
+        "dtype": spec.dtype,
+        "params": spec.params,
+        "k": spec.k,
+        "tile_size": spec.tile_size,
+        "memory_budget_bytes": spec.memory_budget_bytes,
+        "tiles_total": job.tiles_total,
+    }

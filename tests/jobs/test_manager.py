@@ -1,0 +1,216 @@
+"""JobManager with the local executor: results against the float64 reference and against direct compute_ntk calls
+on the same tiles (bitwise), cancellation, resume, disk budget, validation at submission, progress events."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ntk_service.errors import (
+    DatasetNotFound,
+    DiskEstimateExceeded,
+    InvalidInput,
+    JobNotFinished,
+    ModelNotFound,
+    NoMatchingParameters,
+    ShapeMismatch,
+    UnknownMode,
+)
+from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
+from ntk_service.jobs.manager import plan_of
+from ntk_service.jobs.results import mirror_theta
+from ntk_service.kernels import KernelMode, compute_ntk
+from tests.jobs.conftest import JobsEnv, wait_finished
+from tests.reference import reference_ntk
+
+CASES = [
+    ("full", True),
+    ("full", False),
+    ("trace", True),
+    ("trace", False),
+    ("output_diagonal", True),
+    ("output_diagonal", False),
+    ("example_diagonal", True),
+]
+
+
+@pytest.mark.parametrize(("mode", "symmetric"), CASES)
+def test_job_equals_reference_and_each_tile_equals_compute_ntk_bitwise(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager], mode: str, symmetric: bool
+) -> None:
+    manager = make_manager()
+    x2_id = None if symmetric else jobs_env.x2_id
+    job = manager.submit(
+        model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=x2_id, mode=mode, dtype="float64", tile_size=4
+    )
+    record = wait_finished(manager, job.id)
+    assert record.status is JobStatus.SUCCEEDED, record.error
+    theta = manager.read_result(job.id)
+    _, model = jobs_env.registry.load_module("tiny")
+    x1 = torch.from_numpy(jobs_env.x1)
+    x2 = None if symmetric else torch.from_numpy(jobs_env.x2)
+    expected = reference_ntk(model, x1, x2, mode=mode).numpy()
+    assert theta.shape == expected.shape == tuple(record.result_shape)
+    np.testing.assert_allclose(theta, expected, rtol=1e-10, atol=1e-12)
+    kernel_mode = KernelMode(mode)
+    if symmetric and kernel_mode is not KernelMode.EXAMPLE_DIAGONAL:
+        np.testing.assert_array_equal(theta, mirror_theta(theta, kernel_mode))
+    plan = plan_of(record.spec)
+    for tile in plan.tiles:  # the same tile computations as a direct call: the same bits
+        (r0, r1), (c0, c1) = tile.rows, tile.cols
+        right = None if tile.is_diagonal else (x1 if x2 is None else x2)[c0:c1]
+        direct = compute_ntk(
+            model, x1[r0:r1], right, mode=mode, dtype="float64", memory_budget_bytes=record.spec.memory_budget_bytes
+        ).theta.numpy()
+        got = theta[r0:r1] if kernel_mode is KernelMode.EXAMPLE_DIAGONAL else theta[r0:r1, c0:c1]
+        np.testing.assert_array_equal(got, direct)
+    assert set(manager.store.tile_attempts(job.id).values()) == {1}
+    assert record.tiles_done == record.tiles_total == len(plan.tiles)
+    assert manager.eta_s(record) == 0.0
+
+
+def test_result_attributes_and_implementation_used(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
+    manager = make_manager()
+    job = manager.submit(
+        model="tiny",
+        x1_dataset=jobs_env.x1_id,
+        x2_dataset=jobs_env.x2_id,
+        mode="trace",
+        implementation="ntk_vector_products",
+        tile_size=5,
+    )
+    record = wait_finished(manager, job.id)
+    assert record.implementation_used == "ntk_vector_products"
+    _, array = manager.open_result(job.id)
+    attrs = array.attributes
+    assert attrs["model"] == "tiny" and attrs["version"] == 1
+    assert attrs["x1_sha256"] == jobs_env.datasets.get(jobs_env.x1_id).sha256
+    assert attrs["x2_sha256"] == jobs_env.datasets.get(jobs_env.x2_id).sha256
+    assert (attrs["mode"], attrs["implementation"], attrs["dtype"]) == ("trace", "ntk_vector_products", "float32")
+    assert attrs["implementation_used"] == ["ntk_vector_products"]
+    assert array.read().dtype == np.float32
+
+
+class _Gate:
+    """A run_compute that lets ``free`` tiles through, then blocks the next one until ``release``."""
+
+    def __init__(self, free: int) -> None:
+        self.free, self.calls = free, 0
+        self.blocked, self.go = threading.Event(), threading.Event()
+
+    def __call__(self, fn: Callable[[], Any]) -> Any:
+        self.calls += 1
+        if self.calls > self.free:
+            self.blocked.set()
+            self.go.wait(30)
+        return fn()
+
+
+def test_cancel_stops_at_the_tile_boundary(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
+    gate = _Gate(free=2)
+    manager = make_manager(LocalExecutor(run_compute=gate))
+    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=2)  # 21 tiles
+    assert gate.blocked.wait(30)
+    cancelled = manager.cancel(job.id)
+    assert cancelled.status is JobStatus.CANCELLED
+    gate.go.set()  # the running tile finishes and is kept; no further tile starts
+    manager.stop()
+    record = manager.get(job.id)
+    assert record.status is JobStatus.CANCELLED and record.finished_at is not None
+    assert record.tiles_done == 3 < record.tiles_total == 21
+    assert sum(manager.store.tile_attempts(job.id).values()) == 3
+    with pytest.raises(JobNotFinished, match="is cancelled"):
+        manager.read_result(job.id)
+    assert manager.cancel(job.id).status is JobStatus.CANCELLED  # idempotent
+
+
+def test_resume_computes_only_missing_tiles_and_matches_an_uninterrupted_run(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    gate = _Gate(free=4)
+    first = make_manager(LocalExecutor(run_compute=gate))
+    job = first.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=3)  # 10 tiles
+    assert gate.blocked.wait(30)
+    stopper = threading.Thread(target=first.stop)
+    stopper.start()
+    gate.go.set()
+    stopper.join(30)
+    interrupted = first.get(job.id)
+    assert interrupted.status is JobStatus.RUNNING and interrupted.tiles_done == 5
+    second = make_manager()  # a new process would do the same: start() resumes unfinished jobs
+    resumed = wait_finished(second, job.id)
+    assert resumed.status is JobStatus.SUCCEEDED
+    assert set(second.store.tile_attempts(job.id).values()) == {1}  # nothing computed twice
+    again = second.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=3)
+    wait_finished(second, again.id)
+    np.testing.assert_array_equal(second.read_result(job.id), second.read_result(again.id))
+
+
+def test_two_workers_give_the_same_bits(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
+    one = make_manager()
+    a = one.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full", tile_size=2)
+    wait_finished(one, a.id)
+    one.stop()
+    two = make_manager(LocalExecutor(workers=2))
+    b = two.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full", tile_size=2)
+    assert wait_finished(two, b.id).status is JobStatus.SUCCEEDED
+    np.testing.assert_array_equal(two.read_result(a.id), two.read_result(b.id))
+
+
+def test_disk_budget_refuses_up_front_with_the_estimate(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    manager = make_manager(disk_budget_bytes=1000)
+    with pytest.raises(DiskEstimateExceeded, match=r"needs 2\.71 KiB on disk") as info:
+        manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full")
+    assert (info.value.estimate_bytes, info.value.budget_bytes) == (11 * 7 * 9 * 4, 1000)
+    assert manager.list() == []
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"mode": "diag"}, UnknownMode, "unknown mode 'diag'"),
+        ({"dtype": "float16"}, InvalidInput, "dtype 'float16' is not supported"),
+        ({"params": ["nope.*"]}, NoMatchingParameters, "nope"),
+        ({"model": "missing"}, ModelNotFound, "missing"),
+        ({"x1_dataset": "ds_000000000000000000000000"}, DatasetNotFound, "ds_0000"),
+        ({"mode": "example_diagonal", "x2_dataset": "X2"}, InvalidInput, "uses no x2"),
+        ({"tile_size": 0}, InvalidInput, "tile_size must be ≥ 1"),
+    ],
+)
+def test_bad_jobs_are_refused_at_submission(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager], options: dict[str, Any], error: type, match: str
+) -> None:
+    manager = make_manager()
+    args: dict[str, Any] = {"model": "tiny", "x1_dataset": jobs_env.x1_id, **options}
+    if args.get("x2_dataset") == "X2":
+        args["x2_dataset"] = jobs_env.x2_id
+    with pytest.raises(error, match=match):
+        manager.submit(**args)
+    assert manager.list() == []
+
+
+def test_x2_with_other_example_shape_is_refused(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
+    other = jobs_env.datasets.create(np.zeros((3, 5), dtype=np.float32)).id
+    with pytest.raises(ShapeMismatch, match=r"examples of shape \(5,\).*has \(4,\)"):
+        make_manager().submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=other)
+
+
+def test_progress_events_advance_until_the_job_ends(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
+    manager = make_manager(start=False)
+    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=3)
+    seen = manager.version(job.id)
+    assert manager.wait_for_change(job.id, seen, timeout=0.05) == seen  # queued, nothing runs yet
+    manager.start()
+    progress = []
+    while not manager.get(job.id).is_finished:
+        seen = manager.wait_for_change(job.id, seen, timeout=5)
+        progress.append(manager.get(job.id).tiles_done)
+    assert progress == sorted(progress) and progress[-1] == 10
+    assert manager.get(job.id).status is JobStatus.SUCCEEDED

@@ -1,0 +1,90 @@
+"""The Zarr result array: one chunk per tile, attributes, slices, exact mirroring of symmetric jobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from ntk_service.errors import InvalidInput
+from ntk_service.jobs.planner import plan_tiles
+from ntk_service.jobs.results import ResultArray, mirror_theta, parse_range
+from ntk_service.kernels import KernelMode
+
+MODES = [KernelMode.FULL, KernelMode.TRACE, KernelMode.OUTPUT_DIAGONAL]
+
+
+def _symmetric_kernel(mode: KernelMode, n: int, k: int) -> np.ndarray:
+    # A random Gram matrix J Jᵀ of the mode's shape: symmetric in the sense of NOTE [symmetric reads].
+    j = np.random.default_rng(1).standard_normal((n, k, 5))
+    full = np.einsum("naf,mbf->nmab", j, j)
+    if mode is KernelMode.FULL:
+        return full
+    diag = np.einsum("nmaa->nma", full)
+    return diag.sum(-1) if mode is KernelMode.TRACE else diag
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_symmetric_job_stores_upper_tiles_and_reads_the_exact_mirror(tmp_path: Path, mode: KernelMode) -> None:
+    n, k = 10, 2
+    plan = plan_tiles(n=n, m=None, tile_size=4, mode=mode)
+    theta = _symmetric_kernel(mode, n, k)
+    array = ResultArray.create(tmp_path / "a.zarr", plan=plan, k=k, dtype="float64", attributes={"model": "m"})
+    for tile in plan.tiles:
+        array.write_tile(tile, theta[tile.rows[0] : tile.rows[1], tile.cols[0] : tile.cols[1]])
+    chunks = sorted(
+        p.relative_to(tmp_path / "a.zarr" / "c") for p in (tmp_path / "a.zarr" / "c").rglob("*") if p.is_file()
+    )
+    assert len(chunks) == len(plan.tiles) == 6  # the lower triangle is never written
+    reopened = ResultArray.open(tmp_path / "a.zarr", plan=plan)
+    whole = reopened.read()
+    np.testing.assert_array_equal(whole, theta)
+    np.testing.assert_array_equal(whole, mirror_theta(whole, mode))  # exactly symmetric
+    np.testing.assert_array_equal(reopened.read(rows=(5, 10), cols=(1, 6)), theta[5:10, 1:6])
+    np.testing.assert_array_equal(reopened.read(rows=(9, 10), cols=(0, 1)), theta[9:10, 0:1])
+    assert reopened.attributes == {"model": "m"}
+
+
+def test_diagonal_tiles_are_made_exactly_symmetric(tmp_path: Path) -> None:
+    plan = plan_tiles(n=3, m=None, tile_size=3, mode=KernelMode.FULL)
+    block = np.random.default_rng(2).standard_normal((3, 3, 2, 2))  # not symmetric at all
+    array = ResultArray.create(tmp_path / "a.zarr", plan=plan, k=2, dtype="float64", attributes={})
+    array.write_tile(plan.tiles[0], block)
+    stored = array.read()
+    np.testing.assert_array_equal(stored, mirror_theta(stored, KernelMode.FULL))
+    upper = np.triu(np.ones((6, 6), dtype=bool))
+    as_matrix = stored.transpose(0, 2, 1, 3).reshape(6, 6)
+    np.testing.assert_array_equal(as_matrix[upper], block.transpose(0, 2, 1, 3).reshape(6, 6)[upper])
+
+
+def test_rectangular_job_reads_slices(tmp_path: Path) -> None:
+    plan = plan_tiles(n=10, m=7, tile_size=4, mode=KernelMode.OUTPUT_DIAGONAL)
+    theta = np.random.default_rng(3).standard_normal((10, 7, 3)).astype(np.float32)
+    array = ResultArray.create(tmp_path / "a.zarr", plan=plan, k=3, dtype="float32", attributes={})
+    for tile in plan.tiles:
+        array.write_tile(tile, theta[tile.rows[0] : tile.rows[1], tile.cols[0] : tile.cols[1]])
+    np.testing.assert_array_equal(array.read(), theta)
+    np.testing.assert_array_equal(array.read(rows=(3, 9), cols=(2, 5)), theta[3:9, 2:5])
+    assert zarr.open_array(str(tmp_path / "a.zarr")).chunks == (4, 4, 3)
+
+
+def test_example_diagonal_has_no_columns(tmp_path: Path) -> None:
+    plan = plan_tiles(n=5, m=None, tile_size=2, mode=KernelMode.EXAMPLE_DIAGONAL)
+    array = ResultArray.create(tmp_path / "a.zarr", plan=plan, k=2, dtype="float32", attributes={})
+    with pytest.raises(InvalidInput, match="no column axis"):
+        array.read(cols=(0, 1))
+
+
+def test_parse_range() -> None:
+    assert parse_range(None, 10, axis="rows") == (0, 10)
+    assert parse_range("2:5", 10, axis="rows") == (2, 5)
+    assert parse_range(":3", 10, axis="rows") == (0, 3)
+    assert parse_range("7:", 10, axis="cols") == (7, 10)
+    with pytest.raises(InvalidInput, match=r"cols='a:b' is not a range 'a:b' of integers"):
+        parse_range("a:b", 10, axis="cols")
+    with pytest.raises(InvalidInput, match=r"expected 0 ≤ a < b ≤ 10"):
+        parse_range("5:11", 10, axis="rows")
+    with pytest.raises(InvalidInput, match="not a range"):
+        parse_range("5", 10, axis="rows")
