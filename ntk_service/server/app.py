@@ -1,0 +1,134 @@
+"""The app factory and its lifespan: ``create_app(settings)`` builds a FastAPI app, ``serve(settings)`` runs
+it.
+
+Objects with a lifetime (the model registry, the data-set store, the side cache, the compute limiter) are
+built in the lifespan, stored on ``app.state`` and reached through ``deps``; ``/readyz`` answers 503 until
+they exist. Nothing is built at import time, so two apps in one process (tests) share nothing.
+
+    >>> app = create_app(Settings(data_dir=tmp_path))  # doctest: +SKIP
+    >>> serve(Settings(host="0.0.0.0", api_keys="secret:write"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio.to_thread
+import uvicorn
+from fastapi import FastAPI
+
+from ntk_service.config import LOOPBACK_HOSTS, Settings
+from ntk_service.kernels import SideCache
+from ntk_service.registry import DatasetStore, ModelRegistry
+from ntk_service.server.auth import KeyRing
+from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
+from ntk_service.server.errors import install_error_handlers
+from ntk_service.server.media import BodyLimitMiddleware
+from ntk_service.server.metrics import Metrics, MetricsMiddleware
+from ntk_service.server.routes import architectures, datasets, health, kernels, models
+
+__all__ = ["check_bind_address", "create_app", "serve"]
+
+logger = logging.getLogger(__name__)
+
+API_DESCRIPTION = """\
+Empirical neural tangent kernels Θ(x1, x2) = J(x1) J(x2)ᵀ of registered PyTorch models.
+
+Send `Authorization: Bearer <key>`; `read` keys list and compute, `write` keys also register, upload and
+delete. Tensors travel as JSON `{"shape", "dtype", "data"}` or as `application/x-npy` /
+`application/x-safetensors` bodies; responses follow `Accept`. Errors are `{"error": {"type", "message"}}`.
+"""
+
+
+def check_bind_address(settings: Settings) -> None:
+    """Refuse to serve an open server (no API keys) on anything but loopback.
+
+    Raises:
+        ValueError: ``settings.host`` is not loopback and no key is configured; the message says how to fix
+        it.
+    """
+    if settings.is_open and settings.host not in LOOPBACK_HOSTS:
+        raise ValueError(
+            f"serve: refusing to bind {settings.host!r} without API keys (anyone on the network "
+            "could register "
+            "models and use the CPU); set NTK_API_KEYS='<key>:write,<key>:read' or NTK_API_KEY_FILE, "
+            "or bind 127.0.0.1"
+        )
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: Settings = app.state.settings
+    configure_torch_threads(settings.torch_threads())
+
+    def open_stores() -> tuple[ModelRegistry, DatasetStore]:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        registry = ModelRegistry(settings.data_dir, allowed_factories=settings.allowed_factories)
+        return registry, DatasetStore(settings.data_dir)
+
+    registry, datasets = await anyio.to_thread.run_sync(open_stores)
+    app.state.registry = registry
+    app.state.datasets = datasets
+    app.state.side_cache = SideCache(max_bytes=settings.side_cache_bytes)
+    app.state.metrics.watch_side_cache(app.state.side_cache)
+    app.state.limiter = ComputeLimiter(
+        concurrency=settings.compute_concurrency, max_queue=settings.max_queue, metrics=app.state.metrics
+    )
+    if app.state.keyring.is_open:
+        logger.warning(
+            "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
+            "the server is reachable from this machine only"
+        )
+    logger.info("ntk-service ready: data in %s, %d compute slot(s)", settings.data_dir, settings.compute_concurrency)
+    app.state.ready = True
+    try:
+        yield
+    finally:
+        app.state.ready = False
+        registry.close()
+        datasets.close()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the FastAPI app for ``settings`` (registry and stores open in its lifespan).
+
+    Args:
+        settings: the whole configuration; nothing is read from the environment here.
+
+    Returns:
+        The app, ready for uvicorn (or ``httpx.ASGITransport`` with the lifespan run by the caller).
+
+    Raises:
+        ValueError: an open server on a non-loopback host (see ``check_bind_address``).
+    """
+    check_bind_address(settings)
+    app = FastAPI(title="ntk-service", description=API_DESCRIPTION, version="0.1.0", lifespan=_lifespan)
+    app.state.settings = settings
+    app.state.keyring = KeyRing(settings.api_key_scopes())
+    app.state.metrics = Metrics()
+    app.state.ready = False
+    install_error_handlers(app)
+    # add_middleware puts the newest outermost: metrics see every response, 413s included.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    for module in (health, architectures, models, datasets, kernels):
+        app.include_router(module.router)
+    return app
+
+
+def serve(settings: Settings) -> None:
+    """Run the service with uvicorn on ``settings.host:settings.port`` until interrupted.
+
+    Raises:
+        ValueError: an open server on a non-loopback host (see ``check_bind_address``).
+    """
+    check_bind_address(settings)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=30,
+    )

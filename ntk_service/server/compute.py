@@ -1,0 +1,103 @@
+"""Bounded concurrency for CPU-bound kernel computations.
+
+A computation runs in a worker thread (``anyio.to_thread.run_sync``) so the event loop keeps answering
+``/healthz`` and other requests; at most ``concurrency`` run at once (an ``anyio.CapacityLimiter``) and at
+most ``max_queue`` more may wait. Beyond that the request is refused at once with ``Busy`` (429 +
+``Retry-After``) instead of queueing without bound: a client that retries later is better served than one
+whose request times out.
+
+NOTE [threads]: torch's intra-op pool is process-wide; ``configure_torch_threads`` sizes it so that
+threads × concurrent computations ≈ cores (measured: two 2-thread computations on 2 cores run slower than one
+after the other).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import anyio.to_thread
+import torch
+
+from ntk_service.errors import Busy
+from ntk_service.server.metrics import Metrics
+
+__all__ = ["ComputeLimiter", "configure_torch_threads"]
+
+T = TypeVar("T")
+
+_INITIAL_SECONDS_ESTIMATE = 1.0
+"""Guess of one computation's duration before any has finished (used only for Retry-After)."""
+
+_EWMA_WEIGHT = 0.3
+"""Weight of the newest duration in the running average behind Retry-After."""
+
+
+def configure_torch_threads(threads: int) -> None:
+    """Set torch's intra-op thread count (process-wide) for ``threads`` threads per computation."""
+    torch.set_num_threads(max(1, threads))
+
+
+class ComputeLimiter:
+    """Runs synchronous computations off the event loop, ``concurrency`` at a time, ``max_queue`` waiting.
+
+    Args:
+        concurrency: computations allowed to run at once (≥ 1).
+        max_queue: requests allowed to wait for a slot; one more is refused with ``Busy``.
+        metrics: gauges ``in_flight``/``waiting`` and the rejection counter are kept here.
+    """
+
+    def __init__(self, *, concurrency: int, max_queue: int, metrics: Metrics) -> None:
+        self.concurrency = concurrency
+        self.max_queue = max_queue
+        self._limiter = anyio.CapacityLimiter(concurrency)
+        self._metrics = metrics
+        self._pending = 0  # running + waiting; only touched on the event loop thread, so no lock
+        self._mean_seconds = _INITIAL_SECONDS_ESTIMATE
+
+    @property
+    def pending(self) -> int:
+        """Computations running or waiting right now."""
+        return self._pending
+
+    def retry_after_s(self) -> float:
+        """Seconds until a slot is likely free: the queue ahead, drained ``concurrency`` at a time."""
+        rounds = (self._pending + 1) / self.concurrency
+        return max(1.0, math.ceil(rounds * self._mean_seconds))
+
+    async def run(self, fn: Callable[[], T], *, operation: str) -> T:
+        """Run ``fn()`` in a worker thread once a slot is free; return its result (its exceptions propagate).
+
+        Raises:
+            Busy: ``concurrency`` computations run and ``max_queue`` wait already (429, with Retry-After).
+        """
+        if self._pending >= self.concurrency + self.max_queue:
+            self._metrics.computes_rejected.inc()
+            raise Busy(
+                f"{operation}: the server is at capacity "
+                f"({self.concurrency} computing, {self.max_queue} waiting); "
+                f"retry after the Retry-After delay, or send smaller requests",
+                retry_after_s=self.retry_after_s(),
+            )
+        self._pending += 1
+        self._metrics.computes_waiting.inc()
+        waiting = True
+        try:
+            async with self._limiter:
+                self._metrics.computes_waiting.dec()
+                waiting = False
+                self._metrics.computes_in_flight.inc()
+                start = time.perf_counter()
+                try:
+                    return await anyio.to_thread.run_sync(fn)
+                finally:
+                    elapsed = time.perf_counter() - start
+                    self._mean_seconds += _EWMA_WEIGHT * (elapsed - self._mean_seconds)
+                    self._metrics.computes_in_flight.dec()
+        finally:
+            if waiting:
+                self._metrics.computes_waiting.dec()
+            self._pending -= 1

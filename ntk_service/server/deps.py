@@ -1,0 +1,99 @@
+"""``Annotated`` dependencies: the lifespan's objects (from ``app.state``) and the auth scopes.
+
+Routes declare what they need by type, e.g. ``def list_models(_: ReadAccess, registry: RegistryDep)``; nothing
+here holds state of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from ntk_service.config import Scope, Settings
+from ntk_service.errors import ServiceUnavailable
+from ntk_service.kernels import SideCache
+from ntk_service.registry import DatasetStore, ModelRegistry
+from ntk_service.server.auth import KeyRing, Principal
+from ntk_service.server.compute import ComputeLimiter
+from ntk_service.server.metrics import Metrics
+
+__all__ = [
+    "ComputeDep",
+    "DatasetsDep",
+    "MetricsDep",
+    "ReadAccess",
+    "RegistryDep",
+    "SettingsDep",
+    "SideCacheDep",
+    "WriteAccess",
+]
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="An API key from the operator (NTK_API_KEYS): 'read' lists and computes, 'write' also changes.",
+)
+
+
+def _state(request: Request, name: str) -> Any:
+    value = getattr(request.app.state, name, None)
+    if value is None:
+        raise ServiceUnavailable(
+            f"{request.method} {request.url.path}: the server is not ready (starting or stopping); retry shortly",
+            retry_after_s=1,
+        )
+    return value
+
+
+async def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+async def _registry(request: Request) -> ModelRegistry:
+    registry: ModelRegistry = _state(request, "registry")
+    return registry
+
+
+async def _datasets(request: Request) -> DatasetStore:
+    datasets: DatasetStore = _state(request, "datasets")
+    return datasets
+
+
+async def _compute(request: Request) -> ComputeLimiter:
+    limiter: ComputeLimiter = _state(request, "limiter")
+    return limiter
+
+
+async def _side_cache(request: Request) -> SideCache:
+    cache: SideCache = _state(request, "side_cache")
+    return cache
+
+
+async def _metrics(request: Request) -> Metrics:
+    metrics: Metrics = request.app.state.metrics
+    return metrics
+
+
+def _authorizer(needed: Scope) -> Any:
+    async def authorize(
+        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    ) -> Principal:
+        keyring: KeyRing = request.app.state.keyring
+        token = credentials.credentials if credentials is not None else None
+        return keyring.authorize(token, needed, operation=f"{request.method} {request.url.path}")
+
+    return authorize
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]
+RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
+DatasetsDep = Annotated[DatasetStore, Depends(_datasets)]
+ComputeDep = Annotated[ComputeLimiter, Depends(_compute)]
+SideCacheDep = Annotated[SideCache, Depends(_side_cache)]
+MetricsDep = Annotated[Metrics, Depends(_metrics)]
+ReadAccess = Annotated[Principal, Depends(_authorizer("read"))]
+"""The caller, holding a ``read`` (or ``write``) key: 401 without a valid key."""
+WriteAccess = Annotated[Principal, Depends(_authorizer("write"))]
+"""The caller, holding a ``write`` key: 401 without a valid key, 403 with a ``read`` key."""

@@ -1,0 +1,206 @@
+"""Content negotiation: request bodies by ``Content-Type``, responses by ``Accept``, and the body-size limit.
+
+Bodies are read and decoded here with the ``wire`` codecs (never through pydantic for tensors); responses are
+encoded with ``wire.json_dumps`` (orjson) or the binary codecs. Every failure is a domain error, so the client
+sees 400 (unparsable), 406 (no acceptable response type), 413 (too large) or 415 (wrong Content-Type).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ntk_service import wire
+from ntk_service.errors import (
+    InvalidInput,
+    NotAcceptable,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    format_bytes,
+)
+from ntk_service.server.errors import error_response
+
+__all__ = [
+    "BINARY_TENSOR_TYPES",
+    "BodyLimitMiddleware",
+    "content_type",
+    "json_response",
+    "negotiate",
+    "pop_tensor",
+    "read_json",
+    "read_tensors",
+    "require_content_type",
+]
+
+BINARY_TENSOR_TYPES = (wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
+"""Binary media types a tensor body or response may use."""
+
+
+def content_type(request: Request) -> str:
+    """The request's media type without parameters, lower case; ``""`` when absent."""
+    return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+
+
+def require_content_type(request: Request, allowed: Sequence[str], *, operation: str) -> str:
+    """The request's media type if it is one of ``allowed``.
+
+    Raises:
+        UnsupportedMediaType: missing or other Content-Type (415), naming the allowed ones.
+    """
+    media = content_type(request)
+    if media not in allowed:
+        got = repr(media) if media else "no Content-Type"
+        raise UnsupportedMediaType(
+            f"{operation}: expected Content-Type {' or '.join(allowed)}, got {got}; "
+            "set the Content-Type header to match the body"
+        )
+    return media
+
+
+async def read_json(request: Request, *, operation: str) -> Any:
+    """The parsed JSON body (orjson).
+
+    Raises:
+        UnsupportedMediaType: Content-Type is not application/json (415).
+        MalformedRequest: the body is not valid JSON (400).
+    """
+    require_content_type(request, (wire.MEDIA_JSON,), operation=operation)
+    return wire.json_loads(await request.body(), name=f"{operation}: body")
+
+
+async def read_tensors(request: Request, *, operation: str, npy_name: str) -> dict[str, np.ndarray]:
+    """Named arrays from an ``application/x-npy`` body (one array, named ``npy_name``) or a safetensors body.
+
+    Raises:
+        UnsupportedMediaType: another Content-Type (415).
+        MalformedRequest: the body cannot be decoded (400).
+        InvalidInput: a dtype that cannot travel on the wire (422).
+    """
+    media = require_content_type(request, BINARY_TENSOR_TYPES, operation=operation)
+    body = await request.body()
+    if media == wire.MEDIA_NPY:
+        return {npy_name: wire.decode_npy(body, name=f"{operation}: body")}
+    tensors, _ = wire.decode_safetensors(body, name=f"{operation}: body")
+    return tensors
+
+
+def pop_tensor(tensors: dict[str, np.ndarray], name: str, *, operation: str, required: bool) -> np.ndarray | None:
+    """Remove and return ``tensors[name]``; ``None`` if absent and not ``required``.
+
+    Raises:
+        InvalidInput: a required tensor is missing (422), naming the tensors that came.
+    """
+    array = tensors.pop(name, None)
+    if array is None and required:
+        raise InvalidInput(
+            f"{operation}: the safetensors body has no tensor {name!r} (it has {sorted(tensors) or 'none'}); "
+            f"name the tensor {name!r}"
+        )
+    return array
+
+
+def _parse_accept(header: str) -> list[tuple[str, float]]:
+    ranges: list[tuple[str, float]] = []
+    for part in header.split(","):
+        fields = [f.strip() for f in part.split(";")]
+        media = fields[0].lower()
+        if not media:
+            continue
+        q = 1.0
+        for param in fields[1:]:
+            key, _, value = param.partition("=")
+            if key.strip().lower() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        ranges.append((media, q))
+    return ranges
+
+
+def _quality(offer: str, ranges: list[tuple[str, float]]) -> float:
+    """q of the most specific range matching ``offer`` (exact beats ``type/*`` beats ``*/*``)."""
+    kind = offer.split("/", 1)[0]
+    best: tuple[int, float] | None = None
+    for media, q in ranges:
+        specificity = 2 if media == offer else 1 if media == f"{kind}/*" else 0 if media == "*/*" else -1
+        if specificity >= 0 and (best is None or specificity > best[0]):
+            best = (specificity, q)
+    return best[1] if best is not None else 0.0
+
+
+def negotiate(request: Request, offered: Sequence[str], *, operation: str) -> str:
+    """The response media type: the offered type the client's ``Accept`` ranks highest (ties: offer order).
+
+    Args:
+        request: the request whose ``Accept`` header is read; absent or empty means ``offered[0]``.
+        offered: media types this route can produce, preferred first.
+        operation: names the route in the error message.
+
+    Raises:
+        NotAcceptable: no offered type is acceptable (406), naming the offered ones.
+    """
+    header = request.headers.get("accept", "").strip()
+    if not header:
+        return offered[0]
+    ranges = _parse_accept(header)
+    scored = [(_quality(offer, ranges), -i, offer) for i, offer in enumerate(offered)]
+    q, _, best = max(scored)
+    if q <= 0:
+        raise NotAcceptable(
+            f"{operation}: cannot produce any of Accept: {header!r}; this route offers {', '.join(offered)}"
+        )
+    return best
+
+
+def json_response(content: Any, *, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """``content`` serialized by orjson (numpy arrays written natively) as an application/json response."""
+    return Response(wire.json_dumps(content), status_code=status_code, media_type=wire.MEDIA_JSON, headers=headers)
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``max_bytes`` with 413 and the usual JSON error body.
+
+    A declared ``Content-Length`` over the limit is answered before the body is read; a chunked body is
+    counted as it arrives and the read fails with ``PayloadTooLarge``, which the error handlers render.
+    (FastAPI's own ``max_body_size`` answers plain text, and rewrites any response to an over-long request
+    into it.)
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self, size: str) -> str:
+        return (
+            f"request body of {size} exceeds the server's limit of {format_bytes(self.max_bytes)} "
+            "(NTK_MAX_BODY_BYTES); upload large inputs as a data set in several parts, or ask the operator"
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            response = error_response(413, "payload_too_large", self._message(format_bytes(int(declared))))
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_with_limit() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise PayloadTooLarge(self._message(f"more than {format_bytes(self.max_bytes)}"))
+            return message
+
+        await self.app(scope, receive_with_limit, send)

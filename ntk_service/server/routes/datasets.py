@@ -1,0 +1,71 @@
+"""Data set routes: upload inputs once (.npy or safetensors), then reference rows of them in kernel
+requests."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio.to_thread
+from fastapi import APIRouter, Path, Query, Request
+from starlette.responses import Response
+
+from ntk_service import wire
+from ntk_service.server.deps import DatasetsDep, ReadAccess, WriteAccess
+from ntk_service.server.media import json_response, pop_tensor, read_tensors
+from ntk_service.server.schemas import DatasetPublic, DatasetsPublic
+
+__all__ = ["router"]
+
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+
+DatasetIdParam = Annotated[str, Path(description="The id returned by POST /v1/datasets.")]
+
+DATASET_TENSOR = "x"
+"""Name of the tensor in a safetensors upload (an .npy upload is one array)."""
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=DatasetPublic,
+    summary="Upload a data set: an .npy body, or a safetensors body with tensor 'x'",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                wire.MEDIA_NPY: {"schema": {"type": "string", "format": "binary"}},
+                wire.MEDIA_SAFETENSORS: {"schema": {"type": "string", "format": "binary"}},
+            },
+        }
+    },
+)
+async def upload_dataset(
+    request: Request,
+    _: WriteAccess,
+    datasets: DatasetsDep,
+    name: Annotated[str | None, Query(max_length=128, description="Optional human-readable name.")] = None,
+) -> Response:
+    operation = "upload data set"
+    tensors = await read_tensors(request, operation=operation, npy_name=DATASET_TENSOR)
+    x = pop_tensor(tensors, DATASET_TENSOR, operation=operation, required=True)
+    record = await anyio.to_thread.run_sync(lambda: datasets.create(x, name=name))
+    public = record.to_public()
+    return json_response(public, status_code=201, headers={"Location": f"/v1/datasets/{public['id']}"})
+
+
+@router.get("", response_model=DatasetsPublic, summary="List data sets")
+async def list_datasets(_: ReadAccess, datasets: DatasetsDep) -> Response:
+    records = await anyio.to_thread.run_sync(datasets.list)
+    return json_response({"data": [r.to_public() for r in records], "count": len(records)})
+
+
+@router.get("/{dataset_id}", response_model=DatasetPublic, summary="Show a data set")
+async def get_dataset(dataset_id: DatasetIdParam, _: ReadAccess, datasets: DatasetsDep) -> Response:
+    record = await anyio.to_thread.run_sync(lambda: datasets.get(dataset_id))
+    return json_response(record.to_public())
+
+
+@router.delete("/{dataset_id}", status_code=204, summary="Delete a data set")
+async def delete_dataset(dataset_id: DatasetIdParam, _: WriteAccess, datasets: DatasetsDep) -> Response:
+    await anyio.to_thread.run_sync(lambda: datasets.delete(dataset_id))
+    return Response(status_code=204)

@@ -1,0 +1,310 @@
+"""``POST /v1/models/{name}/ntk``: the kernel Θ(x1, x2) of a registered model version.
+
+Inputs come inline (JSON tensors, or ``x1``/``x2`` tensors of an .npy / safetensors body with the options as
+query parameters) or as row ranges of stored data sets. They are checked against the model's input shape and
+dtype before anything is computed; the computation runs off the event loop under the compute limiter, with the
+shared side cache keyed by model version and input content, so a repeated request against the same data set
+reuses that side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import anyio.to_thread
+import numpy as np
+import torch
+from fastapi import APIRouter, Path, Query, Request
+from starlette.responses import Response
+
+from ntk_service import wire
+from ntk_service.errors import InvalidInput, NotAcceptable, NtkServiceError, ShapeMismatch, format_bytes
+from ntk_service.kernels import KernelMode, NtkImplementation, NtkResult, compute_ntk
+from ntk_service.kernels.modes import result_shape
+from ntk_service.registry import DatasetStore, ModelRecord
+from ntk_service.server.deps import (
+    ComputeDep,
+    DatasetsDep,
+    MetricsDep,
+    ReadAccess,
+    RegistryDep,
+    SettingsDep,
+    SideCacheDep,
+)
+from ntk_service.server.media import (
+    BINARY_TENSOR_TYPES,
+    content_type,
+    negotiate,
+    pop_tensor,
+    read_json,
+    read_tensors,
+)
+from ntk_service.server.schemas import (
+    DatasetRef,
+    KernelOptions,
+    KernelPublic,
+    KernelRequest,
+    openapi_body,
+    validate_body,
+)
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["kernels"])
+
+RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
+"""What a kernel response can be, JSON first (the default without ``Accept``)."""
+
+_MIN_JSON_BYTES_PER_VALUE = 4
+"""The shortest a float can be in JSON data ("0.0,"): a result whose element count times this exceeds the JSON
+cap is refused before computing; otherwise the encoded length decides."""
+
+
+@dataclass(frozen=True)
+class _Input:
+    """One side: the array (N, *input) and the side-cache key naming its content."""
+
+    array: np.ndarray
+    key: Hashable
+
+
+def _inline(array: np.ndarray, record: ModelRecord) -> _Input:
+    digest = hashlib.sha256(np.ascontiguousarray(array).data).hexdigest()
+    return _Input(array, (*record.cache_key, "inline", digest, array.shape, str(array.dtype)))
+
+
+def _from_dataset(ref: DatasetRef, record: ModelRecord, datasets: DatasetStore) -> _Input:
+    array = datasets.load(ref.dataset, ref.start, ref.stop)
+    return _Input(array, (*record.cache_key, "dataset", ref.dataset, ref.start, ref.stop))
+
+
+def _check_input(array: np.ndarray, record: ModelRecord, *, side: str, operation: str) -> None:
+    """Refuse inputs the model cannot take (before computing): per-example shape, dtype, token range."""
+    expected = tuple(record.input_shape)
+    got = tuple(array.shape[1:])
+    architecture = record.architecture
+    is_sequence = architecture.get("family") == "transformer"
+    if array.ndim < 1:
+        raise ShapeMismatch(f"{operation}: {side} must be a batch (N, {', '.join(map(str, expected))}), got a scalar")
+    if is_sequence:
+        max_len = int(architecture["max_len"])
+        if len(got) != 1 or not 1 <= got[0] <= max_len:
+            raise ShapeMismatch(
+                f"{operation}: {side} has per-example shape {got}, model {record.name!r} "
+                f"expects token ids (T,) with 1 <= T <= {max_len}; send a batch (N, T)"
+            )
+    elif got != expected:
+        raise ShapeMismatch(
+            f"{operation}: {side} has per-example shape {got}, model {record.name!r} expects {expected}; "
+            f"send a batch of shape (N, {', '.join(map(str, expected))})"
+        )
+    is_integer_model = record.input_dtype == "int64"
+    wanted = "integer token ids" if is_integer_model else "float32 or float64 values"
+    if is_integer_model != (array.dtype.kind in "iu"):
+        raise InvalidInput(
+            f"{operation}: {side} has dtype {array.dtype}, model {record.name!r} expects "
+            f"{record.input_dtype}; send {wanted}"
+        )
+    if is_sequence and array.size:
+        vocab = int(architecture["vocab_size"])
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= vocab:
+            raise InvalidInput(
+                f"{operation}: {side} has token ids in [{low}, {high}], model {record.name!r} "
+                f"has a vocabulary of {vocab} (ids 0..{vocab - 1})"
+            )
+
+
+def _parse_x(raw: Any, *, side: str, operation: str) -> np.ndarray | DatasetRef:
+    if isinstance(raw, dict) and "dataset" in raw:
+        return validate_body(DatasetRef, raw, operation=f"{operation}: {side}")
+    return wire.tensor_from_json(raw, name=side)
+
+
+async def _read_request(
+    request: Request, query: KernelOptions | None, *, operation: str
+) -> tuple[np.ndarray | DatasetRef, np.ndarray | DatasetRef | None, KernelOptions]:
+    """x1, x2 and the options, from a JSON body or from a binary body plus the query."""
+    if content_type(request) in BINARY_TENSOR_TYPES:
+        tensors = await read_tensors(request, operation=operation, npy_name="x1")
+        x1 = pop_tensor(tensors, "x1", operation=operation, required=True)
+        x2 = pop_tensor(tensors, "x2", operation=operation, required=False)
+        if tensors:
+            raise InvalidInput(f"{operation}: unexpected tensors {sorted(tensors)} in the body; send only x1 and x2")
+        assert x1 is not None
+        return x1, x2, query or KernelOptions()
+    data = await read_json(request, operation=operation)
+    if not isinstance(data, dict):
+        raise InvalidInput(
+            f"{operation}: expected a JSON object with x1 (and x2, mode, ...), got {type(data).__name__}"
+        )
+    if query is not None:
+        raise InvalidInput(
+            f"{operation}: with a JSON body, put mode/implementation/params/dtype/version in the body, "
+            "not in the query string (query options are for binary bodies)"
+        )
+    if "x1" not in data:
+        raise InvalidInput(f'{operation}: the body needs x1 (a tensor or {{"dataset": id, "start", "stop"}})')
+    x1_raw, x2_raw = data.pop("x1"), data.pop("x2", None)
+    options = validate_body(KernelOptions, data, operation=operation)
+    x1 = _parse_x(x1_raw, side="x1", operation=operation)
+    x2 = None if x2_raw is None else _parse_x(x2_raw, side="x2", operation=operation)
+    return x1, x2, options
+
+
+def _compute(
+    module: torch.nn.Module,
+    x1: _Input,
+    x2: _Input | None,
+    options: KernelOptions,
+    *,
+    record: ModelRecord,
+    budget: int | None,
+    side_cache: Any,
+    operation: str,
+) -> tuple[NtkResult, float]:
+    """The engine call (in a worker thread); returns the result and its wall time in seconds."""
+    start = time.perf_counter()
+    try:
+        result = compute_ntk(
+            module,
+            torch.from_numpy(x1.array),
+            None if x2 is None else torch.from_numpy(x2.array),
+            mode=options.mode,
+            implementation=options.implementation,
+            params=options.params,
+            dtype=options.dtype,
+            memory_budget_bytes=budget,
+            side_cache=side_cache,
+            x1_key=x1.key,
+            x2_key=None if x2 is None else x2.key,
+        )
+    except NtkServiceError:
+        raise
+    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+        # The model's own forward failed on these inputs (e.g. a factory model with other expectations).
+        raise InvalidInput(f"{operation}: model {record.name!r} failed on the inputs: {exc}") from exc
+    return result, time.perf_counter() - start
+
+
+def _encode(result: NtkResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:
+    theta = result.theta.detach().cpu().numpy()
+    if media == wire.MEDIA_NPY:
+        headers = {f"X-NTK-{key.replace('_', '-').title()}": str(value) for key, value in meta.items()}
+        return Response(wire.encode_npy(theta), media_type=media, headers=headers)
+    if media == wire.MEDIA_SAFETENSORS:
+        metadata = {key: str(value) for key, value in meta.items()}
+        return Response(wire.encode_safetensors({"theta": theta}, metadata), media_type=media)
+    body = wire.json_dumps({"theta": wire.tensor_to_json(theta), **meta})
+    if len(body) > cap:
+        raise _json_too_large(format_bytes(len(body)), cap, operation=operation)
+    return Response(body, media_type=wire.MEDIA_JSON)
+
+
+def _json_too_large(size: str, cap: int, *, operation: str) -> NotAcceptable:
+    return NotAcceptable(
+        f"{operation}: the JSON response would be {size}, over the server's JSON "
+        f"limit of {format_bytes(cap)} (NTK_MAX_JSON_RESPONSE_BYTES); "
+        f"send 'Accept: {wire.MEDIA_NPY}' or 'Accept: {wire.MEDIA_SAFETENSORS}'"
+    )
+
+
+@router.post(
+    "/v1/models/{name}/ntk",
+    response_model=KernelPublic,
+    summary="Compute the empirical NTK of a model version on x1 (and x2)",
+    responses={200: {"content": {wire.MEDIA_NPY: {}, wire.MEDIA_SAFETENSORS: {}}}},
+    openapi_extra=openapi_body(
+        KernelRequest,
+        binary={
+            wire.MEDIA_SAFETENSORS: "Tensors x1 (and optional x2); options as query parameters.",
+            wire.MEDIA_NPY: "x1 alone (x2 = x1); options as query parameters.",
+        },
+    ),
+)
+async def compute_kernel(
+    name: Annotated[str, Path(description="The model's registered name.")],
+    request: Request,
+    _: ReadAccess,
+    registry: RegistryDep,
+    datasets: DatasetsDep,
+    limiter: ComputeDep,
+    side_cache: SideCacheDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    mode: Annotated[KernelMode | None, Query(description="Binary bodies only. Default: full.")] = None,
+    implementation: Annotated[NtkImplementation | None, Query(description="Binary bodies only.")] = None,
+    params: Annotated[list[str] | None, Query(description="Binary bodies only; repeat for several globs.")] = None,
+    dtype: Annotated[Literal["float32", "float64"] | None, Query(description="Binary bodies only.")] = None,
+    version: Annotated[int | None, Query(ge=1, description="Binary bodies only. Default: latest.")] = None,
+) -> Response:
+    operation = f"ntk of model {name!r}"
+    given = {
+        "mode": mode,
+        "implementation": implementation,
+        "params": params,
+        "dtype": dtype,
+        "version": version,
+    }
+    query = (
+        KernelOptions(**{k: v for k, v in given.items() if v is not None})
+        if any(v is not None for v in given.values())
+        else None
+    )
+    x1_raw, x2_raw, options = await _read_request(request, query, operation=operation)
+    response_type = negotiate(request, RESPONSE_TYPES, operation=operation)
+
+    def prepare() -> tuple[ModelRecord, _Input, _Input | None]:
+        record = registry.get(name, options.version)
+        sides = []
+        for side, raw in (("x1", x1_raw), ("x2", x2_raw)):
+            if raw is None:
+                sides.append(None)
+                continue
+            item = _from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else _inline(raw, record)
+            _check_input(item.array, record, side=side, operation=operation)
+            sides.append(item)
+        assert sides[0] is not None
+        return record, sides[0], sides[1]
+
+    record, x1, x2 = await anyio.to_thread.run_sync(prepare)
+    if response_type == wire.MEDIA_JSON:
+        n = x1.array.shape[0]
+        m = n if x2 is None else x2.array.shape[0]
+        numel = math.prod(result_shape(options.mode, n, m, record.output_dim))
+        cap = settings.max_json_response_bytes
+        if numel * _MIN_JSON_BYTES_PER_VALUE > cap:
+            raise _json_too_large(
+                f"at least {format_bytes(numel * _MIN_JSON_BYTES_PER_VALUE)}", cap, operation=operation
+            )
+
+    def run() -> tuple[NtkResult, float]:
+        _, module = registry.load_module(record.name, record.version)
+        return _compute(
+            module,
+            x1,
+            x2,
+            options,
+            record=record,
+            budget=settings.memory_budget_bytes,
+            side_cache=side_cache,
+            operation=operation,
+        )
+
+    result, seconds = await limiter.run(run, operation=operation)
+    metrics.compute_seconds.labels(result.implementation.value, result.mode.value).observe(seconds)
+    meta = {
+        "mode": result.mode.value,
+        "implementation": result.implementation.value,
+        "model": record.name,
+        "version": record.version,
+        "elapsed_ms": round(seconds * 1000, 3),
+    }
+    cap = settings.max_json_response_bytes
+    # Encoding a large JSON body takes long enough to stall other requests: off the event loop too.
+    return await anyio.to_thread.run_sync(lambda: _encode(result, response_type, meta, cap=cap, operation=operation))

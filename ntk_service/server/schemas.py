@@ -1,0 +1,183 @@
+"""Pydantic schemas for small request and response bodies (``XCreate`` / ``XPublic`` / ``XsPublic``).
+
+Tensors never go through these models at run time (validating a big ``list[float]`` costs about a second):
+``TensorJson`` exists only to document the wire format in OpenAPI, and routes decode tensors with ``wire``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ntk_service.errors import InvalidInput, MalformedRequest
+from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.types import NtkImplementation
+from ntk_service.server.errors import format_validation_errors
+
+__all__ = [
+    "ArchitecturesPublic",
+    "DatasetPublic",
+    "DatasetRef",
+    "DatasetsPublic",
+    "KernelOptions",
+    "KernelPublic",
+    "KernelRequest",
+    "ModelCreate",
+    "ModelPublic",
+    "ModelsPublic",
+    "ParameterPublic",
+    "TensorJson",
+    "openapi_body",
+    "validate_body",
+]
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+"""Model names: safe in URLs and file names, 1 to 64 characters."""
+
+
+def validate_body(model: type[ModelT], data: Any, *, operation: str) -> ModelT:
+    """``model.model_validate(data)``, with pydantic's errors turned into one readable line.
+
+    Raises:
+        MalformedRequest: ``data`` is not a JSON object (400).
+        InvalidInput: a field is missing or has a wrong value (422), e.g. ``"seed: Input should be ..."``.
+    """
+    if not isinstance(data, dict):
+        raise MalformedRequest(f"{operation}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise InvalidInput(f"{operation}: {format_validation_errors(exc.errors())}") from exc
+
+
+class TensorJson(BaseModel):
+    """A tensor in JSON (documentation only): flat row-major ``data`` of ``shape``."""
+
+    shape: list[int] = Field(examples=[[2, 3]])
+    dtype: Literal["float32", "float64", "int64"] = "float32"
+    data: list[float] = Field(examples=[[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+
+
+class DatasetRef(BaseModel):
+    """Rows ``start:stop`` of a stored data set, in place of an inline tensor."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = Field(description="Data set id from POST /v1/datasets.")
+    start: int | None = Field(None, ge=0, description="First row. Default: 0.")
+    stop: int | None = Field(None, ge=0, description="One past the last row. Default: all rows.")
+
+
+class KernelOptions(BaseModel):
+    """How to compute: JSON body fields beside x1/x2, or query parameters with a binary body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: KernelMode = Field(
+        KernelMode.FULL,
+        description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k).",
+    )
+    implementation: NtkImplementation = NtkImplementation.AUTO
+    params: list[str] | None = Field(None, description="Glob patterns over parameter names; null = all.")
+    dtype: Literal["float32", "float64"] | None = Field(None, description="Compute dtype. Default: the model's.")
+    version: int | None = Field(None, ge=1, description="Model version. Default: the latest.")
+
+
+class KernelRequest(KernelOptions):
+    """``POST /v1/models/{name}/ntk`` as JSON (documentation; routes decode x1/x2 with ``wire``)."""
+
+    x1: TensorJson | DatasetRef
+    x2: TensorJson | DatasetRef | None = Field(None, description="null: x2 = x1 (exactly symmetric).")
+
+
+class KernelPublic(BaseModel):
+    """The JSON kernel response."""
+
+    theta: TensorJson
+    mode: KernelMode
+    implementation: NtkImplementation
+    model: str
+    version: int
+    elapsed_ms: float
+
+
+class ModelCreate(BaseModel):
+    """``POST /v1/models``: a built-in family or an allowed factory, initialized from ``seed``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN, examples=["mnist-mlp"])
+    architecture: dict[str, Any] = Field(
+        examples=[{"family": "mlp", "input_dim": 784, "hidden": [256], "output_dim": 10, "activation": "relu"}]
+    )
+    seed: int = Field(0, ge=0, description="Seed of the initial weights (version 1).")
+
+
+class ParameterPublic(BaseModel):
+    name: str
+    shape: list[int]
+
+
+class ModelPublic(BaseModel):
+    name: str
+    version: int
+    architecture: dict[str, Any]
+    seed: int | None = None
+    num_params: int
+    input_shape: list[int]
+    input_dtype: str
+    output_dim: int
+    parameters: list[ParameterPublic]
+    weights_sha256: str
+    created_at: str
+
+
+class ModelsPublic(BaseModel):
+    data: list[ModelPublic]
+    count: int
+
+
+class DatasetPublic(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    name: str | None = None
+    shape: list[int]
+    dtype: str
+    sha256: str
+    size_bytes: int
+    created_at: str
+
+
+class DatasetsPublic(BaseModel):
+    data: list[DatasetPublic]
+    count: int
+
+
+class ArchitecturesPublic(BaseModel):
+    data: list[dict[str, Any]]
+    count: int
+
+
+def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
+
+
+def openapi_body(model: type[BaseModel], *, binary: dict[str, str] | None = None) -> dict[str, Any]:
+    """``openapi_extra`` documenting a body the route reads itself (after auth): JSON by ``model``, plus the
+    binary media types in ``binary`` (media type -> description)."""
+    schema = model.model_json_schema()
+    content: dict[str, Any] = {"application/json": {"schema": _inline_refs(schema, schema.get("$defs", {}))}}
+    for media, description in (binary or {}).items():
+        content[media] = {"schema": {"type": "string", "format": "binary", "description": description}}
+    return {"requestBody": {"required": True, "content": content}}

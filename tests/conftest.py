@@ -1,0 +1,136 @@
+"""Shared fixtures: real uvicorn servers in subprocesses, configured only through ``NTK_*`` environment variables.
+
+``live_server`` (session) is one server for the whole run; ``start_server`` starts extra ones (restart persistence,
+overload) and stops them after the test. Each server gets its own data directory and free port, and the keys
+``read-key:read,write-key:write``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READ_KEY = "read-key"
+WRITE_KEY = "write-key"
+SLOW_FACTORY = "tests.server.slow_factory:build"
+STARTUP_TIMEOUT_S = 90.0
+"""Generous: importing torch on a busy 2-core machine can take many seconds."""
+
+_SERVE = "from ntk_service.config import Settings; from ntk_service.server import serve; serve(Settings())"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    """A running ``ntk-service`` subprocess."""
+
+    url: str
+    data_dir: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    read_key: str = READ_KEY
+    write_key: str = WRITE_KEY
+    env: dict[str, str] = field(default_factory=dict)
+
+    def client(self, key: str | None = "write", *, timeout: float = 60.0) -> httpx.Client:
+        """An httpx client for this server; ``key`` is "read", "write", None (no header) or a literal key."""
+        token = {"read": self.read_key, "write": self.write_key}.get(key or "", key)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        """SIGTERM (uvicorn shuts down gracefully), then SIGKILL if it hangs."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def start_live_server(data_dir: Path, *, keys: bool = True, **settings: str) -> LiveServer:
+    """Start a server on a free port and wait until ``/readyz`` answers 200.
+
+    Args:
+        data_dir: the server's ``NTK_DATA_DIR`` (created if missing).
+        keys: configure ``read-key:read,write-key:write``; False runs an open server.
+        **settings: more settings by field name, e.g. ``max_queue="0"`` becomes ``NTK_MAX_QUEUE=0``.
+    """
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NTK_")}
+    env.update(
+        NTK_HOST="127.0.0.1",
+        NTK_PORT=str(port),
+        NTK_DATA_DIR=str(data_dir),
+        NTK_LOG_LEVEL="warning",
+        NTK_MODEL_FACTORIES=SLOW_FACTORY,
+    )
+    if keys:
+        env["NTK_API_KEYS"] = f"{READ_KEY}:read,{WRITE_KEY}:write"
+    env.update({f"NTK_{name.upper()}": value for name, value in settings.items()})
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir.parent / f"{data_dir.name}-server-{port}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", _SERVE], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    server = LiveServer(f"http://127.0.0.1:{port}", data_dir, process, log_path, env=env)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} during startup:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{server.log()}")
+
+
+@pytest.fixture(scope="session")
+def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One real server for the session: 2 MiB body limit, 64 KiB JSON responses, the slow factory allowed."""
+    server = start_live_server(
+        tmp_path_factory.mktemp("live") / "data",
+        max_body_bytes=str(2 * 2**20),
+        max_json_response_bytes=str(64 * 2**10),
+        memory_budget_bytes=str(256 * 2**20),
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., LiveServer]]:
+    """Start extra servers (``start_server(data_dir=..., **settings)``); all are stopped after the test."""
+    started: list[LiveServer] = []
+
+    def start(data_dir: Path | None = None, **settings: str) -> LiveServer:
+        server = start_live_server(data_dir or tmp_path / f"data{len(started)}", **settings)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
