@@ -1,0 +1,416 @@
+"""ModelRegistry: named models, immutable weight versions, persisted in ``<data_dir>`` (SQLite + safetensors files).
+
+    >>> registry = ModelRegistry(Path("/tmp/ntk-data"))
+    >>> record = registry.register("mlp-a", {"family": "mlp", "input_dim": 4, "hidden": [8], "output_dim": 2})
+    >>> record.version, record.num_params  # (1, 58)
+    >>> record, module = registry.load_module("mlp-a")  # eval mode; (N, 4) -> (N, 2)
+
+Layout: ``registry.sqlite3`` (see database.py) and ``weights/<sha256>.safetensors``, content-addressed, so versions
+with identical weights share one file. Crash safety: NOTE [crash safety] in files.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+from torch import nn
+
+from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict
+from ntk_service.registry.architectures import parse_architecture
+from ntk_service.registry.database import DATABASE_FILENAME, Database
+from ntk_service.registry.files import FileStore
+from ntk_service.registry.records import ModelRecord, ParameterInfo
+from ntk_service.registry.weights import (
+    canonical_tensors,
+    check_tensors,
+    layout_of,
+    load_tensors,
+    parse_safetensors,
+    serialize,
+)
+from ntk_service.registry.zoo import build_model, build_skeleton
+
+__all__ = ["MODEL_NAME_PATTERN", "ModelRegistry"]
+
+logger = logging.getLogger(__name__)
+
+MODEL_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+"""Model names: safe in URL paths and file names, at most 64 characters."""
+
+DEFAULT_MODULE_CACHE_SIZE = 8
+"""Modules kept built in memory (LRU): a kernel request then skips reading and copying the weights file."""
+
+_MAX_NAMES_IN_MESSAGE = 20
+
+_SELECT_VERSION = """
+SELECT v.name, v.version, m.architecture, v.seed, v.num_params, v.input_shape, v.input_dtype, v.output_dim,
+       v.parameters, v.weights_sha256, v.created_at
+FROM model_versions v JOIN models m ON m.name = v.name
+"""
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _record_from_row(row: Any) -> ModelRecord:
+    return ModelRecord(
+        name=row[0],
+        version=row[1],
+        architecture=json.loads(row[2]),
+        seed=row[3],
+        num_params=row[4],
+        input_shape=tuple(json.loads(row[5])),
+        input_dtype=row[6],
+        output_dim=row[7],
+        parameters=tuple(ParameterInfo(n, tuple(s)) for n, s in json.loads(row[8])),
+        weights_sha256=row[9],
+        created_at=datetime.fromisoformat(row[10]),
+    )
+
+
+def _parameter_infos(module: nn.Module) -> tuple[ParameterInfo, ...]:
+    return tuple(ParameterInfo(n, tuple(p.shape)) for n, p in module.named_parameters())
+
+
+def _listing(items: list[str]) -> str:
+    if not items:
+        return "none"
+    shown = ", ".join(items[:_MAX_NAMES_IN_MESSAGE])
+    return shown + (f", ... ({len(items)} in all)" if len(items) > _MAX_NAMES_IN_MESSAGE else "")
+
+
+class ModelRegistry:
+    """Registered models and their versions; thread-safe.
+
+    Args:
+        data_dir (Path): where the database and weight files live (created if missing).
+        allowed_factories (frozenset[str]): ``"module:function"`` factories the operator allows. Default: none.
+        module_cache_size (int): built modules kept in memory (LRU); 0 disables the cache. Default: 8.
+
+    Raises:
+        NtkServiceError: the database was written by a newer ntk-service.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        allowed_factories: frozenset[str] = frozenset(),
+        module_cache_size: int = DEFAULT_MODULE_CACHE_SIZE,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.allowed_factories = frozenset(allowed_factories)
+        self._db = Database(self.data_dir / DATABASE_FILENAME)
+        self._files = FileStore(self.data_dir / "weights", ".safetensors")
+        self._cache_size = module_cache_size
+        self._cache: OrderedDict[tuple[str, int, str, str], nn.Module] = OrderedDict()
+        self._loading: dict[tuple[str, int, str, str], Future[nn.Module]] = {}
+        self._cache_lock = threading.Lock()
+        self._sweep()
+
+    # ---------------------------------------------------------------- writes
+
+    def register(self, name: str, architecture: dict[str, Any], seed: int = 0) -> ModelRecord:
+        """Create a model and its version 1, with weights initialised from ``seed``.
+
+        Args:
+            name (str): ``^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$``.
+            architecture (dict): ``{"family": ..., ...config}``, see ``list_architectures()``.
+            seed (int): in [0, 2**63). Same architecture + seed -> same weights and weights_sha256. Default: 0.
+
+        Returns:
+            The ModelRecord of version 1.
+
+        Raises:
+            InvalidInput: bad name, architecture, seed, or a model over the size caps.
+            PermissionDenied: a factory the operator does not allow.
+            NameConflict: a model of this name exists.
+        """
+        op = f"register {name!r}" if isinstance(name, str) else "register"
+        self._check_name(name, op)
+        self._check_free(name, op)
+        module, spec = build_model(architecture, seed, allowed_factories=self.allowed_factories, operation=op)
+        normalized = parse_architecture(architecture, operation=op).model_dump(mode="json")
+        data, sha = serialize(canonical_tensors(module, operation=op))
+        tmp = self._files.write_temp(lambda f: f.write(data))
+        record = ModelRecord(
+            name=name,
+            version=1,
+            architecture=normalized,
+            seed=seed,
+            num_params=sum(p.numel() for p in module.parameters()),
+            input_shape=spec.input_shape,
+            input_dtype=spec.input_dtype,
+            output_dim=spec.output_dim,
+            parameters=_parameter_infos(module),
+            weights_sha256=sha,
+            created_at=_now(),
+        )
+        with self._files.temp_cleanup(tmp):
+            try:
+                with self._db.write() as conn:
+                    self._check_free(name, op)
+                    self._files.publish(tmp, sha)
+                    conn.execute(
+                        "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
+                        (name, json.dumps(normalized), record.created_at.isoformat()),
+                    )
+                    self._insert_version_row(conn, record)
+            except BaseException:
+                self._collect_garbage({sha})
+                raise
+        self._cache_put(record.cache_key, module)
+        logger.info("registered model %r (%s, %d params, sha256 %s)", name, spec, record.num_params, sha[:12])
+        return record
+
+    def add_version(self, name: str, safetensors_bytes: bytes) -> ModelRecord:
+        """Store uploaded weights as the next version of a model.
+
+        Args:
+            name (str): an existing model.
+            safetensors_bytes (bytes): a safetensors file with exactly the tensors of the model's ``state_dict()``
+                (tied aliases once, see NOTE [tied weights] in weights.py): same names, shapes and dtypes.
+
+        Returns:
+            The new ModelRecord (seed None). The stored file is re-serialized canonically (no metadata), so
+            weights_sha256 depends only on the tensors.
+
+        Raises:
+            ModelNotFound: no such model.
+            MalformedRequest: the bytes are not safetensors.
+            InvalidInput: missing, unexpected or mismatched tensors (all named).
+            NonFiniteInput: NaN or inf in the weights.
+        """
+        op = f"add_version {name!r}"
+        latest = self.get(name)
+        tensors = parse_safetensors(safetensors_bytes, operation=op)
+        module = self._skeleton(latest, op)
+        canonical = canonical_tensors(module, operation=op)
+        check_tensors(layout_of(canonical), tensors, operation=op)
+        load_tensors(module, tensors, operation=op)
+        data, sha = serialize({n: tensors[n].contiguous() for n in canonical})
+        tmp = self._files.write_temp(lambda f: f.write(data))
+        with self._files.temp_cleanup(tmp):
+            try:
+                with self._db.write() as conn:
+                    row = conn.execute("SELECT MAX(version) FROM model_versions WHERE name = ?", (name,)).fetchone()
+                    if row[0] is None:
+                        raise ModelNotFound(f"{op}: model {name!r} was deleted while the weights were uploaded")
+                    record = dataclasses.replace(
+                        latest, version=int(row[0]) + 1, seed=None, weights_sha256=sha, created_at=_now()
+                    )
+                    self._files.publish(tmp, sha)
+                    self._insert_version_row(conn, record)
+            except BaseException:
+                self._collect_garbage({sha})
+                raise
+        self._cache_put(record.cache_key, module.eval())
+        logger.info("model %r: version %d stored (sha256 %s)", name, record.version, sha[:12])
+        return record
+
+    def delete(self, name: str) -> None:
+        """Delete a model and all its versions (weight files no other version uses are removed).
+
+        Raises:
+            ModelNotFound: no such model.
+        """
+        with self._db.write() as conn:
+            shas = {r[0] for r in conn.execute("SELECT weights_sha256 FROM model_versions WHERE name = ?", (name,))}
+            if conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
+                raise ModelNotFound(self._not_found_message(f"delete {name!r}", name))
+        with self._cache_lock:
+            for key in [k for k in self._cache if k[0] == name]:
+                del self._cache[key]
+        self._collect_garbage(shas)
+        logger.info("deleted model %r", name)
+
+    # ---------------------------------------------------------------- reads
+
+    def get(self, name: str, version: int | None = None) -> ModelRecord:
+        """A version's record; the latest when ``version`` is None.
+
+        Raises:
+            ModelNotFound: no such model or version (the message lists the known names or versions).
+        """
+        op = f"get {name!r}"
+        if version is None:
+            rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version DESC LIMIT 1", (name,))
+        else:
+            rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? AND v.version = ?", (name, version))
+        if rows:
+            return _record_from_row(rows[0])
+        raise ModelNotFound(self._not_found_message(op, name, version))
+
+    def versions(self, name: str) -> list[ModelRecord]:
+        """Every version of a model, oldest first.
+
+        Raises:
+            ModelNotFound: no such model.
+        """
+        rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version", (name,))
+        if not rows:
+            raise ModelNotFound(self._not_found_message(f"versions {name!r}", name))
+        return [_record_from_row(r) for r in rows]
+
+    def list(self) -> list[ModelRecord]:
+        """The latest version of every model, by name."""
+        rows = self._db.query(
+            _SELECT_VERSION
+            + " WHERE v.version = (SELECT MAX(version) FROM model_versions w WHERE w.name = v.name) ORDER BY v.name"
+        )
+        return [_record_from_row(r) for r in rows]
+
+    def weights_path(self, name: str, version: int) -> Path:
+        """The stored safetensors file of a version (immutable; for streaming responses).
+
+        Raises:
+            ModelNotFound: no such model or version.
+        """
+        return self._files.path(self.get(name, version).weights_sha256)
+
+    def weights_bytes(self, name: str, version: int) -> bytes:
+        """The stored safetensors file of a version.
+
+        Raises:
+            ModelNotFound: no such model or version.
+        """
+        return self.weights_path(name, version).read_bytes()
+
+    def load_module(self, name: str, version: int | None = None) -> tuple[ModelRecord, nn.Module]:
+        """The record and its module (eval mode, float32), from an LRU cache or built from the weights file.
+
+        The module is shared between callers: do not mutate it (the kernel engine does not).
+
+        Raises:
+            ModelNotFound: no such model or version.
+            PermissionDenied: a factory model whose factory the operator no longer allows.
+        """
+        record = self.get(name, version)
+        key = record.cache_key
+        with self._cache_lock:
+            module = self._cache.get(key)
+            if module is not None:
+                self._cache.move_to_end(key)
+                return record, module
+            future = self._loading.get(key)
+            owner = future is None
+            if future is None:
+                future = self._loading[key] = Future()
+        if not owner:
+            return record, future.result()
+        try:
+            module = self._skeleton(record, f"load_module {name!r}")
+            tensors = safetensors.torch.load_file(self._files.path(record.weights_sha256))
+            load_tensors(module, tensors, operation=f"load_module {name!r} version {record.version}")
+            module.eval()
+        except BaseException as exc:
+            with self._cache_lock:
+                del self._loading[key]
+            future.set_exception(exc)
+            raise
+        with self._cache_lock:
+            del self._loading[key]
+        self._cache_put(key, module)
+        future.set_result(module)
+        return record, module
+
+    def close(self) -> None:
+        """Close the database connections and drop cached modules."""
+        with self._cache_lock:
+            self._cache.clear()
+        self._db.close()
+
+    # ---------------------------------------------------------------- internals
+
+    def _skeleton(self, record: ModelRecord, op: str) -> nn.Module:
+        config = parse_architecture(record.architecture, operation=op)
+        return build_skeleton(config, allowed_factories=self.allowed_factories, operation=op)
+
+    def _insert_version_row(self, conn: Any, record: ModelRecord) -> None:
+        conn.execute(
+            "INSERT INTO model_versions (name, version, seed, num_params, input_shape, input_dtype, output_dim, "
+            "parameters, weights_sha256, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                record.name,
+                record.version,
+                record.seed,
+                record.num_params,
+                json.dumps(list(record.input_shape)),
+                record.input_dtype,
+                record.output_dim,
+                json.dumps([[p.name, list(p.shape)] for p in record.parameters]),
+                record.weights_sha256,
+                record.created_at.isoformat(),
+            ),
+        )
+
+    def _cache_put(self, key: tuple[str, int, str, str], module: nn.Module) -> None:
+        if self._cache_size <= 0:
+            return
+        with self._cache_lock:
+            self._cache[key] = module
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
+    @staticmethod
+    def _check_name(name: object, op: str) -> None:
+        if not isinstance(name, str) or not MODEL_NAME_PATTERN.fullmatch(name):
+            raise InvalidInput(
+                f"{op}: invalid model name {name!r}; use 1-64 characters from A-Z a-z 0-9 _ . - "
+                "starting with a letter or digit"
+            )
+
+    def _check_free(self, name: str, op: str) -> None:
+        rows = self._db.query("SELECT version FROM model_versions WHERE name = ? ORDER BY version", (name,))
+        if rows or self._db.query("SELECT 1 FROM models WHERE name = ?", (name,)):
+            raise NameConflict(
+                f"{op}: a model named {name!r} already exists (versions {_listing([str(r[0]) for r in rows])}); "
+                "choose another name, upload weights as a new version of it, or delete it first"
+            )
+
+    def _not_found_message(self, op: str, name: str, version: int | None = None) -> str:
+        versions = [str(r[0]) for r in self._db.query("SELECT version FROM model_versions WHERE name = ?", (name,))]
+        if versions and version is not None:
+            return f"{op}: model {name!r} has no version {version}; its versions are {_listing(versions)}"
+        names = [r[0] for r in self._db.query("SELECT name FROM models ORDER BY name")]
+        return f"{op}: no model named {name!r}; registered models: {_listing(names)}"
+
+    def _collect_garbage(self, shas: set[str]) -> None:
+        """Remove the weight files among ``shas`` that no row references (inside a write transaction)."""
+        if not shas:
+            return
+        try:
+            with self._db.write() as conn:
+                for sha in shas:
+                    used = conn.execute("SELECT 1 FROM model_versions WHERE weights_sha256 = ? LIMIT 1", (sha,))
+                    if used.fetchone() is None:
+                        self._files.remove(sha)
+        except Exception:  # best effort: the startup sweep removes what is left (NOTE [crash safety])
+            logger.warning("could not remove unreferenced weight files %s", sorted(shas), exc_info=True)
+
+    def _sweep(self) -> None:
+        """Startup: remove weight files without a row and stale temp files (NOTE [crash safety] in files.py)."""
+        with self._db.write() as conn:
+            referenced = {r[0] for r in conn.execute("SELECT DISTINCT weights_sha256 FROM model_versions")}
+            orphans = self._files.keys() - referenced
+            for sha in orphans:
+                self._files.remove(sha)
+        missing = referenced - self._files.keys()
+        if orphans:
+            logger.info("removed %d weight files that no model version references", len(orphans))
+        if missing:
+            logger.error("weight files missing for sha256 %s: those versions cannot be loaded", sorted(missing))
+        self._files.sweep_temps()

@@ -1,0 +1,162 @@
+"""Weights as safetensors only: the canonical tensors of a module, strict checks of uploads, loading.
+
+Never ``torch.load`` or pickle: uploads are parsed by ``safetensors.torch.load`` (a JSON header and raw buffers).
+
+NOTE [tied weights]
+The stored tensors are the module's ``state_dict()`` (parameters and persistent buffers) with aliases removed:
+when several names refer to the same tensor (tied weights, e.g. an output layer sharing the embedding matrix), only
+the first name in ``state_dict()`` order is stored, because safetensors refuses shared storage. Loading copies into
+the module's existing tensors (``load_state_dict`` without ``assign``), so a tied tensor is filled once through its
+stored name and the tie is kept. Names that are views of part of another tensor cannot be stored and are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from ntk_service.errors import InvalidInput, MalformedRequest, NonFiniteInput
+
+__all__ = [
+    "TensorLayout",
+    "canonical_tensors",
+    "check_tensors",
+    "layout_of",
+    "load_tensors",
+    "parse_safetensors",
+    "serialize",
+]
+
+_DTYPE_NAMES = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.bool: "bool",
+}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """What one stored tensor must look like."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return f"{list(self.shape)} {_dtype_name(self.dtype)}"
+
+
+def canonical_tensors(module: nn.Module, *, operation: str) -> dict[str, torch.Tensor]:
+    """The tensors to store: ``state_dict()`` with aliases dropped (see NOTE [tied weights]), detached, contiguous.
+
+    Raises:
+        InvalidInput: two names share part of a storage without being the same tensor.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
+    storages: dict[int, str] = {}
+    for name, tensor in module.state_dict(keep_vars=False).items():
+        if tensor.numel() == 0:
+            out[name] = tensor.detach().contiguous()
+            continue
+        ptr = tensor.untyped_storage().data_ptr()
+        key = (ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if key in seen:
+            continue
+        if ptr in storages:
+            raise InvalidInput(
+                f"{operation}: tensors {storages[ptr]!r} and {name!r} share memory without being the same tensor "
+                "(one is a view of part of the other); safetensors cannot store that, so the model must own them "
+                "separately"
+            )
+        seen[key] = name
+        storages[ptr] = name
+        out[name] = tensor.detach().contiguous()
+    return out
+
+
+def serialize(tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:
+    """safetensors bytes (no metadata, so the same tensors always give the same bytes) and their hex sha256."""
+    data = safetensors.torch.save(tensors)
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def parse_safetensors(data: bytes, *, operation: str) -> dict[str, torch.Tensor]:
+    """Parse an upload.
+
+    Raises:
+        MalformedRequest: the bytes are not a safetensors file.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview) or len(data) < 8:
+        raise MalformedRequest(f"{operation}: the body is not a safetensors file (got {len(data)} bytes)")
+    try:
+        return safetensors.torch.load(bytes(data))
+    except Exception as exc:  # SafetensorError and friends: any parse failure is the client's malformed body
+        raise MalformedRequest(
+            f"{operation}: the body is not a valid safetensors file ({exc}); write it with "
+            "safetensors.torch.save_file(model.state_dict(), path)"
+        ) from exc
+
+
+def check_tensors(expected: dict[str, TensorLayout], got: dict[str, torch.Tensor], *, operation: str) -> None:
+    """Strict comparison of uploaded tensors with the architecture's: same names, shapes and dtypes, finite values.
+
+    Raises:
+        InvalidInput: naming every missing, unexpected and mismatched tensor.
+        NonFiniteInput: a floating tensor holds NaN or inf.
+    """
+    missing = [n for n in expected if n not in got]
+    unexpected = sorted(n for n in got if n not in expected)
+    mismatched = [
+        f"{n} (expected {layout.describe()}, got {list(got[n].shape)} {_dtype_name(got[n].dtype)})"
+        for n, layout in expected.items()
+        if n in got and (tuple(got[n].shape) != layout.shape or got[n].dtype != layout.dtype)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if mismatched:
+        problems.append(f"mismatched tensors: {'; '.join(mismatched)}")
+    if problems:
+        raise InvalidInput(
+            f"{operation}: the weights do not match the architecture: {' | '.join(problems)}; expected exactly "
+            f"{len(expected)} tensors named as in the model's state_dict() (GET the model for its parameters)"
+        )
+    bad = [n for n, t in got.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise NonFiniteInput(f"{operation}: tensors {', '.join(bad)} contain NaN or inf; upload finite weights")
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorLayout]:
+    """Name -> (shape, dtype) of each tensor, in order."""
+    return {n: TensorLayout(tuple(t.shape), t.dtype) for n, t in tensors.items()}
+
+
+def load_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], *, operation: str) -> None:
+    """Copy stored tensors into ``module`` in place (ties kept; see NOTE [tied weights]).
+
+    Raises:
+        InvalidInput: names do not fit the module (a stored file that no longer matches its architecture).
+    """
+    canonical = canonical_tensors(module, operation=operation)
+    check_tensors(layout_of(canonical), tensors, operation=operation)
+    result = module.load_state_dict(tensors, strict=False)
+    aliases = set(module.state_dict()) - set(canonical)
+    if result.unexpected_keys or set(result.missing_keys) - aliases:
+        raise InvalidInput(
+            f"{operation}: weights do not fit the model: missing {result.missing_keys}, "
+            f"unexpected {result.unexpected_keys}"
+        )
