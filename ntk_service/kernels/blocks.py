@@ -43,7 +43,7 @@ class _Sides:
 
     def get(self, x: torch.Tensor, start: int, stop: int, *, left: bool, key: Hashable | None, keep: bool) -> Side:
         role = left or self.alg.right_is_left  # right sides equal to left sides share entries
-        local = (role, start, stop)
+        local = (role, start, stop, id(x))  # ...of the same tensor only: x2's blocks are not x1's
         if local in self.kept:
             return self.kept[local]
         cache_key = None if key is None or self.cache is None else (key, self.cache_tag, role, start, stop)
