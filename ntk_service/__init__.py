@@ -16,11 +16,12 @@ Where things live: the engine in ``ntk_service.kernels`` (``compute_ntk``), the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 from ntk_service.errors import NtkServiceError
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from ntk_service.client import Client, KernelResult
 
 __version__ = "0.1.0"
@@ -30,11 +31,9 @@ __all__ = ["Client", "KernelResult", "NtkServiceError", "__version__"]
 _LAZY = {"Client": "ntk_service.client", "KernelResult": "ntk_service.client"}
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(_importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'ntk_service' has no attribute {name!r}")

@@ -171,9 +171,7 @@ def test_safetensors_many_tensors_and_no_metadata() -> None:
         np.testing.assert_array_equal(out[key], value)
 
 
-@pytest.mark.parametrize(
-    "body", [b"", b"garbage!", struct.pack("<Q", 2**40) + b"{}", struct.pack("<Q", 2) + b"{x"]
-)
+@pytest.mark.parametrize("body", [b"", b"garbage!", struct.pack("<Q", 2**40) + b"{}", struct.pack("<Q", 2) + b"{x"])
 def test_safetensors_garbage_is_malformed(body: bytes) -> None:
     with pytest.raises(MalformedRequest, match="weights: expected an application/x-safetensors body"):
         decode_safetensors(body, name="weights")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from ntk_service.cli import _kernel, _serve  # noqa: F401  (their commands register on ``app``)
 from ntk_service.cli._app import app, main
-from ntk_service.cli._datasets import datasets_app
-from ntk_service.cli._models import models_app
+from ntk_service.cli._datasets import datasets_app as _datasets_app
+from ntk_service.cli._models import models_app as _models_app
 
-app.add_typer(models_app, name="models")
-app.add_typer(datasets_app, name="datasets")
+app.add_typer(_models_app, name="models")
+app.add_typer(_datasets_app, name="datasets")
 
 __all__ = ["app", "main"]

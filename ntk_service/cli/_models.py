@@ -110,6 +110,21 @@ def delete(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> 
         typer.echo(f"deleted model {name}")
 
 
+@models_app.command("architectures")
+def architectures(ctx: typer.Context, json_output: JsonFlag = False) -> None:
+    """List the built-in families, their config fields and an example spec for --architecture."""
+    infos = state_of(ctx).client().architectures()
+    if wants_json(ctx, json_output):
+        print_json(infos)
+        return
+    for info in infos:
+        typer.echo(f"{info.get('name')}: {info.get('description', '')}")
+        for item in info.get("fields", []):
+            default = "required" if item.get("required") else f"default {json.dumps(item.get('default'))}"
+            typer.echo(f"  {item.get('name')} ({item.get('type')}, {default}): {item.get('description', '')}")
+        typer.echo(f"  example: {json.dumps(info.get('example'))}")
+
+
 @models_app.command("upload-weights")
 def upload_weights(
     ctx: typer.Context,

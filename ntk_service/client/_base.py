@@ -238,7 +238,10 @@ def _error_from_response(response: httpx.Response, operation: str) -> NtkService
         exc = cls(message, estimate_bytes=extra.get("estimate_bytes"), budget_bytes=extra.get("budget_bytes"))
     else:
         exc = cls(message)
-    exc.http_status = status  # the status that came, even when the class is a broader fallback
+    # Keep what came, even when the class is a broader fallback (a newer server's type, a proxy's status).
+    exc.http_status = status
+    if error_type:
+        exc.error_type = error_type
     return exc
 
 

@@ -34,9 +34,7 @@ def _json(status: int, body: Any, headers: dict[str, str] | None = None) -> http
     )
 
 
-def _error(
-    status: int, error_type: str, message: str, headers: dict[str, str] | None = None
-) -> httpx.Response:
+def _error(status: int, error_type: str, message: str, headers: dict[str, str] | None = None) -> httpx.Response:
     return _json(status, {"error": {"type": error_type, "message": message}}, headers)
 
 
@@ -186,9 +184,7 @@ def test_retries_resend_the_same_binary_body(sleeps: list[float]) -> None:
 
 
 def test_gives_up_after_max_retries_with_busy(sleeps: list[float]) -> None:
-    handler, calls = _flaky(
-        [_error(429, "busy", "ntk: 2 computations running, queue full", {"Retry-After": "1"})]
-    )
+    handler, calls = _flaky([_error(429, "busy", "ntk: 2 computations running, queue full", {"Retry-After": "1"})])
     with pytest.raises(errors.Busy, match="queue full") as info:
         _client(handler, max_retries=2).list_models()
     assert len(calls) == 3 and sleeps == [1.0, 1.0]
@@ -196,9 +192,7 @@ def test_gives_up_after_max_retries_with_busy(sleeps: list[float]) -> None:
 
 
 def test_retry_after_beyond_the_cap_is_not_waited(sleeps: list[float]) -> None:
-    handler, calls = _flaky(
-        [_error(503, "service_unavailable", "down for maintenance", {"Retry-After": "3600"})]
-    )
+    handler, calls = _flaky([_error(503, "service_unavailable", "down for maintenance", {"Retry-After": "3600"})])
     with pytest.raises(errors.ServiceUnavailable) as info:
         _client(handler, max_retry_wait_s=30).health()
     assert len(calls) == 1 and sleeps == []
@@ -386,9 +380,7 @@ def test_kernel_response_without_theta_is_an_error() -> None:
 
 
 def test_unexpected_content_type_is_an_error() -> None:
-    client = _client(
-        lambda request: httpx.Response(200, text="<html/>", headers={"content-type": "text/html"})
-    )
+    client = _client(lambda request: httpx.Response(200, text="<html/>", headers={"content-type": "text/html"}))
     with pytest.raises(
         errors.NtkServiceError,
         match=r"expected application/x-safetensors or application/x-npy, got text/html",
