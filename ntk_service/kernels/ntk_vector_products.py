@@ -1,8 +1,8 @@
 """NTK-vector products: Θ(x1, x2) e_c = J(x2) (J(x1)ᵀ e_c); J(x2) is never built.
 
 For a block of x1 the k VJP rows u_{i,c} = J(x1_i)ᵀ e_c are formed (vmap over the output basis of one
-``vjp`` per example); for each x2 example one ``jvp`` per row gives J(x2_j) u_{i,c}, vmapped over rows and
-examples. TRACE and OUTPUT_DIAGONAL keep only the c-th entry of each product, inside the vmap.
+``vjp`` per example); one ``jvp`` of the batched model per row then gives J(x2_j) u_{i,c} for every x2 example
+of the block, vmapped over the rows. TRACE and OUTPUT_DIAGONAL keep only the c-th entry, inside the vmap.
 
 Time N·k·[FP]·(1+2k)/k + 2·N·M·k·[FP]; memory n·k·P for the rows plus n·k·m forward-mode activations per block.
 Best when P is huge relative to [FP] (wide layers, few examples) or k is large.
@@ -50,19 +50,20 @@ class NtkVectorProducts:
 
     def pair(self, problem: NtkProblem, left: VjpRows, right: torch.Tensor, mode: KernelMode) -> torch.Tensor:
         x1, rows = left
-        n, k = x1.shape[0], problem.k
+        n, k, m = x1.shape[0], problem.k, right.shape[0]
         flat_rows = {name: r.reshape(n * k, *r.shape[2:]) for name, r in rows.items()}
         basis = torch.eye(k, dtype=problem.dtype).repeat(n, 1)  # (n·k, k): e_c for row (i, c)
 
-        def one(x2_j: torch.Tensor, row: NamedTensors, e_c: torch.Tensor) -> torch.Tensor:
-            product = _jvp_at(problem, x2_j, row)  # (k,) = Θ(x1_i, x2_j)[c, :]
-            return product if mode is KernelMode.FULL else (product * e_c).sum()
+        def one(row: NamedTensors, e_c: torch.Tensor) -> torch.Tensor:
+            # One jvp of the batched model: the examples are independent (checked by the probe), so this is
+            # J(x2_j) u_{i,c} for every j at once: (m, k) = Θ(x1_i, x2_j)[c, :].
+            _, product = jvp(lambda p: problem.f_batch(p, right), (problem.params,), (row,))
+            return product if mode is KernelMode.FULL else product @ e_c
 
-        over_rows = vmap(one, (None, 0, 0))
-        products = vmap(over_rows, (0, None, None))(right, flat_rows, basis)  # (m, n·k[, k])
+        products = vmap(one)(flat_rows, basis)  # (n·k, m[, k])
         if mode is KernelMode.FULL:
-            return products.view(-1, n, k, k).permute(1, 0, 2, 3)
-        per_output = products.view(-1, n, k).permute(1, 0, 2)  # (n, m, k)
+            return products.view(n, k, m, k).permute(0, 2, 1, 3)
+        per_output = products.view(n, k, m).permute(0, 2, 1)  # (n, m, k)
         return per_output if mode is KernelMode.OUTPUT_DIAGONAL else per_output.sum(-1)
 
     def diagonal(self, problem: NtkProblem, left: VjpRows) -> torch.Tensor:
