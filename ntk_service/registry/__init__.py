@@ -20,11 +20,11 @@ from ntk_service.registry.store import ModelRegistry
 from ntk_service.registry.zoo import MAX_PARAMS, ModelSpec, build_model
 
 __all__ = [
-    "MAX_PARAMS",
     "ArchitectureField",
     "ArchitectureInfo",
     "DatasetRecord",
     "DatasetStore",
+    "MAX_PARAMS",
     "ModelRecord",
     "ModelRegistry",
     "ModelSpec",

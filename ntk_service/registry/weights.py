@@ -3,11 +3,13 @@
 Never ``torch.load`` or pickle: uploads are parsed by ``safetensors.torch.load`` (a JSON header and raw buffers).
 
 NOTE [tied weights]
-The stored tensors are the module's ``state_dict()`` (parameters and persistent buffers) with aliases removed:
-when several names refer to the same tensor (tied weights, e.g. an output layer sharing the embedding matrix), only
-the first name in ``state_dict()`` order is stored, because safetensors refuses shared storage. Loading copies into
-the module's existing tensors (``load_state_dict`` without ``assign``), so a tied tensor is filled once through its
-stored name and the tie is kept. Names that are views of part of another tensor cannot be stored and are refused.
+The stored tensors are the module's ``state_dict()`` (parameters and persistent buffers) with aliases removed,
+exactly as ``safetensors.torch.save_model`` removes them, since safetensors refuses shared storage: when several names
+share one storage (tied weights, e.g. an output layer reusing the embedding matrix), only the alphabetically first
+name whose tensor covers the whole storage is stored. So for any model, ``save_model(model, path)`` writes exactly the
+upload ``add_version`` expects (and ``save_file(model.state_dict(), path)`` does too when nothing is tied). Loading
+copies into the module's existing tensors (``load_state_dict`` without ``assign``), so a tied storage is filled once,
+through its stored name, and the tie is kept.
 """
 
 from __future__ import annotations
@@ -58,32 +60,37 @@ class TensorLayout:
 
 
 def canonical_tensors(module: nn.Module, *, operation: str) -> dict[str, torch.Tensor]:
-    """The tensors to store: ``state_dict()`` with aliases dropped (see NOTE [tied weights]), detached, contiguous.
+    """The tensors to store: ``state_dict()`` without aliases, as ``safetensors.torch.save_model`` writes them.
+
+    See NOTE [tied weights]: of the names sharing one storage, the alphabetically first name whose tensor covers the
+    whole storage is kept (safetensors' own rule), the others are dropped. Order: ``state_dict()`` order.
 
     Raises:
-        InvalidInput: two names share part of a storage without being the same tensor.
+        InvalidInput: names share a storage that none of them covers entirely.
     """
-    out: dict[str, torch.Tensor] = {}
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
-    storages: dict[int, str] = {}
-    for name, tensor in module.state_dict(keep_vars=False).items():
-        if tensor.numel() == 0:
-            out[name] = tensor.detach().contiguous()
+    state = module.state_dict()
+    groups: dict[tuple[torch.device, int, int], list[str]] = {}
+    for name, tensor in state.items():
+        storage = tensor.untyped_storage()
+        if tensor.device.type != "meta" and storage.data_ptr() != 0 and storage.nbytes() != 0:
+            groups.setdefault((tensor.device, storage.data_ptr(), storage.nbytes()), []).append(name)
+    dropped: set[str] = set()
+    for names in groups.values():
+        if len(names) < 2:
             continue
-        ptr = tensor.untyped_storage().data_ptr()
-        key = (ptr, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-        if key in seen:
-            continue
-        if ptr in storages:
+        complete = sorted(n for n in names if _covers_storage(state[n]))
+        if not complete:
             raise InvalidInput(
-                f"{operation}: tensors {storages[ptr]!r} and {name!r} share memory without being the same tensor "
-                "(one is a view of part of the other); safetensors cannot store that, so the model must own them "
-                "separately"
+                f"{operation}: tensors {sorted(names)} share memory but none covers all of it; safetensors cannot "
+                "store that, so the model must own them separately"
             )
-        seen[key] = name
-        storages[ptr] = name
-        out[name] = tensor.detach().contiguous()
-    return out
+        dropped.update(n for n in names if n != complete[0])
+    return {n: t.detach().contiguous() for n, t in state.items() if n not in dropped}
+
+
+def _covers_storage(tensor: torch.Tensor) -> bool:
+    storage = tensor.untyped_storage()
+    return tensor.data_ptr() == storage.data_ptr() and tensor.numel() * tensor.element_size() == storage.nbytes()
 
 
 def serialize(tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:

@@ -251,11 +251,17 @@ def test_tied_weights_factory_round_trip(tmp_path: Path) -> None:
     assert set(stored) == {"scale", "embedding.weight"}  # the buffer is kept, the alias head.weight is not
     new = {"scale": torch.tensor(3.0), "embedding.weight": torch.randn(5, 3)}
     registry.add_version("tied", safetensors.torch.save(new))
-    _, module = ModelRegistry(tmp_path, allowed_factories=frozenset({TIED["factory"]})).load_module("tied")
+    reopened = ModelRegistry(tmp_path, allowed_factories=frozenset({TIED["factory"]}), module_cache_size=0)
+    _, module = reopened.load_module("tied")
     assert module.head.weight is module.embedding.weight
     assert torch.equal(module.head.weight, new["embedding.weight"]) and float(module.scale) == 3.0
     alias = {**new, "head.weight": new["embedding.weight"].clone()}
     assert "unexpected tensors: head.weight" in _upload_error_named(registry, "tied", alias)
+    module.embedding.weight.data.fill_(0.5)  # a private copy: the registry's cached module is another object
+    path = tmp_path / "saved.safetensors"
+    safetensors.torch.save_model(module, str(path))  # what a user would upload for a tied model
+    v3 = registry.add_version("tied", path.read_bytes())
+    assert float(registry.load_module("tied", v3.version)[1].head.weight.detach().sum()) == 7.5
     with pytest.raises(PermissionDenied, match="not allowed"):
         ModelRegistry(tmp_path).load_module("tied")  # the operator removed the factory
 
