@@ -89,29 +89,28 @@ def test_same_inputs_give_exactly_symmetric_psd_kernel(entry: ZooEntry) -> None:
 @pytest.mark.parametrize("implementation", list(_ALGORITHMS), ids=str)
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_blocked_computation_matches_reference(implementation: NtkImplementation, mode: KernelMode) -> None:
-    """A budget that forces single-example blocks gives the same kernel (ragged blocks, mirrored halves)."""
+    """Budgets that force blocks give the same kernel (ragged blocks, kept right sides, mirrored halves)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    # k = 1 and a wide hidden layer: sides dominate the result, so some plans keep every right side.
+    model = nn.Sequential(nn.Linear(4, 60), nn.Tanh(), nn.Linear(60, 1))
     x1, x2 = torch.randn(7, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
-    for second in (x2, None):
+    same_size = torch.randn(7, 4, dtype=torch.float64)  # x2's blocks cover the same ranges as x1's
+    for second in (x2, same_size, None):
+        expected = reference_ntk(model, x1, second, mode.value)
         whole = compute_ntk(model, x1, second, mode=mode, implementation=implementation, dtype=torch.float64)
-        budget = whole.estimate_bytes // 2
-        blocked = compute_ntk(
-            model,
-            x1,
-            second,
-            mode=mode,
-            implementation=implementation,
-            dtype=torch.float64,
-            memory_budget_bytes=budget,
-        )
-        assert blocked.block_size < x1.shape[0]
-        assert blocked.estimate_bytes <= budget
-        _assert_close(blocked.theta, reference_ntk(model, x1, second, mode.value), 1e-10)
-        if second is None and mode is not KernelMode.EXAMPLE_DIAGONAL:
-            assert torch.equal(
-                blocked.theta,
-                blocked.theta.transpose(0, 1).transpose(2, 3)
-                if mode is KernelMode.FULL
-                else blocked.theta.transpose(0, 1),
+        for budget in (whole.estimate_bytes - 1, whole.estimate_bytes // 2):
+            blocked = compute_ntk(
+                model,
+                x1,
+                second,
+                mode=mode,
+                implementation=implementation,
+                dtype=torch.float64,
+                memory_budget_bytes=budget,
             )
+            assert blocked.block_size < x1.shape[0]
+            assert blocked.estimate_bytes <= budget
+            _assert_close(blocked.theta, expected, 1e-10)
+            if second is None and mode is not KernelMode.EXAMPLE_DIAGONAL:
+                swapped = blocked.theta.transpose(0, 1)
+                assert torch.equal(blocked.theta, swapped.transpose(2, 3) if mode is KernelMode.FULL else swapped)
