@@ -39,7 +39,7 @@ class _Sides:
         cache_tag: Hashable,
     ) -> None:
         self.alg, self.problem, self.cache, self.cache_tag = alg, problem, cache, cache_tag
-        self.kept: dict[tuple[bool, int, int], Side] = {}
+        self.kept: dict[tuple[bool, int, int, int], Side] = {}
 
     def get(self, x: torch.Tensor, start: int, stop: int, *, left: bool, key: Hashable | None, keep: bool) -> Side:
         role = left or self.alg.right_is_left  # right sides equal to left sides share entries

@@ -76,7 +76,7 @@ class NtkProblem:
 
     def f_batch(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
         """The model on a batch: x (n, *input) -> (n, k)."""
-        out = functional_call(self.module, (params, self.frozen), (x,))
+        out: torch.Tensor = functional_call(self.module, (params, self.frozen), (x,))
         return out.reshape(x.shape[0], self.k)
 
     def f_single(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:

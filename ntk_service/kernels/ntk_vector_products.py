@@ -32,7 +32,7 @@ def _rows(problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
 
 def _jvp_at(problem: NtkProblem, x: torch.Tensor, tangent: NamedTensors) -> torch.Tensor:
     """J(x) t for one example x (*input) and one parameter-space tangent t: (k,)."""
-    _, out = jvp(lambda p: problem.f_single(p, x), (problem.params,), (tangent,))
+    out: torch.Tensor = jvp(lambda p: problem.f_single(p, x), (problem.params,), (tangent,))[1]
     return out
 
 
@@ -57,7 +57,7 @@ class NtkVectorProducts:
         def one(row: NamedTensors, e_c: torch.Tensor) -> torch.Tensor:
             # One jvp of the batched model: the examples are independent (checked by the probe), so this is
             # J(x2_j) u_{i,c} for every j at once: (m, k) = Θ(x1_i, x2_j)[c, :].
-            _, product = jvp(lambda p: problem.f_batch(p, right), (problem.params,), (row,))
+            product: torch.Tensor = jvp(lambda p: problem.f_batch(p, right), (problem.params,), (row,))[1]
             return product if mode is KernelMode.FULL else product @ e_c
 
         products = vmap(one)(flat_rows, basis)  # (n·k, m[, k])
