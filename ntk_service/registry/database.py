@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,6 +63,10 @@ _MIGRATIONS: dict[int, str] = {}
 """from_version -> SQL that upgrades it to from_version + 1."""
 
 
+class _Connection(sqlite3.Connection):
+    """A plain sqlite3 connection that can be weakly referenced (the base class cannot)."""
+
+
 class Database:
     """Connections to one SQLite file; creates or upgrades the schema on open.
 
@@ -76,7 +81,9 @@ class Database:
         self.path = path
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._connections: list[sqlite3.Connection] = []
+        # Weak: a thread's connection lives in its threading.local and is closed when the thread ends (worker pools
+        # replace idle threads), so connections never pile up; close() closes those still alive.
+        self._connections: weakref.WeakSet[sqlite3.Connection] = weakref.WeakSet()
         self._closed = False
         self._ensure_schema()
 
@@ -88,8 +95,14 @@ class Database:
                 if self._closed:
                     raise NtkServiceError(f"registry database {self.path} is closed")
                 # check_same_thread=False only so close() may close it from another thread; use stays per thread.
-                conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-                self._connections.append(conn)
+                conn = sqlite3.connect(
+                    self.path,
+                    timeout=BUSY_TIMEOUT_S,
+                    isolation_level=None,
+                    check_same_thread=False,
+                    factory=_Connection,
+                )
+                self._connections.add(conn)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
@@ -119,7 +132,7 @@ class Database:
         """Close every thread's connection; later calls raise NtkServiceError."""
         with self._lock:
             self._closed = True
-            for conn in self._connections:
+            for conn in list(self._connections):
                 conn.close()
             self._connections.clear()
         self._local = threading.local()

@@ -42,7 +42,8 @@ class Erf(nn.Module):
 
 def make_activation(name: str) -> nn.Module:
     """``relu`` -> nn.ReLU, ``tanh`` -> nn.Tanh, ``gelu`` -> nn.GELU() (exact, erf form), ``erf`` -> Erf."""
-    return {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "erf": Erf}[name]()
+    activations: dict[str, type[nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "erf": Erf}
+    return activations[name]()
 
 
 class MLP(nn.Module):
@@ -103,7 +104,8 @@ class CNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for conv in self.convs:
             x = self.activation(conv(x))
-        return self.head(x.flatten(1))
+        out: torch.Tensor = self.head(x.flatten(1))
+        return out
 
 
 class _Block(nn.Module):
@@ -119,7 +121,8 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self_attention(self.attn, self.norm1(x))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+        out: torch.Tensor = x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
+        return out
 
 
 def self_attention(attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor:
@@ -139,7 +142,8 @@ def self_attention(attn: nn.MultiheadAttention, x: torch.Tensor) -> torch.Tensor
     q, k, v = (z.reshape(*batch, t, heads, d // heads).transpose(-3, -2) for z in qkv.chunk(3, dim=-1))
     weights = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(d // heads), dim=-1)
     out = (weights @ v).transpose(-3, -2).reshape(*batch, t, d)
-    return attn.out_proj(out)
+    projected: torch.Tensor = attn.out_proj(out)
+    return projected
 
 
 class Transformer(nn.Module):
@@ -168,7 +172,8 @@ class Transformer(nn.Module):
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x).mean(dim=-2))
+        out: torch.Tensor = self.head(self.norm(x).mean(dim=-2))
+        return out
 
 
 def _uniform(t: torch.Tensor, bound: float, generator: torch.Generator) -> None:

@@ -45,7 +45,7 @@ class FileStore:
         """Where the file for ``key`` lives (keys are hex digests or generated ids, never client paths)."""
         return self.directory / f"{key}{self.suffix}"
 
-    def write_temp(self, write: Callable[[BinaryIO], None]) -> Path:
+    def write_temp(self, write: Callable[[BinaryIO], object]) -> Path:
         """Write a temp file with ``write(file)``, fsync it and return its path (removed again if ``write`` fails)."""
         tmp = self.directory / f"{_TEMP_PREFIX}{secrets.token_hex(8)}{self.suffix}"
         try:

@@ -25,7 +25,7 @@ from typing import Any
 import safetensors.torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict
+from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkServiceError
 from ntk_service.registry.architectures import parse_architecture
 from ntk_service.registry.database import DATABASE_FILENAME, Database
 from ntk_service.registry.files import FileStore
@@ -277,8 +277,9 @@ class ModelRegistry:
 
         Raises:
             ModelNotFound: no such model or version.
+            NtkServiceError: the file is missing (the data directory was damaged; 500).
         """
-        return self._files.path(self.get(name, version).weights_sha256)
+        return self._weights_file(self.get(name, version))
 
     def weights_bytes(self, name: str, version: int) -> bytes:
         """The stored safetensors file of a version.
@@ -312,7 +313,7 @@ class ModelRegistry:
             return record, future.result()
         try:
             module = self._skeleton(record, f"load_module {name!r}")
-            tensors = safetensors.torch.load_file(self._files.path(record.weights_sha256))
+            tensors = safetensors.torch.load_file(self._weights_file(record))
             load_tensors(module, tensors, operation=f"load_module {name!r} version {record.version}")
             module.eval()
         except BaseException as exc:
@@ -333,6 +334,15 @@ class ModelRegistry:
         self._db.close()
 
     # ---------------------------------------------------------------- internals
+
+    def _weights_file(self, record: ModelRecord) -> Path:
+        path = self._files.path(record.weights_sha256)
+        if not path.is_file():
+            raise NtkServiceError(
+                f"model {record.name!r} version {record.version}: its weights file {path} is missing; the data "
+                "directory was changed outside ntk-service (restore it from a backup, or delete the model)"
+            )
+        return path
 
     def _skeleton(self, record: ModelRecord, op: str) -> nn.Module:
         config = parse_architecture(record.architecture, operation=op)

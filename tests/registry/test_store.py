@@ -242,6 +242,26 @@ def test_module_cache_is_lru_and_shared(tmp_path: Path) -> None:
     assert len(registry.list()) == 6
 
 
+def test_concurrent_registrations_of_one_name(tmp_path: Path) -> None:
+    registry = ModelRegistry(tmp_path)
+    outcomes: list[str] = []
+
+    def work(seed: int) -> None:
+        try:
+            registry.register("same", MLP, seed=seed)
+            outcomes.append("ok")
+        except NameConflict:
+            outcomes.append("conflict")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["conflict"] * 3 + ["ok"]
+    assert _weight_files(tmp_path) == [f"{registry.get('same').weights_sha256}.safetensors"]
+
+
 def test_tied_weights_factory_round_trip(tmp_path: Path) -> None:
     registry = ModelRegistry(tmp_path, allowed_factories=frozenset({TIED["factory"]}))
     record = registry.register("tied", TIED, seed=4)
@@ -335,6 +355,15 @@ def test_process_killed_mid_upload_leaves_registry_consistent(tmp_path: Path) ->
     assert registry.get("seeded").weights_sha256 == seeded_sha == registry.register("again", MLP, 11).weights_sha256
     assert _weight_files(tmp_path) == [".tmp-inflight.safetensors", f"{seeded_sha}.safetensors"]
     assert registry.register("half", cnn).version == 1
+
+
+def test_missing_weight_file_is_reported(tmp_path: Path) -> None:
+    registry = ModelRegistry(tmp_path, module_cache_size=0)
+    record = registry.register("m", MLP)
+    (tmp_path / "weights" / f"{record.weights_sha256}.safetensors").unlink()
+    for call in (lambda: registry.load_module("m"), lambda: registry.weights_bytes("m", 1)):
+        with pytest.raises(NtkServiceError, match="version 1: its weights file .* is missing"):
+            call()
 
 
 def test_newer_schema_is_refused(tmp_path: Path) -> None:
