@@ -84,6 +84,7 @@ def to_wire_dtype(array: np.ndarray, *, name: str = "tensor") -> np.ndarray:
         InvalidInput: complex, string, object or structured dtypes, or uint64 values beyond the int64 range.
     """
     dtype = array.dtype
+    target: np.dtype[Any]
     if dtype.fields is not None or dtype.hasobject or dtype.kind not in "biuf":
         raise InvalidInput(
             f"{name}: dtype {dtype} cannot travel on the wire; expected one of {', '.join(WIRE_DTYPES)} "
@@ -98,12 +99,7 @@ def to_wire_dtype(array: np.ndarray, *, name: str = "tensor") -> np.ndarray:
             )
     else:
         target = np.dtype(np.int64)
-        if (
-            dtype.kind == "u"
-            and dtype.itemsize == 8
-            and array.size
-            and int(array.max()) > np.iinfo(np.int64).max
-        ):
+        if dtype.kind == "u" and dtype.itemsize == 8 and array.size and int(array.max()) > np.iinfo(np.int64).max:
             raise InvalidInput(f"{name}: uint64 values above {np.iinfo(np.int64).max} do not fit int64")
     return np.asarray(array, dtype=target.newbyteorder("="), order="C")
 
@@ -157,9 +153,7 @@ def tensor_from_json(obj: object, *, name: str) -> np.ndarray:
         )
     shape, dtype, data = obj["shape"], obj["dtype"], obj["data"]
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
-        raise MalformedRequest(
-            f"{name}.shape: expected a list of integers like [2, 3], got {_json_preview(shape)}"
-        )
+        raise MalformedRequest(f"{name}.shape: expected a list of integers like [2, 3], got {_json_preview(shape)}")
     if any(d < 0 for d in shape):
         raise InvalidInput(f"{name}.shape: dimensions must be >= 0, got {shape}")
     if not isinstance(dtype, str):
@@ -269,9 +263,7 @@ def decode_npy(body: bytes, *, name: str = "body") -> np.ndarray:
         elif version == (2, 0):
             header = np.lib.format.read_array_header_2_0(stream, max_header_size=_NPY_MAX_HEADER_BYTES)
         else:
-            raise ValueError(
-                f"unsupported .npy format version {version[0]}.{version[1]} (expected 1.0 or 2.0)"
-            )
+            raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]} (expected 1.0 or 2.0)")
     except (ValueError, EOFError, OSError, SyntaxError, TypeError) as exc:
         raise MalformedRequest(
             f"{name}: expected an application/x-npy body written by numpy.save, could not read it: {exc}"
@@ -348,9 +340,7 @@ def decode_safetensors(body: bytes, *, name: str = "body") -> tuple[dict[str, np
             f"{name}: safetensors tensor dtype not supported ({exc}); expected {', '.join(WIRE_DTYPES)}"
         ) from exc
     except Exception as exc:  # safetensors raises its own SafetensorError (and others) on garbage
-        raise MalformedRequest(
-            f"{name}: expected an application/x-safetensors body, could not read it: {exc}"
-        ) from exc
+        raise MalformedRequest(f"{name}: expected an application/x-safetensors body, could not read it: {exc}") from exc
     out = {}
     for key, array in tensors.items():
         wire = to_wire_dtype(array, name=f"{name}[{key!r}]")

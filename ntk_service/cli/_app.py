@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -74,7 +73,7 @@ class CliState:
 class _ErrorReportingGroup(TyperGroup):
     """Turns domain errors into one stderr line and an exit code, for every (sub)command at once."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: Any) -> Any:  # typer._click.Context (typer vendors click)
         try:
             return super().invoke(ctx)
         except NtkServiceError as exc:

@@ -37,9 +37,10 @@ def print_record(record: Mapping[str, Any]) -> None:
     for key, value in record.items():
         if key == "parameters" and isinstance(value, list):
             typer.echo(f"{key.ljust(width)}:")
-            for item in value:
-                if isinstance(item, Mapping):
-                    typer.echo(f"  {item.get('name')}  {format_value(item.get('shape'))}")
+            items = [item for item in value if isinstance(item, Mapping)]
+            name_width = max((len(str(item.get("name"))) for item in items), default=0)
+            for item in items:
+                typer.echo(f"  {str(item.get('name')).ljust(name_width)}  {format_value(item.get('shape'))}")
             continue
         if isinstance(value, Mapping):
             value = ", ".join(f"{k}={format_value(v)}" for k, v in value.items())

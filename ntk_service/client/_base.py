@@ -188,18 +188,15 @@ class BaseClient:
 
 
 def _media(response: httpx.Response) -> str:
-    return response.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    header: str = response.headers.get("content-type", "")
+    return header.split(";", 1)[0].strip().lower()
 
 
 def _decode_json(response: httpx.Response) -> Any:
-    return wire.json_loads(
-        response.content, name=f"response of {response.request.method} {response.request.url}"
-    )
+    return wire.json_loads(response.content, name=f"response of {response.request.method} {response.request.url}")
 
 
-def _decode_tensors(
-    response: httpx.Response, *, npy_name: str
-) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _decode_tensors(response: httpx.Response, *, npy_name: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Named arrays and string metadata from a safetensors or npy response (npy: one array, ``npy_name``)."""
     media = _media(response)
     name = f"response of {response.request.method} {response.request.url.path}"

@@ -144,9 +144,7 @@ class Client(BaseClient):
         )
         return dict(_decode_json(response))
 
-    def download_weights(
-        self, name: str, version: int | None = None, *, as_torch: bool = False
-    ) -> dict[str, Any]:
+    def download_weights(self, name: str, version: int | None = None, *, as_torch: bool = False) -> dict[str, Any]:
         """The weights of one version, parameter name -> array (loadable with ``model.load_state_dict``).
 
         Args:
@@ -276,19 +274,16 @@ class Client(BaseClient):
         }
         path = f"/v1/models/{_segment(model)}/ntk"
         accept = _ACCEPT[self.transport_format]
-        sides = [s for s in (side1, side2) if s is not None]
-        if self.transport_format == "json" or not all(isinstance(s, np.ndarray) for s in sides):
-            body = {
-                "x1": _side_to_json(side1),
-                "x2": None if side2 is None else _side_to_json(side2),
-                **options,
-            }
+        arrays = {"x1": side1} if side2 is None else {"x1": side1, "x2": side2}
+        tensors = {key: value for key, value in arrays.items() if isinstance(value, np.ndarray)}
+        if self.transport_format == "json" or len(tensors) < len(arrays):
+            # Data set slices only travel in JSON bodies; the response still follows transport_format.
+            body = {"x1": _side_to_json(side1), "x2": _side_to_json(side2), **options}
             response = self._request("POST", path, json=body, accept=accept)
         else:
-            if self.transport_format == "npy" and side2 is None:
-                content, content_type = wire.encode_npy(side1), wire.MEDIA_NPY
+            if self.transport_format == "npy" and len(tensors) == 1:
+                content, content_type = wire.encode_npy(tensors["x1"]), wire.MEDIA_NPY
             else:
-                tensors = {"x1": side1} if side2 is None else {"x1": side1, "x2": side2}
                 content, content_type = wire.encode_safetensors(tensors), wire.MEDIA_SAFETENSORS
             response = self._request(
                 "POST", path, content=content, content_type=content_type, accept=accept, params=options
@@ -320,9 +315,7 @@ def _to_numpy(value: Any, *, name: str) -> np.ndarray:
         try:
             return np.asarray(value.numpy())
         except TypeError as exc:  # e.g. bfloat16 has no numpy dtype
-            raise TypeError(
-                f"{name}: torch dtype {value.dtype} has no numpy equivalent; use .float()"
-            ) from exc
+            raise TypeError(f"{name}: torch dtype {value.dtype} has no numpy equivalent; use .float()") from exc
     return np.asarray(value)
 
 

@@ -71,7 +71,7 @@ def test_models_commands(cli, model_name: str, tmp_path: Path) -> None:
     record = json.loads(_ok(cli("models", "show", model_name, "--json")).stdout)
     assert record["num_params"] == 67 and record["version"] == 1
     shown = _ok(cli("models", "show", model_name)).stdout
-    assert "layers.0.weight  [8, 4]" in shown and "num_params" in shown
+    assert "  layers.0.weight  [8, 4]\n  layers.0.bias    [8]\n" in shown and "num_params" in shown
 
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(MLP))
