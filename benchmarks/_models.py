@@ -39,9 +39,7 @@ def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
 def make_mlp(seed: int = MODEL_SEED) -> nn.Module:
     """MLP 784-512-512-10 with ReLU and biases (torch's default init, seeded). Output (N, 10)."""
     return _seeded(
-        lambda: nn.Sequential(
-            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
-        ),
+        lambda: nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)),
         seed,
     )
 
@@ -76,9 +74,7 @@ def model_name(model: nn.Module) -> str:
     return "cnn" if any(isinstance(m, nn.Conv2d) for m in model.modules()) else "mlp"
 
 
-def export_weights_npz(
-    model: nn.Module, x1: torch.Tensor, path: str | Path, x2: torch.Tensor | None = None
-) -> None:
+def export_weights_npz(model: nn.Module, x1: torch.Tensor, path: str | Path, x2: torch.Tensor | None = None) -> None:
     """Write ``model``'s weights and the inputs for ``peer_neural_tangents.py --check``.
 
     Args:

@@ -48,8 +48,7 @@ def _run(args: Sequence[str], timeout: float | None) -> str:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         raise PeerUnavailableError(
-            f"run_peer: `{' '.join(command)}` exited with {proc.returncode}; "
-            f"its stderr ends:\n{proc.stderr[-3000:]}"
+            f"run_peer: `{' '.join(command)}` exited with {proc.returncode}; its stderr ends:\n{proc.stderr[-3000:]}"
         )
     return proc.stdout
 
@@ -61,6 +60,7 @@ def run_peer(
     repeats: int = 3,
     *,
     max_seconds: float = 60.0,
+    default_skips: bool = True,
     timeout: float | None = None,
 ) -> list[dict[str, Any]]:
     """Time neural-tangents' empirical NTK (full kernel, N = M) in ``.peer-venv``.
@@ -70,7 +70,10 @@ def run_peer(
         sizes: N = M values.
         implementations: subset of ``PEER_IMPLEMENTATIONS``. Default: all three.
         repeats: timed runs after a warm-up; ``seconds`` is their median. Default: 3.
-        max_seconds: skip a combination whose N^2 extrapolation exceeds this. Default: 60.
+        max_seconds: per combination: caps the timed runs; skips one whose N^2 extrapolation exceeds it.
+            Default: 60.
+        default_skips: skip the combinations measured too slow (``SKIPPED_BY_DEFAULT`` in the peer
+            script). Default: True.
         timeout: seconds before the subprocess is killed. Default: none.
 
     Returns:
@@ -82,6 +85,8 @@ def run_peer(
     """
     args = ["--models", *models, "--sizes", *map(str, sizes), "--implementations", *implementations]
     args += ["--repeats", str(repeats), "--max-seconds", str(max_seconds)]
+    if not default_skips:
+        args.append("--no-default-skips")
     stdout = _run(args, timeout)
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 

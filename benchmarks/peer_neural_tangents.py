@@ -17,11 +17,12 @@ parameterization the apply function multiplies by W_std / sqrt(fan_in) and the k
 Two modes:
 
 - timing (default): for each model x N (= M) x implementation, jit ``empirical_ntk_fn(apply_fn,
-  trace_axes=(), vmap_axes=0, implementation=...)`` (the full kernel, (N, M, k, k)), run it once to compile
-  and warm up, then time ``--repeats`` runs with ``block_until_ready`` and print one JSON object per line:
-  ``{"model", "n", "implementation", "seconds", ...}`` (``seconds`` is the median). A combination whose time,
-  extrapolated as N^2 from the largest smaller N measured for the same model and implementation, would exceed
-  ``--max-seconds`` is not run; it prints ``"seconds": null`` with ``"skipped"`` giving the prediction.
+  trace_axes=(), vmap_axes=0, implementation=...)`` (the full kernel, (N, M, k, k)), compile it ahead of
+  time, run it once to warm up, then time up to ``--repeats`` runs with ``block_until_ready``
+  (stopping once they add up to ``--max-seconds``; a warm-up longer than half of it is itself the timing)
+  and print one JSON object per line: ``{"model", "n", "implementation", "seconds", ...}`` (``seconds`` is
+  the median). Combinations in ``SKIPPED_BY_DEFAULT``, or whose time extrapolated as N^2 from the largest
+  smaller N would exceed ``--max-seconds``, are not run: they print ``"seconds": null`` and ``"skipped"``.
 - ``--check IN.npz --out OUT.npz``: load torch weights (Linear (out, in), Conv2d (out, in, kh, kw)) and inputs
   (NCHW) written by ``_models.export_weights_npz``, and write NT's full kernel ``theta`` (N, M, k, k) for
   each implementation to OUT.npz (keys ``theta_<implementation>``), so the torch side can compare numbers.
@@ -70,10 +71,21 @@ INPUT_SHAPES = {"mlp": (784,), "cnn": (32, 32, 3)}
 """Per-example input shape in NT's layout (NHWC for the CNN; torch's is (3, 32, 32))."""
 
 DEFAULT_MAX_SECONDS = 60.0
-"""Skip a combination predicted to take longer than this: the benchmark must finish on 2 cores."""
+"""Seconds per combination: caps the timed runs and skips predicted-slower ones (2 cores, shared)."""
 
 DEFAULT_REPEATS = 3
 """Timed runs after the warm-up; the median is reported (CPU is shared, a single run is too noisy)."""
+
+SKIPPED_BY_DEFAULT = {
+    ("mlp", "jacobian_contraction", 256): "measured 7.7 s at N=64, so ~125 s at 256 (J is 2 x 6.9 GB)",
+    ("cnn", "jacobian_contraction", 256): "measured 103 s per run (2.2 s at N=64)",
+    ("cnn", "ntk_vector_products", 256): "measured 54 s at N=64, so ~15 min at 256",
+}
+"""Combinations measured once (2-core machine, shared, 2026-11-29) at > 60 s per run: not run by default.
+
+Beyond these, a combination is skipped when its time extrapolated as N^2 from a smaller N exceeds
+``--max-seconds``; the N^2 rule alone would have run cnn/jacobian_contraction at 256 (predicted 35 s).
+"""
 
 _SEED = 0
 
@@ -103,9 +115,7 @@ def build_model(name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
     elif name == "cnn":
         layers = [_conv(32, 1), stax.Relu(), _conv(32, 2), stax.Relu(), stax.Flatten(), _dense(10)]
     else:
-        raise ValueError(
-            f"peer_neural_tangents: unknown model {name!r}; expected one of {sorted(INPUT_SHAPES)}"
-        )
+        raise ValueError(f"peer_neural_tangents: unknown model {name!r}; expected one of {sorted(INPUT_SHAPES)}")
     init_fn, apply_fn, _ = stax.serial(*layers)
     return init_fn, apply_fn
 
@@ -113,38 +123,59 @@ def build_model(name: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
 def _ntk_fn(apply_fn: Callable[..., Any], implementation: str) -> Callable[..., Any]:
     # trace_axes=() keeps both output axes: theta (N, M, k, k). vmap_axes=0 is NT's own "for best
     # performance" advice (examples are independent along axis 0 for both models).
-    fn = nt.empirical_ntk_fn(
-        apply_fn, trace_axes=(), vmap_axes=0, implementation=IMPLEMENTATIONS[implementation]
-    )
+    fn = nt.empirical_ntk_fn(apply_fn, trace_axes=(), vmap_axes=0, implementation=IMPLEMENTATIONS[implementation])
     return jax.jit(fn)
 
 
-def _time_one(name: str, n: int, implementation: str, repeats: int) -> dict[str, Any]:
+def _time_one(name: str, n: int, implementation: str, repeats: int, max_seconds: float) -> dict[str, Any]:
     init_fn, apply_fn = build_model(name)
     key_params, key_x1, key_x2 = jax.random.split(jax.random.PRNGKey(_SEED), 3)
     _, params = init_fn(key_params, (-1, *INPUT_SHAPES[name]))
     x1 = jax.random.normal(key_x1, (n, *INPUT_SHAPES[name]))
     x2 = jax.random.normal(key_x2, (n, *INPUT_SHAPES[name]))
-    ntk_fn = _ntk_fn(apply_fn, implementation)
 
     start = time.perf_counter()
-    theta = ntk_fn(x1, x2, params).block_until_ready()  # compile + first run
-    first_seconds = time.perf_counter() - start
+    ntk_fn = _ntk_fn(apply_fn, implementation).lower(x1, x2, params).compile()  # ahead of time
+    compile_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    theta = ntk_fn(x1, x2, params).block_until_ready()  # warm-up
+    warmup_seconds = time.perf_counter() - start
     assert theta.shape == (n, n, 10, 10), theta.shape
 
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ntk_fn(x1, x2, params).block_until_ready()
-        runs.append(time.perf_counter() - start)
+    row = {"model": name, "n": n, "implementation": implementation}
+    if warmup_seconds > max_seconds / 2:
+        # A run this long is dominated by compute, not warm-up effects: one more would double the cost.
+        runs = [warmup_seconds]
+        row["note"] = f"warm-up run used as the timing (> --max-seconds/2 = {max_seconds / 2:g} s)"
+    else:
+        runs = []
+        while len(runs) < repeats and sum(runs) <= max_seconds:
+            start = time.perf_counter()
+            ntk_fn(x1, x2, params).block_until_ready()
+            runs.append(time.perf_counter() - start)
     return {
-        "model": name,
-        "n": n,
-        "implementation": implementation,
+        **row,
         "seconds": statistics.median(runs),
         "runs": runs,
-        "compile_and_first_seconds": first_seconds,
+        "compile_seconds": compile_seconds,
+        "warmup_seconds": warmup_seconds,
     }
+
+
+def _skip_reason(
+    name: str, n: int, implementation: str, measured: tuple[int, float] | None, max_seconds: float, use_skips: bool
+) -> str | None:
+    if use_skips and (name, implementation, n) in SKIPPED_BY_DEFAULT:
+        return SKIPPED_BY_DEFAULT[name, implementation, n] + " (run it with --no-default-skips)"
+    if measured is not None:
+        predicted = measured[1] * (n / measured[0]) ** 2
+        if predicted > max_seconds:
+            return (
+                f"predicted {predicted:.0f} s > --max-seconds {max_seconds:g} "
+                f"(N^2 from {measured[1]:.2f} s at N={measured[0]})"
+            )
+    return None
 
 
 def run_timings(
@@ -153,37 +184,26 @@ def run_timings(
     implementations: Sequence[str],
     repeats: int,
     max_seconds: float,
+    use_skips: bool = True,
 ) -> None:
     """Print one JSON line per (model, N, implementation), smallest N first."""
     for name in models:
         for implementation in implementations:
             measured: tuple[int, float] | None = None  # (n, seconds) of the largest N run so far
             for n in sorted(sizes):
-                if measured is not None:
-                    predicted = measured[1] * (n / measured[0]) ** 2
-                    if predicted > max_seconds:
-                        row: dict[str, Any] = {
-                            "model": name,
-                            "n": n,
-                            "implementation": implementation,
-                            "seconds": None,
-                            "skipped": (
-                                f"predicted {predicted:.0f} s > --max-seconds {max_seconds:.0f} "
-                                f"(N^2 from {measured[1]:.2f} s at N={measured[0]})"
-                            ),
-                        }
-                        print(json.dumps(row), flush=True)
-                        continue
-                row = _time_one(name, n, implementation, repeats)
+                reason = _skip_reason(name, n, implementation, measured, max_seconds, use_skips)
+                if reason is not None:
+                    row: dict[str, Any] = {"model": name, "n": n, "implementation": implementation}
+                    print(json.dumps({**row, "seconds": None, "skipped": reason}), flush=True)
+                    continue
+                row = _time_one(name, n, implementation, repeats, max_seconds)
                 measured = (n, row["seconds"])
                 print(json.dumps(row), flush=True)
 
 
 def _params_from_torch(name: str, arrays: dict[str, np.ndarray], reference: Any) -> list[Any]:
     """Convert the torch layers' weights (in forward order) to stax params shaped like ``reference``."""
-    torch_layers = sorted(
-        {key.split("_")[0] for key in arrays if key.startswith("layer")}, key=lambda s: int(s[5:])
-    )
+    torch_layers = sorted({key.split("_")[0] for key in arrays if key.startswith("layer")}, key=lambda s: int(s[5:]))
     converted = []
     layer_iter = iter(torch_layers)
     for ref in reference:
@@ -202,9 +222,7 @@ def _params_from_torch(name: str, arrays: dict[str, np.ndarray], reference: Any)
                 weight = weight.reshape(32, 14, 14, -1).transpose(1, 2, 0, 3).reshape(6272, -1)
         bias = bias.reshape(b_ref.shape)
         if weight.shape != w_ref.shape:
-            raise ValueError(
-                f"peer_neural_tangents --check: {layer} weight {weight.shape}, stax expects {w_ref.shape}"
-            )
+            raise ValueError(f"peer_neural_tangents --check: {layer} weight {weight.shape}, stax expects {w_ref.shape}")
         converted.append((jnp.asarray(weight), jnp.asarray(bias)))
     if next(layer_iter, None) is not None:
         raise ValueError("peer_neural_tangents --check: the npz has more layers than the stax model")
@@ -233,11 +251,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=sorted(INPUT_SHAPES))
     parser.add_argument("--sizes", nargs="+", type=int, default=[64, 256], help="N = M values")
-    parser.add_argument(
-        "--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS)
-    )
+    parser.add_argument("--implementations", nargs="+", default=list(IMPLEMENTATIONS), choices=list(IMPLEMENTATIONS))
     parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS)
     parser.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS)
+    parser.add_argument(
+        "--no-default-skips", action="store_true", help="also run the combinations in SKIPPED_BY_DEFAULT"
+    )
     parser.add_argument("--check", metavar="IN.npz", help="torch weights and inputs from export_weights_npz")
     parser.add_argument("--out", metavar="OUT.npz", help="where --check writes theta_<implementation>")
     args = parser.parse_args(argv)
@@ -247,7 +266,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             parser.error("--check needs --out OUT.npz")
         run_check(args.check, args.out, args.implementations)
     else:
-        run_timings(args.models, args.sizes, args.implementations, args.repeats, args.max_seconds)
+        run_timings(
+            args.models,
+            args.sizes,
+            args.implementations,
+            args.repeats,
+            args.max_seconds,
+            use_skips=not args.no_default_skips,
+        )
 
 
 if __name__ == "__main__":
