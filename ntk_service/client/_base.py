@@ -11,7 +11,7 @@ import email.utils
 import math
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import httpx
 import numpy as np
@@ -108,7 +108,7 @@ class BaseClient:
         """Close the connection pool. The client cannot be used afterwards."""
         self._http.close()
 
-    def __enter__(self) -> BaseClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
