@@ -32,8 +32,6 @@ from ntk_service.registry.files import FileStore
 from ntk_service.registry.records import ModelRecord, ParameterInfo
 from ntk_service.registry.weights import (
     canonical_tensors,
-    check_tensors,
-    layout_of,
     load_tensors,
     parse_safetensors,
     serialize,
@@ -198,16 +196,22 @@ class ModelRegistry:
         tensors = parse_safetensors(safetensors_bytes, operation=op)
         module = self._skeleton(latest, op)
         canonical = canonical_tensors(module, operation=op)
-        check_tensors(layout_of(canonical), tensors, operation=op)
-        load_tensors(module, tensors, operation=op)
+        load_tensors(module, tensors, operation=op)  # the strict check of names, shapes, dtypes and values
         data, sha = serialize({n: tensors[n].contiguous() for n in canonical})
         tmp = self._files.write_temp(lambda f: f.write(data))
         with self._files.temp_cleanup(tmp):
             try:
                 with self._db.write() as conn:
-                    row = conn.execute("SELECT MAX(version) FROM model_versions WHERE name = ?", (name,)).fetchone()
-                    if row[0] is None:
-                        raise ModelNotFound(f"{op}: model {name!r} was deleted while the weights were uploaded")
+                    row = conn.execute(
+                        "SELECT MAX(v.version), m.architecture FROM models m JOIN model_versions v ON v.name = m.name "
+                        "WHERE m.name = ?",
+                        (name,),
+                    ).fetchone()
+                    if row[0] is None or json.loads(row[1]) != latest.architecture:
+                        raise ModelNotFound(
+                            f"{op}: model {name!r} was deleted (or replaced) while the weights were uploaded; "
+                            "check the model and upload again"
+                        )
                     record = dataclasses.replace(
                         latest, version=int(row[0]) + 1, seed=None, weights_sha256=sha, created_at=_now()
                     )

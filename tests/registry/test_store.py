@@ -357,6 +357,25 @@ def test_process_killed_mid_upload_leaves_registry_consistent(tmp_path: Path) ->
     assert registry.register("half", cnn).version == 1
 
 
+def test_model_replaced_during_upload_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = ModelRegistry(tmp_path)
+    registry.register("m", MLP)
+    upload = _bytes_of(registry, "m", 0.5)
+    other = ModelRegistry(tmp_path)
+    skeleton = ModelRegistry._skeleton
+
+    def replace_meanwhile(self: ModelRegistry, record: ModelRecord, op: str) -> torch.nn.Module:
+        other.delete("m")
+        other.register("m", {**MLP, "hidden": [5]})
+        return skeleton(self, record, op)
+
+    monkeypatch.setattr(ModelRegistry, "_skeleton", replace_meanwhile)
+    with pytest.raises(ModelNotFound, match="was deleted .or replaced. while the weights were uploaded"):
+        registry.add_version("m", upload)
+    monkeypatch.undo()
+    assert [r.version for r in registry.versions("m")] == [1] and registry.get("m").architecture["hidden"] == [5]
+
+
 def test_missing_weight_file_is_reported(tmp_path: Path) -> None:
     registry = ModelRegistry(tmp_path, module_cache_size=0)
     record = registry.register("m", MLP)
