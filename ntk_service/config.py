@@ -82,7 +82,7 @@ def parse_api_keys(text: str, *, source: str = "NTK_API_KEYS") -> dict[str, Scop
                 f"{source}: entry {shown!r} is not 'key:scope' with scope 'read' or 'write'; "
                 "write keys as e.g. 'my-secret-key:write'"
             )
-        keys[key] = scope  # type: ignore[assignment]
+        keys[key] = scope
     return keys
 
 
@@ -91,19 +91,11 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="NTK_", env_nested_delimiter="__", extra="ignore")
 
-    host: str = Field(
-        "127.0.0.1", description="Interface to bind. Without API keys only loopback is allowed."
-    )
+    host: str = Field("127.0.0.1", description="Interface to bind. Without API keys only loopback is allowed.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on.")
-    data_dir: Path = Field(
-        Path("data"), description="Registry, weights and data sets live here (SQLite + files)."
-    )
-    api_keys: str = Field(
-        "", description="API keys as 'key:scope,...' with scope read|write. Empty: open server."
-    )
-    api_key_file: Path | None = Field(
-        None, description="File with one 'key:scope' per line (merged with api_keys)."
-    )
+    data_dir: Path = Field(Path("data"), description="Registry, weights and data sets live here (SQLite + files).")
+    api_keys: str = Field("", description="API keys as 'key:scope,...' with scope read|write. Empty: open server.")
+    api_key_file: Path | None = Field(None, description="File with one 'key:scope' per line (merged with api_keys).")
     model_factories: str = Field(
         "", description="Comma-separated 'module:function' factories clients may register models from."
     )
@@ -125,11 +117,20 @@ class Settings(BaseSettings):
         gt=0,
         description="Largest JSON kernel response (406 above: use binary).",
     )
-    side_cache_bytes: int = Field(
-        DEFAULT_SIDE_CACHE_BYTES, ge=0, description="LRU of per-side intermediates."
+    side_cache_bytes: int = Field(DEFAULT_SIDE_CACHE_BYTES, ge=0, description="LRU of per-side intermediates.")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+    executor: Literal["local", "ray"] = Field(
+        "local", description="Where job tiles run: in this process, or on Ray (needs ntk-service[ray])."
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
-        "info", description="Log level."
+    ray_address: str | None = Field(
+        None, description="Ray cluster for executor=ray ('auto', 'ray://head:10001'). Default: a local Ray."
+    )
+    ray_num_gpus: float = Field(0, ge=0, description="GPUs reserved per Ray tile task (> 0 runs tiles on CUDA).")
+    job_tile_size: int = Field(
+        256, ge=1, description="Examples per tile side when a job names none (a 256² FULL tile, k=10: 26 MB)."
+    )
+    job_disk_budget_bytes: int | None = Field(
+        None, gt=0, description="Largest job result on disk (413 above). Default: 90% of the free space."
     )
 
     @field_validator("log_level", mode="before")

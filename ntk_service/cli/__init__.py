@@ -15,8 +15,10 @@ from ntk_service.cli import _kernel, _serve  # noqa: F401  (their commands regis
 from ntk_service.cli._app import app, main
 from ntk_service.cli._datasets import datasets_app as _datasets_app
 from ntk_service.cli._models import models_app as _models_app
+from ntk_service.cli.jobs import jobs_app as _jobs_app
 
 app.add_typer(_models_app, name="models")
 app.add_typer(_datasets_app, name="datasets")
+app.add_typer(_jobs_app, name="jobs")
 
 __all__ = ["app", "main"]

@@ -24,7 +24,8 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors, _media
+from ntk_service.client._base import _decode_json, _decode_tensors, _media
+from ntk_service.client._jobs import JobsClient
 from ntk_service.errors import NtkServiceError
 
 __all__ = ["Client", "KernelResult"]
@@ -59,18 +60,16 @@ class KernelResult:
     elapsed_ms: float
 
 
-class Client(BaseClient):
+class Client(JobsClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).
+    Batch jobs: ``submit_job``, ``get_job``, ``list_jobs``, ``wait``, ``job_result``, ``cancel_job`` (``_jobs.py``).
 
     Every method raises the ``ntk_service.errors`` class of the server's error (``ModelNotFound``,
     ``MemoryEstimateExceeded``, ``Busy`` after the retries, ...), with ``.http_status`` and ``.message``;
     ``ServiceUnavailable`` when the server cannot be reached.
     """
-
-    def __enter__(self) -> Client:
-        return self
 
     # ---- service ----
 

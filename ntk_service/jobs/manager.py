@@ -310,16 +310,25 @@ class JobManager:
         x2 = None if x2_dataset is None else self._tensor(x2_dataset, 0, 1)
         if mode is KernelMode.EXAMPLE_DIAGONAL:
             x2 = None
-        compute_ntk(
-            module,
-            x1,
-            x2,
-            mode=mode,
-            implementation=implementation,
-            params=params,
-            dtype=dtype,
-            memory_budget_bytes=budget,
-        )
+        try:
+            compute_ntk(
+                module,
+                x1,
+                x2,
+                mode=mode,
+                implementation=implementation,
+                params=params,
+                dtype=dtype,
+                memory_budget_bytes=budget,
+            )
+        except NtkServiceError:
+            raise
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            # The model's own forward pass fails on these examples (wrong feature count, token ids, ...).
+            raise InvalidInput(
+                f"jobs: the model fails on the first example of data set {x1_dataset!r}: {exc}; "
+                "check that the data set matches the model's input shape and dtype"
+            ) from exc
 
     def _tensor(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(self.datasets.load(dataset_id, start, stop)))

@@ -27,7 +27,7 @@ from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
 from ntk_service.server.errors import install_error_handlers
 from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
-from ntk_service.server.routes import architectures, datasets, health, kernels, models
+from ntk_service.server.routes import architectures, datasets, health, jobs, kernels, models
 
 __all__ = ["check_bind_address", "create_app", "serve"]
 
@@ -76,6 +76,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.limiter = ComputeLimiter(
         concurrency=settings.compute_concurrency, max_queue=settings.max_queue, metrics=app.state.metrics
     )
+    await jobs.start_jobs(app)  # after the registry, data sets and limiter: resumes unfinished jobs
     if app.state.keyring.is_open:
         logger.warning(
             "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
@@ -87,6 +88,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         app.state.ready = False
+        await jobs.stop_jobs(app)  # running tiles finish and are recorded; the rest resume at the next start
         registry.close()
         datasets.close()
 
@@ -113,8 +115,11 @@ def create_app(settings: Settings) -> FastAPI:
     # add_middleware puts the newest outermost: metrics see every response, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    for module in (health, architectures, models, datasets, kernels):
-        app.include_router(module.router)
+    routers = [module.router for module in (health, architectures, models, datasets, kernels, jobs)]
+    for router in routers:
+        app.include_router(router)
+    # FastAPI wraps included routers lazily; keep the plain routes for the 405 handler's Allow header.
+    app.state.api_routes = [route for router in routers for route in router.routes]
     return app
 
 
@@ -125,6 +130,7 @@ def serve(settings: Settings) -> None:
         ValueError: an open server on a non-loopback host (see ``check_bind_address``).
     """
     check_bind_address(settings)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -1,0 +1,172 @@
+"""``ntk-service jobs submit|status|watch|result|cancel``: batch kernels of whole data sets.
+
+$ ntk-service jobs submit mlp --x1 dataset:ds_ab12 --mode trace --watch
+$ ntk-service jobs status                      # every job
+$ ntk-service jobs watch 3f2a...               # a live progress bar with ETA until the job ends
+$ ntk-service jobs result 3f2a... -o theta.npy --rows 0:512
+$ ntk-service jobs cancel 3f2a...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._inputs import read_npy
+from ntk_service.cli._kernel import Dtype, Implementation, Mode
+from ntk_service.cli._output import print_record, print_table
+
+__all__ = ["jobs_app"]
+
+jobs_app = typer.Typer(
+    help="Batch kernel jobs over whole data sets: tiled, resumable, with progress; results downloadable by slice.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+JobIdArg = Annotated[str, typer.Argument(help="The job id (from `jobs submit` or `jobs status`).", show_default=False)]
+
+_LIST_COLUMNS = ("id", "status", "model", "mode", "tiles_done", "tiles_total", "eta_s", "created_at")
+
+_SIDE_HELP = "a data set id (dataset:<id> or <id>), or a .npy file of shape ({rows}, *input) to upload first"
+
+
+def _dataset_id(ctx: typer.Context, value: str, *, option: str) -> str:
+    """A data set id from ``dataset:<id>``, ``<id>`` or a .npy path (uploaded now)."""
+    path = Path(value)
+    if value.endswith(".npy") or path.is_file():
+        if not path.is_file():
+            raise UsageError(f"{option}: no such file {value!r}")
+        record = state_of(ctx).client().upload_dataset(read_npy(path, option=option), name=path.name)
+        return str(record["id"])
+    dataset = value.removeprefix("dataset:")
+    if not dataset or "[" in dataset:
+        raise UsageError(f"{option}: a job uses whole data sets; pass dataset:<id> or a .npy file, got {value!r}")
+    return dataset
+
+
+def _watch(ctx: typer.Context, job_id: str, json_output: bool) -> dict[str, Any]:
+    return state_of(ctx).client().wait(job_id, progress=not wants_json(ctx, json_output))
+
+
+def _show(ctx: typer.Context, job: dict[str, Any], json_output: bool) -> None:
+    if wants_json(ctx, json_output):
+        print_json(job)
+    else:
+        print_record(job)
+
+
+@jobs_app.command("submit")
+def submit(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    x1: Annotated[str, typer.Option("--x1", help="x1: " + _SIDE_HELP.format(rows="N"), show_default=False)],
+    x2: Annotated[
+        str | None, typer.Option("--x2", help="x2: " + _SIDE_HELP.format(rows="M") + ". Default: x1 (symmetric).")
+    ] = None,
+    mode: Annotated[Mode, typer.Option(help="Kernel mode.")] = Mode.FULL,
+    implementation: Annotated[Implementation, typer.Option(help="Algorithm; auto picks by cost.")] = (
+        Implementation.AUTO
+    ),
+    dtype: Annotated[Dtype, typer.Option(help="Compute and storage dtype.")] = Dtype.FLOAT32,
+    params: Annotated[
+        list[str] | None, typer.Option("--params", help="Parameter name globs, repeatable or comma-separated.")
+    ] = None,
+    version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
+    tile_size: Annotated[
+        int | None, typer.Option(min=1, help="Examples per tile side. Default: the server's (NTK_JOB_TILE_SIZE).")
+    ] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Then show a live progress bar until the job ends.")] = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Submit a job computing the kernel of MODEL over whole data sets (needs a write key); prints its id."""
+    globs = [g.strip() for item in params or [] for g in item.split(",") if g.strip()] or None
+    job = (
+        state_of(ctx)
+        .client()
+        .submit_job(
+            model,
+            _dataset_id(ctx, x1, option="--x1"),
+            None if x2 is None else _dataset_id(ctx, x2, option="--x2"),
+            mode=mode.value,
+            implementation=implementation.value,
+            dtype=dtype.value,
+            params=globs,
+            version=version,
+            tile_size=tile_size,
+        )
+    )
+    if not wants_json(ctx, json_output):
+        typer.echo(
+            f"submitted job {job['id']}: {job['tiles_total']} tiles, result {tuple(job['result_shape'])} "
+            f"{job['dtype']} ({job['estimate_bytes']} bytes on disk)"
+        )
+    if watch:
+        job = _watch(ctx, job["id"], json_output)
+    if wants_json(ctx, json_output):
+        print_json(job)
+
+
+@jobs_app.command("status")
+def status(
+    ctx: typer.Context,
+    job_id: Annotated[str | None, typer.Argument(help="A job id. Default: list every job.")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Show one job (status, progress, ETA, error), or list all jobs."""
+    client = state_of(ctx).client()
+    if job_id is not None:
+        _show(ctx, client.get_job(job_id), json_output)
+        return
+    jobs = client.list_jobs()
+    if wants_json(ctx, json_output):
+        print_json(jobs)
+    else:
+        print_table(jobs, _LIST_COLUMNS, empty="no jobs")
+
+
+@jobs_app.command("watch")
+def watch_job(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Follow a job with a live progress bar and ETA until it ends; exit code 1 if it failed."""
+    job = _watch(ctx, job_id, json_output)
+    if wants_json(ctx, json_output):
+        print_json(job)
+    else:
+        typer.echo(f"job {job_id} {job['status']}")
+
+
+@jobs_app.command("result")
+def result(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Write theta to this .npy file.", dir_okay=False)],
+    rows: Annotated[str | None, typer.Option(help="Row range a:b. Default: all rows.")] = None,
+    cols: Annotated[str | None, typer.Option(help="Column range c:d. Default: all columns.")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Download a succeeded job's kernel (or the block rows × cols) to a .npy file."""
+    import numpy as np
+
+    theta = state_of(ctx).client().job_result(job_id, rows=rows, cols=cols)
+    try:
+        np.save(output, theta, allow_pickle=False)
+    except OSError as exc:
+        raise UsageError(f"-o: cannot write {str(output)!r} ({exc.strerror or exc})") from exc
+    summary = {"job": job_id, "shape": list(theta.shape), "dtype": str(theta.dtype), "output": str(output)}
+    if wants_json(ctx, json_output):
+        print_json(summary)
+    else:
+        typer.echo(f"wrote {output}: {tuple(theta.shape)} {theta.dtype}")
+
+
+@jobs_app.command("cancel")
+def cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Cancel a job (needs a write key): running tiles finish, no new tile starts."""
+    job = state_of(ctx).client().cancel_job(job_id)
+    if wants_json(ctx, json_output):
+        print_json(job)
+    else:
+        typer.echo(f"job {job_id} {job['status']} at {job['tiles_done']}/{job['tiles_total']} tiles")

@@ -1,0 +1,362 @@
+"""Batch kernel jobs over HTTP: submit, watch (polling or Server-Sent Events), download, cancel.
+
+    POST   /v1/jobs                       202 + Location: the queued job
+    GET    /v1/jobs                       {"data": [job, ...], "count"}
+    GET    /v1/jobs/{id}                  the job, with progress and ETA
+    GET    /v1/jobs/{id}/events           text/event-stream: a "progress" event per change, "end" when finished
+    GET    /v1/jobs/{id}/result           the kernel, whole or ?rows=a:b&cols=c:d, by Accept (409 until succeeded)
+    DELETE /v1/jobs/{id}                  cancel: running tiles finish, no new tile starts
+
+The JobManager is built in the app's lifespan (``start_jobs`` / ``stop_jobs``). With the local executor every tile
+takes a slot of the same ComputeLimiter interactive kernels use (see ``executors/local.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from functools import partial
+from typing import Annotated, Any, Literal, TypeVar
+
+import anyio.from_thread
+import anyio.lowlevel
+import anyio.to_thread
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi.sse import EventSourceResponse, ServerSentEvent
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from ntk_service import wire
+from ntk_service.config import Settings
+from ntk_service.errors import Busy, NotAcceptable, ServiceUnavailable, format_bytes
+from ntk_service.jobs import JobManager, JobRecord
+from ntk_service.jobs.executors import Executor, LocalExecutor, RayExecutor, import_ray
+from ntk_service.jobs.results import parse_range
+from ntk_service.kernels import KernelMode, NtkImplementation
+from ntk_service.server.compute import ComputeLimiter
+from ntk_service.server.deps import ReadAccess, WriteAccess
+from ntk_service.server.media import json_response, negotiate, read_json
+from ntk_service.server.schemas import openapi_body, validate_body
+
+__all__ = ["JobCreate", "JobPublic", "JobsPublic", "router", "start_jobs", "stop_jobs"]
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+T = TypeVar("T")
+
+RESULT_TYPES = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
+"""A result download, JSON first (the default without ``Accept``), as for kernels."""
+
+EVENT_POLL_S = 0.25
+"""How often the event stream looks for a change (an in-memory counter, no database read unless it moved);
+FastAPI itself sends keep-alive comments on a quiet stream."""
+
+_MIN_JSON_BYTES_PER_VALUE = 4
+"""The shortest a float can be in JSON ("0.0,"): a slice over the JSON cap this way is refused before reading."""
+
+JobIdParam = Annotated[str, Path(description="The id returned by POST /v1/jobs.")]
+
+
+class JobDataset(BaseModel):
+    """A whole stored data set as one side of a job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = Field(description="Data set id from POST /v1/datasets.")
+
+
+class JobCreate(BaseModel):
+    """``POST /v1/jobs``: the kernel of whole data sets, computed in tiles."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="Registered model name.")
+    version: int | None = Field(None, ge=1, description="Model version. Default: the latest.")
+    x1: JobDataset
+    x2: JobDataset | None = Field(None, description="null: x2 = x1 (only tiles on/above the diagonal computed).")
+    mode: KernelMode = KernelMode.FULL
+    implementation: NtkImplementation = NtkImplementation.AUTO
+    dtype: Literal["float32", "float64"] = "float32"
+    params: list[str] | None = Field(None, description="Glob patterns over parameter names; null = all.")
+    tile_size: int | None = Field(None, ge=1, le=65536, description="Examples per tile side. Default: server's.")
+
+
+class JobPublic(BaseModel):
+    """A job and where it stands."""
+
+    id: str
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
+    model: str
+    version: int
+    x1: JobDataset
+    x2: JobDataset | None
+    mode: KernelMode
+    implementation: NtkImplementation
+    implementation_used: list[str]
+    dtype: str
+    params: list[str] | None
+    tile_size: int
+    tiles_done: int
+    tiles_total: int
+    progress: float
+    eta_s: float | None
+    error: str | None
+    result_shape: list[int]
+    estimate_bytes: int
+    executor: str
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+
+
+class JobsPublic(BaseModel):
+    data: list[JobPublic]
+    count: int
+
+
+def _iso(timestamp: float | None) -> str | None:
+    return None if timestamp is None else datetime.fromtimestamp(timestamp, UTC).isoformat()
+
+
+def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
+    """The JSON form of a job (``JobPublic``)."""
+    spec = record.spec
+    return {
+        "id": record.id,
+        "status": record.status.value,
+        "model": spec.model,
+        "version": spec.version,
+        "x1": {"dataset": spec.x1_dataset},
+        "x2": None if spec.x2_dataset is None else {"dataset": spec.x2_dataset},
+        "mode": spec.mode,
+        "implementation": spec.implementation,
+        "implementation_used": sorted(filter(None, (record.implementation_used or "").split(","))),
+        "dtype": spec.dtype,
+        "params": spec.params,
+        "tile_size": spec.tile_size,
+        "tiles_done": record.tiles_done,
+        "tiles_total": record.tiles_total,
+        "progress": round(record.progress, 6),
+        "eta_s": None if eta_s is None else round(eta_s, 3),
+        "error": record.error,
+        "result_shape": record.result_shape,
+        "estimate_bytes": record.estimate_bytes,
+        "executor": record.executor,
+        "created_at": _iso(record.created_at),
+        "started_at": _iso(record.started_at),
+        "finished_at": _iso(record.finished_at),
+    }
+
+
+def _describe(manager: JobManager, job_id: str) -> dict[str, Any]:
+    record = manager.get(job_id)
+    return job_public(record, manager.eta_s(record))
+
+
+async def _jobs(request: Request) -> JobManager:
+    manager: JobManager | None = getattr(request.app.state, "jobs", None)
+    if manager is None:
+        raise ServiceUnavailable(
+            f"{request.method} {request.url.path}: the job manager is not running (starting or stopping); "
+            "retry shortly",
+            retry_after_s=1,
+        )
+    return manager
+
+
+JobsDep = Annotated[JobManager, Depends(_jobs)]
+
+
+async def _existing_job(job_id: JobIdParam, manager: JobsDep) -> dict[str, Any]:
+    return await anyio.to_thread.run_sync(_describe, manager, job_id)
+
+
+ExistingJob = Annotated[dict[str, Any], Depends(_existing_job)]
+"""The job's JSON form; 404 (JobNotFound) before any response starts."""
+
+
+# -- lifetime -------------------------------------------------------------------------------------------------------
+
+
+def _limited(limiter: ComputeLimiter, token: Any) -> Callable[[Callable[[], T]], T]:
+    """A RunCompute for the local executor: each tile takes a slot of the server's ComputeLimiter."""
+
+    def run(fn: Callable[[], T]) -> T:
+        while True:
+            try:
+                return anyio.from_thread.run(partial(limiter.run, fn, operation="job tile"), token=token)
+            except Busy as exc:  # interactive requests fill the queue: they go first, the tile waits its turn
+                time.sleep(min(exc.retry_after_s, 1.0))
+
+    return run
+
+
+def _executor(settings: Settings, limiter: ComputeLimiter, token: Any) -> Executor:
+    if settings.executor == "ray":
+        import_ray()  # fail at startup, with install instructions, rather than on the first job
+        return RayExecutor(address=settings.ray_address, num_gpus=settings.ray_num_gpus)
+    return LocalExecutor(run_compute=_limited(limiter, token))
+
+
+async def start_jobs(app: FastAPI) -> None:
+    """Build the JobManager on ``app.state.jobs`` and resume unfinished jobs (call in the lifespan, after the
+    registry, data sets and limiter exist)."""
+    settings: Settings = app.state.settings
+    executor = _executor(settings, app.state.limiter, anyio.lowlevel.current_token())
+    manager = JobManager(
+        data_dir=settings.data_dir,
+        models=app.state.registry,
+        datasets=app.state.datasets,
+        executor=executor,
+        default_tile_size=settings.job_tile_size,
+        disk_budget_bytes=settings.job_disk_budget_bytes,
+        memory_budget_bytes=settings.memory_budget_bytes,
+    )
+    await anyio.to_thread.run_sync(manager.start)
+    app.state.jobs = manager
+
+
+async def stop_jobs(app: FastAPI) -> None:
+    """Stop the JobManager: running tiles finish (off the event loop, which they still need), the rest resume at
+    the next start."""
+    manager: JobManager | None = getattr(app.state, "jobs", None)
+    if manager is not None:
+        app.state.jobs = None
+        await anyio.to_thread.run_sync(manager.stop)
+
+
+# -- routes ---------------------------------------------------------------------------------------------------------
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobPublic,
+    summary="Submit a batch kernel job",
+    openapi_extra=openapi_body(JobCreate),
+)
+async def submit_job(request: Request, _: WriteAccess, manager: JobsDep) -> Response:
+    operation = "submit job"
+    body = validate_body(JobCreate, await read_json(request, operation=operation), operation=operation)
+    record = await anyio.to_thread.run_sync(
+        lambda: manager.submit(
+            model=body.model,
+            version=body.version,
+            x1_dataset=body.x1.dataset,
+            x2_dataset=None if body.x2 is None else body.x2.dataset,
+            mode=body.mode.value,
+            implementation=body.implementation.value,
+            dtype=body.dtype,
+            params=body.params,
+            tile_size=body.tile_size,
+        )
+    )
+    return json_response(job_public(record, None), status_code=202, headers={"Location": f"/v1/jobs/{record.id}"})
+
+
+@router.get("", response_model=JobsPublic, summary="List jobs, newest first")
+async def list_jobs(_: ReadAccess, manager: JobsDep) -> Response:
+    records = await anyio.to_thread.run_sync(manager.list)
+    return json_response({"data": [job_public(r, manager.eta_s(r)) for r in records], "count": len(records)})
+
+
+@router.get("/{job_id}", response_model=JobPublic, summary="Show a job: status, progress, ETA")
+async def get_job(job: ExistingJob, _: ReadAccess) -> Response:
+    return json_response(job)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=EventSourceResponse,
+    summary="Progress as Server-Sent Events until the job ends",
+    description='A "progress" event (data: the job as JSON) at every change, then one "end" event.',
+)
+async def job_events(
+    job_id: JobIdParam, job: ExistingJob, _: ReadAccess, manager: JobsDep
+) -> AsyncIterator[ServerSentEvent]:
+    public = job
+    while True:
+        seen = manager.version(job_id)
+        finished = public["status"] in ("succeeded", "failed", "cancelled")
+        yield ServerSentEvent(data=public, event="end" if finished else "progress")
+        if finished:
+            return
+        while manager.version(job_id) == seen:
+            await asyncio.sleep(EVENT_POLL_S)
+        public = await anyio.to_thread.run_sync(_describe, manager, job_id)
+
+
+@router.get(
+    "/{job_id}/result",
+    summary="Download the kernel of a succeeded job, whole or a slice",
+    responses={200: {"content": {wire.MEDIA_NPY: {}, wire.MEDIA_SAFETENSORS: {}}}, 409: {}},
+)
+async def job_result(
+    job_id: JobIdParam,
+    request: Request,
+    _: ReadAccess,
+    manager: JobsDep,
+    rows: Annotated[str | None, Query(description="Row range a:b (either end may be omitted). Default: all.")] = None,
+    cols: Annotated[str | None, Query(description="Column range c:d. Default: all.")] = None,
+) -> Response:
+    operation = f"result of job {job_id}"
+    media = negotiate(request, RESULT_TYPES, operation=operation)
+    settings: Settings = request.app.state.settings
+    cap = settings.max_json_response_bytes
+
+    def read() -> Response:
+        record, array = manager.open_result(job_id)
+        r = parse_range(rows, record.spec.n, axis="rows")
+        c = None if cols is None else parse_range(cols, record.spec.m, axis="cols")
+        if media == wire.MEDIA_JSON:
+            shape = list(record.result_shape)
+            shape[0] = r[1] - r[0]
+            if c is not None and len(shape) > 1 and record.spec.mode != KernelMode.EXAMPLE_DIAGONAL:
+                shape[1] = c[1] - c[0]
+            if math.prod(shape) * _MIN_JSON_BYTES_PER_VALUE > cap:
+                raise _json_too_large(f"at least {format_bytes(math.prod(shape) * _MIN_JSON_BYTES_PER_VALUE)}", cap)
+        theta = array.read(rows=r, cols=c)
+        spec = record.spec
+        meta = {
+            "job": record.id,
+            "model": spec.model,
+            "version": spec.version,
+            "mode": spec.mode,
+            "implementation": ",".join(sorted(filter(None, (record.implementation_used or "").split(",")))),
+            "rows": f"{r[0]}:{r[1]}",
+            "cols": "" if c is None else f"{c[0]}:{c[1]}",
+        }
+        return _encode(theta, media, meta, cap=cap)
+
+    return await anyio.to_thread.run_sync(read)
+
+
+def _json_too_large(size: str, cap: int) -> NotAcceptable:
+    return NotAcceptable(
+        f"job result: the JSON response would be {size}, over the server's JSON limit of {format_bytes(cap)} "
+        f"(NTK_MAX_JSON_RESPONSE_BYTES); send 'Accept: {wire.MEDIA_NPY}' or 'Accept: {wire.MEDIA_SAFETENSORS}', "
+        "or download a slice with ?rows=a:b&cols=c:d"
+    )
+
+
+def _encode(theta: Any, media: str, meta: dict[str, Any], *, cap: int) -> Response:
+    if media == wire.MEDIA_NPY:
+        headers = {f"X-NTK-{key.replace('_', '-').title()}": str(value) for key, value in meta.items()}
+        return Response(wire.encode_npy(theta), media_type=media, headers=headers)
+    if media == wire.MEDIA_SAFETENSORS:
+        return Response(
+            wire.encode_safetensors({"theta": theta}, {k: str(v) for k, v in meta.items()}), media_type=media
+        )
+    body = wire.json_dumps({"theta": wire.tensor_to_json(theta), **meta})
+    if len(body) > cap:
+        raise _json_too_large(format_bytes(len(body)), cap)
+    return Response(body, media_type=wire.MEDIA_JSON)
+
+
+@router.delete("/{job_id}", response_model=JobPublic, summary="Cancel a job (running tiles finish first)")
+async def cancel_job(job_id: JobIdParam, _: WriteAccess, manager: JobsDep) -> Response:
+    record = await anyio.to_thread.run_sync(manager.cancel, job_id)
+    return json_response(job_public(record, manager.eta_s(record)))

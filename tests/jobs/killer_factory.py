@@ -1,0 +1,44 @@
+"""A model factory for the Ray test: its forward pass kills the Ray worker process once, like an OOM kill would.
+
+The model remembers the pid of the process that built it (the server, or the test driver). In any other process
+(a Ray worker) the first forward pass that finds no marker file creates it and exits at once with ``os._exit(1)``,
+so exactly one task dies mid-tile and Ray must retry it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class KillOnceMLP(nn.Module):
+    """(N, in_dim) -> (N, out_dim): Linear, tanh, Linear; kills its worker once (see the module docstring)."""
+
+    def __init__(self, in_dim: int, hidden: int, out_dim: int, marker: str) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, out_dim))
+        self.marker = marker
+        self.builder_pid = os.getpid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.getpid() != self.builder_pid:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                pass
+            else:
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                os._exit(1)
+        return self.net(x)
+
+
+def build(in_dim: int = 4, hidden: int = 6, out_dim: int = 3, marker: str = "") -> nn.Module:
+    """The factory ``tests.jobs.killer_factory:build``; ``marker`` is the file that records the one kill."""
+    if not marker:
+        raise ValueError("killer_factory.build: pass marker, a path the first killed worker creates")
+    Path(marker).parent.mkdir(parents=True, exist_ok=True)
+    return KillOnceMLP(in_dim, hidden, out_dim, marker)

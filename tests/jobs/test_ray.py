@@ -1,0 +1,92 @@
+"""The Ray executor on a real local Ray instance (2 CPUs): same bits as the local executor, even when a worker
+process dies mid-tile and Ray retries its task; and a clear error when Ray is not installed."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ntk_service.errors import OptionalDependencyMissing
+from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
+from ntk_service.jobs.executors import RayExecutor, import_ray
+from ntk_service.registry import DatasetStore, ModelRegistry
+from tests.conftest import REPO_ROOT
+from tests.jobs.conftest import wait_finished
+
+KILLER = "tests.jobs.killer_factory:build"
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Iterator[object]:
+    ray = pytest.importorskip("ray", reason="the Ray executor needs the ntk-service[ray] extra")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # Workers unpickle the test's factory model, so they must import `tests` from the repository root.
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+def test_ray_job_equals_the_local_job_after_a_worker_is_killed(ray_instance: object, tmp_path: Path) -> None:
+    registry = ModelRegistry(tmp_path, allowed_factories=frozenset({KILLER}))
+    datasets = DatasetStore(tmp_path)
+    marker = tmp_path / "killed-worker.pid"
+    registry.register(
+        "killer",
+        {
+            "family": "factory",
+            "factory": KILLER,
+            "kwargs": {"marker": str(marker)},
+            "input_shape": [4],
+            "input_dtype": "float32",
+        },
+        seed=0,
+    )
+    x1 = datasets.create(np.random.default_rng(0).standard_normal((11, 4)).astype(np.float32)).id
+    x2 = datasets.create(np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)).id
+    options = {
+        "model": "killer",
+        "x1_dataset": x1,
+        "x2_dataset": x2,
+        "mode": "full",
+        "dtype": "float64",
+        "tile_size": 4,
+    }
+
+    def manager(executor: LocalExecutor | RayExecutor) -> JobManager:
+        built = JobManager(
+            data_dir=tmp_path, models=registry, datasets=datasets, executor=executor, memory_budget_bytes=64 * 2**20
+        )
+        built.start()
+        return built
+
+    on_ray = manager(RayExecutor(max_in_flight=2))
+    ray_job = on_ray.submit(**options)
+    record = wait_finished(on_ray, ray_job.id, timeout=120)
+    on_ray.stop()
+    assert record.status is JobStatus.SUCCEEDED, record.error
+    assert record.executor == "ray" and record.tiles_done == record.tiles_total == 6
+    assert marker.exists() and int(marker.read_text()) != os.getpid()  # one worker died mid-tile ...
+    assert set(on_ray.store.tile_attempts(ray_job.id).values()) == {1}  # ... and Ray, not the server, retried it
+
+    local = manager(LocalExecutor())
+    local_job = local.submit(**options)
+    assert wait_finished(local, local_job.id).status is JobStatus.SUCCEEDED
+    np.testing.assert_array_equal(local.read_result(ray_job.id), local.read_result(local_job.id))
+    local.stop()
+    registry.close()
+    datasets.close()
+
+
+def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees without the extra installed
+    with pytest.raises(OptionalDependencyMissing, match=r"pip install 'ntk-service\[ray\]'"):
+        import_ray()

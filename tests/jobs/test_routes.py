@@ -1,0 +1,262 @@
+"""Jobs over HTTP against real uvicorn processes: submit, progress events, downloads in every format, cancel,
+disk budget, and a server killed with SIGKILL mid-job that resumes to a bitwise-equal result."""
+
+from __future__ import annotations
+
+import io
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import safetensors.numpy
+import torch
+from torch import nn
+
+from tests.conftest import LiveServer, start_live_server
+from tests.reference import reference_ntk
+
+TINY = {"family": "mlp", "input_dim": 4, "hidden": [6], "output_dim": 3, "activation": "tanh", "bias": True}
+SLOW = {
+    "family": "factory",
+    "factory": "tests.server.slow_factory:build",
+    "kwargs": {"in_dim": 4, "out_dim": 2, "delay_s": 0.03},
+    "input_shape": [4],
+    "input_dtype": "float32",
+}
+"""A model whose every forward pass sleeps: tiles take a known time, so a test can act while the job runs."""
+
+NPY = "application/x-npy"
+SAFETENSORS = "application/x-safetensors"
+
+
+_SERVER_SETTINGS = {
+    "max_json_response_bytes": str(64 * 2**10),
+    "job_disk_budget_bytes": str(2**20),
+    "memory_budget_bytes": str(64 * 2**20),
+}
+"""64 KiB JSON cap, 1 MiB disk budget for job results."""
+
+
+class _Servers:
+    """The module's server; the SIGKILL test (last in this file) replaces it with a restarted one."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.current = start_live_server(data_dir, **_SERVER_SETTINGS)
+
+    def kill(self) -> None:
+        self.current.process.kill()  # SIGKILL: no shutdown code runs
+        self.current.process.wait(10)
+
+    def restart(self) -> LiveServer:
+        self.current = start_live_server(self.data_dir, **_SERVER_SETTINGS)
+        return self.current
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Servers]:
+    holder = _Servers(tmp_path_factory.mktemp("jobs") / "data")
+    yield holder
+    holder.current.stop()
+
+
+@pytest.fixture
+def server(servers: _Servers) -> LiveServer:
+    return servers.current
+
+
+def _upload(client: httpx.Client, array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    response = client.post("/v1/datasets", content=buffer.getvalue(), headers={"Content-Type": NPY})
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def _register(client: httpx.Client, name: str, architecture: dict[str, Any]) -> None:
+    response = client.post("/v1/models", json={"name": name, "architecture": architecture, "seed": 0})
+    assert response.status_code == 201, response.text
+
+
+def _wait(client: httpx.Client, job_id: str, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return dict(job)
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} not finished after {timeout} s")
+
+
+def _npy(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == NPY
+    return np.load(io.BytesIO(response.content), allow_pickle=False)
+
+
+def _tiny_model(client: httpx.Client) -> nn.Module:
+    """The registered 'tiny' model rebuilt here from its downloaded weights (for the reference)."""
+    weights = safetensors.numpy.load(client.get("/v1/models/tiny/versions/1/weights").content)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    names = {
+        "0.weight": "layers.0.weight",
+        "0.bias": "layers.0.bias",
+        "2.weight": "layers.1.weight",
+        "2.bias": "layers.1.bias",
+    }
+    model.load_state_dict({mine: torch.from_numpy(weights[theirs]) for mine, theirs in names.items()})
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_job(servers: _Servers) -> dict[str, Any]:
+    """A finished symmetric FULL float64 job of 'tiny' on x1 (10, 4), tiles of 4 (6 of 9 tiles)."""
+    with servers.current.client() as client:
+        _register(client, "tiny", TINY)
+        x1 = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
+        dataset = _upload(client, x1)
+        response = client.post(
+            "/v1/jobs",
+            json={"model": "tiny", "x1": {"dataset": dataset}, "mode": "full", "dtype": "float64", "tile_size": 4},
+        )
+        assert response.status_code == 202, response.text
+        assert response.headers["location"] == f"/v1/jobs/{response.json()['id']}"
+        job = _wait(client, response.json()["id"])
+        return {**job, "x1_array": x1, "model": _tiny_model(client)}
+
+
+def test_job_result_in_every_format_and_slice(server: LiveServer, tiny_job: dict[str, Any]) -> None:
+    assert tiny_job["status"] == "succeeded", tiny_job["error"]
+    assert (tiny_job["tiles_done"], tiny_job["tiles_total"], tiny_job["result_shape"]) == (6, 6, [10, 10, 3, 3])
+    expected = reference_ntk(tiny_job["model"], torch.from_numpy(tiny_job["x1_array"]), mode="full").numpy()
+    url = f"/v1/jobs/{tiny_job['id']}/result"
+    with server.client("read") as client:
+        whole = _npy(client.get(url, headers={"Accept": NPY}))
+        np.testing.assert_allclose(whole, expected, rtol=1e-10, atol=1e-12)
+        np.testing.assert_array_equal(whole, whole.transpose(1, 0, 3, 2))  # exactly symmetric
+        block = _npy(client.get(url, params={"rows": "7:10", "cols": ":5"}, headers={"Accept": NPY}))
+        np.testing.assert_array_equal(block, whole[7:10, 0:5])  # below the diagonal: mirrored tiles
+        response = client.get(url, params={"rows": "2:9", "cols": "3:"}, headers={"Accept": SAFETENSORS})
+        assert response.status_code == 200 and response.headers["content-type"] == SAFETENSORS
+        np.testing.assert_array_equal(safetensors.numpy.load(response.content)["theta"], whole[2:9, 3:])
+        body = client.get(url, params={"rows": "0:2", "cols": "8:10"}).json()  # JSON by default
+        assert body["theta"]["shape"] == [2, 2, 3, 3] and body["mode"] == "full" and body["version"] == 1
+        theta = np.asarray(body["theta"]["data"], dtype=np.float64).reshape(body["theta"]["shape"])
+        np.testing.assert_array_equal(theta, whole[0:2, 8:10])
+
+
+def test_result_errors(server: LiveServer, tiny_job: dict[str, Any]) -> None:
+    url = f"/v1/jobs/{tiny_job['id']}/result"
+    with server.client("read") as client:
+        bad = client.get(url, params={"rows": "5:11"})
+        assert bad.status_code == 422
+        assert "expected 0 ≤ a < b ≤ 10" in bad.json()["error"]["message"]
+        missing = client.get("/v1/jobs/0123/result")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "job_not_found"
+        assert client.get(url, headers={"Accept": "text/csv"}).status_code == 406
+
+
+def test_submission_errors(server: LiveServer, tiny_job: dict[str, Any]) -> None:
+    with server.client() as client:
+        dataset = tiny_job["x1"]["dataset"]
+        too_big = client.post(
+            "/v1/jobs",
+            json={"model": "tiny", "x1": {"dataset": _upload(client, np.zeros((200, 4), np.float32))}, "mode": "full"},
+        )
+        assert too_big.status_code == 413
+        error = too_big.json()["error"]
+        assert error["type"] == "disk_estimate_exceeded" and "needs 1.37 MiB on disk" in error["message"]
+        unknown = client.post("/v1/jobs", json={"model": "tiny", "x1": {"dataset": dataset}, "mode": "diag"})
+        assert unknown.status_code == 422
+        wrong_shape = _upload(client, np.zeros((3, 5), np.float32))
+        shape = client.post("/v1/jobs", json={"model": "tiny", "x1": {"dataset": wrong_shape}})
+        assert shape.status_code == 422 and "per-example shape (5,)" in shape.json()["error"]["message"]
+        assert client.post("/v1/jobs", json={"model": "nope", "x1": {"dataset": dataset}}).status_code == 404
+    with server.client("read") as reader:
+        denied = reader.post("/v1/jobs", json={"model": "tiny", "x1": {"dataset": dataset}})
+        assert denied.status_code == 403
+        listed = reader.get("/v1/jobs").json()
+        assert listed["count"] == len(listed["data"]) >= 1
+
+
+def _events(client: httpx.Client, job_id: str) -> list[tuple[str, dict[str, Any]]]:
+    events: list[tuple[str, dict[str, Any]]] = []
+    name = ""
+    with client.stream("GET", f"/v1/jobs/{job_id}/events") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        for line in stream.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line.removeprefix("data: "))))
+    return events
+
+
+def test_events_stream_progress_until_the_end(server: LiveServer) -> None:
+    with server.client() as client:
+        _register(client, "slow-sse", SLOW)
+        dataset = _upload(client, np.random.default_rng(1).standard_normal((12, 4)).astype(np.float32))
+        job = client.post(
+            "/v1/jobs", json={"model": "slow-sse", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 3}
+        ).json()
+        events = _events(client, job["id"])
+    names = [name for name, _ in events]
+    done = [data["tiles_done"] for _, data in events]
+    assert names[-1] == "end" and set(names[:-1]) == {"progress"}
+    assert events[-1][1]["status"] == "succeeded" and done[-1] == 10
+    assert done == sorted(done) and len(set(done)) >= 5  # several progress steps were streamed
+    assert any(data["eta_s"] is not None for _, data in events[:-1])
+    assert events[-1][1]["eta_s"] == 0.0
+
+
+def test_cancel_over_http(server: LiveServer) -> None:
+    with server.client() as client:
+        _register(client, "slow-cancel", SLOW)
+        dataset = _upload(client, np.random.default_rng(2).standard_normal((40, 4)).astype(np.float32))
+        job = client.post("/v1/jobs", json={"model": "slow-cancel", "x1": {"dataset": dataset}, "tile_size": 2}).json()
+        while client.get(f"/v1/jobs/{job['id']}").json()["tiles_done"] < 1:
+            time.sleep(0.05)
+        cancelled = client.delete(f"/v1/jobs/{job['id']}")
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        time.sleep(0.5)
+        final = client.get(f"/v1/jobs/{job['id']}").json()
+        assert final["status"] == "cancelled" and final["tiles_done"] < final["tiles_total"] == 210
+        later = client.get(f"/v1/jobs/{job['id']}").json()
+        assert later["tiles_done"] == final["tiles_done"]  # nothing runs after the boundary
+        result = client.get(f"/v1/jobs/{job['id']}/result")
+        assert result.status_code == 409 and result.json()["error"]["type"] == "job_not_finished"
+
+
+def test_sigkill_mid_job_resumes_to_a_bitwise_equal_result(servers: _Servers) -> None:
+    with servers.current.client() as client:
+        _register(client, "slow", SLOW)
+        dataset = _upload(client, np.random.default_rng(3).standard_normal((16, 4)).astype(np.float32))
+        spec = {"model": "slow", "x1": {"dataset": dataset}, "mode": "full", "tile_size": 4}  # 10 tiles
+        job_id = client.post("/v1/jobs", json=spec).json()["id"]
+        while client.get(f"/v1/jobs/{job_id}").json()["tiles_done"] < 3:
+            time.sleep(0.02)
+    servers.kill()
+    database = servers.data_dir / "jobs" / "jobs.sqlite3"
+    with sqlite3.connect(database) as conn:
+        done_before = {
+            row[0] for row in conn.execute("SELECT tile_id FROM tiles WHERE job_id = ? AND state = 'done'", (job_id,))
+        }
+    assert 3 <= len(done_before) < 10
+    with servers.restart().client() as client:
+        resumed = _wait(client, job_id)
+        assert resumed["status"] == "succeeded" and resumed["tiles_done"] == 10
+        fresh_id = client.post("/v1/jobs", json=spec).json()["id"]
+        assert _wait(client, fresh_id)["status"] == "succeeded"
+        interrupted = _npy(client.get(f"/v1/jobs/{job_id}/result", headers={"Accept": NPY}))
+        uninterrupted = _npy(client.get(f"/v1/jobs/{fresh_id}/result", headers={"Accept": NPY}))
+    np.testing.assert_array_equal(interrupted, uninterrupted)
+    with sqlite3.connect(database) as conn:
+        attempts = dict(conn.execute("SELECT tile_id, attempts FROM tiles WHERE job_id = ?", (job_id,)).fetchall())
+    assert all(attempts[t] == 1 for t in done_before)  # nothing that was done is computed again
+    assert sum(attempts.values()) <= 10 + 1  # at most the one tile cut off by the kill is redone
