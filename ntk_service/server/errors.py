@@ -48,9 +48,16 @@ _STATUS_TYPES: Mapping[int, str] = {
 }
 
 
-def error_response(status: int, error_type: str, message: str, *, headers: Mapping[str, str] | None = None) -> Response:
-    """The wire error body ``{"error": {"type", "message"}}`` as a JSON response."""
-    body = orjson.dumps({"error": {"type": error_type, "message": message}})
+def error_response(
+    status: int,
+    error_type: str,
+    message: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Response:
+    """The wire error body ``{"error": {"type", "message", **extra}}`` as a JSON response."""
+    body = orjson.dumps({"error": {"type": error_type, "message": message, **(extra or {})}})
     return Response(body, status_code=status, media_type="application/json", headers=dict(headers or {}))
 
 
@@ -98,7 +105,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 def _allowed_methods(request: Request) -> list[str]:
     """Every method some route serves at this path (Starlette's Allow header names only the first route's)."""
     methods: set[str] = set()
-    for route in request.app.router.routes:
+    for route in [*request.app.router.routes, *getattr(request.app.state, "api_routes", ())]:
         match, _ = route.matches({**request.scope, "method": "OPTIONS-PROBE"})
         if match is not Match.NONE:
             methods.update(getattr(route, "methods", None) or ())

@@ -32,7 +32,7 @@ __all__ = [
     "content_type",
     "json_response",
     "negotiate",
-    "pop_tensor",
+    "take_tensor",
     "read_json",
     "read_tensors",
     "require_content_type",
@@ -90,14 +90,14 @@ async def read_tensors(request: Request, *, operation: str, npy_name: str) -> di
     return tensors
 
 
-def pop_tensor(tensors: dict[str, np.ndarray], name: str, *, operation: str, required: bool) -> np.ndarray | None:
-    """Remove and return ``tensors[name]``; ``None`` if absent and not ``required``.
+def take_tensor(tensors: dict[str, np.ndarray], name: str, *, operation: str) -> np.ndarray:
+    """Remove and return ``tensors[name]``.
 
     Raises:
-        InvalidInput: a required tensor is missing (422), naming the tensors that came.
+        InvalidInput: the tensor is missing (422), naming the tensors that came.
     """
     array = tensors.pop(name, None)
-    if array is None and required:
+    if array is None:
         raise InvalidInput(
             f"{operation}: the safetensors body has no tensor {name!r} (it has {sorted(tensors) or 'none'}); "
             f"name the tensor {name!r}"

@@ -67,8 +67,8 @@ class DatasetRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dataset: str = Field(description="Data set id from POST /v1/datasets.")
-    start: int | None = Field(None, ge=0, description="First row. Default: 0.")
-    stop: int | None = Field(None, ge=0, description="One past the last row. Default: all rows.")
+    start: int | None = Field(default=None, ge=0, description="First row. Default: 0.")
+    stop: int | None = Field(default=None, ge=0, description="One past the last row. Default: all rows.")
 
 
 class KernelOptions(BaseModel):
@@ -77,20 +77,20 @@ class KernelOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: KernelMode = Field(
-        KernelMode.FULL,
+        default=KernelMode.FULL,
         description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k).",
     )
     implementation: NtkImplementation = NtkImplementation.AUTO
-    params: list[str] | None = Field(None, description="Glob patterns over parameter names; null = all.")
-    dtype: Literal["float32", "float64"] | None = Field(None, description="Compute dtype. Default: the model's.")
-    version: int | None = Field(None, ge=1, description="Model version. Default: the latest.")
+    params: list[str] | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
+    dtype: Literal["float32", "float64"] | None = Field(default=None, description="Compute dtype. Default: model's.")
+    version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
 
 
 class KernelRequest(KernelOptions):
     """``POST /v1/models/{name}/ntk`` as JSON (documentation; routes decode x1/x2 with ``wire``)."""
 
     x1: TensorJson | DatasetRef
-    x2: TensorJson | DatasetRef | None = Field(None, description="null: x2 = x1 (exactly symmetric).")
+    x2: TensorJson | DatasetRef | None = Field(default=None, description="null: x2 = x1 (exactly symmetric).")
 
 
 class KernelPublic(BaseModel):
@@ -113,7 +113,7 @@ class ModelCreate(BaseModel):
     architecture: dict[str, Any] = Field(
         examples=[{"family": "mlp", "input_dim": 784, "hidden": [256], "output_dim": 10, "activation": "relu"}]
     )
-    seed: int = Field(0, ge=0, description="Seed of the initial weights (version 1).")
+    seed: int = Field(default=0, ge=0, description="Seed of the initial weights (version 1).")
 
 
 class ParameterPublic(BaseModel):

@@ -1,10 +1,12 @@
-"""The auth matrix against a real server: no key 401, wrong key 401, read key on a write route 403."""
+"""The auth matrix against a real server: no key 401, wrong key 401, read key on a write route 403.
+
+An open server (no keys) is exercised in test_compute.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import LiveServer, start_live_server
+from tests.conftest import LiveServer
 
 READ_ROUTES = [("GET", "/v1/models"), ("GET", "/v1/datasets"), ("GET", "/v1/architectures")]
 WRITE_ROUTES = [("POST", "/v1/models"), ("DELETE", "/v1/models/anything"), ("POST", "/v1/datasets")]
@@ -66,18 +68,3 @@ def test_health_and_metrics_need_no_key(live_server: LiveServer) -> None:
         assert client.get("/healthz").status_code == 200
         assert client.get("/readyz").status_code == 200
         assert client.get("/metrics").status_code == 200
-
-
-def test_open_server_allows_everything_on_loopback(tmp_path) -> None:
-    server = start_live_server(tmp_path / "open", keys=False)
-    try:
-        with server.client(None) as client:
-            created = client.post(
-                "/v1/models",
-                json={"name": "m", "architecture": {"family": "mlp", "input_dim": 2, "hidden": [3], "output_dim": 1}},
-            )
-            assert created.status_code == 201, created.text
-            assert client.get("/v1/models").json()["count"] == 1
-        assert "no API keys configured" in server.log()
-    finally:
-        server.stop()

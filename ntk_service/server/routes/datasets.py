@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.server.deps import DatasetsDep, ReadAccess, WriteAccess
-from ntk_service.server.media import json_response, pop_tensor, read_tensors
+from ntk_service.server.media import json_response, read_tensors, take_tensor
 from ntk_service.server.schemas import DatasetPublic, DatasetsPublic
 
 __all__ = ["router"]
@@ -47,7 +47,7 @@ async def upload_dataset(
 ) -> Response:
     operation = "upload data set"
     tensors = await read_tensors(request, operation=operation, npy_name=DATASET_TENSOR)
-    x = pop_tensor(tensors, DATASET_TENSOR, operation=operation, required=True)
+    x = take_tensor(tensors, DATASET_TENSOR, operation=operation)
     record = await anyio.to_thread.run_sync(lambda: datasets.create(x, name=name))
     public = record.to_public()
     return json_response(public, status_code=201, headers={"Location": f"/v1/datasets/{public['id']}"})

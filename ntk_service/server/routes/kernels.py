@@ -23,7 +23,14 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import InvalidInput, NotAcceptable, NtkServiceError, ShapeMismatch, format_bytes
+from ntk_service.errors import (
+    InvalidInput,
+    MalformedRequest,
+    NotAcceptable,
+    NtkServiceError,
+    ShapeMismatch,
+    format_bytes,
+)
 from ntk_service.kernels import KernelMode, NtkImplementation, NtkResult, compute_ntk
 from ntk_service.kernels.modes import result_shape
 from ntk_service.registry import DatasetStore, ModelRecord
@@ -40,9 +47,9 @@ from ntk_service.server.media import (
     BINARY_TENSOR_TYPES,
     content_type,
     negotiate,
-    pop_tensor,
     read_json,
     read_tensors,
+    take_tensor,
 )
 from ntk_service.server.schemas import (
     DatasetRef,
@@ -126,21 +133,23 @@ def _parse_x(raw: Any, *, side: str, operation: str) -> np.ndarray | DatasetRef:
     return wire.tensor_from_json(raw, name=side)
 
 
+_Side = np.ndarray | DatasetRef
+
+
 async def _read_request(
     request: Request, query: KernelOptions | None, *, operation: str
-) -> tuple[np.ndarray | DatasetRef, np.ndarray | DatasetRef | None, KernelOptions]:
+) -> tuple[_Side, _Side | None, KernelOptions]:
     """x1, x2 and the options, from a JSON body or from a binary body plus the query."""
     if content_type(request) in BINARY_TENSOR_TYPES:
         tensors = await read_tensors(request, operation=operation, npy_name="x1")
-        x1 = pop_tensor(tensors, "x1", operation=operation, required=True)
-        x2 = pop_tensor(tensors, "x2", operation=operation, required=False)
+        x1: _Side = take_tensor(tensors, "x1", operation=operation)
+        x2: _Side | None = tensors.pop("x2", None)
         if tensors:
             raise InvalidInput(f"{operation}: unexpected tensors {sorted(tensors)} in the body; send only x1 and x2")
-        assert x1 is not None
         return x1, x2, query or KernelOptions()
     data = await read_json(request, operation=operation)
     if not isinstance(data, dict):
-        raise InvalidInput(
+        raise MalformedRequest(
             f"{operation}: expected a JSON object with x1 (and x2, mode, ...), got {type(data).__name__}"
         )
     if query is not None:
@@ -244,33 +253,21 @@ async def compute_kernel(
     version: Annotated[int | None, Query(ge=1, description="Binary bodies only. Default: latest.")] = None,
 ) -> Response:
     operation = f"ntk of model {name!r}"
-    given = {
-        "mode": mode,
-        "implementation": implementation,
-        "params": params,
-        "dtype": dtype,
-        "version": version,
-    }
-    query = (
-        KernelOptions(**{k: v for k, v in given.items() if v is not None})
-        if any(v is not None for v in given.values())
-        else None
-    )
+    given = {"mode": mode, "implementation": implementation, "params": params, "dtype": dtype, "version": version}
+    chosen = {key: value for key, value in given.items() if value is not None}
+    query = KernelOptions.model_validate(chosen) if chosen else None
     x1_raw, x2_raw, options = await _read_request(request, query, operation=operation)
     response_type = negotiate(request, RESPONSE_TYPES, operation=operation)
 
     def prepare() -> tuple[ModelRecord, _Input, _Input | None]:
         record = registry.get(name, options.version)
-        sides = []
-        for side, raw in (("x1", x1_raw), ("x2", x2_raw)):
-            if raw is None:
-                sides.append(None)
-                continue
+
+        def side(raw: _Side, label: str) -> _Input:
             item = _from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else _inline(raw, record)
-            _check_input(item.array, record, side=side, operation=operation)
-            sides.append(item)
-        assert sides[0] is not None
-        return record, sides[0], sides[1]
+            _check_input(item.array, record, side=label, operation=operation)
+            return item
+
+        return record, side(x1_raw, "x1"), None if x2_raw is None else side(x2_raw, "x2")
 
     record, x1, x2 = await anyio.to_thread.run_sync(prepare)
     if response_type == wire.MEDIA_JSON:
