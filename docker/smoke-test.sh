@@ -11,7 +11,11 @@
 # 4. Runs it with a named volume and API keys from an env file, waits for Docker's health status, then
 #    docker/smoke_check.py (in the project venv) checks auth, registers an MLP, computes a kernel over binary
 #    and JSON, and compares it with compute_ntk run here on the downloaded weights.
-# 5. Restarts the container and checks the model and its kernel are still there. Prints timings, image size.
+# 5. Restarts the container and checks the model and its kernel are still there.
+# 6. Where docker compose (or docker-compose) is installed: brings up docker/compose.yaml (service, Ray head,
+#    Ray worker), checks that a Ray task started from the service container runs on the worker and writes to the
+#    shared /data, and, when the build has /v1/jobs, runs a batch job on the cluster against compute_ntk.
+#    NTK_SMOKE_COMPOSE=0 skips this. Prints timings and the image size.
 #
 # Env: NTK_DOCKER_CACHE (default /var/tmp/ntk-docker), NTK_SMOKE_PORT (18080), NTK_SMOKE_IMAGE
 # (ntk-service:smoke), NTK_SMOKE_PYTHON (the project's .venv/bin/python), NTK_TORCH_WHEEL (default: found in
@@ -30,6 +34,7 @@ url="http://127.0.0.1:$port"
 work="$(mktemp -d)"
 dockerd_pid=""
 linked_wheel=""
+compose=()
 
 t0=$(date +%s.%N)
 declare -a timings=()
@@ -44,7 +49,12 @@ cleanup() {
         log "container logs (last 40 lines):"
         docker logs --tail 40 "$container" 2>&1 | sed 's/^/    /'
     fi
+    if [[ $rc -ne 0 && -n "${compose[*]:-}" ]]; then
+        log "compose logs (last 15 lines each):"
+        "${compose[@]}" logs --tail 15 2>&1 | sed 's/^/    /'
+    fi
     if [[ "${NTK_SMOKE_KEEP:-0}" != 1 ]]; then
+        [[ -n "${compose[*]:-}" ]] && "${compose[@]}" down -v >/dev/null 2>&1
         docker rm -f "$container" >/dev/null 2>&1
         docker volume rm "$volume" >/dev/null 2>&1
         if [[ -n "$dockerd_pid" ]]; then
@@ -113,8 +123,9 @@ fi
 step_start "docker build -t $image"
 DOCKER_BUILDKIT=0 docker build --network host "${build_args[@]}" -t "$image" "$repo" >"$work/build.log" 2>&1 \
     || { tail -n 40 "$work/build.log"; exit 1; }
-grep -E '^Step [0-9]+/[0-9]+ : (FROM|RUN pip|RUN if)|Using cache|Successfully (built|tagged)' "$work/build.log" \
-    | sed 's/^/    /' | cut -c1-160
+# One line per step, marked when the layer came from the cache.
+awk '/^Step [0-9]+\/[0-9]+ :/ { if (s) print s; s = "    " substr($0, 1, 100); next }
+     /Using cache/ { s = s "  [cached]" } END { if (s) print s }' "$work/build.log"
 step_end "image build"
 size_bytes="$(docker image inspect --format '{{.Size}}' "$image")"
 size="$(awk -v b="$size_bytes" 'BEGIN{printf "%.2f GB", b / 1e9}')"
@@ -131,23 +142,23 @@ docker volume rm "$volume" >/dev/null 2>&1 || true
 docker volume create "$volume" >/dev/null
 
 wait_healthy() {
-    local start status
+    local target="${1:-$container}" start status
     start=$(date +%s.%N)
-    for _ in $(seq 1 120); do
-        status="$(docker inspect --format '{{.State.Health.Status}}' "$container" 2>/dev/null || echo gone)"
+    for _ in $(seq 1 180); do
+        status="$(docker inspect --format '{{.State.Health.Status}}' "$target" 2>/dev/null || echo gone)"
         [[ "$status" == healthy ]] && break
-        [[ "$(docker inspect --format '{{.State.Running}}' "$container")" == true ]] || { log "container exited"; exit 1; }
+        [[ "$(docker inspect --format '{{.State.Running}}' "$target")" == true ]] || { log "container exited"; exit 1; }
         sleep 1
     done
-    [[ "$status" == healthy ]] || { log "not healthy after 120 s (status $status)"; exit 1; }
+    [[ "$status" == healthy ]] || { log "not healthy after 180 s (status $status)"; exit 1; }
     log "container healthy after $(awk -v a="$(date +%s.%N)" -v b="$start" 'BEGIN{printf "%.1f", a - b}') s"
 }
 
 step_start "docker run (volume $volume, keys from an env file, port $port on loopback)"
 # --network host: this engine runs without a bridge; NTK_HOST=127.0.0.1 keeps it off other interfaces.
 docker run -d --name "$container" --network host --env-file "$env_file" -v "$volume:/data" "$image" >/dev/null
-log "runs as uid:gid $(docker exec "$container" id -u):$(docker exec "$container" id -g), NTK_DATA_DIR=$(docker exec "$container" sh -c 'echo $NTK_DATA_DIR')"
 wait_healthy
+log "runs as uid:gid $(docker exec "$container" id -u):$(docker exec "$container" id -g), NTK_DATA_DIR=$(docker exec "$container" printenv NTK_DATA_DIR)"
 step_end "start until healthy"
 
 step_start "register a model, compute a kernel, compare with the engine"
@@ -164,6 +175,54 @@ step_start "the model survived the restart"
 NTK_SMOKE_READ_KEY="$read_key" "$python" "$repo/docker/smoke_check.py" after-restart "$url" "$work/state.json"
 docker exec "$container" sh -c 'ls -la /data' | sed 's/^/    /'
 step_end "check after restart"
+
+# ---- 6. compose: the service with a Ray head and a Ray worker, from the same image ----
+if docker compose version >/dev/null 2>&1; then compose_cmd=(docker compose)
+elif need docker-compose; then compose_cmd=(docker-compose)
+else compose_cmd=()
+fi
+if [[ "${NTK_SMOKE_COMPOSE:-1}" != 1 || ${#compose_cmd[@]} -eq 0 ]]; then
+    log "compose phase skipped (NTK_SMOKE_COMPOSE=0, or no docker compose / docker-compose)"
+else
+    step_start "compose up: ntk + ray-head + ray-worker (${compose_cmd[*]})"
+    compose_port=$((port + 1))
+    printf 'NTK_API_KEYS=%s:read,%s:write\n' "$read_key" "$write_key" >"$work/compose.env"
+    export NTK_IMAGE="$image" NTK_ENV_FILE="$work/compose.env" NTK_PUBLISH="127.0.0.1:$compose_port" \
+        NTK_DATA_VOLUME="ntk-smoke-compose-data" NTK_RAY_SHM_SIZE=512mb NTK_RAY_OBJECT_STORE_BYTES=300000000 \
+        NTK_RAY_WORKER_CPUS=1
+    compose=("${compose_cmd[@]}" -p ntksmoke -f "$repo/docker/compose.yaml")
+    "${compose[@]}" up -d --no-build 2>&1 | sed 's/^/    /'
+    ntk_id="$("${compose[@]}" ps -q ntk)"
+    wait_healthy "$ntk_id"
+    step_end "compose up until healthy"
+
+    step_start "compose: a Ray task from the service container runs on the worker and writes to /data"
+    docker exec "$ntk_id" python -c '
+import socket, ray
+ray.init(address="ray-head:6379", logging_level="ERROR")
+alive = [n for n in ray.nodes() if n["Alive"]]
+@ray.remote(num_cpus=1)
+def probe(path):
+    with open(path, "w") as f:
+        f.write(socket.gethostname())
+    return socket.gethostname()
+host = ray.get(probe.remote("/data/.smoke-probe"))
+seen = open("/data/.smoke-probe").read()
+print(f"    {len(alive)} Ray nodes alive; task ran on {host}, service is {socket.gethostname()}, /data shows {seen}")
+assert len(alive) == 3 and host != socket.gethostname() and seen == host
+'
+    python_url="http://127.0.0.1:$compose_port"
+    "$python" -c "import urllib.request as u; print('    published port:', u.urlopen('$python_url/healthz', timeout=5).read().decode())"
+    step_end "compose: Ray task + shared volume"
+    if "$python" -c "import json, urllib.request as u, sys; sys.exit('/v1/jobs' not in json.load(u.urlopen('$python_url/openapi.json', timeout=5))['paths'])"; then
+        step_start "compose: a batch job on the Ray cluster, checked against compute_ntk"
+        NTK_SMOKE_READ_KEY="$read_key" NTK_SMOKE_WRITE_KEY="$write_key" \
+            "$python" "$repo/docker/smoke_check.py" ray-job "$python_url" "$work/job.json"
+        step_end "compose: ray job"
+    else
+        log "this build has no /v1/jobs yet: batch job on the cluster not checked"
+    fi
+fi
 
 log "timings:"
 printf '    %s\n' "${timings[@]}"

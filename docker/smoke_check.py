@@ -4,6 +4,7 @@ Runs in the project venv on the host (it needs ``ntk_service`` for the client an
 
     python docker/smoke_check.py register URL STATE_FILE      # auth, register, kernel vs the engine
     python docker/smoke_check.py after-restart URL STATE_FILE # the model and its kernel survived
+    python docker/smoke_check.py ray-job URL STATE_FILE       # a batch job on the compose Ray cluster
 
 Keys come from the env (NTK_SMOKE_READ_KEY, NTK_SMOKE_WRITE_KEY). The kernel is checked against
 ``compute_ntk`` run here on an MLP built independently (``torch.nn.Sequential``) and loaded with the weights
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -129,8 +131,41 @@ def after_restart(url: str, state_file: Path) -> None:
     _say(f"kernel after restart equals the one before (bitwise: {bool(np.array_equal(theta, previous))})")
 
 
+def ray_job(url: str, state_file: Path) -> None:
+    """A batch job on the compose cluster (NTK_EXECUTOR=ray): its kernel must equal compute_ntk run here."""
+    write_key = os.environ["NTK_SMOKE_WRITE_KEY"]
+    x = np.random.default_rng(1).standard_normal((7, 3)).astype(np.float32)
+    with Client(url, api_key=write_key) as writer:
+        record = writer.register_model(MODEL, ARCHITECTURE, seed=3)
+        dataset = writer.upload_dataset(x, name="smoke")
+        weights = writer.download_weights(MODEL, record["version"])
+    auth = {"Authorization": f"Bearer {write_key}"}
+    with httpx.Client(base_url=url, timeout=60, headers=auth) as http:
+        job = {"model": MODEL, "x1": {"dataset": dataset["id"]}, "mode": "full", "dtype": "float64", "tile_size": 3}
+        response = http.post("/v1/jobs", json=job)
+        _expect_status(response, 202, "POST /v1/jobs (ray executor)")
+        job_id = response.json()["id"]
+        for _ in range(600):
+            status = http.get(f"/v1/jobs/{job_id}").json()
+            if status["status"] in {"succeeded", "failed", "cancelled"}:
+                break
+            time.sleep(0.5)
+        if status["status"] != "succeeded":
+            _fail(f"job {job_id} ended {status['status']!r}: {status.get('error')}")
+        _say(f"job {job_id}: {status['tiles_done']}/{status['tiles_total']} tiles on the Ray cluster")
+        result = http.get(f"/v1/jobs/{job_id}/result", headers={"Accept": "application/json"})
+        _expect_status(result, 200, "GET /v1/jobs/{id}/result")
+        field = result.json()["theta"]
+        theta = np.asarray(field["data"], dtype=np.float64).reshape(field["shape"])
+    expected = _engine_theta(weights, record, x, x)
+    if theta.shape != expected.shape or not np.allclose(theta, expected, rtol=RTOL, atol=ATOL):
+        _fail(f"job kernel {theta.shape} differs from compute_ntk {expected.shape}")
+    _say(f"job kernel {theta.shape} matches compute_ntk: max |diff| {np.abs(theta - expected).max():.1e}")
+    state_file.write_text(json.dumps({"job": job_id}))
+
+
 def main(argv: list[str]) -> None:
-    commands = {"register": register, "after-restart": after_restart}
+    commands = {"register": register, "after-restart": after_restart, "ray-job": ray_job}
     if len(argv) != 3 or argv[0] not in commands:
         _fail(f"usage: smoke_check.py {{{'|'.join(commands)}}} URL STATE_FILE; got {argv}")
     commands[argv[0]](argv[1], Path(argv[2]))
