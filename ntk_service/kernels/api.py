@@ -33,6 +33,7 @@ from ntk_service.kernels.modes import KernelMode, parse_mode
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, default_memory_budget, plan_blocks
 from ntk_service.kernels.side_cache import SideCache
+from ntk_service.kernels.structured import Structured
 from ntk_service.kernels.types import NtkImplementation, NtkResult, parse_implementation
 
 __all__ = ["DEFAULT_IMPLEMENTATION", "compute_ntk"]
@@ -43,12 +44,14 @@ DEFAULT_IMPLEMENTATION = NtkImplementation.AUTO
 _ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
     NtkImplementation.JACOBIAN_CONTRACTION: JacobianContraction(),
     NtkImplementation.NTK_VECTOR_PRODUCTS: NtkVectorProducts(),
+    NtkImplementation.STRUCTURED: Structured(),
 }
 """The dispatch table: one NtkAlgorithm per concrete implementation."""
 
 _EFFICIENCY: dict[NtkImplementation, float] = {
     NtkImplementation.JACOBIAN_CONTRACTION: 1.0,
     NtkImplementation.NTK_VECTOR_PRODUCTS: 3.0,
+    NtkImplementation.STRUCTURED: 1.0,
 }
 """Relative cost of one estimated FLOP per implementation; see NOTE [auto choice]."""
 

@@ -1,0 +1,297 @@
+"""Structured derivatives: the NTK from per-layer structure, without building the Jacobian of covered weights.
+
+For a Linear layer y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/∂y, so the layer adds
+Θ_cd(x1, x2) += (δ1_c · δ2_d)(a1 · a2 + 1) (the +1 is the bias); with positions t, s sharing the weight
+(sequences, convolutions, repeated calls) Σ_{t,s} (δ1_c[t] · δ2_d[s])(a1[t] · a2[s]). The rules
+(``structured_rules.py``) cover Linear (any leading dims), Conv1d/Conv2d, Embedding, and the affine parameters of
+LayerNorm, RMSNorm, GroupNorm and eval-mode BatchNorm; every other parameter falls back to the Jacobian path
+(per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
+See NOTE [covered parameters] and NOTE [probes] in ``structured_capture.py``.
+
+A side of n examples holds, per factored weight, the factors A (n, G, T, da) and D (n, k, G, T, dd), and per
+other parameter its Jacobian (n, k, p), built directly from a and δ by the rule (J_W = Σ_t δ[t] ⊗ a[t] in one
+matmul) or by ``jacrev`` for the fallback. NOTE [factored or Jacobian]: per weight the cheaper of the two
+contractions is taken from its shapes: factored costs 2·G·T·S·(k²·dd + da + k²) per example pair, Jacobian
+2·k²·p per pair plus building J (2·k·G·T·dd·da per example, counted over ``NOMINAL_PARTNERS`` partners). An MLP
+layer (T = 1) is factored; a convolution over many positions usually takes the Jacobian form.
+
+Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. layer outputs), plus
+N·M·k²·Σ_l(dd_l·T_l·S_l + ...) for factored layers and N·M·k²·p for the others (÷k for TRACE and
+OUTPUT_DIAGONAL); for an MLP N·M·k²·Σ_l(out_l) + N·M·Σ_l(in_l) instead of N·M·k²·P. Memory per side
+n·k·Σ_l(T_l·out_l) + n·Σ_l(T_l·in_l) for factored layers, n·k·p for the rest; per block pair the δ Gram
+(n·k·T)·(m·k·S). Fastest where rules cover the parameters (MLPs, CNNs, transformers' Linear layers).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.structured_capture import StructurePlan, capture, plan_structure
+from ntk_service.kernels.structured_contract import (
+    add_factored,
+    add_factored_diagonal,
+    add_jacobian,
+    add_jacobian_diagonal,
+    finish,
+    new_accumulator,
+)
+from ntk_service.kernels.types import NamedTensors, NtkImplementation
+
+__all__ = ["NOMINAL_PARTNERS", "Structured", "StructuredTerms", "structured_terms"]
+
+NOMINAL_PARTNERS = 64
+"""Examples a side is assumed to be contracted with when weighing the one-off cost of building a Jacobian
+against the per-pair cost of the factored form (a side does not know M; blocks are rarely smaller)."""
+
+
+@dataclass(frozen=True)
+class FactoredTerm:
+    """A weight contracted in factored form; ``bias`` is folded into it (+1 in G^A) when set."""
+
+    name: str
+    uses: tuple[int, ...]
+    bias: str | None
+    index: bool
+    dims: tuple[int, int, int, int]  # (G, T summed over uses, da, dd), per example
+
+
+@dataclass(frozen=True)
+class JacobianTerm:
+    """A rule-covered parameter whose J (n, k, p) is built from a and δ, summed over its uses."""
+
+    name: str
+    uses: tuple[tuple[int, str], ...]
+    numel: int
+    build_flops: float  # per example
+
+
+@dataclass
+class StructuredTerms:
+    """How each selected parameter is contracted (see NOTE [factored or Jacobian])."""
+
+    plan: StructurePlan
+    factored: list[FactoredTerm]
+    jacobian: list[JacobianTerm]
+
+    @property
+    def fallback(self) -> list[str]:
+        return self.plan.fallback
+
+    def coverage(self) -> dict[str, str]:
+        """Selected parameter name -> "factored", "rule" (J from a and δ) or "fallback" (J by jacrev)."""
+        out = {t.name: "factored" for t in self.factored}
+        out.update({t.bias: "factored" for t in self.factored if t.bias is not None})
+        out.update({t.name: "rule" for t in self.jacobian})
+        out.update({name: "fallback" for name in self.plan.fallback})
+        return out
+
+
+def _choose_terms(problem: NtkProblem, plan: StructurePlan, form: str | None) -> StructuredTerms:
+    k = problem.k
+    factored: list[FactoredTerm] = []
+    jacobian: list[JacobianTerm] = []
+    folded: set[str] = set()
+    uses_of = {name: tuple(u for u, _ in uses) for name, uses in plan.param_uses.items()}
+    for name, uses in plan.param_uses.items():
+        if name in folded:
+            continue
+        numel = problem.params[name].numel()
+        layers = [plan.uses[u].layer for u, _ in uses]
+        rules = {type(plan.rules[layer]) for layer in layers}
+        dims = [
+            plan.rules[plan.uses[u].layer].factor_dims(
+                plan.layers[plan.uses[u].layer], plan.uses[u].in_shape, plan.uses[u].out_shape
+            )
+            for u, role in uses
+            if role in plan.rules[plan.uses[u].layer].factored
+        ]
+        can_factor = len(rules) == 1 and dims and len(dims) == len(uses) and len({(d[0], *d[2:]) for d in dims}) == 1
+        build = sum(2.0 * k * d[0] * d[1] * d[2] * d[3] for d in dims) if dims else 0.0
+        if can_factor:
+            g, _, da, dd = dims[0]
+            t = sum(d[1] for d in dims)
+            index = plan.rules[layers[0]].index_rows(plan.layers[layers[0]]) > 0
+            factored_cost = 2.0 * g * t * t * (k * k * dd + (1 if index else da) + k * k)
+            jacobian_cost = 2.0 * k * k * numel + 2 * build / NOMINAL_PARTNERS
+            if form == "factored" or (form is None and factored_cost < jacobian_cost):
+                bias = _foldable_bias(plan, name, uses_of) if not index else None
+                if bias is not None:
+                    folded.add(bias)
+                factored.append(FactoredTerm(name, uses_of[name], bias, index, (g, t, da, dd)))
+                continue
+        jacobian.append(JacobianTerm(name, tuple(uses), numel, build))
+    return StructuredTerms(plan, factored, [t for t in jacobian if t.name not in folded])
+
+
+def _foldable_bias(plan: StructurePlan, weight: str, uses_of: dict[str, tuple[int, ...]]) -> str | None:
+    """The bias used in exactly the calls that use ``weight`` (same layer), if it is rule-covered."""
+    for name, uses in plan.param_uses.items():
+        if name != weight and uses_of[name] == uses_of[weight] and uses and all(role == "bias" for _, role in uses):
+            return name
+    return None
+
+
+_TERMS: dict[tuple[int, str | None], tuple[weakref.ref[NtkProblem], StructuredTerms]] = {}
+"""Structure plans by problem (the problem lives for one compute_ntk call; dead entries are dropped)."""
+
+
+def _example_input(problem: NtkProblem) -> torch.Tensor:
+    """A stand-in example when no real one is at hand (AUTO's cost estimate): zeros, float or token ids."""
+    return torch.zeros((1, *problem.input_shape), dtype=problem.dtype)
+
+
+def structured_terms(
+    problem: NtkProblem, example: torch.Tensor | None = None, form: str | None = None
+) -> StructuredTerms:
+    """The (cached) structure plan and term choice of ``problem``.
+
+    Args:
+        problem: the prepared model.
+        example: (1, *input) one example; default: zeros of the input shape (float, else int64 token ids).
+        form: None (per weight, the cheaper form), or "factored" / "jacobian" to force every weight with
+            factors into that form. Internal testing knob.
+    """
+    entry = _TERMS.get((id(problem), form))
+    if entry is not None and entry[0]() is problem:
+        return entry[1]
+    for key in [key for key, (ref, _) in _TERMS.items() if ref() is None]:
+        del _TERMS[key]
+    if example is None:
+        example = _example_input(problem)
+        try:
+            plan = plan_structure(problem, example)
+        except (RuntimeError, IndexError, TypeError):  # e.g. an Embedding given float zeros
+            plan = plan_structure(problem, example.to(torch.int64))
+    else:
+        plan = plan_structure(problem, example)
+    terms = _choose_terms(problem, plan, form)
+    _TERMS[(id(problem), form)] = (weakref.ref(problem), terms)
+    return terms
+
+
+StructuredSide = dict
+"""{"factored": [(a, d) per FactoredTerm], "jacobians": name -> (n, k, p)}."""
+
+
+class Structured:
+    """The NtkAlgorithm of structured derivatives (see the module docstring)."""
+
+    implementation = NtkImplementation.STRUCTURED
+    right_is_left = True
+
+    def __init__(self, _form: str | None = None) -> None:
+        """``_form``: internal testing knob, see ``structured_terms``."""
+        self._form = _form
+
+    def _terms(self, problem: NtkProblem, example: torch.Tensor | None = None) -> StructuredTerms:
+        return structured_terms(problem, example, self._form)
+
+    def left(self, problem: NtkProblem, x: torch.Tensor) -> StructuredSide:
+        terms = self._terms(problem, x[:1])
+        plan = terms.plan
+        cap = capture(problem, plan, x)
+        factored = []
+        for term in terms.factored:
+            parts = [
+                plan.rules[plan.uses[u].layer].factors(plan.layers[plan.uses[u].layer], cap.inputs[u], cap.deltas[u])
+                for u in term.uses
+            ]
+            a = parts[0].a if len(parts) == 1 else torch.cat([p.a for p in parts], dim=2)
+            d = parts[0].d if len(parts) == 1 else torch.cat([p.d for p in parts], dim=3)
+            factored.append((a, d))
+        jacobians: NamedTensors = {}
+        for jterm in terms.jacobian:
+            total = torch.zeros(x.shape[0], problem.k, jterm.numel, dtype=problem.dtype)
+            for u, role in jterm.uses:
+                layer = plan.uses[u].layer
+                rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
+                total += rule.jacobian(module, role, cap.inputs[u], cap.deltas[u], state)
+            jacobians[jterm.name] = total
+        jacobians.update(cap.fallback_jacobians)
+        return {"factored": factored, "jacobians": jacobians}
+
+    right = left
+
+    def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:
+        terms = self._terms(problem)
+        n = _side_examples(left)
+        m = _side_examples(right)
+        acc = new_accumulator(mode, n, m, problem.k, problem.dtype)
+        for term, lf, rf in zip(terms.factored, left["factored"], right["factored"], strict=True):
+            add_factored(acc, lf, rf, mode, index=term.index, plus_one=term.bias is not None)
+        for name, j1 in left["jacobians"].items():
+            add_jacobian(acc, j1, right["jacobians"][name], mode)
+        return finish(acc, mode)
+
+    def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:
+        terms = self._terms(problem)
+        acc = new_accumulator(KernelMode.EXAMPLE_DIAGONAL, _side_examples(left), 0, problem.k, problem.dtype)
+        for term, side in zip(terms.factored, left["factored"], strict=True):
+            add_factored_diagonal(acc, side, index=term.index, plus_one=term.bias is not None)
+        for j in left["jacobians"].values():
+            add_jacobian_diagonal(acc, j)
+        return acc
+
+    def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
+        terms = self._terms(problem)
+        plan, k, item = terms.plan, problem.k, problem.itemsize
+        kept = 0.0
+        for term in terms.factored:
+            g, t, da, dd = term.dims
+            kept += n * g * t * ((1 if term.index else da) + k * dd)
+        kept += sum(n * k * jt.numel for jt in terms.jacobian)
+        fallback = sum(n * k * problem.params[name].numel() for name in plan.fallback)
+        activations = sum(n * (math.prod(u.in_shape) + k * math.prod(u.out_shape)) for u in plan.uses)
+        # vmap(jacrev): the forward's saved tensors and k cotangents of them at once, every layer's input and
+        # δ, the fallback Jacobian; then the factors (patches) and rule Jacobians are built from them.
+        transient = n * problem.saved_bytes * (1 + k) + (activations + fallback) * item
+        return transient + 2 * kept * item, (kept + fallback) * item
+
+    def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        terms = self._terms(problem)
+        k, item = problem.k, problem.itemsize
+        if mode is KernelMode.EXAMPLE_DIAGONAL:
+            m, result = 1, n * k * k
+        else:
+            result = n * m * {KernelMode.FULL: k * k, KernelMode.TRACE: 1, KernelMode.OUTPUT_DIAGONAL: k}[mode]
+        largest = 0.0
+        for term in terms.factored:
+            g, t, _, _ = term.dims
+            grams = g * n * t * m * t
+            per_output = {KernelMode.FULL: k * k, KernelMode.TRACE: 1}.get(mode, k)
+            largest = max(largest, grams * (1 + per_output))
+        return (2 * result + largest) * item
+
+    def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        terms = self._terms(problem)
+        k = problem.k
+        p_fallback = sum(problem.params[name].numel() for name in terms.fallback)
+        sides_n = n if mode is KernelMode.EXAMPLE_DIAGONAL else n + m
+        fallback_share = p_fallback / max(problem.num_params, 1)
+        sides = sides_n * problem.forward_flops * (1 + k + 2 * k * fallback_share)
+        sides += sides_n * sum(jt.build_flops for jt in terms.jacobian)
+        pairs, outputs = {
+            KernelMode.FULL: (n * m, k * k),
+            KernelMode.TRACE: (n * m, k),
+            KernelMode.OUTPUT_DIAGONAL: (n * m, k),
+            KernelMode.EXAMPLE_DIAGONAL: (n, k * k),
+        }[mode]
+        contraction = 0.0
+        for term in terms.factored:
+            g, t, da, dd = term.dims
+            contraction += 2.0 * g * t * t * (outputs * dd + (1 if term.index else da) + outputs)
+        p_jacobian = sum(jt.numel for jt in terms.jacobian) + p_fallback
+        contraction += 2.0 * outputs * p_jacobian
+        return sides + pairs * contraction
+
+
+def _side_examples(side: StructuredSide) -> int:
+    if side["factored"]:
+        return int(side["factored"][0][1].shape[0])
+    return int(next(iter(side["jacobians"].values())).shape[0])

@@ -1,0 +1,285 @@
+"""Where the structured NTK gets its inputs: which parameters each rule covers (``plan_structure``) and, per block
+of examples, every covered layer's inputs a and output cotangents δ of all k outputs (``capture``).
+
+NOTE [covered parameters]: a parameter is covered by a rule only if *every* use of it is a call of a layer that
+the rule understands. ``plan_structure`` runs the model once on one example under a ``TorchFunctionMode`` that
+sees every torch operation and its tensor arguments, while forward hooks track which rule layer is executing.
+An operation taking a selected parameter outside the forward of a rule layer that owns it (a bare
+``nn.Parameter`` in custom math, ``F.linear(h, embedding.weight)`` for a tied head, the packed projections that
+``nn.MultiheadAttention`` passes to ``F.multi_head_attention_forward``) sends that parameter to the Jacobian
+path; nothing is skipped silently. A layer called several times (weight sharing) has one use per call, and
+tied weights (one tensor in several layers) collect the uses of all those layers.
+
+NOTE [probes]: δ comes from one reverse pass per example, vmapped over the output basis: each covered call's
+output gets a zero "probe" added by a forward hook, and ``jacrev`` w.r.t. the probes gives ∂f_c/∂(layer
+output) for all c at once; the layers' inputs come back as auxiliary outputs. Running per example under
+``vmap`` (rather than on the batch) keeps the example axis out of the layers' view, so a model that reshapes
+or transposes its batch internally still gets per-example a and δ. Parameters on the Jacobian path are
+differentiated in the same pass. Hooks are registered per call, removed in ``finally``, and act only for the
+capture active in the current context (other threads using the same module see a no-op).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.func import jacrev, vmap
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ntk_service.errors import UnsupportedModel
+from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.structured_rules import Rule, rule_for
+from ntk_service.kernels.types import NamedTensors
+
+__all__ = ["Capture", "StructurePlan", "Use", "capture", "plan_structure"]
+
+
+@dataclass(frozen=True)
+class Use:
+    """One call of a covered layer, with its per-example (logical) input and output shapes."""
+
+    layer: int
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+
+
+@dataclass
+class StructurePlan:
+    """The rule layers of a problem and who covers each selected parameter.
+
+    Attributes:
+        layers: covered layers (modules with at least one covered parameter), in first-call order.
+        rules: the rule of each layer.
+        states: each layer's parameters and buffers (compute dtype) by attribute name.
+        uses: every call of a covered layer, in call order.
+        param_uses: selected parameter name -> [(use index, role attribute)] for rule-covered parameters.
+        fallback: selected parameters on the Jacobian path, in ``problem.params`` order.
+    """
+
+    layers: list[nn.Module]
+    rules: list[Rule]
+    states: list[dict[str, torch.Tensor]]
+    uses: list[Use] = field(default_factory=list)
+    param_uses: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    fallback: list[str] = field(default_factory=list)
+
+
+_ACTIVE: contextvars.ContextVar[object | None] = contextvars.ContextVar("ntk_structured_capture", default=None)
+"""The capture (or structure probe) the hooks of the current context act for; None: hooks do nothing."""
+
+_SHAPE_OPS = frozenset({"size", "dim", "numel", "__len__", "shape.__get__", "dtype.__get__", "device.__get__"})
+"""Tensor queries that read metadata only; they are not uses of a parameter's values."""
+
+
+@contextmanager
+def _hooks(modules: list[nn.Module], pre: object | None, post: object) -> Iterator[None]:
+    handles = []
+    try:
+        for module in modules:
+            if pre is not None:
+                handles.append(module.register_forward_pre_hook(pre))  # type: ignore[arg-type]
+            handles.append(module.register_forward_hook(post))  # type: ignore[arg-type]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _UseTracker(TorchFunctionMode):
+    """Records which selected parameters an operation takes outside a rule layer that owns them."""
+
+    def __init__(self, selected: dict[int, str], probe: _StructureProbe) -> None:
+        super().__init__()
+        self.selected, self.probe = selected, probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name not in _SHAPE_OPS:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if isinstance(leaf, torch.Tensor) and id(leaf) in self.selected:
+                    self.probe.note_op(leaf, self.selected[id(leaf)])
+        return func(*args, **kwargs)
+
+
+class _StructureProbe:
+    """State of the one-example structure run of ``plan_structure``."""
+
+    def __init__(self, layers: list[nn.Module], roles: list[tuple[str, ...]]) -> None:
+        self.index = {id(m): i for i, m in enumerate(layers)}
+        self.layers, self.roles = layers, roles
+        self.stack: list[int] = []
+        self.uses: list[Use] = []
+        self.outside: set[str] = set()
+        self.odd_layers: set[int] = set()
+
+    def note_op(self, tensor: torch.Tensor, name: str) -> None:
+        if self.stack:
+            top = self.layers[self.stack[-1]]
+            if any(getattr(top, role) is tensor for role in self.roles[self.stack[-1]]):
+                return
+        self.outside.add(name)
+
+    def pre(self, module: nn.Module, args: tuple) -> None:  # type: ignore[type-arg]
+        if _ACTIVE.get() is self:
+            self.stack.append(self.index[id(module)])
+
+    def post(self, module: nn.Module, args: tuple, output: object) -> None:  # type: ignore[type-arg]
+        if _ACTIVE.get() is not self:
+            return
+        layer = self.stack.pop()
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or not isinstance(output, torch.Tensor):
+            self.odd_layers.add(layer)  # called with extra arguments or returning a non-tensor: no rule
+            return
+        self.uses.append(Use(layer, tuple(args[0].shape), tuple(output.shape)))
+
+
+def _module_state(problem: NtkProblem, module: nn.Module) -> dict[str, torch.Tensor]:
+    prefix = next(name for name, m in problem.module.named_modules() if m is module)
+    prefix = prefix + "." if prefix else ""
+    tensors = {**problem.frozen, **problem.params}
+    names = [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
+    return {n: tensors[prefix + n] for n in names if prefix + n in tensors}
+
+
+def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
+    """Find the rule layers, run one example to record their uses, and assign every selected parameter.
+
+    Args:
+        problem: the prepared model.
+        example: (1, *input), one example (values only steer data-dependent control flow).
+
+    Returns:
+        The plan; every selected parameter is in ``param_uses`` or ``fallback`` (see NOTE [covered parameters]).
+    """
+    canonical = {id(p): name for name, p in problem.module.named_parameters()}
+    layers: list[nn.Module] = []
+    rules: list[Rule] = []
+    roles: list[tuple[str, ...]] = []
+    for module in problem.module.modules():
+        rule = rule_for(module)
+        if rule is None:
+            continue
+        covered = tuple(r for r in rule.roles(module) if canonical.get(id(module._parameters[r])) in problem.params)
+        if covered:
+            layers.append(module)
+            rules.append(rule)
+            roles.append(covered)
+    probe = _StructureProbe(layers, roles)
+    selected = {id(t): name for name, t in problem.params.items()}
+    token = _ACTIVE.set(probe)
+    try:
+        with _hooks(layers, probe.pre, probe.post), torch.no_grad(), _UseTracker(selected, probe):
+            problem.f_batch(problem.params, example)
+    finally:
+        _ACTIVE.reset(token)
+
+    first_call = {}
+    for use in probe.uses:
+        first_call.setdefault(use.layer, len(first_call))
+    keep = sorted((i for i in first_call if i not in probe.odd_layers), key=first_call.__getitem__)
+    renumber = {old: new for new, old in enumerate(keep)}
+    plan = StructurePlan(
+        layers=[layers[i] for i in keep],
+        rules=[rules[i] for i in keep],
+        states=[_module_state(problem, layers[i]) for i in keep],
+    )
+    owner: dict[str, list[tuple[int, str]]] = {}
+    for i in range(len(layers)):  # never-called layers still own their parameters (their J is zero)
+        for role in roles[i]:
+            owner.setdefault(canonical[id(layers[i]._parameters[role])], [])
+    plan.uses = [Use(renumber[u.layer], u.in_shape, u.out_shape) for u in probe.uses if u.layer in renumber]
+    for index, use in enumerate(plan.uses):
+        layer = plan.layers[use.layer]
+        for role in roles[keep[use.layer]]:
+            owner[canonical[id(layer._parameters[role])]].append((index, role))
+    odd_params = {canonical[id(layers[i]._parameters[r])] for i in probe.odd_layers for r in roles[i]}
+    for name in problem.params:
+        if name in owner and name not in probe.outside and name not in odd_params:
+            plan.param_uses[name] = owner[name]
+        else:
+            plan.fallback.append(name)
+    return plan
+
+
+@dataclass
+class Capture:
+    """What one block of n examples gives: per use a (n, *in_shape) and δ (n, k, *out_shape); fallback J."""
+
+    inputs: list[torch.Tensor]
+    deltas: list[torch.Tensor]
+    fallback_jacobians: NamedTensors
+
+
+class _Recorder:
+    """Hook state during ``capture``: adds the probes and collects the layers' inputs."""
+
+    def __init__(self, plan: StructurePlan) -> None:
+        self.plan = plan
+        self.index = {id(m): i for i, m in enumerate(plan.layers)}
+        self.probes: tuple[torch.Tensor, ...] = ()
+        self.inputs: list[torch.Tensor] = []
+
+    def post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:  # type: ignore[type-arg]
+        if _ACTIVE.get() is not self:
+            return None
+        i = len(self.inputs)
+        uses = self.plan.uses
+        if i >= len(uses) or uses[i].layer != self.index[id(module)] or tuple(output.shape) != uses[i].out_shape:
+            raise UnsupportedModel(
+                "compute_ntk (structured): the model's layer calls differ between examples (data-dependent control "
+                f"flow: call {i} of the covered layers is {type(module).__name__} with output {tuple(output.shape)}, "
+                "not what the structure probe saw); use implementation='jacobian_contraction'"
+            )
+        self.inputs.append(args[0])
+        return output + self.probes[i]
+
+
+def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> Capture:
+    """One forward and one output-basis-vmapped reverse pass per example (see NOTE [probes]).
+
+    Args:
+        problem: the prepared model.
+        plan: its structure plan.
+        x: (n, *input).
+
+    Returns:
+        The capture: inputs[i] (n, *in_shape), deltas[i] (n, k, *out_shape) for use i; fallback name -> (n, k, p).
+    """
+    n, k = x.shape[0], problem.k
+    recorder = _Recorder(plan)
+    probes = tuple(torch.zeros(u.out_shape, dtype=problem.dtype) for u in plan.uses)
+    fallback = {name: problem.params[name] for name in plan.fallback}
+    constants = {name: t for name, t in problem.params.items() if name not in fallback}
+
+    def forward(
+        probe_args: tuple[torch.Tensor, ...], fallback_args: NamedTensors, x_i: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        recorder.probes, recorder.inputs = probe_args, []
+        token = _ACTIVE.set(recorder)
+        try:
+            out = problem.f_single({**constants, **fallback_args}, x_i)
+        finally:
+            _ACTIVE.reset(token)
+        if len(recorder.inputs) != len(plan.uses):
+            raise UnsupportedModel(
+                f"compute_ntk (structured): the covered layers were called {len(recorder.inputs)} times, the "
+                f"structure probe saw {len(plan.uses)}; use implementation='jacobian_contraction'"
+            )
+        return out, tuple(recorder.inputs)
+
+    with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
+        (d_probes, d_fallback), inputs = vmap(jacrev(forward, argnums=(0, 1), has_aux=True), (None, None, 0))(
+            probes, fallback, x
+        )
+    return Capture(
+        inputs=list(inputs),
+        deltas=list(d_probes),
+        fallback_jacobians={name: j.reshape(n, k, -1) for name, j in d_fallback.items()},
+    )

@@ -1,0 +1,341 @@
+"""Structured derivatives against the independent float64 reference: every rule, both contraction forms (factored
+and per-layer Jacobian), all four modes, x2 given and omitted, parameter subsets, and the parameter coverage."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
+from ntk_service.kernels.blocks import run_blocks
+from ntk_service.kernels.functional import eval_semantics, prepare_problem
+from ntk_service.kernels.planning import plan_blocks
+from ntk_service.kernels.structured import Structured, structured_terms
+from tests.reference import reference_ntk
+
+pytestmark = pytest.mark.filterwarnings(
+    # torch has no vmap batching rule for CPU flash attention (nn.MultiheadAttention): correct, slower, warned
+    "ignore:There is a performance drop because we have not yet implemented the batching rule:UserWarning"
+)
+
+MODES = list(KernelMode)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny kernels: one intra-op thread avoids thread wake-ups that dominate on a shared 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+FORMS = [None, "factored", "jacobian"]
+"""None: the cost model's choice per weight; the others force every weight with factors into that form."""
+
+
+class TwiceLinear(nn.Module):
+    """The same Linear applied twice (weight sharing across calls: cross terms between the uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 5)
+        self.shared = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        return self.head(torch.tanh(self.shared(h)))
+
+
+class BareParameter(nn.Module):
+    """Bare parameters in custom math next to rule layers: they take the Jacobian path, the rest the rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+        self.scale = nn.Parameter(torch.randn(5))
+        self.proj = nn.Parameter(torch.randn(4, 5))
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(x)) * self.scale + x @ self.proj)
+
+
+class SequenceMlp(nn.Module):
+    """Linear layers on (T, d) sequences, RMSNorm, per-position outputs flattened to k = T·2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 4)
+        self.norm = nn.RMSNorm(4)
+        self.l2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.norm(self.l1(x)))).flatten(1)
+
+
+class TinyTransformer(nn.Module):
+    """Embedding (with padding_idx), MultiheadAttention, LayerNorm, MLP block, mean pooling, Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 9, padding_idx=0)
+        self.attn = nn.MultiheadAttention(9, 3, batch_first=True)  # odd heads: no fast path
+        self.ln1 = nn.LayerNorm(9)
+        self.mlp = nn.Sequential(nn.Linear(9, 12), nn.GELU(), nn.Linear(12, 9))
+        self.ln2 = nn.LayerNorm(9)
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        h = self.ln1(h + a)
+        h = self.ln2(h + self.mlp(h))
+        return self.head(h.mean(1))
+
+
+class TiedEmbeddingHead(nn.Module):
+    """An Embedding whose weight is also the output Linear's (one tensor, two rule kinds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.mix = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.embed(ids))).mean(1))
+
+
+class TiedFunctionalHead(TiedEmbeddingHead):
+    """The tied weight used through F.linear in the forward: that use is outside any rule (Jacobian path)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.mix(self.embed(ids))).mean(1), self.embed.weight)
+
+
+class TiedLinears(nn.Module):
+    """Two Linear layers sharing one weight with separate biases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.dec = nn.Linear(4, 4)
+        self.dec.weight = self.enc.weight
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.dec(torch.tanh(self.enc(x)))))
+
+
+def _cnn2d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=2),
+        nn.GroupNorm(2, 4),
+        nn.Tanh(),
+        nn.Conv2d(4, 4, 3, padding="same", groups=4, bias=False),
+        nn.Flatten(),
+        nn.Linear(36, 3),
+    )
+
+
+def _cnn1d() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv1d(2, 4, 3, stride=2, padding=1, groups=2),
+        nn.ReLU(),
+        nn.Conv1d(4, 3, 2, dilation=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(9, 2),
+    )
+
+
+def _batchnorm() -> nn.Module:
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(27, 4),
+        nn.BatchNorm1d(4),
+        nn.Tanh(),
+        nn.Linear(4, 2),
+    )
+    for bn in (model[1], model[5]):
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        nn.init.uniform_(bn.weight, 0.5, 1.5)
+        nn.init.uniform_(bn.bias, -0.5, 0.5)
+    return model.eval()
+
+
+def _floats(*shape: int) -> Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
+    return lambda g: (torch.randn(3, *shape, generator=g), torch.randn(2, *shape, generator=g))
+
+
+def _tokens(vocab: int, length: int) -> Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
+    # token 0 is the padding index of TinyTransformer; repeats across examples exercise the id matching
+    return lambda g: (
+        torch.randint(0, vocab, (3, length), generator=g),
+        torch.randint(0, vocab, (2, length), generator=g),
+    )
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tuple], list[str]]] = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)),
+            _floats(4), ["0.weight", "4.bias"]),
+    "cnn2d": (_cnn2d, _floats(2, 6, 6), ["2.weight", "3.bias", "7.*"]),
+    "cnn1d": (_cnn1d, _floats(2, 9), ["0.*"]),
+    "transformer": (TinyTransformer, _tokens(11, 5), ["embed.weight", "attn.in_proj_weight", "mlp.0.weight"]),
+    "twice_linear": (TwiceLinear, _floats(4), ["shared.weight"]),
+    "bare_parameter": (BareParameter, _floats(4), ["scale", "lin.weight"]),
+    "sequence": (SequenceMlp, _floats(4, 3), ["l1.bias", "norm.weight"]),
+    "batchnorm": (_batchnorm, _floats(2, 5, 5), ["1.*", "4.weight"]),
+    "tied_embedding_head": (TiedEmbeddingHead, _tokens(7, 4), ["embed.weight"]),
+    "tied_functional_head": (TiedFunctionalHead, _tokens(7, 4), ["embed.weight", "mix.bias"]),
+    "tied_linears": (TiedLinears, _floats(4), ["enc.weight", "dec.bias"]),
+}  # fmt: skip
+"""name -> (build, inputs (x1 (3, ...), x2 (2, ...)), a parameter subset)."""
+
+
+@functools.cache
+def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    build, inputs, _ = MODELS[name]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build().eval()
+    x1, x2 = inputs(torch.Generator().manual_seed(1))
+    return model, x1, x2
+
+
+@functools.cache
+def _reference(name: str, mode: KernelMode, with_x2: bool, subset: bool) -> torch.Tensor:
+    model, x1, x2 = _case(name)
+    return reference_ntk(model, x1, x2 if with_x2 else None, mode.value, MODELS[name][2] if subset else None)
+
+
+def _structured(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    mode: KernelMode,
+    *,
+    form: str | None,
+    params: list[str] | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """compute_ntk(implementation="structured") for form None; the same pipeline with a forced form otherwise."""
+    if form is None:
+        result = compute_ntk(model, x1, x2, mode=mode, implementation="structured", params=params, dtype=dtype)
+        assert result.implementation is NtkImplementation.STRUCTURED
+        return result.theta
+    alg = Structured(form)
+    with eval_semantics(model):
+        problem, x1t, x2t = prepare_problem(model, x1, x2, params=params, dtype=dtype)
+        symmetric = x2t is None or mode is KernelMode.EXAMPLE_DIAGONAL
+        m = x1t.shape[0] if x2t is None else x2t.shape[0]
+        plan = plan_blocks(alg, problem, x1t.shape[0], m, mode, symmetric=symmetric, budget_bytes=2**30)
+        return run_blocks(alg, problem, x1t, None if symmetric else x2t, mode, plan)
+
+
+def _assert_close(theta: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    assert theta.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert scale > 0, "a zero reference kernel would make the comparison vacuous"
+    err = (theta.double() - expected).abs().max().item()
+    assert err <= rel * scale, f"max abs error {err:.3e} > {rel:.0e} x max|theta| {scale:.3e}"
+
+
+@pytest.mark.parametrize("form", FORMS, ids=str)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_float64_matches_reference(name: str, form: str | None) -> None:
+    model, x1, x2 = _case(name)
+    for mode in MODES:
+        for with_x2 in (True, False) if form is None else (True,):  # the forms share the x2-omitted path
+            theta = _structured(model, x1, x2 if with_x2 else None, mode, form=form)
+            assert theta.dtype == torch.float64
+            _assert_close(theta, _reference(name, mode, with_x2, False), 1e-10)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_parameter_subset_matches_reference(name: str) -> None:
+    model, x1, x2 = _case(name)
+    for mode in (KernelMode.FULL, KernelMode.EXAMPLE_DIAGONAL):
+        for form in ("factored", "jacobian"):
+            theta = _structured(model, x1, x2, mode, form=form, params=MODELS[name][2])
+            _assert_close(theta, _reference(name, mode, True, True), 1e-10)
+
+
+def _coverage(name: str, params: list[str] | None = None) -> dict[str, str]:
+    model, x1, x2 = _case(name)
+    with eval_semantics(model):
+        problem, x1t, _ = prepare_problem(model, x1, x2, params=params, dtype=torch.float64)
+        return structured_terms(problem, x1t[:1]).coverage()
+
+
+@pytest.mark.parametrize("subset", [False, True], ids=["all", "subset"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_selected_parameter_is_covered_once(name: str, subset: bool) -> None:
+    model, _, _ = _case(name)
+    params = MODELS[name][2] if subset else None
+    with eval_semantics(model):
+        problem, _, _ = prepare_problem(model, _case(name)[1], None, params=params, dtype=torch.float64)
+        selected = set(problem.params)
+    assert selected == ({n for n, _ in model.named_parameters()} if not subset else selected)
+    assert set(_coverage(name, params)) == selected
+
+
+def test_coverage_sends_only_unruled_uses_to_the_jacobian_path() -> None:
+    transformer = _coverage("transformer")
+    assert {n for n, kind in transformer.items() if kind == "fallback"} == {
+        "attn.in_proj_weight",
+        "attn.in_proj_bias",
+        "attn.out_proj.weight",  # F.multi_head_attention_forward takes it directly, not through out_proj()
+        "attn.out_proj.bias",
+    }
+    assert transformer["head.weight"] == "factored"
+    assert transformer["mlp.0.weight"] in ("factored", "rule")  # over 5 positions, J of a 9x12 weight is cheaper
+    assert transformer["ln1.weight"] == transformer["ln2.bias"] == "rule"
+    assert _coverage("bare_parameter") == {
+        "lin.weight": "factored",
+        "lin.bias": "factored",
+        "scale": "fallback",
+        "proj": "fallback",
+        "head.weight": "factored",
+        "head.bias": "factored",
+    }
+    assert _coverage("tied_embedding_head")["embed.weight"] == "rule"  # Embedding + Linear uses: J summed
+    assert _coverage("tied_functional_head")["embed.weight"] == "fallback"
+    assert _coverage("twice_linear")["shared.weight"] in ("factored", "rule")
+    cnn = _coverage("cnn2d")
+    assert cnn["3.weight"] == "rule" and "fallback" not in cnn.values()
+
+
+def test_float32_matches_reference() -> None:
+    model, x1, x2 = _case("transformer")
+    for mode in MODES:
+        theta = _structured(model, x1, x2, mode, form=None, dtype=torch.float32)
+        assert theta.dtype == torch.float32
+        _assert_close(theta, _reference("transformer", mode, True, False), 1e-4)
+
+
+def test_hooks_are_removed_after_a_call() -> None:
+    model, x1, _ = _case("twice_linear")
+    compute_ntk(model, x1, implementation="structured")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_auto_picks_structured_for_a_wide_mlp() -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+    result = compute_ntk(model, torch.randn(8, 64), mode="trace")
+    assert result.implementation is NtkImplementation.STRUCTURED
