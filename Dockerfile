@@ -77,7 +77,7 @@ WORKDIR /home/ntk
 VOLUME ["/data"]
 EXPOSE 8000
 
-HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('NTK_PORT', '8000'), timeout=4)"]
 
 CMD ["ntk-service", "serve"]
