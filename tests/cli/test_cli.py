@@ -198,10 +198,17 @@ def test_kernel_refuses_a_non_npy_file_and_prints_small_results(cli, model_name:
     assert printed.stdout.splitlines()[0].startswith("theta: (1, 1) float32 (trace, ")
 
 
+def test_health(cli, live_server: LiveServer) -> None:
+    assert _ok(cli("health", key=None)).stdout.strip() == f"{live_server.url}: ok"
+    assert json.loads(_ok(cli("health", "--json", key=None)).stdout) == {"url": live_server.url, "status": "ok"}
+
+
 def test_unreachable_server_exits_1() -> None:
     result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", "models", "list"])
     assert result.exit_code == 1
     assert result.stderr.startswith("error: service_unavailable: GET /v1/models: cannot reach http://127.0.0.1:9")
+    down = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", "health"])
+    assert down.exit_code == 1 and "cannot reach" in down.stderr
 
 
 def test_serve_refuses_an_open_server_on_a_public_host(tmp_path: Path) -> None:
