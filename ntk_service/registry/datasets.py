@@ -236,10 +236,6 @@ class DatasetStore:
 
     def _sweep(self) -> None:
         with self._db.write() as conn:
-            referenced = {r[0] for r in conn.execute("SELECT id FROM datasets")}
-            orphans = self._files.keys() - referenced
-            for dataset_id in orphans:
-                self._files.remove(dataset_id)
-        if orphans:
-            logger.info("removed %d data set files without a record", len(orphans))
-        self._files.sweep_temps()
+            removed, _ = self._files.sweep({r[0] for r in conn.execute("SELECT id FROM datasets")})
+        if removed:
+            logger.info("removed %d data set files without a record", len(removed))

@@ -77,6 +77,20 @@ class FileStore:
             if p.name.endswith(self.suffix) and not p.name.startswith(_TEMP_PREFIX)
         }
 
+    def sweep(self, referenced: set[str]) -> tuple[set[str], set[str]]:
+        """Remove published files whose key is not in ``referenced`` and stale temp files (call it inside the write
+        transaction that read ``referenced``, see NOTE [crash safety]).
+
+        Returns:
+            (removed keys, referenced keys without a file).
+        """
+        present = self.keys()
+        removed = present - referenced
+        for key in removed:
+            self.remove(key)
+        self.sweep_temps()
+        return removed, referenced - present
+
     def sweep_temps(self, *, older_than_s: float = TEMP_FILE_GRACE_S) -> int:
         """Remove leftover temp files older than ``older_than_s`` seconds; returns how many."""
         now = time.time()

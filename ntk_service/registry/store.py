@@ -15,9 +15,6 @@ import dataclasses
 import json
 import logging
 import re
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkServiceError
 from ntk_service.registry.architectures import parse_architecture
+from ntk_service.registry.cache import ModuleCache
 from ntk_service.registry.database import DATABASE_FILENAME, Database
 from ntk_service.registry.files import FileStore
 from ntk_service.registry.records import ModelRecord, ParameterInfo
@@ -112,10 +110,7 @@ class ModelRegistry:
         self.allowed_factories = frozenset(allowed_factories)
         self._db = Database(self.data_dir / DATABASE_FILENAME)
         self._files = FileStore(self.data_dir / "weights", ".safetensors")
-        self._cache_size = module_cache_size
-        self._cache: OrderedDict[tuple[str, int, str, str], nn.Module] = OrderedDict()
-        self._loading: dict[tuple[str, int, str, str], Future[nn.Module]] = {}
-        self._cache_lock = threading.Lock()
+        self._cache = ModuleCache(module_cache_size)
         self._sweep()
 
     # ---------------------------------------------------------------- writes
@@ -169,7 +164,7 @@ class ModelRegistry:
             except BaseException:
                 self._collect_garbage({sha})
                 raise
-        self._cache_put(record.cache_key, module)
+        self._cache.put(record.cache_key, module)
         logger.info("registered model %r (%s, %d params, sha256 %s)", name, spec, record.num_params, sha[:12])
         return record
 
@@ -220,7 +215,7 @@ class ModelRegistry:
             except BaseException:
                 self._collect_garbage({sha})
                 raise
-        self._cache_put(record.cache_key, module.eval())
+        self._cache.put(record.cache_key, module.eval())
         logger.info("model %r: version %d stored (sha256 %s)", name, record.version, sha[:12])
         return record
 
@@ -234,9 +229,7 @@ class ModelRegistry:
             shas = {r[0] for r in conn.execute("SELECT weights_sha256 FROM model_versions WHERE name = ?", (name,))}
             if conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
                 raise ModelNotFound(self._not_found_message(f"delete {name!r}", name))
-        with self._cache_lock:
-            for key in [k for k in self._cache if k[0] == name]:
-                del self._cache[key]
+        self._cache.drop(lambda key: isinstance(key, tuple) and key[0] == name)
         self._collect_garbage(shas)
         logger.info("deleted model %r", name)
 
@@ -303,38 +296,18 @@ class ModelRegistry:
             PermissionDenied: a factory model whose factory the operator no longer allows.
         """
         record = self.get(name, version)
-        key = record.cache_key
-        with self._cache_lock:
-            module = self._cache.get(key)
-            if module is not None:
-                self._cache.move_to_end(key)
-                return record, module
-            future = self._loading.get(key)
-            owner = future is None
-            if future is None:
-                future = self._loading[key] = Future()
-        if not owner:
-            return record, future.result()
-        try:
-            module = self._skeleton(record, f"load_module {name!r}")
-            tensors = safetensors.torch.load_file(self._weights_file(record))
-            load_tensors(module, tensors, operation=f"load_module {name!r} version {record.version}")
-            module.eval()
-        except BaseException as exc:
-            with self._cache_lock:
-                del self._loading[key]
-            future.set_exception(exc)
-            raise
-        with self._cache_lock:
-            del self._loading[key]
-        self._cache_put(key, module)
-        future.set_result(module)
-        return record, module
+
+        def build() -> nn.Module:
+            op = f"load_module {name!r} version {record.version}"
+            module = self._skeleton(record, op)
+            load_tensors(module, safetensors.torch.load_file(self._weights_file(record)), operation=op)
+            return module.eval()
+
+        return record, self._cache.get_or_build(record.cache_key, build)
 
     def close(self) -> None:
         """Close the database connections and drop cached modules."""
-        with self._cache_lock:
-            self._cache.clear()
+        self._cache.clear()
         self._db.close()
 
     # ---------------------------------------------------------------- internals
@@ -369,15 +342,6 @@ class ModelRegistry:
                 record.created_at.isoformat(),
             ),
         )
-
-    def _cache_put(self, key: tuple[str, int, str, str], module: nn.Module) -> None:
-        if self._cache_size <= 0:
-            return
-        with self._cache_lock:
-            self._cache[key] = module
-            self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
 
     @staticmethod
     def _check_name(name: object, op: str) -> None:
@@ -419,12 +383,8 @@ class ModelRegistry:
         """Startup: remove weight files without a row and stale temp files (NOTE [crash safety] in files.py)."""
         with self._db.write() as conn:
             referenced = {r[0] for r in conn.execute("SELECT DISTINCT weights_sha256 FROM model_versions")}
-            orphans = self._files.keys() - referenced
-            for sha in orphans:
-                self._files.remove(sha)
-        missing = referenced - self._files.keys()
-        if orphans:
-            logger.info("removed %d weight files that no model version references", len(orphans))
+            removed, missing = self._files.sweep(referenced)
+        if removed:
+            logger.info("removed %d weight files that no model version references", len(removed))
         if missing:
             logger.error("weight files missing for sha256 %s: those versions cannot be loaded", sorted(missing))
-        self._files.sweep_temps()

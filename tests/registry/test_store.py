@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -63,9 +64,13 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_public_api_is_explicit() -> None:
-    public = {n for n in dir(ntk_service.registry) if not n.startswith("_")}
-    submodules = {"architectures", "database", "datasets", "factory", "families", "files", "records", "store"}
-    assert public - submodules - {"weights", "zoo", "annotations"} == set(ntk_service.registry.__all__)
+    module = ntk_service.registry
+    public = {
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and not isinstance(v, types.ModuleType) and n != "annotations"
+    }
+    assert public == set(module.__all__) and module.__all__ == sorted(module.__all__)
 
 
 def test_register_get_list(tmp_path: Path) -> None:
