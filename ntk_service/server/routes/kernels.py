@@ -47,6 +47,7 @@ from ntk_service.server.media import (
     BINARY_TENSOR_TYPES,
     content_type,
     negotiate,
+    parse_off_loop,
     read_json,
     read_tensors,
     take_tensor,
@@ -161,8 +162,12 @@ async def _read_request(
         raise InvalidInput(f'{operation}: the body needs x1 (a tensor or {{"dataset": id, "start", "stop"}})')
     x1_raw, x2_raw = data.pop("x1"), data.pop("x2", None)
     options = validate_body(KernelOptions, data, operation=operation)
-    x1 = _parse_x(x1_raw, side="x1", operation=operation)
-    x2 = None if x2_raw is None else _parse_x(x2_raw, side="x2", operation=operation)
+
+    def parse() -> tuple[_Side, _Side | None]:
+        x1 = _parse_x(x1_raw, side="x1", operation=operation)
+        return x1, None if x2_raw is None else _parse_x(x2_raw, side="x2", operation=operation)
+
+    x1, x2 = await parse_off_loop(parse, size=len(await request.body()))  # the body is cached by now
     return x1, x2, options
 
 
