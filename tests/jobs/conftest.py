@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from ntk_service.jobs import JobManager, JobRecord, LocalExecutor
 from ntk_service.jobs.executors.base import Executor
@@ -16,6 +19,28 @@ from ntk_service.registry import DatasetStore, ModelRegistry
 
 TINY_MLP = {"family": "mlp", "input_dim": 4, "hidden": [6], "output_dim": 3, "activation": "tanh", "bias": True}
 """k = 3 outputs, P = 51: every tile takes milliseconds."""
+
+SLOW_MODEL = {
+    "family": "factory",
+    "factory": "tests.server.slow_factory:build",
+    "kwargs": {"in_dim": 4, "out_dim": 2, "delay_s": 0.03},
+    "input_shape": [4],
+    "input_dtype": "float32",
+}
+"""A model whose every forward pass sleeps: tiles take a known time, so a test can act while a job runs."""
+
+
+def tiny_model_from_weights(weights: Mapping[str, Any]) -> nn.Module:
+    """TINY_MLP rebuilt as a plain nn.Sequential from downloaded weights (``layers.{i}.weight/bias``)."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    names = {
+        "0.weight": "layers.0.weight",
+        "0.bias": "layers.0.bias",
+        "2.weight": "layers.1.weight",
+        "2.bias": "layers.1.bias",
+    }
+    model.load_state_dict({mine: torch.as_tensor(np.asarray(weights[theirs])) for mine, theirs in names.items()})
+    return model
 
 
 @dataclass

@@ -202,6 +202,33 @@ def test_x2_with_other_example_shape_is_refused(jobs_env: JobsEnv, make_manager:
         make_manager().submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=other)
 
 
+def test_a_failing_tile_fails_the_job_with_its_message(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    architecture = {
+        "family": "transformer",
+        "vocab_size": 5,
+        "max_len": 3,
+        "d_model": 4,
+        "n_heads": 1,
+        "n_layers": 1,
+        "d_ff": 4,
+        "output_dim": 2,
+    }
+    jobs_env.registry.register("tokens", architecture, seed=0)
+    tokens = np.random.default_rng(0).integers(0, 5, size=(10, 3))
+    tokens[9, 1] = 7  # outside the vocabulary: the first example is fine, so the job is accepted; row 9 fails
+    dataset = jobs_env.datasets.create(tokens).id
+    manager = make_manager()
+    job = manager.submit(model="tokens", x1_dataset=dataset, mode="trace", tile_size=4)
+    record = wait_finished(manager, job.id)
+    assert record.status is JobStatus.FAILED
+    assert "index out of range" in (record.error or "")
+    assert record.tiles_done < record.tiles_total
+    with pytest.raises(JobNotFinished, match="is failed .*index out of range"):
+        manager.read_result(job.id)
+
+
 def test_progress_events_advance_until_the_job_ends(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
     manager = make_manager(start=False)
     job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=3)

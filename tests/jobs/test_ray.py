@@ -18,7 +18,7 @@ from ntk_service.registry import DatasetStore, ModelRegistry
 from tests.conftest import REPO_ROOT
 from tests.jobs.conftest import wait_finished
 
-KILLER = "tests.jobs.killer_factory:build"
+KILLER = "tests.jobs.factories:build_kill_once"
 
 
 @pytest.fixture(scope="module")

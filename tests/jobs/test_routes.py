@@ -19,17 +19,8 @@ import torch
 from torch import nn
 
 from tests.conftest import LiveServer, start_live_server
+from tests.jobs.conftest import SLOW_MODEL, TINY_MLP, tiny_model_from_weights
 from tests.reference import reference_ntk
-
-TINY = {"family": "mlp", "input_dim": 4, "hidden": [6], "output_dim": 3, "activation": "tanh", "bias": True}
-SLOW = {
-    "family": "factory",
-    "factory": "tests.server.slow_factory:build",
-    "kwargs": {"in_dim": 4, "out_dim": 2, "delay_s": 0.03},
-    "input_shape": [4],
-    "input_dtype": "float32",
-}
-"""A model whose every forward pass sleeps: tiles take a known time, so a test can act while the job runs."""
 
 NPY = "application/x-npy"
 SAFETENSORS = "application/x-safetensors"
@@ -102,23 +93,14 @@ def _npy(response: httpx.Response) -> np.ndarray:
 
 def _tiny_model(client: httpx.Client) -> nn.Module:
     """The registered 'tiny' model rebuilt here from its downloaded weights (for the reference)."""
-    weights = safetensors.numpy.load(client.get("/v1/models/tiny/versions/1/weights").content)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
-    names = {
-        "0.weight": "layers.0.weight",
-        "0.bias": "layers.0.bias",
-        "2.weight": "layers.1.weight",
-        "2.bias": "layers.1.bias",
-    }
-    model.load_state_dict({mine: torch.from_numpy(weights[theirs]) for mine, theirs in names.items()})
-    return model
+    return tiny_model_from_weights(safetensors.numpy.load(client.get("/v1/models/tiny/versions/1/weights").content))
 
 
 @pytest.fixture(scope="module")
 def tiny_job(servers: _Servers) -> dict[str, Any]:
     """A finished symmetric FULL float64 job of 'tiny' on x1 (10, 4), tiles of 4 (6 of 9 tiles)."""
     with servers.current.client() as client:
-        _register(client, "tiny", TINY)
+        _register(client, "tiny", TINY_MLP)
         x1 = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
         dataset = _upload(client, x1)
         response = client.post(
@@ -200,7 +182,7 @@ def _events(client: httpx.Client, job_id: str) -> list[tuple[str, dict[str, Any]
 
 def test_events_stream_progress_until_the_end(server: LiveServer) -> None:
     with server.client() as client:
-        _register(client, "slow-sse", SLOW)
+        _register(client, "slow-sse", SLOW_MODEL)
         dataset = _upload(client, np.random.default_rng(1).standard_normal((12, 4)).astype(np.float32))
         job = client.post(
             "/v1/jobs", json={"model": "slow-sse", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 3}
@@ -217,7 +199,7 @@ def test_events_stream_progress_until_the_end(server: LiveServer) -> None:
 
 def test_cancel_over_http(server: LiveServer) -> None:
     with server.client() as client:
-        _register(client, "slow-cancel", SLOW)
+        _register(client, "slow-cancel", SLOW_MODEL)
         dataset = _upload(client, np.random.default_rng(2).standard_normal((40, 4)).astype(np.float32))
         job = client.post("/v1/jobs", json={"model": "slow-cancel", "x1": {"dataset": dataset}, "tile_size": 2}).json()
         while client.get(f"/v1/jobs/{job['id']}").json()["tiles_done"] < 1:
@@ -235,7 +217,7 @@ def test_cancel_over_http(server: LiveServer) -> None:
 
 def test_sigkill_mid_job_resumes_to_a_bitwise_equal_result(servers: _Servers) -> None:
     with servers.current.client() as client:
-        _register(client, "slow", SLOW)
+        _register(client, "slow", SLOW_MODEL)
         dataset = _upload(client, np.random.default_rng(3).standard_normal((16, 4)).astype(np.float32))
         spec = {"model": "slow", "x1": {"dataset": dataset}, "mode": "full", "tile_size": 4}  # 10 tiles
         job_id = client.post("/v1/jobs", json=spec).json()["id"]

@@ -1,4 +1,5 @@
-"""A model factory for the Ray test: its forward pass kills the Ray worker process once, like an OOM kill would.
+"""An operator-style model factory for the Ray test: its forward pass kills the Ray worker process once, like an
+OOM kill would.
 
 The model remembers the pid of the process that built it (the server, or the test driver). In any other process
 (a Ray worker) the first forward pass that finds no marker file creates it and exits at once with ``os._exit(1)``,
@@ -36,9 +37,9 @@ class KillOnceMLP(nn.Module):
         return self.net(x)
 
 
-def build(in_dim: int = 4, hidden: int = 6, out_dim: int = 3, marker: str = "") -> nn.Module:
-    """The factory ``tests.jobs.killer_factory:build``; ``marker`` is the file that records the one kill."""
+def build_kill_once(in_dim: int = 4, hidden: int = 6, out_dim: int = 3, marker: str = "") -> nn.Module:
+    """The factory ``tests.jobs.factories:build_kill_once``; ``marker`` is the file that records the one kill."""
     if not marker:
-        raise ValueError("killer_factory.build: pass marker, a path the first killed worker creates")
+        raise ValueError("build_kill_once: pass marker, a path the first killed worker creates")
     Path(marker).parent.mkdir(parents=True, exist_ok=True)
     return KillOnceMLP(in_dim, hidden, out_dim, marker)
