@@ -121,6 +121,15 @@ def test_service_errors_arrive_as_the_exception_tree(
         client.ntk(model["name"], np.zeros((2, 5), np.float32))
     assert shape.value.http_status == 422
 
+    # The session server plans kernels within 256 MiB and takes bodies up to 2 MiB.
+    with pytest.raises(errors.MemoryEstimateExceeded, match="over the memory budget of 256.00 MiB") as memory:
+        client.ntk(model["name"], sample_inputs(model, 3000, seed=0))  # theta alone: 3000² · 3² · 4 B ≈ 309 MiB
+    assert memory.value.http_status == 413
+    assert memory.value.estimate_bytes > memory.value.budget_bytes == 256 * 2**20
+    with pytest.raises(errors.PayloadTooLarge, match="exceeds the server's limit of 2.00 MiB") as too_large:
+        client.upload_dataset(np.zeros((200_000, 4), np.float32))
+    assert too_large.value.http_status == 413
+
     with pytest.raises(errors.InvalidInput) as bad_spec:
         client.register_model(f"bad-{uuid.uuid4().hex[:6]}", {"family": "mlp", "input_dim": -1})
     assert bad_spec.value.http_status == 422
