@@ -132,6 +132,9 @@ class Settings(BaseSettings):
     job_disk_budget_bytes: int | None = Field(
         None, gt=0, description="Largest job result on disk (413 above). Default: 90% of the free space."
     )
+    job_results_dir: Path | None = Field(
+        None, description="Job results (Zarr); shared storage for Ray clusters. Default: <data_dir>/jobs."
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -204,7 +204,7 @@ class JobsClient(BaseClient):
                     return self.get_job(job_id)  # raises the mapped error (e.g. JobNotFound)
                 for line in response.iter_lines():
                     if line.startswith("data:"):
-                        record = json.loads(line[5:])
+                        record = dict(json.loads(line[5:]))
                         if out is not None:
                             out.write("\r" + format_progress(record))
                             out.flush()

@@ -120,8 +120,7 @@ class JobManager:
     """Owns the job store, the runner thread and the executor.
 
     Args:
-        data_dir: the service's data directory; jobs live in ``<data_dir>/jobs/`` (SQLite file + one directory
-            per job holding its Zarr array).
+        data_dir: the service's data directory; job state lives in ``<data_dir>/jobs/jobs.sqlite3``.
         models: the model registry (``load_module(name, version)``).
         datasets: the data-set store (``get(id)``, ``load(id, start, stop)``).
         executor: LocalExecutor or RayExecutor.
@@ -129,6 +128,9 @@ class JobManager:
         disk_budget_bytes: largest result a job may store. Default: ``DISK_FREE_FRACTION`` of the free space.
         memory_budget_bytes: the engine's memory budget per tile, fixed into each job at submission.
             Default: the engine's default at submission time.
+        results_dir: where the Zarr arrays go, ``<results_dir>/<job id>/theta.zarr``; on a Ray cluster a
+            filesystem every worker mounts at the same path (the SQLite file stays in ``<data_dir>/jobs``: WAL
+            needs a local disk). Default: ``<data_dir>/jobs``.
     """
 
     def __init__(
@@ -141,10 +143,13 @@ class JobManager:
         default_tile_size: int = DEFAULT_TILE_SIZE,
         disk_budget_bytes: int | None = None,
         memory_budget_bytes: int | None = None,
+        results_dir: Path | None = None,
     ) -> None:
         self.jobs_dir = Path(data_dir) / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(self.jobs_dir / "jobs.sqlite3")
+        self.results_dir = (self.jobs_dir if results_dir is None else Path(results_dir)).absolute()
+        self.results_dir.mkdir(parents=True, exist_ok=True)
         self.models = models
         self.datasets = datasets
         self.executor = executor
@@ -281,7 +286,7 @@ class JobManager:
             result_shape=list(plan.result_shape(k)),
             estimate_bytes=estimate,
         )
-        job_dir = self.jobs_dir / job.id
+        job_dir = self.results_dir / job.id
         job_dir.mkdir(parents=True)
         # The array first: a crash before the SQLite row leaves an orphan directory, never a job without its array.
         ResultArray.create(job_dir / RESULT_ARRAY_NAME, plan=plan, k=k, dtype=dtype, attributes=_attributes(job))
@@ -330,6 +335,9 @@ class JobManager:
                 "check that the data set matches the model's input shape and dtype"
             ) from exc
 
+    def _result_path(self, job_id: str) -> Path:
+        return self.results_dir / job_id / RESULT_ARRAY_NAME
+
     def _tensor(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(self.datasets.load(dataset_id, start, stop)))
 
@@ -337,8 +345,8 @@ class JobManager:
         if self.disk_budget_bytes is not None:
             budget, source = self.disk_budget_bytes, "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
         else:
-            budget = int(shutil.disk_usage(self.jobs_dir).free * DISK_FREE_FRACTION)
-            source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.jobs_dir}"
+            budget = int(shutil.disk_usage(self.results_dir).free * DISK_FREE_FRACTION)
+            source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.results_dir}"
         if estimate > budget:
             hint = " (already only the upper triangle)" if plan.symmetric else ""
             raise DiskEstimateExceeded(
@@ -397,7 +405,7 @@ class JobManager:
                 f"jobs: job {job_id} is {record.status.value} ({record.tiles_done}/{record.tiles_total} tiles){why}; "
                 "its result can be read once it has succeeded (watch GET /v1/jobs/{id}/events)"
             )
-        return record, ResultArray.open(self.jobs_dir / job_id / RESULT_ARRAY_NAME, plan=plan_of(record.spec))
+        return record, ResultArray.open(self._result_path(job_id), plan=plan_of(record.spec))
 
     def read_result(
         self, job_id: str, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
@@ -463,7 +471,7 @@ class JobManager:
             _, module = self.models.load_module(spec.model, spec.version)
             x1 = self._tensor(spec.x1_dataset)
             x2 = None if spec.x2_dataset is None else self._tensor(spec.x2_dataset)
-            work = JobWork(job_id=job_id, spec=spec, plan=plan, result_path=self.jobs_dir / job_id / RESULT_ARRAY_NAME)
+            work = JobWork(job_id=job_id, spec=spec, plan=plan, result_path=self._result_path(job_id))
             used = set((record.implementation_used or "").split(",")) - {""}
             self.executor.run(work, module, x1, x2, tiles, _Callbacks(self, job_id, used))
         except Exception as exc:  # noqa: BLE001 - any failure of a tile fails the job with its message
@@ -490,7 +498,7 @@ class JobManager:
                 job_id, JobStatus.FAILED, error=f"{record.tiles_total - record.tiles_done} tile(s) were not computed"
             )
             return
-        array = ResultArray.open(self.jobs_dir / job_id / RESULT_ARRAY_NAME, plan=plan_of(record.spec))
+        array = ResultArray.open(self._result_path(job_id), plan=plan_of(record.spec))
         array.update_attributes({"implementation_used": sorted(used)})
         self.store.set_status(job_id, JobStatus.SUCCEEDED, only_from=[JobStatus.RUNNING])
         seconds = sum(self.store.tile_seconds(job_id))

@@ -51,8 +51,9 @@ def _upper_mask(shape: tuple[int, ...], mode: KernelMode) -> np.ndarray:
     if mode is KernelMode.FULL:
         k = shape[2]
         a_le_b = np.triu(np.ones((k, k), dtype=bool))
-        return (n_idx < m_idx)[:, :, None, None] | ((n_idx == m_idx)[:, :, None, None] & a_le_b[None, None])
-    mask = n_idx <= m_idx
+        full: np.ndarray = (n_idx < m_idx)[:, :, None, None] | ((n_idx == m_idx)[:, :, None, None] & a_le_b[None, None])
+        return full
+    mask: np.ndarray = n_idx <= m_idx
     return mask[:, :, None] if mode is KernelMode.OUTPUT_DIAGONAL else mask
 
 

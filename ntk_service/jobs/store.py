@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import Any
 
 from ntk_service.errors import JobNotFound
 from ntk_service.jobs.records import TERMINAL_STATUSES, JobRecord, JobSpec, JobStatus
@@ -221,20 +222,20 @@ class JobStore:
         return [r[0] for r in rows]
 
 
-def _record(row: tuple[object, ...]) -> JobRecord:
+def _record(row: sqlite3.Row | tuple[Any, ...]) -> JobRecord:
     (job_id, spec, status, executor, total, shape, estimate, created, started, finished, error, impl, done) = row
     return JobRecord(
         id=str(job_id),
-        spec=JobSpec.from_dict(json.loads(str(spec))),
+        spec=JobSpec.from_dict(json.loads(spec)),
         status=JobStatus(status),
-        tiles_done=int(done),  # type: ignore[call-overload]
-        tiles_total=int(total),  # type: ignore[call-overload]
-        created_at=float(created),  # type: ignore[arg-type]
-        started_at=None if started is None else float(started),  # type: ignore[arg-type]
-        finished_at=None if finished is None else float(finished),  # type: ignore[arg-type]
+        tiles_done=int(done),
+        tiles_total=int(total),
+        created_at=float(created),
+        started_at=None if started is None else float(started),
+        finished_at=None if finished is None else float(finished),
         error=None if error is None else str(error),
         implementation_used=None if impl is None else str(impl),
         executor=str(executor),
-        result_shape=list(json.loads(str(shape))),
-        estimate_bytes=int(estimate),  # type: ignore[call-overload]
+        result_shape=[int(v) for v in json.loads(shape)],
+        estimate_bytes=int(estimate),
     )

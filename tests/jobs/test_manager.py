@@ -75,7 +75,8 @@ def test_job_equals_reference_and_each_tile_equals_compute_ntk_bitwise(
 
 
 def test_result_attributes_and_implementation_used(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
-    manager = make_manager()
+    shared = jobs_env.data_dir / "shared-results"
+    manager = make_manager(results_dir=shared)
     job = manager.submit(
         model="tiny",
         x1_dataset=jobs_env.x1_id,
@@ -94,6 +95,8 @@ def test_result_attributes_and_implementation_used(jobs_env: JobsEnv, make_manag
     assert (attrs["mode"], attrs["implementation"], attrs["dtype"]) == ("trace", "ntk_vector_products", "float32")
     assert attrs["implementation_used"] == ["ntk_vector_products"]
     assert array.read().dtype == np.float32
+    assert array.path == shared.absolute() / job.id / "theta.zarr"  # SQLite stays in <data_dir>/jobs
+    assert (jobs_env.data_dir / "jobs" / "jobs.sqlite3").exists() and not (shared / "jobs.sqlite3").exists()
 
 
 class _Gate:

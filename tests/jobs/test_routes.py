@@ -197,13 +197,17 @@ def test_events_stream_progress_until_the_end(server: LiveServer) -> None:
     assert events[-1][1]["eta_s"] == 0.0
 
 
-def test_cancel_over_http(server: LiveServer) -> None:
+def test_cancel_over_http(server: LiveServer, tiny_job: dict[str, Any]) -> None:
     with server.client() as client:
         _register(client, "slow-cancel", SLOW_MODEL)
         dataset = _upload(client, np.random.default_rng(2).standard_normal((40, 4)).astype(np.float32))
         job = client.post("/v1/jobs", json={"model": "slow-cancel", "x1": {"dataset": dataset}, "tile_size": 2}).json()
         while client.get(f"/v1/jobs/{job['id']}").json()["tiles_done"] < 1:
             time.sleep(0.05)
+        # The job takes the compute slot one tile at a time, so an interactive kernel still gets its turn.
+        kernel = client.post("/v1/models/tiny/ntk", json={"x1": {"dataset": tiny_job["x1"]["dataset"], "stop": 2}})
+        assert kernel.status_code == 200, kernel.text
+        assert client.get(f"/v1/jobs/{job['id']}").json()["status"] == "running"
         cancelled = client.delete(f"/v1/jobs/{job['id']}")
         assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
         time.sleep(0.5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -93,7 +94,7 @@ class LocalExecutor(Executor):
                     continue
                 try:
                     outcome = self.run_compute(
-                        lambda t=tile: run_tile(model, x1, x2, work, t, array=array, side_cache=cache)
+                        partial(run_tile, model, x1, x2, work, tile, array=array, side_cache=cache)
                     )
                 except BaseException:
                     failed.set()

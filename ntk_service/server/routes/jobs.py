@@ -214,6 +214,7 @@ async def start_jobs(app: FastAPI) -> None:
         default_tile_size=settings.job_tile_size,
         disk_budget_bytes=settings.job_disk_budget_bytes,
         memory_budget_bytes=settings.memory_budget_bytes,
+        results_dir=settings.job_results_dir,
     )
     await anyio.to_thread.run_sync(manager.start)
     app.state.jobs = manager
