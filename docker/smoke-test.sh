@@ -61,6 +61,8 @@ cleanup() {
             log "stopping dockerd (pid $dockerd_pid)"
             kill "$dockerd_pid" 2>/dev/null
             for _ in $(seq 1 30); do kill -0 "$dockerd_pid" 2>/dev/null || break; sleep 1; done
+            # dockerd leaves its default network namespace mounted under the exec root.
+            umount "$engine/exec/netns/default" 2>/dev/null
         fi
     fi
     [[ -n "$linked_wheel" ]] && rm -f "$linked_wheel"
