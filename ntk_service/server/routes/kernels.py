@@ -275,19 +275,20 @@ async def compute_kernel(
         return record, side(x1_raw, "x1"), None if x2_raw is None else side(x2_raw, "x2")
 
     record, x1, x2 = await anyio.to_thread.run_sync(prepare)
+    cap = settings.max_json_response_bytes
     if response_type == wire.MEDIA_JSON:
         n = x1.array.shape[0]
         m = n if x2 is None else x2.array.shape[0]
         numel = math.prod(result_shape(options.mode, n, m, record.output_dim))
-        cap = settings.max_json_response_bytes
         if numel * _MIN_JSON_BYTES_PER_VALUE > cap:
             raise _json_too_large(
                 f"at least {format_bytes(numel * _MIN_JSON_BYTES_PER_VALUE)}", cap, operation=operation
             )
 
-    def run() -> tuple[NtkResult, float]:
+    def run() -> tuple[Response, NtkResult, float]:
+        # compute and encode in one worker-thread hop: each hop costs milliseconds on a loaded machine
         _, module = registry.load_module(record.name, record.version)
-        return _compute(
+        result, seconds = _compute(
             module,
             x1,
             x2,
@@ -297,16 +298,15 @@ async def compute_kernel(
             side_cache=side_cache,
             operation=operation,
         )
+        meta = {
+            "mode": result.mode.value,
+            "implementation": result.implementation.value,
+            "model": record.name,
+            "version": record.version,
+            "elapsed_ms": round(seconds * 1000, 3),
+        }
+        return _encode(result, response_type, meta, cap=cap, operation=operation), result, seconds
 
-    result, seconds = await limiter.run(run, operation=operation)
+    response, result, seconds = await limiter.run(run, operation=operation)
     metrics.compute_seconds.labels(result.implementation.value, result.mode.value).observe(seconds)
-    meta = {
-        "mode": result.mode.value,
-        "implementation": result.implementation.value,
-        "model": record.name,
-        "version": record.version,
-        "elapsed_ms": round(seconds * 1000, 3),
-    }
-    cap = settings.max_json_response_bytes
-    # Encoding a large JSON body takes long enough to stall other requests: off the event loop too.
-    return await anyio.to_thread.run_sync(lambda: _encode(result, response_type, meta, cap=cap, operation=operation))
+    return response
