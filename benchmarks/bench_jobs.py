@@ -1,7 +1,8 @@
-"""Batch jobs: the trace kernel of the benchmark MLP on N examples, local executor vs Ray, symmetric vs full grid.
+"""Batch jobs: the kernel of the benchmark MLP on N examples, local executor vs Ray, symmetric vs full grid.
 
     .venv/bin/python benchmarks/bench_jobs.py                       # N = 4096, tiles of 256, local + Ray + full grid
     .venv/bin/python benchmarks/bench_jobs.py --n 1024 --no-full    # quicker
+    .venv/bin/python benchmarks/bench_jobs.py --threads 1           # local tiles on 1 torch thread, as Ray's
 
 Runs in one process, side by side, on a temporary data directory (a real ModelRegistry, DatasetStore, JobStore and
 Zarr arrays): the MLP 784-512-512-10 (ReLU) of benchmarks/_models.py registered as a built-in family, standard-normal
@@ -64,12 +65,18 @@ def main() -> None:
     parser.add_argument("--tile-size", type=int, default=256, help="examples per tile side. Default: 256")
     parser.add_argument("--no-full", action="store_true", help="skip the full-grid (non-symmetric) local run")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray run")
+    parser.add_argument("--mode", default="trace", help="kernel mode. Default: trace")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads of the local executor. Default: all cores"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     cores = os.cpu_count() or 1
+    torch.set_num_threads(args.threads or cores)
     print(
-        f"trace kernel, MLP 784-512-512-10, N = {args.n}, tiles of {args.tile_size}, {cores} cores, "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads in-process)"
+        f"{args.mode} kernel, MLP 784-512-512-10, N = {args.n}, tiles of {args.tile_size}, {cores} cores "
+        f"(load average {os.getloadavg()[0]:.1f}), torch {torch.__version__}, local executor with "
+        f"{torch.get_num_threads()} torch thread(s), Ray tasks with 1"
     )
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp)
@@ -78,7 +85,7 @@ def main() -> None:
         x = make_inputs("mlp", args.n).numpy()
         x1 = datasets.create(x).id
         x1_again = datasets.create(x.copy()).id  # the same rows as a second data set: the full grid is computed
-        job = {"model": "mlp", "x1_dataset": x1, "mode": "trace", "tile_size": args.tile_size}
+        job = {"model": "mlp", "x1_dataset": x1, "mode": args.mode, "tile_size": args.tile_size}
         warmup = {**job, "x1_dataset": datasets.create(x[: 2 * args.tile_size]).id}
         # Not timed: the first kernel in a process pays one-time imports and allocations.
         run_job(data_dir, registry, datasets, LocalExecutor(), **warmup)

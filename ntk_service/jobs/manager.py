@@ -345,8 +345,15 @@ class JobManager:
         if self.disk_budget_bytes is not None:
             budget, source = self.disk_budget_bytes, "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
         else:
-            budget = int(shutil.disk_usage(self.results_dir).free * DISK_FREE_FRACTION)
+            # Unfinished jobs will still write their missing tiles: that space is already spoken for.
+            reserved = sum(
+                r.estimate_bytes * (r.tiles_total - r.tiles_done) // max(r.tiles_total, 1)
+                for r in self.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RUNNING])
+            )
+            budget = max(0, int(shutil.disk_usage(self.results_dir).free * DISK_FREE_FRACTION) - reserved)
             source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.results_dir}"
+            if reserved:
+                source += f" less {format_bytes(reserved)} that unfinished jobs will still write,"
         if estimate > budget:
             hint = " (already only the upper triangle)" if plan.symmetric else ""
             raise DiskEstimateExceeded(

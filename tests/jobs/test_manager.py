@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -173,6 +174,21 @@ def test_disk_budget_refuses_up_front_with_the_estimate(
         manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full")
     assert (info.value.estimate_bytes, info.value.budget_bytes) == (11 * 7 * 9 * 4, 1000)
     assert manager.list() == []
+
+
+def test_free_space_budget_counts_what_unfinished_jobs_will_write(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The disk's free space is the one thing a test cannot set, so it is pinned here: 10 000 bytes free.
+    monkeypatch.setattr("ntk_service.jobs.manager.shutil.disk_usage", lambda _: SimpleNamespace(free=10_000))
+    manager = make_manager(start=False)  # jobs stay queued: none of their tiles is written yet
+    options = {"model": "tiny", "x1_dataset": jobs_env.x1_id, "x2_dataset": jobs_env.x2_id, "mode": "full"}
+    first = manager.submit(**options)  # 11 * 7 * 9 * 4 = 2772 bytes of 9000 allowed
+    assert first.estimate_bytes == 2772
+    manager.submit(**options)
+    manager.submit(**options)
+    with pytest.raises(DiskEstimateExceeded, match="less 8.12 KiB that unfinished jobs will still write"):
+        manager.submit(**options)  # 4 * 2772 > 9000
 
 
 @pytest.mark.parametrize(

@@ -85,6 +85,14 @@ def _wait(client: httpx.Client, job_id: str, timeout: float = 60.0) -> dict[str,
     raise AssertionError(f"job {job_id} not finished after {timeout} s")
 
 
+def _wait_for_tiles(client: httpx.Client, job_id: str, tiles: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (job := client.get(f"/v1/jobs/{job_id}").json())["tiles_done"] < tiles:
+        assert job["status"] in ("queued", "running"), job
+        assert time.monotonic() < deadline, f"job {job_id} has not reached {tiles} tiles after {timeout} s: {job}"
+        time.sleep(0.02)
+
+
 def _npy(response: httpx.Response) -> np.ndarray:
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == NPY
@@ -202,8 +210,7 @@ def test_cancel_over_http(server: LiveServer, tiny_job: dict[str, Any]) -> None:
         _register(client, "slow-cancel", SLOW_MODEL)
         dataset = _upload(client, np.random.default_rng(2).standard_normal((40, 4)).astype(np.float32))
         job = client.post("/v1/jobs", json={"model": "slow-cancel", "x1": {"dataset": dataset}, "tile_size": 2}).json()
-        while client.get(f"/v1/jobs/{job['id']}").json()["tiles_done"] < 1:
-            time.sleep(0.05)
+        _wait_for_tiles(client, job["id"], 1)
         # The job takes the compute slot one tile at a time, so an interactive kernel still gets its turn.
         kernel = client.post("/v1/models/tiny/ntk", json={"x1": {"dataset": tiny_job["x1"]["dataset"], "stop": 2}})
         assert kernel.status_code == 200, kernel.text
@@ -225,8 +232,7 @@ def test_sigkill_mid_job_resumes_to_a_bitwise_equal_result(servers: _Servers) ->
         dataset = _upload(client, np.random.default_rng(3).standard_normal((16, 4)).astype(np.float32))
         spec = {"model": "slow", "x1": {"dataset": dataset}, "mode": "full", "tile_size": 4}  # 10 tiles
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
-        while client.get(f"/v1/jobs/{job_id}").json()["tiles_done"] < 3:
-            time.sleep(0.02)
+        _wait_for_tiles(client, job_id, 3)
     servers.kill()
     database = servers.data_dir / "jobs" / "jobs.sqlite3"
     with sqlite3.connect(database) as conn:
