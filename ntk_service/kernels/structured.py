@@ -32,7 +32,7 @@ import torch
 
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.structured_capture import StructurePlan, capture, plan_structure
+from ntk_service.kernels.structured_capture import StructurePlan, capture, is_batch_safe, plan_structure
 from ntk_service.kernels.structured_contract import (
     add_factored,
     add_factored_diagonal,
@@ -78,6 +78,7 @@ class StructuredTerms:
     plan: StructurePlan
     factored: list[FactoredTerm]
     jacobian: list[JacobianTerm]
+    batch_safe: bool | None = None  # decided on the first block of >= 2 real examples (``is_batch_safe``)
 
     @property
     def fallback(self) -> list[str]:
@@ -195,7 +196,9 @@ class Structured:
     def left(self, problem: NtkProblem, x: torch.Tensor) -> StructuredSide:
         terms = self._terms(problem, x[:1])
         plan = terms.plan
-        cap = capture(problem, plan, x)
+        if terms.batch_safe is None and x.shape[0] >= 2:
+            terms.batch_safe = is_batch_safe(problem, plan, x[:2])
+        cap = capture(problem, plan, x, batched=bool(terms.batch_safe))
         factored = []
         for term in terms.factored:
             parts = [

@@ -15,7 +15,10 @@ output gets a zero "probe" added by a forward hook, and ``jacrev`` w.r.t. the pr
 output) for all c at once; the layers' inputs come back as auxiliary outputs. Running per example under
 ``vmap`` (rather than on the batch) keeps the example axis out of the layers' view, so a model that reshapes
 or transposes its batch internally still gets per-example a and δ. Parameters on the Jacobian path are
-differentiated in the same pass. Hooks are registered per call, removed in ``finally``, and act only for the
+differentiated in the same pass. When ``is_batch_safe`` shows (on two real examples) that every covered call
+sees the examples along dim 0 in order, and no parameter is on the Jacobian path, the same probes run on the
+batched forward with plain autograd instead (``autograd.grad(..., is_grads_batched=True)``): the same numbers
+with about half the overhead. Hooks are registered per call, removed in ``finally``, and act only for the
 capture active in the current context (other threads using the same module see a no-op).
 """
 
@@ -37,7 +40,7 @@ from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.structured_rules import Rule, rule_for
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["Capture", "StructurePlan", "Use", "capture", "plan_structure"]
+__all__ = ["Capture", "StructurePlan", "Use", "capture", "is_batch_safe", "plan_structure"]
 
 
 @dataclass(frozen=True)
@@ -218,40 +221,105 @@ class Capture:
 
 
 class _Recorder:
-    """Hook state during ``capture``: adds the probes and collects the layers' inputs."""
+    """Hook state during a capture: adds the probes and collects the layers' inputs.
 
-    def __init__(self, plan: StructurePlan) -> None:
-        self.plan = plan
+    ``batch``: None when the forward runs per example under vmap (probes given); else the block size n of a
+    batched forward, where each hook makes its probe (n, *out_shape[1:]) requiring grad.
+    """
+
+    def __init__(self, plan: StructurePlan, batch: int | None = None) -> None:
+        self.plan, self.batch = plan, batch
         self.index = {id(m): i for i, m in enumerate(plan.layers)}
-        self.probes: tuple[torch.Tensor, ...] = ()
+        self.probes: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
+        self.record_only = False
 
     def post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:  # type: ignore[type-arg]
         if _ACTIVE.get() is not self:
             return None
         i = len(self.inputs)
         uses = self.plan.uses
-        if i >= len(uses) or uses[i].layer != self.index[id(module)] or tuple(output.shape) != uses[i].out_shape:
+        expected = None if i >= len(uses) else uses[i].out_shape
+        if self.batch is not None and expected is not None:
+            expected = (self.batch, *expected[1:])
+        if expected is None or uses[i].layer != self.index[id(module)] or tuple(output.shape) != expected:
             raise UnsupportedModel(
                 "compute_ntk (structured): the model's layer calls differ between examples (data-dependent control "
                 f"flow: call {i} of the covered layers is {type(module).__name__} with output {tuple(output.shape)}, "
                 "not what the structure probe saw); use implementation='jacobian_contraction'"
             )
         self.inputs.append(args[0])
+        if self.record_only:
+            return None
+        if self.batch is not None:
+            self.probes.append(torch.zeros_like(output, requires_grad=True))
         return output + self.probes[i]
 
+    def check_count(self) -> None:
+        if len(self.inputs) != len(self.plan.uses):
+            raise UnsupportedModel(
+                f"compute_ntk (structured): the covered layers were called {len(self.inputs)} times, the "
+                f"structure probe saw {len(self.plan.uses)}; use implementation='jacobian_contraction'"
+            )
 
-def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> Capture:
-    """One forward and one output-basis-vmapped reverse pass per example (see NOTE [probes]).
+
+def _run_recorded(problem: NtkProblem, recorder: _Recorder, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
+    token = _ACTIVE.set(recorder)
+    try:
+        out = problem.f_batch(params, x) if recorder.batch is not None else problem.f_single(params, x)
+    finally:
+        _ACTIVE.reset(token)
+    recorder.check_count()
+    return out
+
+
+def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> bool:
+    """Whether every covered call sees the examples along dim 0, in order, so a batched forward can replace the
+    per-example one (NOTE [probes]): the inputs of a 2-example run have dim 0 of size 2 where one example gives
+    1, and their first row equals the 1-example run's.
+
+    Args:
+        x: (2, *input), two different examples.
+    """
+    if plan.fallback or x.shape[0] < 2:
+        return False
+    runs = []
+    for batch in (x[:1], x[:2]):
+        recorder = _Recorder(plan, batch.shape[0])
+        recorder.record_only = True
+        with _hooks(plan.layers, None, recorder.post), torch.no_grad():
+            try:
+                _run_recorded(problem, recorder, problem.params, batch)
+            except UnsupportedModel:
+                return False
+        runs.append(recorder.inputs)
+    for use, one, two in zip(plan.uses, *runs, strict=True):
+        if tuple(one.shape) != use.in_shape or tuple(two.shape) != (2, *use.in_shape[1:]):
+            return False
+        if one.is_floating_point():
+            scale = float(one.abs().max()) + 1e-30
+            if float((two[:1] - one).abs().max()) > 1e-4 * scale:
+                return False
+        elif not torch.equal(two[:1], one):
+            return False
+    return True
+
+
+def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *, batched: bool = False) -> Capture:
+    """One forward and one output-basis-vmapped reverse pass (see NOTE [probes]).
 
     Args:
         problem: the prepared model.
         plan: its structure plan.
         x: (n, *input).
+        batched: run the forward on the whole block with plain autograd (only when ``is_batch_safe``, which
+            also means no fallback parameters); else per example under vmap.
 
     Returns:
         The capture: inputs[i] (n, *in_shape), deltas[i] (n, k, *out_shape) for use i; fallback name -> (n, k, p).
     """
+    if batched:
+        return _capture_batched(problem, plan, x)
     n, k = x.shape[0], problem.k
     recorder = _Recorder(plan)
     probes = tuple(torch.zeros(u.out_shape, dtype=problem.dtype) for u in plan.uses)
@@ -261,17 +329,8 @@ def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> Captur
     def forward(
         probe_args: tuple[torch.Tensor, ...], fallback_args: NamedTensors, x_i: torch.Tensor
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        recorder.probes, recorder.inputs = probe_args, []
-        token = _ACTIVE.set(recorder)
-        try:
-            out = problem.f_single({**constants, **fallback_args}, x_i)
-        finally:
-            _ACTIVE.reset(token)
-        if len(recorder.inputs) != len(plan.uses):
-            raise UnsupportedModel(
-                f"compute_ntk (structured): the covered layers were called {len(recorder.inputs)} times, the "
-                f"structure probe saw {len(plan.uses)}; use implementation='jacobian_contraction'"
-            )
+        recorder.probes, recorder.inputs = list(probe_args), []
+        out = _run_recorded(problem, recorder, {**constants, **fallback_args}, x_i)
         return out, tuple(recorder.inputs)
 
     with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
@@ -283,3 +342,17 @@ def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> Captur
         deltas=list(d_probes),
         fallback_jacobians={name: j.reshape(n, k, -1) for name, j in d_fallback.items()},
     )
+
+
+def _capture_batched(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> Capture:
+    n, k = x.shape[0], problem.k
+    recorder = _Recorder(plan, n)
+    with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
+        out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
+        basis = torch.eye(k, dtype=problem.dtype).unsqueeze(1).expand(k, n, k)
+        grads = torch.autograd.grad(out, recorder.probes, basis, is_grads_batched=True, allow_unused=True)
+    deltas = [  # (n, k, 1, *out_shape[1:]) views of (k, n, ...) memory
+        (torch.zeros((k, *p.shape), dtype=p.dtype) if g is None else g).transpose(0, 1).unsqueeze(2)
+        for g, p in zip(grads, recorder.probes, strict=True)
+    ]
+    return Capture(inputs=[a.detach().unsqueeze(1) for a in recorder.inputs], deltas=deltas, fallback_jacobians={})

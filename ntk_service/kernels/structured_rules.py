@@ -164,17 +164,22 @@ class ConvRule(Rule):
     def _spatial(module: nn.Module) -> int:
         return 1 if isinstance(module, nn.Conv1d) else 2
 
-    def factors(self, module: nn.Module, a: torch.Tensor, delta: torch.Tensor) -> Factors:
+    def _patches(self, module: nn.Module, a: torch.Tensor) -> torch.Tensor:
+        """Receptive-field patches of a (n, *B, C_in, *spatial): (n·B, C_in·kh·kw, L)."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
-        n, k = delta.shape[:2]
         sp = self._spatial(module)
-        c_in, c_out, groups = module.in_channels, module.out_channels, module.groups
-        images = a.reshape(-1, c_in, *a.shape[a.ndim - sp :])  # (n·B, C_in, *spatial)
+        images = a.reshape(-1, module.in_channels, *a.shape[a.ndim - sp :])  # (n·B, C_in, *spatial)
         if sp == 1:
             images = images.unsqueeze(2)
         kernel, stride, dilation = _conv_geometry(module)
         images = F.pad(images, _conv_padding(module))
-        patches = F.unfold(images, kernel, dilation=dilation, stride=stride)  # (n·B, C_in·kh·kw, L)
+        return F.unfold(images, kernel, dilation=dilation, stride=stride)
+
+    def factors(self, module: nn.Module, a: torch.Tensor, delta: torch.Tensor) -> Factors:
+        assert isinstance(module, nn.Conv1d | nn.Conv2d)
+        n, k = delta.shape[:2]
+        c_out, groups = module.out_channels, module.groups
+        patches = self._patches(module, a)  # (n·B, C_in·kh·kw, L)
         length = patches.shape[-1]
         q = patches.shape[1] // groups
         a_f = patches.view(n, -1, groups, q, length).permute(0, 2, 1, 4, 3).reshape(n, groups, -1, q)
@@ -193,10 +198,23 @@ class ConvRule(Rule):
     def jacobian(
         self, module: nn.Module, role: str, a: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> torch.Tensor:
+        sp = self._spatial(module)
         if role == "bias":
-            sp = self._spatial(module)
             return _sum_positions(delta, delta.shape[delta.ndim - sp - 1], delta.ndim - sp - 1)
-        return super().jacobian(module, role, a, delta, state)
+        assert isinstance(module, nn.Conv1d | nn.Conv2d)
+        n, k = delta.shape[:2]
+        if module.groups > 1 or math.prod(delta.shape[2 : delta.ndim - sp - 1]) > 1:
+            return super().jacobian(module, role, a, delta, state)
+        # one group, one image per example: J_c = δ_c (C_out, L) @ patchesᵀ (L, q), one bmm per output c, so
+        # δ is read in place whether its memory is (n, k, ...) or (k, n, ...) (batched capture)
+        patches_t = self._patches(module, a).transpose(1, 2)  # (n, L, q)
+        d = delta.reshape(n, k, module.out_channels, -1)
+        if d.stride(0) >= d.stride(1):
+            return torch.matmul(d, patches_t.unsqueeze(1)).reshape(n, k, -1)
+        out = torch.empty(k, n, module.out_channels, patches_t.shape[-1], dtype=delta.dtype)
+        for c in range(k):
+            torch.bmm(d[:, c], patches_t, out=out[c])
+        return out.transpose(0, 1).reshape(n, k, -1)
 
 
 class EmbeddingRule(Rule):

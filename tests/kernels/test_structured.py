@@ -136,6 +136,32 @@ class TiedLinears(nn.Module):
         return self.head(torch.tanh(self.dec(torch.tanh(self.enc(x)))))
 
 
+class FoldedBatch(nn.Module):
+    """Folds positions into the batch axis around its Linear layers: dim 0 of the layers' input is not the
+    examples, so only the per-example (vmap) capture is right for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 4)
+        self.l2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, d = x.shape
+        return self.l2(torch.tanh(self.l1(x.reshape(n * t, d)))).reshape(n, t * 2)
+
+
+class ShuffledBatch(nn.Module):
+    """Reverses the examples around a layer and back: dims look batched but rows are other examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(3, 4)
+        self.l2 = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x.flip(0))).flip(0))
+
+
 def _cnn2d() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, stride=2, padding=1),
@@ -204,6 +230,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
     "tied_embedding_head": (TiedEmbeddingHead, _tokens(7, 4), ["embed.weight"]),
     "tied_functional_head": (TiedFunctionalHead, _tokens(7, 4), ["embed.weight", "mix.bias"]),
     "tied_linears": (TiedLinears, _floats(4), ["enc.weight", "dec.bias"]),
+    "folded_batch": (FoldedBatch, _floats(4, 3), ["l2.*"]),
+    "shuffled_batch": (ShuffledBatch, _floats(3), ["l1.weight"]),
 }  # fmt: skip
 """name -> (build, inputs (x1 (3, ...), x2 (2, ...)), a parameter subset)."""
 
@@ -339,3 +367,17 @@ def test_auto_picks_structured_for_a_wide_mlp() -> None:
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     result = compute_ntk(model, torch.randn(8, 64), mode="trace")
     assert result.implementation is NtkImplementation.STRUCTURED
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("mlp", True), ("cnn2d", True), ("transformer", False), ("folded_batch", False), ("shuffled_batch", False)],
+)
+def test_batched_capture_only_where_layers_see_examples_along_dim_0(name: str, expected: bool) -> None:
+    """The batched capture is used only when it is exact; the others take the per-example (vmap) capture."""
+    model, x1, _ = _case(name)
+    with eval_semantics(model):
+        problem, x1t, _ = prepare_problem(model, x1, None, params=None, dtype=torch.float64)
+        terms = structured_terms(problem, x1t[:1])
+        Structured().left(problem, x1t)
+        assert terms.batch_safe is expected
