@@ -70,8 +70,8 @@ def run_peer(
         sizes: N = M values.
         implementations: subset of ``PEER_IMPLEMENTATIONS``. Default: all three.
         repeats: timed runs after a warm-up; ``seconds`` is their median. Default: 3.
-        max_seconds: per combination: caps the timed runs; skips one whose N^2 extrapolation exceeds it.
-            Default: 60.
+        max_seconds: per combination: caps the timed runs; skips one whose N^2 extrapolation exceeds twice
+            this. Default: 60.
         default_skips: skip the combinations measured too slow (``SKIPPED_BY_DEFAULT`` in the peer
             script). Default: True.
         timeout: seconds before the subprocess is killed. Default: none.

@@ -22,7 +22,8 @@ Two modes:
   (stopping once they add up to ``--max-seconds``; a warm-up longer than half of it is itself the timing)
   and print one JSON object per line: ``{"model", "n", "implementation", "seconds", ...}`` (``seconds`` is
   the median). Combinations in ``SKIPPED_BY_DEFAULT``, or whose time extrapolated as N^2 from the largest
-  smaller N would exceed ``--max-seconds``, are not run: they print ``"seconds": null`` and ``"skipped"``.
+  smaller N would exceed ``PREDICTION_SLACK`` x ``--max-seconds``, are not run: they print
+  ``"seconds": null`` and ``"skipped"``.
 - ``--check IN.npz --out OUT.npz``: load torch weights (Linear (out, in), Conv2d (out, in, kh, kw)) and inputs
   (NCHW) written by ``_models.export_weights_npz``, and write NT's full kernel ``theta`` (N, M, k, k) for
   each implementation to OUT.npz (keys ``theta_<implementation>``), so the torch side can compare numbers.
@@ -77,15 +78,20 @@ DEFAULT_REPEATS = 3
 """Timed runs after the warm-up; the median is reported (CPU is shared, a single run is too noisy)."""
 
 SKIPPED_BY_DEFAULT = {
-    ("mlp", "jacobian_contraction", 256): "measured 7.7 s at N=64, so ~125 s at 256 (J is 2 x 6.9 GB)",
+    ("mlp", "jacobian_contraction", 256): "measured 7.7-20 s at N=64, so 2-5 min at 256 (J is 2 x 6.9 GB)",
     ("cnn", "jacobian_contraction", 256): "measured 103 s per run (2.2 s at N=64)",
-    ("cnn", "ntk_vector_products", 256): "measured 54 s at N=64, so ~15 min at 256",
+    ("cnn", "ntk_vector_products", 256): "measured 45-54 s at N=64, so ~15 min at 256",
 }
-"""Combinations measured once (2-core machine, shared, 2026-11-29) at > 60 s per run: not run by default.
+"""Combinations measured (2-core machine, shared, 2026-11-29) at > 60 s per run: not run by default.
 
 Beyond these, a combination is skipped when its time extrapolated as N^2 from a smaller N exceeds
-``--max-seconds``; the N^2 rule alone would have run cnn/jacobian_contraction at 256 (predicted 35 s).
+``PREDICTION_SLACK`` x ``--max-seconds``. The extrapolation is only a coarse guard: it overestimates NTK-vector
+products on the MLP (2.6 s at N=64 -> 12.5 s at 256, 4.8x, not 16x) and underestimates the Jacobian
+contraction on the CNN (2.2 s -> 103 s, 47x), so the measured decisions live in this table.
 """
+
+PREDICTION_SLACK = 2.0
+"""The N^2 guard skips only beyond this multiple of --max-seconds (see SKIPPED_BY_DEFAULT for why it's loose)."""
 
 _SEED = 0
 
@@ -170,9 +176,9 @@ def _skip_reason(
         return SKIPPED_BY_DEFAULT[name, implementation, n] + " (run it with --no-default-skips)"
     if measured is not None:
         predicted = measured[1] * (n / measured[0]) ** 2
-        if predicted > max_seconds:
+        if predicted > PREDICTION_SLACK * max_seconds:
             return (
-                f"predicted {predicted:.0f} s > --max-seconds {max_seconds:g} "
+                f"predicted {predicted:.0f} s > {PREDICTION_SLACK:g} x --max-seconds {max_seconds:g} "
                 f"(N^2 from {measured[1]:.2f} s at N={measured[0]})"
             )
     return None
