@@ -10,8 +10,8 @@ id is ``i · n_col_blocks + j``, so the same job always has the same ids, on eve
 - ``EXAMPLE_DIAGONAL`` (N, k, k) has no column axis: one tile per row block, ``j = i``.
 
     >>> plan = plan_tiles(n=10, m=None, tile_size=4, mode=KernelMode.TRACE)
-    >>> [(t.id, t.rows, t.cols) for t in plan.tiles][:3]
-    [(0, (0, 4), (0, 4)), (1, (0, 4), (4, 8)), (2, (0, 4), (8, 10))]
+    >>> [(t.id, t.rows, t.cols) for t in plan.tiles][:4]
+    [(0, (0, 4), (0, 4)), (1, (0, 4), (4, 8)), (2, (0, 4), (8, 10)), (5, (4, 8), (8, 10))]
     >>> len(plan.tiles), plan.n_blocks_total   # 6 of 9 tiles computed
     (6, 9)
 """
@@ -56,7 +56,8 @@ class Tile:
 
 @dataclass(frozen=True, slots=True)
 class TilePlan:
-    """The tiles a job computes, in computation order (row-major, so one row block stays warm in the side cache).
+    """The tiles a job computes, in computation order: by rows, alternating the column direction (serpentine), so
+    the row block and the most recent column blocks stay warm in an LRU side cache.
 
     Attributes:
         n, m: examples of x1 and x2 (m == n for symmetric jobs).
@@ -98,6 +99,12 @@ def chunk_shape(mode: KernelMode, tile_size: int, k: int) -> tuple[int, ...]:
 
 def _bounds(index: int, size: int, tile_size: int) -> tuple[int, int]:
     return index * tile_size, min((index + 1) * tile_size, size)
+
+
+def _serpentine(cols: range, i: int) -> range:
+    # Odd rows walk the columns backwards: the column blocks the previous row used last are the ones an LRU side
+    # cache still holds, whereas a plain row-major sweep evicts each column side just before it is needed again.
+    return cols if i % 2 == 0 else cols[::-1]
 
 
 def plan_tiles(*, n: int, m: int | None, tile_size: int, mode: KernelMode) -> TilePlan:
@@ -142,7 +149,7 @@ def plan_tiles(*, n: int, m: int | None, tile_size: int, mode: KernelMode) -> Ti
             is_diagonal=symmetric and i == j,
         )
         for i in range(nb)
-        for j in range(i if symmetric else 0, mb)
+        for j in _serpentine(range(i if symmetric else 0, mb), i)
     )
     return TilePlan(
         n=n, m=m_eff, tile_size=tile_size, symmetric=symmetric, mode=mode, tiles=tiles, n_blocks_total=nb * mb

@@ -29,23 +29,23 @@ def test_tiles_cover_every_entry_exactly_once(n: int, m: int | None, tile: int) 
 
 def test_ragged_tiles_need_no_divisibility() -> None:
     plan = plan_tiles(n=10, m=7, tile_size=4, mode=KernelMode.FULL)
-    assert [(t.rows, t.cols) for t in plan.tiles] == [
+    assert [(t.rows, t.cols) for t in plan.tiles] == [  # serpentine: odd rows walk the columns backwards
         ((0, 4), (0, 4)),
         ((0, 4), (4, 7)),
-        ((4, 8), (0, 4)),
         ((4, 8), (4, 7)),
+        ((4, 8), (0, 4)),
         ((8, 10), (0, 4)),
         ((8, 10), (4, 7)),
     ]
-    assert [t.id for t in plan.tiles] == list(range(6))
+    assert [t.id for t in plan.tiles] == [0, 1, 3, 2, 4, 5]
     assert plan.result_shape(k=3) == (10, 7, 3, 3)
 
 
 def test_symmetric_plan_keeps_only_the_upper_triangle_with_stable_ids() -> None:
     plan = plan_tiles(n=10, m=None, tile_size=4, mode=KernelMode.TRACE)
-    assert [(t.i, t.j) for t in plan.tiles] == [(0, 0), (0, 1), (0, 2), (1, 1), (1, 2), (2, 2)]
-    assert [t.id for t in plan.tiles] == [0, 1, 2, 4, 5, 8]  # i * 3 + j, as in the full 3 × 3 grid
-    assert [t.is_diagonal for t in plan.tiles] == [True, False, False, True, False, True]
+    assert [(t.i, t.j) for t in plan.tiles] == [(0, 0), (0, 1), (0, 2), (1, 2), (1, 1), (2, 2)]
+    assert [t.id for t in plan.tiles] == [0, 1, 2, 5, 4, 8]  # i * 3 + j, as in the full 3 × 3 grid
+    assert [t.is_diagonal for t in plan.tiles] == [True, False, False, False, True, True]
     assert plan.n_blocks_total == 9
     again = plan_tiles(n=10, m=None, tile_size=4, mode=KernelMode.TRACE)
     assert again == plan

@@ -6,8 +6,8 @@ and gives the slot back at every tile boundary, so an interactive request waits 
 thread pool (sized for ``compute_concurrency`` computations) is never oversubscribed. Without a server (tests,
 scripts) tiles run directly in the calling thread.
 
-Tiles are taken in plan order (row-major), so one row block's side stays in the job's SideCache while its tiles
-run, and the column sides are reused from the cache when it is large enough.
+Tiles are taken in plan order (rows, serpentine over the columns), so one row block's side stays in the job's
+SideCache while its tiles run, and the column sides are reused from the cache when it is large enough.
 """
 
 from __future__ import annotations
