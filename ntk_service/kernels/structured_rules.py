@@ -65,10 +65,14 @@ def factors_jacobian(f: Factors, rows: int = 0) -> torch.Tensor:
     return j.view(n, g, k, dd, da).transpose(1, 2).reshape(n, k, g * dd * da)
 
 
-def _sum_positions(delta: torch.Tensor, channels: int, channel_dim: int) -> torch.Tensor:
-    """Σ over every per-example axis but the channel one: delta (n, k, *out) -> (n, k, channels)."""
-    moved = delta.movedim(channel_dim, -1)
-    return moved.reshape(delta.shape[0], delta.shape[1], -1, channels).sum(2)
+def _sum_positions(delta: torch.Tensor, channel_dim: int) -> torch.Tensor:
+    """Σ over every per-example axis but the channel one: delta (n, k, *out) -> (n, k, channels).
+
+    Sums in place of δ's memory layout (no copy, whether it is (n, k, ...) or (k, n, ...)).
+    """
+    channel_dim %= delta.ndim
+    others = tuple(d for d in range(2, delta.ndim) if d != channel_dim)
+    return delta.sum(others) if others else delta
 
 
 class Rule:
@@ -124,7 +128,7 @@ class LinearRule(Rule):
         self, module: nn.Module, role: str, a: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         if role == "bias":
-            return _sum_positions(delta, delta.shape[-1], -1)
+            return _sum_positions(delta, -1)
         return super().jacobian(module, role, a, delta, state)
 
 
@@ -200,7 +204,7 @@ class ConvRule(Rule):
     ) -> torch.Tensor:
         sp = self._spatial(module)
         if role == "bias":
-            return _sum_positions(delta, delta.shape[delta.ndim - sp - 1], delta.ndim - sp - 1)
+            return _sum_positions(delta, delta.ndim - sp - 1)
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         n, k = delta.shape[:2]
         if module.groups > 1 or math.prod(delta.shape[2 : delta.ndim - sp - 1]) > 1:
