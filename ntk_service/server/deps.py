@@ -6,6 +6,7 @@ here holds state of its own.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -46,34 +47,13 @@ def _state(request: Request, name: str) -> Any:
     return value
 
 
-async def _settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
+def _from_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    """A dependency returning ``app.state.<name>`` (503 while the lifespan has not built it)."""
 
+    async def get(request: Request) -> Any:
+        return _state(request, name)
 
-async def _registry(request: Request) -> ModelRegistry:
-    registry: ModelRegistry = _state(request, "registry")
-    return registry
-
-
-async def _datasets(request: Request) -> DatasetStore:
-    datasets: DatasetStore = _state(request, "datasets")
-    return datasets
-
-
-async def _compute(request: Request) -> ComputeLimiter:
-    limiter: ComputeLimiter = _state(request, "limiter")
-    return limiter
-
-
-async def _side_cache(request: Request) -> SideCache:
-    cache: SideCache = _state(request, "side_cache")
-    return cache
-
-
-async def _metrics(request: Request) -> Metrics:
-    metrics: Metrics = request.app.state.metrics
-    return metrics
+    return get
 
 
 def _authorizer(needed: Scope) -> Any:
@@ -87,12 +67,12 @@ def _authorizer(needed: Scope) -> Any:
     return authorize
 
 
-SettingsDep = Annotated[Settings, Depends(_settings)]
-RegistryDep = Annotated[ModelRegistry, Depends(_registry)]
-DatasetsDep = Annotated[DatasetStore, Depends(_datasets)]
-ComputeDep = Annotated[ComputeLimiter, Depends(_compute)]
-SideCacheDep = Annotated[SideCache, Depends(_side_cache)]
-MetricsDep = Annotated[Metrics, Depends(_metrics)]
+SettingsDep = Annotated[Settings, Depends(_from_state("settings"))]
+RegistryDep = Annotated[ModelRegistry, Depends(_from_state("registry"))]
+DatasetsDep = Annotated[DatasetStore, Depends(_from_state("datasets"))]
+ComputeDep = Annotated[ComputeLimiter, Depends(_from_state("limiter"))]
+SideCacheDep = Annotated[SideCache, Depends(_from_state("side_cache"))]
+MetricsDep = Annotated[Metrics, Depends(_from_state("metrics"))]
 ReadAccess = Annotated[Principal, Depends(_authorizer("read"))]
 """The caller, holding a ``read`` (or ``write``) key: 401 without a valid key."""
 WriteAccess = Annotated[Principal, Depends(_authorizer("write"))]

@@ -30,6 +30,7 @@ from ntk_service.server.errors import error_response
 __all__ = [
     "BINARY_TENSOR_TYPES",
     "BodyLimitMiddleware",
+    "collection_response",
     "content_type",
     "json_response",
     "negotiate",
@@ -184,6 +185,11 @@ def negotiate(request: Request, offered: Sequence[str], *, operation: str) -> st
 def json_response(content: Any, *, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
     """``content`` serialized by orjson (numpy arrays written natively) as an application/json response."""
     return Response(wire.json_dumps(content), status_code=status_code, media_type=wire.MEDIA_JSON, headers=headers)
+
+
+def collection_response(items: Sequence[Any]) -> Response:
+    """A list route's body: ``{"data": [...], "count": len(data)}`` (the ``XsPublic`` shape)."""
+    return json_response({"data": list(items), "count": len(items)})
 
 
 class BodyLimitMiddleware:

@@ -7,7 +7,7 @@ from starlette.responses import Response
 
 from ntk_service.registry import list_architectures
 from ntk_service.server.deps import ReadAccess
-from ntk_service.server.media import json_response
+from ntk_service.server.media import collection_response
 from ntk_service.server.schemas import ArchitecturesPublic
 
 __all__ = ["router"]
@@ -18,4 +18,4 @@ router = APIRouter(prefix="/v1/architectures", tags=["models"])
 @router.get("", response_model=ArchitecturesPublic, summary="Model families and their config fields")
 async def get_architectures(_: ReadAccess) -> Response:
     infos = [info.model_dump(mode="json") for info in list_architectures()]
-    return json_response({"data": infos, "count": len(infos)})
+    return collection_response(infos)

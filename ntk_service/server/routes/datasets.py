@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.server.deps import DatasetsDep, ReadAccess, WriteAccess
-from ntk_service.server.media import json_response, read_tensors, take_tensor
+from ntk_service.server.media import collection_response, json_response, read_tensors, take_tensor
 from ntk_service.server.schemas import DatasetPublic, DatasetsPublic
 
 __all__ = ["router"]
@@ -56,7 +56,7 @@ async def upload_dataset(
 @router.get("", response_model=DatasetsPublic, summary="List data sets")
 async def list_datasets(_: ReadAccess, datasets: DatasetsDep) -> Response:
     records = await anyio.to_thread.run_sync(datasets.list)
-    return json_response({"data": [r.to_public() for r in records], "count": len(records)})
+    return collection_response([r.to_public() for r in records])
 
 
 @router.get("/{dataset_id}", response_model=DatasetPublic, summary="Show a data set")

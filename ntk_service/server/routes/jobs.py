@@ -175,7 +175,8 @@ async def _existing_job(job_id: JobIdParam, manager: JobsDep) -> dict[str, Any]:
 
 
 ExistingJob = Annotated[dict[str, Any], Depends(_existing_job)]
-"""The job's JSON form; 404 (JobNotFound) before any response starts."""
+"""The job's JSON form; 404 (JobNotFound) before any response starts. Declare it after the access dependency, so a
+caller without a key learns nothing about which jobs exist (dependencies resolve in parameter order)."""
 
 
 # -- lifetime -------------------------------------------------------------------------------------------------------
@@ -265,7 +266,7 @@ async def list_jobs(_: ReadAccess, manager: JobsDep) -> Response:
 
 
 @router.get("/{job_id}", response_model=JobPublic, summary="Show a job: status, progress, ETA")
-async def get_job(job: ExistingJob, _: ReadAccess) -> Response:
+async def get_job(_: ReadAccess, job: ExistingJob) -> Response:
     return json_response(job)
 
 
@@ -276,7 +277,7 @@ async def get_job(job: ExistingJob, _: ReadAccess) -> Response:
     description='A "progress" event (data: the job as JSON) at every change, then one "end" event.',
 )
 async def job_events(
-    job_id: JobIdParam, job: ExistingJob, _: ReadAccess, manager: JobsDep
+    job_id: JobIdParam, _: ReadAccess, job: ExistingJob, manager: JobsDep
 ) -> AsyncIterator[ServerSentEvent]:
     public = job
     while True:

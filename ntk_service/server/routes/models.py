@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.server.deps import ReadAccess, RegistryDep, WriteAccess
-from ntk_service.server.media import json_response, read_json, require_content_type
+from ntk_service.server.media import collection_response, json_response, read_json, require_content_type
 from ntk_service.server.schemas import ModelCreate, ModelPublic, ModelsPublic, openapi_body, validate_body
 
 __all__ = ["router"]
@@ -38,7 +38,7 @@ async def register_model(request: Request, _: WriteAccess, registry: RegistryDep
 @router.get("", response_model=ModelsPublic, summary="List models (latest version of each)")
 async def list_models(_: ReadAccess, registry: RegistryDep) -> Response:
     records = await anyio.to_thread.run_sync(registry.list)
-    return json_response({"data": [r.to_public() for r in records], "count": len(records)})
+    return collection_response([r.to_public() for r in records])
 
 
 @router.get("/{name}", response_model=ModelPublic, summary="Show a model's latest version")
@@ -56,8 +56,7 @@ async def delete_model(name: NameParam, _: WriteAccess, registry: RegistryDep) -
 @router.get("/{name}/versions", response_model=ModelsPublic, summary="List a model's versions, oldest first")
 async def list_versions(name: NameParam, _: ReadAccess, registry: RegistryDep) -> Response:
     records = await anyio.to_thread.run_sync(lambda: registry.versions(name))
-    data = [r.to_public() for r in records]
-    return json_response({"data": data, "count": len(data)})
+    return collection_response([r.to_public() for r in records])
 
 
 @router.post(
