@@ -251,9 +251,11 @@ class Structured:
         kept += sum(n * k * jt.numel for jt in terms.jacobian)
         fallback = sum(n * k * problem.params[name].numel() for name in plan.fallback)
         activations = sum(n * (math.prod(u.in_shape) + k * math.prod(u.out_shape)) for u in plan.uses)
-        # vmap(jacrev): the forward's saved tensors and k cotangents of them at once, every layer's input and
-        # δ, the fallback Jacobian; then the factors (patches) and rule Jacobians are built from them.
-        transient = n * problem.saved_bytes * (1 + k) + (activations + fallback) * item
+        # the forward's saved tensors and k cotangents of them at once, every layer's input and δ, the fallback
+        # Jacobian; then the factors (patches) and rule Jacobians are built from them. With fallback parameters
+        # the per-example jacrev also differentiates w.r.t. them: the engine's whole-model count applies.
+        saved = problem.saved_bytes if plan.fallback else plan.saved_bytes
+        transient = n * saved * (1 + k) + (activations + fallback) * item
         return transient + 2 * kept * item, (kept + fallback) * item
 
     def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:

@@ -63,6 +63,8 @@ class StructurePlan:
         uses: every call of a covered layer, in call order.
         param_uses: selected parameter name -> [(use index, role attribute)] for rule-covered parameters.
         fallback: selected parameters on the Jacobian path, in ``problem.params`` order.
+        saved_bytes: bytes autograd saves per example in the probed forward (activations only: tensors sharing
+            storage with parameters or buffers are not per example and not counted).
     """
 
     layers: list[nn.Module]
@@ -71,6 +73,7 @@ class StructurePlan:
     uses: list[Use] = field(default_factory=list)
     param_uses: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     fallback: list[str] = field(default_factory=list)
+    saved_bytes: float = 0.0
 
 
 _ACTIVE: contextvars.ContextVar[object | None] = contextvars.ContextVar("ntk_structured_capture", default=None)
@@ -208,7 +211,26 @@ def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
             plan.param_uses[name] = owner[name]
         else:
             plan.fallback.append(name)
+    plan.saved_bytes = _saved_activation_bytes(problem, plan, example)
     return plan
+
+
+def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: torch.Tensor) -> float:
+    """Bytes autograd saves for the probes' backward on one example, parameters and buffers excluded."""
+    shared = {t.untyped_storage().data_ptr() for t in (*problem.params.values(), *problem.frozen.values())}
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if t.untyped_storage().data_ptr() not in shared:
+            saved += t.numel() * t.element_size()
+        return t
+
+    recorder = _Recorder(plan, 1)
+    with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _run_recorded(problem, recorder, problem.params, example[:1])
+    return float(saved)
 
 
 @dataclass
