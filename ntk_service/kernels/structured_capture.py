@@ -226,10 +226,15 @@ def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: t
             saved += t.numel() * t.element_size()
         return t
 
-    recorder = _Recorder(plan, 1)
-    with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _run_recorded(problem, recorder, problem.params, example[:1])
+    recorder = _Recorder(plan)  # per-example shapes: the 1-example batch is what the structure probe saw
+    recorder.probes = [torch.zeros(u.out_shape, dtype=problem.dtype, requires_grad=True) for u in plan.uses]
+    token = _ACTIVE.set(recorder)
+    try:
+        with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                problem.f_batch(problem.params, example[:1])
+    finally:
+        _ACTIVE.reset(token)
     return float(saved)
 
 
