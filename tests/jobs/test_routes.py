@@ -150,6 +150,9 @@ def test_result_errors(server: LiveServer, tiny_job: dict[str, Any]) -> None:
         missing = client.get("/v1/jobs/0123/result")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "job_not_found"
         assert client.get(url, headers={"Accept": "text/csv"}).status_code == 406
+    with server.client(None) as anonymous:  # no key: 401, whether or not the job exists
+        assert anonymous.get(f"/v1/jobs/{tiny_job['id']}").status_code == 401
+        assert anonymous.get("/v1/jobs/0123/events").status_code == 401
 
 
 def test_submission_errors(server: LiveServer, tiny_job: dict[str, Any]) -> None:
