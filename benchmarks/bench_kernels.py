@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 TUTORIAL = "tutorial"
 IMPLEMENTATIONS = ["jacobian_contraction", "ntk_vector_products", "structured", "auto", TUTORIAL]
 MODES = ["full", "trace", "output_diagonal", "example_diagonal"]
+SLOW_CASE_S = 10.0
+"""A case whose first run takes longer is timed by that run alone (warm-up effects are lost in it)."""
 _TUTORIAL_COMPUTE = {"full": "full", "trace": "trace", "output_diagonal": "diagonal"}
 
 
@@ -57,9 +59,12 @@ def run_case(model_name: str, n: int, implementation: str, mode: str, repeats: i
             result = compute_ntk(model, x1, x2, mode=mode, implementation=implementation, memory_budget_bytes=budget)
             return result.implementation.value
 
+    start = time.perf_counter()
     ran = call()
-    times = []
-    for _ in range(repeats):
+    times = [time.perf_counter() - start]
+    if times[0] < SLOW_CASE_S:  # the warm-up run counts only for slow cases, where one-time costs are noise
+        times.clear()
+    for _ in range(repeats if not times else 0):
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
@@ -93,6 +98,19 @@ def _spawn(model: str, n: int, impl: str, mode: str, repeats: int, memory_gib: f
     return json.loads(lines[-1])
 
 
+def _peer_seconds(models: list[str], sizes: list[int], repeats: int) -> dict[tuple[str, int], float]:
+    """neural-tangents STRUCTURED_DERIVATIVES (jitted JAX) full-kernel seconds, from ``.peer-venv``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from _peer import PeerUnavailableError, run_peer
+
+    try:
+        rows = run_peer(models, sizes, ["structured_derivatives"], repeats=repeats)
+    except PeerUnavailableError as exc:
+        print(f"# neural-tangents peer not run: {str(exc).splitlines()[0]}")
+        return {}
+    return {(r["model"], r["n"]): r["seconds"] for r in rows if r.get("seconds")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
@@ -101,7 +119,8 @@ def main() -> None:
     parser.add_argument("--implementations", nargs="+", default=IMPLEMENTATIONS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--memory-gib", type=float, default=8.0, help="address-space limit and engine budget")
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per case")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case")
+    parser.add_argument("--no-peer", action="store_true", help="skip the neural-tangents column")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -111,8 +130,10 @@ def main() -> None:
     if args.child:
         _child(args)
         return
-    print(f"# N = M, float32, 2 threads, memory limit {args.memory_gib} GiB; ratio = tutorial time / ours")
-    header = f"| model | N | mode | {'implementation':22} | time (s) | peak MiB | vs tutorial | ran |"
+    peer = {} if args.no_peer or "full" not in args.modes else _peer_seconds(args.models, args.sizes, args.repeats)
+    print(f"# N = M, float32, 2 threads, memory limit {args.memory_gib} GiB")
+    print("# vs tutorial = torch.func tutorial time / ours; vs NT SD = neural-tangents structured time / ours (full)")
+    header = f"| model | N | mode | {'implementation':22} | time (s) | peak MiB | vs tutorial | vs NT SD | ran |"
     print(header)
     print("|" + "|".join("---" for _ in range(header.count("|") - 1)) + "|")
     for model in args.models:
@@ -121,14 +142,19 @@ def main() -> None:
                 impls = [i for i in args.implementations if i != TUTORIAL or mode in _TUTORIAL_COMPUTE]
                 rows = {i: _spawn(model, n, i, mode, args.repeats, args.memory_gib, args.timeout) for i in impls}
                 tutorial = rows.get(TUTORIAL, {}).get("seconds")
+                nt = peer.get((model, n)) if mode == "full" else None
+                if nt is not None:
+                    rows["neural-tangents SD"] = {"seconds": nt, "peak_bytes": None, "ran": "jax (peer venv)"}
                 for impl, row in rows.items():
                     if "error" in row:
-                        print(f"| {model} | {n} | {mode} | {impl:22} | - | - | - | {row['error']} |", flush=True)
+                        print(f"| {model} | {n} | {mode} | {impl:22} | - | - | - | - | {row['error']} |", flush=True)
                         continue
-                    ratio = f"{tutorial / row['seconds']:.2f}x" if tutorial else "-"
+                    vs_tutorial = f"{tutorial / row['seconds']:.2f}x" if tutorial else "-"
+                    vs_nt = f"{nt / row['seconds']:.2f}x" if nt else "-"
+                    peak = "-" if row["peak_bytes"] is None else f"{row['peak_bytes'] / 2**20:.0f}"
                     print(
-                        f"| {model} | {n} | {mode} | {impl:22} | {row['seconds']:.4f} | "
-                        f"{row['peak_bytes'] / 2**20:.0f} | {ratio} | {row['ran']} |",
+                        f"| {model} | {n} | {mode} | {impl:22} | {row['seconds']:.4f} | {peak} | {vs_tutorial} | "
+                        f"{vs_nt} | {row['ran']} |",
                         flush=True,
                     )
 
