@@ -25,6 +25,7 @@ n·k·Σ_l(T_l·out_l) + n·Σ_l(T_l·in_l) for factored layers, n·k·p for the
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -141,6 +142,9 @@ def _foldable_bias(plan: StructurePlan, weight: str, uses_of: dict[str, tuple[in
 _TERMS: dict[tuple[int, str | None], tuple[weakref.ref[NtkProblem], StructuredTerms]] = {}
 """Structure plans by problem (the problem lives for one compute_ntk call; dead entries are dropped)."""
 
+_TERMS_LOCK = threading.Lock()
+"""Concurrent compute_ntk calls (the server's worker threads) share ``_TERMS``."""
+
 
 def _example_input(problem: NtkProblem) -> torch.Tensor:
     """A stand-in example when no real one is at hand (AUTO's cost estimate): zeros, float or token ids."""
@@ -158,11 +162,12 @@ def structured_terms(
         form: None (per weight, the cheaper form), or "factored" / "jacobian" to force every weight with
             factors into that form. Internal testing knob.
     """
-    entry = _TERMS.get((id(problem), form))
-    if entry is not None and entry[0]() is problem:
-        return entry[1]
-    for key in [key for key, (ref, _) in _TERMS.items() if ref() is None]:
-        del _TERMS[key]
+    with _TERMS_LOCK:
+        entry = _TERMS.get((id(problem), form))
+        if entry is not None and entry[0]() is problem:
+            return entry[1]
+        for key in [key for key, (ref, _) in _TERMS.items() if ref() is None]:
+            del _TERMS[key]
     if example is None:
         example = _example_input(problem)
         try:
@@ -172,7 +177,8 @@ def structured_terms(
     else:
         plan = plan_structure(problem, example)
     terms = _choose_terms(problem, plan, form)
-    _TERMS[(id(problem), form)] = (weakref.ref(problem), terms)
+    with _TERMS_LOCK:
+        _TERMS[(id(problem), form)] = (weakref.ref(problem), terms)
     return terms
 
 
