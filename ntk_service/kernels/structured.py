@@ -85,13 +85,17 @@ class StructuredTerms:
     def fallback(self) -> list[str]:
         return self.plan.fallback
 
+    def covered(self) -> list[tuple[str, str]]:
+        """(name, how) for every parameter a term contracts: "factored", "rule" (J from a and δ) or "fallback"
+        (J by jacrev). Each selected parameter must appear exactly once."""
+        out = [(t.name, "factored") for t in self.factored]
+        out += [(t.bias, "factored") for t in self.factored if t.bias is not None]
+        out += [(t.name, "rule") for t in self.jacobian]
+        return out + [(name, "fallback") for name in self.plan.fallback]
+
     def coverage(self) -> dict[str, str]:
-        """Selected parameter name -> "factored", "rule" (J from a and δ) or "fallback" (J by jacrev)."""
-        out = {t.name: "factored" for t in self.factored}
-        out.update({t.bias: "factored" for t in self.factored if t.bias is not None})
-        out.update({t.name: "rule" for t in self.jacobian})
-        out.update({name: "fallback" for name in self.plan.fallback})
-        return out
+        """Selected parameter name -> how it is contracted (see ``covered``)."""
+        return dict(self.covered())
 
 
 def _choose_terms(problem: NtkProblem, plan: StructurePlan, form: str | None) -> StructuredTerms:
