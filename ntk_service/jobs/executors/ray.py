@@ -7,7 +7,9 @@
 - The model and the data sets are put in the object store once per job run; every task gets the references.
 - One task per tile: it computes the block, writes its chunk to the job's Zarr array (the path must be on a
   filesystem every worker sees) and returns the outcome; the server records the tile as done when the task
-  returns. ``max_retries`` re-runs a task whose worker died (Ray's default is 3); an exception inside a task is not
+  returns. Tasks go out in plan order, so a worker often meets a row or column block again and reuses its
+  per-side intermediates from its per-process SideCache (NOTE [worker cache]).
+- ``max_retries`` re-runs a task whose worker died (Ray's default is 3); an exception inside a task is not
   retried and fails the job with its message.
 - At most ``max_in_flight`` tasks are submitted at once, so cancellation stops the job within that many tiles and a
   10k-tile job does not flood the scheduler. ``num_gpus`` per task reserves a GPU and moves the tile's work there.
@@ -26,7 +28,9 @@ from torch import nn
 
 from ntk_service.errors import JobFailed, NtkServiceError, OptionalDependencyMissing
 from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, TileOutcome, run_tile
+from ntk_service.jobs.executors.local import DEFAULT_JOB_SIDE_CACHE_BYTES
 from ntk_service.jobs.planner import Tile
+from ntk_service.kernels import SideCache
 
 __all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "import_ray"]
 
@@ -54,6 +58,20 @@ def import_ray() -> Any:
         ) from exc
 
 
+_worker_side_cache: SideCache | None = None
+"""The side cache of this Ray worker process, see NOTE [worker cache]."""
+
+
+def _worker_cache() -> SideCache:
+    # NOTE [worker cache]: a Ray worker process has no lifespan to hang objects on, so its SideCache is a module
+    # global, created on the worker's first tile. Keys name the weights and data content (and the row range), so
+    # tiles of any job on this worker share it safely; a tile's bits do not depend on hits or misses.
+    global _worker_side_cache
+    if _worker_side_cache is None:
+        _worker_side_cache = SideCache(max_bytes=DEFAULT_JOB_SIDE_CACHE_BYTES)
+    return _worker_side_cache
+
+
 def _tile_task(
     model: nn.Module,
     x1: torch.Tensor,
@@ -69,7 +87,7 @@ def _tile_task(
         device = torch.device("cuda")
         model, x1 = model.to(device), x1.to(device)
         x2 = None if x2 is None else x2.to(device)
-    return run_tile(model, x1, x2, work, tile)
+    return run_tile(model, x1, x2, work, tile, side_cache=_worker_cache())
 
 
 class RayExecutor(Executor):
