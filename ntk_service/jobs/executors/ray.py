@@ -118,6 +118,7 @@ class RayExecutor(Executor):
         self.max_retries = max_retries
         self.max_in_flight = max_in_flight
         self._ray: Any = None
+        self._owns_ray = False
 
     def _connect(self) -> Any:
         if self._ray is None:
@@ -125,8 +126,15 @@ class RayExecutor(Executor):
             if not ray.is_initialized():
                 logger.info("jobs: connecting to Ray at %s", self.address or "a new local instance")
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING)
+                self._owns_ray = True
             self._ray = ray
         return self._ray
+
+    def close(self) -> None:
+        """Disconnect from Ray if this executor connected (a local instance it started stops with it)."""
+        if self._ray is not None and self._owns_ray:
+            self._ray.shutdown()
+        self._ray, self._owns_ray = None, False
 
     def _window(self, ray: Any) -> int:
         if self.max_in_flight is not None:
