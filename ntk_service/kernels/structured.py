@@ -220,11 +220,14 @@ class Structured:
             factored.append((a, d))
         jacobians: NamedTensors = {}
         for jterm in terms.jacobian:
-            total = torch.zeros(x.shape[0], problem.k, jterm.numel, dtype=problem.dtype)
+            total: torch.Tensor | None = None
             for u, role in jterm.uses:
                 layer = plan.uses[u].layer
                 rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
-                total += rule.jacobian(module, role, cap.inputs[u], cap.deltas[u], state)
+                j = rule.jacobian(module, role, cap.inputs[u], cap.deltas[u], state)
+                total = j if total is None else total + j
+            if total is None:  # a layer the batch never called: its parameters have zero Jacobian
+                total = torch.zeros(x.shape[0], problem.k, jterm.numel, dtype=problem.dtype)
             jacobians[jterm.name] = total
         jacobians.update(cap.fallback_jacobians)
         return {"factored": factored, "jacobians": jacobians}
