@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -84,9 +86,22 @@ class NtkProblem:
         return self.f_batch(params, x.unsqueeze(0)).squeeze(0)
 
 
+_TRAINING_FLAG_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_TRAINING_FLAG_LOCKS_GUARD = threading.Lock()
+
+
+def _training_flag_lock(module: nn.Module) -> threading.Lock:
+    with _TRAINING_FLAG_LOCKS_GUARD:
+        return _TRAINING_FLAG_LOCKS.setdefault(module, threading.Lock())
+
+
 @contextlib.contextmanager
 def eval_semantics(module: nn.Module) -> Iterator[None]:
     """Run ``module`` in eval mode (dropout off) and restore every submodule's flag afterwards.
+
+    A module already in eval mode (the registry's models) is not touched, so concurrent calls on it run in
+    parallel; one with train-mode submodules is flipped under a per-module lock, so two threads never see each
+    other's flags half restored.
 
     Raises:
         UnsupportedModel: a BatchNorm layer is in train mode (its batch statistics couple the examples).
@@ -99,6 +114,12 @@ def eval_semantics(module: nn.Module) -> Iterator[None]:
             f"compute_ntk: BatchNorm layer(s) {in_train[:3]} are in train mode, where batch statistics couple the "
             "examples and the per-example kernel is undefined; call model.eval() first (running statistics are used)"
         )
+    lock = _training_flag_lock(module)
+    lock.acquire()  # flags are read under the lock: another call may have flipped them for its computation
+    if not any(m.training for m in module.modules()):
+        lock.release()
+        yield
+        return
     flags = [(m, m.training) for m in module.modules()]
     module.eval()
     try:
@@ -106,6 +127,7 @@ def eval_semantics(module: nn.Module) -> Iterator[None]:
     finally:
         for m, was_training in flags:
             m.training = was_training
+        lock.release()
 
 
 def select_parameters(module: nn.Module, patterns: Sequence[str] | None) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from torch import nn
@@ -168,3 +170,15 @@ def test_side_cache_is_bounded() -> None:
     assert cache.nbytes <= 1000 and cache.get("a") is None and cache.get("c") is not None
     cache.put("huge", torch.zeros(1000))
     assert cache.get("huge") is None
+
+
+def test_concurrent_calls_on_one_train_mode_model_agree() -> None:
+    """Threads sharing a model with dropout in train mode never see each other's eval/train flips."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 2)).train()
+    x = torch.randn(6, 3)
+    expected = compute_ntk(model, x, implementation="jacobian_contraction").theta
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = list(pool.map(lambda _: compute_ntk(model, x, implementation="jacobian_contraction").theta, range(8)))
+    assert all(torch.equal(r, expected) for r in results)
+    assert all(m.training for m in model.modules())
