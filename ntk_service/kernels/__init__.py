@@ -3,7 +3,7 @@
 ``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes.
 """
 
-from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk
+from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
@@ -17,4 +17,5 @@ __all__ = [
     "SideCache",
     "compute_ntk",
     "default_memory_budget",
+    "warm_up",
 ]

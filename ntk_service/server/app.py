@@ -20,7 +20,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from ntk_service.config import LOOPBACK_HOSTS, Settings
-from ntk_service.kernels import SideCache
+from ntk_service.kernels import SideCache, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
@@ -69,6 +69,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         return registry, DatasetStore(settings.data_dir)
 
     registry, datasets = await anyio.to_thread.run_sync(open_stores)
+    await anyio.to_thread.run_sync(warm_up)  # the engine's one-time imports, paid before /readyz says ready
     app.state.registry = registry
     app.state.datasets = datasets
     app.state.side_cache = SideCache(max_bytes=settings.side_cache_bytes)
