@@ -2,8 +2,8 @@
 
 Part 1 (``--peer``, default on): for each model × N (= M, x2 ≠ x1), the full kernel (N, M, k, k) in float32 by
 our ``structured`` and ``auto`` and, in the same run, neural-tangents' jitted ``STRUCTURED_DERIVATIVES`` in
-``.peer-venv`` (``make peer-venv``). The peer and our runs alternate per case so both see the same machine load.
-Prints medians and the ratio peer / ours (> 1: we are faster).
+``.peer-venv`` (``make peer-venv``). Our runs come before and after the peer's, per case, so both see the same
+machine load. Prints medians and the ratio peer / ours (> 1: we are faster).
 
 Part 2 (``--scaling``): the MLP (ReLU, biases, 784 inputs, two hidden layers of ``width``, 10 outputs) full
 kernel, time vs N at width 512 and vs width at N = 256, for each implementation; a case whose estimated FLOPs
@@ -53,18 +53,24 @@ ASSUMED_FLOPS = 50e9
 SCALING_IMPLEMENTATIONS = ["structured", "jacobian_contraction", "ntk_vector_products", "auto"]
 
 
-def _median_seconds(call: Callable[[], object], repeats: int, max_seconds: float) -> tuple[float, int]:
-    """Median of up to ``repeats`` timed runs after one warm-up, stopping once they add up to ``max_seconds``."""
+def _timed_runs(call: Callable[[], object], repeats: int, max_seconds: float) -> list[float]:
+    """Up to ``repeats`` timed runs after one warm-up, stopping once they add up to ``max_seconds``."""
     start = time.perf_counter()
     call()
     first = time.perf_counter() - start
     if first > max_seconds / 2:
-        return first, 1
+        return [first]
     times: list[float] = []
     while len(times) < repeats and sum(times) < max_seconds:
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
+    return times
+
+
+def _median_seconds(call: Callable[[], object], repeats: int, max_seconds: float) -> tuple[float, int]:
+    """Median of ``_timed_runs`` and how many there were."""
+    times = _timed_runs(call, repeats, max_seconds)
     return statistics.median(times), len(times)
 
 
@@ -82,6 +88,9 @@ def peer_table(models: list[str], sizes: list[int], repeats: int, max_seconds: f
         model = MODELS[name]()
         for n in sizes:
             x1, x2 = make_inputs(name, n), make_inputs(name, n, seed=2)
+            # ours before and after the peer (whose large, short-lived process leaves the machine slower for a
+            # while: fresh page faults), so neither side alone gets the quiet or the disturbed moments
+            structured_runs = _timed_runs(_ours(model, x1, x2, "structured"), repeats, max_seconds)
             peer_s: float | None
             try:
                 row = run_peer([name], [n], ["structured_derivatives"], repeats=repeats, max_seconds=max_seconds)
@@ -89,7 +98,8 @@ def peer_table(models: list[str], sizes: list[int], repeats: int, max_seconds: f
             except PeerUnavailableError as exc:
                 print(f"(peer unavailable: {str(exc).splitlines()[0]})", file=sys.stderr)
                 peer_s = None
-            structured_s, _ = _median_seconds(_ours(model, x1, x2, "structured"), repeats, max_seconds)
+            structured_runs += _timed_runs(_ours(model, x1, x2, "structured"), repeats, max_seconds)
+            structured_s = statistics.median(structured_runs)
             auto_call = _ours(model, x1, x2, "auto")
             auto_s, _ = _median_seconds(auto_call, repeats, max_seconds)
             chosen = auto_call()
