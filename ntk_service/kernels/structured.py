@@ -44,7 +44,7 @@ from ntk_service.kernels.structured_contract import (
 )
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
-__all__ = ["NOMINAL_PARTNERS", "Structured", "StructuredTerms", "structured_terms"]
+__all__ = ["NOMINAL_PARTNERS", "SYMMETRIC_SPLIT_MIN", "Structured", "StructuredTerms", "structured_terms"]
 
 NOMINAL_PARTNERS = 64
 """Examples a side is assumed to be contracted with when weighing the one-off cost of building a Jacobian
@@ -143,6 +143,10 @@ def _foldable_bias(plan: StructurePlan, weight: str, uses_of: dict[str, tuple[in
     return None
 
 
+SYMMETRIC_SPLIT_MIN = 128
+"""Smallest block for which a side paired with itself is contracted from 3 of its 4 half-blocks; below it the
+smaller products lose what the skipped quarter saves (MLP 784-512-512-10: N = 64 even, N = 256 20% faster)."""
+
 _TERMS: dict[tuple[int, str | None], tuple[weakref.ref[NtkProblem], StructuredTerms]] = {}
 """Structure plans by problem (the problem lives for one compute_ntk call; dead entries are dropped)."""
 
@@ -235,15 +239,36 @@ class Structured:
     right = left
 
     def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:
-        terms = self._terms(problem)
         n = _side_examples(left)
-        m = _side_examples(right)
-        acc = new_accumulator(mode, n, m, problem.k, problem.dtype)
+        if left is right and mode is KernelMode.FULL and n >= SYMMETRIC_SPLIT_MIN:
+            return finish(self._pair_symmetric(problem, left, n), mode)
+        return finish(self._accumulate(problem, left, right, mode), mode)
+
+    def _accumulate(
+        self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode
+    ) -> torch.Tensor:
+        terms = self._terms(problem)
+        acc = new_accumulator(mode, _side_examples(left), _side_examples(right), problem.k, problem.dtype)
         for term, lf, rf in zip(terms.factored, left["factored"], right["factored"], strict=True):
             add_factored(acc, lf, rf, mode, index=term.index, plus_one=term.bias is not None)
         for name, j1 in left["jacobians"].items():
             add_jacobian(acc, j1, right["jacobians"][name], mode)
-        return finish(acc, mode)
+        return acc
+
+    def _pair_symmetric(self, problem: NtkProblem, side: StructuredSide, n: int) -> torch.Tensor:
+        """FULL accumulator (n, k, n, k) of a side with itself from 3 of its 4 half-blocks: Θ(b, a) = Θ(a, b)ᵀ.
+
+        Saves a quarter of the Gram and Jacobian products when x2 is x1 (the block runner then symmetrizes).
+        """
+        h = n // 2
+        first, second = _slice_side(side, 0, h), _slice_side(side, h, n)
+        acc = torch.empty(n, problem.k, n, problem.k, dtype=problem.dtype)
+        acc[:h, :, :h] = self._accumulate(problem, first, first, KernelMode.FULL)
+        upper = self._accumulate(problem, first, second, KernelMode.FULL)  # (h, k, n - h, k)
+        acc[:h, :, h:] = upper
+        acc[h:, :, :h] = upper.permute(2, 3, 0, 1)
+        acc[h:, :, h:] = self._accumulate(problem, second, second, KernelMode.FULL)
+        return acc
 
     def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:
         terms = self._terms(problem)
@@ -307,6 +332,14 @@ class Structured:
         p_jacobian = sum(jt.numel for jt in terms.jacobian) + p_fallback
         contraction += 2.0 * outputs * p_jacobian
         return sides + pairs * contraction
+
+
+def _slice_side(side: StructuredSide, start: int, stop: int) -> StructuredSide:
+    """Examples start:stop of a side (views)."""
+    return {
+        "factored": [(a[start:stop], d[start:stop]) for a, d in side["factored"]],
+        "jacobians": {name: j[start:stop] for name, j in side["jacobians"].items()},
+    }
 
 
 def _side_examples(side: StructuredSide) -> int:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
+from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk, structured
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.functional import eval_semantics, prepare_problem
 from ntk_service.kernels.planning import plan_blocks
@@ -387,3 +387,15 @@ def test_batched_capture_only_where_layers_see_examples_along_dim_0(name: str, e
         terms = structured_terms(problem, x1t[:1])
         Structured().left(problem, x1t)
         assert terms.batch_safe is expected
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn1d", "transformer"])
+def test_side_with_itself_from_half_blocks_matches_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """x2 omitted with a block of >= SYMMETRIC_SPLIT_MIN examples: 3 of 4 half-blocks, odd split included."""
+    monkeypatch.setattr(structured, "SYMMETRIC_SPLIT_MIN", 8)  # the real threshold needs too many examples here
+    model, _, _ = _case(name)
+    x = torch.cat([MODELS[name][1](torch.Generator().manual_seed(s))[0] for s in range(4)])[:9]
+    assert x.shape[0] == 9
+    for form in ("factored", "jacobian"):
+        theta = _structured(model, x, None, KernelMode.FULL, form=form)
+        _assert_close(theta, reference_ntk(model, x, None, "full"), 1e-10)
