@@ -79,8 +79,18 @@ class StructurePlan:
 _ACTIVE: contextvars.ContextVar[object | None] = contextvars.ContextVar("ntk_structured_capture", default=None)
 """The capture (or structure probe) the hooks of the current context act for; None: hooks do nothing."""
 
-_SHAPE_OPS = frozenset({"size", "dim", "numel", "__len__", "shape.__get__", "dtype.__get__", "device.__get__"})
-"""Tensor queries that read metadata only; they are not uses of a parameter's values."""
+_METADATA_METHODS = frozenset(
+    {"size", "dim", "numel", "__len__", "stride", "element_size", "is_floating_point", "is_complex", "is_contiguous"}
+)
+_METADATA_PROPERTIES = frozenset({"shape", "ndim", "dtype", "device", "layout", "requires_grad", "is_leaf"})
+"""Tensor queries that read metadata only (``w.shape[0]`` to size something): not uses of a parameter's values."""
+
+
+def _reads_metadata_only(func: object) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property getter: its descriptor is func.__self__
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA_PROPERTIES
+    return name in _METADATA_METHODS
 
 
 @contextmanager
@@ -106,8 +116,7 @@ class _UseTracker(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name not in _SHAPE_OPS:
+        if not _reads_metadata_only(func):
             for leaf in tree_flatten((args, kwargs))[0]:
                 if isinstance(leaf, torch.Tensor) and id(leaf) in self.selected:
                     self.probe.note_op(leaf, self.selected[id(leaf)])

@@ -69,6 +69,19 @@ class BareParameter(nn.Module):
         return self.head(torch.tanh(self.lin(x)) * self.scale + x @ self.proj)
 
 
+class ShapeQuery(nn.Module):
+    """Reads a rule layer's weight shape outside the layer (metadata only: still covered by the rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 / (self.lin.weight.shape[0] * self.lin.weight.size(1) * self.lin.weight.dim())
+        return self.head(torch.tanh(self.lin(x)) * scale)
+
+
 class SequenceMlp(nn.Module):
     """Linear layers on (T, d) sequences, RMSNorm, per-position outputs flattened to k = T·2."""
 
@@ -232,6 +245,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
     "tied_functional_head": (TiedFunctionalHead, _tokens(7, 4), ["embed.weight", "mix.bias"]),
     "tied_linears": (TiedLinears, _floats(4), ["enc.weight", "dec.bias"]),
     "folded_batch": (FoldedBatch, _floats(4, 3), ["l2.*"]),
+    "shape_query": (ShapeQuery, _floats(4), ["lin.bias"]),
     "shuffled_batch": (ShuffledBatch, _floats(3), ["l1.weight"]),
 }  # fmt: skip
 """name -> (build, inputs (x1 (3, ...), x2 (2, ...)), a parameter subset)."""
@@ -351,6 +365,7 @@ def test_coverage_sends_only_unruled_uses_to_the_jacobian_path() -> None:
     assert _coverage("tied_embedding_head")["embed.weight"] == "rule"  # Embedding + Linear uses: J summed
     assert _coverage("tied_functional_head")["embed.weight"] == "fallback"
     assert _coverage("twice_linear")["shared.weight"] in ("factored", "rule")
+    assert "fallback" not in _coverage("shape_query").values()  # reading w.shape is not a use of w
     cnn = _coverage("cnn2d")
     assert cnn["3.weight"] == "rule" and "fallback" not in cnn.values()
 
