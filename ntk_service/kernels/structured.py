@@ -28,6 +28,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -190,7 +191,7 @@ def structured_terms(
     return terms
 
 
-StructuredSide = dict
+StructuredSide = dict[str, Any]
 """{"factored": [(a, d) per FactoredTerm], "jacobians": name -> (n, k, p)}."""
 
 

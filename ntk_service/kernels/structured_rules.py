@@ -162,7 +162,7 @@ class ConvRule(Rule):
     stock_forward = (nn.Conv1d.forward, nn.Conv2d.forward)
 
     def matches(self, module: nn.Module) -> bool:
-        return super().matches(module) and module.padding_mode == "zeros"  # type: ignore[union-attr]
+        return super().matches(module) and module.padding_mode == "zeros"
 
     @staticmethod
     def _spatial(module: nn.Module) -> int:
@@ -209,12 +209,12 @@ class ConvRule(Rule):
         n, k = delta.shape[:2]
         if module.groups > 1 or math.prod(delta.shape[2 : delta.ndim - sp - 1]) > 1:
             return super().jacobian(module, role, a, delta, state)
-        # one group, one image per example: J_c = δ_c (C_out, L) @ patchesᵀ (L, q), one bmm per output c, so
-        # δ is read in place whether its memory is (n, k, ...) or (k, n, ...) (batched capture)
+        # one group, one image per example: J = δ (k·C_out, L) @ patchesᵀ (L, q) per example, one bmm; with δ
+        # in (k, n, ...) memory (vmapped capture) one bmm per output c reads it in place instead
         patches_t = self._patches(module, a).transpose(1, 2)  # (n, L, q)
         d = delta.reshape(n, k, module.out_channels, -1)
         if d.stride(0) >= d.stride(1):
-            return torch.matmul(d, patches_t.unsqueeze(1)).reshape(n, k, -1)
+            return torch.bmm(d.reshape(n, k * module.out_channels, -1), patches_t).view(n, k, -1)
         out = torch.empty(k, n, module.out_channels, patches_t.shape[-1], dtype=delta.dtype)
         for c in range(k):
             torch.bmm(d[:, c], patches_t, out=out[c])
@@ -229,7 +229,7 @@ class EmbeddingRule(Rule):
 
     def matches(self, module: nn.Module) -> bool:
         # max_norm renormalises the weight in place; scale_grad_by_freq rescales by batch counts: no rule for those.
-        return super().matches(module) and module.max_norm is None and not module.scale_grad_by_freq  # type: ignore[union-attr]
+        return super().matches(module) and module.max_norm is None and not module.scale_grad_by_freq
 
     def factors(self, module: nn.Module, a: torch.Tensor, delta: torch.Tensor) -> Factors:
         assert isinstance(module, nn.Embedding)
