@@ -25,8 +25,9 @@ from pathlib import Path
 
 # NOTE [OpenMP wait policy]: on a shared machine (more runnable threads than cores) libgomp's default spin-waiting
 # makes every parallel torch op wait a scheduler slice for its descheduled partner thread: the MLP kernel at
-# N = 64 took ~1 s instead of ~0.1 s. PASSIVE waiting costs nothing measurable on an idle machine. Set before
-# torch loads libgomp; an explicit setting in the environment wins. The peer (XLA's own thread pool) is unaffected.
+# N = 64 took ~1 s instead of ~0.1 s at load 8. On a lightly loaded machine (load ~1.5) PASSIVE and the default
+# were within run-to-run noise of each other (MLP N = 64: 26-32 ms both). Set before torch loads libgomp; an
+# explicit setting in the environment wins. The peer (XLA's own thread pool) is unaffected.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
