@@ -135,8 +135,8 @@ def compute_ntk(
     kernel_mode = parse_mode(mode)
     impl = parse_implementation(implementation)
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
-    with eval_semantics(model):
-        problem, x1t, x2t = prepare_problem(model, x1, x2, params=params, dtype=dtype)
+    with eval_semantics(model) as module:
+        problem, x1t, x2t = prepare_problem(module, x1, x2, params=params, dtype=dtype)
         n = x1t.shape[0]
         symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
         m = n if x2t is None else x2t.shape[0]

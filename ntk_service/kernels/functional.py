@@ -9,7 +9,9 @@ planner turns those measurements into a cost and memory estimate.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
+import itertools
 import math
 import threading
 import weakref
@@ -86,25 +88,37 @@ class NtkProblem:
         return self.f_batch(params, x.unsqueeze(0)).squeeze(0)
 
 
-_TRAINING_FLAG_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
-_TRAINING_FLAG_LOCKS_GUARD = threading.Lock()
+_MODULE_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()
+_MODULE_LOCKS_GUARD = threading.Lock()
 
 
-def _training_flag_lock(module: nn.Module) -> threading.Lock:
-    with _TRAINING_FLAG_LOCKS_GUARD:
-        return _TRAINING_FLAG_LOCKS.setdefault(module, threading.Lock())
+def _module_lock(module: nn.Module) -> threading.Lock:
+    with _MODULE_LOCKS_GUARD:
+        return _MODULE_LOCKS.setdefault(module, threading.Lock())
+
+
+def _structural_copy(module: nn.Module) -> nn.Module | None:
+    """A copy of the module tree that shares every parameter and buffer tensor (no weights copied), or None."""
+    shared = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    try:
+        return copy.deepcopy(module, shared)
+    except Exception:  # a module holding something uncopyable (a lock, a file): use the original, serialized
+        return None
 
 
 @contextlib.contextmanager
-def eval_semantics(module: nn.Module) -> Iterator[None]:
-    """Run ``module`` in eval mode (dropout off) and restore every submodule's flag afterwards.
+def eval_semantics(module: nn.Module) -> Iterator[nn.Module]:
+    """Yield a private eval-mode view of ``module`` (dropout off); the caller's module is never touched.
 
-    A module already in eval mode (the registry's models) is not touched, so concurrent calls on it run in
-    parallel; one with train-mode submodules is flipped under a per-module lock, so two threads never see each
-    other's flags half restored.
+    NOTE [private module]: ``functional_call`` swaps a module's parameters in place for the duration of a call and
+    the structured path reads ``module._parameters``, so two threads computing on one module object (the server's
+    cached models) would see each other's tensors. Each call therefore works on a structural copy that shares the
+    parameter and buffer tensors (cheap: module objects only). A module that cannot be copied is used itself,
+    under a per-module lock, flipped to eval and restored afterwards.
 
     Raises:
-        UnsupportedModel: a BatchNorm layer is in train mode (its batch statistics couple the examples).
+        UnsupportedModel: not an nn.Module, or a BatchNorm layer is in train mode (batch statistics couple the
+        examples).
     """
     if not isinstance(module, nn.Module):
         raise UnsupportedModel(f"compute_ntk: model must be a torch.nn.Module, got {type(module).__name__}")
@@ -114,20 +128,18 @@ def eval_semantics(module: nn.Module) -> Iterator[None]:
             f"compute_ntk: BatchNorm layer(s) {in_train[:3]} are in train mode, where batch statistics couple the "
             "examples and the per-example kernel is undefined; call model.eval() first (running statistics are used)"
         )
-    lock = _training_flag_lock(module)
-    lock.acquire()  # flags are read under the lock: another call may have flipped them for its computation
-    if not any(m.training for m in module.modules()):
-        lock.release()
-        yield
+    private = _structural_copy(module)
+    if private is not None:
+        yield private.eval()
         return
-    flags = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield
-    finally:
-        for m, was_training in flags:
-            m.training = was_training
-        lock.release()
+    with _module_lock(module):
+        flags = [(m, m.training) for m in module.modules()]
+        module.eval()
+        try:
+            yield module
+        finally:
+            for m, was_training in flags:
+                m.training = was_training
 
 
 def select_parameters(module: nn.Module, patterns: Sequence[str] | None) -> list[str]:
@@ -179,10 +191,13 @@ def _cast_named(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype)
 def _count_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[float, float]:
     """(FLOPs, bytes saved for backward) of one batched forward pass on x, per example."""
     saved = 0
+    # Weights autograd saves (e.g. for a matmul's input gradient) are shared by every example: not per-example bytes.
+    shared = {t.untyped_storage().data_ptr() for t in (*problem.params.values(), *problem.frozen.values())}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         nonlocal saved
-        saved += t.numel() * t.element_size()
+        if t.untyped_storage().data_ptr() not in shared:
+            saved += t.numel() * t.element_size()
         return t
 
     params = {name: p.detach().requires_grad_(True) for name, p in problem.params.items()}
@@ -238,7 +253,7 @@ def prepare_problem(
     params: Sequence[str] | None,
     dtype: torch.dtype | str | None,
 ) -> tuple[NtkProblem, torch.Tensor, torch.Tensor | None]:
-    """Validate inputs and build the NtkProblem. Call inside ``eval_semantics(module)``.
+    """Validate inputs and build the NtkProblem, for the module yielded by ``eval_semantics``.
 
     Args:
         module: the model; a batch (N, *input) maps to (N, *out).

@@ -10,6 +10,8 @@ Best when P is huge relative to [FP] (wide layers, few examples) or k is large.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch.func import jvp, vmap
 
@@ -19,6 +21,10 @@ from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
 __all__ = ["NtkVectorProducts"]
+
+_FORWARD_AD_LOCK = threading.Lock()
+"""Serializes forward-mode AD across threads: torch.func.jvp's dual levels are process-global, and two threads
+in jvp at once fail with "no level exists" (measured with 4 threads on one model). VJP rows still run in parallel."""
 
 VjpRows = tuple[torch.Tensor, NamedTensors]
 """(x block (n, *input), rows name -> (n, k, *param_shape)): the x1-side of a block."""
@@ -60,7 +66,8 @@ class NtkVectorProducts:
             product: torch.Tensor = jvp(lambda p: problem.f_batch(p, right), (problem.params,), (row,))[1]
             return product if mode is KernelMode.FULL else product @ e_c
 
-        products = vmap(one)(flat_rows, basis)  # (n·k, m[, k])
+        with _FORWARD_AD_LOCK:
+            products = vmap(one)(flat_rows, basis)  # (n·k, m[, k])
         if mode is KernelMode.FULL:
             return products.view(n, k, m, k).permute(0, 2, 1, 3)
         per_output = products.view(n, k, m).permute(0, 2, 1)  # (n, m, k)
@@ -72,7 +79,8 @@ class NtkVectorProducts:
         def one(x_i: torch.Tensor, rows_i: NamedTensors) -> torch.Tensor:
             return vmap(lambda row: _jvp_at(problem, x_i, row))(rows_i)  # (k, k)
 
-        return vmap(one)(x1, rows)
+        with _FORWARD_AD_LOCK:
+            return vmap(one)(x1, rows)
 
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
         if not left:

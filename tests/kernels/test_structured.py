@@ -283,8 +283,8 @@ def _structured(
         assert result.implementation is NtkImplementation.STRUCTURED
         return result.theta
     alg = Structured(form)
-    with eval_semantics(model):
-        problem, x1t, x2t = prepare_problem(model, x1, x2, params=params, dtype=dtype)
+    with eval_semantics(model) as module:
+        problem, x1t, x2t = prepare_problem(module, x1, x2, params=params, dtype=dtype)
         symmetric = x2t is None or mode is KernelMode.EXAMPLE_DIAGONAL
         m = x1t.shape[0] if x2t is None else x2t.shape[0]
         plan = plan_blocks(alg, problem, x1t.shape[0], m, mode, symmetric=symmetric, budget_bytes=2**30)
@@ -321,8 +321,8 @@ def test_parameter_subset_matches_reference(name: str) -> None:
 
 def _coverage(name: str, params: list[str] | None = None) -> dict[str, str]:
     model, x1, x2 = _case(name)
-    with eval_semantics(model):
-        problem, x1t, _ = prepare_problem(model, x1, x2, params=params, dtype=torch.float64)
+    with eval_semantics(model) as module:
+        problem, x1t, _ = prepare_problem(module, x1, x2, params=params, dtype=torch.float64)
         covered = structured_terms(problem, x1t[:1]).covered()
     names = [n for n, _ in covered]
     assert len(names) == len(set(names)), f"a parameter is contracted twice: {sorted(names)}"
@@ -334,8 +334,8 @@ def _coverage(name: str, params: list[str] | None = None) -> dict[str, str]:
 def test_every_selected_parameter_is_covered_once(name: str, subset: bool) -> None:
     model, _, _ = _case(name)
     params = MODELS[name][2] if subset else None
-    with eval_semantics(model):
-        problem, _, _ = prepare_problem(model, _case(name)[1], None, params=params, dtype=torch.float64)
+    with eval_semantics(model) as module:
+        problem, _, _ = prepare_problem(module, _case(name)[1], None, params=params, dtype=torch.float64)
         selected = set(problem.params)
     names = {n for n, _ in model.named_parameters()}
     expected = {n for n in names if any(fnmatch.fnmatchcase(n, g) for g in params)} if params else names
@@ -397,8 +397,8 @@ def test_auto_picks_structured_for_a_wide_mlp() -> None:
 def test_batched_capture_only_where_layers_see_examples_along_dim_0(name: str, expected: bool) -> None:
     """The batched capture is used only when it is exact; the others take the per-example (vmap) capture."""
     model, x1, _ = _case(name)
-    with eval_semantics(model):
-        problem, x1t, _ = prepare_problem(model, x1, None, params=None, dtype=torch.float64)
+    with eval_semantics(model) as module:
+        problem, x1t, _ = prepare_problem(module, x1, None, params=None, dtype=torch.float64)
         terms = structured_terms(problem, x1t[:1])
         Structured().left(problem, x1t)
         assert terms.batch_safe is expected
