@@ -13,8 +13,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray]'
 	touch $(STAMP)
 
+# OpenMP threads sleep instead of spinning while they wait: on a shared host spinning made kernels up to 10x
+# slower (benchmarks/bench_structured.py, NOTE [OpenMP wait policy]); on an idle one it is within noise.
 serve: $(STAMP)
-	$(VENV)/bin/ntk-service serve
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(VENV)/bin/ntk-service serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
