@@ -31,6 +31,8 @@ __all__ = [
     "BINARY_TENSOR_TYPES",
     "BodyLimitMiddleware",
     "collection_response",
+    "encode_theta",
+    "json_too_large",
     "content_type",
     "json_response",
     "negotiate",
@@ -232,3 +234,28 @@ class BodyLimitMiddleware:
             return message
 
         await self.app(scope, receive_with_limit, send)
+
+
+def json_too_large(size: str, cap: int, *, operation: str, hint: str = "") -> NotAcceptable:
+    """The 406 for a JSON kernel over ``NTK_MAX_JSON_RESPONSE_BYTES``, pointing to the binary types."""
+    return NotAcceptable(
+        f"{operation}: the JSON response would be {size}, over the server's JSON limit of {format_bytes(cap)} "
+        f"(NTK_MAX_JSON_RESPONSE_BYTES); send 'Accept: {wire.MEDIA_NPY}' or 'Accept: {wire.MEDIA_SAFETENSORS}'" + hint
+    )
+
+
+def encode_theta(
+    theta: np.ndarray, media: str, meta: dict[str, Any], *, cap: int, operation: str, hint: str = ""
+) -> Response:
+    """A kernel (or a block of one) as ``media``: ``.npy`` with ``X-NTK-*`` headers, safetensors (tensor ``theta``,
+    metadata as strings) or JSON ``{"theta": tensor, **meta}`` (406 over ``cap`` bytes)."""
+    if media == wire.MEDIA_NPY:
+        headers = {f"X-NTK-{key.replace('_', '-').title()}": str(value) for key, value in meta.items()}
+        return Response(wire.encode_npy(theta), media_type=media, headers=headers)
+    if media == wire.MEDIA_SAFETENSORS:
+        metadata = {key: str(value) for key, value in meta.items()}
+        return Response(wire.encode_safetensors({"theta": theta}, metadata), media_type=media)
+    body = wire.json_dumps({"theta": wire.tensor_to_json(theta), **meta})
+    if len(body) > cap:
+        raise json_too_large(format_bytes(len(body)), cap, operation=operation, hint=hint)
+    return Response(body, media_type=wire.MEDIA_JSON)

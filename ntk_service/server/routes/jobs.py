@@ -31,14 +31,14 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.config import Settings
-from ntk_service.errors import Busy, NotAcceptable, ServiceUnavailable, format_bytes
+from ntk_service.errors import Busy, ServiceUnavailable, format_bytes
 from ntk_service.jobs import JobManager, JobRecord
 from ntk_service.jobs.executors import Executor, LocalExecutor, RayExecutor, import_ray
 from ntk_service.jobs.results import parse_range
 from ntk_service.kernels import KernelMode, NtkImplementation
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ReadAccess, WriteAccess
-from ntk_service.server.media import json_response, negotiate, read_json
+from ntk_service.server.media import encode_theta, json_response, json_too_large, negotiate, read_json
 from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = ["JobCreate", "JobPublic", "JobsPublic", "router", "start_jobs", "stop_jobs"]
@@ -319,7 +319,12 @@ async def job_result(
             if c is not None and len(shape) > 1 and record.spec.mode != KernelMode.EXAMPLE_DIAGONAL:
                 shape[1] = c[1] - c[0]
             if math.prod(shape) * _MIN_JSON_BYTES_PER_VALUE > cap:
-                raise _json_too_large(f"at least {format_bytes(math.prod(shape) * _MIN_JSON_BYTES_PER_VALUE)}", cap)
+                raise json_too_large(
+                    f"at least {format_bytes(math.prod(shape) * _MIN_JSON_BYTES_PER_VALUE)}",
+                    cap,
+                    operation="job result",
+                    hint=_SLICE_HINT,
+                )
         theta = array.read(rows=r, cols=c)
         spec = record.spec
         meta = {
@@ -331,31 +336,12 @@ async def job_result(
             "rows": f"{r[0]}:{r[1]}",
             "cols": "" if c is None else f"{c[0]}:{c[1]}",
         }
-        return _encode(theta, media, meta, cap=cap)
+        return encode_theta(theta, media, meta, cap=cap, operation="job result", hint=_SLICE_HINT)
 
     return await anyio.to_thread.run_sync(read)
 
 
-def _json_too_large(size: str, cap: int) -> NotAcceptable:
-    return NotAcceptable(
-        f"job result: the JSON response would be {size}, over the server's JSON limit of {format_bytes(cap)} "
-        f"(NTK_MAX_JSON_RESPONSE_BYTES); send 'Accept: {wire.MEDIA_NPY}' or 'Accept: {wire.MEDIA_SAFETENSORS}', "
-        "or download a slice with ?rows=a:b&cols=c:d"
-    )
-
-
-def _encode(theta: Any, media: str, meta: dict[str, Any], *, cap: int) -> Response:
-    if media == wire.MEDIA_NPY:
-        headers = {f"X-NTK-{key.replace('_', '-').title()}": str(value) for key, value in meta.items()}
-        return Response(wire.encode_npy(theta), media_type=media, headers=headers)
-    if media == wire.MEDIA_SAFETENSORS:
-        return Response(
-            wire.encode_safetensors({"theta": theta}, {k: str(v) for k, v in meta.items()}), media_type=media
-        )
-    body = wire.json_dumps({"theta": wire.tensor_to_json(theta), **meta})
-    if len(body) > cap:
-        raise _json_too_large(format_bytes(len(body)), cap)
-    return Response(body, media_type=wire.MEDIA_JSON)
+_SLICE_HINT = ", or download a slice with ?rows=a:b&cols=c:d"
 
 
 @router.delete("/{job_id}", response_model=JobPublic, summary="Cancel a job (running tiles finish first)")

@@ -26,7 +26,6 @@ from ntk_service import wire
 from ntk_service.errors import (
     InvalidInput,
     MalformedRequest,
-    NotAcceptable,
     NtkServiceError,
     ShapeMismatch,
     format_bytes,
@@ -46,6 +45,8 @@ from ntk_service.server.deps import (
 from ntk_service.server.media import (
     BINARY_TENSOR_TYPES,
     content_type,
+    encode_theta,
+    json_too_large,
     negotiate,
     parse_off_loop,
     read_json,
@@ -206,28 +207,6 @@ def _compute(
     return result, time.perf_counter() - start
 
 
-def _encode(result: NtkResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:
-    theta = result.theta.detach().cpu().numpy()
-    if media == wire.MEDIA_NPY:
-        headers = {f"X-NTK-{key.replace('_', '-').title()}": str(value) for key, value in meta.items()}
-        return Response(wire.encode_npy(theta), media_type=media, headers=headers)
-    if media == wire.MEDIA_SAFETENSORS:
-        metadata = {key: str(value) for key, value in meta.items()}
-        return Response(wire.encode_safetensors({"theta": theta}, metadata), media_type=media)
-    body = wire.json_dumps({"theta": wire.tensor_to_json(theta), **meta})
-    if len(body) > cap:
-        raise _json_too_large(format_bytes(len(body)), cap, operation=operation)
-    return Response(body, media_type=wire.MEDIA_JSON)
-
-
-def _json_too_large(size: str, cap: int, *, operation: str) -> NotAcceptable:
-    return NotAcceptable(
-        f"{operation}: the JSON response would be {size}, over the server's JSON "
-        f"limit of {format_bytes(cap)} (NTK_MAX_JSON_RESPONSE_BYTES); "
-        f"send 'Accept: {wire.MEDIA_NPY}' or 'Accept: {wire.MEDIA_SAFETENSORS}'"
-    )
-
-
 @router.post(
     "/v1/models/{name}/ntk",
     response_model=KernelPublic,
@@ -281,7 +260,7 @@ async def compute_kernel(
         m = n if x2 is None else x2.array.shape[0]
         numel = math.prod(result_shape(options.mode, n, m, record.output_dim))
         if numel * _MIN_JSON_BYTES_PER_VALUE > cap:
-            raise _json_too_large(
+            raise json_too_large(
                 f"at least {format_bytes(numel * _MIN_JSON_BYTES_PER_VALUE)}", cap, operation=operation
             )
 
@@ -305,7 +284,11 @@ async def compute_kernel(
             "version": record.version,
             "elapsed_ms": round(seconds * 1000, 3),
         }
-        return _encode(result, response_type, meta, cap=cap, operation=operation), result, seconds
+        return (
+            encode_theta(result.theta.detach().cpu().numpy(), response_type, meta, cap=cap, operation=operation),
+            result,
+            seconds,
+        )
 
     response, result, seconds = await limiter.run(run, operation=operation)
     metrics.compute_seconds.labels(result.implementation.value, result.mode.value).observe(seconds)
