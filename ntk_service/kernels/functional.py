@@ -188,8 +188,12 @@ def _cast_named(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype)
     return {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()) for name, t in tensors}
 
 
-def _count_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[float, float]:
-    """(FLOPs, bytes saved for backward) of one batched forward pass on x, per example."""
+def _counted_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[object, float, float]:
+    """The model on the batch x, with its FLOPs and the bytes autograd saves for backward, per example.
+
+    Returns:
+        (output, FLOPs per example, saved bytes per example); the output is detached.
+    """
     saved = 0
     # Weights autograd saves (e.g. for a matmul's input gradient) are shared by every example: not per-example bytes.
     shared = {t.untyped_storage().data_ptr() for t in (*problem.params.values(), *problem.frozen.values())}
@@ -203,17 +207,17 @@ def _count_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[float, float]:
     params = {name: p.detach().requires_grad_(True) for name, p in problem.params.items()}
     counter = FlopCounterMode(display=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-        problem.f_batch(params, x)
+        out = functional_call(problem.module, (params, problem.frozen), (x,))
     n = x.shape[0]
-    return counter.get_total_flops() / n, saved / n
+    out = out.detach() if isinstance(out, torch.Tensor) else out
+    return out, counter.get_total_flops() / n, saved / n
 
 
 def _probe(problem: NtkProblem, x: torch.Tensor) -> None:
     """Run the model on a few examples: output shape, examples independent, FLOPs and saved bytes counted."""
     n = x.shape[0]
     try:
-        with torch.no_grad():
-            batched = functional_call(problem.module, (problem.params, problem.frozen), (x,))
+        batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
     except Exception as exc:  # the model's own error, e.g. a shape mismatch inside a layer
         raise ShapeMismatch(
             f"compute_ntk: the model failed on inputs of per-example shape {tuple(x.shape[1:])} and dtype "
@@ -242,7 +246,6 @@ def _probe(problem: NtkProblem, x: torch.Tensor) -> None:
             "compute_ntk: the model's examples interact (its output for an example depends on the other examples "
             "in the batch, e.g. batch statistics or mixing across dim 0), so the per-example NTK is undefined"
         )
-    problem.forward_flops, problem.saved_bytes = _count_forward(problem, x)
 
 
 def prepare_problem(
