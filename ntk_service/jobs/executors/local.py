@@ -6,11 +6,8 @@ and gives the slot back at every tile boundary, so an interactive request waits 
 thread pool (sized for ``compute_concurrency`` computations) is never oversubscribed. Without a server (tests,
 scripts) tiles run directly in the calling thread.
 
-NOTE [private model]
-    Each worker computes with its own deep copy of the model. The registry hands the same cached module to every
-    caller, and the structured-derivatives implementation registers forward hooks on the module it runs; two
-    computations on one module object at once (two job workers, or a job tile beside an interactive kernel with
-    ``compute_concurrency`` > 1) could read each other's captured activations. The copy costs one model's memory.
+Workers share the registry's cached module: ``compute_ntk`` never computes on the caller's module object itself
+(see NOTE [private module] in ``kernels/functional.py``), so concurrent tiles and interactive kernels are safe.
 
 Tiles are taken in plan order (rows, serpentine over the columns), so one row block's side stays in the job's
 SideCache while its tiles run, and the column sides are reused from the cache when it is large enough.
@@ -18,7 +15,6 @@ SideCache while its tiles run, and the column sides are reused from the cache wh
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -93,9 +89,6 @@ class LocalExecutor(Executor):
                 return next(queue, None)
 
         def worker() -> None:
-            # A private copy per worker: engine calls may attach hooks to the module they run (structured
-            # derivatives), so two computations must never share one module object (see NOTE [private model]).
-            own = copy.deepcopy(model)
             while not failed.is_set() and not callbacks.should_stop():
                 tile = next_tile()
                 if tile is None:
@@ -104,7 +97,7 @@ class LocalExecutor(Executor):
                     continue
                 try:
                     outcome = self.run_compute(
-                        partial(run_tile, own, x1, x2, work, tile, array=array, side_cache=cache)
+                        partial(run_tile, model, x1, x2, work, tile, array=array, side_cache=cache)
                     )
                 except BaseException:
                     failed.set()
