@@ -20,6 +20,18 @@ sees the examples along dim 0 in order, and no parameter is on the Jacobian path
 batched forward with plain autograd instead (``autograd.grad(..., is_grads_batched=True)``): the same numbers
 with about half the overhead. Hooks are registered per call, removed in ``finally``, and act only for the
 capture active in the current context (other threads using the same module see a no-op).
+
+NOTE [channels-last capture]: a convolutional model's batched capture runs k plain reverse passes, and each pass
+is mostly the input gradients of its convolutions (transposed convolutions over n images). oneDNN computes
+those on NCHW tensors through internal reorders to and from its blocked layout, and on channels-last (NHWC)
+tensors directly: on the benchmark CNN (conv 3x3/2 32->32, 64 examples) ~6.6 ms vs ~2.4 ms per pass. So the
+hook hands on every Conv2d output in channels-last memory (same values: the model sees the same tensors, and
+the ops after it keep the layout), and ``_ChannelsLastGrad`` hands the cotangent back to the convolution in
+that layout too, so its backward, and the elementwise backward before it, see one layout. The δ of such a use
+goes into memory (n, H, W, k, C) (``_delta_buffer``), so ``ConvRule`` builds J = δᵀ patches per example with
+one batched matmul, and the bias as a sum over outer axes, reading δ in place. A model that ``.view``s a
+convolution's output cannot take channels-last strides: the first such failure turns the layout off for the
+plan and the capture reruns in NCHW.
 """
 
 from __future__ import annotations
@@ -65,6 +77,8 @@ class StructurePlan:
         fallback: selected parameters on the Jacobian path, in ``problem.params`` order.
         saved_bytes: bytes autograd saves per example in the probed forward (activations only: tensors sharing
             storage with parameters or buffers are not per example and not counted).
+        channels_last: the batched capture of a convolutional model runs its Conv2d outputs in channels-last
+            memory (NOTE [channels-last capture]); cleared when that forward fails (a model viewing them).
     """
 
     layers: list[nn.Module]
@@ -74,6 +88,7 @@ class StructurePlan:
     param_uses: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     fallback: list[str] = field(default_factory=list)
     saved_bytes: float = 0.0
+    channels_last: bool = True
 
 
 _ACTIVE: contextvars.ContextVar[object | None] = contextvars.ContextVar("ntk_structured_capture", default=None)
@@ -259,6 +274,18 @@ class Capture:
     fallback_jacobians: NamedTensors
 
 
+class _ChannelsLastGrad(torch.autograd.Function):
+    """Identity whose backward hands on the cotangent in channels-last memory (NOTE [channels-last capture])."""
+
+    @staticmethod
+    def forward(ctx: object, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous(memory_format=torch.channels_last)
+
+
 class _Recorder:
     """Hook state during a capture: adds the probes and collects the layers' inputs.
 
@@ -272,6 +299,7 @@ class _Recorder:
         self.probes: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
         self.record_only = False
+        self.channels_last = False
 
     def post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:  # type: ignore[type-arg]
         if _ACTIVE.get() is not self:
@@ -291,7 +319,13 @@ class _Recorder:
         if self.record_only:
             return None
         if self.batch is not None:
+            channels_last = self.channels_last and isinstance(module, nn.Conv2d) and output.ndim == 4
+            if channels_last:  # NOTE [channels-last capture]
+                output = output.contiguous(memory_format=torch.channels_last)
             self.probes.append(torch.zeros_like(output, requires_grad=True))
+            if channels_last:
+                probed: torch.Tensor = _ChannelsLastGrad.apply(output + self.probes[i])  # type: ignore[no-untyped-call]
+                return probed
         return output + self.probes[i]
 
     def check_count(self) -> None:
@@ -385,29 +419,66 @@ def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *, batche
 
 def _capture_batched(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> Capture:
     n, k = x.shape[0], problem.k
+    if any(isinstance(layer, nn.Conv1d | nn.Conv2d) for layer in plan.layers):
+        if plan.channels_last:
+            try:
+                return _capture_passes(problem, plan, x, channels_last=True)
+            except RuntimeError:  # e.g. the model views a convolution's output: .view needs NCHW strides
+                plan.channels_last = False
+        return _capture_passes(problem, plan, x, channels_last=False)
     recorder = _Recorder(plan, n)
     with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
         out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
-        if any(isinstance(layer, nn.Conv1d | nn.Conv2d) for layer in plan.layers):
-            # vmap's convolution_backward rule clones its inputs and loops over the outputs, then concatenates:
-            # k plain reverse passes are faster (~10% on the benchmark CNN), stacked example-major (n, k, ...)
-            eye = torch.eye(k, dtype=problem.dtype)
-            per_output = [
-                torch.autograd.grad(
-                    out, recorder.probes, eye[c].expand(n, k), retain_graph=c < k - 1, allow_unused=True
-                )
-                for c in range(k)
-            ]
-            deltas = [
-                torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if g[0] is None else torch.stack(g, dim=1)
-                for g, p in zip(zip(*per_output, strict=True), recorder.probes, strict=True)
-            ]
-        else:
-            basis = torch.eye(k, dtype=problem.dtype).unsqueeze(1).expand(k, n, k)
-            grads = torch.autograd.grad(out, recorder.probes, basis, is_grads_batched=True, allow_unused=True)
-            deltas = [  # views of (k, n, ...) memory
-                torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if g is None else g.transpose(0, 1)
-                for g, p in zip(grads, recorder.probes, strict=True)
-            ]
-    deltas = [d.unsqueeze(2) for d in deltas]  # (n, k, 1, *out_shape[1:])
-    return Capture(inputs=[a.detach().unsqueeze(1) for a in recorder.inputs], deltas=deltas, fallback_jacobians={})
+        basis = torch.eye(k, dtype=problem.dtype).unsqueeze(1).expand(k, n, k)
+        grads = torch.autograd.grad(out, recorder.probes, basis, is_grads_batched=True, allow_unused=True)
+    deltas = [  # views of (k, n, ...) memory
+        torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if g is None else g.transpose(0, 1)
+        for g, p in zip(grads, recorder.probes, strict=True)
+    ]
+    return _batched_capture(recorder, deltas)
+
+
+def _capture_passes(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *, channels_last: bool) -> Capture:
+    """The batched capture of a convolutional model: k plain reverse passes, one per output, each written into
+    its slot of the deltas' memory (vmap's convolution_backward rule, which ``is_grads_batched`` would use,
+    clones its inputs and loops over the outputs, then concatenates). See NOTE [channels-last capture]."""
+    n, k = x.shape[0], problem.k
+    recorder = _Recorder(plan, n)
+    recorder.channels_last = channels_last
+    with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
+        out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
+        deltas = [_delta_buffer(p, k) for p in recorder.probes]
+        eye = torch.eye(k, dtype=problem.dtype)
+        for c in range(k):
+            grads = torch.autograd.grad(
+                out, recorder.probes, eye[c].expand(n, k), retain_graph=c < k - 1, allow_unused=True
+            )
+            for delta, g in zip(deltas, grads, strict=True):
+                if g is None:
+                    delta[:, c].zero_()
+                else:
+                    delta[:, c].copy_(g)
+    return _batched_capture(recorder, deltas)
+
+
+def _batched_capture(recorder: _Recorder, deltas: list[torch.Tensor]) -> Capture:
+    """The batched forward saw each use's (1, ...) per-example shape as (n, ...): put the 1 back."""
+    return Capture(
+        inputs=[a.detach().unsqueeze(1) for a in recorder.inputs],
+        deltas=[d.unsqueeze(2) for d in deltas],  # (n, k, 1, *out_shape[1:])
+        fallback_jacobians={},
+    )
+
+
+def _delta_buffer(probe: torch.Tensor, k: int) -> torch.Tensor:
+    """Uninitialised δ (n, k, *probe.shape[1:]) for the k reverse passes of ``_capture_batched``.
+
+    A channels-last probe (n, C, H, W) gets memory (n, H, W, k, C): each example's δ is then an (H·W, k·C)
+    matrix, so a convolution's weight Jacobian is one batched matmul with its patches and the bias a sum over
+    the outer axes (NOTE [channels-last capture]); others get (n, k, ...).
+    """
+    n, *shape = probe.shape
+    if probe.ndim == 4 and probe.is_contiguous(memory_format=torch.channels_last) and not probe.is_contiguous():
+        c, h, w = shape
+        return torch.empty((n, h, w, k, c), dtype=probe.dtype).permute(0, 3, 4, 1, 2)
+    return torch.empty((n, k, *shape), dtype=probe.dtype)

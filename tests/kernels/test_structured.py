@@ -414,3 +414,36 @@ def test_side_with_itself_from_half_blocks_matches_reference(name: str, monkeypa
     for form in ("factored", "jacobian"):
         theta = _structured(model, x, None, KernelMode.FULL, form=form)
         _assert_close(theta, reference_ntk(model, x, None, "full"), 1e-10)
+
+
+class ViewedConv(nn.Module):
+    """A CNN that ``.view``s a convolution's output (needs NCHW strides) next to one that flattens it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(3, 4, 2)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv1(x))
+        h = torch.tanh(self.conv2(h))
+        return self.head(h.view(h.shape[0], -1))
+
+
+@pytest.mark.parametrize(("build", "channels_last"), [(_cnn2d, True), (ViewedConv, False)])
+def test_convolutional_capture_in_channels_last_or_nchw(build: Callable[[], nn.Module], channels_last: bool) -> None:
+    """The batched capture of a CNN runs its convolutions in channels-last memory where the model allows it,
+    and in NCHW where it views a convolution's output; both give the reference kernel."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build().eval()
+    g = torch.Generator().manual_seed(2)
+    x1, x2 = torch.randn(3, 2, 6, 6, generator=g), torch.randn(2, 2, 6, 6, generator=g)
+    with eval_semantics(model) as module:
+        problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
+        alg = Structured()
+        terms = structured_terms(problem, x1t[:1])
+        theta = alg.pair(problem, alg.left(problem, x1t), alg.left(problem, x2t), KernelMode.FULL)
+        assert terms.batch_safe and terms.plan.channels_last is channels_last
+    _assert_close(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
