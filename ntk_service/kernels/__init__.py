@@ -3,6 +3,7 @@
 ``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes.
 """
 
+from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import default_memory_budget
@@ -17,5 +18,6 @@ __all__ = [
     "SideCache",
     "compute_ntk",
     "default_memory_budget",
+    "retain_freed_memory",
     "warm_up",
 ]

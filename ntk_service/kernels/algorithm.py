@@ -68,3 +68,7 @@ class NtkAlgorithm(Protocol):
     def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
         """Estimated FLOPs of the whole (N = n, M = m) kernel, for AUTO's choice."""
         ...
+
+    # Optional: ``split_side(side, n) -> (first n examples, the rest)``, views of a side built by ``left`` on
+    # x1 and x2 concatenated. An algorithm with it (and ``right_is_left``) gets both sides of a one-block kernel
+    # from one pass (``BlockPlan.joint_sides``).

@@ -26,12 +26,13 @@ from torch import nn
 
 from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation
 from ntk_service.kernels.algorithm import NtkAlgorithm
+from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.blocks import run_blocks
-from ntk_service.kernels.functional import eval_semantics, prepare_problem
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.modes import KernelMode, parse_mode
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, default_memory_budget, plan_blocks
+from ntk_service.kernels.problem_pool import prepared_problem
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.structured import Structured
 from ntk_service.kernels.types import NtkImplementation, NtkResult, parse_implementation
@@ -135,8 +136,7 @@ def compute_ntk(
     kernel_mode = parse_mode(mode)
     impl = parse_implementation(implementation)
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
-    with eval_semantics(model) as module:
-        problem, x1t, x2t = prepare_problem(module, x1, x2, params=params, dtype=dtype)
+    with prepared_problem(model, x1, x2, params=params, dtype=dtype) as (problem, x1t, x2t):
         n = x1t.shape[0]
         symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
         m = n if x2t is None else x2t.shape[0]
@@ -162,11 +162,13 @@ def compute_ntk(
 
 
 def warm_up() -> None:
-    """Load the engine's lazy machinery (torch.func transforms, the FLOP counter) with a tiny kernel.
+    """Prepare a long-running process for kernels: keep freed memory (``retain_freed_memory``, NOTE
+    [allocator]) and load the engine's lazy machinery (torch.func transforms, the FLOP counter) with a tiny kernel.
 
     The first ``compute_ntk`` in a process pays a one-time import of about 1.3 s on an idle 2-core CPU (several
     seconds under load); a server calls this before it reports ready, so no request pays it.
     """
+    retain_freed_memory()
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     x = torch.zeros(2, 2)
     for implementation in _ALGORITHMS:

@@ -33,7 +33,16 @@ from ntk_service.errors import (
 )
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["NtkProblem", "eval_semantics", "prepare_problem", "select_parameters"]
+__all__ = [
+    "NtkProblem",
+    "build_problem",
+    "check_model",
+    "eval_semantics",
+    "prepare_problem",
+    "private_copy",
+    "select_parameters",
+    "validate_inputs",
+]
 
 PROBE_EXAMPLES = 4
 """Examples used to probe the model: enough to see examples interact, few enough to cost nothing."""
@@ -106,15 +115,8 @@ def _structural_copy(module: nn.Module) -> nn.Module | None:
         return None
 
 
-@contextlib.contextmanager
-def eval_semantics(module: nn.Module) -> Iterator[nn.Module]:
-    """Yield a private eval-mode view of ``module`` (dropout off); the caller's module is never touched.
-
-    NOTE [private module]: ``functional_call`` swaps a module's parameters in place for the duration of a call and
-    the structured path reads ``module._parameters``, so two threads computing on one module object (the server's
-    cached models) would see each other's tensors. Each call therefore works on a structural copy that shares the
-    parameter and buffer tensors (cheap: module objects only). A module that cannot be copied is used itself,
-    under a per-module lock, flipped to eval and restored afterwards.
+def check_model(module: object) -> None:
+    """Refuse what has no per-example NTK before any work.
 
     Raises:
         UnsupportedModel: not an nn.Module, or a BatchNorm layer is in train mode (batch statistics couple the
@@ -128,9 +130,32 @@ def eval_semantics(module: nn.Module) -> Iterator[nn.Module]:
             f"compute_ntk: BatchNorm layer(s) {in_train[:3]} are in train mode, where batch statistics couple the "
             "examples and the per-example kernel is undefined; call model.eval() first (running statistics are used)"
         )
+
+
+def private_copy(module: nn.Module) -> nn.Module | None:
+    """An eval-mode structural copy of ``module`` sharing every tensor (see NOTE [private module]), or None when
+    the module cannot be copied."""
     private = _structural_copy(module)
+    return None if private is None else private.eval()
+
+
+@contextlib.contextmanager
+def eval_semantics(module: nn.Module) -> Iterator[nn.Module]:
+    """Yield a private eval-mode view of ``module`` (dropout off); the caller's module is never touched.
+
+    NOTE [private module]: ``functional_call`` swaps a module's parameters in place for the duration of a call and
+    the structured path reads ``module._parameters``, so two threads computing on one module object (the server's
+    cached models) would see each other's tensors. Each call therefore works on a structural copy that shares the
+    parameter and buffer tensors (cheap: module objects only; ``problem_pool`` keeps them across calls). A module
+    that cannot be copied is used itself, under a per-module lock, flipped to eval and restored afterwards.
+
+    Raises:
+        UnsupportedModel: see ``check_model``.
+    """
+    check_model(module)
+    private = private_copy(module)
     if private is not None:
-        yield private.eval()
+        yield private
         return
     with _module_lock(module):
         flags = [(m, m.training) for m in module.modules()]
@@ -175,7 +200,8 @@ def _as_input(x: object, name: str, dtype: torch.dtype) -> torch.Tensor:
     if t.shape[0] == 0:
         raise EmptyBatch(f"compute_ntk: {name} is an empty batch (shape {tuple(t.shape)}); pass at least one example")
     if t.is_floating_point():
-        if not bool(torch.isfinite(t).all()):
+        # one reduction instead of an elementwise test: a NaN or inf element makes the (float64) sum non-finite
+        if not math.isfinite(float(t.sum(dtype=torch.float64))) and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0])
             raise NonFiniteInput(f"compute_ntk: {name} contains NaN or inf (first in example {bad}); clean the inputs")
         return t.to(dtype)
@@ -271,6 +297,15 @@ def prepare_problem(
     Raises:
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel.
     """
+    compute_dtype, x1t, x2t = validate_inputs(module, x1, x2, dtype)
+    return build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t
+
+
+def validate_inputs(
+    module: nn.Module, x1: object, x2: object | None, dtype: torch.dtype | str | None
+) -> tuple[torch.dtype, torch.Tensor, torch.Tensor | None]:
+    """The compute dtype and the inputs as tensors: x1 (N, *input), x2 (M, *input) or None (see
+    ``prepare_problem``)."""
     compute_dtype = _resolve_dtype(module, dtype)
     x1t = _as_input(x1, "x1", compute_dtype)
     x2t = None if x2 is None else _as_input(x2, "x2", compute_dtype)
@@ -284,26 +319,45 @@ def prepare_problem(
             raise ShapeMismatch(
                 f"compute_ntk: x1 is {x1t.dtype} but x2 is {x2t.dtype}; pass both as float or both as int"
             )
+    return compute_dtype, x1t, x2t
+
+
+def build_problem(
+    module: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    *,
+    params: Sequence[str] | None,
+    dtype: torch.dtype,
+) -> NtkProblem:
+    """Select and cast the parameters and probe the model on the first examples of x1 (then x2).
+
+    Args:
+        module: the model (a private copy, see NOTE [private module]).
+        x1, x2: validated inputs (``validate_inputs``).
+        params: glob patterns over parameter names, or None for all.
+        dtype: the compute dtype.
+    """
     selected = select_parameters(module, params)
     all_params = dict(module.named_parameters())
     problem = NtkProblem(
         module=module,
-        params=_cast_named(((n, all_params[n]) for n in selected), compute_dtype),
+        params=_cast_named(((n, all_params[n]) for n in selected), dtype),
         frozen={
-            **_cast_named(((n, p) for n, p in all_params.items() if n not in set(selected)), compute_dtype),
-            **_cast_named(module.named_buffers(), compute_dtype),
+            **_cast_named(((n, p) for n, p in all_params.items() if n not in set(selected)), dtype),
+            **_cast_named(module.named_buffers(), dtype),
         },
         out_shape=(),
-        input_shape=tuple(x1t.shape[1:]),
-        dtype=compute_dtype,
+        input_shape=tuple(x1.shape[1:]),
+        dtype=dtype,
         forward_flops=0.0,
         saved_bytes=0.0,
     )
-    probe = x1t[:PROBE_EXAMPLES]
-    if x2t is not None and probe.shape[0] < PROBE_EXAMPLES:
-        probe = torch.cat([probe, x2t[: PROBE_EXAMPLES - probe.shape[0]]])
+    probe = x1[:PROBE_EXAMPLES]
+    if x2 is not None and probe.shape[0] < PROBE_EXAMPLES:
+        probe = torch.cat([probe, x2[: PROBE_EXAMPLES - probe.shape[0]]])
     _probe(problem, probe)
-    return problem, x1t, x2t
+    return problem
 
 
 def _resolve_dtype(module: nn.Module, dtype: torch.dtype | str | None) -> torch.dtype:

@@ -81,6 +81,10 @@ class JacobianContraction:
     def left(self, problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
         return jacobians(problem, x)
 
+    def split_side(self, side: NamedTensors, n: int) -> tuple[NamedTensors, NamedTensors]:
+        """The first n examples' Jacobians and the rest (views)."""
+        return {name: j[:n] for name, j in side.items()}, {name: j[n:] for name, j in side.items()}
+
     right = left
 
     def pair(self, problem: NtkProblem, left: NamedTensors, right: NamedTensors, mode: KernelMode) -> torch.Tensor:

@@ -48,12 +48,15 @@ class BlockPlan:
         block_m: examples of x2 per block (equal to block_n when x2 is x1).
         keep_right_sides: keep every right side after first use (computed once each).
         estimate_bytes: estimated peak memory, result included.
+        joint_sides: one block each of x1 and x2 (x2 given), and the algorithm builds both sides in one pass
+            over x1 and x2 together (``split_side`` in algorithm.py): one forward and reverse pass instead of two.
     """
 
     block_n: int
     block_m: int
     keep_right_sides: bool
     estimate_bytes: int
+    joint_sides: bool = False
 
 
 def _block_sizes(n: int, m: int) -> list[int]:
@@ -101,6 +104,12 @@ def plan_blocks(
     Raises:
         MemoryEstimateExceeded: even one example per block does not fit; carries the estimate and the budget.
     """
+    if not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "split_side"):
+        result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
+        joint_peak, _ = alg.side_bytes(problem, n + m, left=True)
+        estimate = result + joint_peak + alg.pair_bytes(problem, n, m, mode)
+        if estimate <= budget_bytes:
+            return BlockPlan(n, m, False, int(estimate), joint_sides=True)
     smallest = math.inf
     for size in _block_sizes(n, m):
         bn = min(size, n)

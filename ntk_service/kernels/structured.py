@@ -36,6 +36,7 @@ from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured_capture import StructurePlan, capture, is_batch_safe, plan_structure
 from ntk_service.kernels.structured_contract import (
+    accumulator_shape,
     add_factored,
     add_factored_diagonal,
     add_jacobian,
@@ -239,6 +240,10 @@ class Structured:
 
     right = left
 
+    def split_side(self, side: StructuredSide, n: int) -> tuple[StructuredSide, StructuredSide]:
+        """The first n examples of a side and the rest (views)."""
+        return _slice_side(side, 0, n), _slice_side(side, n, _side_examples(side))
+
     def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:
         n = _side_examples(left)
         if left is right and mode is KernelMode.FULL and n >= SYMMETRIC_SPLIT_MIN:
@@ -249,26 +254,27 @@ class Structured:
         self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode
     ) -> torch.Tensor:
         terms = self._terms(problem)
-        acc = new_accumulator(mode, _side_examples(left), _side_examples(right), problem.k, problem.dtype)
-        for term, lf, rf in zip(terms.factored, left["factored"], right["factored"], strict=True):
-            add_factored(acc, lf, rf, mode, index=term.index, plus_one=term.bias is not None)
+        shape = accumulator_shape(mode, _side_examples(left), _side_examples(right), problem.k)
+        acc = torch.empty(shape, dtype=problem.dtype) if terms.factored else torch.zeros(shape, dtype=problem.dtype)
+        for i, (term, lf, rf) in enumerate(zip(terms.factored, left["factored"], right["factored"], strict=True)):
+            add_factored(acc, lf, rf, mode, index=term.index, plus_one=term.bias is not None, fresh=i == 0)
         for name, j1 in left["jacobians"].items():
             add_jacobian(acc, j1, right["jacobians"][name], mode)
         return acc
 
     def _pair_symmetric(self, problem: NtkProblem, side: StructuredSide, n: int) -> torch.Tensor:
-        """FULL accumulator (n, k, n, k) of a side with itself from 3 of its 4 half-blocks: Θ(b, a) = Θ(a, b)ᵀ.
+        """FULL accumulator (k, n, k, n) of a side with itself from 3 of its 4 half-blocks: Θ(b, a) = Θ(a, b)ᵀ.
 
         Saves a quarter of the Gram and Jacobian products when x2 is x1 (the block runner then symmetrizes).
         """
         h = n // 2
         first, second = _slice_side(side, 0, h), _slice_side(side, h, n)
-        acc = torch.empty(n, problem.k, n, problem.k, dtype=problem.dtype)
-        acc[:h, :, :h] = self._accumulate(problem, first, first, KernelMode.FULL)
-        upper = self._accumulate(problem, first, second, KernelMode.FULL)  # (h, k, n - h, k)
-        acc[:h, :, h:] = upper
-        acc[h:, :, :h] = upper.permute(2, 3, 0, 1)
-        acc[h:, :, h:] = self._accumulate(problem, second, second, KernelMode.FULL)
+        acc = torch.empty(problem.k, n, problem.k, n, dtype=problem.dtype)
+        acc[:, :h, :, :h] = self._accumulate(problem, first, first, KernelMode.FULL)
+        upper = self._accumulate(problem, first, second, KernelMode.FULL)  # (k, h, k, n - h)
+        acc[:, :h, :, h:] = upper
+        acc[:, h:, :, :h] = upper.permute(2, 3, 0, 1)
+        acc[:, h:, :, h:] = self._accumulate(problem, second, second, KernelMode.FULL)
         return acc
 
     def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:

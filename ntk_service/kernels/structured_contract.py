@@ -8,7 +8,13 @@ A factored term J_c = Σ_g Σ_t D_c[g,t] ⊗ A[g,t] (``structured_rules.Factors`
 J1 J2ᵀ. Each mode contracts the output axes inside the Grams (TRACE and OUTPUT_DIAGONAL pair c with c only), so
 no mode reduces a FULL block.
 
-Accumulator layouts: FULL (n, k, m, k), TRACE (n, m), OUTPUT_DIAGONAL (k, n, m), EXAMPLE_DIAGONAL (n, k, k).
+Accumulator layouts: FULL (k, n, k, m), TRACE (n, m), OUTPUT_DIAGONAL (k, n, m), EXAMPLE_DIAGONAL (n, k, k).
+FULL and OUTPUT_DIAGONAL are output-major because the batched capture leaves δ in (k, n, ...) memory: the δ Grams
+then read δ in place and write the accumulator's layout directly (``finish`` permutes once at the end).
+
+NOTE [example-independent δ]: when δ of a weight is the same for every example (stride 0 over the examples, as
+the capture leaves it for a Linear layer whose output is the model's output: δ_c = e_c), G^D is one k×k matrix Δ
+and the term is Δ ⊗ G^A: an outer product instead of an (n·k)×(m·k) Gram.
 """
 
 from __future__ import annotations
@@ -20,24 +26,33 @@ from ntk_service.kernels.modes import KernelMode
 __all__ = ["add_factored", "add_factored_diagonal", "add_jacobian", "add_jacobian_diagonal", "new_accumulator"]
 
 
-def new_accumulator(mode: KernelMode, n: int, m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zero accumulator in the layout above (m is unused for EXAMPLE_DIAGONAL)."""
-    shape = {
-        KernelMode.FULL: (n, k, m, k),
+def accumulator_shape(mode: KernelMode, n: int, m: int, k: int) -> tuple[int, ...]:
+    """The accumulator's shape in the layout above (m is unused for EXAMPLE_DIAGONAL)."""
+    return {
+        KernelMode.FULL: (k, n, k, m),
         KernelMode.TRACE: (n, m),
         KernelMode.OUTPUT_DIAGONAL: (k, n, m),
         KernelMode.EXAMPLE_DIAGONAL: (n, k, k),
     }[mode]
-    return torch.zeros(shape, dtype=dtype)
+
+
+def new_accumulator(mode: KernelMode, n: int, m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero accumulator."""
+    return torch.zeros(accumulator_shape(mode, n, m, k), dtype=dtype)
 
 
 def finish(acc: torch.Tensor, mode: KernelMode) -> torch.Tensor:
     """The accumulator as a theta block: (n, m, k, k), (n, m), (n, m, k) or (n, k, k)."""
     if mode is KernelMode.FULL:
-        return acc.permute(0, 2, 1, 3)
+        return acc.permute(1, 3, 0, 2)
     if mode is KernelMode.OUTPUT_DIAGONAL:
         return acc.permute(1, 2, 0)
     return acc
+
+
+def _output_major(t: torch.Tensor) -> bool:
+    """Whether t (n, k, ...) lies in (k, n, ...) memory (the batched capture's layout)."""
+    return t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) > t.stride(0)
 
 
 def add_jacobian(acc: torch.Tensor, j1: torch.Tensor, j2: torch.Tensor, mode: KernelMode) -> None:
@@ -45,7 +60,13 @@ def add_jacobian(acc: torch.Tensor, j1: torch.Tensor, j2: torch.Tensor, mode: Ke
     n, k, _ = j1.shape
     m = j2.shape[0]
     if mode is KernelMode.FULL:
-        acc.view(n * k, m * k).addmm_(j1.reshape(n * k, -1), j2.reshape(m * k, -1).T)
+        if _output_major(j1) and _output_major(j2):
+            acc.view(k * n, k * m).addmm_(
+                j1.transpose(0, 1).reshape(k * n, -1), j2.transpose(0, 1).reshape(k * m, -1).T
+            )
+        else:  # example-major J (rule Jacobians, jacrev): one Gram in that order, added permuted
+            gram = j1.reshape(n * k, -1) @ j2.reshape(m * k, -1).T
+            acc.add_(gram.view(n, k, m, k).permute(1, 0, 3, 2))
     elif mode is KernelMode.TRACE:
         acc.addmm_(j1.reshape(n, -1), j2.reshape(m, -1).T)
     else:
@@ -71,6 +92,14 @@ def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dty
     return gram
 
 
+def _example_independent(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor | None:
+    """Δ (k, k) = δ1 δ2ᵀ when both δ (n, k, 1, 1, dd) are the same for every example (NOTE [example-independent
+    δ]), else None."""
+    if d1.stride(0) != 0 or d2.stride(0) != 0 or d1.shape[2] != 1 or d1.shape[3] != 1 or d2.shape[3] != 1:
+        return None
+    return d1[0, :, 0, 0] @ d2[0, :, 0, 0].T
+
+
 def add_factored(
     acc: torch.Tensor,
     left: tuple[torch.Tensor, torch.Tensor],
@@ -79,25 +108,46 @@ def add_factored(
     *,
     index: bool,
     plus_one: bool,
+    fresh: bool = False,
 ) -> None:
     """acc += the factored term of (a1, d1) with (a2, d2) in ``mode`` (not EXAMPLE_DIAGONAL).
 
     a1 (n, G, T, da) or ids (n, 1, T); d1 (n, k, G, T, dd); likewise a2, d2 with m examples and S positions.
+    ``fresh``: acc is uninitialized (``torch.empty``) and this is its first term: written, not added, which
+    spares zeroing and re-reading the block's largest buffer.
     """
     a1, d1 = left
     a2, d2 = right
     n, k, g, t, dd = d1.shape
     m, s = d2.shape[0], d2.shape[3]
     gram_a = _gram_a(a1, a2, index, plus_one, d1.dtype)  # (G, n·T, m·S)
+    shared = _example_independent(d1, d2)
+    if fresh and mode is KernelMode.FULL and (shared is not None or g == t == s == 1):
+        if shared is not None:
+            torch.mul(shared.view(k, 1, k, 1), gram_a.view(1, n, 1, m), out=acc)
+        else:
+            gram_d = d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd) @ d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd).T
+            torch.mul(gram_d.view(k, n, k, m), gram_a.view(1, n, 1, m), out=acc)
+        return
+    if fresh:
+        acc.zero_()
+    if shared is not None:  # G^A (n, m) times one k×k Δ
+        if mode is KernelMode.FULL:
+            acc.addcmul_(shared.view(k, 1, k, 1), gram_a.view(1, n, 1, m))
+        elif mode is KernelMode.TRACE:
+            acc.add_(gram_a.view(n, m) * shared.trace())
+        else:
+            acc.addcmul_(shared.diagonal().view(k, 1, 1), gram_a.view(1, n, m))
+        return
     if mode is KernelMode.FULL:
-        dl = d1.permute(2, 0, 1, 3, 4).reshape(g, n * k * t, dd)
-        dr = d2.permute(2, 0, 1, 3, 4).reshape(g, m * k * s, dd)
+        dl = d1.permute(2, 1, 0, 3, 4).reshape(g, k * n * t, dd)  # rows (c, example, position): δ's memory order
+        dr = d2.permute(2, 1, 0, 3, 4).reshape(g, k * m * s, dd)
         if g == 1 and t == 1 and s == 1:
-            gram_d = dl[0] @ dr[0].T  # (n·k, m·k)
-            acc.addcmul_(gram_d.view(n, k, m, k), gram_a.view(n, 1, m, 1))
+            gram_d = dl[0] @ dr[0].T  # (k·n, k·m)
+            acc.addcmul_(gram_d.view(k, n, k, m), gram_a.view(1, n, 1, m))
             return
-        gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(g, n, k, t, m, k, s)
-        gram_d.mul_(gram_a.view(g, n, 1, t, m, 1, s))
+        gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(g, k, n, t, k, m, s)
+        gram_d.mul_(gram_a.view(g, 1, n, t, 1, m, s))
         acc.add_(gram_d.sum((0, 3, 6)))
         return
     if mode is KernelMode.TRACE:

@@ -30,7 +30,7 @@ from ntk_service.errors import JobFailed, NtkServiceError, OptionalDependencyMis
 from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, TileOutcome, run_tile
 from ntk_service.jobs.executors.local import DEFAULT_JOB_SIDE_CACHE_BYTES
 from ntk_service.jobs.planner import Tile
-from ntk_service.kernels import SideCache
+from ntk_service.kernels import SideCache, retain_freed_memory
 
 __all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "import_ray"]
 
@@ -83,6 +83,7 @@ def _tile_task(
 ) -> TileOutcome:
     # Runs in a Ray worker: one torch thread per reserved CPU, so tasks sharing a node do not oversubscribe it.
     torch.set_num_threads(max(1, threads))
+    retain_freed_memory()  # as the server process does (NOTE [allocator]); once per worker process
     if use_gpu and torch.cuda.is_available():
         device = torch.device("cuda")
         model, x1 = model.to(device), x1.to(device)

@@ -1,0 +1,167 @@
+"""Prepared problems kept across ``compute_ntk`` calls, so repeated kernels of one model skip the set-up.
+
+Preparing a problem costs a structural copy of the module tree (NOTE [private module]), a probe forward with a
+FLOP counter, and, per implementation, one-off analysis such as the structured path's structure plan (keyed on
+the problem object). For the benchmark MLP at N = M = 64 that set-up was about as long as the kernel itself.
+
+NOTE [problem pool]: idle problems are kept per model object (weakly: they go with the model) and per call
+signature (per-example input shape and kind, compute dtype, parameter globs). A problem is checked out by one
+call at a time, so concurrent calls on one model each get their own private copy, as before. A kept problem is
+valid while the model looks the same: ``fingerprint`` covers every submodule's identity, type and attributes
+(hyper-parameters such as stride or negative_slope, hooks) and every tensor's identity, storage, shape and dtype.
+In-place updates of values (an optimizer step, ``load_state_dict``) keep the fingerprint: the kept problem
+shares those tensors, so it sees the new values. Anything else (a replaced submodule or parameter, ``.to()``,
+``p.data = ...``, a changed attribute) changes the fingerprint and drops the model's kept problems. Problems
+whose tensors would be dtype-converted copies (a float32 model computed in float64) are not kept: they would hold
+a second copy of the weights and go stale on in-place updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ntk_service.kernels.functional import (
+    NtkProblem,
+    build_problem,
+    check_model,
+    eval_semantics,
+    private_copy,
+    validate_inputs,
+)
+
+__all__ = ["IDLE_PER_SIGNATURE", "SIGNATURES_PER_MODEL", "clear", "fingerprint", "prepared_problem"]
+
+IDLE_PER_SIGNATURE = 4
+"""Idle problems kept per (model, signature): the most calls on one model that run at once without set-up."""
+
+SIGNATURES_PER_MODEL = 8
+"""Signatures kept per model, least recently used dropped first."""
+
+_ATOMS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, enum.Enum, type)
+
+
+def _freeze(value: object, depth: int = 0) -> Hashable:
+    """A hashable summary of an attribute value: atoms as themselves, tensors by identity and storage,
+    containers element-wise (3 levels deep), anything else by identity."""
+    if isinstance(value, _ATOMS):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value.untyped_storage().data_ptr(), tuple(value.shape), value.dtype)
+    if depth < 3:
+        if isinstance(value, tuple | list):
+            return (type(value).__name__, *(_freeze(v, depth + 1) for v in value))
+        if isinstance(value, dict):
+            return ("dict", *((k, _freeze(v, depth + 1)) for k, v in value.items()))
+        if isinstance(value, set | frozenset):
+            return ("set", *sorted(repr(v) for v in value))
+    return ("object", id(value))
+
+
+def fingerprint(model: nn.Module) -> Hashable:
+    """What a kept problem depends on: each submodule's identity, type and attributes but its training flag
+    (problems run in eval mode), tensors by identity, storage, shape and dtype (see NOTE [problem pool])."""
+    return tuple(
+        (id(m), type(m), _freeze({k: v for k, v in vars(m).items() if k != "training"})) for m in model.modules()
+    )
+
+
+@dataclass
+class _ModelEntry:
+    fingerprint: Hashable
+    idle: OrderedDict[Hashable, list[NtkProblem]] = field(default_factory=OrderedDict)
+
+
+_POOL: weakref.WeakKeyDictionary[nn.Module, _ModelEntry] = weakref.WeakKeyDictionary()
+_POOL_LOCK = threading.Lock()
+
+
+def _take(model: nn.Module, print_: Hashable, signature: Hashable) -> NtkProblem | None:
+    with _POOL_LOCK:
+        entry = _POOL.get(model)
+        if entry is None or entry.fingerprint != print_:
+            _POOL[model] = _ModelEntry(print_)
+            return None
+        idle = entry.idle.get(signature)
+        if not idle:
+            return None
+        entry.idle.move_to_end(signature)
+        return idle.pop()
+
+
+def _give(model: nn.Module, print_: Hashable, signature: Hashable, problem: NtkProblem) -> None:
+    with _POOL_LOCK:
+        entry = _POOL.get(model)
+        if entry is None or entry.fingerprint != print_:
+            return  # the model changed while this call ran: its problem describes the old one
+        idle = entry.idle.setdefault(signature, [])
+        entry.idle.move_to_end(signature)
+        if len(idle) < IDLE_PER_SIGNATURE:
+            idle.append(problem)
+        while len(entry.idle) > SIGNATURES_PER_MODEL:
+            entry.idle.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every kept problem (tests; a server never needs this: entries go with their models)."""
+    with _POOL_LOCK:
+        _POOL.clear()
+
+
+def _converts(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether preparing for ``dtype`` copies some floating tensor into another dtype."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return any(t.is_floating_point() and t.dtype != dtype for t in tensors)
+
+
+@contextlib.contextmanager
+def prepared_problem(
+    model: nn.Module,
+    x1: object,
+    x2: object | None,
+    *,
+    params: Sequence[str] | None,
+    dtype: torch.dtype | str | None,
+) -> Iterator[tuple[NtkProblem, torch.Tensor, torch.Tensor | None]]:
+    """Validate the inputs and check out a prepared problem for ``model`` (kept or new; NOTE [problem pool]).
+
+    Yields:
+        (problem, x1, x2) as ``functional.prepare_problem`` returns them; the problem is the caller's alone until
+        the block exits, and is kept for later calls when it exits without an error.
+
+    Raises:
+        As ``functional.prepare_problem``.
+    """
+    check_model(model)
+    compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)
+    signature: Hashable = (
+        tuple(x1t.shape[1:]),
+        x1t.is_floating_point(),
+        compute_dtype,
+        None if params is None else tuple(params) if not isinstance(params, str) else params,
+    )
+    print_: Hashable | None = None
+    problem: NtkProblem | None = None
+    if not _converts(model, compute_dtype):
+        try:
+            print_ = fingerprint(model)
+            problem = _take(model, print_, signature)
+        except TypeError:  # an unhashable glob list or model: prepare per call
+            print_ = None
+    if problem is None:
+        private = None if print_ is None else private_copy(model)
+        if private is None:  # not kept, or uncopyable (then the locked original): prepared per call
+            with eval_semantics(model) as module:
+                yield build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t
+            return
+        problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype)
+    yield problem, x1t, x2t
+    _give(model, print_, signature, problem)
