@@ -24,14 +24,15 @@ capture active in the current context (other threads using the same module see a
 NOTE [channels-last capture]: a convolutional model's batched capture runs k plain reverse passes, and each pass
 is mostly the input gradients of its convolutions (transposed convolutions over n images). oneDNN computes
 those on NCHW tensors through internal reorders to and from its blocked layout, and on channels-last (NHWC)
-tensors directly: on the benchmark CNN (conv 3x3/2 32->32, 64 examples) ~6.6 ms vs ~2.4 ms per pass. So the
-hook hands on every Conv2d output in channels-last memory (same values: the model sees the same tensors, and
-the ops after it keep the layout), and ``_ChannelsLastGrad`` hands the cotangent back to the convolution in
-that layout too, so its backward, and the elementwise backward before it, see one layout. The δ of such a use
-goes into memory (n, H, W, k, C) (``_delta_buffer``), so ``ConvRule`` builds J = δᵀ patches per example with
-one batched matmul, and the bias as a sum over outer axes, reading δ in place. A model that ``.view``s a
-convolution's output cannot take channels-last strides: the first such failure turns the layout off for the
-plan and the capture reruns in NCHW.
+tensors directly: on the benchmark CNN (conv 3x3/2 32->32, 64 examples) ~6.6 ms vs ~2.4-2.8 ms per pass. So
+the hook hands on every Conv2d output but the last in channels-last memory (same values: the model sees the
+same tensors, and the elementwise ops after it keep the layout), and ``_ChannelsLastGrad`` hands the cotangent
+back to every convolution in that layout, so its backward, and the elementwise backward before it, see one
+layout. The last convolution's output stays NCHW: what follows it is usually a flatten or a pooling head,
+whose backward gives NCHW cotangents. A δ that comes back channels-last goes into memory (n, H, W, k, C)
+(``_delta_buffer``), which ``ConvRule`` reads in place. A model that ``.view``s an inner convolution's output
+cannot take channels-last strides: the first such failure turns the layout off for the plan and the capture
+reruns in NCHW.
 """
 
 from __future__ import annotations
@@ -300,6 +301,8 @@ class _Recorder:
         self.inputs: list[torch.Tensor] = []
         self.record_only = False
         self.channels_last = False
+        convs = [i for i, u in enumerate(plan.uses) if isinstance(plan.layers[u.layer], nn.Conv2d)]
+        self.last_conv = convs[-1] if convs else -1
 
     def post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:  # type: ignore[type-arg]
         if _ACTIVE.get() is not self:
@@ -321,11 +324,10 @@ class _Recorder:
         if self.batch is not None:
             channels_last = self.channels_last and isinstance(module, nn.Conv2d) and output.ndim == 4
             if channels_last:  # NOTE [channels-last capture]
-                output = output.contiguous(memory_format=torch.channels_last)
+                last = i == self.last_conv
+                output = output.contiguous(memory_format=torch.contiguous_format if last else torch.channels_last)
+                output = _ChannelsLastGrad.apply(output)  # type: ignore[no-untyped-call]
             self.probes.append(torch.zeros_like(output, requires_grad=True))
-            if channels_last:
-                probed: torch.Tensor = _ChannelsLastGrad.apply(output + self.probes[i])  # type: ignore[no-untyped-call]
-                return probed
         return output + self.probes[i]
 
     def check_count(self) -> None:
@@ -447,17 +449,24 @@ def _capture_passes(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *
     recorder.channels_last = channels_last
     with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
         out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
-        deltas = [_delta_buffer(p, k) for p in recorder.probes]
+        buffers: list[torch.Tensor | None] = [None] * len(recorder.probes)
         eye = torch.eye(k, dtype=problem.dtype)
         for c in range(k):
             grads = torch.autograd.grad(
                 out, recorder.probes, eye[c].expand(n, k), retain_graph=c < k - 1, allow_unused=True
             )
-            for delta, g in zip(deltas, grads, strict=True):
+            for i, g in enumerate(grads):
                 if g is None:
-                    delta[:, c].zero_()
-                else:
-                    delta[:, c].copy_(g)
+                    continue
+                buffer = buffers[i]
+                if buffer is None:  # a probe with no cotangent in an earlier pass has zeros there
+                    buffer = buffers[i] = _delta_buffer(g, k)
+                    buffer[:, :c].zero_()
+                buffer[:, c].copy_(g)
+    deltas = [
+        torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if b is None else b
+        for b, p in zip(buffers, recorder.probes, strict=True)
+    ]
     return _batched_capture(recorder, deltas)
 
 
@@ -470,15 +479,15 @@ def _batched_capture(recorder: _Recorder, deltas: list[torch.Tensor]) -> Capture
     )
 
 
-def _delta_buffer(probe: torch.Tensor, k: int) -> torch.Tensor:
-    """Uninitialised δ (n, k, *probe.shape[1:]) for the k reverse passes of ``_capture_batched``.
+def _delta_buffer(grad: torch.Tensor, k: int) -> torch.Tensor:
+    """Uninitialised δ (n, k, *grad.shape[1:]) for the k reverse passes of ``_capture_passes``.
 
-    A channels-last probe (n, C, H, W) gets memory (n, H, W, k, C): each example's δ is then an (H·W, k·C)
+    A channels-last cotangent (n, C, H, W) gets memory (n, H, W, k, C): each example's δ is then an (H·W, k·C)
     matrix, so a convolution's weight Jacobian is one batched matmul with its patches and the bias a sum over
     the outer axes (NOTE [channels-last capture]); others get (n, k, ...).
     """
-    n, *shape = probe.shape
-    if probe.ndim == 4 and probe.is_contiguous(memory_format=torch.channels_last) and not probe.is_contiguous():
+    n, *shape = grad.shape
+    if grad.ndim == 4 and grad.is_contiguous(memory_format=torch.channels_last) and not grad.is_contiguous():
         c, h, w = shape
-        return torch.empty((n, h, w, k, c), dtype=probe.dtype).permute(0, 3, 4, 1, 2)
-    return torch.empty((n, k, *shape), dtype=probe.dtype)
+        return torch.empty((n, h, w, k, c), dtype=grad.dtype).permute(0, 3, 4, 1, 2)
+    return torch.empty((n, k, *shape), dtype=grad.dtype)

@@ -417,18 +417,19 @@ def test_side_with_itself_from_half_blocks_matches_reference(name: str, monkeypa
 
 
 class ViewedConv(nn.Module):
-    """A CNN that ``.view``s a convolution's output (needs NCHW strides) next to one that flattens it."""
+    """A CNN that ``.view``s an inner convolution's output (needs NCHW strides) for a skip head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(2, 3, 3, stride=2, padding=1)
         self.conv2 = nn.Conv2d(3, 4, 2)
+        self.skip = nn.Linear(27, 3)
         self.head = nn.Linear(16, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.conv1(x))
-        h = torch.tanh(self.conv2(h))
-        return self.head(h.view(h.shape[0], -1))
+        skip = self.skip(h.view(h.shape[0], -1))
+        return self.head(torch.tanh(self.conv2(h)).flatten(1)) + skip
 
 
 @pytest.mark.parametrize(("build", "channels_last"), [(_cnn2d, True), (ViewedConv, False)])
