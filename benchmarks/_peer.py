@@ -38,12 +38,56 @@ class PeerUnavailableError(RuntimeError):
     """``.peer-venv`` is missing or the peer script failed."""
 
 
-def _run(args: Sequence[str], timeout: float | None) -> str:
+def _require_venv() -> None:
     if not PEER_PYTHON.exists():
         raise PeerUnavailableError(
             f"run_peer: the neural-tangents venv {PEER_PYTHON.parent.parent} does not exist; "
             "create it with `make peer-venv` (jax 0.4.25, neural-tangents 0.6.5; about 300 MB)"
         )
+
+
+class PeerSession:
+    """A long-lived peer process (``--serve``) timing one run per request, to alternate with ours.
+
+    with PeerSession() as peer:
+        seconds = peer.time_once("mlp", 64, "structured_derivatives")  # first call compiles and warms up
+    """
+
+    def __init__(self) -> None:
+        _require_venv()
+        self._proc = subprocess.Popen(
+            [str(PEER_PYTHON), str(PEER_SCRIPT), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def time_once(self, model: str, n: int, implementation: str) -> float:
+        """Seconds of one run of the peer's full kernel (N = M = n)."""
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(f"{model} {n} {implementation}\n")
+        self._proc.stdin.flush()
+        line = self._proc.stdout.readline()
+        if not line:
+            stderr = self._proc.stderr.read() if self._proc.stderr else ""
+            raise PeerUnavailableError(f"PeerSession: the peer exited; its stderr ends:\n{stderr[-3000:]}")
+        return float(json.loads(line)["seconds"])
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        self._proc.wait(timeout=60)
+
+    def __enter__(self) -> PeerSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _run(args: Sequence[str], timeout: float | None) -> str:
+    _require_venv()
     command = [str(PEER_PYTHON), str(PEER_SCRIPT), *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:

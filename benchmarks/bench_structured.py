@@ -2,8 +2,10 @@
 
 Part 1 (``--peer``, default on): for each model × N (= M, x2 ≠ x1), the full kernel (N, M, k, k) in float32 by
 our ``structured`` and ``auto`` and, in the same run, neural-tangents' jitted ``STRUCTURED_DERIVATIVES`` in
-``.peer-venv`` (``make peer-venv``). Our runs come before and after the peer's, per case, so both see the same
-machine load. Prints medians and the ratio peer / ours (> 1: we are faster).
+``.peer-venv`` (``make peer-venv``), kept running as a server process (``_peer.PeerSession``). After one warm-up
+each (the peer compiles), single runs alternate — ours structured, the peer's, ours auto — for ``--rounds``
+rounds or ``--max-seconds``, so all three see the same moments of a noisy shared machine. Prints medians and
+the ratios peer / ours (> 1: we are faster).
 
 Part 2 (``--scaling``): the MLP (ReLU, biases, 784 inputs, two hidden layers of ``width``, 10 outputs) full
 kernel, time vs N at width 512 and vs width at N = 256, for each implementation; a case whose estimated FLOPs
@@ -16,6 +18,7 @@ kernel, time vs N at width 512 and vs width at N = 256, for each implementation;
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -38,9 +41,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
 from _models import MODELS, make_inputs  # noqa: E402
-from _peer import PeerUnavailableError, run_peer  # noqa: E402
+from _peer import PeerSession, PeerUnavailableError  # noqa: E402
 
-from ntk_service.kernels import compute_ntk  # noqa: E402
+from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
+from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
 from ntk_service.kernels.api import _ALGORITHMS  # noqa: E402
 from ntk_service.kernels.functional import eval_semantics, prepare_problem  # noqa: E402
 from ntk_service.kernels.modes import KernelMode  # noqa: E402
@@ -82,34 +86,55 @@ def _ours(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, implementation: 
     return call
 
 
-def peer_table(models: list[str], sizes: list[int], repeats: int, max_seconds: float) -> None:
-    print("| model | N = M | neural-tangents SD (s) | ours structured (s) | ours auto (s) | NT / structured |")
-    print("|---|---|---|---|---|---|")
-    for name in models:
-        model = MODELS[name]()
-        for n in sizes:
-            x1, x2 = make_inputs(name, n), make_inputs(name, n, seed=2)
-            # ours before and after the peer (whose large, short-lived process leaves the machine slower for a
-            # while: fresh page faults), so neither side alone gets the quiet or the disturbed moments
-            structured_runs = _timed_runs(_ours(model, x1, x2, "structured"), repeats, max_seconds)
-            peer_s: float | None
-            try:
-                row = run_peer([name], [n], ["structured_derivatives"], repeats=repeats, max_seconds=max_seconds)
-                peer_s = row[0]["seconds"]
-            except PeerUnavailableError as exc:
-                print(f"(peer unavailable: {str(exc).splitlines()[0]})", file=sys.stderr)
-                peer_s = None
-            structured_runs += _timed_runs(_ours(model, x1, x2, "structured"), repeats, max_seconds)
-            structured_s = statistics.median(structured_runs)
-            auto_call = _ours(model, x1, x2, "auto")
-            auto_s, _ = _median_seconds(auto_call, repeats, max_seconds)
-            chosen = auto_call()
-            ratio = f"{peer_s / structured_s:.2f}x" if peer_s else "n/a"
-            peer_text = f"{peer_s:.4f}" if peer_s else "n/a"
-            print(
-                f"| {name} | {n} | {peer_text} | {structured_s:.4f} | {auto_s:.4f} ({chosen}) | {ratio} |",
-                flush=True,
-            )
+def peer_table(models: list[str], sizes: list[int], rounds: int, max_seconds: float) -> None:
+    """Alternate single runs: ours structured, the peer's, ours auto, ``rounds`` times per case (see module doc)."""
+    try:
+        peer: PeerSession | None = PeerSession()
+    except PeerUnavailableError as exc:
+        print(f"(peer unavailable: {str(exc).splitlines()[0]})", file=sys.stderr)
+        peer = None
+    print(
+        "| model | N = M | neural-tangents SD (s) | ours structured (s) | ours auto (s) | NT / structured "
+        "| NT / auto | runs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    try:
+        for name in models:
+            model = MODELS[name]()
+            for n in sizes:
+                x1, x2 = make_inputs(name, n), make_inputs(name, n, seed=2)
+                calls: dict[str, Callable[[], object]] = {
+                    "structured": _ours(model, x1, x2, "structured"),
+                    "auto": _ours(model, x1, x2, "auto"),
+                }
+                if peer is not None:
+                    calls["peer"] = functools.partial(peer.time_once, name, n, "structured_derivatives")
+                for call in calls.values():  # warm-up (the peer compiles here)
+                    call()
+                times: dict[str, list[float]] = {key: [] for key in calls}
+                while len(times["auto"]) < rounds and sum(map(sum, times.values())) < max_seconds:
+                    for key, call in calls.items():
+                        start = time.perf_counter()
+                        reported = call()
+                        elapsed = time.perf_counter() - start
+                        # the peer reports its own run time (without the pipe round trip)
+                        times[key].append(float(reported) if key == "peer" else elapsed)  # type: ignore[arg-type]
+                med = {key: statistics.median(values) for key, values in times.items()}
+                chosen = calls["auto"]()
+                peer_text = f"{med['peer']:.4f}" if "peer" in med else "n/a"
+                ratios = (
+                    (f"{med['peer'] / med['structured']:.2f}x", f"{med['peer'] / med['auto']:.2f}x")
+                    if "peer" in med
+                    else ("n/a", "n/a")
+                )
+                print(
+                    f"| {name} | {n} | {peer_text} | {med['structured']:.4f} | {med['auto']:.4f} ({chosen}) | "
+                    f"{ratios[0]} | {ratios[1]} | {len(times['auto'])} |",
+                    flush=True,
+                )
+    finally:
+        if peer is not None:
+            peer.close()
 
 
 def _mlp(width: int) -> nn.Module:
@@ -155,17 +180,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"], choices=sorted(MODELS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[64, 256])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--max-seconds", type=float, default=30.0)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per scaling case")
+    parser.add_argument("--rounds", type=int, default=30, help="alternating rounds per peer-table case")
+    parser.add_argument("--max-seconds", type=float, default=30.0, help="time cap per case")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--scaling", action="store_true")
     parser.add_argument("--scaling-sizes", nargs="+", type=int, default=[64, 128, 256, 512, 1024])
     parser.add_argument("--scaling-widths", nargs="+", type=int, default=[256, 512, 1024, 2048])
+    parser.add_argument(
+        "--allocator",
+        choices=["retain", "default"],
+        default="retain",
+        help="retain: glibc malloc keeps freed memory, as the server process does (NOTE [allocator]); the peer's "
+        "process gets the same settings through MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_",
+    )
     args = parser.parse_args()
     torch.set_num_threads(THREADS)
-    print(f"torch threads {THREADS}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load {os.getloadavg()[0]:.1f}")
+    if args.allocator == "retain":
+        retain_freed_memory()
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)  # read by the peer's glibc at start
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(TRIM_THRESHOLD_BYTES)
+    print(
+        f"torch threads {THREADS}, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, allocator {args.allocator} "
+        f"(both sides), load {os.getloadavg()[0]:.1f}"
+    )
     if args.peer:
-        peer_table(args.models, args.sizes, args.repeats, args.max_seconds)
+        peer_table(args.models, args.sizes, args.rounds, args.max_seconds)
     if args.scaling:
         scaling_table(args.scaling_sizes, args.scaling_widths, args.repeats, args.max_seconds)
 

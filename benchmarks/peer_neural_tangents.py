@@ -24,6 +24,10 @@ Two modes:
   the median). Combinations in ``SKIPPED_BY_DEFAULT``, or whose time extrapolated as N^2 from the largest
   smaller N would exceed ``PREDICTION_SLACK`` x ``--max-seconds``, are not run: they print
   ``"seconds": null`` and ``"skipped"``.
+- ``--serve``: read lines ``MODEL N IMPLEMENTATION`` from stdin and answer each with one JSON line
+  ``{"seconds": ...}`` for ONE run (compiled and warmed up on its first request, ``"compile_seconds"`` then
+  included), so a benchmark can alternate single runs of ours and the peer's: both see the same moments of a
+  noisy machine (``_peer.PeerSession``).
 - ``--check IN.npz --out OUT.npz``: load torch weights (Linear (out, in), Conv2d (out, in, kh, kw)) and inputs
   (NCHW) written by ``_models.export_weights_npz``, and write NT's full kernel ``theta`` (N, M, k, k) for
   each implementation to OUT.npz (keys ``theta_<implementation>``), so the torch side can compare numbers.
@@ -133,7 +137,8 @@ def _ntk_fn(apply_fn: Callable[..., Any], implementation: str) -> Callable[..., 
     return jax.jit(fn)
 
 
-def _time_one(name: str, n: int, implementation: str, repeats: int, max_seconds: float) -> dict[str, Any]:
+def _compiled(name: str, n: int, implementation: str) -> tuple[Callable[[], Any], float, float]:
+    """The kernel as a no-argument call (inputs and parameters bound), compile and warm-up seconds."""
     init_fn, apply_fn = build_model(name)
     key_params, key_x1, key_x2 = jax.random.split(jax.random.PRNGKey(_SEED), 3)
     _, params = init_fn(key_params, (-1, *INPUT_SHAPES[name]))
@@ -141,13 +146,36 @@ def _time_one(name: str, n: int, implementation: str, repeats: int, max_seconds:
     x2 = jax.random.normal(key_x2, (n, *INPUT_SHAPES[name]))
 
     start = time.perf_counter()
-    ntk_fn = _ntk_fn(apply_fn, implementation).lower(x1, x2, params).compile()  # ahead of time
+    compiled = _ntk_fn(apply_fn, implementation).lower(x1, x2, params).compile()  # ahead of time
     compile_seconds = time.perf_counter() - start
 
+    def call() -> Any:
+        return compiled(x1, x2, params).block_until_ready()
+
     start = time.perf_counter()
-    theta = ntk_fn(x1, x2, params).block_until_ready()  # warm-up
+    theta = call()  # warm-up
     warmup_seconds = time.perf_counter() - start
     assert theta.shape == (n, n, 10, 10), theta.shape
+    return call, compile_seconds, warmup_seconds
+
+
+def serve() -> None:
+    """Answer ``MODEL N IMPLEMENTATION`` lines on stdin with one timed run each (see ``--serve``)."""
+    calls: dict[tuple[str, int, str], Callable[[], Any]] = {}
+    for line in sys.stdin:
+        name, n_text, implementation = line.split()
+        key = (name, int(n_text), implementation)
+        row: dict[str, Any] = {}
+        if key not in calls:
+            calls[key], row["compile_seconds"], row["warmup_seconds"] = _compiled(*key)
+        start = time.perf_counter()
+        calls[key]()
+        row["seconds"] = time.perf_counter() - start
+        print(json.dumps(row), flush=True)
+
+
+def _time_one(name: str, n: int, implementation: str, repeats: int, max_seconds: float) -> dict[str, Any]:
+    call, compile_seconds, warmup_seconds = _compiled(name, n, implementation)
 
     row = {"model": name, "n": n, "implementation": implementation}
     runs: list[float] = []
@@ -159,7 +187,7 @@ def _time_one(name: str, n: int, implementation: str, repeats: int, max_seconds:
         row["note"] = f"one timed run: warm-up took > --max-seconds/2 = {max_seconds / 2:g} s"
     while len(runs) < budget_repeats and sum(runs) <= max_seconds:
         start = time.perf_counter()
-        ntk_fn(x1, x2, params).block_until_ready()
+        call()
         runs.append(time.perf_counter() - start)
     return {
         **row,
@@ -266,9 +294,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--check", metavar="IN.npz", help="torch weights and inputs from export_weights_npz")
     parser.add_argument("--out", metavar="OUT.npz", help="where --check writes theta_<implementation>")
+    parser.add_argument("--serve", action="store_true", help="time single runs requested on stdin")
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
-    if args.check:
+    if args.serve:
+        serve()
+    elif args.check:
         if not args.out:
             parser.error("--check needs --out OUT.npz")
         run_check(args.check, args.out, args.implementations)
