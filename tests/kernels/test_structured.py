@@ -448,3 +448,32 @@ def test_convolutional_capture_in_channels_last_or_nchw(build: Callable[[], nn.M
         theta = alg.pair(problem, alg.left(problem, x1t), alg.left(problem, x2t), KernelMode.FULL)
         assert terms.batch_safe and terms.plan.channels_last is channels_last
     _assert_close(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
+
+
+class ReversedBatchConv(nn.Module):
+    """Convolutions on the batch in reverse order: not batch safe, so the per-example (vmapped) capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 3, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(3, 4, 2, dilation=2)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv1(x.flip(0)))
+        return self.head(torch.tanh(self.conv2(h)).flatten(1).flip(0))
+
+
+def test_convolutional_capture_per_example_matches_reference() -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = ReversedBatchConv().eval()
+    g = torch.Generator().manual_seed(3)
+    x1, x2 = torch.randn(3, 2, 6, 6, generator=g), torch.randn(2, 2, 6, 6, generator=g)
+    with eval_semantics(model) as module:
+        problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
+        alg = Structured("jacobian")
+        terms = structured_terms(problem, x1t[:1], "jacobian")
+        theta = alg.pair(problem, alg.left(problem, x1t), alg.left(problem, x2t), KernelMode.FULL)
+        assert terms.batch_safe is False
+    _assert_close(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
