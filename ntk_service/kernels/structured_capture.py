@@ -25,8 +25,9 @@ NOTE [channels-last capture]: a convolutional model's batched capture runs k pla
 is mostly the input gradients of its convolutions (transposed convolutions over n images). oneDNN computes
 those on NCHW tensors through internal reorders to and from its blocked layout, and on channels-last (NHWC)
 tensors directly: on the benchmark CNN (conv 3x3/2 32->32, 64 examples) ~6.6 ms vs ~2.4-2.8 ms per pass. So
-the hook hands on every Conv2d output but the last in channels-last memory (same values: the model sees the
-same tensors, and the elementwise ops after it keep the layout), and ``_ChannelsLastGrad`` hands the cotangent
+a pre-hook gives every Conv2d its input in channels-last memory (so oneDNN's output is channels-last too) and
+the post hook hands on every Conv2d output but the last in that layout (same values: the model sees the same
+tensors, and the elementwise ops after it keep the layout), and ``_ChannelsLastGrad`` hands the cotangent
 back to every convolution in that layout, so its backward, and the elementwise backward before it, see one
 layout. The last convolution's output stays NCHW: what follows it is usually a flatten or a pooling head,
 whose backward gives NCHW cotangents. A δ that comes back channels-last goes into memory (n, H, W, k, C)
@@ -314,6 +315,14 @@ class _Recorder:
         convs = [i for i, u in enumerate(plan.uses) if isinstance(plan.layers[u.layer], nn.Conv2d)]
         self.last_conv = convs[-1] if convs else -1
 
+    def pre(self, module: nn.Module, args: tuple) -> tuple | None:  # type: ignore[type-arg]
+        """Channels-last capture: a Conv2d's batch input in channels-last memory, so its output is too."""
+        if _ACTIVE.get() is not self or not isinstance(module, nn.Conv2d) or len(args) != 1:
+            return None
+        if not isinstance(args[0], torch.Tensor) or args[0].ndim != 4:
+            return None
+        return (args[0].contiguous(memory_format=torch.channels_last),)
+
     def post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:  # type: ignore[type-arg]
         if _ACTIVE.get() is not self:
             return None
@@ -457,7 +466,7 @@ def _capture_passes(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *
     n, k = x.shape[0], problem.k
     recorder = _Recorder(plan, n)
     recorder.channels_last = channels_last
-    with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
+    with _hooks(plan.layers, recorder.pre if channels_last else None, recorder.post), torch.enable_grad():
         out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
         buffers: list[torch.Tensor | None] = [None] * len(recorder.probes)
         eye = torch.eye(k, dtype=problem.dtype)
