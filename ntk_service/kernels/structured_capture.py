@@ -444,6 +444,8 @@ def _capture_batched(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) 
         if plan.channels_last:
             try:
                 return _capture_passes(problem, plan, x, channels_last=True)
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError:  # e.g. the model views a convolution's output: .view needs NCHW strides
                 plan.channels_last = False
         return _capture_passes(problem, plan, x, channels_last=False)
