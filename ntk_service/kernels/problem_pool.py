@@ -46,23 +46,25 @@ IDLE_PER_SIGNATURE = 4
 SIGNATURES_PER_MODEL = 8
 """Signatures kept per model, least recently used dropped first."""
 
-_ATOMS = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, enum.Enum, type)
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None), torch.dtype, torch.device})
+_EMPTY: Hashable = ()
 
 
 def _freeze(value: object, depth: int = 0) -> Hashable:
     """A hashable summary of an attribute value: atoms as themselves, tensors by identity and storage,
     containers element-wise (3 levels deep), anything else by identity."""
-    if isinstance(value, _ATOMS):
+    kind = type(value)
+    if kind in _ATOMS or isinstance(value, enum.Enum | type):
         return value
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value), value.untyped_storage().data_ptr(), tuple(value.shape), value.dtype)
     if depth < 3:
+        if isinstance(value, dict):  # hook dicts, _parameters, _buffers, _modules: mostly empty
+            return tuple((k, _freeze(v, depth + 1)) for k, v in value.items()) if value else _EMPTY
         if isinstance(value, tuple | list):
-            return (type(value).__name__, *(_freeze(v, depth + 1) for v in value))
-        if isinstance(value, dict):
-            return ("dict", *((k, _freeze(v, depth + 1)) for k, v in value.items()))
+            return (kind.__name__, *(_freeze(v, depth + 1) for v in value))
         if isinstance(value, set | frozenset):
-            return ("set", *sorted(repr(v) for v in value))
+            return ("set", *sorted(repr(v) for v in value)) if value else _EMPTY
     return ("object", id(value))
 
 
@@ -70,7 +72,7 @@ def fingerprint(model: nn.Module) -> Hashable:
     """What a kept problem depends on: each submodule's identity, type and attributes but its training flag
     (problems run in eval mode), tensors by identity, storage, shape and dtype (see NOTE [problem pool])."""
     return tuple(
-        (id(m), type(m), _freeze({k: v for k, v in vars(m).items() if k != "training"})) for m in model.modules()
+        (id(m), type(m), *((k, _freeze(v)) for k, v in vars(m).items() if k != "training")) for m in model.modules()
     )
 
 

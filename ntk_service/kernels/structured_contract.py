@@ -83,13 +83,13 @@ def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dty
     g = a1.shape[1]
     if index:
         gram = (a1.reshape(-1, 1) == a2.reshape(1, -1)).to(dtype).unsqueeze(0)
-    else:
-        left = a1.transpose(0, 1).reshape(g, -1, a1.shape[-1])
-        right = a2.transpose(0, 1).reshape(g, -1, a2.shape[-1])
-        gram = torch.bmm(left, right.transpose(1, 2)) if g > 1 else (left[0] @ right[0].T).unsqueeze(0)
-    if plus_one:
-        gram += 1
-    return gram
+        return gram + 1 if plus_one else gram
+    left = a1.transpose(0, 1).reshape(g, -1, a1.shape[-1])
+    right = a2.transpose(0, 1).reshape(g, -1, a2.shape[-1])
+    one = torch.ones((), dtype=dtype)  # the bias: + 1 fused into the product (beta = 1 or 0)
+    if g > 1:
+        return torch.baddbmm(one, left, right.transpose(1, 2), beta=int(plus_one))
+    return torch.addmm(one, left[0], right[0].T, beta=int(plus_one)).unsqueeze(0)
 
 
 def _example_independent(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor | None:
