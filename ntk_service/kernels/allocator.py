@@ -2,12 +2,13 @@
 
 NOTE [allocator]: a kernel allocates and frees buffers of a few MB (δ's, Grams, theta blocks). With glibc's
 default malloc a buffer that size is mmap'ed or carved from a heap top that is trimmed after every free, so the
-next kernel's buffers start as fresh pages and fault on first touch: 1,367 minor page faults (5.3 MB) per call
-of the benchmark MLP kernel at N = M = 64, about a quarter of its time. ``retain_freed_memory`` raises the
-mmap threshold to glibc's own ceiling (32 MiB; glibc's dynamic threshold drifts up to it anyway) and the trim
-threshold to 256 MiB: 10 faults per call, 13.9 ms instead of 18.5 ms (median of 40, /tmp script in the issue-3
-note). The cost: up to 256 MiB of freed memory may stay in the process, reused by the next kernel. The server
-calls this at start (``kernels.warm_up``); a notebook may call it once. Elsewhere (musl, macOS) it does nothing.
+next kernel's buffers start as fresh pages and fault on first touch: 800-1,400 minor page faults (3-5 MB) per
+call of the benchmark MLP kernel at N = M = 64. ``retain_freed_memory`` raises the mmap threshold to glibc's own
+ceiling (32 MiB; glibc's dynamic threshold drifts up to it anyway) and the trim threshold to 256 MiB: 0-30 faults
+per call, and median times per call of 12.1 -> 11.7, 16.4 -> 15.7 and 19.1 -> 15.5 ms in three alternating pairs
+of processes (default, retained) on the noisy shared machine. The cost: up to 256 MiB of freed memory may stay
+in the process, reused by the next kernel. The server calls this at start (``kernels.warm_up``), Ray workers
+before their first tile; a notebook may call it once. Elsewhere (musl, macOS) it does nothing.
 """
 
 from __future__ import annotations

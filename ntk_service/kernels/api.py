@@ -32,7 +32,7 @@ from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.modes import KernelMode, parse_mode
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, default_memory_budget, plan_blocks
-from ntk_service.kernels.problem_pool import prepared_problem
+from ntk_service.kernels.problem_pool import Prepared, prepared_problem
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.structured import Structured
 from ntk_service.kernels.types import NtkImplementation, NtkResult, parse_implementation
@@ -136,25 +136,38 @@ def compute_ntk(
     kernel_mode = parse_mode(mode)
     impl = parse_implementation(implementation)
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
-    with prepared_problem(model, x1, x2, params=params, dtype=dtype) as (problem, x1t, x2t):
-        n = x1t.shape[0]
-        symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
-        m = n if x2t is None else x2t.shape[0]
-        alg, plan = _choose(impl, (problem, n, m, kernel_mode, symmetric), budget)
-        theta = run_blocks(
-            alg,
-            problem,
-            x1t,
-            None if symmetric else x2t,
-            kernel_mode,
-            plan,
-            side_cache=side_cache,
-            x1_key=x1_key,
-            x2_key=x2_key,
-        )
+    with prepared_problem(model, x1, x2, params=params, dtype=dtype) as prepared:
+        return _compute(prepared, kernel_mode, impl, budget, side_cache, x1_key, x2_key)
+
+
+def _compute(
+    prepared: Prepared,
+    mode: KernelMode,
+    impl: NtkImplementation,
+    budget: int,
+    side_cache: SideCache | None,
+    x1_key: Hashable | None,
+    x2_key: Hashable | None,
+) -> NtkResult:
+    problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
+    n = x1t.shape[0]
+    symmetric = x2t is None or mode is KernelMode.EXAMPLE_DIAGONAL
+    m = n if x2t is None else x2t.shape[0]
+    alg, plan = _choose(impl, (problem, n, m, mode, symmetric), budget)
+    theta = run_blocks(
+        alg,
+        problem,
+        x1t,
+        None if symmetric else x2t,
+        mode,
+        plan,
+        side_cache=side_cache,
+        x1_key=x1_key,
+        x2_key=x2_key,
+    )
     return NtkResult(
         theta=theta,
-        mode=kernel_mode,
+        mode=mode,
         implementation=alg.implementation,
         estimate_bytes=plan.estimate_bytes,
         block_size=plan.block_n,

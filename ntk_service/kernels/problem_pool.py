@@ -38,7 +38,14 @@ from ntk_service.kernels.functional import (
     validate_inputs,
 )
 
-__all__ = ["IDLE_PER_SIGNATURE", "SIGNATURES_PER_MODEL", "clear", "fingerprint", "prepared_problem"]
+__all__ = [
+    "IDLE_PER_SIGNATURE",
+    "SIGNATURES_PER_MODEL",
+    "Prepared",
+    "clear",
+    "fingerprint",
+    "prepared_problem",
+]
 
 IDLE_PER_SIGNATURE = 4
 """Idle problems kept per (model, signature): the most calls on one model that run at once without set-up."""
@@ -124,6 +131,17 @@ def _converts(model: nn.Module, dtype: torch.dtype) -> bool:
     return any(t.is_floating_point() and t.dtype != dtype for t in tensors)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepared_problem`` yields: the problem and the validated inputs, as ``prepare_problem`` returns
+    them. A kept problem's structure plan was made on an earlier call's first example: the same per-example
+    shape, and models whose layer calls depend on values are refused by the probe (``vmap``) anyway."""
+
+    problem: NtkProblem
+    x1: torch.Tensor
+    x2: torch.Tensor | None
+
+
 @contextlib.contextmanager
 def prepared_problem(
     model: nn.Module,
@@ -132,12 +150,15 @@ def prepared_problem(
     *,
     params: Sequence[str] | None,
     dtype: torch.dtype | str | None,
-) -> Iterator[tuple[NtkProblem, torch.Tensor, torch.Tensor | None]]:
+) -> Iterator[Prepared]:
     """Validate the inputs and check out a prepared problem for ``model`` (kept or new; NOTE [problem pool]).
 
+    Args:
+        model, x1, x2, params, dtype: as ``functional.prepare_problem``.
+
     Yields:
-        (problem, x1, x2) as ``functional.prepare_problem`` returns them; the problem is the caller's alone until
-        the block exits, and is kept for later calls when it exits without an error.
+        The problem, the caller's alone until the block exits, and kept for later calls when it exits without an
+        error.
 
     Raises:
         As ``functional.prepare_problem``.
@@ -156,14 +177,14 @@ def prepared_problem(
         try:
             print_ = fingerprint(model)
             problem = _take(model, print_, signature)
-        except TypeError:  # an unhashable glob list or model: prepare per call
+        except TypeError:  # an unhashable model or glob list: prepared per call
             print_ = None
     if problem is None:
         private = None if print_ is None else private_copy(model)
         if private is None:  # not kept, or uncopyable (then the locked original): prepared per call
             with eval_semantics(model) as module:
-                yield build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t
+                yield Prepared(build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t)
             return
         problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype)
-    yield problem, x1t, x2t
+    yield Prepared(problem, x1t, x2t)
     _give(model, print_, signature, problem)

@@ -106,7 +106,8 @@ def test_failed_calls_do_not_keep_their_problem(builds: list[NtkProblem]) -> Non
 def test_one_block_kernels_build_both_sides_in_one_pass() -> None:
     model, x1, x2 = _mlp(), torch.randn(6, 3, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
     result = compute_ntk(model, x1, x2, implementation="structured")
-    with problem_pool.prepared_problem(model, x1, x2, params=None, dtype=None) as (problem, _, _):
+    with problem_pool.prepared_problem(model, x1, x2, params=None, dtype=None) as prepared:
+        problem = prepared.problem
         alg = _ALGORITHMS[NtkImplementation.STRUCTURED]
         plan = plan_blocks(alg, problem, 6, 5, KernelMode.FULL, symmetric=False, budget_bytes=2**30)
         tight = plan_blocks(alg, problem, 6, 5, KernelMode.FULL, symmetric=False, budget_bytes=plan.estimate_bytes - 1)
