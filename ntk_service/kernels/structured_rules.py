@@ -23,6 +23,8 @@ Embedding           one-hot(id[t]) (kept as ids)           δ_c[t] (embedding_di
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -172,8 +174,12 @@ class ConvRule(Rule):
     def _spatial(module: nn.Module) -> int:
         return 1 if isinstance(module, nn.Conv1d) else 2
 
-    def _patches(self, module: nn.Module, a: torch.Tensor) -> torch.Tensor:
-        """Receptive-field patches of a (n, *B, C_in, *spatial): (n·B, C_in·kh·kw, L)."""
+    def __init__(self) -> None:
+        self._last_bias = threading.local()  # (weakref to δ, its bias J): see ``jacobian``
+
+    def _patches(self, module: nn.Module, a: torch.Tensor, ones_row: bool = False) -> torch.Tensor:
+        """Receptive-field patches of a (n, *B, C_in, *spatial): (n·B, C_in·kh·kw, L), and a last row of ones
+        (n·B, C_in·kh·kw + 1, L) when ``ones_row``."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         sp = self._spatial(module)
         images = a.reshape(-1, module.in_channels, *a.shape[a.ndim - sp :])  # (n·B, C_in, *spatial)
@@ -194,7 +200,13 @@ class ConvRule(Rule):
             (sb, sc, sh * dilation[0], sw * dilation[1], sh * stride[0], sw * stride[1]),
             images.storage_offset(),
         )
-        return windows.reshape(b, c * kernel[0] * kernel[1], out_h * out_w)
+        q = c * kernel[0] * kernel[1]
+        if not ones_row:
+            return windows.reshape(b, q, out_h * out_w)
+        patches = torch.empty((b, q + 1, out_h * out_w), dtype=a.dtype)
+        patches[:, :q].view(windows.shape).copy_(windows)
+        patches[:, q].fill_(1)
+        return patches
 
     def factors(self, module: nn.Module, a: torch.Tensor, delta: torch.Tensor) -> Factors:
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
@@ -221,6 +233,11 @@ class ConvRule(Rule):
     ) -> torch.Tensor:
         sp = self._spatial(module)
         if role == "bias":
+            last = getattr(self._last_bias, "value", None)
+            self._last_bias.value = None
+            if last is not None and last[0]() is delta:  # summed by the weight's matmul of this same δ
+                bias_j: torch.Tensor = last[1]
+                return bias_j
             return _sum_positions(delta, delta.ndim - sp - 1)
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         n, k = delta.shape[:2]
@@ -230,15 +247,21 @@ class ConvRule(Rule):
         # in (k, n, ...) memory (vmapped capture) one bmm per output c reads it in place instead. With δ in
         # (n, L, k, C_out) memory (channels-last capture) and thin patches (q < THIN_PATCH) Jᵀ = patches (q, L)
         # @ δ (L, k·C_out) reads both row-major and one small copy transposes it: BLAS is ~2x slower on a thin
-        # output from two transposed operands (conv 3->32 3x3 of the benchmark CNN: 14 ms vs 7.5 ms)
-        patches = self._patches(module, a)  # (n, q, L)
-        patches_t = patches.transpose(1, 2)  # (n, L, q)
+        # output from two transposed operands (conv 3->32 3x3 of the benchmark CNN: 14 ms vs 7.5 ms). That
+        # matmul also gives the bias's J = Σ_L δ from a row of ones under the patches, kept for the bias call
+        # of the same δ that follows (it saves a second read of the layer's largest δ)
         c_out = module.out_channels
         d = delta.reshape(n, k, c_out, -1)
         by_position = d.permute(0, 3, 1, 2)  # (n, L, k, C_out)
-        if patches.shape[1] < THIN_PATCH and by_position[0].is_contiguous():
-            j_t = torch.bmm(patches, by_position.reshape(n, -1, k * c_out))  # (n, q, k·C_out)
-            return j_t.transpose(1, 2).reshape(n, k, -1)
+        q = module.in_channels * math.prod(module.kernel_size)
+        if q < THIN_PATCH and by_position[0].is_contiguous():
+            with_bias = module.bias is not None
+            patches = self._patches(module, a, ones_row=with_bias)  # (n, q (+1), L)
+            j_t = torch.bmm(patches, by_position.reshape(n, -1, k * c_out))  # (n, q (+1), k·C_out)
+            if with_bias:
+                self._last_bias.value = (weakref.ref(delta), j_t[:, q].view(n, k, c_out))
+            return j_t[:, :q].transpose(1, 2).reshape(n, k, -1)
+        patches_t = self._patches(module, a).transpose(1, 2)  # (n, L, q)
         if d.stride(0) >= d.stride(1):
             return torch.bmm(d.reshape(n, k * module.out_channels, -1), patches_t).view(n, k, -1)
         out = torch.empty(k, n, module.out_channels, patches_t.shape[-1], dtype=delta.dtype)
