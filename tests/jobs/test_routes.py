@@ -193,7 +193,10 @@ def _events(client: httpx.Client, job_id: str) -> list[tuple[str, dict[str, Any]
 
 def test_events_stream_progress_until_the_end(server: LiveServer) -> None:
     with server.client() as client:
-        _register(client, "slow-sse", SLOW_MODEL)
+        # Only a tile that meets a new row block runs the (sleeping) forward: the engine keeps the prepared model and
+        # the job's side cache the sides. 0.5 s per forward spaces those tiles over several polls (EVENT_POLL_S).
+        slower = {**SLOW_MODEL, "kwargs": {**SLOW_MODEL["kwargs"], "delay_s": 0.5}}  # type: ignore[dict-item]
+        _register(client, "slow-sse", slower)
         dataset = _upload(client, np.random.default_rng(1).standard_normal((12, 4)).astype(np.float32))
         job = client.post(
             "/v1/jobs", json={"model": "slow-sse", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 3}
