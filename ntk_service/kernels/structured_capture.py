@@ -452,13 +452,25 @@ def _capture_batched(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) 
     recorder = _Recorder(plan, n)
     with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
         out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
-        basis = torch.eye(k, dtype=problem.dtype).unsqueeze(1).expand(k, n, k)
+        # a materialized basis: the batched matmul of a Linear output layer's backward then folds k into its
+        # rows (one mm) instead of an expanded bmm
+        eye = torch.eye(k, dtype=problem.dtype)
+        basis = eye.unsqueeze(1).expand(k, n, k).contiguous()
         grads = torch.autograd.grad(out, recorder.probes, basis, is_grads_batched=True, allow_unused=True)
     deltas = [  # views of (k, n, ...) memory
-        torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if g is None else g.transpose(0, 1)
+        torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if g is None else _output_basis(g, basis, eye)
         for g, p in zip(grads, recorder.probes, strict=True)
     ]
     return _batched_capture(recorder, deltas)
+
+
+def _output_basis(grad: torch.Tensor, basis: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+    """A probe's δ (k, n, ...) as (n, k, ...); the basis itself (a layer whose output is the model's output)
+    as the identity expanded over the examples (stride 0), which the contraction recognizes (NOTE
+    [example-independent δ] in structured_contract.py)."""
+    if grad.shape == basis.shape and grad.data_ptr() == basis.data_ptr():
+        return eye.unsqueeze(0).expand(basis.shape[1], *eye.shape)
+    return grad.transpose(0, 1)
 
 
 def _capture_passes(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *, channels_last: bool) -> Capture:
