@@ -483,24 +483,40 @@ def _capture_passes(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *
     with _hooks(plan.layers, recorder.pre if channels_last else None, recorder.post), torch.enable_grad():
         out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
         buffers: list[torch.Tensor | None] = [None] * len(recorder.probes)
+        basis = [False] * len(recorder.probes)  # so far every pass gave the cotangent itself: δ_c = e_c
         eye = torch.eye(k, dtype=problem.dtype)
         for c in range(k):
-            grads = torch.autograd.grad(
-                out, recorder.probes, eye[c].expand(n, k), retain_graph=c < k - 1, allow_unused=True
-            )
+            cotangent = eye[c].expand(n, k)
+            grads = torch.autograd.grad(out, recorder.probes, cotangent, retain_graph=c < k - 1, allow_unused=True)
             for i, g in enumerate(grads):
                 if g is None:
                     continue
                 buffer = buffers[i]
-                if buffer is None:  # a probe with no cotangent in an earlier pass has zeros there
+                if buffer is None and (c == 0 or basis[i]) and _is_same_view(g, cotangent):
+                    basis[i] = True  # a layer whose output is the model's output
+                    continue
+                if buffer is None:  # earlier passes gave zeros (no cotangent) or e_c (the basis)
                     buffer = buffers[i] = _delta_buffer(g, k)
-                    buffer[:, :c].zero_()
+                    if basis[i]:
+                        buffer[:, :c].copy_(eye[:c].expand(n, c, k))
+                    else:
+                        buffer[:, :c].zero_()
+                    basis[i] = False
                 buffer[:, c].copy_(g)
     deltas = [
-        torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if b is None else b
-        for b, p in zip(buffers, recorder.probes, strict=True)
+        eye.expand(n, k, k)  # e_c for every example (stride 0): NOTE [example-independent δ] in structured_contract
+        if is_basis
+        else torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype)
+        if b is None
+        else b
+        for b, p, is_basis in zip(buffers, recorder.probes, basis, strict=True)
     ]
     return _batched_capture(recorder, deltas)
+
+
+def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are the same elements of the same memory."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 def _batched_capture(recorder: _Recorder, deltas: list[torch.Tensor]) -> Capture:
