@@ -63,6 +63,8 @@ class NtkProblem:
         dtype: the compute dtype (float32 or float64).
         forward_flops: FLOPs of one example's forward pass, counted by ``FlopCounterMode``.
         saved_bytes: bytes autograd saves for backward in one example's forward pass.
+        owns_module: ``module`` is a private copy (``problem_pool``) whose own parameters and buffers hold the
+            values of ``params`` and ``frozen`` (same storage and dtype), so ``f_own`` may call it directly.
     """
 
     module: nn.Module
@@ -73,6 +75,7 @@ class NtkProblem:
     dtype: torch.dtype
     forward_flops: float
     saved_bytes: float
+    owns_module: bool = False
 
     @property
     def k(self) -> int:
@@ -90,6 +93,18 @@ class NtkProblem:
     def f_batch(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
         """The model on a batch: x (n, *input) -> (n, k)."""
         out: torch.Tensor = functional_call(self.module, (params, self.frozen), (x,))
+        return out.reshape(x.shape[0], self.k)
+
+    def f_own(self, x: torch.Tensor) -> torch.Tensor:
+        """``f_batch(self.params, x)`` without ``functional_call``'s swapping, when ``owns_module``.
+
+        The module's own parameters take part (they require grad): fine for differentiating w.r.t. anything else
+        (the structured capture's probes), wrong for telling parameter uses apart (``plan_structure`` tracks the
+        tensors of ``params``, so it calls ``f_batch``).
+        """
+        if not self.owns_module:
+            return self.f_batch(self.params, x)
+        out: torch.Tensor = self.module(x)
         return out.reshape(x.shape[0], self.k)
 
     def f_single(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:

@@ -75,12 +75,25 @@ def _freeze(value: object, depth: int = 0) -> Hashable:
     return ("object", id(value))
 
 
+_CONTAINERS = frozenset({dict, OrderedDict, list, tuple, set})
+
+
+def _module_print(module: nn.Module) -> Hashable:
+    items: list[Hashable] = [id(module), type(module)]
+    for key, value in vars(module).items():
+        kind = type(value)
+        if kind in _ATOMS:
+            if key != "training":  # problems run in eval mode whatever the flag
+                items.append((key, value))
+        elif kind not in _CONTAINERS or value:  # most hook dicts are empty: nothing to add
+            items.append((key, _freeze(value)))
+    return tuple(items)
+
+
 def fingerprint(model: nn.Module) -> Hashable:
     """What a kept problem depends on: each submodule's identity, type and attributes but its training flag
     (problems run in eval mode), tensors by identity, storage, shape and dtype (see NOTE [problem pool])."""
-    return tuple(
-        (id(m), type(m), *((k, _freeze(v)) for k, v in vars(m).items() if k != "training")) for m in model.modules()
-    )
+    return tuple(_module_print(m) for m in model.modules())
 
 
 @dataclass
@@ -186,5 +199,6 @@ def prepared_problem(
                 yield Prepared(build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t)
             return
         problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype)
+        problem.owns_module = True  # a private copy, no tensor converted: its own tensors are the problem's
     yield Prepared(problem, x1t, x2t)
     _give(model, print_, signature, problem)

@@ -360,7 +360,10 @@ class _Recorder:
 def _run_recorded(problem: NtkProblem, recorder: _Recorder, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
     token = _ACTIVE.set(recorder)
     try:
-        out = problem.f_batch(params, x) if recorder.batch is not None else problem.f_single(params, x)
+        if recorder.batch is None:
+            out = problem.f_single(params, x)
+        else:  # the batched forward of the problem's own parameters may skip functional_call's swapping
+            out = problem.f_own(x) if params is problem.params else problem.f_batch(params, x)
     finally:
         _ACTIVE.reset(token)
     recorder.check_count()
