@@ -310,6 +310,7 @@ class _Recorder:
         self.index = {id(m): i for i, m in enumerate(plan.layers)}
         self.probes: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
+        self.outputs: list[tuple[torch.Tensor, int]] = []  # batched: each call's output + probe, and its version
         self.record_only = False
         self.channels_last = False
         convs = [i for i, u in enumerate(plan.uses) if isinstance(plan.layers[u.layer], nn.Conv2d)]
@@ -347,6 +348,9 @@ class _Recorder:
                 output = output.contiguous(memory_format=torch.contiguous_format if last else torch.channels_last)
                 output = _ChannelsLastGrad.apply(output)  # type: ignore[no-untyped-call]
             self.probes.append(torch.zeros_like(output, requires_grad=True))
+            probed = output + self.probes[i]
+            self.outputs.append((probed, probed._version))
+            return probed
         return output + self.probes[i]
 
     def check_count(self) -> None:
@@ -455,9 +459,22 @@ def _capture_batched(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) 
     recorder = _Recorder(plan, n)
     with _hooks(plan.layers, None, recorder.post), torch.enable_grad():
         out = _run_recorded(problem, recorder, problem.params, x)  # (n, k)
+        eye = torch.eye(k, dtype=problem.dtype)
+        head = _linear_head(plan, recorder, out)
+        if head is not None:  # NOTE [linear head]
+            weight = plan.states[plan.uses[-1].layer]["weight"]  # (k, in)
+            cotangent = weight.unsqueeze(1).expand(k, n, weight.shape[1])  # ∂f_c/∂a = W[c], every example
+            earlier = recorder.probes[:-1]
+            head_grads: tuple[torch.Tensor | None, ...] = (None,) * len(earlier)
+            if earlier and head.requires_grad:  # else no earlier call reaches the head's input: δ = 0
+                head_grads = torch.autograd.grad(head, earlier, cotangent, is_grads_batched=True, allow_unused=True)
+            deltas = [
+                torch.zeros((n, k, *p.shape[1:]), dtype=p.dtype) if g is None else g.transpose(0, 1)
+                for g, p in zip(head_grads, earlier, strict=True)
+            ]
+            return _batched_capture(recorder, [*deltas, eye.unsqueeze(0).expand(n, k, k)])
         # a materialized basis: the batched matmul of a Linear output layer's backward then folds k into its
         # rows (one mm) instead of an expanded bmm
-        eye = torch.eye(k, dtype=problem.dtype)
         basis = eye.unsqueeze(1).expand(k, n, k).contiguous()
         grads = torch.autograd.grad(out, recorder.probes, basis, is_grads_batched=True, allow_unused=True)
     deltas = [  # views of (k, n, ...) memory
@@ -465,6 +482,28 @@ def _capture_batched(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) 
         for g, p in zip(grads, recorder.probes, strict=True)
     ]
     return _batched_capture(recorder, deltas)
+
+
+def _linear_head(plan: StructurePlan, recorder: _Recorder, out: torch.Tensor) -> torch.Tensor | None:
+    """The input a (n, in) of the last covered call when the model's output (n, k) is exactly that call's output
+    and it is an ``nn.Linear`` with k outputs; else None.
+
+    NOTE [linear head]: then ∂f_c/∂a = W[c] for every example, so the reverse pass can start at a with those
+    rows (stride 0 over the examples) instead of at the output with the basis: it skips the head's batched
+    matmul, whose (k, n, in) result is the size of a hidden layer's δ, and the head's δ is the identity.
+    "Exactly": same memory, contiguous, and not modified in place after the call (its version counter).
+    """
+    if not recorder.outputs or len(recorder.outputs) != len(plan.uses) or not recorder.probes:
+        return None
+    probed, version = recorder.outputs[-1]
+    a = recorder.inputs[-1]
+    layer = plan.layers[plan.uses[-1].layer]
+    same = probed.data_ptr() == out.data_ptr() and probed.shape == out.shape and probed._version == version
+    if not (isinstance(layer, nn.Linear) and same and out.is_contiguous() and a.ndim == 2):
+        return None
+    if layer.out_features != out.shape[1] or "weight" not in plan.states[plan.uses[-1].layer]:
+        return None
+    return a
 
 
 def _output_basis(grad: torch.Tensor, basis: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:

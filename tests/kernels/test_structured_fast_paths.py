@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import KernelMode, compute_ntk, structured_contract
+from ntk_service.kernels import KernelMode, compute_ntk, structured_capture, structured_contract
 from tests.reference import reference_ntk
 
 
@@ -33,3 +33,73 @@ def test_output_layer_delta_shared_by_all_examples_is_contracted_as_an_outer_pro
     torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
     if mode is not KernelMode.EXAMPLE_DIAGONAL:  # the diagonal has its own contraction
         assert shared and torch.equal(shared[0], torch.eye(3, dtype=torch.float64))
+
+
+class _ScaledInPlace(nn.Module):
+    """The head's output modified in place after the call: not the head's output any more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(5, 7), nn.Tanh()), nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(self.body(x))
+        return y.mul_(2.0)
+
+
+class _Residual(nn.Module):
+    """Something added after the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(5, 3), nn.Tanh()), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + h
+
+
+class _SequenceHead(nn.Module):
+    """A head over positions: (n, T, in) -> (n, T, out), k = T·out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Sequential(nn.Linear(5, 6), nn.GELU()), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x.view(x.shape[0], 2, 5)))
+
+
+HEADS = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)), True),
+    "single linear": (lambda: nn.Linear(5, 3), True),
+    "in-place after the head": (_ScaledInPlace, False),
+    "residual after the head": (_Residual, False),
+    "head over positions": (_SequenceHead, False),
+}
+
+
+@pytest.mark.parametrize("name", HEADS)
+def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [linear head]: taken exactly when the model's output is a Linear's output; the kernel is exact."""
+    taken: list[bool] = []
+    real = structured_capture._linear_head
+
+    def spy(*args: object) -> torch.Tensor | None:
+        head = real(*args)  # type: ignore[arg-type]
+        taken.append(head is not None)
+        return head
+
+    monkeypatch.setattr(structured_capture, "_linear_head", spy)
+    build, expected_taken = HEADS[name]
+    torch.manual_seed(0)
+    model = build().double()
+    width = 10 if name == "head over positions" else 5
+    x1, x2 = torch.randn(6, width, dtype=torch.float64), torch.randn(4, width, dtype=torch.float64)
+    for mode in KernelMode:
+        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
+        expected = reference_ntk(model, x1, x2, mode.value)
+        torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+    assert taken and all(t == expected_taken for t in taken)
