@@ -42,6 +42,8 @@ from ntk_service.kernels.structured_contract import (
     add_jacobian,
     add_jacobian_diagonal,
     finish,
+    finish_with_factored,
+    fusable,
     new_accumulator,
 )
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
@@ -248,19 +250,32 @@ class Structured:
         n = _side_examples(left)
         if left is right and mode is KernelMode.FULL and n >= SYMMETRIC_SPLIT_MIN:
             return finish(self._pair_symmetric(problem, left, n), mode)
+        if mode is KernelMode.FULL:
+            return self._accumulate(problem, left, right, mode, final=True)
         return finish(self._accumulate(problem, left, right, mode), mode)
 
     def _accumulate(
-        self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode
+        self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode, *, final: bool = False
     ) -> torch.Tensor:
+        """The accumulator of a block (layouts in structured_contract.py); with ``final`` (FULL only) the block
+        itself, (n, m, k, k) contiguous, its last factored term added in the pass that writes that layout."""
         terms = self._terms(problem)
+        factored = list(zip(terms.factored, left["factored"], right["factored"], strict=True))
+        last = None
+        if final:
+            last = next((i for i, (_, lf, rf) in enumerate(factored) if fusable(lf, rf)), None)
+        held = None if last is None else factored.pop(last)
         shape = accumulator_shape(mode, _side_examples(left), _side_examples(right), problem.k)
-        acc = torch.empty(shape, dtype=problem.dtype) if terms.factored else torch.zeros(shape, dtype=problem.dtype)
-        for i, (term, lf, rf) in enumerate(zip(terms.factored, left["factored"], right["factored"], strict=True)):
+        acc = torch.empty(shape, dtype=problem.dtype) if factored else torch.zeros(shape, dtype=problem.dtype)
+        for i, (term, lf, rf) in enumerate(factored):
             add_factored(acc, lf, rf, mode, index=term.index, plus_one=term.bias is not None, fresh=i == 0)
         for name, j1 in left["jacobians"].items():
             add_jacobian(acc, j1, right["jacobians"][name], mode)
-        return acc
+        if not final:
+            return acc
+        if held is None:
+            return finish(acc, mode).contiguous()
+        return finish_with_factored(acc, held[1], held[2], plus_one=held[0].bias is not None)
 
     def _pair_symmetric(self, problem: NtkProblem, side: StructuredSide, n: int) -> torch.Tensor:
         """FULL accumulator (k, n, k, n) of a side with itself from 3 of its 4 half-blocks: Θ(b, a) = Θ(a, b)ᵀ.

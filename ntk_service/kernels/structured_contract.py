@@ -167,6 +167,36 @@ def add_factored(
     acc.add_(gram_d.sum((1, 3, 5)))
 
 
+def fusable(left: tuple[torch.Tensor, torch.Tensor], right: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether ``finish_with_factored`` takes this term: float A, G = T = S = 1."""
+    (a1, d1), (_, d2) = left, right
+    return a1.is_floating_point() and d1.shape[2:4] == (1, 1) and d2.shape[2:4] == (1, 1)
+
+
+def finish_with_factored(
+    acc: torch.Tensor,
+    left: tuple[torch.Tensor, torch.Tensor],
+    right: tuple[torch.Tensor, torch.Tensor],
+    *,
+    plus_one: bool,
+) -> torch.Tensor:
+    """theta (n, m, k, k), contiguous = FULL acc (k, n, k, m) + one more ``fusable`` factored term, in one pass
+    that writes theta's layout (the permuting copy of the accumulator, with k-long inner runs, is the slow part of
+    a small block; the term rides along)."""
+    (a1, d1), (a2, d2) = left, right
+    k, n, _, m = acc.shape
+    gram_a = _gram_a(a1, a2, False, plus_one, acc.dtype)[0]  # (n, m)
+    shared = _example_independent(d1, d2)
+    if shared is not None:
+        gram_d = shared.view(1, 1, k, k)
+    else:
+        dd = d1.shape[-1]
+        gram_d = d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd) @ d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd).T
+        gram_d = gram_d.view(k, n, k, m).permute(1, 3, 0, 2)
+    theta = torch.empty(n, m, k, k, dtype=acc.dtype)
+    return torch.addcmul(acc.permute(1, 3, 0, 2), gram_d, gram_a.view(n, m, 1, 1), out=theta)
+
+
 def add_factored_diagonal(
     acc: torch.Tensor, side: tuple[torch.Tensor, torch.Tensor], *, index: bool, plus_one: bool
 ) -> None:
