@@ -79,7 +79,7 @@ _CONTAINERS = frozenset({dict, OrderedDict, list, tuple, set})
 
 
 def _module_print(module: nn.Module) -> Hashable:
-    items: list[Hashable] = [id(module), type(module)]
+    items: list[object] = [id(module), type(module)]
     for key, value in vars(module).items():
         kind = type(value)
         if kind in _ATOMS:
