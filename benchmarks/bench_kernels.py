@@ -42,9 +42,10 @@ def run_case(model_name: str, n: int, implementation: str, mode: str, repeats: i
 
     from benchmarks._models import MODELS, make_inputs
     from benchmarks.torchfunc_tutorial import tutorial_ntk
-    from ntk_service.kernels import compute_ntk
+    from ntk_service.kernels import compute_ntk, retain_freed_memory
 
     torch.set_num_threads(2)
+    retain_freed_memory()  # as the server process does, for every column alike (NOTE [allocator])
     model = MODELS[model_name]()
     x1, x2 = make_inputs(model_name, n), make_inputs(model_name, n, seed=2)
     base = _rss_bytes()
