@@ -1,7 +1,10 @@
 """The block runner: walks theta block by block for any NtkAlgorithm, reusing sides and exploiting symmetry.
 
 When x2 is x1 only blocks on and above the diagonal are contracted; each is mirrored below it, and diagonal
-blocks are symmetrized as (B + Bᵀ)/2, so the result is exactly symmetric (IEEE addition commutes).
+blocks are symmetrized as (B + Bᵀ)/2, so the result is exactly symmetric (IEEE addition commutes). When x1 and x2
+are one block each and the plan allows it (``BlockPlan.joint_sides``), both sides come from one pass over x1 and
+x2 together, unless a side cache is in play: a cached side must not depend on which other examples shared its
+pass (its bits would then depend on hits and misses).
 """
 
 from __future__ import annotations
