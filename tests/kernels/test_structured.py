@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk, structured, structured_contract
+from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk, structured
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.functional import eval_semantics, prepare_problem
 from ntk_service.kernels.planning import plan_blocks
@@ -481,22 +481,12 @@ def test_convolutional_capture_per_example_matches_reference() -> None:
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_convolutional_capture_leaves_the_output_layer_delta_shared(
-    mode: KernelMode, monkeypatch: pytest.MonkeyPatch
+    mode: KernelMode, shared_deltas: list[torch.Tensor]
 ) -> None:
     """The k-pass capture of a CNN gives its output Linear δ_c = e_c for every example (stride 0), so the
     contraction takes the Δ ⊗ G^A shortcut (NOTE [example-independent δ]); the kernel matches the reference."""
-    shared: list[torch.Tensor] = []
-    real = structured_contract._example_independent
-
-    def spy(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor | None:
-        delta = real(d1, d2)
-        if delta is not None:
-            shared.append(delta)
-        return delta
-
-    monkeypatch.setattr(structured_contract, "_example_independent", spy)
     model, x1, x2 = _case("cnn2d")
     theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured", dtype=torch.float64).theta
     _assert_close(theta, _reference("cnn2d", mode, True, False), 1e-10)
     if mode is not KernelMode.EXAMPLE_DIAGONAL:  # the diagonal has its own contraction
-        assert shared and torch.equal(shared[0], torch.eye(3, dtype=torch.float64))
+        assert shared_deltas and torch.equal(shared_deltas[0], torch.eye(3, dtype=torch.float64))
