@@ -23,7 +23,17 @@ import torch
 
 from ntk_service.kernels.modes import KernelMode
 
-__all__ = ["add_factored", "add_factored_diagonal", "add_jacobian", "add_jacobian_diagonal", "new_accumulator"]
+__all__ = [
+    "accumulator_shape",
+    "add_factored",
+    "add_factored_diagonal",
+    "add_jacobian",
+    "add_jacobian_diagonal",
+    "finish",
+    "finish_with_factored",
+    "fusable",
+    "new_accumulator",
+]
 
 
 def accumulator_shape(mode: KernelMode, n: int, m: int, k: int) -> tuple[int, ...]:
@@ -100,6 +110,12 @@ def _example_independent(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor | N
     return d1[0, :, 0, 0] @ d2[0, :, 0, 0].T
 
 
+def _plain_gram_d(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+    """G^D (k·n, k·m) of δ's with G = T = S = 1, d1 (n, k, 1, 1, dd), rows (c, example) as δ lies in memory."""
+    (n, k), m, dd = d1.shape[:2], d2.shape[0], d1.shape[-1]
+    return d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd) @ d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd).T
+
+
 def add_factored(
     acc: torch.Tensor,
     left: tuple[torch.Tensor, torch.Tensor],
@@ -122,19 +138,17 @@ def add_factored(
     m, s = d2.shape[0], d2.shape[3]
     gram_a = _gram_a(a1, a2, index, plus_one, d1.dtype)  # (G, n·T, m·S)
     shared = _example_independent(d1, d2)
-    if fresh and mode is KernelMode.FULL and (shared is not None or g == t == s == 1):
-        if shared is not None:
-            torch.mul(shared.view(k, 1, k, 1), gram_a.view(1, n, 1, m), out=acc)
+    if mode is KernelMode.FULL and (shared is not None or g == t == s == 1):  # one (k, n, k, m) product
+        gram_d = shared.view(k, 1, k, 1) if shared is not None else _plain_gram_d(d1, d2).view(k, n, k, m)
+        if fresh:
+            torch.mul(gram_d, gram_a.view(1, n, 1, m), out=acc)
         else:
-            gram_d = d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd) @ d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd).T
-            torch.mul(gram_d.view(k, n, k, m), gram_a.view(1, n, 1, m), out=acc)
+            acc.addcmul_(gram_d, gram_a.view(1, n, 1, m))
         return
     if fresh:
         acc.zero_()
     if shared is not None:  # G^A (n, m) times one k×k Δ
-        if mode is KernelMode.FULL:
-            acc.addcmul_(shared.view(k, 1, k, 1), gram_a.view(1, n, 1, m))
-        elif mode is KernelMode.TRACE:
+        if mode is KernelMode.TRACE:
             acc.add_(gram_a.view(n, m) * shared.trace())
         else:
             acc.addcmul_(shared.diagonal().view(k, 1, 1), gram_a.view(1, n, m))
@@ -142,10 +156,6 @@ def add_factored(
     if mode is KernelMode.FULL:
         dl = d1.permute(2, 1, 0, 3, 4).reshape(g, k * n * t, dd)  # rows (c, example, position): δ's memory order
         dr = d2.permute(2, 1, 0, 3, 4).reshape(g, k * m * s, dd)
-        if g == 1 and t == 1 and s == 1:
-            gram_d = dl[0] @ dr[0].T  # (k·n, k·m)
-            acc.addcmul_(gram_d.view(k, n, k, m), gram_a.view(1, n, 1, m))
-            return
         gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(g, k, n, t, k, m, s)
         gram_d.mul_(gram_a.view(g, 1, n, t, 1, m, s))
         acc.add_(gram_d.sum((0, 3, 6)))
@@ -190,9 +200,7 @@ def finish_with_factored(
     if shared is not None:
         gram_d = shared.view(1, 1, k, k)
     else:
-        dd = d1.shape[-1]
-        gram_d = d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd) @ d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd).T
-        gram_d = gram_d.view(k, n, k, m).permute(1, 3, 0, 2)
+        gram_d = _plain_gram_d(d1, d2).view(k, n, k, m).permute(1, 3, 0, 2)
     theta = torch.empty(n, m, k, k, dtype=acc.dtype)
     return torch.addcmul(acc.permute(1, 3, 0, 2), gram_d, gram_a.view(n, m, 1, 1), out=theta)
 
