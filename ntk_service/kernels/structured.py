@@ -226,17 +226,22 @@ class Structured:
             a = parts[0].a if len(parts) == 1 else torch.cat([p.a for p in parts], dim=2)
             d = parts[0].d if len(parts) == 1 else torch.cat([p.d for p in parts], dim=3)
             factored.append((a, d))
-        jacobians: NamedTensors = {}
+        roles: dict[int, list[str]] = {}  # use -> the roles whose J it contributes to
+        owner: dict[tuple[int, str], str] = {}
         for jterm in terms.jacobian:
-            total: torch.Tensor | None = None
             for u, role in jterm.uses:
-                layer = plan.uses[u].layer
-                rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
-                j = rule.jacobian(module, role, cap.inputs[u], cap.deltas[u], state)
-                total = j if total is None else total + j
-            if total is None:  # a layer the batch never called: its parameters have zero Jacobian
-                total = torch.zeros(x.shape[0], problem.k, jterm.numel, dtype=problem.dtype)
-            jacobians[jterm.name] = total
+                roles.setdefault(u, []).append(role)
+                owner[u, role] = jterm.name
+        jacobians: NamedTensors = {}
+        for u, use_roles in roles.items():  # one rule call per use: a weight and its bias may share a pass
+            layer = plan.uses[u].layer
+            rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
+            for role, j in rule.jacobians(module, tuple(use_roles), cap.inputs[u], cap.deltas[u], state).items():
+                name = owner[u, role]
+                jacobians[name] = j if name not in jacobians else jacobians[name] + j
+        for jterm in terms.jacobian:
+            if jterm.name not in jacobians:  # a layer the batch never called: its parameters have zero Jacobian
+                jacobians[jterm.name] = torch.zeros(x.shape[0], problem.k, jterm.numel, dtype=problem.dtype)
         jacobians.update(cap.fallback_jacobians)
         return {"factored": factored, "jacobians": jacobians}
 

@@ -23,8 +23,6 @@ Embedding           one-hot(id[t]) (kept as ids)           δ_c[t] (embedding_di
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +98,18 @@ class Rule:
         """(G, T, da, dd) of one use with per-example input/output shapes, for the cost model."""
         raise NotImplementedError
 
+    def jacobians(
+        self,
+        module: nn.Module,
+        roles: tuple[str, ...],
+        a: torch.Tensor,
+        delta: torch.Tensor,
+        state: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """J of each parameter in ``roles`` for one use, role -> (n, k, numel); a rule may share work between
+        them (one pass over δ for a weight and its bias)."""
+        return {role: self.jacobian(module, role, a, delta, state) for role in roles}
+
     def jacobian(
         self, module: nn.Module, role: str, a: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> torch.Tensor:
@@ -174,9 +184,6 @@ class ConvRule(Rule):
     def _spatial(module: nn.Module) -> int:
         return 1 if isinstance(module, nn.Conv1d) else 2
 
-    def __init__(self) -> None:
-        self._last_bias = threading.local()  # (weakref to δ, its bias J): see ``jacobian``
-
     def _patches(self, module: nn.Module, a: torch.Tensor, ones_row: bool = False) -> torch.Tensor:
         """Receptive-field patches of a (n, *B, C_in, *spatial): (n·B, C_in·kh·kw, L), and a last row of ones
         (n·B, C_in·kh·kw + 1, L) when ``ones_row``."""
@@ -228,39 +235,39 @@ class ConvRule(Rule):
         q = module.in_channels // g * math.prod(module.kernel_size)
         return (g, positions, q, module.out_channels // g)
 
+    def jacobians(
+        self,
+        module: nn.Module,
+        roles: tuple[str, ...],
+        a: torch.Tensor,
+        delta: torch.Tensor,
+        state: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """The weight's J and, with thin patches, the bias's J from the same matmul (a row of ones under the
+        patches sums δ over positions: one read of the layer's largest δ instead of two); see ``jacobian``."""
+        if "weight" not in roles:
+            return super().jacobians(module, roles, a, delta, state)
+        thin = self._thin_jacobians(module, a, delta, with_bias="bias" in roles)
+        if thin is None:
+            return super().jacobians(module, roles, a, delta, state)
+        return {role: thin[role] for role in roles}
+
     def jacobian(
         self, module: nn.Module, role: str, a: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         sp = self._spatial(module)
         if role == "bias":
-            last = getattr(self._last_bias, "value", None)
-            self._last_bias.value = None
-            if last is not None and last[0]() is delta:  # summed by the weight's matmul of this same δ
-                bias_j: torch.Tensor = last[1]
-                return bias_j
             return _sum_positions(delta, delta.ndim - sp - 1)
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         n, k = delta.shape[:2]
         if module.groups > 1 or math.prod(delta.shape[2 : delta.ndim - sp - 1]) > 1:
             return super().jacobian(module, role, a, delta, state)
+        thin = self._thin_jacobians(module, a, delta, with_bias=False)
+        if thin is not None:
+            return thin["weight"]
         # one group, one image per example: J = δ (k·C_out, L) @ patchesᵀ (L, q) per example, one bmm; with δ
-        # in (k, n, ...) memory (vmapped capture) one bmm per output c reads it in place instead. With δ in
-        # (n, L, k, C_out) memory (channels-last capture) and thin patches (q < THIN_PATCH) Jᵀ = patches (q, L)
-        # @ δ (L, k·C_out) reads both row-major and one small copy transposes it: BLAS is ~2x slower on a thin
-        # output from two transposed operands (conv 3->32 3x3 of the benchmark CNN: 14 ms vs 7.5 ms). That
-        # matmul also gives the bias's J = Σ_L δ from a row of ones under the patches, kept for the bias call
-        # of the same δ that follows (it saves a second read of the layer's largest δ)
-        c_out = module.out_channels
-        d = delta.reshape(n, k, c_out, -1)
-        by_position = d.permute(0, 3, 1, 2)  # (n, L, k, C_out)
-        q = module.in_channels * math.prod(module.kernel_size)
-        if q < THIN_PATCH and by_position[0].is_contiguous():
-            with_bias = module.bias is not None
-            patches = self._patches(module, a, ones_row=with_bias)  # (n, q (+1), L)
-            j_t = torch.bmm(patches, by_position.reshape(n, -1, k * c_out))  # (n, q (+1), k·C_out)
-            if with_bias:
-                self._last_bias.value = (weakref.ref(delta), j_t[:, q].view(n, k, c_out))
-            return j_t[:, :q].transpose(1, 2).reshape(n, k, -1)
+        # in (k, n, ...) memory (vmapped capture) one bmm per output c reads it in place instead
+        d = delta.reshape(n, k, module.out_channels, -1)
         patches_t = self._patches(module, a).transpose(1, 2)  # (n, L, q)
         if d.stride(0) >= d.stride(1):
             return torch.bmm(d.reshape(n, k * module.out_channels, -1), patches_t).view(n, k, -1)
@@ -268,6 +275,31 @@ class ConvRule(Rule):
         for c in range(k):
             torch.bmm(d[:, c], patches_t, out=out[c])
         return out.transpose(0, 1).reshape(n, k, -1)
+
+    def _thin_jacobians(
+        self, module: nn.Module, a: torch.Tensor, delta: torch.Tensor, *, with_bias: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """J of the weight (and the bias) as Jᵀ = patches (q (+1), L) @ δ (L, k·C_out) per example, or None when
+        that form does not apply. With δ in (n, L, k, C_out) memory (channels-last capture) and thin patches
+        (q < THIN_PATCH) both operands are read row-major and one small copy transposes the result: BLAS is ~2x
+        slower on a thin output from two transposed operands (conv 3->32 3x3 of the benchmark CNN: 14 ms vs
+        7.5 ms)."""
+        assert isinstance(module, nn.Conv1d | nn.Conv2d)
+        sp = self._spatial(module)
+        if module.groups > 1 or math.prod(delta.shape[2 : delta.ndim - sp - 1]) > 1:
+            return None
+        n, k = delta.shape[:2]
+        c_out = module.out_channels
+        by_position = delta.reshape(n, k, c_out, -1).permute(0, 3, 1, 2)  # (n, L, k, C_out)
+        q = module.in_channels * math.prod(module.kernel_size)
+        if q >= THIN_PATCH or not by_position[0].is_contiguous():
+            return None
+        patches = self._patches(module, a, ones_row=with_bias)  # (n, q (+1), L)
+        j_t = torch.bmm(patches, by_position.reshape(n, -1, k * c_out))  # (n, q (+1), k·C_out)
+        out = {"weight": j_t[:, :q].transpose(1, 2).reshape(n, k, -1)}
+        if with_bias:
+            out["bias"] = j_t[:, q].view(n, k, c_out)
+        return out
 
 
 class EmbeddingRule(Rule):
