@@ -35,21 +35,14 @@ whose backward gives NCHW cotangents. A δ that comes back channels-last goes in
 cannot take channels-last strides: the first such failure turns the layout off for the plan and the capture
 reruns in NCHW.
 
-NOTE [huge pages]: the δ of an early convolution is the largest buffer of a side (benchmark CNN, 64 examples:
-n·k·C·H·W = 74 MB), above glibc's mmap threshold, so it is fresh memory on every call and its first touch
-costs a page fault per 4 KiB: filling it took 28-33 ms, 10-12 ms after ``madvise(MADV_HUGEPAGE)`` on it
-(transparent huge pages in "madvise" mode, the common default). ``_delta_buffer`` gives that advice for every
-δ buffer; it changes no value and is skipped off Linux.
+The δ of an early convolution is the largest buffer of a side (benchmark CNN, 64 examples: n·k·C·H·W = 74 MB),
+fresh memory on every call: ``_delta_buffer`` asks for huge pages for it (NOTE [huge pages] in allocator.py).
 """
 
 from __future__ import annotations
 
 import contextvars
-import ctypes
-import ctypes.util
-import functools
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -60,6 +53,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ntk_service.errors import UnsupportedModel
+from ntk_service.kernels.allocator import prefer_huge_pages
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.structured_rules import Rule, rule_for
 from ntk_service.kernels.types import NamedTensors
@@ -570,41 +564,6 @@ def _batched_capture(recorder: _Recorder, deltas: list[torch.Tensor]) -> Capture
     )
 
 
-HUGE_PAGE_BYTES = 2 * 1024 * 1024
-"""x86-64 transparent huge page size; δ buffers spanning at least two of them are advised to use them."""
-
-_MADV_HUGEPAGE = 14  # linux/mman.h
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise, or None off Linux/glibc."""
-    name = ctypes.util.find_library("c") if sys.platform == "linux" else None
-    if name is None:
-        return None
-    try:
-        madvise = ctypes.CDLL(name, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise
-
-
-def _prefer_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """Ask the kernel to back the untouched memory of ``t`` with transparent huge pages (NOTE [huge pages]).
-
-    Advice only: it changes no value, and where it is not honoured (THP off, not Linux) nothing happens.
-    """
-    madvise = _madvise()
-    start = t.data_ptr()
-    end = start + t.untyped_storage().nbytes()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if madvise is not None and last > first:
-        madvise(first, last - first, _MADV_HUGEPAGE)
-    return t
-
-
 def _delta_buffer(grad: torch.Tensor, k: int) -> torch.Tensor:
     """Uninitialised δ (n, k, *grad.shape[1:]) for the k reverse passes of ``_capture_passes``.
 
@@ -615,5 +574,5 @@ def _delta_buffer(grad: torch.Tensor, k: int) -> torch.Tensor:
     n, *shape = grad.shape
     if grad.ndim == 4 and grad.is_contiguous(memory_format=torch.channels_last) and not grad.is_contiguous():
         c, h, w = shape
-        return _prefer_huge_pages(torch.empty((n, h, w, k, c), dtype=grad.dtype)).permute(0, 3, 4, 1, 2)
-    return _prefer_huge_pages(torch.empty((n, k, *shape), dtype=grad.dtype))
+        return prefer_huge_pages(torch.empty((n, h, w, k, c), dtype=grad.dtype)).permute(0, 3, 4, 1, 2)
+    return prefer_huge_pages(torch.empty((n, k, *shape), dtype=grad.dtype))
