@@ -341,7 +341,10 @@ class _Recorder:
                 last = i == self.last_conv
                 output = output.contiguous(memory_format=torch.contiguous_format if last else torch.channels_last)
                 output = _ChannelsLastGrad.apply(output)  # type: ignore[no-untyped-call]
-            self.probes.append(torch.zeros_like(output, requires_grad=True))
+            # one zero expanded to the output's shape: the cotangent at the expanded view is full-size, and no
+            # buffer of zeros is written
+            zero = torch.zeros((1,) * output.ndim, dtype=output.dtype, requires_grad=True)
+            self.probes.append(zero.expand(output.shape))
             probed = output + self.probes[i]
             self.outputs.append((probed, probed._version))
             return probed
