@@ -55,7 +55,8 @@ class NtkProblem:
     """A model prepared for kernel computation; all tensors are in the compute dtype.
 
     Attributes:
-        module: the user's module (never mutated; called only through ``functional_call``).
+        module: a private structural copy of the user's module (NOTE [private module]), or the user's own under
+            a lock when it cannot be copied; never mutated beyond ``functional_call``'s temporary swap.
         params: the selected parameters, detached, by name (tied weights appear once).
         frozen: every other parameter and buffer, detached, by name (constants of f).
         out_shape: per-example output shape; k = prod(out_shape).
