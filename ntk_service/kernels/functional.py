@@ -216,8 +216,9 @@ def _as_input(x: object, name: str, dtype: torch.dtype) -> torch.Tensor:
     if t.shape[0] == 0:
         raise EmptyBatch(f"compute_ntk: {name} is an empty batch (shape {tuple(t.shape)}); pass at least one example")
     if t.is_floating_point():
-        # one reduction instead of an elementwise test: a NaN or inf element makes the (float64) sum non-finite
-        if not math.isfinite(float(t.sum(dtype=torch.float64))) and not bool(torch.isfinite(t).all()):
+        # one reduction in the input's own dtype instead of an elementwise test: a NaN or inf element always makes
+        # the sum non-finite; a finite sum that overflows is a false alarm the exact test below clears
+        if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0])
             raise NonFiniteInput(f"compute_ntk: {name} contains NaN or inf (first in example {bad}); clean the inputs")
         return t.to(dtype)

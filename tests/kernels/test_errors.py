@@ -20,6 +20,7 @@ from ntk_service.errors import (
     UnsupportedModel,
 )
 from ntk_service.kernels import SideCache, compute_ntk
+from ntk_service.kernels.functional import validate_inputs
 from tests.reference import reference_ntk
 
 
@@ -191,3 +192,11 @@ def test_concurrent_calls_on_one_model_agree(implementation: str, train_mode: bo
     # Not bitwise: concurrent BLAS calls may split their sums differently; a state mix-up is far off or raises.
     assert all((r - expected).abs().max() <= 1e-10 * expected.abs().max() for r in results)
     assert all(m.training is train_mode for m in model.modules())
+
+
+def test_large_finite_input_is_not_refused(mlp: nn.Module) -> None:
+    """The finite check sums in the input's dtype: a float32 sum that overflows is a false alarm it clears."""
+    x = torch.full((2, 4), 3e38)
+    assert not torch.isfinite(x.sum())
+    _, x1, _ = validate_inputs(mlp, x, None, None)
+    assert torch.equal(x1, x)

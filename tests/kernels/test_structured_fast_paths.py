@@ -93,3 +93,50 @@ def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
         expected = reference_ntk(model, x1, x2, mode.value)
         torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
     assert taken and all(t == expected_taken for t in taken)
+
+
+class _ViewModifiedInPlace(nn.Module):
+    """A view of a hidden layer's output is modified in place (its version counter is shared with the output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.head = nn.Linear(5, 7), nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h[:, :2].mul_(3.0)
+        return self.head(torch.tanh(h))
+
+
+OUTPUTS = {
+    "untouched": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), False),
+    "in-place relu": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3)), True),
+    "view modified in place": (_ViewModifiedInPlace, True),
+}
+
+
+@pytest.mark.parametrize("name", OUTPUTS)
+def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [outputs as probes]: an in-place change of a covered output switches the plan to added probes (the
+    first capture reruns) and the kernel stays exact."""
+    probing: list[bool] = []
+    real = structured_capture._capture_batched_once
+
+    def spy(problem: object, plan: structured_capture.StructurePlan, x: torch.Tensor) -> object:
+        probing.append(plan.probe_outputs)
+        return real(problem, plan, x)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(structured_capture, "_capture_batched_once", spy)
+    build, modified = OUTPUTS[name]
+    torch.manual_seed(0)
+    model = build().double()
+    x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    for mode in KernelMode:
+        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
+        expected = reference_ntk(model, x1, x2, mode.value)
+        torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+    assert probing[0] is False  # every plan starts with the outputs as probes
+    assert all(probing[1:]) if modified else not any(probing)
+    assert len(probing) == len(KernelMode) + (1 if modified else 0)
