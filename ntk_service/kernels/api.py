@@ -15,6 +15,9 @@ NOTE [auto choice]: AUTO plans every implementation for the memory budget and ta
 estimated FLOPs (``NtkAlgorithm.flops``, from P, k, N, M and the counted forward FLOPs) among those that fit.
 Forward-mode products run at a lower fraction of peak than the dense matmuls of a contraction on CPU, so their
 FLOPs are weighted by ``_EFFICIENCY`` (measured with benchmarks/bench_kernels.py). It never times the candidates.
+The choice is kept with the problem per call shape (``NtkProblem.choices``) and reused while the budget gives the
+same answer: a budget between the plan's estimate and the budget it was made for always does, a larger one only
+when the plan is the planner's first candidate and the implementation the cheapest of all (fitting or not).
 """
 
 from __future__ import annotations
@@ -57,11 +60,37 @@ _EFFICIENCY: dict[NtkImplementation, float] = {
 """Relative cost of one estimated FLOP per implementation; see NOTE [auto choice]."""
 
 
+_CHOICES_PER_PROBLEM = 64
+"""Call shapes whose choice a kept problem remembers (a server sees few; all are forgotten past this many)."""
+
+
 def _choose(
     implementation: NtkImplementation,
     problem_args: tuple,  # type: ignore[type-arg]
     budget: int,
 ) -> tuple[NtkAlgorithm, BlockPlan]:
+    """The implementation and block plan for a call; reused from ``problem.choices`` when still the answer
+    (NOTE [auto choice])."""
+    problem, n, m, mode, symmetric = problem_args
+    key = (implementation, n, m, mode, symmetric)
+    kept = problem.choices.get(key)
+    if kept is not None:
+        alg, plan, planned_for, any_larger = kept
+        if plan.estimate_bytes <= budget and (budget <= planned_for or any_larger):
+            return alg, plan
+    alg, plan, any_larger = _plan_choice(implementation, problem_args, budget)
+    if len(problem.choices) >= _CHOICES_PER_PROBLEM:
+        problem.choices.clear()
+    problem.choices[key] = (alg, plan, budget, any_larger)
+    return alg, plan
+
+
+def _plan_choice(
+    implementation: NtkImplementation,
+    problem_args: tuple,  # type: ignore[type-arg]
+    budget: int,
+) -> tuple[NtkAlgorithm, BlockPlan, bool]:
+    """The choice and whether any larger budget would make it too."""
     problem, n, m, mode, symmetric = problem_args
     if implementation is not NtkImplementation.AUTO:
         if implementation not in _ALGORITHMS:
@@ -70,9 +99,11 @@ def _choose(
                 f"use one of {[i.value for i in _ALGORITHMS]} or 'auto'"
             )
         alg = _ALGORITHMS[implementation]
-        return alg, plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)
+        plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)
+        return alg, plan, plan.first_choice
     best: tuple[float, NtkAlgorithm, BlockPlan] | None = None
     refusal: MemoryEstimateExceeded | None = None
+    costs = {impl: alg.flops(problem, n, m, mode) * _EFFICIENCY.get(impl, 1.0) for impl, alg in _ALGORITHMS.items()}
     for impl, alg in _ALGORITHMS.items():
         try:
             plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)
@@ -80,13 +111,13 @@ def _choose(
             if refusal is None or (exc.estimate_bytes or 0) < (refusal.estimate_bytes or 0):
                 refusal = exc
             continue
-        cost = alg.flops(problem, n, m, mode) * _EFFICIENCY.get(impl, 1.0)
-        if best is None or cost < best[0]:
-            best = (cost, alg, plan)
+        if best is None or costs[impl] < best[0]:
+            best = (costs[impl], alg, plan)
     if best is None:
         assert refusal is not None
         raise refusal
-    return best[1], best[2]
+    cost, alg, plan = best
+    return alg, plan, plan.first_choice and cost <= min(costs.values())
 
 
 def compute_ntk(

@@ -15,8 +15,9 @@ import itertools
 import math
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,6 +67,8 @@ class NtkProblem:
         saved_bytes: bytes autograd saves for backward in one example's forward pass.
         owns_module: ``module`` is a private copy (``problem_pool``) whose own parameters and buffers hold the
             values of ``params`` and ``frozen`` (same storage and dtype), so ``f_own`` may call it directly.
+        choices: the implementation and block plan chosen per call shape (``api._choose``), kept with the
+            problem so a kept problem (``problem_pool``) plans once per shape.
     """
 
     module: nn.Module
@@ -77,6 +80,7 @@ class NtkProblem:
     forward_flops: float
     saved_bytes: float
     owns_module: bool = False
+    choices: dict[Hashable, Any] = field(default_factory=dict)
 
     @property
     def k(self) -> int:

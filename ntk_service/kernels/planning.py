@@ -50,6 +50,7 @@ class BlockPlan:
         estimate_bytes: estimated peak memory, result included.
         joint_sides: one block each of x1 and x2 (x2 given), and the algorithm builds both sides in one pass
             over x1 and x2 together (``split_side`` in algorithm.py): one forward and reverse pass instead of two.
+        first_choice: the planner's first candidate, which any larger budget picks too.
     """
 
     block_n: int
@@ -57,6 +58,7 @@ class BlockPlan:
     keep_right_sides: bool
     estimate_bytes: int
     joint_sides: bool = False
+    first_choice: bool = False
 
 
 def _block_sizes(n: int, m: int) -> list[int]:
@@ -104,13 +106,15 @@ def plan_blocks(
     Raises:
         MemoryEstimateExceeded: even one example per block does not fit; carries the estimate and the budget.
     """
-    if not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "split_side"):
+    joint = not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "split_side")
+    if joint:
         result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
         joint_peak, _ = alg.side_bytes(problem, n + m, left=True)
         estimate = result + joint_peak + alg.pair_bytes(problem, n, m, mode)
         if estimate <= budget_bytes:
-            return BlockPlan(n, m, False, int(estimate), joint_sides=True)
+            return BlockPlan(n, m, False, int(estimate), joint_sides=True, first_choice=True)
     smallest = math.inf
+    first = not joint  # the first candidate tried
     for size in _block_sizes(n, m):
         bn = min(size, n)
         bm = bn if symmetric else min(size, m)
@@ -119,7 +123,8 @@ def plan_blocks(
             estimate = _estimate(alg, problem, n, m, bn, bm, mode, keep)
             smallest = min(smallest, estimate)
             if estimate <= budget_bytes:
-                return BlockPlan(bn, bm, keep, int(estimate))
+                return BlockPlan(bn, bm, keep, int(estimate), first_choice=first)
+            first = False
     result_only = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
     raise MemoryEstimateExceeded(
         f"compute_ntk: {alg.implementation.value} needs at least {format_bytes(smallest)} for mode "

@@ -186,12 +186,13 @@ def prepared_problem(
     )
     print_: Hashable | None = None
     problem: NtkProblem | None = None
-    if not _converts(model, compute_dtype):
-        try:
-            print_ = fingerprint(model)
-            problem = _take(model, print_, signature)
-        except TypeError:  # an unhashable model or glob list: prepared per call
-            print_ = None
+    try:  # a kept problem for this signature never converts (those are not kept): no need to check
+        print_ = fingerprint(model)
+        problem = _take(model, print_, signature)
+    except TypeError:  # an unhashable model or glob list: prepared per call
+        print_ = None
+    if problem is None and print_ is not None and _converts(model, compute_dtype):
+        print_ = None
     if problem is None:
         private = None if print_ is None else private_copy(model)
         if private is None:  # not kept, or uncopyable (then the locked original): prepared per call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import compute_ntk, problem_pool
+from ntk_service.kernels import api, compute_ntk, problem_pool
 from ntk_service.kernels.api import _ALGORITHMS
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import KernelMode
@@ -115,6 +116,45 @@ def test_one_block_kernels_build_both_sides_in_one_pass() -> None:
     assert not tight.joint_sides  # a budget the joint pass would exceed gets separate sides
     expected = reference_ntk(model, x1, x2, "full")
     torch.testing.assert_close(result.theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+
+
+def test_kept_choices_are_the_plans_a_fresh_problem_would_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [auto choice]: a kept problem reuses its plan for a call shape only while the budget gives the same
+    answer; every call's plan equals the one a never-seen model (a fresh problem) gets, and repeats plan nothing."""
+    planned: list[int] = []
+    real = api.plan_blocks
+
+    def spy(*args: object, **kwargs: object) -> object:
+        planned.append(1)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(api, "plan_blocks", spy)
+    model, x1, x2 = _mlp(), torch.randn(16, 3, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
+    with problem_pool.prepared_problem(copy.deepcopy(model), x1, x2, params=None, dtype=None) as prepared:
+        alg = _ALGORITHMS[NtkImplementation.STRUCTURED]
+        joint = plan_blocks(alg, prepared.problem, 16, 12, KernelMode.FULL, symmetric=False, budget_bytes=2**30)
+        tight = plan_blocks(
+            alg, prepared.problem, 16, 12, KernelMode.FULL, symmetric=False, budget_bytes=joint.estimate_bytes - 1
+        )
+    assert joint.joint_sides and not tight.joint_sides
+    # (budget, whether the structured choice kept from the call before must be re-planned): the first call; a
+    # larger budget (the joint plan is the first choice: kept); one the joint pass exceeds; one between that plan's
+    # estimate and its budget (kept); a larger one (it was not the first choice: re-planned); the same (kept)
+    steps = [(2**30, True), (2**31, False), (joint.estimate_bytes - 1, True), (tight.estimate_bytes, False)]
+    steps += [(2**30, True), (2**30, False)]
+    for implementation in ("structured", "auto"):
+        for budget, expect_planning in steps:
+            planned.clear()
+            kept = compute_ntk(model, x1, x2, implementation=implementation, memory_budget_bytes=budget)
+            if implementation == "structured":  # AUTO's reuse also depends on the costs of the others
+                assert bool(planned) is expect_planning
+            fresh = compute_ntk(copy.deepcopy(model), x1, x2, implementation=implementation, memory_budget_bytes=budget)
+            assert (kept.implementation, kept.block_size, kept.estimate_bytes) == (
+                fresh.implementation,
+                fresh.block_size,
+                fresh.estimate_bytes,
+            )
+            torch.testing.assert_close(kept.theta, fresh.theta, rtol=1e-12, atol=0.0)
 
 
 _FAULTS = """
