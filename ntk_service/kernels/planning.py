@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import dataclass
 
 from ntk_service.errors import MemoryEstimateExceeded, format_bytes
@@ -27,16 +28,35 @@ DEFAULT_MEMORY_FRACTION = 0.5
 """Default budget: half of the memory available now, leaving room for the process, other requests and the OS."""
 
 
+BUDGET_REFRESH_SECONDS = 0.5
+"""How long ``default_memory_budget`` reuses its reading: /proc/meminfo costs ~0.15 ms on a cold cache, a
+noticeable share of a small kernel, and what is available does not move much within half a second."""
+
+_budget_reading: tuple[float, int] = (-math.inf, 0)  # (time.monotonic() of the reading, budget)
+
+
 def default_memory_budget() -> int:
-    """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory."""
+    """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory; read at most every
+    ``BUDGET_REFRESH_SECONDS``."""
+    global _budget_reading
+    now = time.monotonic()
+    read_at, budget = _budget_reading
+    if now - read_at < BUDGET_REFRESH_SECONDS:
+        return budget
+    budget = int(_available_bytes() * DEFAULT_MEMORY_FRACTION)
+    _budget_reading = (now, budget)
+    return budget
+
+
+def _available_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(int(line.split()[1]) * 1024 * DEFAULT_MEMORY_FRACTION)
+                    return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * DEFAULT_MEMORY_FRACTION)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)

@@ -94,12 +94,24 @@ def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dty
     if index:
         gram = (a1.reshape(-1, 1) == a2.reshape(1, -1)).to(dtype).unsqueeze(0)
         return gram + 1 if plus_one else gram
+    one = _one(dtype)  # the bias: + 1 fused into the product (beta = 1 or 0)
+    if g == 1:  # the common case in as few tensor calls as it takes: (n·T, da) by (m·S, da)
+        left, right = a1.reshape(-1, a1.shape[-1]), a2.reshape(-1, a2.shape[-1])
+        return torch.addmm(one, left, right.T, beta=int(plus_one))[None]
     left = a1.transpose(0, 1).reshape(g, -1, a1.shape[-1])
     right = a2.transpose(0, 1).reshape(g, -1, a2.shape[-1])
-    one = torch.ones((), dtype=dtype)  # the bias: + 1 fused into the product (beta = 1 or 0)
-    if g > 1:
-        return torch.baddbmm(one, left, right.transpose(1, 2), beta=int(plus_one))
-    return torch.addmm(one, left[0], right[0].T, beta=int(plus_one)).unsqueeze(0)
+    return torch.baddbmm(one, left, right.transpose(1, 2), beta=int(plus_one))
+
+
+_ONES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _one(dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d tensor 1 of ``dtype``, made once (only ever read)."""
+    one = _ONES.get(dtype)
+    if one is None:
+        one = _ONES[dtype] = torch.ones((), dtype=dtype)
+    return one
 
 
 def _example_independent(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor | None:
