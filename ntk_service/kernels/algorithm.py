@@ -69,6 +69,6 @@ class NtkAlgorithm(Protocol):
         """Estimated FLOPs of the whole (N = n, M = m) kernel, for AUTO's choice."""
         ...
 
-    # Optional: ``split_side(side, n) -> (first n examples, the rest)``, views of a side built by ``left`` on
-    # x1 and x2 concatenated. An algorithm with it (and ``right_is_left``) gets both sides of a one-block kernel
-    # from one pass (``BlockPlan.joint_sides``).
+    # Optional: ``joint_sides(problem, x1, x2) -> (side of x1, side of x2)``, both built by one ``left`` pass over
+    # x1 and x2 together (views of that side). An algorithm with it (and ``right_is_left``) gets both sides of a
+    # one-block kernel from one pass (``BlockPlan.joint_sides``).

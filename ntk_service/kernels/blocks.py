@@ -99,8 +99,7 @@ def run_blocks(
     cached = side_cache is not None and (x1_key is not None or x2_key is not None)
     if plan.joint_sides and x2 is not None and not cached:  # cached sides must not be views of a joint one
         with torch.no_grad():
-            both = alg.left(problem, torch.cat([x1, x2]))
-            left, right = alg.split_side(both, n)  # type: ignore[attr-defined]
+            left, right = alg.joint_sides(problem, x1, x2)  # type: ignore[attr-defined]
             return alg.pair(problem, left, right, mode).contiguous()
     with torch.no_grad():
         for i0 in range(0, n, bn):

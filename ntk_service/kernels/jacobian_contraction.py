@@ -81,8 +81,10 @@ class JacobianContraction:
     def left(self, problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
         return jacobians(problem, x)
 
-    def split_side(self, side: NamedTensors, n: int) -> tuple[NamedTensors, NamedTensors]:
-        """The first n examples' Jacobians and the rest (views)."""
+    def joint_sides(self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor) -> tuple[NamedTensors, NamedTensors]:
+        """The Jacobians of x1 and of x2 from one pass over both (views)."""
+        n = x1.shape[0]
+        side = self.left(problem, torch.cat([x1, x2]))
         return {name: j[:n] for name, j in side.items()}, {name: j[n:] for name, j in side.items()}
 
     right = left

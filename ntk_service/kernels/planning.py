@@ -69,7 +69,7 @@ class BlockPlan:
         keep_right_sides: keep every right side after first use (computed once each).
         estimate_bytes: estimated peak memory, result included.
         joint_sides: one block each of x1 and x2 (x2 given), and the algorithm builds both sides in one pass
-            over x1 and x2 together (``split_side`` in algorithm.py): one forward and reverse pass instead of two.
+            over x1 and x2 together (``joint_sides`` in algorithm.py): one forward and reverse pass instead of two.
         first_choice: the planner's first candidate, which any larger budget picks too.
     """
 
@@ -126,7 +126,7 @@ def plan_blocks(
     Raises:
         MemoryEstimateExceeded: even one example per block does not fit; carries the estimate and the budget.
     """
-    joint = not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "split_side")
+    joint = not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "joint_sides")
     if joint:
         result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
         joint_peak, _ = alg.side_bytes(problem, n + m, left=True)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ntk_service.kernels import KernelMode, compute_ntk, structured_capture
+from ntk_service.kernels.structured import Structured
 from tests.reference import reference_ntk
 
 
@@ -140,3 +141,44 @@ def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
     assert probing[0] is False  # every plan starts with the outputs as probes
     assert all(probing[1:]) if modified else not any(probing)
     assert len(probing) == len(KernelMode) + (1 if modified else 0)
+
+
+JOINT = {  # model, per-example input shape, x2 examples, whether the joint pass interleaves x1 and x2
+    "mlp, N = M": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)), (5,), 6, True),
+    "mlp, N != M": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)), (5,), 4, False),
+    "conv (rule Jacobians), N = M": (
+        lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)),
+        (2, 6, 6),
+        6,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", JOINT)
+def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_slices_in_place(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NOTE [interleaved joint pass]: plain factored sides come from x1[0], x2[0], x1[1], ...; the kernel is exact."""
+    passes: list[torch.Tensor] = []
+    real = Structured.left
+
+    def spy(self: Structured, problem: object, x: torch.Tensor) -> object:
+        passes.append(x)
+        return real(self, problem, x)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Structured, "left", spy)
+    build, shape, m, interleaved = JOINT[name]
+    torch.manual_seed(0)
+    model = build().double()
+    x1, x2 = torch.randn(6, *shape, dtype=torch.float64), torch.randn(m, *shape, dtype=torch.float64)
+    for mode in (KernelMode.FULL, KernelMode.TRACE, KernelMode.OUTPUT_DIAGONAL):
+        passes.clear()
+        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
+        expected = reference_ntk(model, x1, x2, mode.value)
+        torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+        (x,) = passes  # one pass for both sides
+        if interleaved:
+            assert torch.equal(x[0::2], x1) and torch.equal(x[1::2], x2)
+        else:
+            assert torch.equal(x[:6], x1) and torch.equal(x[6:], x2)
