@@ -122,10 +122,12 @@ def _example_independent(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor | N
     return d1[0, :, 0, 0] @ d2[0, :, 0, 0].T
 
 
-def _plain_gram_d(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
-    """G^D (k·n, k·m) of δ's with G = T = S = 1, d1 (n, k, 1, 1, dd), rows (c, example) as δ lies in memory."""
+def _plain_gram_d(d1: torch.Tensor, d2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """G^D (k·n, k·m) of δ's with G = T = S = 1, d1 (n, k, 1, 1, dd), rows (c, example) as δ lies in memory;
+    written into ``out`` when given."""
     (n, k), m, dd = d1.shape[:2], d2.shape[0], d1.shape[-1]
-    return d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd) @ d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd).T
+    left, right = d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd), d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd)
+    return torch.mm(left, right.T) if out is None else torch.mm(left, right.T, out=out)
 
 
 def add_factored(
@@ -151,6 +153,10 @@ def add_factored(
     gram_a = _gram_a(a1, a2, index, plus_one, d1.dtype)  # (G, n·T, m·S)
     shared = _example_independent(d1, d2)
     if mode is KernelMode.FULL and (shared is not None or g == t == s == 1):  # one (k, n, k, m) product
+        if fresh and shared is None:  # the Gram written into acc, scaled in place while it is in cache
+            _plain_gram_d(d1, d2, out=acc.view(k * n, k * m))
+            acc.mul_(gram_a.view(1, n, 1, m))
+            return
         gram_d = shared.view(k, 1, k, 1) if shared is not None else _plain_gram_d(d1, d2).view(k, n, k, m)
         if fresh:
             torch.mul(gram_d, gram_a.view(1, n, 1, m), out=acc)
