@@ -144,8 +144,8 @@ def check_model(module: object) -> None:
     """
     if not isinstance(module, nn.Module):
         raise UnsupportedModel(f"compute_ntk: model must be a torch.nn.Module, got {type(module).__name__}")
-    in_train = [name for name, m in module.named_modules() if isinstance(m, _BATCHNORM_TYPES) and m.training]
-    if in_train:
+    if any(isinstance(m, _BATCHNORM_TYPES) and m.training for m in module.modules()):
+        in_train = [name for name, m in module.named_modules() if isinstance(m, _BATCHNORM_TYPES) and m.training]
         raise UnsupportedModel(
             f"compute_ntk: BatchNorm layer(s) {in_train[:3]} are in train mode, where batch statistics couple the "
             "examples and the per-example kernel is undefined; call model.eval() first (running statistics are used)"
@@ -383,8 +383,7 @@ def build_problem(
 
 def _resolve_dtype(module: nn.Module, dtype: torch.dtype | str | None) -> torch.dtype:
     if dtype is None:
-        floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
-        resolved = floating[0] if floating else torch.get_default_dtype()
+        resolved = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.get_default_dtype())
     elif isinstance(dtype, str):
         resolved = {"float32": torch.float32, "float64": torch.float64}.get(dtype, None)  # type: ignore[assignment]
         if resolved is None:
