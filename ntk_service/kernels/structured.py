@@ -18,7 +18,7 @@ layer (T = 1) is factored; a convolution over many positions usually takes the J
 NOTE [interleaved joint pass]: when one pass builds both sides (``joint_sides``), the batched capture leaves each
 δ in (k, N + M, dd) memory. Concatenated examples make each side's δ a (k, N, dd) slice whose rows (c, i) are
 not evenly spaced, so every δ Gram would first copy both operands (4 copies of k·N·dd for an MLP's two hidden
-layers: ~0.7 ms of a ~13 ms kernel at N = 64). With x1 and x2 interleaved (N = M) a side is every other example:
+layers: 0.3-0.7 ms of a ~13 ms kernel at N = 64). With x1 and x2 interleaved (N = M) a side is every other example:
 row (c, i) of either side lies at (c·N + i)·2·dd, a matrix with leading dimension 2·dd that BLAS reads in place;
 inputs a likewise. Only plain factored terms (G = T = 1) are contracted that way; a side with rule Jacobians
 (example-major, which a slice with a step would make copy instead) or positions uses concatenation.
