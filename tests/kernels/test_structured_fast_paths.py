@@ -146,6 +146,12 @@ def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
 JOINT = {  # model, per-example input shape, x2 examples, whether the joint pass interleaves x1 and x2
     "mlp, N = M": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)), (5,), 6, True),
     "mlp, N != M": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)), (5,), 4, False),
+    "embedding, one token (ids), N = M": (
+        lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(4, 3)),
+        (1,),
+        6,
+        True,
+    ),
     "conv (rule Jacobians), N = M": (
         lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)),
         (2, 6, 6),
@@ -171,7 +177,10 @@ def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_s
     build, shape, m, interleaved = JOINT[name]
     torch.manual_seed(0)
     model = build().double()
-    x1, x2 = torch.randn(6, *shape, dtype=torch.float64), torch.randn(m, *shape, dtype=torch.float64)
+    if name.startswith("embedding"):
+        x1, x2 = torch.randint(0, 10, (6, *shape)), torch.randint(0, 10, (m, *shape))
+    else:
+        x1, x2 = torch.randn(6, *shape, dtype=torch.float64), torch.randn(m, *shape, dtype=torch.float64)
     for mode in (KernelMode.FULL, KernelMode.TRACE, KernelMode.OUTPUT_DIAGONAL):
         passes.clear()
         theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
