@@ -16,7 +16,7 @@ from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk, stru
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.functional import eval_semantics, prepare_problem
 from ntk_service.kernels.planning import plan_blocks
-from ntk_service.kernels.structured import Structured, structured_terms
+from ntk_service.kernels.structured import Structured, StructuredTerms, structured_terms
 from tests.reference import reference_ntk
 
 pytestmark = pytest.mark.filterwarnings(
@@ -436,18 +436,25 @@ class ViewedConv(nn.Module):
 def test_convolutional_capture_in_channels_last_or_nchw(build: Callable[[], nn.Module], channels_last: bool) -> None:
     """The batched capture of a CNN runs its convolutions in channels-last memory where the model allows it,
     and in NCHW where it views a convolution's output; both give the reference kernel."""
+    terms = _conv_capture_matches_reference(build, seed=2, form=None)
+    assert terms.batch_safe and terms.plan.channels_last is channels_last
+
+
+def _conv_capture_matches_reference(build: Callable[[], nn.Module], seed: int, form: str | None) -> StructuredTerms:
+    """The FULL structured kernel of a small CNN on (3, 2, 6, 6) and (2, 2, 6, 6) inputs, checked against the
+    float64 reference; returns the terms (plan) it used."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = build().eval()
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     x1, x2 = torch.randn(3, 2, 6, 6, generator=g), torch.randn(2, 2, 6, 6, generator=g)
     with eval_semantics(model) as module:
         problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
-        alg = Structured()
-        terms = structured_terms(problem, x1t[:1])
+        alg = Structured(form)
+        terms = structured_terms(problem, x1t[:1], form)
         theta = alg.pair(problem, alg.left(problem, x1t), alg.left(problem, x2t), KernelMode.FULL)
-        assert terms.batch_safe and terms.plan.channels_last is channels_last
     _assert_close(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
+    return terms
 
 
 class ReversedBatchConv(nn.Module):
@@ -465,18 +472,8 @@ class ReversedBatchConv(nn.Module):
 
 
 def test_convolutional_capture_per_example_matches_reference() -> None:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = ReversedBatchConv().eval()
-    g = torch.Generator().manual_seed(3)
-    x1, x2 = torch.randn(3, 2, 6, 6, generator=g), torch.randn(2, 2, 6, 6, generator=g)
-    with eval_semantics(model) as module:
-        problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
-        alg = Structured("jacobian")
-        terms = structured_terms(problem, x1t[:1], "jacobian")
-        theta = alg.pair(problem, alg.left(problem, x1t), alg.left(problem, x2t), KernelMode.FULL)
-        assert terms.batch_safe is False
-    _assert_close(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
+    terms = _conv_capture_matches_reference(ReversedBatchConv, seed=3, form="jacobian")
+    assert terms.batch_safe is False
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
