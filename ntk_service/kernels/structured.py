@@ -6,7 +6,8 @@ For a Linear layer y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/�
 (``structured_rules.py``) cover Linear (any leading dims), Conv1d/Conv2d, Embedding, and the affine parameters of
 LayerNorm, RMSNorm, GroupNorm and eval-mode BatchNorm; every other parameter falls back to the Jacobian path
 (per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
-See NOTE [covered parameters] and NOTE [probes] in ``structured_capture.py``.
+See NOTE [covered parameters] and NOTE [probes] in ``structured_capture.py``; a plain ``nn.Sequential`` of Linear
+layers and activations is captured in closed form instead (NOTE [sequential chains] in ``structured_chain.py``).
 
 A side of n examples holds, per factored weight, the factors A (n, G, T, da) and D (n, k, G, T, dd), and per
 other parameter its Jacobian (n, k, p), built directly from a and δ by the rule (J_W = Σ_t δ[t] ⊗ a[t] in one

@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_flatten
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.allocator import prefer_huge_pages
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.structured_chain import Chain, run_chain, sequential_chain
 from ntk_service.kernels.structured_rules import Rule, rule_for
 from ntk_service.kernels.types import NamedTensors
 
@@ -95,6 +96,8 @@ class StructurePlan:
             memory (NOTE [channels-last capture]); cleared when that forward fails (a model viewing them).
         probe_outputs: the batched capture adds a zero probe to every covered output instead of differentiating
             at the output itself; set when the model modifies a layer output in place (NOTE [outputs as probes]).
+        chain: the model as a sequential chain, captured without autograd (NOTE [sequential chains] in
+            ``structured_chain.py``); None for every other model.
     """
 
     layers: list[nn.Module]
@@ -106,6 +109,7 @@ class StructurePlan:
     saved_bytes: float = 0.0
     channels_last: bool = True
     probe_outputs: bool = False
+    chain: Chain | None = None
 
 
 _ACTIVE: contextvars.ContextVar[object | None] = contextvars.ContextVar("ntk_structured_capture", default=None)
@@ -256,6 +260,10 @@ def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
         else:
             plan.fallback.append(name)
     plan.saved_bytes = _saved_activation_bytes(problem, plan, example)
+    if not plan.fallback:
+        tensors = {**problem.frozen, **problem.params}
+        use_layers = [plan.layers[u.layer] for u in plan.uses]
+        plan.chain = sequential_chain(problem.module, problem.input_shape, problem.out_shape, tensors, use_layers)
     return plan
 
 
@@ -444,6 +452,9 @@ def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *, batche
     Returns:
         The capture: inputs[i] (n, *in_shape), deltas[i] (n, k, *out_shape) for use i; fallback name -> (n, k, p).
     """
+    if plan.chain is not None and plan.chain.is_runnable():  # NOTE [sequential chains]
+        inputs, deltas = run_chain(plan.chain, x, len(plan.uses))
+        return Capture(inputs=inputs, deltas=deltas, fallback_jacobians={})
     if batched:
         return _capture_batched(problem, plan, x)
     n, k = x.shape[0], problem.k

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ntk_service.kernels import structured_contract
+from ntk_service.kernels import structured_capture, structured_contract
 
 
 @pytest.fixture
@@ -23,3 +23,10 @@ def shared_deltas(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
 
     monkeypatch.setattr(structured_contract, "_example_independent", spy)
     return shared
+
+
+@pytest.fixture
+def autograd_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain ``nn.Sequential`` models take the autograd capture too (NOTE [sequential chains] would otherwise
+    capture them in closed form), for tests of that capture's own shortcuts."""
+    monkeypatch.setattr(structured_capture, "sequential_chain", lambda *args: None)

@@ -71,6 +71,7 @@ HEADS = {
 
 
 @pytest.mark.parametrize("name", HEADS)
+@pytest.mark.usefixtures("autograd_capture")
 def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -117,6 +118,7 @@ OUTPUTS = {
 
 
 @pytest.mark.parametrize("name", OUTPUTS)
+@pytest.mark.usefixtures("autograd_capture")
 def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

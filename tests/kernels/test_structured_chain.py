@@ -1,0 +1,175 @@
+"""NOTE [sequential chains]: plain Sequential models are captured in closed form, exactly, and only those."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from ntk_service.kernels import KernelMode, compute_ntk, structured_capture
+from tests.reference import reference_ntk
+
+
+def _activations() -> nn.Module:
+    """Every pointwise step the chain knows, a flatten in front, a bias-less Linear, an activation at the end."""
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(6, 7),
+        nn.Tanh(),
+        nn.Linear(7, 7),
+        nn.Sigmoid(),
+        nn.Linear(7, 8),
+        nn.GELU(approximate="tanh"),
+        nn.Linear(8, 8),
+        nn.SiLU(),
+        nn.Linear(8, 6),
+        nn.LeakyReLU(0.2),
+        nn.Linear(6, 6),
+        nn.ELU(0.7),
+        nn.Linear(6, 6),
+        nn.Softplus(beta=2.0, threshold=1.0),
+        nn.Dropout(0.3),
+        nn.Identity(),
+        nn.Linear(6, 5, bias=False),
+        nn.ReLU(inplace=True),
+        nn.Linear(5, 3),
+        nn.GELU(),
+    )
+
+
+def _shared_twice() -> nn.Module:
+    shared = nn.Linear(4, 4)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), shared, nn.ReLU(), shared, nn.Linear(4, 3))
+
+
+CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | None]] = {
+    "relu mlp": (
+        lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3)),
+        (5,),
+        None,
+    ),
+    "every activation": (_activations, (2, 3), None),
+    "nested, Linear after Linear": (
+        lambda: nn.Sequential(nn.Sequential(nn.Linear(5, 7), nn.Tanh()), nn.Linear(7, 4), nn.Linear(4, 3)),
+        (5,),
+        None,
+    ),
+    "one Linear called twice": (_shared_twice, (5,), None),
+    "middle layers only": (_activations, (2, 3), ["3.*", "17.*"]),
+}
+
+
+@pytest.mark.parametrize("capture", ["chain", "autograd"])
+@pytest.mark.parametrize("name", CHAINS)
+def test_chain_matches_reference(name: str, capture: str, request: pytest.FixtureRequest) -> None:
+    """Both captures of each chain agree with the float64 reference in every mode, x2 given or not; the chain is
+    the one taken unless turned off."""
+    if capture == "autograd":
+        request.getfixturevalue("autograd_capture")
+    chained = _count_chain_runs(request.getfixturevalue("monkeypatch"))
+    build, shape, params = CHAINS[name]
+    torch.manual_seed(0)
+    model = build().double()
+    x1, x2 = torch.randn(6, *shape, dtype=torch.float64), torch.randn(4, *shape, dtype=torch.float64)
+    for mode in KernelMode:
+        for other in (x2, None):
+            theta = compute_ntk(model, x1, other, mode=mode, implementation="structured", params=params).theta
+            expected = reference_ntk(model, x1, other, mode.value, params)
+            torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+    assert (len(chained) > 0) == (capture == "chain")
+
+
+def test_chain_float32_is_the_autograd_captures_bits_for_relu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ReLU's cotangent goes through the kernel autograd uses, so a float32 ReLU MLP gets the same kernel."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3))
+    x1, x2 = torch.randn(6, 5), torch.randn(4, 5)
+    chained = _count_chain_runs(monkeypatch)
+    theta = compute_ntk(model, x1, x2, implementation="structured").theta
+    monkeypatch.setattr(structured_capture, "sequential_chain", lambda *args: None)
+    autograd = compute_ntk(nn.Sequential(*model), x1, x2, implementation="structured").theta
+    assert len(chained) == 1
+    assert torch.equal(theta, autograd)
+
+
+class _CustomForward(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(x) * 2.0
+
+
+def _hooked() -> nn.Module:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model[1].register_forward_hook(lambda module, args, output: output * 3.0)
+    return model
+
+
+class _Positions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).sum(1)
+
+
+NOT_CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "Sequential subclass with its own forward": (
+        lambda: _CustomForward(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)),
+        (5,),
+    ),
+    "a forward hook on an activation": (_hooked, (5,)),
+    "a LayerNorm in the chain": (lambda: nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3)), (5,)),
+    "Linear over positions": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Flatten()), (2, 5)),
+    "a Sequential inside another module": (_Positions, (2, 5)),
+}
+
+
+@pytest.mark.parametrize("name", NOT_CHAINS)
+def test_chain_is_not_taken_where_it_would_not_be_the_model(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    chained = _count_chain_runs(monkeypatch)
+    build, shape = NOT_CHAINS[name]
+    torch.manual_seed(0)
+    model = build().double()
+    x1, x2 = torch.randn(6, *shape, dtype=torch.float64), torch.randn(4, *shape, dtype=torch.float64)
+    for mode in (KernelMode.FULL, KernelMode.EXAMPLE_DIAGONAL):
+        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
+        expected = reference_ntk(model, x1, x2, mode.value)
+        torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+    assert not chained
+
+
+def test_chain_steps_aside_while_a_global_hook_is_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hooks are checked per capture: a global forward hook registered after the first call is honoured."""
+    chained = _count_chain_runs(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+    x1 = torch.randn(6, 5, dtype=torch.float64)
+    compute_ntk(model, x1, implementation="structured")
+    assert len(chained) == 1
+
+    def hook(module: nn.Module, args: object, output: torch.Tensor) -> torch.Tensor | None:
+        return output * 2.0 if isinstance(module, nn.Tanh) else None
+
+    handle = nn.modules.module.register_module_forward_hook(hook)
+    try:
+        theta = compute_ntk(model, x1, implementation="structured").theta
+        expected = reference_ntk(model, x1)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+    assert len(chained) == 1
+
+
+def _count_chain_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one per ``run_chain`` call."""
+    runs: list[int] = []
+    real = structured_capture.run_chain
+
+    def spy(*args: object) -> object:
+        runs.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(structured_capture, "run_chain", spy)
+    return runs
