@@ -3,18 +3,18 @@
 NOTE [sequential chains]: for a chain h_{j+1} = σ_j(h_j W_jᵀ + b_j) the cotangents the capture needs follow in
 closed form: δ at the head's output is e_c, at its input W[c]; an activation maps a cotangent g to σ'(z) ⊙ g (ReLU
 by the very kernel autograd calls, threshold_backward, so the same bits; the others by their aten backward on
-ones, once per example), and a Linear maps δ to δ W.
+ones, σ'(z) once for the block (n, d) rather than once per output), and a Linear maps δ to δ W.
 ``run_chain`` does exactly that for all k outputs at once, as (k, n, ·) matrices: one forward under
 ``no_grad`` and one matmul per hidden layer, no hooks, no graph, no vmapped engine run. On the benchmark MLP
 (784-512-512-10, N = M = 64) the kernel has the same bits and takes 14.2 instead of 15.4 ms in an in-process
 alternation with the autograd capture, 14.0 instead of 14.6 ms alternating with neural-tangents
 (``benchmarks/bench_trees_ab.py``).
 
-The chain is taken only where it is exactly the model: the module (and any nested ``nn.Sequential``) is a plain
-``nn.Sequential`` whose forward is torch's, every child is of exactly one of the types below (a subclass could
-compute anything), each Linear sees one vector per example, no parameter is on the Jacobian path, and no module
-has hooks when the capture runs (a hook could change what the layer returns). Anything else takes the autograd
-capture in ``structured_capture.py``, which handles every model the rules cover.
+The chain is taken only where it is exactly the model (``sequential_chain`` lists the conditions): plain
+Sequentials of modules of exactly the known types with their stock forward, vectors per example, no parameter on
+the Jacobian path, and no hooks when the capture runs. Anything else takes the autograd capture in
+``structured_capture.py``, which handles every model the rules cover. (While another thread prepares a problem,
+``FlopCounterMode`` holds global module hooks: a capture then also takes the autograd way, exact but slower.)
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Chain:
 
     def is_runnable(self) -> bool:
         """No forward or backward hook on the chain's modules, and none global (checked per capture: hooks come
-        and go, and ours of a capture in another thread count too: that capture then goes the autograd way)."""
+        and go; a hook could change what a layer returns)."""
         if (
             torch_module._global_forward_hooks
             or torch_module._global_forward_pre_hooks
@@ -71,15 +71,24 @@ class Chain:
         )
 
 
+_POINTWISE_TYPES = frozenset(
+    {nn.ReLU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.GELU, nn.LeakyReLU, nn.ELU, nn.Softplus}
+    | {nn.Identity, nn.Dropout, nn.Flatten}
+)
+"""The pointwise modules ``_pointwise`` knows, by exact type."""
+
+
 def _scaled(derivative: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Backward:
-    """g ⊙ σ'(z), σ'(z) (n, d) from the aten backward kernel on ones (once per example, not per output: those
-    kernels do not all take a cotangent broadcast over k, oneDNN's GELU for one)."""
+    """g ⊙ σ'(z), σ'(z) (n, d) from the aten backward kernel on ones, once for the block rather than per output
+    (those kernels do not all take a cotangent broadcast over k: oneDNN's GELU for one)."""
     return lambda g, z, y: g * derivative(z, y)
 
 
 def _pointwise(module: nn.Module) -> _Pointwise | None:
     """Forward and backward of a pointwise module of exactly a known type (the aten kernels autograd uses)."""
-    kind, m = type(module), module
+    kind = type(module)
+    if kind not in _POINTWISE_TYPES:
+        return None  # a subclass could compute anything
     if kind is nn.ReLU:  # threshold_backward on the cotangent itself: the autograd capture's bits
         return _Pointwise(F.relu, lambda g, z, y: aten.threshold_backward(g, y, 0))
     if kind is nn.Tanh:
@@ -88,33 +97,33 @@ def _pointwise(module: nn.Module) -> _Pointwise | None:
         return _Pointwise(torch.sigmoid, _scaled(lambda z, y: aten.sigmoid_backward(torch.ones_like(y), y)))
     if kind is nn.SiLU:
         return _Pointwise(F.silu, _scaled(lambda z, y: aten.silu_backward(torch.ones_like(z), z)))
-    if isinstance(m, nn.GELU) and kind is nn.GELU:
-        approximate = m.approximate
+    if isinstance(module, nn.GELU):
+        approximate = module.approximate
         return _Pointwise(
             lambda z: F.gelu(z, approximate=approximate),
             _scaled(lambda z, y: aten.gelu_backward(torch.ones_like(z), z, approximate=approximate)),
         )
-    if isinstance(m, nn.LeakyReLU) and kind is nn.LeakyReLU:
-        slope = m.negative_slope
+    if isinstance(module, nn.LeakyReLU):
+        slope = module.negative_slope
         return _Pointwise(
             lambda z: F.leaky_relu(z, slope),
             _scaled(lambda z, y: aten.leaky_relu_backward(torch.ones_like(z), z, slope, False)),
         )
-    if isinstance(m, nn.ELU) and kind is nn.ELU:
-        alpha = m.alpha
+    if isinstance(module, nn.ELU):
+        alpha = module.alpha
         return _Pointwise(
             lambda z: F.elu(z, alpha),
             _scaled(lambda z, y: aten.elu_backward(torch.ones_like(z), alpha, 1, 1, False, z)),
         )
-    if isinstance(m, nn.Softplus) and kind is nn.Softplus:
-        beta, threshold = m.beta, m.threshold
+    if isinstance(module, nn.Softplus):
+        beta, threshold = module.beta, module.threshold
         return _Pointwise(
             lambda z: F.softplus(z, beta, threshold),
             _scaled(lambda z, y: aten.softplus_backward(torch.ones_like(z), z, beta, threshold)),
         )
     if kind is nn.Identity or kind is nn.Dropout:  # the capture runs the model in eval mode: dropout is off
         return _Pointwise(lambda z: z, None)
-    if isinstance(m, nn.Flatten) and kind is nn.Flatten and (m.start_dim, m.end_dim) == (1, -1):
+    if isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1):
         return _Pointwise(lambda z: z.flatten(1), None)  # backpropagated through only on (n, d): the identity
     return None
 
@@ -139,14 +148,19 @@ def sequential_chain(
 ) -> Chain | None:
     """The chain of ``module`` if it is one (see NOTE [sequential chains]), else None.
 
+    A chain is: ``module`` of exactly type ``nn.Sequential``, its children (nested plain Sequentials unrolled) each
+    of exactly ``nn.Linear`` or a type ``_pointwise`` knows, none with a ``forward`` set on the instance; every
+    Linear's weight and bias parameters of the problem, its input one vector per example; the calls of the
+    plan's uses exactly the chain's calls of those layers, in order; the output the model's per-example shape.
+
     Args:
         module: the problem's model.
         input_shape: its per-example input shape.
         out_shape: its per-example output shape.
-        tensors: every parameter by its canonical name (``named_parameters()``), in the compute dtype.
+        tensors: every parameter and buffer by its canonical name (``named_parameters()``), compute dtype.
         use_layers: the module called by each use of the structure plan, in call order.
     """
-    if type(module) is not nn.Sequential:
+    if type(module) is not nn.Sequential or "forward" in vars(module):
         return None
     canonical = {id(p): name for name, p in module.named_parameters()}
     steps: list[_Linear | _Pointwise] = []
@@ -156,13 +170,16 @@ def sequential_chain(
     pending = next(uses, None)
     for child in _children(module):
         modules.append(child)
+        if "forward" in vars(child):
+            return None  # a forward set on the instance (accelerate's hooks do that): other math
         if type(child) is nn.Sequential:
             continue
         if type(child) is nn.Linear:
             if shape != (child.in_features,):
                 return None  # leading dimensions per example (positions): the autograd capture's case
-            weight = tensors[canonical[id(child.weight)]]
-            bias = None if child.bias is None else tensors[canonical[id(child.bias)]]
+            weight, bias = _parameter(child.weight, canonical, tensors), _parameter(child.bias, canonical, tensors)
+            if weight is None or (bias is None) != (child.bias is None):
+                return None  # a weight that is not a parameter (a buffer, a plain tensor)
             use = None
             if pending is not None and pending[1] is child:
                 use, pending = pending[0], next(uses, None)
@@ -178,6 +195,14 @@ def sequential_chain(
     if pending is not None or shape != out_shape or not any(isinstance(s, _Linear) for s in steps):
         return None  # a use the chain does not make (the plan saw other calls), or another output
     return Chain(tuple(steps), tuple(modules))
+
+
+def _parameter(
+    tensor: torch.Tensor | None, canonical: dict[int, str], tensors: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """The problem's (compute dtype) tensor of a module parameter, or None if it is not a parameter."""
+    name = None if tensor is None else canonical.get(id(tensor))
+    return None if name is None else tensors.get(name)
 
 
 @torch.no_grad()

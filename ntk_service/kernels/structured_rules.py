@@ -83,8 +83,10 @@ class Rule:
     factored: tuple[str, ...] = ("weight",)
 
     def matches(self, module: nn.Module) -> bool:
-        """The module is one of ``types`` with the stock forward (a subclass overriding it has other math)."""
-        return isinstance(module, self.types) and type(module).forward in self.stock_forward
+        """The module is one of ``types`` with the stock forward (a subclass overriding it, or a ``forward`` set on
+        the instance as accelerate's hooks do, has other math)."""
+        stock = type(module).forward in self.stock_forward and "forward" not in vars(module)
+        return isinstance(module, self.types) and stock
 
     def roles(self, module: nn.Module) -> tuple[str, ...]:
         """Attribute names of the module's parameters this rule covers (present and not None)."""

@@ -370,6 +370,23 @@ def test_coverage_sends_only_unruled_uses_to_the_jacobian_path() -> None:
     assert cnn["3.weight"] == "rule" and "fallback" not in cnn.values()
 
 
+def test_a_forward_set_on_the_instance_has_no_rule() -> None:
+    """A Linear whose forward was replaced on the instance (accelerate's hooks do that) computes other math: its
+    parameters take the Jacobian path and the kernel stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    first = model[0]
+    first.forward = lambda x: F.linear(x, 2.0 * first.weight, first.bias)  # type: ignore[method-assign]
+    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    with eval_semantics(model) as module:
+        problem, x1t, _ = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
+        coverage = structured_terms(problem, x1t[:1]).coverage()
+    assert coverage["0.weight"] == coverage["0.bias"] == "fallback" and coverage["2.weight"] == "factored"
+    for mode in MODES:
+        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
+        _assert_close(theta, reference_ntk(model, x1, x2, mode.value), 1e-10)
+
+
 def test_float32_matches_reference() -> None:
     model, x1, x2 = _case("transformer")
     for mode in MODES:

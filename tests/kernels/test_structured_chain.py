@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import pytest
@@ -105,6 +106,30 @@ def _hooked() -> nn.Module:
     return model
 
 
+def _patched_activation() -> nn.Module:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    model[1].forward = torch.sin  # type: ignore[method-assign]  # accelerate's hooks replace forward like this
+    return model
+
+
+def _patched_root() -> nn.Module:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    doubled = types.MethodType(lambda self, x: 2.0 * nn.Sequential.forward(self, x), model)
+    model.forward = doubled  # type: ignore[method-assign]
+    return model
+
+
+def _weight_not_a_parameter(as_buffer: bool) -> nn.Module:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    weight = model[2].weight.detach().double()  # .double() on the model converts parameters and buffers only
+    del model[2].weight
+    if as_buffer:
+        model[2].register_buffer("weight", weight)
+    else:
+        model[2].weight = weight
+    return model
+
+
 class _Positions(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -123,6 +148,10 @@ NOT_CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "a LayerNorm in the chain": (lambda: nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3)), (5,)),
     "Linear over positions": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Flatten()), (2, 5)),
     "a Sequential inside another module": (_Positions, (2, 5)),
+    "an activation's forward set on the instance": (_patched_activation, (5,)),
+    "the Sequential's forward set on the instance": (_patched_root, (5,)),
+    "a weight that is a buffer": (lambda: _weight_not_a_parameter(as_buffer=True), (5,)),
+    "a weight that is a plain tensor": (lambda: _weight_not_a_parameter(as_buffer=False), (5,)),
 }
 
 
