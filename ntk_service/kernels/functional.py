@@ -167,7 +167,9 @@ def eval_semantics(module: nn.Module) -> Iterator[nn.Module]:
     the structured path reads ``module._parameters``, so two threads computing on one module object (the server's
     cached models) would see each other's tensors. Each call therefore works on a structural copy that shares the
     parameter and buffer tensors (cheap: module objects only; ``problem_pool`` keeps them across calls). A module
-    that cannot be copied is used itself, under a per-module lock, flipped to eval and restored afterwards.
+    that cannot be copied is used itself, under a per-module lock, flipped to eval and restored afterwards, and so
+    are its plain tensor attributes: the old ``torch.nn.utils.weight_norm`` (the usual reason a module cannot be
+    copied) sets ``weight`` in a forward pre-hook, which under ``vmap`` would leave a functorch wrapper behind.
 
     Raises:
         UnsupportedModel: see ``check_model``.
@@ -179,12 +181,22 @@ def eval_semantics(module: nn.Module) -> Iterator[nn.Module]:
         return
     with _module_lock(module):
         flags = [(m, m.training) for m in module.modules()]
+        attributes = [(m, _tensor_attributes(m)) for m in module.modules()]
         module.eval()
         try:
             yield module
         finally:
             for m, was_training in flags:
                 m.training = was_training
+            for m, tensors in attributes:
+                for name in _tensor_attributes(m).keys() - tensors.keys():
+                    delattr(m, name)
+                vars(m).update(tensors)
+
+
+def _tensor_attributes(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's plain tensor attributes (not parameters or buffers, which live in their own dicts)."""
+    return {name: value for name, value in vars(module).items() if isinstance(value, torch.Tensor)}
 
 
 def select_parameters(module: nn.Module, patterns: Sequence[str] | None) -> list[str]:

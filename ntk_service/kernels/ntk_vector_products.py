@@ -11,10 +11,13 @@ Best when P is huge relative to [FP] (wide layers, few examples) or k is large.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.func import jvp, vmap
 
+from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.jacobian_contraction import jacobians
 from ntk_service.kernels.modes import KernelMode
@@ -25,6 +28,26 @@ __all__ = ["NtkVectorProducts"]
 _FORWARD_AD_LOCK = threading.Lock()
 """Serializes forward-mode AD across threads: torch.func.jvp's dual levels are process-global, and two threads
 in jvp at once fail with "no level exists" (measured with 4 threads on one model). VJP rows still run in parallel."""
+
+
+@contextmanager
+def _forward_ad() -> Iterator[None]:
+    """Forward-mode AD under ``_FORWARD_AD_LOCK``; an operation of the model without a forward-mode formula (the
+    old ``torch.nn.utils.weight_norm``'s kernel, some custom ops) is the model's limit, not a server fault.
+
+    Raises:
+        UnsupportedModel: torch has no forward-mode AD for an operation the model uses.
+    """
+    with _FORWARD_AD_LOCK:
+        try:
+            yield
+        except NotImplementedError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UnsupportedModel(
+                f"compute_ntk (ntk_vector_products): the model uses an operation without forward-mode AD ({reason}); "
+                "use implementation='jacobian_contraction' or 'structured'"
+            ) from exc
+
 
 VjpRows = tuple[torch.Tensor, NamedTensors]
 """(x block (n, *input), rows name -> (n, k, *param_shape)): the x1-side of a block."""
@@ -66,7 +89,7 @@ class NtkVectorProducts:
             product: torch.Tensor = jvp(lambda p: problem.f_batch(p, right), (problem.params,), (row,))[1]
             return product if mode is KernelMode.FULL else product @ e_c
 
-        with _FORWARD_AD_LOCK:
+        with _forward_ad():
             products = vmap(one)(flat_rows, basis)  # (n·k, m[, k])
         if mode is KernelMode.FULL:
             return products.view(n, k, m, k).permute(0, 2, 1, 3)
@@ -79,7 +102,7 @@ class NtkVectorProducts:
         def one(x_i: torch.Tensor, rows_i: NamedTensors) -> torch.Tensor:
             return vmap(lambda row: _jvp_at(problem, x_i, row))(rows_i)  # (k, k)
 
-        with _FORWARD_AD_LOCK:
+        with _forward_ad():
             return vmap(one)(x1, rows)
 
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:

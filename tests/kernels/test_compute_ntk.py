@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
+from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
 from ntk_service.kernels.api import _ALGORITHMS
+from ntk_service.kernels.functional import private_copy
 from tests.kernels.zoo import ZOO, ZooEntry
 from tests.reference import reference_ntk
 
@@ -114,3 +117,48 @@ def test_blocked_computation_matches_reference(implementation: NtkImplementation
             if second is None and mode is not KernelMode.EXAMPLE_DIAGONAL:
                 swapped = blocked.theta.transpose(0, 1)
                 assert torch.equal(blocked.theta, swapped.transpose(2, 3) if mode is KernelMode.FULL else swapped)
+
+
+def _weight_norm_models() -> tuple[nn.Module, nn.Module]:
+    """The same model with the deprecated ``torch.nn.utils.weight_norm`` (a forward pre-hook sets ``weight``; the
+    module cannot be deep-copied) and with the parametrization API, which the reference can copy."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated: the point of the test
+        hooked = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3)).double()
+    parametrized = nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Linear(4, 6)), nn.Tanh(), nn.Linear(6, 3)
+    ).double()
+    with torch.no_grad():
+        parametrized[0].parametrizations.weight.original0.copy_(hooked[0].weight_g)
+        parametrized[0].parametrizations.weight.original1.copy_(hooked[0].weight_v)
+        parametrized[0].bias.copy_(hooked[0].bias)
+        parametrized[2].load_state_dict(hooked[2].state_dict())
+    return hooked, parametrized
+
+
+_NO_BATCHING_RULE = "ignore:There is a performance drop:UserWarning"
+"""functorch's note that weight_norm's backward kernels have no vmap rule (it loops instead): beside the point."""
+
+
+@pytest.mark.filterwarnings(_NO_BATCHING_RULE)
+@pytest.mark.parametrize("implementation", ["structured", "jacobian_contraction", "auto"])
+def test_a_module_that_cannot_be_copied_is_computed_in_place_and_left_as_it_was(implementation: str) -> None:
+    """NOTE [private module]: such a module is used itself, under a lock; its plain tensor attributes come back as
+    they were (weight_norm's hook would leave a functorch wrapper in ``weight``, and the next call would fail)."""
+    hooked, parametrized = _weight_norm_models()
+    assert private_copy(hooked) is None  # the case under test
+    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    weight = hooked[0].weight
+    for _ in range(2):  # the second call goes through the problem pool's fingerprint of the module
+        for mode in MODES:
+            theta = compute_ntk(hooked, x1, x2, mode=mode, implementation=implementation).theta
+            _assert_close(theta, reference_ntk(parametrized, x1, x2, mode.value), 1e-10)
+            assert hooked[0].weight is weight
+
+
+@pytest.mark.filterwarnings(_NO_BATCHING_RULE)
+def test_forward_mode_ad_missing_for_an_operation_is_the_models_limit() -> None:
+    hooked, _ = _weight_norm_models()
+    with pytest.raises(UnsupportedModel, match="without forward-mode AD.*use implementation="):
+        compute_ntk(hooked, torch.randn(3, 4, dtype=torch.float64), implementation="ntk_vector_products")
