@@ -16,13 +16,14 @@ contractions is taken from its shapes: factored costs 2·G·T·S·(k²·dd + da 
 2·k²·p per pair plus building J (2·k·G·T·dd·da per example, counted over ``NOMINAL_PARTNERS`` partners). An MLP
 layer (T = 1) is factored; a convolution over many positions usually takes the Jacobian form.
 
-NOTE [interleaved joint pass]: when one pass builds both sides (``joint_sides``), the batched capture leaves each
+NOTE [interleaved joint pass]: when one pass builds both sides (``joint_sides``), the autograd capture leaves each
 δ in (k, N + M, dd) memory. Concatenated examples make each side's δ a (k, N, dd) slice whose rows (c, i) are
 not evenly spaced, so every δ Gram would first copy both operands (4 copies of k·N·dd for an MLP's two hidden
 layers: 0.3-0.7 ms of a ~13 ms kernel at N = 64). With x1 and x2 interleaved (N = M) a side is every other example:
 row (c, i) of either side lies at (c·N + i)·2·dd, a matrix with leading dimension 2·dd that BLAS reads in place;
 inputs a likewise. Only plain factored terms (G = T = 1) are contracted that way; a side with rule Jacobians
-(example-major, which a slice with a step would make copy instead) or positions uses concatenation.
+(example-major, which a slice with a step would make copy instead) or positions uses concatenation, and so does a
+sequential chain, whose δ lies example-major: each side a contiguous block of rows (i, c).
 
 Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. layer outputs), plus
 N·M·k²·Σ_l(dd_l·T_l·S_l + ...) for factored layers and N·M·k²·p for the others (÷k for TRACE and
@@ -45,7 +46,6 @@ from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured_capture import StructurePlan, capture, is_batch_safe, plan_structure
 from ntk_service.kernels.structured_contract import (
-    accumulator_shape,
     add_factored,
     add_factored_diagonal,
     add_jacobian,
@@ -54,6 +54,7 @@ from ntk_service.kernels.structured_contract import (
     finish_with_factored,
     fusable,
     new_accumulator,
+    prefers_example_major,
 )
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
@@ -287,8 +288,9 @@ class Structured:
         if final:
             last = next((i for i, (_, lf, rf) in enumerate(factored) if fusable(lf, rf)), None)
         held = None if last is None else factored.pop(last)
-        shape = accumulator_shape(mode, _side_examples(left), _side_examples(right), problem.k)
-        acc = torch.empty(shape, dtype=problem.dtype) if factored else torch.zeros(shape, dtype=problem.dtype)
+        n, m = _side_examples(left), _side_examples(right)
+        example_major = prefers_example_major(_layout_tensors(left) + _layout_tensors(right))
+        acc = new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major, zero=not factored)
         for i, (term, lf, rf) in enumerate(factored):
             add_factored(acc, lf, rf, mode, index=term.index, plus_one=term.bias is not None, fresh=i == 0)
         for name, j1 in left["jacobians"].items():
@@ -306,7 +308,8 @@ class Structured:
         """
         h = n // 2
         first, second = _slice_side(side, 0, h), _slice_side(side, h, n)
-        acc = torch.empty(problem.k, n, problem.k, n, dtype=problem.dtype)
+        example_major = prefers_example_major(_layout_tensors(side))
+        acc = new_accumulator(KernelMode.FULL, n, n, problem.k, problem.dtype, example_major=example_major, zero=False)
         acc[:, :h, :, :h] = self._accumulate(problem, first, first, KernelMode.FULL)
         upper = self._accumulate(problem, first, second, KernelMode.FULL)  # (k, h, k, n - h)
         acc[:, :h, :, h:] = upper
@@ -388,8 +391,15 @@ def _slice_side(side: StructuredSide, start: int, stop: int | None, step: int = 
 
 def _interleavable(terms: StructuredTerms) -> bool:
     """Whether every term of a side is a plain factored one (G = T = 1), whose every-other-example slices the
-    contraction reads in place (NOTE [interleaved joint pass])."""
-    return not terms.jacobian and not terms.fallback and all(t.dims[:2] == (1, 1) for t in terms.factored)
+    contraction reads in place, and δ comes from the autograd capture (NOTE [interleaved joint pass])."""
+    plain = not terms.jacobian and not terms.fallback and all(t.dims[:2] == (1, 1) for t in terms.factored)
+    return plain and terms.plan.chain is None
+
+
+def _layout_tensors(side: StructuredSide) -> list[torch.Tensor]:
+    """The δ's and Jacobians (n, k, ...) of a side, whose memory order decides the accumulator's (NOTE
+    [accumulator memory] in structured_contract.py)."""
+    return [d for _, d in side["factored"]] + list(side["jacobians"].values())
 
 
 def _side_examples(side: StructuredSide) -> int:

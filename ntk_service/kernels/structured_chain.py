@@ -2,13 +2,15 @@
 
 NOTE [sequential chains]: for a chain h_{j+1} = σ_j(h_j W_jᵀ + b_j) the cotangents the capture needs follow in
 closed form: δ at the head's output is e_c, at its input W[c]; an activation maps a cotangent g to σ'(z) ⊙ g (ReLU
-by the very kernel autograd calls, threshold_backward, so the same bits; the others by their aten backward on
-ones, σ'(z) once for the block (n, d) rather than once per output), and a Linear maps δ to δ W.
-``run_chain`` does exactly that for all k outputs at once, as (k, n, ·) matrices: one forward under
+by the kernel autograd calls, threshold_backward; the others by their aten backward on ones, σ'(z) once for the
+block (n, d) rather than once per output), and a Linear maps δ to δ W. δ comes out example-major, rows (i, c),
+which spares the contraction the costly transposition of an output-major one (NOTE [accumulator memory] in
+``structured_contract.py``).
+``run_chain`` does exactly that for all k outputs at once, as (n, k, ·) matrices: one forward under
 ``no_grad`` and one matmul per hidden layer, no hooks, no graph, no vmapped engine run. On the benchmark MLP
-(784-512-512-10, N = M = 64) the kernel has the same bits and takes 14.2 instead of 15.4 ms in an in-process
-alternation with the autograd capture, 14.0 instead of 14.6 ms alternating with neural-tangents
-(``benchmarks/bench_trees_ab.py``).
+(784-512-512-10, N = M = 64) the kernel took 14.2 instead of 15.4 ms in an in-process alternation with the
+autograd capture, 14.0 instead of 14.6 ms alternating with neural-tangents (``benchmarks/bench_trees_ab.py``);
+the example-major layout then took N = M = 256 from 103 to 97 ms and left N = 64 as it was.
 
 The chain is taken only where it is exactly the model (``sequential_chain`` lists the conditions): plain
 Sequentials of modules of exactly the known types with their stock forward, vectors per example, no parameter on
@@ -33,7 +35,7 @@ __all__ = ["Chain", "run_chain", "sequential_chain"]
 aten = torch.ops.aten
 
 Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""(cotangent at the output (k, n, d), input z (n, d), output y (n, d)) -> cotangent at the input (k, n, d)."""
+"""(cotangent at the output (n, k, d), input z (n, 1, d), output y (n, 1, d)) -> cotangent at the input (n, k, d)."""
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,9 @@ def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tens
         uses: the number of the plan's uses.
 
     Returns:
-        inputs[u] (n, 1, in_u) and deltas[u] (n, k, 1, out_u), δ a view of (k, n, out_u) memory (or, for the
-        head, the identity expanded over the examples), as the autograd capture gives them.
+        inputs[u] (n, 1, in_u) and deltas[u] (n, k, 1, out_u) as the autograd capture gives them, but δ lies
+        example-major, in (n, k, out_u) memory (NOTE [accumulator memory] in structured_contract.py); for the head,
+        the identity expanded over the examples.
     """
     n = x.shape[0]
     inputs: list[torch.Tensor | None] = [None] * uses
@@ -234,7 +237,7 @@ def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tens
         saved.append((z, h))
     k = h.shape[1]
     eye = torch.eye(k, dtype=h.dtype)
-    g = eye.unsqueeze(1).expand(k, n, k)  # the cotangent at the output, (k, n, k): the basis
+    g = eye.unsqueeze(0).expand(n, k, k)  # the cotangent at the output, (n, k, k): the basis
     is_basis = True
     first = min((s.use for s in chain.steps if isinstance(s, _Linear) and s.use is not None), default=None)
     for step, (z, y) in zip(reversed(chain.steps), reversed(saved), strict=True):
@@ -242,18 +245,18 @@ def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tens
             break
         if isinstance(step, _Pointwise):
             if step.backward is not None:
-                g, is_basis = step.backward(g, z, y), False
+                g, is_basis = step.backward(g, z.unsqueeze(1), y.unsqueeze(1)), False
             continue
         if step.use is not None:
-            deltas[step.use] = eye.expand(n, k, k) if is_basis else g.transpose(0, 1)
+            deltas[step.use] = eye.expand(n, k, k) if is_basis else g
             if step.use == first:
                 break
         # δ W, for all k outputs at once; from the basis, W[c] for every example (stride 0 over n)
         weight = step.weight
         if is_basis:
-            g = weight.unsqueeze(1).expand(k, n, weight.shape[1])
+            g = weight.unsqueeze(0).expand(n, k, weight.shape[1])
         else:
-            g = torch.mm(g.reshape(k * n, -1), weight).view(k, n, -1)
+            g = torch.mm(g.reshape(n * k, -1), weight).view(n, k, -1)
         is_basis = False
     assert all(a is not None for a in inputs) and all(d is not None for d in deltas)
     return (

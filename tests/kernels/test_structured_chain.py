@@ -58,6 +58,11 @@ CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | No
         None,
     ),
     "one Linear called twice": (_shared_twice, (5,), None),
+    "two Linear layers (δ shared by all examples)": (
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3)),
+        (5,),
+        None,
+    ),
     "middle layers only": (_activations, (2, 3), ["3.*", "17.*"]),
 }
 
@@ -80,19 +85,6 @@ def test_chain_matches_reference(name: str, capture: str, request: pytest.Fixtur
             expected = reference_ntk(model, x1, other, mode.value, params)
             torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
     assert (len(chained) > 0) == (capture == "chain")
-
-
-def test_chain_float32_is_the_autograd_captures_bits_for_relu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ReLU's cotangent goes through the kernel autograd uses, so a float32 ReLU MLP gets the same kernel."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3))
-    x1, x2 = torch.randn(6, 5), torch.randn(4, 5)
-    chained = _count_chain_runs(monkeypatch)
-    theta = compute_ntk(model, x1, x2, implementation="structured").theta
-    monkeypatch.setattr(structured_capture, "sequential_chain", lambda *args: None)
-    autograd = compute_ntk(nn.Sequential(*model), x1, x2, implementation="structured").theta
-    assert len(chained) == 1
-    assert torch.equal(theta, autograd)
 
 
 class _CustomForward(nn.Sequential):

@@ -145,9 +145,26 @@ def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
     assert len(probing) == len(KernelMode) + (1 if modified else 0)
 
 
+class _Wrapped(nn.Module):
+    """An MLP inside a module of its own: the autograd capture's case (NOTE [sequential chains])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
 JOINT = {  # model, per-example input shape, x2 examples, whether the joint pass interleaves x1 and x2
-    "mlp, N = M": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)), (5,), 6, True),
-    "mlp, N != M": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)), (5,), 4, False),
+    "mlp, N = M": (_Wrapped, (5,), 6, True),
+    "mlp, N != M": (_Wrapped, (5,), 4, False),
+    "sequential chain (example-major δ), N = M": (
+        lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)),
+        (5,),
+        6,
+        False,
+    ),
     "embedding, one token (ids), N = M": (
         lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(4, 3)),
         (1,),
