@@ -81,7 +81,7 @@ _POINTWISE_TYPES = frozenset(
 
 
 def _scaled(derivative: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Backward:
-    """g ⊙ σ'(z), σ'(z) (n, d) from the aten backward kernel on ones, once for the block rather than per output
+    """g ⊙ σ'(z), σ'(z) (n, 1, d) from the aten backward kernel on ones, once for the block rather than per output
     (those kernels do not all take a cotangent broadcast over k: oneDNN's GELU for one)."""
     return lambda g, z, y: g * derivative(z, y)
 
@@ -91,7 +91,7 @@ def _pointwise(module: nn.Module) -> _Pointwise | None:
     kind = type(module)
     if kind not in _POINTWISE_TYPES:
         return None  # a subclass could compute anything
-    if kind is nn.ReLU:  # threshold_backward on the cotangent itself: the autograd capture's bits
+    if kind is nn.ReLU:  # threshold_backward on the cotangent itself, as autograd does
         return _Pointwise(F.relu, lambda g, z, y: aten.threshold_backward(g, y, 0))
     if kind is nn.Tanh:
         return _Pointwise(torch.tanh, _scaled(lambda z, y: aten.tanh_backward(torch.ones_like(y), y)))

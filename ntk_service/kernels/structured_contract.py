@@ -68,7 +68,7 @@ def new_accumulator(
 def prefers_example_major(tensors: list[torch.Tensor]) -> bool:
     """Whether a FULL accumulator for these δ's (n, k, ...) and Jacobians (n, k, p) lies example-major: unless
     one of them lies output-major (NOTE [accumulator memory]); δ's shared by all examples say nothing."""
-    return not any(t.stride(0) != 0 and _output_major(t) for t in tensors)
+    return not any(_output_major(t) for t in tensors)
 
 
 def finish(acc: torch.Tensor, mode: KernelMode) -> torch.Tensor:
@@ -81,8 +81,9 @@ def finish(acc: torch.Tensor, mode: KernelMode) -> torch.Tensor:
 
 
 def _output_major(t: torch.Tensor) -> bool:
-    """Whether t (n, k, ...) lies in (k, n, ...) memory (the batched capture's layout)."""
-    return t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) > t.stride(0)
+    """Whether t (n, k, ...) lies in (k, n, ...) memory (the autograd capture's layout); a tensor shared by all
+    examples (stride 0) lies either way."""
+    return t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) > t.stride(0) != 0
 
 
 def add_jacobian(acc: torch.Tensor, j1: torch.Tensor, j2: torch.Tensor, mode: KernelMode) -> None:
@@ -175,13 +176,13 @@ def _add_example_major(
     accumulator. G^A (n, m) is repeated over d first, so every elementwise pass runs over m·k contiguous elements
     (broadcasting it over (c, d) directly gives loops of k); an identity-like Δ touches only the diagonal c = d."""
     n, k, m, _ = memory.shape
-    flat = memory.view(n, k, m * k)
     if shared is not None and torch.equal(shared, torch.diag_embed(shared.diagonal())):
         if fresh:
             memory.zero_()
         memory.diagonal(dim1=1, dim2=3).addcmul_(gram_a.unsqueeze(-1), shared.diagonal())  # (n, m, k)
         return
     repeated = gram_a.unsqueeze(-1).expand(n, m, k).reshape(n, 1, m * k)
+    flat = memory.view(n, k, m * k)
     if shared is not None:
         if fresh:
             torch.mul(repeated.view(n, 1, m, k), shared.view(1, k, 1, k), out=memory)

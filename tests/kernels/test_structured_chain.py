@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import KernelMode, compute_ntk, structured_capture
+from ntk_service.kernels import KernelMode, compute_ntk, structured, structured_capture, structured_contract
 from tests.reference import reference_ntk
 
 
@@ -60,6 +60,11 @@ CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | No
     "one Linear called twice": (_shared_twice, (5,), None),
     "two Linear layers (δ shared by all examples)": (
         lambda: nn.Sequential(nn.Linear(5, 4), nn.Linear(4, 3)),
+        (5,),
+        None,
+    ),
+    "a shared, non-diagonal δ after other terms": (
+        lambda: nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 3)),
         (5,),
         None,
     ),
@@ -194,3 +199,32 @@ def _count_chain_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(structured_capture, "run_chain", spy)
     return runs
+
+
+@pytest.mark.parametrize("capture", ["chain", "autograd"])
+def test_accumulator_memory_follows_the_captures_delta(capture: str, request: pytest.FixtureRequest) -> None:
+    """NOTE [accumulator memory]: the chain's δ lies example-major and so does the FULL accumulator; the autograd
+    capture's δ lies output-major and so does the accumulator. Either way the kernel is exact."""
+    if capture == "autograd":
+        request.getfixturevalue("autograd_capture")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    accumulators: list[torch.Tensor] = []
+    real = structured_contract.finish_with_factored
+
+    def spy(acc: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        accumulators.append(acc)
+        return real(acc, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(structured, "finish_with_factored", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3)).double()
+    x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    theta = compute_ntk(model, x1, x2, implementation="structured").theta
+    expected = reference_ntk(model, x1, x2)
+    torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+    (acc,) = accumulators
+    assert acc.shape == (3, 6, 3, 4)  # (c, i, d, j) either way
+    if capture == "chain":
+        assert acc.permute(1, 0, 3, 2).is_contiguous() and not acc.is_contiguous()
+    else:
+        assert acc.is_contiguous()
