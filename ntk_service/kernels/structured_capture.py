@@ -440,7 +440,8 @@ def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> 
 
 
 def capture(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor, *, batched: bool = False) -> Capture:
-    """One forward and one output-basis-vmapped reverse pass (see NOTE [probes]).
+    """One forward and one output-basis-vmapped reverse pass (see NOTE [probes]); for a sequential chain with no
+    hooks, the closed form of ``run_chain`` instead (NOTE [sequential chains] in ``structured_chain.py``).
 
     Args:
         problem: the prepared model.
