@@ -62,3 +62,12 @@ def reference_ntk(
     if mode == "example_diagonal":
         return torch.einsum("naf,nbf->nab", j1, j1)
     raise ValueError(mode)
+
+
+def assert_matches(theta: torch.Tensor, expected: torch.Tensor, rel: float = 1e-10) -> None:
+    """theta agrees with the reference kernel ``expected``: same shape, max abs error <= rel x max|expected|."""
+    assert theta.shape == expected.shape
+    scale = expected.abs().max().item()
+    assert scale > 0, "a zero reference kernel would make the comparison vacuous"
+    err = (theta.double() - expected).abs().max().item()
+    assert err <= rel * scale, f"max abs error {err:.3e} > {rel:.0e} x max|theta| {scale:.3e}"

@@ -17,7 +17,7 @@ from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.functional import eval_semantics, prepare_problem
 from ntk_service.kernels.planning import plan_blocks
 from ntk_service.kernels.structured import Structured, StructuredTerms, structured_terms
-from tests.reference import reference_ntk
+from tests.reference import assert_matches, reference_ntk
 
 pytestmark = pytest.mark.filterwarnings(
     # torch has no vmap batching rule for CPU flash attention (nn.MultiheadAttention): correct, slower, warned
@@ -291,14 +291,6 @@ def _structured(
         return run_blocks(alg, problem, x1t, None if symmetric else x2t, mode, plan)
 
 
-def _assert_close(theta: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
-    assert theta.shape == expected.shape
-    scale = expected.abs().max().item()
-    assert scale > 0, "a zero reference kernel would make the comparison vacuous"
-    err = (theta.double() - expected).abs().max().item()
-    assert err <= rel * scale, f"max abs error {err:.3e} > {rel:.0e} x max|theta| {scale:.3e}"
-
-
 @pytest.mark.parametrize("form", FORMS, ids=str)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_float64_matches_reference(name: str, form: str | None) -> None:
@@ -307,7 +299,7 @@ def test_float64_matches_reference(name: str, form: str | None) -> None:
         for with_x2 in (True, False) if form is None else (True,):  # the forms share the x2-omitted path
             theta = _structured(model, x1, x2 if with_x2 else None, mode, form=form)
             assert theta.dtype == torch.float64
-            _assert_close(theta, _reference(name, mode, with_x2, False), 1e-10)
+            assert_matches(theta, _reference(name, mode, with_x2, False), 1e-10)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -316,7 +308,7 @@ def test_parameter_subset_matches_reference(name: str) -> None:
     for mode in (KernelMode.FULL, KernelMode.EXAMPLE_DIAGONAL):
         for form in ("factored", "jacobian"):
             theta = _structured(model, x1, x2, mode, form=form, params=MODELS[name][2])
-            _assert_close(theta, _reference(name, mode, True, True), 1e-10)
+            assert_matches(theta, _reference(name, mode, True, True), 1e-10)
 
 
 def _coverage(name: str, params: list[str] | None = None) -> dict[str, str]:
@@ -384,7 +376,7 @@ def test_a_forward_set_on_the_instance_has_no_rule() -> None:
     assert coverage["0.weight"] == coverage["0.bias"] == "fallback" and coverage["2.weight"] == "factored"
     for mode in MODES:
         theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
-        _assert_close(theta, reference_ntk(model, x1, x2, mode.value), 1e-10)
+        assert_matches(theta, reference_ntk(model, x1, x2, mode.value), 1e-10)
 
 
 def test_float32_matches_reference() -> None:
@@ -392,7 +384,7 @@ def test_float32_matches_reference() -> None:
     for mode in MODES:
         theta = _structured(model, x1, x2, mode, form=None, dtype=torch.float32)
         assert theta.dtype == torch.float32
-        _assert_close(theta, _reference("transformer", mode, True, False), 1e-4)
+        assert_matches(theta, _reference("transformer", mode, True, False), 1e-4)
 
 
 def test_hooks_are_removed_after_a_call() -> None:
@@ -430,7 +422,7 @@ def test_side_with_itself_from_half_blocks_matches_reference(name: str, monkeypa
     assert x.shape[0] == 9
     for form in ("factored", "jacobian"):
         theta = _structured(model, x, None, KernelMode.FULL, form=form)
-        _assert_close(theta, reference_ntk(model, x, None, "full"), 1e-10)
+        assert_matches(theta, reference_ntk(model, x, None, "full"), 1e-10)
 
 
 class ViewedConv(nn.Module):
@@ -470,7 +462,7 @@ def _conv_capture_matches_reference(build: Callable[[], nn.Module], seed: int, f
         alg = Structured(form)
         terms = structured_terms(problem, x1t[:1], form)
         theta = alg.pair(problem, alg.left(problem, x1t), alg.left(problem, x2t), KernelMode.FULL)
-    _assert_close(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
+    assert_matches(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
     return terms
 
 
@@ -501,6 +493,6 @@ def test_convolutional_capture_leaves_the_output_layer_delta_shared(
     contraction takes the Δ ⊗ G^A shortcut (NOTE [example-independent δ]); the kernel matches the reference."""
     model, x1, x2 = _case("cnn2d")
     theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured", dtype=torch.float64).theta
-    _assert_close(theta, _reference("cnn2d", mode, True, False), 1e-10)
+    assert_matches(theta, _reference("cnn2d", mode, True, False), 1e-10)
     if mode is not KernelMode.EXAMPLE_DIAGONAL:  # the diagonal has its own contraction
         assert shared_deltas and torch.equal(shared_deltas[0], torch.eye(3, dtype=torch.float64))

@@ -8,7 +8,7 @@ from torch import nn
 
 from ntk_service.kernels import KernelMode, compute_ntk, structured_capture
 from ntk_service.kernels.structured import Structured
-from tests.reference import reference_ntk
+from tests.reference import assert_matches, reference_ntk
 
 
 @pytest.mark.parametrize("mode", list(KernelMode), ids=str)
@@ -21,7 +21,7 @@ def test_output_layer_delta_shared_by_all_examples_is_contracted_as_an_outer_pro
     x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
     expected = reference_ntk(model, x1, x2, mode.value)
-    torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+    assert_matches(theta, expected)
     if mode is not KernelMode.EXAMPLE_DIAGONAL:  # the diagonal has its own contraction
         assert shared_deltas and torch.equal(shared_deltas[0], torch.eye(3, dtype=torch.float64))
 
@@ -93,7 +93,7 @@ def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
     for mode in KernelMode:
         theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
         expected = reference_ntk(model, x1, x2, mode.value)
-        torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+        assert_matches(theta, expected)
     assert taken and all(t == expected_taken for t in taken)
 
 
@@ -139,7 +139,7 @@ def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
     for mode in KernelMode:
         theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
         expected = reference_ntk(model, x1, x2, mode.value)
-        torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+        assert_matches(theta, expected)
     assert probing[0] is False  # every plan starts with the outputs as probes
     assert all(probing[1:]) if modified else not any(probing)
     assert len(probing) == len(KernelMode) + (1 if modified else 0)
@@ -204,7 +204,7 @@ def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_s
         passes.clear()
         theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
         expected = reference_ntk(model, x1, x2, mode.value)
-        torch.testing.assert_close(theta, expected, rtol=1e-10, atol=1e-10 * expected.abs().max().item())
+        assert_matches(theta, expected)
         (x,) = passes  # one pass for both sides
         if interleaved:
             assert torch.equal(x[0::2], x1) and torch.equal(x[1::2], x2)
