@@ -261,9 +261,7 @@ def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
             plan.fallback.append(name)
     plan.saved_bytes = _saved_activation_bytes(problem, plan, example)
     if not plan.fallback:
-        tensors = {**problem.frozen, **problem.params}
-        use_layers = [plan.layers[u.layer] for u in plan.uses]
-        plan.chain = sequential_chain(problem.module, problem.input_shape, problem.out_shape, tensors, use_layers)
+        plan.chain = sequential_chain(problem, example[:1], [plan.layers[u.layer] for u in plan.uses])
     return plan
 
 

@@ -1,4 +1,4 @@
-"""The structured capture of a plain ``nn.Sequential`` of Linear layers and pointwise activations, without autograd.
+"""The structured capture of a pipeline of Linear layers and pointwise activations, without autograd.
 
 NOTE [sequential chains]: for a chain h_{j+1} = σ_j(h_j W_jᵀ + b_j) the cotangents the capture needs follow in
 closed form: δ at the head's output is e_c, at its input W[c]; an activation maps a cotangent g to σ'(z) ⊙ g (ReLU
@@ -12,23 +12,32 @@ which spares the contraction the costly transposition of an output-major one (NO
 autograd capture, 14.0 instead of 14.6 ms alternating with neural-tangents (``benchmarks/bench_trees_ab.py``);
 the example-major layout then took N = M = 256 from 103 to 97 ms and left N = 64 as it was.
 
-The chain is taken only where it is exactly the model (``sequential_chain`` lists the conditions): plain
-Sequentials of modules of exactly the known types with their stock forward, vectors per example, no parameter on
-the Jacobian path, and no hooks when the capture runs. Anything else takes the autograd capture in
-``structured_capture.py``, which handles every model the rules cover. (While another thread prepares a problem,
-``FlopCounterMode`` holds global module hooks: a capture then also takes the autograd way, exact but slower.)
+The chain is taken only where it is exactly the model (``sequential_chain`` lists the conditions): one traced
+forward on the plan's example (``_PipelineTrace``) must be a pure pipeline of modules of exactly the known types
+with their stock forward — an ``nn.Sequential`` of them, nested or not, or a forward of its own that only calls
+them one after the other (the registry's MLP family loops over an ``nn.ModuleList``); any tensor operation of
+its own, even reading ``x.shape``, refuses it, so the forward cannot depend on values or on the batch size — with
+vectors per example, no parameter on the Jacobian path, and no hooks when the capture runs. Anything else takes
+the autograd capture in ``structured_capture.py``, which handles every model the rules cover. A chain's forward
+is not called again after that trace: Python side effects in it (a sleep, a log line) happen once per plan.
+(While another thread prepares a problem, ``FlopCounterMode`` holds global module hooks: a capture then also
+takes the autograd way, exact but slower.)
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+import contextvars
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.nn.modules import module as torch_module
+from torch.overrides import TorchFunctionMode
+
+from ntk_service.kernels.functional import NtkProblem
 
 __all__ = ["Chain", "run_chain", "sequential_chain"]
 
@@ -130,73 +139,126 @@ def _pointwise(module: nn.Module) -> _Pointwise | None:
     return None
 
 
-def _children(module: nn.Module) -> Iterator[nn.Module]:
-    """The modules a plain ``nn.Sequential`` calls, in its forward's order (a module held twice is called twice;
-    ``children()`` would list it once), nested plain Sequentials unrolled."""
-    for child in module._modules.values():
-        if child is None:
-            continue
-        yield child
-        if type(child) is nn.Sequential:
-            yield from _children(child)
+_TRACING: contextvars.ContextVar[_PipelineTrace | None] = contextvars.ContextVar("ntk_chain_trace", default=None)
+"""The trace the hooks of the current context record for; None: they do nothing (another thread's forward)."""
 
 
-def sequential_chain(
-    module: nn.Module,
-    input_shape: tuple[int, ...],
-    out_shape: tuple[int, ...],
-    tensors: dict[str, torch.Tensor],
-    use_layers: list[nn.Module],
-) -> Chain | None:
-    """The chain of ``module`` if it is one (see NOTE [sequential chains]), else None.
+class _PipelineTrace(TorchFunctionMode):
+    """One forward of the model, recording its leaf calls and whether it is a pure pipeline of them.
 
-    A chain is: ``module`` of exactly type ``nn.Sequential``, its children (nested plain Sequentials unrolled) each
-    of exactly ``nn.Linear`` or a type ``_pointwise`` knows, none with a ``forward`` set on the instance; every
-    Linear's weight and bias parameters of the problem, its input one vector per example; the calls of the
-    plan's uses exactly the chain's calls of those layers, in order; the output the model's per-example shape.
+    Pure: inside the root module's forward, every tensor operation happens inside a call of a known leaf (a Linear
+    or a ``_POINTWISE_TYPES`` module), each leaf call takes exactly the previous call's output (the first, the
+    model's input) and the model returns the last call's output. Any other operation, even reading ``x.shape``, is
+    refused: it could make the forward depend on the values or on the batch size.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False  # inside the root's forward
+        self.depth = 0  # inside a leaf call
+        self.calls: list[tuple[nn.Module, torch.Tensor]] = []  # each leaf call at depth 0 and its input
+        self.value: object = None  # the pipeline's current tensor
+        self.pure = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self.armed and self.depth == 0:
+            self.pure = False
+        return func(*args, **(kwargs or {}))
+
+    def root_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if _TRACING.get() is self:
+            self.armed, self.value = True, args[0] if len(args) == 1 else None
+
+    def root_post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        if _TRACING.get() is self:
+            self.armed = False
+            self.pure = self.pure and output is self.value
+
+    def leaf_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if _TRACING.get() is not self or not self.armed:
+            return
+        if self.depth == 0:
+            if len(args) != 1 or args[0] is not self.value or not isinstance(args[0], torch.Tensor):
+                self.pure = False
+            else:
+                self.calls.append((module, args[0]))
+        self.depth += 1
+
+    def leaf_post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        if _TRACING.get() is not self or not self.armed:
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            self.value = output
+
+
+def _trace_pipeline(problem: NtkProblem, example: torch.Tensor) -> list[tuple[nn.Module, torch.Tensor]] | None:
+    """The leaf calls (module, input) of the model's forward on ``example`` if it is a pure pipeline of them (see
+    ``_PipelineTrace``), else None."""
+    root = problem.module
+    if type(root) is nn.Linear or type(root) in _POINTWISE_TYPES:  # the model is one leaf
+        return [(root, example)]
+    trace = _PipelineTrace()
+    leaves = [m for m in root.modules() if type(m) is nn.Linear or type(m) in _POINTWISE_TYPES]
+    handles = [root.register_forward_pre_hook(trace.root_pre), root.register_forward_hook(trace.root_post)]
+    for leaf in leaves:
+        handles += [leaf.register_forward_pre_hook(trace.leaf_pre), leaf.register_forward_hook(trace.leaf_post)]
+    token = _TRACING.set(trace)
+    try:
+        with torch.no_grad(), trace:
+            functional_call(root, (problem.params, problem.frozen), (example,))
+    except Exception:  # the autograd capture's structure probe ran this forward already: refuse, do not fail
+        return None
+    finally:
+        _TRACING.reset(token)
+        for handle in handles:
+            handle.remove()
+    return trace.calls if trace.pure and trace.calls else None
+
+
+def sequential_chain(problem: NtkProblem, example: torch.Tensor, use_layers: list[nn.Module]) -> Chain | None:
+    """The chain of the problem's model if it is one (see NOTE [sequential chains]), else None.
+
+    A chain is a model whose forward on ``example`` is a pure pipeline of Linear layers and the pointwise modules
+    ``_pointwise`` knows (``_PipelineTrace``: an ``nn.Sequential`` of them, nested or not, or a module looping
+    over an ``nn.ModuleList`` and calling one activation module between them), each of exactly its type and
+    without a ``forward`` set on the instance; every Linear's weight and bias parameters of the problem, its
+    input one vector per example; the plan's uses exactly the chain's calls of those layers, in order.
 
     Args:
-        module: the problem's model.
-        input_shape: its per-example input shape.
-        out_shape: its per-example output shape.
-        tensors: every parameter and buffer by its canonical name (``named_parameters()``), compute dtype.
+        problem: the prepared model.
+        example: (1, *input), compute dtype.
         use_layers: the module called by each use of the structure plan, in call order.
     """
-    if type(module) is not nn.Sequential or "forward" in vars(module):
+    calls = _trace_pipeline(problem, example)
+    if calls is None:
         return None
-    canonical = {id(p): name for name, p in module.named_parameters()}
+    tensors = {**problem.frozen, **problem.params}
+    canonical = {id(p): name for name, p in problem.module.named_parameters()}
     steps: list[_Linear | _Pointwise] = []
-    modules: list[nn.Module] = [module]
-    shape = input_shape
     uses = iter(enumerate(use_layers))
     pending = next(uses, None)
-    for child in _children(module):
-        modules.append(child)
-        if "forward" in vars(child):
+    for module, a in calls:
+        if "forward" in vars(module):
             return None  # a forward set on the instance (accelerate's hooks do that): other math
-        if type(child) is nn.Sequential:
-            continue
-        if type(child) is nn.Linear:
-            if shape != (child.in_features,):
+        if type(module) is nn.Linear:
+            if a.ndim != 2:
                 return None  # leading dimensions per example (positions): the autograd capture's case
-            weight, bias = _parameter(child.weight, canonical, tensors), _parameter(child.bias, canonical, tensors)
-            if weight is None or (bias is None) != (child.bias is None):
+            weight, bias = _parameter(module.weight, canonical, tensors), _parameter(module.bias, canonical, tensors)
+            if weight is None or (bias is None) != (module.bias is None):
                 return None  # a weight that is not a parameter (a buffer, a plain tensor)
             use = None
-            if pending is not None and pending[1] is child:
+            if pending is not None and pending[1] is module:
                 use, pending = pending[0], next(uses, None)
             steps.append(_Linear(weight, bias, use))
-            shape = (child.out_features,)
             continue
-        step = _pointwise(child)
+        step = _pointwise(module)
         if step is None:
             return None
-        if type(child) is nn.Flatten:
-            shape = (math.prod(shape),)
         steps.append(step)
-    if pending is not None or shape != out_shape or not any(isinstance(s, _Linear) for s in steps):
-        return None  # a use the chain does not make (the plan saw other calls), or another output
-    return Chain(tuple(steps), tuple(modules))
+    if pending is not None or not any(isinstance(s, _Linear) for s in steps) or len(problem.out_shape) != 1:
+        return None  # a use the chain does not make (the plan saw other calls), or an output of other shape
+    return Chain(tuple(steps), tuple(problem.module.modules()))
 
 
 def _parameter(

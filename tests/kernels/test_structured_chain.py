@@ -45,6 +45,34 @@ def _shared_twice() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), shared, nn.ReLU(), shared, nn.Linear(4, 3))
 
 
+class _Between(nn.Module):
+    """Linear, Tanh, ``between``, Linear in a forward of its own: a chain exactly when ``between`` does nothing to
+    the tensor."""
+
+    def __init__(self, between: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.first, self.act, self.head, self.between = nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), between
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.between(self.act(self.first(x))))
+
+
+class _LoopedMlp(nn.Module):
+    """The registry's MLP family: Linear layers in an ``nn.ModuleList``, one activation module between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 3)])
+        self.activation = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            if i:
+                x = self.activation(x)
+            x = layer(x)
+        return x
+
+
 CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | None]] = {
     "relu mlp": (
         lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3)),
@@ -69,6 +97,8 @@ CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | No
         None,
     ),
     "middle layers only": (_activations, (2, 3), ["3.*", "17.*"]),
+    "a loop over a ModuleList (the registry's MLP)": (_LoopedMlp, (5,), None),
+    "a forward of its own, nothing in between": (lambda: _Between(lambda h: h), (5,), None),
 }
 
 
@@ -144,7 +174,9 @@ NOT_CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "a forward hook on an activation": (_hooked, (5,)),
     "a LayerNorm in the chain": (lambda: nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3)), (5,)),
     "Linear over positions": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Flatten()), (2, 5)),
-    "a Sequential inside another module": (_Positions, (2, 5)),
+    "a Sequential inside another module, then a sum": (_Positions, (2, 5)),
+    "a reshape by the batch size between the layers": (lambda: _Between(lambda h: h.reshape(h.shape[0], -1)), (5,)),
+    "a constant added between the layers": (lambda: _Between(lambda h: h + 1.0), (5,)),
     "an activation's forward set on the instance": (_patched_activation, (5,)),
     "the Sequential's forward set on the instance": (_patched_root, (5,)),
     "a weight that is a buffer": (lambda: _weight_not_a_parameter(as_buffer=True), (5,)),

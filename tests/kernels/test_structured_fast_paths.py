@@ -145,20 +145,21 @@ def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
     assert len(probing) == len(KernelMode) + (1 if modified else 0)
 
 
-class _Wrapped(nn.Module):
-    """An MLP inside a module of its own: the autograd capture's case (NOTE [sequential chains])."""
+class _ResidualMlp(nn.Module):
+    """An MLP with a skip connection: not a pure pipeline, so the autograd capture's case (NOTE [sequential
+    chains]); its terms are plain factored ones."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+        self.hidden, self.head = nn.Linear(5, 5), nn.Linear(5, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.body(x)
+        return self.head(x + torch.relu(self.hidden(x)))
 
 
 JOINT = {  # model, per-example input shape, x2 examples, whether the joint pass interleaves x1 and x2
-    "mlp, N = M": (_Wrapped, (5,), 6, True),
-    "mlp, N != M": (_Wrapped, (5,), 4, False),
+    "mlp, N = M": (_ResidualMlp, (5,), 6, True),
+    "mlp, N != M": (_ResidualMlp, (5,), 4, False),
     "sequential chain (example-major δ), N = M": (
         lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)),
         (5,),

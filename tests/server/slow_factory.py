@@ -23,7 +23,9 @@ class SlowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         time.sleep(self.delay_s)
-        return self.linear(x)
+        # "* 1.0": an operation of its own, so the structured engine must run this forward for every block; a bare
+        # pipeline of known layers is captured without calling it (NOTE [sequential chains]), and would not sleep.
+        return self.linear(x) * 1.0
 
 
 def build(in_dim: int = 4, out_dim: int = 2, delay_s: float = 0.0) -> nn.Module:
