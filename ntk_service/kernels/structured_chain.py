@@ -14,12 +14,13 @@ the example-major layout then took N = M = 256 from 103 to 97 ms and left N = 64
 
 The chain is taken only where it is exactly the model (``sequential_chain`` lists the conditions): one traced
 forward on the plan's example (``_PipelineTrace``) must be a pure pipeline of modules of exactly the known types
-with their stock forward — an ``nn.Sequential`` of them, nested or not, or a forward of its own that only calls
-them one after the other (the registry's MLP family loops over an ``nn.ModuleList``); any tensor operation of
-its own, even reading ``x.shape``, refuses it, so the forward cannot depend on values or on the batch size — with
-vectors per example, no parameter on the Jacobian path, and no hooks when the capture runs. Anything else takes
-the autograd capture in ``structured_capture.py``, which handles every model the rules cover. A chain's forward
-is not called again after that trace: Python side effects in it (a sleep, a log line) happen once per plan.
+with their stock forward — an ``nn.Sequential`` of them, nested or not, or a module whose class declares a fixed
+forward (``FIXED_PIPELINE_ATTRIBUTE``: the registry's MLP family, which loops over an ``nn.ModuleList``); any
+tensor operation of its own, even reading ``x.shape``, refuses it, so the forward cannot depend on values or on
+the batch size — with vectors per example, no parameter on the Jacobian path, and no hooks when the capture runs.
+Anything else takes the autograd capture in ``structured_capture.py``, which handles every model the rules cover.
+A chain's forward is not called again after that trace, which is why an arbitrary forward does not qualify: one
+reading a global flag or the grad mode could take another path on a later call (found in review).
 (While another thread prepares a problem, ``FlopCounterMode`` holds global module hooks: a capture then also
 takes the autograd way, exact but slower.)
 """
@@ -39,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from ntk_service.kernels.functional import NtkProblem
 
-__all__ = ["Chain", "run_chain", "sequential_chain"]
+__all__ = ["FIXED_PIPELINE_ATTRIBUTE", "Chain", "run_chain", "sequential_chain"]
 
 aten = torch.ops.aten
 
@@ -139,6 +140,22 @@ def _pointwise(module: nn.Module) -> _Pointwise | None:
     return None
 
 
+FIXED_PIPELINE_ATTRIBUTE = "ntk_fixed_pipeline"
+"""A class attribute (``ntk_fixed_pipeline = True``) by which a module says its forward calls the same modules in
+the same order on every call, whatever the inputs and any state outside the module (a flag, the grad mode): the
+chain traces such a forward once and never calls it again (NOTE [sequential chains]). ``nn.Sequential``'s forward
+is such a forward; the registry's MLP family declares it."""
+
+
+def _has_fixed_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs a forward that is the same pipeline on every call (torch's
+    ``nn.Sequential.forward`` or a class declaring ``FIXED_PIPELINE_ATTRIBUTE``), with ``nn.Module.__call__``."""
+    kind = type(module)
+    if kind.__call__ is not nn.Module.__call__ or "forward" in vars(module) or "__call__" in vars(module):
+        return False
+    return kind.forward is nn.Sequential.forward or getattr(kind, FIXED_PIPELINE_ATTRIBUTE, False) is True
+
+
 _TRACING: contextvars.ContextVar[_PipelineTrace | None] = contextvars.ContextVar("ntk_chain_trace", default=None)
 """The trace the hooks of the current context record for; None: they do nothing (another thread's forward)."""
 
@@ -149,7 +166,9 @@ class _PipelineTrace(TorchFunctionMode):
     Pure: inside the root module's forward, every tensor operation happens inside a call of a known leaf (a Linear
     or a ``_POINTWISE_TYPES`` module), each leaf call takes exactly the previous call's output (the first, the
     model's input) and the model returns the last call's output. Any other operation, even reading ``x.shape``, is
-    refused: it could make the forward depend on the values or on the batch size.
+    refused: it could make the forward depend on the values or on the batch size. The root and every other module
+    called between the leaves must have a fixed forward (``_has_fixed_forward``): a forward reading a flag or the
+    grad mode would take another path later, and the chain is traced once.
     """
 
     def __init__(self) -> None:
@@ -168,6 +187,10 @@ class _PipelineTrace(TorchFunctionMode):
     def root_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
         if _TRACING.get() is self:
             self.armed, self.value = True, args[0] if len(args) == 1 else None
+
+    def container_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if _TRACING.get() is self and self.armed and self.depth == 0 and not _has_fixed_forward(module):
+            self.pure = False
 
     def root_post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         if _TRACING.get() is self:
@@ -192,22 +215,32 @@ class _PipelineTrace(TorchFunctionMode):
             self.value = output
 
 
+def _is_leaf(module: nn.Module) -> bool:
+    return type(module) is nn.Linear or type(module) in _POINTWISE_TYPES
+
+
 def _trace_pipeline(problem: NtkProblem, example: torch.Tensor) -> list[tuple[nn.Module, torch.Tensor]] | None:
     """The leaf calls (module, input) of the model's forward on ``example`` if it is a pure pipeline of them (see
     ``_PipelineTrace``), else None."""
     root = problem.module
-    if type(root) is nn.Linear or type(root) in _POINTWISE_TYPES:  # the model is one leaf
-        return [(root, example)]
+    if _is_leaf(root):  # the model is one leaf
+        return [(root, example)] if type(root).__call__ is nn.Module.__call__ else None
+    if not _has_fixed_forward(root):
+        return None
     trace = _PipelineTrace()
-    leaves = [m for m in root.modules() if type(m) is nn.Linear or type(m) in _POINTWISE_TYPES]
-    handles = [root.register_forward_pre_hook(trace.root_pre), root.register_forward_hook(trace.root_post)]
-    for leaf in leaves:
-        handles += [leaf.register_forward_pre_hook(trace.leaf_pre), leaf.register_forward_hook(trace.leaf_post)]
+    handles = []
     token = _TRACING.set(trace)
     try:
+        handles += [root.register_forward_pre_hook(trace.root_pre), root.register_forward_hook(trace.root_post)]
+        for module in root.modules():
+            if _is_leaf(module):
+                handles.append(module.register_forward_pre_hook(trace.leaf_pre))
+                handles.append(module.register_forward_hook(trace.leaf_post))
+            elif module is not root:
+                handles.append(module.register_forward_pre_hook(trace.container_pre))
         with torch.no_grad(), trace:
             functional_call(root, (problem.params, problem.frozen), (example,))
-    except Exception:  # the autograd capture's structure probe ran this forward already: refuse, do not fail
+    except Exception:  # the structure probe ran this forward already: whatever fails here, refuse, do not fail
         return None
     finally:
         _TRACING.reset(token)
@@ -220,8 +253,8 @@ def sequential_chain(problem: NtkProblem, example: torch.Tensor, use_layers: lis
     """The chain of the problem's model if it is one (see NOTE [sequential chains]), else None.
 
     A chain is a model whose forward on ``example`` is a pure pipeline of Linear layers and the pointwise modules
-    ``_pointwise`` knows (``_PipelineTrace``: an ``nn.Sequential`` of them, nested or not, or a module looping
-    over an ``nn.ModuleList`` and calling one activation module between them), each of exactly its type and
+    ``_pointwise`` knows (``_PipelineTrace``: an ``nn.Sequential`` of them, nested or not, or a module with a
+    fixed forward, ``FIXED_PIPELINE_ATTRIBUTE``, looping over an ``nn.ModuleList``), each of exactly its type and
     without a ``forward`` set on the instance; every Linear's weight and bias parameters of the problem, its
     input one vector per example; the plan's uses exactly the chain's calls of those layers, in order.
 

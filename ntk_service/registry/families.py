@@ -52,6 +52,10 @@ class MLP(nn.Module):
     Input (B, input_dim) float32, output (B, output_dim).
     """
 
+    ntk_fixed_pipeline = True
+    """The forward calls the same modules in the same order every time: the structured engine may trace it once
+    and capture it in closed form (NOTE [sequential chains] in ``ntk_service/kernels/structured_chain.py``)."""
+
     def __init__(self, config: MlpConfig) -> None:
         super().__init__()
         dims = [config.input_dim, *config.hidden, config.output_dim]

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 from ntk_service.kernels import KernelMode, compute_ntk, structured, structured_capture, structured_contract
+from ntk_service.registry.architectures import MlpConfig
+from ntk_service.registry.families import MLP
 from tests.reference import assert_matches, reference_ntk
 
 
@@ -46,8 +48,10 @@ def _shared_twice() -> nn.Module:
 
 
 class _Between(nn.Module):
-    """Linear, Tanh, ``between``, Linear in a forward of its own: a chain exactly when ``between`` does nothing to
-    the tensor."""
+    """Linear, Tanh, ``between``, Linear in a forward declared fixed: a chain exactly when ``between`` does nothing
+    to the tensor."""
+
+    ntk_fixed_pipeline = True
 
     def __init__(self, between: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -58,7 +62,10 @@ class _Between(nn.Module):
 
 
 class _LoopedMlp(nn.Module):
-    """The registry's MLP family: Linear layers in an ``nn.ModuleList``, one activation module between them."""
+    """Like the registry's MLP family: Linear layers in an ``nn.ModuleList``, one activation module between them,
+    a forward declared fixed."""
+
+    ntk_fixed_pipeline = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,7 +104,12 @@ CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | No
         None,
     ),
     "middle layers only": (_activations, (2, 3), ["3.*", "17.*"]),
-    "a loop over a ModuleList (the registry's MLP)": (_LoopedMlp, (5,), None),
+    "a loop over a ModuleList": (_LoopedMlp, (5,), None),
+    "the registry's MLP family": (
+        lambda: MLP(MlpConfig(family="mlp", input_dim=5, hidden=[7, 6], output_dim=3, activation="gelu")),
+        (5,),
+        None,
+    ),
     "a forward of its own, nothing in between": (lambda: _Between(lambda h: h), (5,), None),
 }
 
@@ -157,6 +169,17 @@ def _weight_not_a_parameter(as_buffer: bool) -> nn.Module:
     return model
 
 
+class _Undeclared(_LoopedMlp):
+    """The same forward, not declared fixed: it could read a flag, so it is not traced once and trusted."""
+
+    ntk_fixed_pipeline = False
+
+
+class _CallOverride(nn.Sequential):
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return super().__call__(x) * 2.0
+
+
 class _Positions(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -177,6 +200,8 @@ NOT_CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "a Sequential inside another module, then a sum": (_Positions, (2, 5)),
     "a reshape by the batch size between the layers": (lambda: _Between(lambda h: h.reshape(h.shape[0], -1)), (5,)),
     "a constant added between the layers": (lambda: _Between(lambda h: h + 1.0), (5,)),
+    "a forward of its own, not declared fixed": (_Undeclared, (5,)),
+    "__call__ overridden": (lambda: _CallOverride(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), (5,)),
     "an activation's forward set on the instance": (_patched_activation, (5,)),
     "the Sequential's forward set on the instance": (_patched_root, (5,)),
     "a weight that is a buffer": (lambda: _weight_not_a_parameter(as_buffer=True), (5,)),
