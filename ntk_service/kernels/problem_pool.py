@@ -8,7 +8,8 @@ NOTE [problem pool]: idle problems are kept per model object (weakly: they go wi
 signature (per-example input shape and kind, compute dtype, parameter globs). A problem is checked out by one
 call at a time, so concurrent calls on one model each get their own private copy, as before. A kept problem is
 valid while the model looks the same: ``fingerprint`` covers every submodule's identity, type and attributes
-(hyper-parameters such as stride or negative_slope, hooks) and every tensor's identity, storage, shape and dtype.
+(hyper-parameters such as stride or negative_slope, hooks, the attributes of a config object it holds: the
+private copy holds a copy of that object) and every tensor's identity, storage, shape and dtype.
 In-place updates of values (an optimizer step, ``load_state_dict``) keep the fingerprint: the kept problem
 shares those tensors, so it sees the new values. Anything else (a replaced submodule or parameter, ``.to()``,
 ``p.data = ...``, a changed attribute) changes the fingerprint and drops the model's kept problems. Problems
@@ -59,7 +60,8 @@ _EMPTY: Hashable = ()
 
 def _freeze(value: object, depth: int = 0) -> Hashable:
     """A hashable summary of an attribute value: atoms as themselves, tensors by identity and storage,
-    containers element-wise (3 levels deep), anything else by identity."""
+    containers element-wise and plain objects (a config namespace) by identity and attributes (3 levels deep),
+    modules and anything else by identity."""
     kind = type(value)
     if kind in _ATOMS or isinstance(value, enum.Enum | type):
         return value
@@ -72,6 +74,9 @@ def _freeze(value: object, depth: int = 0) -> Hashable:
             return (kind.__name__, *(_freeze(v, depth + 1) for v in value))
         if isinstance(value, set | frozenset):
             return ("set", *sorted(repr(v) for v in value)) if value else _EMPTY
+        state = None if isinstance(value, nn.Module) else getattr(value, "__dict__", None)
+        if isinstance(state, dict) and state:  # ``model.cfg.flag = True`` changes the model (the copy has its own)
+            return ("object", id(value), _freeze(state, depth + 1))
     return ("object", id(value))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -83,6 +84,30 @@ def test_a_changed_model_is_never_computed_from_a_stale_problem(
     _check(model, x1, x2)
     mutate(model)
     _check(model, x1, x2)
+
+
+class _Configured(nn.Module):
+    """A model reading a flag of a config object it holds (the private copy holds a copy of the object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = types.SimpleNamespace(scale=1.0)
+        self.first, self.head = nn.Linear(3, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.first(x)) * self.cfg.scale)
+
+
+@pytest.mark.parametrize("implementation", ["structured", "jacobian_contraction"])
+def test_a_changed_config_object_is_a_changed_model(builds: list[NtkProblem], implementation: str) -> None:
+    torch.manual_seed(0)
+    model = _Configured().double()
+    x1, x2 = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    for scale in (1.0, 2.0):
+        model.cfg.scale = scale
+        theta = compute_ntk(model, x1, x2, implementation=implementation).theta
+        assert_matches(theta, reference_ntk(model, x1, x2))
+    assert len(builds) == 2
 
 
 def test_dtype_converting_calls_are_not_kept(builds: list[NtkProblem]) -> None:
