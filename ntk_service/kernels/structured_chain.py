@@ -6,6 +6,7 @@ by the kernel autograd calls, threshold_backward; the others by their aten backw
 block (n, d) rather than once per output), and a Linear maps δ to δ W. δ comes out example-major, rows (i, c),
 which spares the contraction the costly transposition of an output-major one (NOTE [accumulator memory] in
 ``structured_contract.py``).
+
 ``run_chain`` does exactly that for all k outputs at once, as (n, k, ·) matrices: one forward under
 ``no_grad`` and one matmul per hidden layer, no hooks, no graph, no vmapped engine run. On the benchmark MLP
 (784-512-512-10, N = M = 64) the kernel took 14.2 instead of 15.4 ms in an in-process alternation with the

@@ -61,23 +61,11 @@ class _Between(nn.Module):
         return self.head(self.between(self.act(self.first(x))))
 
 
-class _LoopedMlp(nn.Module):
-    """Like the registry's MLP family: Linear layers in an ``nn.ModuleList``, one activation module between them,
-    a forward declared fixed."""
+_MLP_CONFIG = MlpConfig(family="mlp", input_dim=5, hidden=[7, 6], output_dim=3, activation="gelu")
 
-    ntk_fixed_pipeline = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 3)])
-        self.activation = nn.GELU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            if i:
-                x = self.activation(x)
-            x = layer(x)
-        return x
+def _registry_mlp() -> nn.Module:
+    return MLP(_MLP_CONFIG)
 
 
 CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | None]] = {
@@ -104,12 +92,7 @@ CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | No
         None,
     ),
     "middle layers only": (_activations, (2, 3), ["3.*", "17.*"]),
-    "a loop over a ModuleList": (_LoopedMlp, (5,), None),
-    "the registry's MLP family": (
-        lambda: MLP(MlpConfig(family="mlp", input_dim=5, hidden=[7, 6], output_dim=3, activation="gelu")),
-        (5,),
-        None,
-    ),
+    "the registry's MLP family (a loop over a ModuleList)": (_registry_mlp, (5,), None),
     "a forward of its own, nothing in between": (lambda: _Between(lambda h: h), (5,), None),
 }
 
@@ -169,8 +152,8 @@ def _weight_not_a_parameter(as_buffer: bool) -> nn.Module:
     return model
 
 
-class _Undeclared(_LoopedMlp):
-    """The same forward, not declared fixed: it could read a flag, so it is not traced once and trusted."""
+class _Undeclared(MLP):
+    """The registry's MLP forward, not declared fixed: it could read a flag, so it is not traced once and trusted."""
 
     ntk_fixed_pipeline = False
 
@@ -200,7 +183,7 @@ NOT_CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "a Sequential inside another module, then a sum": (_Positions, (2, 5)),
     "a reshape by the batch size between the layers": (lambda: _Between(lambda h: h.reshape(h.shape[0], -1)), (5,)),
     "a constant added between the layers": (lambda: _Between(lambda h: h + 1.0), (5,)),
-    "a forward of its own, not declared fixed": (_Undeclared, (5,)),
+    "a forward of its own, not declared fixed": (lambda: _Undeclared(_MLP_CONFIG), (5,)),
     "__call__ overridden": (lambda: _CallOverride(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), (5,)),
     "an activation's forward set on the instance": (_patched_activation, (5,)),
     "the Sequential's forward set on the instance": (_patched_root, (5,)),
