@@ -152,7 +152,7 @@ def _has_fixed_forward(module: nn.Module) -> bool:
     """Whether calling ``module`` runs a forward that is the same pipeline on every call (torch's
     ``nn.Sequential.forward`` or a class declaring ``FIXED_PIPELINE_ATTRIBUTE``), with ``nn.Module.__call__``."""
     kind = type(module)
-    if kind.__call__ is not nn.Module.__call__ or "forward" in vars(module) or "__call__" in vars(module):
+    if kind.__call__ is not nn.Module.__call__ or "forward" in vars(module):
         return False
     return kind.forward is nn.Sequential.forward or getattr(kind, FIXED_PIPELINE_ATTRIBUTE, False) is True
 

@@ -90,10 +90,7 @@ def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
     model = build().double()
     width = 10 if name == "head over positions" else 5
     x1, x2 = torch.randn(6, width, dtype=torch.float64), torch.randn(4, width, dtype=torch.float64)
-    for mode in KernelMode:
-        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
-        expected = reference_ntk(model, x1, x2, mode.value)
-        assert_matches(theta, expected)
+    _matches_reference_in_every_mode(model, x1, x2)
     assert taken and all(t == expected_taken for t in taken)
 
 
@@ -136,10 +133,7 @@ def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
     torch.manual_seed(0)
     model = build().double()
     x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
-    for mode in KernelMode:
-        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
-        expected = reference_ntk(model, x1, x2, mode.value)
-        assert_matches(theta, expected)
+    _matches_reference_in_every_mode(model, x1, x2)
     assert probing[0] is False  # every plan starts with the outputs as probes
     assert all(probing[1:]) if modified else not any(probing)
     assert len(probing) == len(KernelMode) + (1 if modified else 0)
@@ -211,3 +205,9 @@ def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_s
             assert torch.equal(x[0::2], x1) and torch.equal(x[1::2], x2)
         else:
             assert torch.equal(x[:6], x1) and torch.equal(x[6:], x2)
+
+
+def _matches_reference_in_every_mode(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> None:
+    for mode in KernelMode:
+        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
+        assert_matches(theta, reference_ntk(model, x1, x2, mode.value))
