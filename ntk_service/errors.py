@@ -21,7 +21,8 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     ├── NotFound                          404
     │   ├── ModelNotFound
     │   ├── DatasetNotFound
-    │   └── JobNotFound
+    │   ├── JobNotFound
+    │   └── ResultNotFound                a job whose result was deleted (its record kept)
     ├── Conflict                          409
     │   ├── NameConflict
     │   └── JobNotFinished
@@ -64,6 +65,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "ResourceLimit",
+    "ResultNotFound",
     "ServiceUnavailable",
     "ShapeMismatch",
     "UnknownImplementation",
@@ -166,6 +168,10 @@ class DatasetNotFound(NotFound):
 
 class JobNotFound(NotFound):
     error_type = "job_not_found"
+
+
+class ResultNotFound(NotFound):
+    error_type = "result_not_found"
 
 
 class Conflict(NtkServiceError):

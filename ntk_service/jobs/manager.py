@@ -22,11 +22,14 @@ NOTE [resume]
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,23 +39,26 @@ import torch
 from torch import nn
 
 from ntk_service.errors import (
+    Conflict,
     DiskEstimateExceeded,
     InvalidInput,
     JobNotFinished,
+    JobNotFound,
     NtkServiceError,
+    ResultNotFound,
     ShapeMismatch,
     format_bytes,
 )
 from ntk_service.jobs.executors.base import Executor, JobWork, TileOutcome
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
-from ntk_service.jobs.results import RESULT_ARRAY_NAME, ResultArray
+from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
 from ntk_service.jobs.store import JobStore
 from ntk_service.kernels import compute_ntk, default_memory_budget
 from ntk_service.kernels.modes import KernelMode, parse_mode
 from ntk_service.kernels.types import parse_implementation
 
-__all__ = ["DISK_FREE_FRACTION", "DatasetSource", "JobManager", "ModelSource", "plan_of"]
+__all__ = ["DISK_FREE_FRACTION", "DatasetSource", "Deletion", "DiskUsage", "JobManager", "ModelSource", "plan_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +66,48 @@ DISK_FREE_FRACTION = 0.9
 """Without an explicit disk budget a job may use 90% of the free space: the rest stays for the registry and logs."""
 
 _DTYPES = {"float32": 4, "float64": 8}
+
+_DELETING_PREFIX = ".deleting-"
+"""A job directory being removed is first renamed to this prefix + its id (atomic), so no reader finds half of it."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiskUsage:
+    """The job results' share of the disk (``/metrics``).
+
+    Attributes:
+        used_bytes: what the stored results take (their estimates: exact, results are uncompressed), finished or not.
+        budget_bytes: the configured budget (NTK_JOB_DISK_BUDGET_BYTES), or None (90% of the free space).
+        available_bytes: what a new job may still take.
+    """
+
+    used_bytes: int
+    budget_bytes: int | None
+    available_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Deletion:
+    """What ``JobManager.delete`` did: the job, the bytes freed on disk, and whether the record was kept."""
+
+    job_id: str
+    freed_bytes: int
+    record_kept: bool
+
+
+def _rows(rows: tuple[int, int] | None, size: int, side: str) -> tuple[int, int]:
+    if rows is None:
+        return 0, size
+    start, stop = int(rows[0]), int(rows[1])
+    if not 0 <= start < stop <= size:
+        raise InvalidInput(
+            f"jobs: {side} rows ({start}, {stop}) are outside the data set; expected 0 ≤ start < stop ≤ {size}"
+        )
+    return start, stop
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class ModelSource(Protocol):
@@ -128,7 +176,7 @@ class JobManager:
         disk_budget_bytes: largest result a job may store. Default: ``DISK_FREE_FRACTION`` of the free space.
         memory_budget_bytes: the engine's memory budget per tile, fixed into each job at submission.
             Default: the engine's default at submission time.
-        results_dir: where the Zarr arrays go, ``<results_dir>/<job id>/theta.zarr``; on a Ray cluster a
+        results_dir: where the result groups go, ``<results_dir>/<job id>/result.zarr``; on a Ray cluster a
             filesystem every worker mounts at the same path (the SQLite file stays in ``<data_dir>/jobs``: WAL
             needs a local disk). Default: ``<data_dir>/jobs``.
     """
@@ -163,12 +211,16 @@ class JobManager:
         self._versions: dict[str, int] = {}
         self._runs: dict[str, _Run] = {}
         self._cancelled: set[str] = set()
+        self._readers: dict[str, int] = {}
         self._thread: threading.Thread | None = None
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
 
     def start(self) -> list[str]:
-        """Start the runner and re-queue every unfinished job (oldest first); returns the resumed ids."""
+        """Migrate results of older versions, finish interrupted deletions, start the runner and re-queue every
+        unfinished job (oldest first); returns the resumed ids."""
+        self._sweep_deletions()
+        self._migrate_legacy_results()
         resumed = []
         for record in sorted(
             self.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RUNNING]), key=lambda r: r.created_at
@@ -188,6 +240,30 @@ class JobManager:
         self._thread = threading.Thread(target=self._runner, name="ntk-job-runner", daemon=True)
         self._thread.start()
         return resumed
+
+    def _migrate_legacy_results(self) -> None:
+        # Results of versions before the result group (a bare theta.zarr) become groups in place: nothing is copied,
+        # nothing is lost; unfinished jobs then resume into the group.
+        for record in self.store.list_jobs():
+            if record.result_deleted_at is not None:
+                continue
+            plan = plan_of(record.spec)
+            done = {t.id for t in plan.tiles} if record.status is JobStatus.SUCCEEDED else None
+            job_dir = self.results_dir / record.id
+            if migrate_legacy(
+                job_dir,
+                plan=plan,
+                k=record.spec.k,
+                done_tile_ids=done if done is not None else self.store.done_tile_ids(record.id),
+                attributes={"job_id": record.id, **record.spec.result_attributes()},
+            ):
+                logger.info("jobs: migrated the result of %s to the result group format", record.id)
+
+    def _sweep_deletions(self) -> None:
+        # A deletion cut off after its rename: finish it (the record, if any, says the result is gone).
+        for path in self.results_dir.glob(f"{_DELETING_PREFIX}*"):
+            self.store.mark_result_deleted(path.name.removeprefix(_DELETING_PREFIX))
+            shutil.rmtree(path, ignore_errors=True)
 
     def stop(self, timeout: float | None = 60.0) -> None:
         """Stop after the tiles being computed finish (they are recorded); unfinished jobs resume at next start."""
@@ -213,6 +289,8 @@ class JobManager:
         dtype: str = "float32",
         params: list[str] | None = None,
         tile_size: int | None = None,
+        x1_rows: tuple[int, int] | None = None,
+        x2_rows: tuple[int, int] | None = None,
     ) -> JobRecord:
         """Validate, plan and queue a job.
 
@@ -222,6 +300,7 @@ class JobManager:
                 (symmetric job: only tiles on and above the diagonal are computed).
             mode, implementation, dtype, params: as for ``compute_ntk``. Default: "full", "auto", "float32", all.
             tile_size: examples per tile side. Default: the manager's ``default_tile_size``.
+            x1_rows, x2_rows: ``(start, stop)`` rows of the data sets to use. Default: all rows.
 
         Returns:
             The queued JobRecord.
@@ -245,11 +324,22 @@ class JobManager:
                 f"jobs: x2 data set {x2_dataset!r} has examples of shape {tuple(ds2.shape[1:])}, x1 data set "
                 f"{x1_dataset!r} has {tuple(ds1.shape[1:])}; both sides must match"
             )
-        plan = plan_tiles(
-            n=int(ds1.shape[0]), m=None if ds2 is None else int(ds2.shape[0]), tile_size=tile, mode=kernel_mode
-        )
+        r1 = _rows(x1_rows, int(ds1.shape[0]), "x1")
+        r2 = None if ds2 is None else _rows(x2_rows, int(ds2.shape[0]), "x2")
+        if ds2 is None and x2_rows is not None:
+            raise InvalidInput("jobs: x2 rows given without an x2 data set; name x2's data set too, or omit x2 rows")
+        plan = plan_tiles(n=r1[1] - r1[0], m=None if r2 is None else r2[1] - r2[0], tile_size=tile, mode=kernel_mode)
         budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else default_memory_budget()
-        self._probe(module, x1_dataset, x2_dataset, kernel_mode, impl.value, dtype, params, budget)
+        self._probe(
+            module,
+            (x1_dataset, r1[0]),
+            None if r2 is None else (str(x2_dataset), r2[0]),
+            kernel_mode,
+            impl.value,
+            dtype,
+            params,
+            budget,
+        )
         k = int(record.output_dim)
         estimate = plan.stored_bytes(k, _DTYPES[dtype])
         self._check_disk(estimate, plan)
@@ -270,6 +360,8 @@ class JobManager:
             params=None if params is None else list(params),
             tile_size=tile,
             memory_budget_bytes=budget,
+            x1_start=r1[0],
+            x2_start=0 if r2 is None else r2[0],
         )
         job = JobRecord(
             id=uuid.uuid4().hex,
@@ -289,7 +381,8 @@ class JobManager:
         job_dir = self.results_dir / job.id
         job_dir.mkdir(parents=True)
         # The array first: a crash before the SQLite row leaves an orphan directory, never a job without its array.
-        ResultArray.create(job_dir / RESULT_ARRAY_NAME, plan=plan, k=k, dtype=dtype, attributes=_attributes(job))
+        attributes = {"job_id": job.id, **spec.result_attributes()}
+        ResultArray.create(job_dir / RESULT_GROUP_NAME, plan=plan, k=k, dtype=dtype, attributes=attributes)
         self.store.create_job(job, tile_ids=[t.id for t in plan.tiles])
         logger.info(
             "jobs: queued %s (%s, %d tiles, %s)", job.id, kernel_mode.value, job.tiles_total, format_bytes(estimate)
@@ -301,8 +394,8 @@ class JobManager:
     def _probe(
         self,
         module: nn.Module,
-        x1_dataset: str,
-        x2_dataset: str | None,
+        x1_side: tuple[str, int],
+        x2_side: tuple[str, int] | None,
         mode: KernelMode,
         implementation: str,
         dtype: str,
@@ -311,8 +404,9 @@ class JobManager:
     ) -> None:
         # One example per side: finds wrong shapes, dtypes, parameter globs and unsupported models in milliseconds,
         # so the client gets a 422 now instead of a failed job later.
-        x1 = self._tensor(x1_dataset, 0, 1)
-        x2 = None if x2_dataset is None else self._tensor(x2_dataset, 0, 1)
+        x1_dataset, x1_start = x1_side
+        x1 = self._tensor(x1_dataset, x1_start, x1_start + 1)
+        x2 = None if x2_side is None else self._tensor(x2_side[0], x2_side[1], x2_side[1] + 1)
         if mode is KernelMode.EXAMPLE_DIAGONAL:
             x2 = None
         try:
@@ -336,29 +430,38 @@ class JobManager:
             ) from exc
 
     def _result_path(self, job_id: str) -> Path:
-        return self.results_dir / job_id / RESULT_ARRAY_NAME
+        return self.results_dir / job_id / RESULT_GROUP_NAME
 
     def _tensor(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(self.datasets.load(dataset_id, start, stop)))
 
-    def _check_disk(self, estimate: int, plan: TilePlan) -> None:
+    def _disk_budget(self, used: int) -> tuple[int, str]:
+        """Bytes a new job may take, and where that limit comes from (for the message)."""
         if self.disk_budget_bytes is not None:
-            budget, source = self.disk_budget_bytes, "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
-        else:
-            # Unfinished jobs will still write their missing tiles: that space is already spoken for.
-            reserved = sum(
-                r.estimate_bytes * (r.tiles_total - r.tiles_done) // max(r.tiles_total, 1)
-                for r in self.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RUNNING])
-            )
-            budget = max(0, int(shutil.disk_usage(self.results_dir).free * DISK_FREE_FRACTION) - reserved)
-            source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.results_dir}"
-            if reserved:
-                source += f" less {format_bytes(reserved)} that unfinished jobs will still write,"
+            # The budget covers every stored result: deleting one gives its bytes back.
+            source = "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
+            if used:
+                source += f" of {format_bytes(self.disk_budget_bytes)} less {format_bytes(used)} of stored results,"
+            return max(0, self.disk_budget_bytes - used), source
+        # Unfinished jobs will still write their missing tiles: that space is already spoken for.
+        reserved = sum(
+            r.estimate_bytes * (r.tiles_total - r.tiles_done) // max(r.tiles_total, 1)
+            for r in self.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RUNNING])
+        )
+        budget = max(0, int(shutil.disk_usage(self.results_dir).free * DISK_FREE_FRACTION) - reserved)
+        source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.results_dir}"
+        if reserved:
+            source += f" less {format_bytes(reserved)} that unfinished jobs will still write,"
+        return budget, source
+
+    def _check_disk(self, estimate: int, plan: TilePlan) -> None:
+        budget, source = self._disk_budget(self._stored_bytes() if self.disk_budget_bytes is not None else 0)
         if estimate > budget:
             hint = " (already only the upper triangle)" if plan.symmetric else ""
             raise DiskEstimateExceeded(
                 f"jobs: the result needs {format_bytes(estimate)} on disk{hint}, more than {source} "
-                f"of {format_bytes(budget)}; use mode 'trace' or 'output_diagonal', fewer examples, or more disk",
+                f"of {format_bytes(budget)}; use mode 'trace' or 'output_diagonal', fewer examples, delete finished "
+                "results (DELETE /v1/jobs/{id}), or more disk",
                 estimate_bytes=estimate,
                 budget_bytes=budget,
             )
@@ -406,6 +509,11 @@ class JobManager:
             JobNotFinished: the job has not succeeded (409): queued, running, failed or cancelled.
         """
         record = self.store.get_job(job_id)
+        if record.result_deleted_at is not None:
+            raise ResultNotFound(
+                f"jobs: the result of job {job_id} was deleted (DELETE /v1/jobs/{job_id}); submit the job again "
+                "to recompute it"
+            )
         if record.status is not JobStatus.SUCCEEDED:
             why = f": {record.error}" if record.error else ""
             raise JobNotFinished(
@@ -413,6 +521,74 @@ class JobManager:
                 "its result can be read once it has succeeded (watch GET /v1/jobs/{id}/events)"
             )
         return record, ResultArray.open(self._result_path(job_id), plan=plan_of(record.spec))
+
+    @contextmanager
+    def reading(self, job_id: str) -> Iterator[None]:
+        """Mark a download of the job's result in progress: ``delete`` refuses (409) until it ends."""
+        with self._lock:
+            self._readers[job_id] = self._readers.get(job_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers[job_id] -= 1
+                if not self._readers[job_id]:
+                    del self._readers[job_id]
+
+    def delete(self, job_id: str, *, keep_record: bool = False) -> Deletion:
+        """Remove a finished job's result from disk (and its record, unless ``keep_record``).
+
+        Args:
+            job_id: the job.
+            keep_record: keep the job's record (its status, spec, times) with ``result_deleted_at`` set.
+                Default: False (the job disappears; a later GET is a 404).
+
+        Returns:
+            Deletion with the bytes freed on disk.
+
+        Raises:
+            JobNotFound: no such job (404), e.g. deleted already.
+            ResultNotFound: the result was already deleted, the record kept (404).
+            Conflict: the job is still queued or running (cancel it first), or its result is being downloaded (409).
+        """
+        record = self.store.get_job(job_id)
+        if record.result_deleted_at is not None:
+            raise ResultNotFound(f"jobs: the result of job {job_id} was already deleted; nothing to delete")
+        if not record.is_finished:
+            raise Conflict(
+                f"jobs: job {job_id} is {record.status.value}; cancel it first (DELETE /v1/jobs/{job_id} cancels a "
+                "running job), then delete its result"
+            )
+        with self._lock:
+            readers = self._readers.get(job_id, 0)
+            if readers:
+                raise Conflict(
+                    f"jobs: the result of job {job_id} is being downloaded ({readers} download(s)); retry when "
+                    "they have finished"
+                )
+            job_dir = self.results_dir / job_id
+            trash = self.results_dir / f"{_DELETING_PREFIX}{job_id}"
+            if job_dir.exists():
+                os.replace(job_dir, trash)  # atomic: from here no reader can open it
+        freed = _tree_bytes(trash) if trash.exists() else 0
+        if keep_record:
+            self.store.mark_result_deleted(job_id)
+        elif not self.store.delete_job(job_id):
+            raise JobNotFound(f"jobs: no job with id {job_id!r}; list jobs with GET /v1/jobs")
+        shutil.rmtree(trash, ignore_errors=True)
+        logger.info("jobs: deleted the result of %s (%s freed)", job_id, format_bytes(freed))
+        self._bump(job_id)
+        return Deletion(job_id=job_id, freed_bytes=freed, record_kept=keep_record)
+
+    def _stored_bytes(self) -> int:
+        # Every result still on disk counts at its full estimate: the unfinished ones will grow to it.
+        return sum(r.estimate_bytes for r in self.store.list_jobs() if r.result_deleted_at is None)
+
+    def disk_usage(self) -> DiskUsage:
+        """What the stored results take and what a new job may still take (see ``_check_disk``)."""
+        used = self._stored_bytes()
+        budget, _ = self._disk_budget(used)
+        return DiskUsage(used_bytes=used, budget_bytes=self.disk_budget_bytes, available_bytes=budget)
 
     def read_result(
         self, job_id: str, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None
@@ -476,8 +652,9 @@ class JobManager:
             pending = set(self.store.pending_tile_ids(job_id))
             tiles = [t for t in plan.tiles if t.id in pending]
             _, module = self.models.load_module(spec.model, spec.version)
-            x1 = self._tensor(spec.x1_dataset)
-            x2 = None if spec.x2_dataset is None else self._tensor(spec.x2_dataset)
+            x1 = self._tensor(spec.x1_dataset, spec.x1_start, spec.x1_start + spec.n)
+            x2_stop = spec.x2_start + spec.m
+            x2 = None if spec.x2_dataset is None else self._tensor(spec.x2_dataset, spec.x2_start, x2_stop)
             work = JobWork(job_id=job_id, spec=spec, plan=plan, result_path=self._result_path(job_id))
             used = set((record.implementation_used or "").split(",")) - {""}
             self.executor.run(work, module, x1, x2, tiles, _Callbacks(self, job_id, used))
@@ -510,27 +687,3 @@ class JobManager:
         self.store.set_status(job_id, JobStatus.SUCCEEDED, only_from=[JobStatus.RUNNING])
         seconds = sum(self.store.tile_seconds(job_id))
         logger.info("jobs: %s succeeded (%d tiles, %.1f tile-seconds)", job_id, record.tiles_total, seconds)
-
-
-def _attributes(job: JobRecord) -> dict[str, Any]:
-    spec = job.spec
-    return {
-        "job_id": job.id,
-        "model": spec.model,
-        "version": spec.version,
-        "weights_sha256": spec.weights_sha256,
-        "x1_dataset": spec.x1_dataset,
-        "x1_sha256": spec.x1_sha256,
-        "x2_dataset": spec.x2_dataset,
-        "x2_sha256": spec.x2_sha256,
-        "symmetric": spec.is_symmetric,
-        "mode": spec.mode,
-        "implementation": spec.implementation,
-        "implementation_used": [],
-        "dtype": spec.dtype,
-        "params": spec.params,
-        "k": spec.k,
-        "tile_size": spec.tile_size,
-        "memory_budget_bytes": spec.memory_budget_bytes,
-        "tiles_total": job.tiles_total,
-    }

@@ -43,6 +43,7 @@ class JobSpec:
         tile_size: examples per tile side.
         memory_budget_bytes: the engine's budget per tile, fixed at submission so every tile (and every resumed
             run) plans its chunks the same way, which keeps results bitwise reproducible.
+        x1_start, x2_start: first data-set row of x1 and x2 (rows ``[start, start + n)`` are used).
     """
 
     model: str
@@ -61,6 +62,8 @@ class JobSpec:
     params: list[str] | None
     tile_size: int
     memory_budget_bytes: int | None = None
+    x1_start: int = 0
+    x2_start: int = 0
 
     @property
     def is_symmetric(self) -> bool:
@@ -72,6 +75,28 @@ class JobSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobSpec:
         return cls(**data)
+
+    def result_attributes(self) -> dict[str, Any]:
+        """What produced a result, for its group attributes (see docs/results.md): the model version and weights,
+        which data-set rows, mode, implementation, dtype, parameter globs, tile size and memory budget, plus the
+        whole spec (``spec``), which a resumed ``compute_ntk_tiled`` compares with its own."""
+        x2_rows = None if self.is_symmetric else [self.x2_start, self.x2_start + self.m]
+        return {
+            "model": self.model,
+            "version": self.version,
+            "weights_sha256": self.weights_sha256,
+            "x1_dataset": self.x1_dataset,
+            "x1_sha256": self.x1_sha256,
+            "x1_rows": [self.x1_start, self.x1_start + self.n],
+            "x2_dataset": self.x2_dataset,
+            "x2_sha256": self.x2_sha256,
+            "x2_rows": x2_rows,
+            "implementation": self.implementation,
+            "implementation_used": [],
+            "params": self.params,
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "spec": self.to_dict(),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +114,7 @@ class JobRecord:
         executor: "local" or "ray".
         result_shape: the shape of the whole kernel, e.g. [N, M, k, k].
         estimate_bytes: disk the stored tiles take (uncompressed).
+        result_deleted_at: UNIX time the result was deleted while the record was kept, else None.
     """
 
     id: str
@@ -104,6 +130,7 @@ class JobRecord:
     executor: str
     result_shape: list[int] = field(default_factory=list)
     estimate_bytes: int = 0
+    result_deleted_at: float | None = None
 
     @property
     def is_finished(self) -> bool:

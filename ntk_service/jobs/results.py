@@ -1,9 +1,22 @@
-"""The result of a job: one Zarr v3 array, one chunk per tile, under ``<data_dir>/jobs/<job id>/theta.zarr``.
+"""The result store of a tiled kernel: one Zarr v3 group, ``<job dir>/result.zarr``, that any array tool opens.
 
-The array has the full kernel shape ((N, M, k, k) FULL, (N, M) TRACE, (N, M, k) OUTPUT_DIAGONAL, (N, k, k)
-EXAMPLE_DIAGONAL) and chunks equal to the tile size, so each tile write touches exactly one chunk file (Zarr writes
-it atomically: a temporary file, then a rename). Separate processes (Ray workers) may write different chunks at once.
-Attributes carry what produced the numbers: model, version, data set hashes, mode, implementation, dtype.
+Layout (format version ``FORMAT_VERSION``, documented in docs/results.md)::
+
+    result.zarr/              group; attributes: FORMAT_NAME, format_version, what produced the numbers
+      theta                   the kernel, one chunk per tile, dimension_names e.g. ("x1", "x2", "out1", "out2")
+      tiles/done              uint8 (n_row_blocks · n_col_blocks,), one chunk per tile id: 1 once its chunk is written
+
+``theta`` has the full kernel shape ((N, M, k, k) FULL, (N, M) TRACE, (N, M, k) OUTPUT_DIAGONAL, (N, k, k)
+EXAMPLE_DIAGONAL) and chunks equal to the tile size, so each tile write touches exactly one chunk file (Zarr writes it
+atomically: a temporary file, then a rename). Separate processes (Ray workers) may write different chunks at once.
+The ledger ``tiles/done`` is written right after a tile's chunk, by whoever wrote the chunk, so a result carries its
+own completion record: ``compute_ntk_tiled`` resumes from it and ``open_result`` can tell a finished result from a
+half-written one. (An all-zero chunk is never stored, so completion cannot be read from the chunks themselves.) The
+server keeps its own record in SQLite as well (``store.py``). The group's metadata is consolidated, so
+``xarray.open_zarr(path)`` opens it without a warning.
+
+Results written before format version 1 were a bare array ``<job dir>/theta.zarr``; ``migrate_legacy`` turns one
+into a group in place (a rename and a few small metadata files: no chunk is copied).
 
 NOTE [symmetric reads]
     A symmetric job (x2 omitted) stores only the tiles on and above the diagonal. Θ(x1_m, x1_n) = Θ(x1_n, x1_m)ᵀ,
@@ -11,25 +24,78 @@ NOTE [symmetric reads]
     (``theta[n, m, a, b] = theta[m, n, b, a]``), OUTPUT_DIAGONAL and TRACE swap the example axes. Diagonal tiles
     are made exactly symmetric when written (the upper triangle is mirrored onto the lower one; the engine's x2=None
     blocks already are, so this changes no bit there). Every read of the lower half is therefore a copy of a stored
-    upper value, and ``read()`` of the whole array is exactly symmetric.
+    upper value, and ``read()`` of the whole array is exactly symmetric. Plain Zarr readers see zeros below the
+    diagonal tiles; ``ntk_service.results.open_result`` mirrors them.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zarr
+import zarr.errors
 
 from ntk_service.errors import InvalidInput
-from ntk_service.jobs.planner import Tile, TilePlan, chunk_shape
+from ntk_service.jobs.planner import Tile, TilePlan, chunk_shape, plan_tiles
 from ntk_service.kernels.modes import KernelMode
 
-__all__ = ["RESULT_ARRAY_NAME", "ResultArray", "mirror_theta", "parse_range", "symmetrize_tile"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LEGACY_ARRAY_NAME",
+    "RESULT_GROUP_NAME",
+    "ResultArray",
+    "dimension_names",
+    "migrate_legacy",
+    "mirror_theta",
+    "parse_range",
+    "provenance",
+    "symmetrize_tile",
+]
 
-RESULT_ARRAY_NAME = "theta.zarr"
-"""Directory name of the Zarr array inside the job's directory."""
+RESULT_GROUP_NAME = "result.zarr"
+"""Directory name of the result group inside a job's directory."""
+
+LEGACY_ARRAY_NAME = "theta.zarr"
+"""The bare array results were before format version 1 (migrated by ``migrate_legacy``)."""
+
+FORMAT_NAME = "ntk-service-result"
+"""The group attribute ``format`` that says what the group is."""
+
+FORMAT_VERSION = 1
+"""Bumped whenever the layout or the meaning of an attribute changes; readers refuse versions they do not know."""
+
+_THETA = "theta"
+_LEDGER = "tiles/done"
+
+_DIMENSIONS = {
+    KernelMode.FULL: ("x1", "x2", "out1", "out2"),
+    KernelMode.TRACE: ("x1", "x2"),
+    KernelMode.OUTPUT_DIAGONAL: ("x1", "x2", "out"),
+    KernelMode.EXAMPLE_DIAGONAL: ("x1", "out1", "out2"),
+}
+
+
+def dimension_names(mode: KernelMode) -> tuple[str, ...]:
+    """The ``dimension_names`` of ``theta``: ("x1", "x2", "out1", "out2") FULL, ("x1", "x2") TRACE, ..."""
+    return _DIMENSIONS[mode]
+
+
+def provenance() -> dict[str, str]:
+    """The versions that produced a result (``ntk_service_version``, ``torch_version``), read without importing."""
+    out = {}
+    for package, key in (("ntk-service", "ntk_service_version"), ("torch", "torch_version")):
+        try:
+            out[key] = version(package)
+        except PackageNotFoundError:
+            out[key] = "unknown"
+    return out
 
 
 def mirror_theta(theta: np.ndarray, mode: KernelMode) -> np.ndarray:
@@ -90,12 +156,53 @@ def parse_range(text: str | None, size: int, *, axis: str) -> tuple[int, int]:
     return start, stop
 
 
+def _consolidate(path: Path) -> None:
+    # Zarr warns that consolidated metadata is not (yet) in the v3 spec; xarray and zarr-python both read it, and
+    # without it xarray.open_zarr warns on every open.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", zarr.errors.ZarrUserWarning)
+        zarr.consolidate_metadata(str(path))
+
+
+def plan_from_attributes(attributes: dict[str, Any], *, path: Path) -> tuple[TilePlan, int]:
+    """The TilePlan and k of a result, from its group attributes.
+
+    Raises:
+        InvalidInput: not an ntk-service result, or a format version this version cannot read.
+    """
+    if attributes.get("format") != FORMAT_NAME:
+        raise InvalidInput(
+            f"open_result: {str(path)!r} is not an ntk-service result (its attribute 'format' is "
+            f"{attributes.get('format')!r}, expected {FORMAT_NAME!r}); pass the result.zarr folder of a job"
+        )
+    found = attributes.get("format_version")
+    if not isinstance(found, int) or found > FORMAT_VERSION:
+        raise InvalidInput(
+            f"open_result: {str(path)!r} has format version {found!r}; this ntk-service reads up to "
+            f"{FORMAT_VERSION}: upgrade ntk-service"
+        )
+    mode = KernelMode(attributes["mode"])
+    symmetric = bool(attributes["symmetric"])
+    plan = plan_tiles(
+        n=int(attributes["n"]),
+        m=None if symmetric else int(attributes["m"]),
+        tile_size=int(attributes["tile_size"]),
+        mode=mode,
+    )
+    return plan, int(attributes["k"])
+
+
+def _ledger_size(plan: TilePlan) -> int:
+    return max(t.id for t in plan.tiles) + 1
+
+
 class ResultArray:
-    """The Zarr array of one job's kernel.
+    """The result group of one tiled kernel: write tiles (and their ledger entries), read blocks with mirroring.
 
     Args:
-        path: the array directory (``<data_dir>/jobs/<id>/theta.zarr``).
-        plan: the job's TilePlan (tile geometry and symmetry).
+        path: the group directory (``<data_dir>/jobs/<id>/result.zarr``).
+        plan: the TilePlan (tile geometry and symmetry).
+        group: the open Zarr group.
 
         >>> arr = ResultArray.create(path, plan=plan, k=10, dtype="float32", attributes={})  # doctest: +SKIP
         >>> arr.write_tile(plan.tiles[0], theta)     # theta (T, T, 10, 10) for FULL         # doctest: +SKIP
@@ -103,45 +210,94 @@ class ResultArray:
         (64, 32, 10, 10)
     """
 
-    def __init__(self, path: Path, plan: TilePlan, array: Any) -> None:
+    def __init__(self, path: Path, plan: TilePlan, group: Any) -> None:
         self.path = Path(path)
         self.plan = plan
-        self._array = array
+        self._group = group
+        self._array = group[_THETA]
+        self._ledger = group[_LEDGER]
 
     @classmethod
     def create(cls, path: Path, *, plan: TilePlan, k: int, dtype: str, attributes: dict[str, Any]) -> ResultArray:
-        """Create the (empty, zero-filled) array; overwrites a half-created one left by a crash."""
-        array = zarr.create_array(
-            store=str(path),
+        """Create the (empty, zero-filled) group; overwrites a half-created one left by a crash.
+
+        ``attributes`` (what produced the numbers) are stored with the geometry (``n``, ``m``, ``k``, ``mode``,
+        ``symmetric``, ``tile_size``, ``dtype``), the format name and version and ``provenance()``.
+        """
+        attrs = {
+            **attributes,
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "mode": plan.mode.value,
+            "n": plan.n,
+            "m": plan.m,
+            "k": k,
+            "symmetric": plan.symmetric,
+            "stored": "upper tiles (mirror the rest)" if plan.symmetric else "all tiles",
+            "tile_size": plan.tile_size,
+            "dtype": dtype,
+            "tiles_total": len(plan.tiles),
+            **provenance(),
+        }
+        group = zarr.open_group(str(path), mode="w", attributes=attrs)
+        group.create_array(
+            _THETA,
             shape=plan.result_shape(k),
             chunks=chunk_shape(plan.mode, plan.tile_size, k),
             dtype=dtype,
             fill_value=0,
             # Kernel values are dense floats that barely compress; storing them raw keeps the disk estimate exact.
             compressors=None,
-            attributes=attributes,
-            overwrite=True,
+            dimension_names=dimension_names(plan.mode),
         )
-        return cls(path, plan, array)
+        _create_ledger(group, plan)
+        _consolidate(path)
+        return cls(path, plan, zarr.open_group(str(path), mode="r+"))
 
     @classmethod
-    def open(cls, path: Path, *, plan: TilePlan) -> ResultArray:
-        """Open an existing array for reading and writing tiles (any process with the path may do so)."""
-        return cls(path, plan, zarr.open_array(str(path), mode="r+"))
+    def open(cls, path: Path, *, plan: TilePlan | None = None, writable: bool = True) -> ResultArray:
+        """Open an existing group (any process with the path may write tiles to it).
+
+        Args:
+            plan: the TilePlan. Default: rebuilt from the group's attributes.
+            writable: open for writing tiles. Default: True.
+
+        Raises:
+            InvalidInput: no result group at ``path``, or one of an unknown format version.
+        """
+        try:
+            group = zarr.open_group(str(path), mode="r+" if writable else "r")
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.NodeTypeValidationError) as exc:
+            raise InvalidInput(
+                f"open_result: no ntk-service result at {str(path)!r} ({type(exc).__name__}); pass the result.zarr "
+                "folder that compute_ntk_tiled or a job wrote"
+            ) from exc
+        attributes = dict(group.attrs.asdict())
+        if plan is None:
+            plan, _ = plan_from_attributes(attributes, path=Path(path))
+        return cls(path, plan, group)
 
     @property
     def attributes(self) -> dict[str, Any]:
-        return dict(self._array.attrs.asdict())
+        return dict(self._group.attrs.asdict())
 
     def update_attributes(self, values: dict[str, Any]) -> None:
-        self._array.attrs.update(values)
+        """Merge ``values`` into the group attributes (and refresh the consolidated metadata)."""
+        self._group.attrs.update(values)
+        _consolidate(self.path)
 
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self._array.shape)
 
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        dtype: np.dtype[Any] = np.dtype(self._array.dtype)
+        return dtype
+
     def write_tile(self, tile: Tile, theta: np.ndarray) -> None:
-        """Write one tile's block (its chunk). Diagonal tiles of symmetric jobs are symmetrized first.
+        """Write one tile's block (its chunk), then its ledger entry. Diagonal tiles of symmetric jobs are
+        symmetrized first.
 
         Args:
             tile: the planned tile.
@@ -157,9 +313,17 @@ class ResultArray:
         else:
             c0, c1 = tile.cols
             self._array[r0:r1, c0:c1] = theta
+        self._ledger[tile.id] = 1  # only after the chunk: a crash in between redoes the tile, never skips it
+
+    def done_tile_ids(self) -> set[int]:
+        """Ids of the tiles whose chunk is written, from the ledger."""
+        return {int(i) for i in np.flatnonzero(np.asarray(self._ledger[:]))}
 
     def read(self, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> np.ndarray:
         """Read the whole result or a block of it, mirroring the lower half of symmetric jobs.
+
+        Reads the chunks the block intersects and, when the block reaches below the diagonal tiles, those its
+        mirror block intersects; nothing else.
 
         Args:
             rows: ``(a, b)`` row range. Default: all N rows.
@@ -179,13 +343,101 @@ class ResultArray:
                 raise InvalidInput("job result: mode 'example_diagonal' has no column axis; omit cols")
             return np.asarray(self._array[r0:r1])
         c0, c1 = cols if cols is not None else (0, plan.m)
-        out = np.asarray(self._array[r0:r1, c0:c1])
         if not plan.symmetric:
-            return out
+            return np.asarray(self._array[r0:r1, c0:c1])
         t = plan.tile_size
         below = (np.arange(r0, r1) // t)[:, None] > (np.arange(c0, c1) // t)[None, :]
+        if below.all():
+            return np.ascontiguousarray(mirror_theta(np.asarray(self._array[c0:c1, r0:r1]), plan.mode))
+        out = np.asarray(self._array[r0:r1, c0:c1])
         if not below.any():
             return out
         mirrored = mirror_theta(np.asarray(self._array[c0:c1, r0:r1]), plan.mode)
         below = below.reshape(below.shape + (1,) * (out.ndim - 2))
         return np.where(below, mirrored, out)
+
+
+def _create_ledger(group: Any, plan: TilePlan) -> None:
+    group.require_group("tiles").create_array(
+        "done",
+        shape=(_ledger_size(plan),),
+        chunks=(1,),  # one file per tile: concurrent writers (Ray workers) never share a chunk
+        dtype="uint8",
+        fill_value=0,
+        compressors=None,
+        dimension_names=("tile",),
+        overwrite=True,
+    )
+
+
+def migrate_legacy(
+    job_dir: Path, *, plan: TilePlan, k: int, done_tile_ids: set[int], attributes: dict[str, Any] | None = None
+) -> bool:
+    """Turn a result written before format version 1 (a bare array ``theta.zarr``) into the result group, in place.
+
+    Idempotent and safe to interrupt: the array is moved by one rename, then the group's metadata is written; a run
+    cut off in between is finished by the next call. No chunk is copied.
+
+    Args:
+        job_dir: the job's directory.
+        plan: the job's TilePlan. k: outputs per example.
+        done_tile_ids: the tiles recorded as done (from SQLite), written to the ledger.
+        attributes: attributes to add (what produced the numbers, in today's names); the old ones are kept.
+
+    Returns:
+        True when something was migrated; False when there was nothing to do.
+    """
+    legacy, group_path = job_dir / LEGACY_ARRAY_NAME, job_dir / RESULT_GROUP_NAME
+    if legacy.exists():
+        old = dict(zarr.open_array(str(legacy), mode="r").attrs.asdict())
+        if not (group_path / "zarr.json").exists():
+            zarr.open_group(str(group_path), mode="w", attributes={"legacy_attributes": old})
+        os.replace(legacy, group_path / _THETA)
+    elif not _is_half_migrated(group_path):
+        return False
+    group = zarr.open_group(str(group_path), mode="r+", use_consolidated=False)
+    legacy_attributes: Any = group.attrs.get("legacy_attributes") or {}
+    old = dict(legacy_attributes)
+    _set_dimension_names(group_path / _THETA / "zarr.json", dimension_names(plan.mode))
+    _create_ledger(group, plan)
+    ledger: Any = group[_LEDGER]
+    for tile_id in sorted(done_tile_ids):
+        ledger[tile_id] = 1
+    group.attrs.put(
+        {
+            **(attributes or {}),
+            **old,  # what the old version recorded wins (implementation_used, ...)
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "mode": plan.mode.value,
+            "n": plan.n,
+            "m": plan.m,
+            "k": k,
+            "symmetric": plan.symmetric,
+            "stored": "upper tiles (mirror the rest)" if plan.symmetric else "all tiles",
+            "tile_size": plan.tile_size,
+            "tiles_total": len(plan.tiles),
+            "migrated_from": LEGACY_ARRAY_NAME,
+            **provenance(),
+        }
+    )
+    _consolidate(group_path)
+    return True
+
+
+def _is_half_migrated(group_path: Path) -> bool:
+    # A migration cut off after the rename: the group still carries only the old attributes.
+    try:
+        metadata = json.loads((group_path / "zarr.json").read_text())
+    except FileNotFoundError:
+        return False
+    return "legacy_attributes" in metadata.get("attributes", {})
+
+
+def _set_dimension_names(metadata_path: Path, names: tuple[str, ...]) -> None:
+    # zarr-python has no API to change an existing array's dimension_names; they are one key of its zarr.json.
+    metadata = json.loads(metadata_path.read_text())
+    metadata["dimension_names"] = list(names)
+    tmp = metadata_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(metadata, indent=2))
+    os.replace(tmp, metadata_path)

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     started_at REAL,
     finished_at REAL,
     error TEXT,
-    implementation_used TEXT
+    implementation_used TEXT,
+    result_deleted_at REAL
 );
 CREATE TABLE IF NOT EXISTS tiles (
     job_id TEXT NOT NULL REFERENCES jobs(id) ON DELETE CASCADE,
@@ -60,7 +61,8 @@ CREATE INDEX IF NOT EXISTS tiles_by_state ON tiles (job_id, state);
 
 _JOB_COLUMNS = (
     "id, spec, status, executor, tiles_total, result_shape, estimate_bytes, created_at, started_at, finished_at, "
-    "error, implementation_used, (SELECT COUNT(*) FROM tiles t WHERE t.job_id = jobs.id AND t.state = 'done')"
+    "error, implementation_used, result_deleted_at, "
+    "(SELECT COUNT(*) FROM tiles t WHERE t.job_id = jobs.id AND t.state = 'done')"
 )
 
 
@@ -81,6 +83,9 @@ class JobStore:
         with closing(self._connect()) as conn:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.executescript(_SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}
+            if "result_deleted_at" not in columns:  # a database from before result deletion existed
+                conn.execute("ALTER TABLE jobs ADD COLUMN result_deleted_at REAL")
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
@@ -167,6 +172,20 @@ class JobStore:
         with self._write() as conn:
             conn.execute("UPDATE jobs SET implementation_used = ? WHERE id = ?", (implementation, job_id))
 
+    def mark_result_deleted(self, job_id: str) -> bool:
+        """Record that a job's result was removed (the record is kept). False if it already was (or no such job)."""
+        with self._write() as conn:
+            cur = conn.execute(
+                "UPDATE jobs SET result_deleted_at = ? WHERE id = ? AND result_deleted_at IS NULL",
+                (time.time(), job_id),
+            )
+            return cur.rowcount == 1
+
+    def delete_job(self, job_id: str) -> bool:
+        """Remove a job and its tiles. Returns False when there was no such job."""
+        with self._write() as conn:
+            return conn.execute("DELETE FROM jobs WHERE id = ?", (job_id,)).rowcount == 1
+
     # -- tiles ------------------------------------------------------------------------------------------------------
 
     def pending_tile_ids(self, job_id: str) -> list[int]:
@@ -223,7 +242,9 @@ class JobStore:
 
 
 def _record(row: sqlite3.Row | tuple[Any, ...]) -> JobRecord:
-    (job_id, spec, status, executor, total, shape, estimate, created, started, finished, error, impl, done) = row
+    (job_id, spec, status, executor, total, shape, estimate, created, started, finished, error, impl, deleted, done) = (
+        row
+    )
     return JobRecord(
         id=str(job_id),
         spec=JobSpec.from_dict(json.loads(spec)),
@@ -238,4 +259,5 @@ def _record(row: sqlite3.Row | tuple[Any, ...]) -> JobRecord:
         executor=str(executor),
         result_shape=[int(v) for v in json.loads(shape)],
         estimate_bytes=int(estimate),
+        result_deleted_at=None if deleted is None else float(deleted),
     )

@@ -96,7 +96,7 @@ def test_result_attributes_and_implementation_used(jobs_env: JobsEnv, make_manag
     assert (attrs["mode"], attrs["implementation"], attrs["dtype"]) == ("trace", "ntk_vector_products", "float32")
     assert attrs["implementation_used"] == ["ntk_vector_products"]
     assert array.read().dtype == np.float32
-    assert array.path == shared.absolute() / job.id / "theta.zarr"  # SQLite stays in <data_dir>/jobs
+    assert array.path == shared.absolute() / job.id / "result.zarr"  # SQLite stays in <data_dir>/jobs
     assert (jobs_env.data_dir / "jobs" / "jobs.sqlite3").exists() and not (shared / "jobs.sqlite3").exists()
 
 

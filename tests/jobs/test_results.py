@@ -10,7 +10,7 @@ import zarr
 
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs.planner import plan_tiles
-from ntk_service.jobs.results import ResultArray, mirror_theta, parse_range
+from ntk_service.jobs.results import FORMAT_VERSION, ResultArray, mirror_theta, parse_range
 from ntk_service.kernels import KernelMode
 
 MODES = [KernelMode.FULL, KernelMode.TRACE, KernelMode.OUTPUT_DIAGONAL]
@@ -35,7 +35,9 @@ def test_symmetric_job_stores_upper_tiles_and_reads_the_exact_mirror(tmp_path: P
     for tile in plan.tiles:
         array.write_tile(tile, theta[tile.rows[0] : tile.rows[1], tile.cols[0] : tile.cols[1]])
     chunks = sorted(
-        p.relative_to(tmp_path / "a.zarr" / "c") for p in (tmp_path / "a.zarr" / "c").rglob("*") if p.is_file()
+        p.relative_to(tmp_path / "a.zarr" / "theta" / "c")
+        for p in (tmp_path / "a.zarr" / "theta" / "c").rglob("*")
+        if p.is_file()
     )
     assert len(chunks) == len(plan.tiles) == 6  # the lower triangle is never written
     reopened = ResultArray.open(tmp_path / "a.zarr", plan=plan)
@@ -44,7 +46,8 @@ def test_symmetric_job_stores_upper_tiles_and_reads_the_exact_mirror(tmp_path: P
     np.testing.assert_array_equal(whole, mirror_theta(whole, mode))  # exactly symmetric
     np.testing.assert_array_equal(reopened.read(rows=(5, 10), cols=(1, 6)), theta[5:10, 1:6])
     np.testing.assert_array_equal(reopened.read(rows=(9, 10), cols=(0, 1)), theta[9:10, 0:1])
-    assert reopened.attributes == {"model": "m"}
+    assert reopened.attributes["model"] == "m" and reopened.attributes["format_version"] == FORMAT_VERSION
+    assert reopened.done_tile_ids() == {t.id for t in plan.tiles}
 
 
 def test_diagonal_tiles_are_made_exactly_symmetric(tmp_path: Path) -> None:
@@ -67,7 +70,8 @@ def test_rectangular_job_reads_slices(tmp_path: Path) -> None:
         array.write_tile(tile, theta[tile.rows[0] : tile.rows[1], tile.cols[0] : tile.cols[1]])
     np.testing.assert_array_equal(array.read(), theta)
     np.testing.assert_array_equal(array.read(rows=(3, 9), cols=(2, 5)), theta[3:9, 2:5])
-    assert zarr.open_array(str(tmp_path / "a.zarr")).chunks == (4, 4, 3)
+    theta = zarr.open_group(str(tmp_path / "a.zarr"))["theta"]
+    assert theta.chunks == (4, 4, 3) and theta.metadata.dimension_names == ("x1", "x2", "out")
 
 
 def test_example_diagonal_has_no_columns(tmp_path: Path) -> None:

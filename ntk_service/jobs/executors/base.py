@@ -100,6 +100,7 @@ def compute_tile(
     c0, c1 = tile.cols
     other = x1 if x2 is None else x2
     other_sha = spec.x1_sha256 if spec.x2_sha256 is None else spec.x2_sha256
+    other_start = spec.x1_start if spec.x2_sha256 is None else spec.x2_start
     right = None if tile.is_diagonal else other[c0:c1]
     result = compute_ntk(
         model,
@@ -111,8 +112,9 @@ def compute_tile(
         dtype=spec.dtype,
         memory_budget_bytes=spec.memory_budget_bytes,
         side_cache=side_cache,
-        x1_key=(spec.weights_sha256, spec.x1_sha256, r0, r1),
-        x2_key=None if right is None else (spec.weights_sha256, other_sha, c0, c1),
+        # Keys name data-set rows, not tile rows: two jobs over different row ranges of one data set never collide.
+        x1_key=(spec.weights_sha256, spec.x1_sha256, spec.x1_start + r0, spec.x1_start + r1),
+        x2_key=None if right is None else (spec.weights_sha256, other_sha, other_start + c0, other_start + c1),
     )
     return result.theta.detach().cpu().numpy(), result.implementation.value
 
