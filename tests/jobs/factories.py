@@ -9,6 +9,7 @@ so exactly one task dies mid-tile and Ray must retry it.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -43,3 +44,24 @@ def build_kill_once(in_dim: int = 4, hidden: int = 6, out_dim: int = 3, marker: 
         raise ValueError("build_kill_once: pass marker, a path the first killed worker creates")
     Path(marker).parent.mkdir(parents=True, exist_ok=True)
     return KillOnceMLP(in_dim, hidden, out_dim, marker)
+
+
+class SlowTanhMLP(nn.Module):
+    """(N, 4) -> (N, 3): Linear, tanh, Linear, sleeping ``delay_s`` in every forward call, so a tiled run takes a known
+    while and a test can kill it mid-run (the ``* 1.0`` keeps the structured engine calling this forward)."""
+
+    def __init__(self, delay_s: float = 0.05) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.delay_s = delay_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return self.net(x) * 1.0
+
+
+def slow_tiled_problem() -> tuple[nn.Module, torch.Tensor]:
+    """The model (seeded) and x (12, 4) of the kill -9 test, identical in the child process and in the test."""
+    torch.manual_seed(0)
+    model = SlowTanhMLP()
+    return model, torch.randn(12, 4, generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,261 @@
+"""``compute_ntk_tiled``: a job's tiled, resumable kernel without a server, for a workstation or a SLURM node.
+
+It runs on the same parts as the server's jobs, not a copy of them: ``plan_tiles`` cuts the kernel, the executor
+(``LocalExecutor`` or ``RayExecutor``) claims, computes and writes each tile with ``run_tile``, and ``ResultArray``
+stores it in the same result group (``result.zarr``) the server writes. Only the bookkeeping differs: there is no
+SQLite here, the result's own tile ledger (``tiles/done``, written right after each chunk) says which tiles are done.
+
+    >>> view = compute_ntk_tiled(model, x, out="kernel.zarr", mode="trace", tile_size=512)   # doctest: +SKIP
+    >>> view.shape                                                                          # doctest: +SKIP
+    (20000, 20000)
+
+NOTE [tiled resume]
+    Interrupted (Ctrl-C, ``kill -9``, a SLURM time limit) and called again with the same ``out``, it computes only
+    the tiles the ledger does not have; a tile cut off mid-write is computed again (its chunk, if written, is
+    replaced with the same bits). The arguments that decide the bits (the model's weights, the data, mode,
+    implementation, dtype, parameter globs, tile size and the memory budget, which fixes the engine's chunking) are
+    stored with the result at the first call; a later call must agree with them (the stored memory budget is reused
+    when none is given), so the resumed result is bitwise equal to an uninterrupted run with the same torch threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.jobs.executors.base import Executor, JobWork, TileOutcome
+from ntk_service.jobs.executors.local import LocalExecutor
+from ntk_service.jobs.executors.ray import RayExecutor
+from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, plan_tiles
+from ntk_service.jobs.records import JobSpec
+from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray
+from ntk_service.jobs.view import ResultView, open_result
+from ntk_service.kernels import compute_ntk, default_memory_budget
+from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.types import parse_implementation
+
+__all__ = ["compute_ntk_tiled", "module_sha256", "tensor_sha256"]
+
+_DTYPES = ("float32", "float64")
+_IN_MEMORY = "(array)"
+"""The ``x1_dataset`` of a result computed from in-memory arrays (the server's results name a data-set id)."""
+
+
+def module_sha256(model: nn.Module) -> str:
+    """sha256 over a module's class, parameter and buffer names, dtypes, shapes and bytes (names its weights)."""
+    digest = hashlib.sha256(type(model).__qualname__.encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        data = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{data.dtype}:{tuple(data.shape)}".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def tensor_sha256(x: torch.Tensor) -> str:
+    """sha256 over a tensor's dtype, shape and bytes (names a data set)."""
+    data = x.detach().cpu().contiguous()
+    digest = hashlib.sha256(f"{data.dtype}:{tuple(data.shape)}".encode())
+    digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class _LedgerCallbacks:
+    """TileCallbacks without a server: every pending tile is claimed, a done tile advances the progress bar."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+        self.implementations: set[str] = set()
+
+    def claim(self, tile: Tile) -> bool:
+        return True
+
+    def done(self, outcome: TileOutcome) -> None:
+        self.implementations.add(outcome.implementation)
+        self.bar.update(1)
+
+    def should_stop(self) -> bool:
+        return False  # Ctrl-C raises KeyboardInterrupt in the tile itself; written tiles stay written
+
+
+def _executor(executor: str | Executor) -> tuple[Executor, bool]:
+    if isinstance(executor, Executor):
+        return executor, False
+    if executor == "local":
+        return LocalExecutor(), True
+    if executor == "ray":
+        return RayExecutor(), True
+    raise InvalidInput(f"compute_ntk_tiled: executor must be 'local', 'ray' or an Executor, got {executor!r}")
+
+
+def _as_tensor(x: Any, name: str) -> torch.Tensor:
+    tensor = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+    if tensor.ndim < 1 or tensor.shape[0] < 1:
+        raise InvalidInput(f"compute_ntk_tiled: {name} needs shape (N, *input) with N ≥ 1, got {tuple(tensor.shape)}")
+    return tensor
+
+
+def compute_ntk_tiled(
+    model: nn.Module,
+    x1: torch.Tensor | np.ndarray,
+    x2: torch.Tensor | np.ndarray | None = None,
+    *,
+    out: str | Path,
+    mode: KernelMode | str = KernelMode.FULL,
+    tile_size: int = DEFAULT_TILE_SIZE,
+    implementation: str = "auto",
+    dtype: str = "float32",
+    params: list[str] | None = None,
+    memory_budget_bytes: int | None = None,
+    resume: bool = True,
+    executor: str | Executor = "local",
+    progress: bool = True,
+) -> ResultView:
+    """Compute Θ(x1, x2) tile by tile into a result group on disk, resumably; no server needed.
+
+    Args:
+        model (nn.Module): the model (never mutated).
+        x1: (N, *input) tensor or array. x2: (M, *input), or None for x2 = x1 (only tiles on and above the
+            diagonal are computed; reads mirror the rest). Default: None.
+        out (str | Path): the result group to write, e.g. ``"kernel.zarr"`` (a folder; ``xarray.open_zarr`` and
+            ``zarr.open_group`` open it, ``open_result`` reads it with the symmetry).
+        mode: "full", "trace", "output_diagonal" or "example_diagonal". Default: "full".
+        tile_size (int): examples per tile side. Default: ``DEFAULT_TILE_SIZE``.
+        implementation, dtype, params: as for ``compute_ntk``. Default: "auto", "float32", all parameters.
+        memory_budget_bytes (int | None): the engine's budget per tile. Default: the stored one when resuming,
+            else the engine's default now (stored, so a resumed run chunks the same way).
+        resume (bool): continue a result already at ``out`` (it must be of the same computation, see NOTE
+            [tiled resume]); False starts over and overwrites ``out``. Default: True.
+        executor: "local" (this process), "ray" (Ray tasks; a local Ray unless one is initialised), or an
+            Executor. Default: "local".
+        progress (bool): a progress bar (tiles/s, ETA) on stderr; silent when stderr is not a terminal.
+            Default: True.
+
+    Returns:
+        ResultView of the whole kernel: (N, M, k, k) FULL, (N, M) TRACE, (N, M, k) OUTPUT_DIAGONAL, (N, k, k)
+        EXAMPLE_DIAGONAL.
+
+    Raises:
+        InvalidInput, ShapeMismatch, UnknownMode, ...: bad arguments (found by a one-example probe before
+            anything is written).
+        InvalidInput: ``out`` holds a different computation (or something that is not a result) and resume=True.
+        MemoryEstimateExceeded: one tile does not fit the memory budget even at the smallest chunks.
+    """
+    kernel_mode = parse_mode(mode)
+    impl = parse_implementation(implementation)
+    if dtype not in _DTYPES:
+        raise InvalidInput(f"compute_ntk_tiled: dtype {dtype!r} is not supported; use 'float32' or 'float64'")
+    t1 = _as_tensor(x1, "x1")
+    t2 = None if x2 is None else _as_tensor(x2, "x2")
+    if t2 is not None and tuple(t2.shape[1:]) != tuple(t1.shape[1:]):
+        raise ShapeMismatch(
+            f"compute_ntk_tiled: x2 has examples of shape {tuple(t2.shape[1:])}, x1 has {tuple(t1.shape[1:])}; "
+            "both sides must match"
+        )
+    m = None if t2 is None else int(t2.shape[0])
+    plan = plan_tiles(n=int(t1.shape[0]), m=m, tile_size=tile_size, mode=kernel_mode)
+    path = Path(out)
+    existing = _existing(path) if resume else None
+    if memory_budget_bytes is None:
+        stored = None if existing is None else existing.attributes.get("memory_budget_bytes")
+        memory_budget_bytes = int(stored) if stored is not None else default_memory_budget()
+    probe = compute_ntk(
+        model,
+        t1[:1],
+        None if t2 is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL else t2[:1],
+        mode=kernel_mode,
+        implementation=impl.value,
+        params=params,
+        dtype=dtype,
+        memory_budget_bytes=memory_budget_bytes,
+    )
+    # TRACE sums the outputs away; k (for the metadata) then comes from one forward pass of one example.
+    k = _outputs(model, t1) if kernel_mode is KernelMode.TRACE else int(probe.theta.shape[-1])
+    spec = JobSpec(
+        model=type(model).__qualname__,
+        version=0,
+        weights_sha256=module_sha256(model),
+        x1_dataset=_IN_MEMORY,
+        x2_dataset=None if t2 is None else _IN_MEMORY,
+        x1_sha256=tensor_sha256(t1),
+        x2_sha256=None if t2 is None else tensor_sha256(t2),
+        n=plan.n,
+        m=plan.m,
+        k=k,
+        mode=kernel_mode.value,
+        implementation=impl.value,
+        dtype=dtype,
+        params=None if params is None else list(params),
+        tile_size=tile_size,
+        memory_budget_bytes=memory_budget_bytes,
+    )
+    if existing is not None:
+        _check_same(existing, spec, path)
+        array = existing
+    else:
+        array = ResultArray.create(path, plan=plan, k=k, dtype=dtype, attributes=spec.result_attributes())
+    done = array.done_tile_ids()
+    tiles = [t for t in plan.tiles if t.id not in done]
+    runner, owned = _executor(executor)
+    bar = tqdm(
+        total=len(plan.tiles),
+        initial=len(plan.tiles) - len(tiles),
+        unit="tile",
+        desc="compute_ntk_tiled",
+        file=sys.stderr,
+        disable=None if progress else True,  # None: tqdm disables itself when stderr is not a terminal
+        smoothing=0.1,
+    )
+    callbacks = _LedgerCallbacks(bar)
+    try:
+        if tiles:
+            work = JobWork(job_id=path.name, spec=spec, plan=plan, result_path=path)
+            runner.run(work, model, t1, t2, tiles, callbacks)
+    finally:
+        bar.close()
+        if owned:
+            runner.close()
+    used = sorted(set(array.attributes.get("implementation_used") or []) | callbacks.implementations)
+    if callbacks.implementations:
+        array.update_attributes({"implementation_used": used})
+    return open_result(path)
+
+
+def _outputs(model: nn.Module, x1: torch.Tensor) -> int:
+    with torch.no_grad():
+        return int(model(x1[:1]).reshape(1, -1).shape[1])
+
+
+def _existing(path: Path) -> ResultArray | None:
+    if not path.exists():
+        return None
+    if not (path / "zarr.json").exists() and (path / RESULT_GROUP_NAME).exists():
+        raise InvalidInput(
+            f"compute_ntk_tiled: {str(path)!r} is a folder holding a result; pass out={str(path / RESULT_GROUP_NAME)!r}"
+        )
+    try:
+        return ResultArray.open(path)
+    except InvalidInput as exc:
+        raise InvalidInput(
+            f"compute_ntk_tiled: out={str(path)!r} exists and is not a result of compute_ntk_tiled ({exc.message}); "
+            "choose another path, or pass resume=False to overwrite it"
+        ) from exc
+
+
+def _check_same(array: ResultArray, spec: JobSpec, path: Path) -> None:
+    stored: dict[str, Any] = dict(array.attributes.get("spec") or {})
+    wanted = spec.to_dict()
+    differ = sorted(key for key in wanted if stored.get(key) != wanted[key])
+    if differ:
+        shown = ", ".join(f"{key}: stored {stored.get(key)!r}, now {wanted[key]!r}" for key in differ[:4])
+        raise InvalidInput(
+            f"compute_ntk_tiled: out={str(path)!r} holds a different computation ({shown}); resuming would mix "
+            "two kernels: pass the same arguments, another out, or resume=False to start over"
+        )
