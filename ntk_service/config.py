@@ -41,6 +41,9 @@ uploads."""
 DEFAULT_MAX_JSON_RESPONSE_BYTES = 16 * 2**20
 """16 MiB of JSON takes ~0.5 s to encode and much longer to parse client-side; bigger results go binary."""
 
+DEFAULT_MAX_BINARY_RESPONSE_BYTES = 1 * 2**30
+"""1 GiB: a job result sent in one piece (safetensors) is built in the server's memory; bigger ones stream as .npy."""
+
 DEFAULT_SIDE_CACHE_BYTES = 512 * 2**20
 """512 MiB of cached per-side intermediates (Jacobians, activations) shared by all requests."""
 
@@ -117,6 +120,11 @@ class Settings(BaseSettings):
         gt=0,
         description="Largest JSON kernel response (406 above: use binary).",
     )
+    max_binary_response_bytes: int = Field(
+        DEFAULT_MAX_BINARY_RESPONSE_BYTES,
+        gt=0,
+        description="Largest job result sent in one piece (safetensors; 406 above: stream it as .npy).",
+    )
     side_cache_bytes: int = Field(DEFAULT_SIDE_CACHE_BYTES, ge=0, description="LRU of per-side intermediates.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     executor: Literal["local", "ray"] = Field(
@@ -130,7 +138,7 @@ class Settings(BaseSettings):
         256, ge=1, description="Examples per tile side when a job names none (a 256² FULL tile, k=10: 26 MB)."
     )
     job_disk_budget_bytes: int | None = Field(
-        None, gt=0, description="Largest job result on disk (413 above). Default: 90% of the free space."
+        None, gt=0, description="Disk all stored job results may take (413 above). Default: 90% of the free space."
     )
     job_results_dir: Path | None = Field(
         None, description="Job results (Zarr); shared storage for Ray clusters. Default: <data_dir>/jobs."

@@ -1,10 +1,11 @@
-"""``ntk-service jobs submit|status|watch|result|cancel``: batch kernels of whole data sets.
+"""``ntk-service jobs submit|status|watch|result|cancel|delete``: batch kernels of whole data sets.
 
 $ ntk-service jobs submit mlp --x1 dataset:ds_ab12 --mode trace --watch
 $ ntk-service jobs status                      # every job
 $ ntk-service jobs watch 3f2a...               # a live progress bar with ETA until the job ends
 $ ntk-service jobs result 3f2a... -o theta.npy --rows 0:512
 $ ntk-service jobs cancel 3f2a...
+$ ntk-service jobs delete 3f2a...              # a finished job: its result leaves the server's disk
 """
 
 from __future__ import annotations
@@ -147,12 +148,9 @@ def result(
     cols: Annotated[str | None, typer.Option(help="Column range c:d. Default: all columns.")] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Download a succeeded job's kernel (or the block rows × cols) to a .npy file."""
-    import numpy as np
-
-    theta = state_of(ctx).client().job_result(job_id, rows=rows, cols=cols)
+    """Download a succeeded job's kernel (or the block rows × cols) to a .npy file, streamed to disk."""
     try:
-        np.save(output, theta, allow_pickle=False)
+        theta = state_of(ctx).client().download_result(job_id, output, rows=rows, cols=cols)
     except OSError as exc:
         raise UsageError(f"-o: cannot write {str(output)!r} ({exc.strerror or exc})") from exc
     summary = {"job": job_id, "shape": list(theta.shape), "dtype": str(theta.dtype), "output": str(output)}
@@ -170,3 +168,22 @@ def cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) 
         print_json(job)
     else:
         typer.echo(f"job {job_id} {job['status']} at {job['tiles_done']}/{job['tiles_total']} tiles")
+
+
+@jobs_app.command("delete")
+def delete(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    keep_record: Annotated[
+        bool, typer.Option("--keep-record", help="Keep the job's record; only its result leaves the disk.")
+    ] = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Delete a finished job's result from the server's disk (needs a write key); a running job is cancelled."""
+    answer = state_of(ctx).client().delete_job(job_id, keep_record=keep_record)
+    if wants_json(ctx, json_output):
+        print_json(answer)
+    elif "freed_bytes" in answer:
+        typer.echo(f"deleted the {answer['deleted']} {job_id}: {answer['freed_bytes']} bytes freed")
+    else:
+        typer.echo(f"job {job_id} {answer['status']} at {answer['tiles_done']}/{answer['tiles_total']} tiles")

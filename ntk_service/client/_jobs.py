@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import quote
 
@@ -22,7 +23,8 @@ import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
-from ntk_service.errors import JobFailed, NtkServiceError, ServiceUnavailable
+from ntk_service.client._results import RemoteResult, download_to
+from ntk_service.errors import JobFailed, JobNotFinished, NtkServiceError, ServiceUnavailable
 
 __all__ = ["FINISHED", "JobsClient", "format_progress"]
 
@@ -62,6 +64,10 @@ def _segment(value: str) -> str:
     return quote(str(value), safe="")
 
 
+def _job_id(job: str | Mapping[str, Any]) -> str:
+    return _segment(str(job if isinstance(job, str) else job["id"]))
+
+
 def _range(value: Any, name: str) -> str | None:
     """``"a:b"`` from ``"a:b"``, ``(a, b)`` or ``slice(a, b)``; None stays None."""
     if value is None or isinstance(value, str):
@@ -78,13 +84,16 @@ def _range(value: Any, name: str) -> str | None:
 class JobsClient(BaseClient):
     """The job methods of ``Client`` (see the module docstring)."""
 
-    def _job_side(self, value: Any, name: str) -> dict[str, str]:
+    def _job_side(self, value: Any, name: str) -> dict[str, Any]:
         if isinstance(value, str):
             return {"dataset": value}
         if isinstance(value, Mapping):
-            if set(value) != {"dataset"}:
-                raise ValueError(f"{name}: a job side is a data set id or {{'dataset': id}}; got keys {sorted(value)}")
-            return {"dataset": str(value["dataset"])}
+            if "dataset" not in value or not set(value) <= {"dataset", "start", "stop"}:
+                raise ValueError(
+                    f"{name}: a job side is a data set id or {{'dataset': id, 'start': row, 'stop': row}}; "
+                    f"got keys {sorted(value)}"
+                )
+            return {k: (str(v) if k == "dataset" else int(v)) for k, v in value.items() if v is not None}
         raise TypeError(f"{name}: pass a data set id (upload arrays first with upload_dataset); got {type(value)}")
 
     def submit_job(
@@ -104,7 +113,8 @@ class JobsClient(BaseClient):
 
         Args:
             model (str): the model's name.
-            x1 (str | dict): data set id of x1 (N examples), or ``{"dataset": id}``.
+            x1 (str | dict): data set id of x1 (N examples), or ``{"dataset": id}``, or
+                ``{"dataset": id, "start": a, "stop": b}`` for rows ``[a, b)`` of it.
             x2 (str | dict | None): data set id of x2 (M examples); None means x2 = x1, and only the tiles on and
                 above the diagonal are computed. Default: None.
             mode, implementation, dtype, params, version: as for ``ntk``. Default: "full", "auto", "float32",
@@ -140,8 +150,30 @@ class JobsClient(BaseClient):
         return [dict(item) for item in body["data"]]
 
     def cancel_job(self, job_id: str) -> dict[str, Any]:
-        """Cancel a job (write scope): running tiles finish, no new tile starts. Returns the record."""
-        return dict(self._send_json("DELETE", f"/v1/jobs/{_segment(job_id)}"))
+        """Cancel a job (write scope): running tiles finish, no new tile starts; a finished job is left as it is.
+        Returns the record."""
+        response = self._request(
+            "DELETE", f"/v1/jobs/{_segment(job_id)}", params={"cancel_only": "true"}, accept=wire.MEDIA_JSON
+        )
+        return dict(_decode_json(response))
+
+    def delete_job(self, job: str | Mapping[str, Any], *, keep_record: bool = False) -> dict[str, Any]:
+        """Delete a finished job's result from the server's disk (write scope); a running job is cancelled instead.
+
+        Args:
+            job: the job id or record.
+            keep_record (bool): keep the job's record (``result_deleted_at`` set). Default: False.
+
+        Returns:
+            ``{"id", "deleted": "job" | "result", "freed_bytes"}`` (or the cancelled job's record).
+
+        Raises:
+            JobNotFound: no such job (e.g. deleted already). ResultNotFound: its result was deleted already.
+            Conflict: its result is being downloaded right now.
+        """
+        params = {"keep_record": "true" if keep_record else None}
+        response = self._request("DELETE", f"/v1/jobs/{_job_id(job)}", params=params, accept=wire.MEDIA_JSON)
+        return dict(_decode_json(response))
 
     def wait(
         self,
@@ -258,3 +290,45 @@ class JobsClient(BaseClient):
 
             return torch.from_numpy(np.ascontiguousarray(theta))
         return theta
+
+    def download_result(
+        self,
+        job: str | Mapping[str, Any],
+        path: str | Path,
+        *,
+        rows: str | tuple[int | None, int | None] | slice | None = None,
+        cols: str | tuple[int | None, int | None] | slice | None = None,
+    ) -> np.ndarray:
+        """Stream a succeeded job's kernel (or the block ``rows × cols``) to a ``.npy`` file, chunk by chunk.
+
+        Neither side holds the whole result in memory: the server sends it row block by row block, this writes each
+        chunk as it arrives (to ``<path>.part``, renamed to ``path`` once complete).
+
+        Args:
+            job: the job id or record.
+            path: the ``.npy`` file to write.
+            rows, cols: as for ``job_result``. Default: the whole result.
+
+        Returns:
+            The file as a read-only ``np.memmap``: (N, M) trace, (N, M, k, k) full, ...
+
+        Raises:
+            JobNotFinished, JobNotFound, ResultNotFound, InvalidInput (a bad range); NtkServiceError when the
+            download is cut off (nothing is left at ``path``).
+        """
+        params = {"rows": _range(rows, "rows"), "cols": _range(cols, "cols")}
+        return download_to(self, _job_id(job), Path(path), params)
+
+    def result_array(self, job: str | Mapping[str, Any]) -> RemoteResult:
+        """A succeeded job's kernel as a lazy array: ``remote[a:b, c:d]`` fetches only that block (``?rows=&cols=``),
+        mirrored below the diagonal by the server for symmetric jobs.
+
+        Raises:
+            JobNotFinished: the job has not succeeded. JobNotFound.
+        """
+        record = self.get_job(_job_id(job))
+        if record.get("status") != "succeeded":
+            raise JobNotFinished(
+                f"result_array: job {record['id']} is {record.get('status')}; wait for it (client.wait(job)) first"
+            )
+        return RemoteResult(self, record)

@@ -7,6 +7,7 @@ cardinality stays bounded; unknown paths share the label ``<unmatched>``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -76,9 +77,25 @@ class Metrics:
         ):
             Gauge(name, doc, registry=self.registry).set_function(read)
 
+    def watch_job_disk(self, read: Callable[[], tuple[int, int | None, int]]) -> None:
+        """Export the job results' disk use: ``read()`` gives (used, configured budget or None, available) bytes."""
+        for index, (name, doc) in enumerate(
+            (
+                ("ntk_job_results_bytes", "Bytes the stored job results take (finished or not)."),
+                ("ntk_job_disk_budget_bytes", "The configured disk budget of job results (-1: 90% of free space)."),
+                ("ntk_job_disk_available_bytes", "Bytes a new job result may still take."),
+            )
+        ):
+            gauge = Gauge(name, doc, registry=self.registry)
+            gauge.set_function(lambda i=index: _or_minus_one(read()[i]))  # type: ignore[misc]
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
         return generate_latest(self.registry)
+
+
+def _or_minus_one(value: int | None) -> float:
+    return -1.0 if value is None else float(value)
 
 
 class MetricsMiddleware:

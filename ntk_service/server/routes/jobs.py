@@ -4,8 +4,10 @@
     GET    /v1/jobs                       {"data": [job, ...], "count"}
     GET    /v1/jobs/{id}                  the job, with progress and ETA
     GET    /v1/jobs/{id}/events           text/event-stream: a "progress" event per change, "end" when finished
-    GET    /v1/jobs/{id}/result           the kernel, whole or ?rows=a:b&cols=c:d, by Accept (409 until succeeded)
-    DELETE /v1/jobs/{id}                  cancel: running tiles finish, no new tile starts
+    GET    /v1/jobs/{id}/result           the kernel, whole or ?rows=a:b&cols=c:d, by Accept (409 until succeeded);
+                                          .npy streams row block by row block
+    DELETE /v1/jobs/{id}                  a queued/running job: cancel (running tiles finish, no new tile starts);
+                                          a finished one: delete its result (?keep_record=true keeps the record)
 
 The JobManager is built in the app's lifespan (``start_jobs`` / ``stop_jobs``). With the local executor every tile
 takes a slot of the same ComputeLimiter interactive kernels use (see ``executors/local.py``).
@@ -14,9 +16,11 @@ takes a slot of the same ComputeLimiter interactive kernels use (see ``executors
 from __future__ import annotations
 
 import asyncio
+import io
 import math
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated, Any, Literal, TypeVar
@@ -24,24 +28,34 @@ from typing import Annotated, Any, Literal, TypeVar
 import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
+import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from ntk_service import wire
 from ntk_service.config import Settings
-from ntk_service.errors import Busy, ServiceUnavailable, format_bytes
+from ntk_service.errors import Busy, InvalidInput, NotAcceptable, ResultNotFound, ServiceUnavailable, format_bytes
 from ntk_service.jobs import JobManager, JobRecord
 from ntk_service.jobs.executors import Executor, LocalExecutor, RayExecutor, import_ray
-from ntk_service.jobs.results import parse_range
+from ntk_service.jobs.results import ResultArray, parse_range
 from ntk_service.kernels import KernelMode, NtkImplementation
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ReadAccess, WriteAccess
 from ntk_service.server.media import encode_theta, json_response, json_too_large, negotiate, read_json
 from ntk_service.server.schemas import openapi_body, validate_body
 
-__all__ = ["JobCreate", "JobPublic", "JobsPublic", "router", "start_jobs", "stop_jobs"]
+__all__ = [
+    "STREAM_BLOCK_BYTES",
+    "JobCreate",
+    "JobDeleted",
+    "JobPublic",
+    "JobsPublic",
+    "router",
+    "start_jobs",
+    "stop_jobs",
+]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -61,11 +75,19 @@ JobIdParam = Annotated[str, Path(description="The id returned by POST /v1/jobs."
 
 
 class JobDataset(BaseModel):
-    """A whole stored data set as one side of a job."""
+    """A stored data set (or a row range of it) as one side of a job."""
 
     model_config = ConfigDict(extra="forbid")
 
     dataset: str = Field(description="Data set id from POST /v1/datasets.")
+    start: int | None = Field(None, ge=0, description="First row. Default: 0.")
+    stop: int | None = Field(None, ge=1, description="One past the last row. Default: the data set's rows.")
+
+    def rows(self, manager: JobManager) -> tuple[int, int] | None:
+        if self.start is None and self.stop is None:
+            return None
+        size = int(manager.datasets.get(self.dataset).shape[0])
+        return (self.start or 0, size if self.stop is None else self.stop)
 
 
 class JobCreate(BaseModel):
@@ -110,6 +132,15 @@ class JobPublic(BaseModel):
     created_at: str
     started_at: str | None
     finished_at: str | None
+    result_deleted_at: str | None
+
+
+class JobDeleted(BaseModel):
+    """``DELETE /v1/jobs/{id}`` of a finished job: what was removed."""
+
+    id: str
+    deleted: Literal["result", "job"] = Field(description='"job": record and result; "result": the record is kept.')
+    freed_bytes: int = Field(description="Bytes removed from disk.")
 
 
 class JobsPublic(BaseModel):
@@ -124,13 +155,15 @@ def _iso(timestamp: float | None) -> str | None:
 def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
     """The JSON form of a job (``JobPublic``)."""
     spec = record.spec
+    x1 = {"dataset": spec.x1_dataset, "start": spec.x1_start, "stop": spec.x1_start + spec.n}
+    x2 = {"dataset": spec.x2_dataset, "start": spec.x2_start, "stop": spec.x2_start + spec.m}
     return {
         "id": record.id,
         "status": record.status.value,
         "model": spec.model,
         "version": spec.version,
-        "x1": {"dataset": spec.x1_dataset},
-        "x2": None if spec.x2_dataset is None else {"dataset": spec.x2_dataset},
+        "x1": x1,
+        "x2": None if spec.x2_dataset is None else x2,
         "mode": spec.mode,
         "implementation": spec.implementation,
         "implementation_used": sorted(filter(None, (record.implementation_used or "").split(","))),
@@ -148,6 +181,7 @@ def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
         "created_at": _iso(record.created_at),
         "started_at": _iso(record.started_at),
         "finished_at": _iso(record.finished_at),
+        "result_deleted_at": _iso(record.result_deleted_at),
     }
 
 
@@ -219,6 +253,15 @@ async def start_jobs(app: FastAPI) -> None:
     )
     await anyio.to_thread.run_sync(manager.start)
     app.state.jobs = manager
+    app.state.metrics.watch_job_disk(_disk_reader(manager))
+
+
+def _disk_reader(manager: JobManager) -> Callable[[], tuple[int, int | None, int]]:
+    def read() -> tuple[int, int | None, int]:
+        usage = manager.disk_usage()
+        return usage.used_bytes, usage.budget_bytes, usage.available_bytes
+
+    return read
 
 
 async def stop_jobs(app: FastAPI) -> None:
@@ -254,6 +297,8 @@ async def submit_job(request: Request, _: WriteAccess, manager: JobsDep) -> Resp
             dtype=body.dtype,
             params=body.params,
             tile_size=body.tile_size,
+            x1_rows=body.x1.rows(manager),
+            x2_rows=None if body.x2 is None else body.x2.rows(manager),
         )
     )
     return json_response(job_public(record, None), status_code=202, headers={"Location": f"/v1/jobs/{record.id}"})
@@ -293,7 +338,7 @@ async def job_events(
 
 @router.get(
     "/{job_id}/result",
-    summary="Download the kernel of a succeeded job, whole or a slice",
+    summary="Download the kernel of a succeeded job, whole or a slice (.npy streams)",
     responses={200: {"content": {wire.MEDIA_NPY: {}, wire.MEDIA_SAFETENSORS: {}}}, 409: {}},
 )
 async def job_result(
@@ -309,24 +354,17 @@ async def job_result(
     settings: Settings = request.app.state.settings
     cap = settings.max_json_response_bytes
 
-    def read() -> Response:
+    def prepare() -> _Download:
         record, array = manager.open_result(job_id)
-        r = parse_range(rows, record.spec.n, axis="rows")
-        c = None if cols is None else parse_range(cols, record.spec.m, axis="cols")
-        if media == wire.MEDIA_JSON:
-            shape = list(record.result_shape)
-            shape[0] = r[1] - r[0]
-            if c is not None and len(shape) > 1 and record.spec.mode != KernelMode.EXAMPLE_DIAGONAL:
-                shape[1] = c[1] - c[0]
-            if math.prod(shape) * _MIN_JSON_BYTES_PER_VALUE > cap:
-                raise json_too_large(
-                    f"at least {format_bytes(math.prod(shape) * _MIN_JSON_BYTES_PER_VALUE)}",
-                    cap,
-                    operation="job result",
-                    hint=_SLICE_HINT,
-                )
-        theta = array.read(rows=r, cols=c)
         spec = record.spec
+        r = parse_range(rows, spec.n, axis="rows")
+        if spec.mode == KernelMode.EXAMPLE_DIAGONAL and cols is not None:
+            raise InvalidInput("job result: mode 'example_diagonal' has no column axis; omit cols")
+        c = None if spec.mode == KernelMode.EXAMPLE_DIAGONAL else parse_range(cols, spec.m, axis="cols")
+        shape = list(record.result_shape)
+        shape[0] = r[1] - r[0]
+        if c is not None:
+            shape[1] = c[1] - c[0]
         meta = {
             "job": record.id,
             "model": spec.model,
@@ -336,15 +374,129 @@ async def job_result(
             "rows": f"{r[0]}:{r[1]}",
             "cols": "" if c is None else f"{c[0]}:{c[1]}",
         }
-        return encode_theta(theta, media, meta, cap=cap, operation="job result", hint=_SLICE_HINT)
+        return _Download(record.id, array, r, c, tuple(shape), meta)
+
+    download = await anyio.to_thread.run_sync(prepare)
+    values = math.prod(download.shape)
+    if media == wire.MEDIA_NPY:
+        return _stream_npy(manager, download)
+    if media == wire.MEDIA_JSON and values * _MIN_JSON_BYTES_PER_VALUE > cap:
+        size = f"at least {format_bytes(values * _MIN_JSON_BYTES_PER_VALUE)}"
+        raise json_too_large(size, cap, operation="job result", hint=_SLICE_HINT)
+    nbytes = values * download.array.dtype.itemsize
+    if media == wire.MEDIA_SAFETENSORS and nbytes > settings.max_binary_response_bytes:
+        raise NotAcceptable(
+            f"job result: the safetensors answer would be {format_bytes(nbytes)}, over the server's limit of "
+            f"{format_bytes(settings.max_binary_response_bytes)} for answers built in one piece "
+            f"(NTK_MAX_BINARY_RESPONSE_BYTES); stream it with 'Accept: {wire.MEDIA_NPY}' (client.download_result(job, "
+            "path) writes it to a file), or download a slice with ?rows=a:b&cols=c:d"
+        )
+
+    def read() -> Response:
+        with manager.reading(download.job_id):
+            theta = download.array.read(rows=download.rows, cols=download.cols)
+            _check_still_there(download)
+        return encode_theta(theta, media, download.meta, cap=cap, operation="job result", hint=_SLICE_HINT)
 
     return await anyio.to_thread.run_sync(read)
 
 
 _SLICE_HINT = ", or download a slice with ?rows=a:b&cols=c:d"
 
+STREAM_BLOCK_BYTES = 32 * 2**20
+"""A streamed download reads and sends at most this much at a time (at least one row): the server never holds
+more than one such block of a result, however large the result."""
 
-@router.delete("/{job_id}", response_model=JobPublic, summary="Cancel a job (running tiles finish first)")
-async def cancel_job(job_id: JobIdParam, _: WriteAccess, manager: JobsDep) -> Response:
-    record = await anyio.to_thread.run_sync(manager.cancel, job_id)
-    return json_response(job_public(record, manager.eta_s(record)))
+
+@dataclass(frozen=True, slots=True)
+class _Download:
+    """A result block about to be sent: the job, its open array, the ranges, the block's shape, the metadata."""
+
+    job_id: str
+    array: ResultArray
+    rows: tuple[int, int]
+    cols: tuple[int, int] | None
+    shape: tuple[int, ...]
+    meta: dict[str, Any]
+
+
+def _check_still_there(download: _Download) -> None:
+    # A deletion renames the job's folder before removing it; a block read across that instant may hold fill values,
+    # so it is only sent if the folder is still there after the read.
+    if not download.array.path.exists():
+        raise ResultNotFound(f"jobs: the result of job {download.job_id} was deleted while it was being read")
+
+
+def _row_blocks(download: _Download) -> list[tuple[int, int]]:
+    """Row ranges of at most STREAM_BLOCK_BYTES each, cut at tile boundaries (each read touches whole tiles)."""
+    r0, r1 = download.rows
+    tile = download.array.plan.tile_size
+    row_bytes = math.prod(download.shape[1:]) * download.array.dtype.itemsize
+    step = max(1, min(tile, STREAM_BLOCK_BYTES // max(row_bytes, 1)))
+    blocks = []
+    start = r0
+    while start < r1:
+        boundary = (start // tile + 1) * tile
+        stop = min(r1, boundary, start + step)
+        blocks.append((start, stop))
+        start = stop
+    return blocks
+
+
+def _stream_npy(manager: JobManager, download: _Download) -> Response:
+    """The block as a streamed ``.npy``: the header (shape and dtype are known up front), then row blocks in order.
+
+    ``Content-Length`` is exact, so a client can tell a complete download from a cut one.
+    """
+    dtype = download.array.dtype.newbyteorder("=")
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": download.shape}
+    )
+    head = header.getvalue()
+    length = len(head) + math.prod(download.shape) * dtype.itemsize
+
+    def read_block(block: tuple[int, int]) -> bytes:
+        theta = download.array.read(rows=block, cols=download.cols)
+        _check_still_there(download)
+        return np.ascontiguousarray(theta, dtype=dtype).tobytes()
+
+    async def body() -> AsyncIterator[bytes]:
+        with manager.reading(download.job_id):
+            yield head
+            for block in _row_blocks(download):
+                yield await anyio.to_thread.run_sync(read_block, block)
+
+    headers = {f"X-NTK-{key.replace('_', '-').title()}": str(value) for key, value in download.meta.items()}
+    headers["Content-Length"] = str(length)
+    return StreamingResponse(body(), media_type=wire.MEDIA_NPY, headers=headers)
+
+
+@router.delete(
+    "/{job_id}",
+    response_model=JobPublic | JobDeleted,
+    summary="Cancel a queued or running job; delete a finished job's result",
+    description="A queued or running job is cancelled (running tiles finish). A finished job's result is removed "
+    "from disk (its bytes return to the disk budget); the record goes too unless keep_record=true.",
+)
+async def delete_job(
+    job_id: JobIdParam,
+    _: WriteAccess,
+    manager: JobsDep,
+    keep_record: Annotated[
+        bool, Query(description="Keep the finished job's record (result_deleted_at is set). Default: false.")
+    ] = False,
+    cancel_only: Annotated[
+        bool, Query(description="Only cancel: a finished job is left as it is. Default: false.")
+    ] = False,
+) -> Response:
+    def act() -> Response:
+        record = manager.get(job_id)
+        if cancel_only or not record.is_finished:
+            cancelled = manager.cancel(job_id)
+            return json_response(job_public(cancelled, manager.eta_s(cancelled)))
+        deletion = manager.delete(job_id, keep_record=keep_record)
+        kind = "result" if deletion.record_kept else "job"
+        return json_response({"id": job_id, "deleted": kind, "freed_bytes": deletion.freed_bytes})
+
+    return await anyio.to_thread.run_sync(act)

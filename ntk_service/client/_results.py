@@ -1,0 +1,192 @@
+"""Job results from the client: streamed ``.npy`` downloads to a file, and a lazy array read slice by slice.
+
+    >>> theta = client.download_result(job, "theta.npy")   # streamed to disk; a read-only np.memmap   # doctest: +SKIP
+    >>> remote = client.result_array(job)                   # nothing downloaded yet                 # doctest: +SKIP
+    >>> remote[1000:2000, :500].shape                        # one GET ?rows=1000:2000&cols=0:500      # doctest: +SKIP
+    (1000, 500)
+
+Neither holds a whole result in memory twice: downloads go to disk chunk by chunk (the server streams the result
+row block by row block), and slices fetch only their block (the server mirrors symmetric results).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+import numpy as np
+
+from ntk_service import wire
+from ntk_service.client._base import _error_from_response
+from ntk_service.errors import NtkServiceError, ServiceUnavailable
+
+if TYPE_CHECKING:
+    from ntk_service.client._jobs import JobsClient
+
+__all__ = ["RemoteResult", "download_to", "stream_npy"]
+
+_CHUNK_BYTES = 1 << 20
+"""Bytes written per chunk of a streamed download."""
+
+
+class _Sink(Protocol):
+    def write(self, chunk: bytes, /) -> int: ...
+
+
+def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], sink: _Sink) -> int:
+    """GET ``path`` as ``application/x-npy`` and copy the body into ``sink`` as it arrives; returns the bytes.
+
+    Raises:
+        NtkServiceError subclass: the server's error (e.g. JobNotFinished, ResultNotFound).
+        ServiceUnavailable: the server cannot be reached.
+        NtkServiceError: the body ended before its ``Content-Length`` (the download was cut off).
+    """
+    operation = f"GET {path}"
+    query = {k: v for k, v in params.items() if v is not None}
+    written = 0
+    try:
+        with client._http.stream("GET", path, params=query, headers={"Accept": wire.MEDIA_NPY}) as response:
+            if response.status_code >= 400:
+                response.read()
+                raise _error_from_response(response, operation)
+            expected = int(response.headers.get("content-length", "-1"))
+            for chunk in response.iter_bytes(_CHUNK_BYTES):
+                sink.write(chunk)
+                written += len(chunk)
+    except httpx.TimeoutException as exc:
+        raise ServiceUnavailable(f"{operation}: no answer from {client.url} in time ({type(exc).__name__})") from exc
+    except httpx.TransportError as exc:
+        if written:
+            raise NtkServiceError(f"{operation}: the download was cut off after {written} bytes ({exc})") from exc
+        raise ServiceUnavailable(f"{operation}: cannot reach {client.url} ({exc})") from exc
+    if 0 <= expected != written:
+        raise NtkServiceError(f"{operation}: the download was cut off: {written} of {expected} bytes")
+    return written
+
+
+def _bounds(key: Any, size: int, axis: str) -> tuple[int, int, Any]:
+    """``(start, stop, local index)`` of a slice or an int over an axis of ``size``."""
+    if isinstance(key, slice):
+        start, stop, step = key.indices(size)
+        if step < 1:
+            raise ValueError(f"RemoteResult: {axis} slices need a positive step, got {key}")
+        return start, max(start, stop), slice(None, None, step)
+    if isinstance(key, int | np.integer):
+        index = int(key) + (size if key < 0 else 0)
+        if not 0 <= index < size:
+            raise IndexError(f"RemoteResult: index {key} is out of range for {axis} of size {size}")
+        return index, index + 1, 0
+    raise TypeError(f"RemoteResult: index {axis} with slices or integers, got {type(key).__name__}")
+
+
+class RemoteResult:
+    """A succeeded job's kernel on the server; indexing fetches only the indexed block (``?rows=&cols=``).
+
+    Attributes:
+        job_id: the job. shape, dtype, ndim: the whole result's. mode: the kernel mode.
+    """
+
+    def __init__(self, client: JobsClient, job: Mapping[str, Any]) -> None:
+        self._client = client
+        self.job_id = str(job["id"])
+        self.shape: tuple[int, ...] = tuple(int(v) for v in job["result_shape"])
+        self.dtype = np.dtype(str(job["dtype"]))
+        self.ndim = len(self.shape)
+        self.mode = str(job["mode"])
+
+    def __repr__(self) -> str:
+        return f"RemoteResult(job={self.job_id!r}, shape={self.shape}, dtype={self.dtype})"
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _fetch(self, rows: tuple[int, int], cols: tuple[int, int] | None) -> np.ndarray:
+        shape = (rows[1] - rows[0], *(() if cols is None else (cols[1] - cols[0],)))
+        shape += self.shape[len(shape) :]
+        if 0 in shape:
+            return np.zeros(shape, dtype=self.dtype)
+        out = np.empty(shape, dtype=self.dtype)
+        params = {"rows": f"{rows[0]}:{rows[1]}", "cols": None if cols is None else f"{cols[0]}:{cols[1]}"}
+        sink = _ArraySink(out)
+        stream_npy(self._client, f"/v1/jobs/{self.job_id}/result", params, sink)
+        sink.check()
+        return out
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        parts = key if isinstance(key, tuple) else (key,)
+        if any(p is Ellipsis for p in parts):
+            at = parts.index(Ellipsis)
+            parts = parts[:at] + (slice(None),) * (self.ndim - len(parts) + 1) + parts[at + 1 :]
+        if len(parts) > self.ndim:
+            raise IndexError(f"RemoteResult: {len(parts)} indices for a result of {self.ndim} dimensions")
+        example_axes = 1 if self.mode == "example_diagonal" else 2
+        parts = parts + (slice(None),) * max(0, example_axes - len(parts))
+        r0, r1, row_local = _bounds(parts[0], self.shape[0], "rows")
+        local = [row_local]
+        cols = None
+        if example_axes == 2:
+            c0, c1, col_local = _bounds(parts[1], self.shape[1], "cols")
+            cols = (c0, c1)
+            local.append(col_local)
+        block: np.ndarray = self._fetch((r0, r1), cols)[tuple(local) + tuple(parts[example_axes:])]
+        return block
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        whole = self[...]
+        return whole if dtype is None else whole.astype(dtype)
+
+
+class _ArraySink:
+    """A file-like sink that parses the .npy header, then copies the data straight into a preallocated array."""
+
+    def __init__(self, out: np.ndarray) -> None:
+        self.out = out
+        self.flat = out.reshape(-1).view(np.uint8)
+        self.head = b""
+        self.offset: int | None = None
+        self.filled = 0
+
+    def write(self, chunk: bytes) -> int:
+        if self.offset is None:
+            self.head += chunk
+            if len(self.head) < 10:
+                return len(chunk)
+            header_len = int.from_bytes(self.head[8:10], "little")
+            if len(self.head) < 10 + header_len:
+                return len(chunk)
+            self.offset = 10 + header_len
+            stream = io.BytesIO(self.head[: self.offset])
+            np.lib.format.read_magic(stream)
+            shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+            if tuple(shape) != self.out.shape or np.dtype(dtype) != self.out.dtype:
+                raise NtkServiceError(
+                    f"RemoteResult: the server sent {tuple(shape)} {dtype}, expected {self.out.shape} {self.out.dtype}"
+                )
+            chunk, self.head = self.head[self.offset :], b""
+        end = self.filled + len(chunk)
+        if end > self.flat.size:
+            raise NtkServiceError(f"RemoteResult: the server sent more than the {self.flat.size} bytes expected")
+        self.flat[self.filled : end] = np.frombuffer(chunk, dtype=np.uint8)
+        self.filled = end
+        return len(chunk)
+
+    def check(self) -> None:
+        if self.filled != self.flat.size:
+            raise NtkServiceError(f"RemoteResult: got {self.filled} of {self.flat.size} bytes")
+
+
+def download_to(client: JobsClient, job_id: str, path: Path, params: Mapping[str, str | None]) -> np.ndarray:
+    """Stream a result (or a block) to ``path`` (via ``<path>.part``, renamed when complete); a read-only memmap."""
+    part = path.with_name(path.name + ".part")
+    try:
+        with part.open("wb") as sink:
+            stream_npy(client, f"/v1/jobs/{job_id}/result", params, sink)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+    memmap: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
+    return memmap
