@@ -16,8 +16,12 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import torch
+import xarray as xr
 from torch import nn
 
+from ntk_service.client import Client
+from ntk_service.errors import JobNotFound
+from ntk_service.results import open_result
 from tests.conftest import LiveServer, start_live_server
 from tests.jobs.conftest import SLOW_MODEL, TINY_MLP, tiny_model_from_weights
 from tests.reference import reference_ntk
@@ -28,10 +32,11 @@ SAFETENSORS = "application/x-safetensors"
 
 _SERVER_SETTINGS = {
     "max_json_response_bytes": str(64 * 2**10),
+    "max_binary_response_bytes": str(4096),
     "job_disk_budget_bytes": str(2**20),
     "memory_budget_bytes": str(64 * 2**20),
 }
-"""64 KiB JSON cap, 1 MiB disk budget for job results."""
+"""64 KiB JSON cap, 4 KiB cap on binary answers built in one piece, 1 MiB disk budget for all job results."""
 
 
 class _Servers:
@@ -230,6 +235,138 @@ def test_cancel_over_http(server: LiveServer, tiny_job: dict[str, Any]) -> None:
         assert later["tiles_done"] == final["tiles_done"]  # nothing runs after the boundary
         result = client.get(f"/v1/jobs/{job['id']}/result")
         assert result.status_code == 409 and result.json()["error"]["type"] == "job_not_finished"
+
+
+SLICES = {
+    "above": ("0:4", "4:10"),
+    "across": ("2:9", "1:10"),
+    "below": ("8:10", "0:3"),
+    "ragged last tile": ("8:10", "8:10"),
+    "below, ragged rows": ("9:10", "5:9"),
+    "whole": (":", ":"),
+}
+"""tiny_job: x1 (10, 4), tiles of 4: blocks [0,4) [4,8) [8,10); only the blocks on or above the diagonal are stored."""
+
+
+def _piece(text: str) -> slice:
+    start, _, stop = text.partition(":")
+    return slice(int(start) if start else None, int(stop) if stop else None)
+
+
+def test_symmetric_slices_over_http_result_array_open_result_and_xarray(
+    server: LiveServer, tiny_job: dict[str, Any]
+) -> None:
+    dense = reference_ntk(tiny_job["model"], torch.from_numpy(tiny_job["x1_array"]), mode="full").numpy()
+    url = f"/v1/jobs/{tiny_job['id']}/result"
+    job_dir = server.data_dir / "jobs" / tiny_job["id"]
+    with server.client("read") as client, Client(server.url, api_key=server.read_key) as ntk:
+        remote = ntk.result_array(tiny_job["id"])
+        assert remote.shape == (10, 10, 3, 3) and remote.dtype == np.float64
+        view = open_result(job_dir)
+        for name, (rows, cols) in SLICES.items():
+            expected = dense[_piece(rows), _piece(cols)]
+            response = client.get(url, params={"rows": rows, "cols": cols}, headers={"Accept": NPY})
+            assert int(response.headers["content-length"]) == len(response.content)
+            np.testing.assert_allclose(_npy(response), expected, rtol=1e-10, atol=1e-12, err_msg=name)
+            np.testing.assert_allclose(remote[_piece(rows), _piece(cols)], expected, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(np.asarray(view[_piece(rows), _piece(cols)]), expected, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(remote[9, 2, 1], dense[9, 2, 1], rtol=1e-10)  # one entry below the diagonal
+    dataset = xr.open_zarr(job_dir / "result.zarr")  # a real job's result, as any xarray user opens it
+    assert dataset["theta"].dims == ("x1", "x2", "out1", "out2")
+    assert dataset.attrs["format_version"] == 1 and dataset.attrs["x1_rows"] == [0, 10]
+    assert dataset.attrs["job_id"] == tiny_job["id"] and dataset.attrs["model"] == "tiny"
+    stored = dataset["theta"].values  # plain readers see the stored upper tiles only
+    np.testing.assert_allclose(stored[0:4, 4:10], dense[0:4, 4:10], rtol=1e-10, atol=1e-12)
+    assert not stored[8:10, 0:4].any()
+
+
+def test_download_streams_to_a_file_and_one_piece_answers_are_capped(
+    server: LiveServer, tiny_job: dict[str, Any], tmp_path: Path
+) -> None:
+    url = f"/v1/jobs/{tiny_job['id']}/result"
+    with server.client("read") as client:
+        capped = client.get(url, headers={"Accept": SAFETENSORS})  # 7200 bytes > the 4 KiB cap
+        assert capped.status_code == 406
+        message = capped.json()["error"]["message"]
+        assert "NTK_MAX_BINARY_RESPONSE_BYTES" in message and "Accept: application/x-npy" in message
+        assert "download_result" in message
+        whole = _npy(client.get(url, headers={"Accept": NPY}))  # streamed: no cap
+    with Client(server.url, api_key=server.read_key) as ntk:
+        on_disk = ntk.download_result(tiny_job["id"], tmp_path / "theta.npy")
+        assert isinstance(on_disk, np.memmap) and not (tmp_path / "theta.npy.part").exists()
+        np.testing.assert_array_equal(on_disk, whole)
+        block = ntk.download_result(tiny_job["id"], tmp_path / "block.npy", rows=(7, 10), cols=slice(0, 5))
+        np.testing.assert_array_equal(block, whole[7:10, 0:5])
+        with pytest.raises(JobNotFound):
+            ntk.download_result("0123", tmp_path / "missing.npy")
+        assert not (tmp_path / "missing.npy").exists()
+
+
+def _metric(client: httpx.Client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_delete_frees_the_disk_and_the_budget_and_a_second_delete_is_a_404(server: LiveServer) -> None:
+    with server.client() as client:
+        # 512 examples, trace, tiles of 256: 3 stored tiles of 256² float32 = 768 KiB of the 1 MiB budget.
+        dataset = _upload(client, np.random.default_rng(7).standard_normal((512, 4)).astype(np.float32))
+        spec = {"model": "tiny", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 256}
+        used_before = _metric(client, "ntk_job_results_bytes")
+        first = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])
+        assert first["estimate_bytes"] == 3 * 256 * 256 * 4
+        assert _metric(client, "ntk_job_results_bytes") == used_before + first["estimate_bytes"]
+        assert _metric(client, "ntk_job_disk_budget_bytes") == 2**20
+        refused = client.post("/v1/jobs", json=spec)  # the budget counts what is stored
+        assert refused.status_code == 413 and "less" in refused.json()["error"]["message"]
+        job_dir = server.data_dir / "jobs" / first["id"]
+        on_disk = _tree_bytes(job_dir)
+        assert on_disk >= first["estimate_bytes"]
+        deleted = client.delete(f"/v1/jobs/{first['id']}")
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json() == {"id": first["id"], "deleted": "job", "freed_bytes": on_disk}
+        assert not job_dir.exists() and not list(job_dir.parent.glob(".deleting-*"))
+        assert _metric(client, "ntk_job_results_bytes") == used_before
+        again = client.delete(f"/v1/jobs/{first['id']}")
+        assert again.status_code == 404 and again.json()["error"]["type"] == "job_not_found"
+        assert client.get(f"/v1/jobs/{first['id']}").status_code == 404
+
+        second = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])  # fits again
+        kept = client.delete(f"/v1/jobs/{second['id']}", params={"keep_record": "true"})
+        assert kept.status_code == 200 and kept.json()["deleted"] == "result"
+        record = client.get(f"/v1/jobs/{second['id']}").json()
+        assert record["status"] == "succeeded" and record["result_deleted_at"] is not None
+        gone = client.get(f"/v1/jobs/{second['id']}/result", headers={"Accept": NPY})
+        assert gone.status_code == 404 and gone.json()["error"]["type"] == "result_not_found"
+        twice = client.delete(f"/v1/jobs/{second['id']}")
+        assert twice.status_code == 404 and "already deleted" in twice.json()["error"]["message"]
+    with server.client("read") as reader:
+        assert reader.delete(f"/v1/jobs/{second['id']}").status_code == 403
+
+
+def test_jobs_over_data_set_row_ranges(server: LiveServer, tiny_job: dict[str, Any]) -> None:
+    x = np.random.default_rng(8).standard_normal((9, 4)).astype(np.float32)
+    with server.client() as client:
+        dataset = _upload(client, x)
+        sides = {"x1": {"dataset": dataset, "start": 2, "stop": 7}, "x2": {"dataset": dataset, "start": 6}}
+        job = _wait(client, client.post("/v1/jobs", json={"model": "tiny", "mode": "trace", **sides}).json()["id"])
+        assert job["status"] == "succeeded" and job["result_shape"] == [5, 3]
+        assert job["x1"] == {"dataset": dataset, "start": 2, "stop": 7}
+        theta = _npy(client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": NPY}))
+        bad = client.post("/v1/jobs", json={"model": "tiny", "x1": {"dataset": dataset, "start": 5, "stop": 20}})
+        assert bad.status_code == 422 and "outside the data set" in bad.json()["error"]["message"]
+    expected = reference_ntk(
+        tiny_job["model"], torch.from_numpy(x[2:7]), torch.from_numpy(x[6:9]), mode="trace"
+    ).numpy()
+    np.testing.assert_allclose(theta, expected, rtol=1e-5, atol=1e-6)
+    attrs = xr.open_zarr(server.data_dir / "jobs" / job["id"] / "result.zarr").attrs
+    assert (attrs["x1_rows"], attrs["x2_rows"]) == ([2, 7], [6, 9])
 
 
 def test_sigkill_mid_job_resumes_to_a_bitwise_equal_result(servers: _Servers) -> None:
