@@ -116,7 +116,17 @@ def test_cli_submit_watch_status_result_cancel(cli: Any, setup: dict[str, Any], 
     np.testing.assert_array_equal(np.load(out), np.load(whole)[2:9, :3])
     assert "succeeded" in cli("jobs", "watch", job_id).stdout
     assert cli("jobs", "cancel", job_id).stdout.startswith(f"job {job_id} succeeded at 6/6 tiles")
+    deleted = cli("jobs", "delete", job_id, "--keep-record")
+    assert deleted.stdout.startswith(f"deleted the result {job_id}: ") and "bytes freed" in deleted.stdout
+    assert json.loads(cli("jobs", "status", job_id, "--json").stdout)["result_deleted_at"] is not None
+    assert json.loads(cli("jobs", "delete", fresh_id(cli, setup), "--json").stdout)["deleted"] == "job"
     upload = tmp_path / "x.npy"
     np.save(upload, setup["x2"])
     from_file = json.loads(cli("jobs", "submit", setup["tiny"], "--x1", str(upload), "--json").stdout)
     assert from_file["status"] in ("queued", "running", "succeeded") and from_file["result_shape"] == [5, 5, 3, 3]
+
+
+def fresh_id(cli: Any, setup: dict[str, Any]) -> str:
+    """A new finished trace job of the tiny model (through the CLI, watched to the end)."""
+    submitted = cli("jobs", "submit", setup["tiny"], "--x1", f"dataset:{setup['x2_id']}", "--mode", "trace", "--watch")
+    return str(submitted.stdout.split("submitted job ")[1].split(":")[0])

@@ -3,6 +3,7 @@ on the same tiles (bitwise), cancellation, resume, disk budget, validation at su
 
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -11,6 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import xarray as xr
+import zarr
 
 from ntk_service.errors import (
     DatasetNotFound,
@@ -26,6 +29,7 @@ from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.jobs.manager import plan_of
 from ntk_service.jobs.results import mirror_theta
 from ntk_service.kernels import KernelMode, compute_ntk
+from ntk_service.results import open_result
 from tests.jobs.conftest import JobsEnv, wait_finished
 from tests.reference import reference_ntk
 
@@ -261,3 +265,38 @@ def test_progress_events_advance_until_the_job_ends(jobs_env: JobsEnv, make_mana
         progress.append(manager.get(job.id).tiles_done)
     assert progress == sorted(progress) and progress[-1] == 10
     assert manager.get(job.id).status is JobStatus.SUCCEEDED
+
+
+def test_a_result_of_the_old_format_is_migrated_in_place_and_keeps_working(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    first = make_manager()
+    job = first.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", dtype="float64", tile_size=4)
+    assert wait_finished(first, job.id).status is JobStatus.SUCCEEDED
+    expected = first.read_result(job.id)
+    first.stop()
+    # Rewrite the result as the previous version stored it: a bare array <job>/theta.zarr, upper tiles only.
+    job_dir = jobs_env.data_dir / "jobs" / job.id
+    group = zarr.open_group(str(job_dir / "result.zarr"), mode="r")
+    stored, old_attrs = group["theta"][...], {"model": "tiny", "mode": "full", "implementation_used": ["structured"]}
+    legacy = zarr.create_array(
+        store=str(job_dir / "theta.zarr"),
+        shape=stored.shape,
+        chunks=(4, 4, 3, 3),
+        dtype="float64",
+        fill_value=0,
+        compressors=None,
+        attributes=old_attrs,
+    )
+    legacy[...] = stored
+    shutil.rmtree(job_dir / "result.zarr")
+    with pytest.raises(InvalidInput, match="older ntk-service"):
+        open_result(job_dir)
+    second = make_manager()  # start() migrates
+    assert not (job_dir / "theta.zarr").exists()
+    np.testing.assert_array_equal(second.read_result(job.id), expected)
+    view = open_result(job_dir)
+    np.testing.assert_array_equal(view.to_numpy(), expected)
+    assert view.attrs["implementation_used"] == ["structured"] and view.attrs["migrated_from"] == "theta.zarr"
+    assert xr.open_zarr(job_dir / "result.zarr")["theta"].dims == ("x1", "x2", "out1", "out2")
+    assert second.delete(job.id).freed_bytes > 0 and not job_dir.exists()

@@ -97,3 +97,21 @@ def test_list_filters_by_status_newest_first(tmp_path: Path) -> None:
     assert [r.id for r in store.list_jobs()] == ["b", "a"]
     assert [r.id for r in store.list_jobs(statuses=[JobStatus.QUEUED])] == ["b"]
     assert store.get_job("a").error == "boom"
+
+
+def test_a_database_of_the_previous_version_gains_the_deletion_column(tmp_path: Path) -> None:
+    path = tmp_path / "jobs.sqlite3"
+    with sqlite3.connect(path) as conn:  # the jobs table as the previous version created it
+        conn.execute(
+            "CREATE TABLE jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL, executor TEXT NOT NULL,"
+            " tiles_total INTEGER NOT NULL, result_shape TEXT NOT NULL, estimate_bytes INTEGER NOT NULL,"
+            " created_at REAL NOT NULL, started_at REAL, finished_at REAL, error TEXT, implementation_used TEXT)"
+        )
+    store = JobStore(path)
+    store.create_job(_record(), tile_ids=[0, 1, 2])
+    assert store.get_job("j1").result_deleted_at is None
+    assert store.mark_result_deleted("j1") and not store.mark_result_deleted("j1")
+    assert store.get_job("j1").result_deleted_at is not None
+    assert store.delete_job("j1") and not store.delete_job("j1")
+    with pytest.raises(JobNotFound):
+        store.get_job("j1")
