@@ -549,7 +549,8 @@ class JobManager:
         Raises:
             JobNotFound: no such job (404), e.g. deleted already.
             ResultNotFound: the result was already deleted, the record kept (404).
-            Conflict: the job is still queued or running (cancel it first), or its result is being downloaded (409).
+            Conflict: the job is still queued or running (cancel it first), its cancelled tiles are still finishing,
+                or its result is being downloaded (409).
         """
         record = self.store.get_job(job_id)
         if record.result_deleted_at is not None:
@@ -560,6 +561,10 @@ class JobManager:
                 "running job), then delete its result"
             )
         with self._lock:
+            if job_id in self._runs:  # cancelled, but its last tiles still finish writing: wait for them
+                raise Conflict(
+                    f"jobs: job {job_id} was cancelled and its running tiles are still finishing; retry in a moment"
+                )
             readers = self._readers.get(job_id, 0)
             if readers:
                 raise Conflict(

@@ -16,17 +16,19 @@ import xarray as xr
 import zarr
 
 from ntk_service.errors import (
+    Conflict,
     DatasetNotFound,
     DiskEstimateExceeded,
     InvalidInput,
     JobNotFinished,
     ModelNotFound,
     NoMatchingParameters,
+    ResultNotFound,
     ShapeMismatch,
     UnknownMode,
 )
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
-from ntk_service.jobs.manager import plan_of
+from ntk_service.jobs.manager import DiskUsage, plan_of
 from ntk_service.jobs.results import mirror_theta
 from ntk_service.kernels import KernelMode, compute_ntk
 from ntk_service.results import open_result
@@ -300,3 +302,40 @@ def test_a_result_of_the_old_format_is_migrated_in_place_and_keeps_working(
     assert view.attrs["implementation_used"] == ["structured"] and view.attrs["migrated_from"] == "theta.zarr"
     assert xr.open_zarr(job_dir / "result.zarr")["theta"].dims == ("x1", "x2", "out1", "out2")
     assert second.delete(job.id).freed_bytes > 0 and not job_dir.exists()
+
+
+def test_delete_refuses_unfinished_jobs_and_results_being_read(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    manager = make_manager(start=False, disk_budget_bytes=10_000)
+    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=4)  # queued
+    assert manager.disk_usage() == DiskUsage(
+        used_bytes=job.estimate_bytes, budget_bytes=10_000, available_bytes=10_000 - job.estimate_bytes
+    )
+    with pytest.raises(Conflict, match="is queued; cancel it first"):
+        manager.delete(job.id)
+    manager.start()
+    wait_finished(manager, job.id)
+    with manager.reading(job.id), pytest.raises(Conflict, match=r"being downloaded \(1 download"):
+        manager.delete(job.id)
+    deletion = manager.delete(job.id, keep_record=True)
+    assert deletion.record_kept and deletion.freed_bytes > job.estimate_bytes  # chunks plus metadata
+    assert manager.disk_usage().used_bytes == 0 and manager.get(job.id).result_deleted_at is not None
+    with pytest.raises(ResultNotFound, match="was deleted"):
+        manager.read_result(job.id)
+    with pytest.raises(ResultNotFound, match="already deleted"):
+        manager.delete(job.id)
+
+
+def test_a_deletion_cut_off_by_a_crash_is_finished_at_the_next_start(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    first = make_manager()
+    job = first.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=4)
+    wait_finished(first, job.id)
+    first.stop()
+    jobs_dir = jobs_env.data_dir / "jobs"
+    (jobs_dir / job.id).rename(jobs_dir / f".deleting-{job.id}")  # the rename happened, then the process died
+    second = make_manager()
+    assert not (jobs_dir / f".deleting-{job.id}").exists()
+    assert second.get(job.id).result_deleted_at is not None
