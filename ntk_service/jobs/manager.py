@@ -22,7 +22,6 @@ NOTE [resume]
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import shutil
 import threading
@@ -40,7 +39,6 @@ from torch import nn
 
 from ntk_service.errors import (
     Conflict,
-    DiskEstimateExceeded,
     InvalidInput,
     JobNotFinished,
     JobNotFound,
@@ -48,6 +46,16 @@ from ntk_service.errors import (
     ResultNotFound,
     ShapeMismatch,
     format_bytes,
+)
+from ntk_service.jobs.disk import (
+    DISK_FREE_FRACTION,
+    DiskUsage,
+    available_bytes,
+    check_disk,
+    move_aside,
+    stored_bytes,
+    sweep_deletions,
+    tree_bytes,
 )
 from ntk_service.jobs.executors.base import Executor, JobWork, TileOutcome
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
@@ -62,28 +70,7 @@ __all__ = ["DISK_FREE_FRACTION", "DatasetSource", "Deletion", "DiskUsage", "JobM
 
 logger = logging.getLogger(__name__)
 
-DISK_FREE_FRACTION = 0.9
-"""Without an explicit disk budget a job may use 90% of the free space: the rest stays for the registry and logs."""
-
 _DTYPES = {"float32": 4, "float64": 8}
-
-_DELETING_PREFIX = ".deleting-"
-"""A job directory being removed is first renamed to this prefix + its id (atomic), so no reader finds half of it."""
-
-
-@dataclass(frozen=True, slots=True)
-class DiskUsage:
-    """The job results' share of the disk (``/metrics``).
-
-    Attributes:
-        used_bytes: what the stored results take (their estimates: exact, results are uncompressed), finished or not.
-        budget_bytes: the configured budget (NTK_JOB_DISK_BUDGET_BYTES), or None (90% of the free space).
-        available_bytes: what a new job may still take.
-    """
-
-    used_bytes: int
-    budget_bytes: int | None
-    available_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +91,6 @@ def _rows(rows: tuple[int, int] | None, size: int, side: str) -> tuple[int, int]
             f"jobs: {side} rows ({start}, {stop}) are outside the data set; expected 0 ≤ start < stop ≤ {size}"
         )
     return start, stop
-
-
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class ModelSource(Protocol):
@@ -173,7 +156,8 @@ class JobManager:
         datasets: the data-set store (``get(id)``, ``load(id, start, stop)``).
         executor: LocalExecutor or RayExecutor.
         default_tile_size: tile size when a job names none. Default: ``DEFAULT_TILE_SIZE``.
-        disk_budget_bytes: largest result a job may store. Default: ``DISK_FREE_FRACTION`` of the free space.
+        disk_budget_bytes: what all stored results may take together. Default: ``DISK_FREE_FRACTION`` of the free
+            space (less what unfinished jobs will still write).
         memory_budget_bytes: the engine's memory budget per tile, fixed into each job at submission.
             Default: the engine's default at submission time.
         results_dir: where the result groups go, ``<results_dir>/<job id>/result.zarr``; on a Ray cluster a
@@ -261,9 +245,8 @@ class JobManager:
 
     def _sweep_deletions(self) -> None:
         # A deletion cut off after its rename: finish it (the record, if any, says the result is gone).
-        for path in self.results_dir.glob(f"{_DELETING_PREFIX}*"):
-            self.store.mark_result_deleted(path.name.removeprefix(_DELETING_PREFIX))
-            shutil.rmtree(path, ignore_errors=True)
+        for job_id in sweep_deletions(self.results_dir):
+            self.store.mark_result_deleted(job_id)
 
     def stop(self, timeout: float | None = 60.0) -> None:
         """Stop after the tiles being computed finish (they are recorded); unfinished jobs resume at next start."""
@@ -435,36 +418,8 @@ class JobManager:
     def _tensor(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(self.datasets.load(dataset_id, start, stop)))
 
-    def _disk_budget(self, used: int) -> tuple[int, str]:
-        """Bytes a new job may take, and where that limit comes from (for the message)."""
-        if self.disk_budget_bytes is not None:
-            # The budget covers every stored result: deleting one gives its bytes back.
-            source = "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
-            if used:
-                source += f" of {format_bytes(self.disk_budget_bytes)} less {format_bytes(used)} of stored results,"
-            return max(0, self.disk_budget_bytes - used), source
-        # Unfinished jobs will still write their missing tiles: that space is already spoken for.
-        reserved = sum(
-            r.estimate_bytes * (r.tiles_total - r.tiles_done) // max(r.tiles_total, 1)
-            for r in self.store.list_jobs(statuses=[JobStatus.QUEUED, JobStatus.RUNNING])
-        )
-        budget = max(0, int(shutil.disk_usage(self.results_dir).free * DISK_FREE_FRACTION) - reserved)
-        source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.results_dir}"
-        if reserved:
-            source += f" less {format_bytes(reserved)} that unfinished jobs will still write,"
-        return budget, source
-
     def _check_disk(self, estimate: int, plan: TilePlan) -> None:
-        budget, source = self._disk_budget(self._stored_bytes() if self.disk_budget_bytes is not None else 0)
-        if estimate > budget:
-            hint = " (already only the upper triangle)" if plan.symmetric else ""
-            raise DiskEstimateExceeded(
-                f"jobs: the result needs {format_bytes(estimate)} on disk{hint}, more than {source} "
-                f"of {format_bytes(budget)}; use mode 'trace' or 'output_diagonal', fewer examples, delete finished "
-                "results (DELETE /v1/jobs/{id}), or more disk",
-                estimate_bytes=estimate,
-                budget_bytes=budget,
-            )
+        check_disk(estimate, plan, *available_bytes(self.store, self.results_dir, self.disk_budget_bytes))
 
     def get(self, job_id: str) -> JobRecord:
         """The job's record. Raises JobNotFound (404)."""
@@ -571,11 +526,8 @@ class JobManager:
                     f"jobs: the result of job {job_id} is being downloaded ({readers} download(s)); retry when "
                     "they have finished"
                 )
-            job_dir = self.results_dir / job_id
-            trash = self.results_dir / f"{_DELETING_PREFIX}{job_id}"
-            if job_dir.exists():
-                os.replace(job_dir, trash)  # atomic: from here no reader can open it
-        freed = _tree_bytes(trash) if trash.exists() else 0
+            trash = move_aside(self.results_dir, job_id)  # atomic: from here no reader can open it
+        freed = tree_bytes(trash) if trash.exists() else 0
         if keep_record:
             self.store.mark_result_deleted(job_id)
         elif not self.store.delete_job(job_id):
@@ -585,15 +537,12 @@ class JobManager:
         self._bump(job_id)
         return Deletion(job_id=job_id, freed_bytes=freed, record_kept=keep_record)
 
-    def _stored_bytes(self) -> int:
-        # Every result still on disk counts at its full estimate: the unfinished ones will grow to it.
-        return sum(r.estimate_bytes for r in self.store.list_jobs() if r.result_deleted_at is None)
-
     def disk_usage(self) -> DiskUsage:
-        """What the stored results take and what a new job may still take (see ``_check_disk``)."""
-        used = self._stored_bytes()
-        budget, _ = self._disk_budget(used)
-        return DiskUsage(used_bytes=used, budget_bytes=self.disk_budget_bytes, available_bytes=budget)
+        """What the stored results take and what a new job may still take (see ``jobs/disk.py``)."""
+        available, _ = available_bytes(self.store, self.results_dir, self.disk_budget_bytes)
+        return DiskUsage(
+            used_bytes=stored_bytes(self.store), budget_bytes=self.disk_budget_bytes, available_bytes=available
+        )
 
     def read_result(
         self, job_id: str, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None

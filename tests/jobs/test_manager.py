@@ -186,7 +186,7 @@ def test_free_space_budget_counts_what_unfinished_jobs_will_write(
     jobs_env: JobsEnv, make_manager: Callable[..., JobManager], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The disk's free space is the one thing a test cannot set, so it is pinned here: 10 000 bytes free.
-    monkeypatch.setattr("ntk_service.jobs.manager.shutil.disk_usage", lambda _: SimpleNamespace(free=10_000))
+    monkeypatch.setattr("ntk_service.jobs.disk.shutil.disk_usage", lambda _: SimpleNamespace(free=10_000))
     manager = make_manager(start=False)  # jobs stay queued: none of their tiles is written yet
     options = {"model": "tiny", "x1_dataset": jobs_env.x1_id, "x2_dataset": jobs_env.x2_id, "mode": "full"}
     first = manager.submit(**options)  # 11 * 7 * 9 * 4 = 2772 bytes of 9000 allowed
