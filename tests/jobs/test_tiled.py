@@ -3,6 +3,7 @@ open, a real ``kill -9`` mid-run resumed to a bitwise-equal result, reads that t
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -143,6 +144,21 @@ def test_progress_is_silent_when_stderr_is_not_a_terminal(
 ) -> None:
     compute_ntk_tiled(_model(), x, out=tmp_path / "k.zarr", mode="trace", tile_size=4, progress=True)
     assert capfd.readouterr().err == ""
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_shows_tiles_rate_and_eta(
+    tmp_path: Path, x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    compute_ntk_tiled(_model(), x, out=tmp_path / "k.zarr", mode="trace", tile_size=4, progress=True)
+    text = terminal.getvalue()
+    assert "compute_ntk_tiled" in text and "6/6" in text and "tile/s" in text and "<" in text  # elapsed<ETA
 
 
 _CHILD = """
