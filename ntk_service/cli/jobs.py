@@ -32,21 +32,38 @@ JobIdArg = Annotated[str, typer.Argument(help="The job id (from `jobs submit` or
 
 _LIST_COLUMNS = ("id", "status", "model", "mode", "tiles_done", "tiles_total", "eta_s", "created_at")
 
-_SIDE_HELP = "a data set id (dataset:<id> or <id>), or a .npy file of shape ({rows}, *input) to upload first"
+_SIDE_HELP = (
+    "a data set id (dataset:<id> or <id>, dataset:<id>[a:b] for rows a..b-1), or a .npy file of shape "
+    "({rows}, *input) to upload first"
+)
 
 
-def _dataset_id(ctx: typer.Context, value: str, *, option: str) -> str:
-    """A data set id from ``dataset:<id>``, ``<id>`` or a .npy path (uploaded now)."""
+def _dataset_id(ctx: typer.Context, value: str, *, option: str) -> str | dict[str, Any]:
+    """A data set id from ``dataset:<id>``, ``<id>`` or a .npy path (uploaded now); ``dataset:<id>[a:b]`` gives
+    ``{"dataset": id, "start": a, "stop": b}``."""
     path = Path(value)
     if value.endswith(".npy") or path.is_file():
         if not path.is_file():
             raise UsageError(f"{option}: no such file {value!r}")
         record = state_of(ctx).client().upload_dataset(read_npy(path, option=option), name=path.name)
         return str(record["id"])
-    dataset = value.removeprefix("dataset:")
-    if not dataset or "[" in dataset:
-        raise UsageError(f"{option}: a job uses whole data sets; pass dataset:<id> or a .npy file, got {value!r}")
-    return dataset
+    dataset, bracket, rows = value.removeprefix("dataset:").partition("[")
+    if not dataset:
+        raise UsageError(f"{option}: pass dataset:<id>, dataset:<id>[a:b] or a .npy file, got {value!r}")
+    if not bracket:
+        return dataset
+    start, colon, stop = rows.removesuffix("]").partition(":")
+    try:
+        if not colon or not rows.endswith("]"):
+            raise ValueError
+        side: dict[str, Any] = {"dataset": dataset}
+        if start.strip():
+            side["start"] = int(start)
+        if stop.strip():
+            side["stop"] = int(stop)
+    except ValueError:
+        raise UsageError(f"{option}: rows must read dataset:<id>[a:b] with integers, got {value!r}") from None
+    return side
 
 
 def _watch(ctx: typer.Context, job_id: str, json_output: bool) -> dict[str, Any]:

@@ -161,7 +161,7 @@ def compute_ntk_tiled(
         )
     m = None if t2 is None else int(t2.shape[0])
     plan = plan_tiles(n=int(t1.shape[0]), m=m, tile_size=tile_size, mode=kernel_mode)
-    path = Path(out)
+    path = Path(out).absolute()  # Ray workers run elsewhere (their own cwd): they get the absolute path
     existing = _existing(path) if resume else None
     if memory_budget_bytes is None:
         stored = None if existing is None else existing.attributes.get("memory_budget_bytes")

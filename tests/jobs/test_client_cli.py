@@ -120,6 +120,12 @@ def test_cli_submit_watch_status_result_cancel(cli: Any, setup: dict[str, Any], 
     assert deleted.stdout.startswith(f"deleted the result {job_id}: ") and "bytes freed" in deleted.stdout
     assert json.loads(cli("jobs", "status", job_id, "--json").stdout)["result_deleted_at"] is not None
     assert json.loads(cli("jobs", "delete", fresh_id(cli, setup), "--json").stdout)["deleted"] == "job"
+    ranged = json.loads(
+        cli(
+            "jobs", "submit", setup["tiny"], "--x1", f"dataset:{setup['x1_id']}[2:7]", "--mode", "trace", "--json"
+        ).stdout
+    )
+    assert ranged["x1"] == {"dataset": setup["x1_id"], "start": 2, "stop": 7} and ranged["result_shape"] == [5, 5]
     upload = tmp_path / "x.npy"
     np.save(upload, setup["x2"])
     from_file = json.loads(cli("jobs", "submit", setup["tiny"], "--x1", str(upload), "--json").stdout)

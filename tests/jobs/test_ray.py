@@ -10,13 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from ntk_service.errors import OptionalDependencyMissing
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.jobs.executors import RayExecutor, import_ray
 from ntk_service.registry import DatasetStore, ModelRegistry
+from ntk_service.results import compute_ntk_tiled
 from tests.conftest import REPO_ROOT
 from tests.jobs.conftest import wait_finished
+from tests.reference import reference_ntk
 
 KILLER = "tests.jobs.factories:build_kill_once"
 
@@ -84,6 +88,18 @@ def test_ray_job_equals_the_local_job_after_a_worker_is_killed(ray_instance: obj
     local.stop()
     registry.close()
     datasets.close()
+
+
+def test_compute_ntk_tiled_on_ray_equals_the_reference(ray_instance: object, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((9, 4)))
+    options = {"mode": "trace", "tile_size": 4, "dtype": "float64", "progress": False}
+    on_ray = compute_ntk_tiled(model, x, out=tmp_path / "ray.zarr", executor="ray", **options)  # type: ignore[arg-type]
+    assert ray_instance.is_initialized()  # type: ignore[attr-defined]  # an initialised Ray is reused, not shut down
+    dense = reference_ntk(model, x, mode="trace").numpy()
+    np.testing.assert_allclose(on_ray.to_numpy(), dense, rtol=1e-10, atol=1e-12)
+    assert on_ray.attrs["implementation_used"]
 
 
 def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
