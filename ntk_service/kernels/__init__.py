@@ -5,13 +5,14 @@
 
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION",
+    "DerivedMode",
     "KernelMode",
     "NtkImplementation",
     "NtkResult",
