@@ -6,6 +6,7 @@
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
 from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.nngp import NngpResult, compute_nngp
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.types import NtkImplementation, NtkResult
@@ -14,9 +15,11 @@ __all__ = [
     "DEFAULT_IMPLEMENTATION",
     "DerivedMode",
     "KernelMode",
+    "NngpResult",
     "NtkImplementation",
     "NtkResult",
     "SideCache",
+    "compute_nngp",
     "compute_ntk",
     "default_memory_budget",
     "retain_freed_memory",
