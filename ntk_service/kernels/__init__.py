@@ -6,6 +6,7 @@
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
 from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
 from ntk_service.kernels.nngp import NngpResult, compute_nngp
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
@@ -14,7 +15,9 @@ from ntk_service.kernels.types import NtkImplementation, NtkResult
 __all__ = [
     "DEFAULT_IMPLEMENTATION",
     "DerivedMode",
+    "KernelKind",
     "KernelMode",
+    "MonteCarloResult",
     "NngpResult",
     "NtkImplementation",
     "NtkResult",
@@ -22,6 +25,7 @@ __all__ = [
     "compute_nngp",
     "compute_ntk",
     "default_memory_budget",
+    "monte_carlo_ntk",
     "retain_freed_memory",
     "warm_up",
 ]

@@ -131,7 +131,7 @@ class _Ensemble:
     """A chunk of models as one batched function (NOTE [batched ensemble])."""
 
     def __init__(self, skeleton: nn.Module, models: list[nn.Module], problem: NtkProblem) -> None:
-        params, buffers = stack_module_state(models)  # type: ignore[arg-type]
+        params, buffers = stack_module_state(models)
         cast = {n: t.detach().to(problem.dtype) if t.is_floating_point() else t.detach() for n, t in params.items()}
         self.selected = {n: cast[n] for n in problem.params}
         self.rest = {n: t for n, t in cast.items() if n not in problem.params}
@@ -308,7 +308,7 @@ def monte_carlo_ntk(
                     mode=kernel_mode,
                     params=params,
                     dtype=problem.dtype,
-                    memory_budget_bytes=max(budget - fixed, 1),
+                    memory_budget_bytes=max(int(budget - fixed), 1),
                 )
                 acc.add(one.theta)
             else:
@@ -320,7 +320,7 @@ def monte_carlo_ntk(
                         layer=layer,
                         mode=kernel_mode,
                         dtype=problem.dtype,
-                        memory_budget_bytes=max(budget - fixed, 1),
+                        memory_budget_bytes=max(int(budget - fixed), 1),
                     ).kernel
                 )
         estimate = fixed
