@@ -5,6 +5,7 @@
 
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
+from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
 from ntk_service.kernels.nngp import NngpResult, compute_nngp
@@ -20,12 +21,14 @@ __all__ = [
     "MonteCarloResult",
     "NngpResult",
     "NtkImplementation",
+    "NtkOperator",
     "NtkResult",
     "SideCache",
     "compute_nngp",
     "compute_ntk",
     "default_memory_budget",
     "monte_carlo_ntk",
+    "ntk_operator",
     "retain_freed_memory",
     "warm_up",
 ]
