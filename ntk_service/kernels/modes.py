@@ -66,11 +66,11 @@ def parse_mode(mode: KernelMode | str) -> KernelMode:
         raise UnknownMode(f"compute_ntk: unknown mode {mode!r}; expected one of {valid}") from None
 
 
-def result_shape(mode: KernelMode, n: int, m: int, k: int) -> tuple[int, ...]:
+def result_shape(mode: KernelMode | DerivedMode, n: int, m: int, k: int) -> tuple[int, ...]:
     """Shape of theta for ``mode`` with N = n, M = m examples and k outputs."""
     if mode is KernelMode.FULL:
         return (n, m, k, k)
-    if mode is KernelMode.TRACE:
+    if mode is KernelMode.TRACE or mode is DerivedMode.PSEUDO:
         return (n, m)
     if mode is KernelMode.EXAMPLE_DIAGONAL:
         return (n, k, k)

@@ -30,7 +30,7 @@ from ntk_service.errors import (
     ShapeMismatch,
     format_bytes,
 )
-from ntk_service.kernels import KernelMode, NtkImplementation, NtkResult, compute_ntk
+from ntk_service.kernels import DerivedMode, KernelMode, NtkImplementation, NtkResult, compute_ntk
 from ntk_service.kernels.modes import result_shape
 from ntk_service.registry import DatasetStore, ModelRecord
 from ntk_service.server.deps import (
@@ -230,7 +230,7 @@ async def compute_kernel(
     side_cache: SideCacheDep,
     settings: SettingsDep,
     metrics: MetricsDep,
-    mode: Annotated[KernelMode | None, Query(description="Binary bodies only. Default: full.")] = None,
+    mode: Annotated[KernelMode | DerivedMode | None, Query(description="Binary bodies only. Default: full.")] = None,
     implementation: Annotated[NtkImplementation | None, Query(description="Binary bodies only.")] = None,
     params: Annotated[list[str] | None, Query(description="Binary bodies only; repeat for several globs.")] = None,
     dtype: Annotated[Literal["float32", "float64"] | None, Query(description="Binary bodies only.")] = None,
