@@ -18,6 +18,7 @@ from ntk_service.client._base import (
     TransportFormat,
 )
 from ntk_service.client._client import Client, KernelResult
+from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
@@ -26,5 +27,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Client",
     "KernelResult",
+    "MonteCarloKernel",
+    "NngpKernel",
     "TransportFormat",
 ]

@@ -11,7 +11,6 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ntk_service.errors import InvalidInput, MalformedRequest
-from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.server.errors import format_validation_errors
 
@@ -22,6 +21,7 @@ __all__ = [
     "DatasetsPublic",
     "KernelOptions",
     "KernelPublic",
+    "KernelModeValue",
     "KernelRequest",
     "MatvecOptions",
     "MatvecPublic",
@@ -42,6 +42,10 @@ __all__ = [
 ]
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+KernelModeValue = Literal["full", "trace", "example_diagonal", "output_diagonal", "pseudo"]
+"""The wire values of KernelMode and DerivedMode as one Literal, so a bad mode gets one plain message
+("mode: Input should be 'full', 'trace', ..."), not one per enum of a union (tested against the enums)."""
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
@@ -85,8 +89,8 @@ class KernelOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: KernelMode | DerivedMode = Field(
-        default=KernelMode.FULL,
+    mode: KernelModeValue = Field(
+        default="full",
         description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k) | "
         "pseudo (N,M): (1/k) Σ_ab Θ_ab.",
     )
@@ -107,7 +111,7 @@ class KernelPublic(BaseModel):
     """The JSON kernel response."""
 
     theta: TensorJson
-    mode: KernelMode | DerivedMode
+    mode: KernelModeValue
     implementation: NtkImplementation
     model: str
     version: int
@@ -177,7 +181,7 @@ class NngpOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: KernelMode | DerivedMode = Field(default=KernelMode.FULL, description="As for /ntk, with d features for k.")
+    mode: KernelModeValue = Field(default="full", description="As for /ntk, with d features for k.")
     layer: str | None = Field(default=None, description="A module name: its output's features. null = the outputs.")
     dtype: Literal["float32", "float64"] | None = Field(default=None, description="Compute dtype. Default: model's.")
     version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
@@ -192,7 +196,7 @@ class NngpRequest(NngpOptions):
 
 class NngpPublic(BaseModel):
     kernel: TensorJson
-    mode: KernelMode | DerivedMode
+    mode: KernelModeValue
     layer: str | None
     features: int
     model: str
@@ -208,7 +212,7 @@ class MonteCarloOptions(BaseModel):
 
     seeds: list[int] = Field(description="Distinct seeds, one network each (1 to 1024).")
     kernel: Literal["ntk", "nngp"] = "ntk"
-    mode: KernelMode | DerivedMode = KernelMode.FULL
+    mode: KernelModeValue = "full"
     layer: str | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
     params: list[str] | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
     dtype: Literal["float32", "float64"] | None = None
@@ -224,7 +228,7 @@ class MonteCarloPublic(BaseModel):
     stderr: TensorJson | None = Field(description="Per-entry standard error of the mean; null for one seed.")
     n_samples: int
     kernel: Literal["ntk", "nngp"]
-    mode: KernelMode | DerivedMode
+    mode: KernelModeValue
     models_per_chunk: int
     model: str
     elapsed_ms: float

@@ -4,6 +4,7 @@ downloaded weights, and their bad inputs answered with clear 4xx errors."""
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from ntk_service import wire
+from ntk_service.kernels import DerivedMode, KernelMode
 from ntk_service.registry.zoo import build_model
+from ntk_service.server.schemas import KernelModeValue
 from tests.conftest import LiveServer
 from tests.reference import reference_ntk
 from tests.server.support import (
@@ -25,6 +28,11 @@ from tests.server.support import (
 )
 
 NAME = "family-mlp"
+
+
+def test_the_wire_modes_are_exactly_the_engine_modes() -> None:
+    values = [*KernelMode, *DerivedMode]
+    assert list(typing.get_args(KernelModeValue)) == [m.value for m in values]
 
 
 @pytest.fixture(scope="module")
