@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -88,7 +88,7 @@ _OPERATION = "monte_carlo_ntk"
 
 
 def _check_seeds(seeds: Sequence[int]) -> list[int]:
-    if isinstance(seeds, str | bytes) or not isinstance(seeds, Sequence | range):
+    if isinstance(seeds, str | bytes | Mapping) or not isinstance(seeds, Iterable):
         raise InvalidInput(f"{_OPERATION}: seeds must be a list of integers, got {type(seeds).__name__}")
     out = list(seeds)
     if not out:
@@ -98,9 +98,13 @@ def _check_seeds(seeds: Sequence[int]) -> list[int]:
             f"{_OPERATION}: {len(out)} seeds is over the limit of {MAX_MONTE_CARLO_SEEDS}; split them over several "
             "calls and average the means"
         )
-    bad = [s for s in out if isinstance(s, bool) or not isinstance(s, int)]
-    if bad:
-        raise InvalidInput(f"{_OPERATION}: seeds must be integers, got {bad[0]!r}")
+    for i, s in enumerate(out):
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            out[i] = operator.index(s)  # numpy integers too
+        except TypeError:
+            raise InvalidInput(f"{_OPERATION}: seeds must be integers, got {s!r}") from None
     if len(set(out)) != len(out):
         repeated = next(s for s in out if out.count(s) > 1)
         raise InvalidInput(
@@ -280,13 +284,14 @@ def monte_carlo_ntk(
     kernel_mode = parse_any_mode(mode, operation=_OPERATION)
     if layer is not None and kind is KernelKind.NTK:
         raise InvalidInput(f"{_OPERATION}: layer={layer!r} names features, which only kernel='nngp' uses")
+    if params is not None and kind is KernelKind.NNGP:
+        raise InvalidInput(f"{_OPERATION}: params={params!r} selects NTK parameters; kernel='nngp' uses none")
     if models_per_chunk is not None and (isinstance(models_per_chunk, bool) or operator.index(models_per_chunk) < 1):
         raise InvalidInput(f"{_OPERATION}: models_per_chunk must be a positive integer, got {models_per_chunk!r}")
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     first = _built(build, seed_list[0], None)
     expected = _signature(first)
-    nngp_params = None if kind is KernelKind.NNGP else params
-    with prepared_problem(first, x1, x2, params=nngp_params, dtype=dtype) as prepared:
+    with prepared_problem(first, x1, x2, params=params, dtype=dtype) as prepared:
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=_OPERATION)
@@ -298,31 +303,9 @@ def monte_carlo_ntk(
     chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
     acc = _Accumulator()
     if chunk < 1:  # one model's Jacobians do not fit: each kernel on its own, blocked over examples
+        alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1))
         for i, seed in enumerate(seed_list):
-            model = first if i == 0 else _built(build, seed, expected)
-            if kind is KernelKind.NTK:
-                one = compute_ntk(
-                    model,
-                    x1t,
-                    x2t,
-                    mode=kernel_mode,
-                    params=params,
-                    dtype=problem.dtype,
-                    memory_budget_bytes=max(int(budget - fixed), 1),
-                )
-                acc.add(one.theta)
-            else:
-                acc.add(
-                    compute_nngp(
-                        model,
-                        x1t,
-                        x2t,
-                        layer=layer,
-                        mode=kernel_mode,
-                        dtype=problem.dtype,
-                        memory_budget_bytes=max(int(budget - fixed), 1),
-                    ).kernel
-                )
+            acc.add(alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t))
         estimate = fixed
     else:
         skeleton = copy.deepcopy(first).eval().to("meta")
@@ -346,6 +329,26 @@ def monte_carlo_ntk(
         models_per_chunk=max(chunk, 0),
         estimate_bytes=int(estimate),
     )
+
+
+@dataclass(frozen=True)
+class _Alone:
+    """One model's kernel by ``compute_ntk`` / ``compute_nngp`` (the fallback of NOTE [batched ensemble])."""
+
+    kind: KernelKind
+    mode: KernelMode | DerivedMode
+    params: Sequence[str] | None
+    layer: str | None
+    dtype: torch.dtype
+    budget: int
+
+    def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> torch.Tensor:
+        if self.kind is KernelKind.NTK:
+            options = {"params": self.params, "dtype": self.dtype, "memory_budget_bytes": self.budget}
+            return compute_ntk(model, x1, x2, mode=self.mode, **options).theta  # type: ignore[arg-type]
+        return compute_nngp(
+            model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
+        ).kernel
 
 
 def _parse_kind(kernel: KernelKind | str) -> KernelKind:

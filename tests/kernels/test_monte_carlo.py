@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -107,7 +108,7 @@ def test_a_budget_too_small_for_one_models_jacobians_computes_each_kernel_on_its
     result = monte_carlo_ntk(_build, x1, x2, seeds=SEEDS, dtype=torch.float64, memory_budget_bytes=12_000)
     assert result.models_per_chunk == 0
     _check_against(result, samples)
-    one = monte_carlo_ntk(_build, x1, x2, seeds=[3], dtype=torch.float64)
+    one = monte_carlo_ntk(_build, x1, x2, seeds=np.array([3]), dtype=torch.float64)  # numpy integers are seeds
     assert one.stderr is None
     assert_matches(one.mean, samples[0], 1e-12)
 
@@ -166,6 +167,10 @@ def test_bad_seeds_layers_and_architectures_are_refused_clearly() -> None:
         monte_carlo_ntk(_build, x1, seeds=[1, 1.5])  # type: ignore[list-item]
     with pytest.raises(InvalidInput, match="unknown kernel 'cka'"):
         monte_carlo_ntk(_build, x1, seeds=[1], kernel="cka")
+    with pytest.raises(InvalidInput, match="kernel='nngp' uses none"):
+        monte_carlo_ntk(_build, x1, seeds=[1], kernel="nngp", params=["0.*"])
+    with pytest.raises(InvalidInput, match="seeds must be a list of integers, got str"):
+        monte_carlo_ntk(_build, x1, seeds="123")  # type: ignore[arg-type]
     with pytest.raises(InvalidInput, match="only kernel='nngp' uses"):
         monte_carlo_ntk(_build, x1, seeds=[1], layer="3")
     with pytest.raises(UnknownLayer, match="layer 'head' is not a module"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
@@ -75,10 +76,32 @@ async def _read(
     return x1, x2, tensors, options
 
 
-async def _prepare(
-    registry: Any, datasets: Any, name: str, version: int | None, x1: _Side, x2: _Side | None, operation: str
-) -> tuple[ModelRecord, _Input, _Input | None]:
-    """The model record and both sides, loaded and checked against the model (in a worker thread)."""
+@dataclass(frozen=True)
+class _Call:
+    """What a request brings, read and checked: the record, both sides, extra tensors, options, answer type."""
+
+    record: ModelRecord
+    x1: _Input
+    x2: _Input | None
+    tensors: dict[str, np.ndarray]
+    media: str
+
+
+async def _begin(
+    request: Request,
+    registry: Any,
+    datasets: Any,
+    name: str,
+    options: BaseModel,
+    sides: tuple[_Side, _Side | None],
+    tensors: dict[str, np.ndarray],
+    *,
+    operation: str,
+) -> _Call:
+    """Negotiate the answer type, then load the model record and both sides and check them against the model
+    (in a worker thread)."""
+    media = negotiate(request, RESPONSE_TYPES, operation=operation)
+    version = getattr(options, "version", None)
 
     def prepare() -> tuple[ModelRecord, _Input, _Input | None]:
         record = registry.get(name, version)
@@ -88,9 +111,11 @@ async def _prepare(
             _check_input(item.array, record, side=label, operation=operation)
             return item
 
+        x1, x2 = sides
         return record, side(x1, "x1"), None if x2 is None else side(x2, "x2")
 
-    return await anyio.to_thread.run_sync(prepare)
+    record, x1, x2 = await anyio.to_thread.run_sync(prepare)
+    return _Call(record, x1, x2, tensors, media)
 
 
 def _encode(
@@ -143,9 +168,9 @@ async def nngp(
     settings: SettingsDep,
 ) -> Response:
     operation = f"nngp of model {name!r}"
-    x1_raw, x2_raw, _tensors, options = await _read(request, NngpOptions, operation=operation)
-    media = negotiate(request, RESPONSE_TYPES, operation=operation)
-    record, x1, x2 = await _prepare(registry, datasets, name, options.version, x1_raw, x2_raw, operation)
+    x1_raw, x2_raw, tensors, options = await _read(request, NngpOptions, operation=operation)
+    call = await _begin(request, registry, datasets, name, options, (x1_raw, x2_raw), tensors, operation=operation)
+    record, x1, x2, media = call.record, call.x1, call.x2, call.media
 
     def run() -> Response:
         _, module = registry.load_module(record.name, record.version)
@@ -193,9 +218,9 @@ async def monte_carlo(
     settings: SettingsDep,
 ) -> Response:
     operation = f"monte_carlo of model {name!r}"
-    x1_raw, x2_raw, _tensors, options = await _read(request, MonteCarloOptions, operation=operation)
-    media = negotiate(request, RESPONSE_TYPES, operation=operation)
-    record, x1, x2 = await _prepare(registry, datasets, name, None, x1_raw, x2_raw, operation)
+    x1_raw, x2_raw, tensors, options = await _read(request, MonteCarloOptions, operation=operation)
+    call = await _begin(request, registry, datasets, name, options, (x1_raw, x2_raw), tensors, operation=operation)
+    record, x1, x2, media = call.record, call.x1, call.x2, call.media
     factories = settings.allowed_factories
 
     def build(seed: int) -> torch.nn.Module:
@@ -252,9 +277,9 @@ async def operator_matvec(
 ) -> Response:
     operation = f"operator matvec of model {name!r}"
     x1_raw, x2_raw, tensors, options = await _read(request, MatvecOptions, operation=operation, extra=("v",))
-    media = negotiate(request, RESPONSE_TYPES, operation=operation)
-    record, x1, x2 = await _prepare(registry, datasets, name, options.version, x1_raw, x2_raw, operation)
-    v = torch.from_numpy(tensors["v"])
+    call = await _begin(request, registry, datasets, name, options, (x1_raw, x2_raw), tensors, operation=operation)
+    record, x1, x2, media = call.record, call.x1, call.x2, call.media
+    v = torch.from_numpy(call.tensors["v"])
 
     def run() -> Response:
         _, module = registry.load_module(record.name, record.version)
