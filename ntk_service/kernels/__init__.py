@@ -1,6 +1,8 @@
 """The kernel engine: empirical NTKs of PyTorch models. Pure math: no HTTP, no SQL, no settings.
 
-``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes.
+``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes. Beside it (docs/kernel_family.md):
+``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
+``ntk_operator`` (matrix-free Θ·v) and ``mode="pseudo"`` (the pseudo-NTK).
 """
 
 from ntk_service.kernels.allocator import retain_freed_memory
