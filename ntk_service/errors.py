@@ -12,7 +12,8 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     │   ├── UnknownMode                   422
     │   ├── UnknownImplementation         422
     │   ├── NoMatchingParameters          422
-    │   └── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
+    │   ├── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
+    │   └── UnknownLayer                  422  a ``layer`` that is not a module of the model
     ├── MalformedRequest                  400  the body cannot be parsed at all
     ├── UnsupportedMediaType              415
     ├── NotAcceptable                     406  e.g. a JSON response over the size cap
@@ -69,6 +70,7 @@ __all__ = [
     "ServiceUnavailable",
     "ShapeMismatch",
     "UnknownImplementation",
+    "UnknownLayer",
     "UnknownMode",
     "UnsupportedMediaType",
     "UnsupportedModel",
@@ -126,6 +128,12 @@ class UnsupportedModel(InvalidInput):
     """The model cannot be treated example by example (train-mode BatchNorm, interacting examples, ...)."""
 
     error_type = "unsupported_model"
+
+
+class UnknownLayer(InvalidInput):
+    """A named layer (``compute_nngp(layer=...)``) is not a module of the model."""
+
+    error_type = "unknown_layer"
 
 
 class MalformedRequest(NtkServiceError):

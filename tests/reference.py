@@ -49,7 +49,8 @@ def reference_ntk(
     mode: str = "full",
     params: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """Θ(x1, x2) in float64 for ``mode`` ("full", "trace", "example_diagonal", "output_diagonal")."""
+    """Θ(x1, x2) in float64 for ``mode`` ("full", "trace", "example_diagonal", "output_diagonal", "pseudo": the
+    FULL kernel summed over both output axes, divided by k)."""
     j1 = reference_jacobian(model, x1, params)
     j2 = j1 if x2 is None else reference_jacobian(model, x2, params)
     full = torch.einsum("naf,mbf->nmab", j1, j2)
@@ -59,6 +60,8 @@ def reference_ntk(
         return full.diagonal(dim1=2, dim2=3).sum(-1)
     if mode == "output_diagonal":
         return full.diagonal(dim1=2, dim2=3)
+    if mode == "pseudo":
+        return full.sum(dim=(2, 3)) / full.shape[2]
     if mode == "example_diagonal":
         return torch.einsum("naf,nbf->nab", j1, j1)
     raise ValueError(mode)

@@ -11,7 +11,7 @@ Exit codes: 0 ok, 1 the service refused or failed (``error: <type>: <message>`` 
 
 from __future__ import annotations
 
-from ntk_service.cli import _health, _kernel, _serve  # noqa: F401  (their commands register on ``app``)
+from ntk_service.cli import _health, _kernel, _kernel_family, _serve  # noqa: F401  (commands register on ``app``)
 from ntk_service.cli._app import app, main
 from ntk_service.cli._datasets import datasets_app as _datasets_app
 from ntk_service.cli._models import models_app as _models_app

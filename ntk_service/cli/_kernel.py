@@ -21,6 +21,7 @@ class Mode(StrEnum):
     TRACE = "trace"  # (N, M)
     EXAMPLE_DIAGONAL = "example_diagonal"  # (N, k, k)
     OUTPUT_DIAGONAL = "output_diagonal"  # (N, M, k)
+    PSEUDO = "pseudo"  # (N, M): (1/k) Σ_ab Θ_ab
 
 
 class Implementation(StrEnum):

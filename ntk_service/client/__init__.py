@@ -18,6 +18,7 @@ from ntk_service.client._base import (
     TransportFormat,
 )
 from ntk_service.client._client import Client, KernelResult
+from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
 from ntk_service.client._results import RemoteResult
 
 __all__ = [
@@ -27,6 +28,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "Client",
     "KernelResult",
+    "MonteCarloKernel",
+    "NngpKernel",
     "RemoteResult",
     "TransportFormat",
 ]

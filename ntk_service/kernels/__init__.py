@@ -1,23 +1,36 @@
 """The kernel engine: empirical NTKs of PyTorch models. Pure math: no HTTP, no SQL, no settings.
 
-``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes.
+``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes. Beside it (docs/kernel_family.md):
+``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
+``ntk_operator`` (matrix-free Θ·v) and ``mode="pseudo"`` (the pseudo-NTK).
 """
 
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
+from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
+from ntk_service.kernels.nngp import NngpResult, compute_nngp
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
 __all__ = [
     "DEFAULT_IMPLEMENTATION",
+    "DerivedMode",
+    "KernelKind",
     "KernelMode",
+    "MonteCarloResult",
+    "NngpResult",
     "NtkImplementation",
+    "NtkOperator",
     "NtkResult",
     "SideCache",
+    "compute_nngp",
     "compute_ntk",
     "default_memory_budget",
+    "monte_carlo_ntk",
+    "ntk_operator",
     "retain_freed_memory",
     "warm_up",
 ]

@@ -22,6 +22,7 @@ when the plan is the planner's first candidate and the implementation the cheape
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -31,11 +32,13 @@ from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.blocks import run_blocks
+from ntk_service.kernels.functional import check_model, select_parameters
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
-from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, default_memory_budget, plan_blocks
 from ntk_service.kernels.problem_pool import Prepared, prepared_problem
+from ntk_service.kernels.pseudo import SummedOutputs, pseudo_key, pseudo_params
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.structured import Structured
 from ntk_service.kernels.types import NtkImplementation, NtkResult, parse_implementation
@@ -125,7 +128,7 @@ def compute_ntk(
     x1: torch.Tensor,
     x2: torch.Tensor | None = None,
     *,
-    mode: KernelMode | str = KernelMode.FULL,
+    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
     implementation: NtkImplementation | str = DEFAULT_IMPLEMENTATION,
     params: Sequence[str] | None = None,
     dtype: torch.dtype | str | None = None,
@@ -143,7 +146,8 @@ def compute_ntk(
         x2 (Tensor, optional): (M, *input). Default: None, meaning x2 = x1: the x1 side is computed once and
             the result is exactly symmetric.
         mode (KernelMode or str): "full" (N, M, k, k), "trace" (N, M) (the plain sum over outputs;
-            neural-tangents divides by k), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k).
+            neural-tangents divides by k), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k),
+            "pseudo" (N, M): the pseudo-NTK (1/k) Σ_ab Θ_ab from one gradient per example (``pseudo.py``).
             Default: "full".
         implementation (NtkImplementation or str): "auto", "jacobian_contraction", "ntk_vector_products",
             "structured". Default: "auto" (cheapest by the cost model; ``result.implementation`` says which).
@@ -157,18 +161,26 @@ def compute_ntk(
 
     Returns:
         NtkResult: ``theta`` (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k)
-        OUTPUT_DIAGONAL; plus the mode, the implementation that ran and the memory estimate.
+        OUTPUT_DIAGONAL, (N, M) PSEUDO; plus the mode, the implementation that ran and the memory estimate.
 
     Raises:
         UnknownMode, UnknownImplementation, ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters,
         UnsupportedModel: bad input (all InvalidInput).
         MemoryEstimateExceeded: even the smallest blocks would not fit the budget (before allocating).
     """
-    kernel_mode = parse_mode(mode)
+    kernel_mode = parse_any_mode(mode)
     impl = parse_implementation(implementation)
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel (k = 1) of Σ_a f_a / √k: see pseudo.py
+        check_model(model)
+        if params is not None:
+            select_parameters(model, params)  # bad globs are reported in the model's own names
+        model, params = SummedOutputs(model), pseudo_params(params)
+        x1_key, x2_key = pseudo_key(x1_key), pseudo_key(x2_key)
+    engine_mode = KernelMode.TRACE if kernel_mode is DerivedMode.PSEUDO else kernel_mode
     with prepared_problem(model, x1, x2, params=params, dtype=dtype) as prepared:
-        return _compute(prepared, kernel_mode, impl, budget, side_cache, x1_key, x2_key)
+        result = _compute(prepared, engine_mode, impl, budget, side_cache, x1_key, x2_key)
+    return result if engine_mode is kernel_mode else dataclasses.replace(result, mode=kernel_mode)
 
 
 def _compute(

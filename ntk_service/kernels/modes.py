@@ -9,7 +9,11 @@ FULL                (N, M, k, k)   Θ[n, m, a, b] = J_a(x1_n) · J_b(x2_m)
 TRACE               (N, M)         Σ_a Θ[n, m, a, a]  (the plain sum; neural-tangents divides by k)
 EXAMPLE_DIAGONAL    (N, k, k)      Θ(x1_n, x1_n): only the N same-example blocks (x2 is not used)
 OUTPUT_DIAGONAL     (N, M, k)      Θ[n, m, a, a]  (what the torch.func tutorial calls "diagonal")
+PSEUDO              (N, M)         (1/k) Σ_ab Θ[n, m, a, b]  (the pseudo-NTK; a ``DerivedMode``)
 =================== ============== ==================================================================
+
+``DerivedMode`` holds the modes that are not contractions of the engine but the kernel of a derived model
+(``pseudo.py``): the implementations, planner and jobs only ever see a ``KernelMode``.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from enum import StrEnum
 
 from ntk_service.errors import UnknownMode
 
-__all__ = ["KernelMode", "parse_mode", "result_shape"]
+__all__ = ["DerivedMode", "KernelMode", "parse_any_mode", "parse_mode", "result_shape"]
 
 
 class KernelMode(StrEnum):
@@ -34,6 +38,25 @@ class KernelMode(StrEnum):
     """(N, M, k): Θ_aa for every example pair; the torch.func tutorial's ``compute='diagonal'``."""
 
 
+class DerivedMode(StrEnum):
+    """Modes computed as an engine kernel of a derived model, never by the implementations themselves."""
+
+    PSEUDO = "pseudo"
+    """(N, M): (1/k) Σ_ab Θ_ab, the pseudo-NTK (Mohamadi, Bae & Sutherland 2023): the NTK of Σ_a f_a / √k, one
+    gradient per example instead of k (``pseudo.py``)."""
+
+
+def parse_any_mode(mode: KernelMode | DerivedMode | str, *, operation: str = "compute_ntk") -> KernelMode | DerivedMode:
+    """The KernelMode or DerivedMode for ``mode`` or its wire value; raises UnknownMode naming the valid ones."""
+    for kind in (KernelMode, DerivedMode):
+        try:
+            return kind(mode)
+        except ValueError:
+            pass
+    valid = ", ".join(repr(m.value) for m in (*KernelMode, *DerivedMode))
+    raise UnknownMode(f"{operation}: unknown mode {mode!r}; expected one of {valid}") from None
+
+
 def parse_mode(mode: KernelMode | str) -> KernelMode:
     """The KernelMode for ``mode`` or its wire value; raises UnknownMode naming the valid ones."""
     try:
@@ -43,11 +66,11 @@ def parse_mode(mode: KernelMode | str) -> KernelMode:
         raise UnknownMode(f"compute_ntk: unknown mode {mode!r}; expected one of {valid}") from None
 
 
-def result_shape(mode: KernelMode, n: int, m: int, k: int) -> tuple[int, ...]:
+def result_shape(mode: KernelMode | DerivedMode, n: int, m: int, k: int) -> tuple[int, ...]:
     """Shape of theta for ``mode`` with N = n, M = m examples and k outputs."""
     if mode is KernelMode.FULL:
         return (n, m, k, k)
-    if mode is KernelMode.TRACE:
+    if mode is KernelMode.TRACE or mode is DerivedMode.PSEUDO:
         return (n, m)
     if mode is KernelMode.EXAMPLE_DIAGONAL:
         return (n, k, k)

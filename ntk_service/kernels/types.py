@@ -8,7 +8,7 @@ from enum import StrEnum
 import torch
 
 from ntk_service.errors import UnknownImplementation
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import DerivedMode, KernelMode
 
 __all__ = ["NamedTensors", "NtkImplementation", "NtkResult", "parse_implementation"]
 
@@ -52,7 +52,7 @@ class NtkResult:
 
     Attributes:
         theta: the kernel block; shape (N, M, k, k) for FULL, (N, M) for TRACE, (N, k, k) for
-            EXAMPLE_DIAGONAL, (N, M, k) for OUTPUT_DIAGONAL.
+            EXAMPLE_DIAGONAL, (N, M, k) for OUTPUT_DIAGONAL, (N, M) for PSEUDO.
         mode: the mode computed.
         implementation: the implementation that ran (never AUTO).
         estimate_bytes: the planned peak memory of the computation, result included.
@@ -60,7 +60,7 @@ class NtkResult:
     """
 
     theta: torch.Tensor
-    mode: KernelMode
+    mode: KernelMode | DerivedMode
     implementation: NtkImplementation
     estimate_bytes: int
     block_size: int

@@ -11,7 +11,6 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ntk_service.errors import InvalidInput, MalformedRequest
-from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.server.errors import format_validation_errors
 
@@ -22,10 +21,20 @@ __all__ = [
     "DatasetsPublic",
     "KernelOptions",
     "KernelPublic",
+    "KernelModeValue",
     "KernelRequest",
+    "MatvecOptions",
+    "MatvecPublic",
+    "MatvecRequest",
     "ModelCreate",
     "ModelPublic",
     "ModelsPublic",
+    "MonteCarloOptions",
+    "MonteCarloPublic",
+    "MonteCarloRequest",
+    "NngpOptions",
+    "NngpPublic",
+    "NngpRequest",
     "ParameterPublic",
     "TensorJson",
     "openapi_body",
@@ -33,6 +42,10 @@ __all__ = [
 ]
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+KernelModeValue = Literal["full", "trace", "example_diagonal", "output_diagonal", "pseudo"]
+"""The wire values of KernelMode and DerivedMode as one Literal, so a bad mode gets one plain message
+("mode: Input should be 'full', 'trace', ..."), not one per enum of a union (tested against the enums)."""
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
@@ -76,9 +89,10 @@ class KernelOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: KernelMode = Field(
-        default=KernelMode.FULL,
-        description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k).",
+    mode: KernelModeValue = Field(
+        default="full",
+        description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k) | "
+        "pseudo (N,M): (1/k) Σ_ab Θ_ab.",
     )
     implementation: NtkImplementation = NtkImplementation.AUTO
     params: list[str] | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
@@ -97,7 +111,7 @@ class KernelPublic(BaseModel):
     """The JSON kernel response."""
 
     theta: TensorJson
-    mode: KernelMode
+    mode: KernelModeValue
     implementation: NtkImplementation
     model: str
     version: int
@@ -160,6 +174,90 @@ class DatasetsPublic(BaseModel):
 class ArchitecturesPublic(BaseModel):
     data: list[dict[str, Any]]
     count: int
+
+
+class NngpOptions(BaseModel):
+    """``POST /v1/models/{name}/nngp``: the fields beside x1/x2."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: KernelModeValue = Field(default="full", description="As for /ntk, with d features for k.")
+    layer: str | None = Field(default=None, description="A module name: its output's features. null = the outputs.")
+    dtype: Literal["float32", "float64"] | None = Field(default=None, description="Compute dtype. Default: model's.")
+    version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
+
+
+class NngpRequest(NngpOptions):
+    """``POST /v1/models/{name}/nngp`` as JSON (documentation; the route decodes x1/x2 with ``wire``)."""
+
+    x1: TensorJson | DatasetRef
+    x2: TensorJson | DatasetRef | None = Field(default=None, description="null: x2 = x1 (exactly symmetric).")
+
+
+class NngpPublic(BaseModel):
+    kernel: TensorJson
+    mode: KernelModeValue
+    layer: str | None
+    features: int
+    model: str
+    version: int
+    elapsed_ms: float
+
+
+class MonteCarloOptions(BaseModel):
+    """``POST /v1/models/{name}/monte_carlo``: the fields beside x1/x2. Each seed builds the model's architecture
+    afresh (its registered weights are not used)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seeds: list[int] = Field(description="Distinct seeds, one network each (1 to 1024).")
+    kernel: Literal["ntk", "nngp"] = "ntk"
+    mode: KernelModeValue = "full"
+    layer: str | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
+    params: list[str] | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
+    dtype: Literal["float32", "float64"] | None = None
+
+
+class MonteCarloRequest(MonteCarloOptions):
+    x1: TensorJson | DatasetRef
+    x2: TensorJson | DatasetRef | None = None
+
+
+class MonteCarloPublic(BaseModel):
+    mean: TensorJson
+    stderr: TensorJson | None = Field(description="Per-entry standard error of the mean; null for one seed.")
+    n_samples: int
+    kernel: Literal["ntk", "nngp"]
+    mode: KernelModeValue
+    models_per_chunk: int
+    model: str
+    elapsed_ms: float
+
+
+class MatvecOptions(BaseModel):
+    """``POST /v1/models/{name}/operator/matvec``: the fields beside x1/x2/v."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["full", "trace", "pseudo"] = "full"
+    transpose: bool = Field(default=False, description="Θᵀ w = Θ(x2, x1) w instead of Θ v.")
+    params: list[str] | None = None
+    dtype: Literal["float32", "float64"] | None = None
+    version: int | None = Field(default=None, ge=1)
+
+
+class MatvecRequest(MatvecOptions):
+    x1: TensorJson | DatasetRef
+    x2: TensorJson | DatasetRef | None = None
+    v: TensorJson = Field(description="(M, k) for full, (M,) for trace and pseudo; (N, ...) with transpose.")
+
+
+class MatvecPublic(BaseModel):
+    product: TensorJson
+    mode: Literal["full", "trace", "pseudo"]
+    model: str
+    version: int
+    elapsed_ms: float
 
 
 def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:

@@ -30,8 +30,8 @@ from ntk_service.errors import (
     ShapeMismatch,
     format_bytes,
 )
-from ntk_service.kernels import KernelMode, NtkImplementation, NtkResult, compute_ntk
-from ntk_service.kernels.modes import result_shape
+from ntk_service.kernels import NtkImplementation, NtkResult, compute_ntk
+from ntk_service.kernels.modes import parse_any_mode, result_shape
 from ntk_service.registry import DatasetStore, ModelRecord
 from ntk_service.server.deps import (
     ComputeDep,
@@ -55,6 +55,7 @@ from ntk_service.server.media import (
 )
 from ntk_service.server.schemas import (
     DatasetRef,
+    KernelModeValue,
     KernelOptions,
     KernelPublic,
     KernelRequest,
@@ -230,7 +231,7 @@ async def compute_kernel(
     side_cache: SideCacheDep,
     settings: SettingsDep,
     metrics: MetricsDep,
-    mode: Annotated[KernelMode | None, Query(description="Binary bodies only. Default: full.")] = None,
+    mode: Annotated[KernelModeValue | None, Query(description="Binary bodies only. Default: full.")] = None,
     implementation: Annotated[NtkImplementation | None, Query(description="Binary bodies only.")] = None,
     params: Annotated[list[str] | None, Query(description="Binary bodies only; repeat for several globs.")] = None,
     dtype: Annotated[Literal["float32", "float64"] | None, Query(description="Binary bodies only.")] = None,
@@ -258,7 +259,7 @@ async def compute_kernel(
     if response_type == wire.MEDIA_JSON:
         n = x1.array.shape[0]
         m = n if x2 is None else x2.array.shape[0]
-        numel = math.prod(result_shape(options.mode, n, m, record.output_dim))
+        numel = math.prod(result_shape(parse_any_mode(options.mode), n, m, record.output_dim))
         if numel * _MIN_JSON_BYTES_PER_VALUE > cap:
             raise json_too_large(
                 f"at least {format_bytes(numel * _MIN_JSON_BYTES_PER_VALUE)}", cap, operation=operation

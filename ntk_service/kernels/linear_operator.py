@@ -1,0 +1,289 @@
+"""``ntk_operator``: Θ(x1, x2) as a matrix-free linear operator, v ↦ Θ v = J(x1) (J(x2)ᵀ v); never builds J or Θ.
+
+One VJP of the batched model over x2 with cotangent v gives u = J(x2)ᵀ v in parameter space (summed over
+chunks of examples); one JVP over x1 with tangent u gives J(x1) u. Both run over chunks of examples sized to
+the memory budget, so memory is O(P + (N + M)·k) plus one chunk of activations, whatever N is: the operator is
+how to use Θ when it does not fit (Lanczos with ``scipy.sparse.linalg.eigsh``, conjugate gradients).
+
+=================== ============================== ============= ===========================================
+mode                matrix                         v             cost per product
+=================== ============================== ============= ===========================================
+FULL                (N·k, M·k), row n·k + a        (M, k)        M VJPs + N JVPs, examples batched
+TRACE               (N, M), Σ_a Θ_aa               (M,)          k times FULL (one VJP and JVP per output)
+PSEUDO              (N, M), (1/k) Σ_ab Θ_ab        (M,)          as FULL (cotangent v_m on every output)
+=================== ============================== ============= ===========================================
+
+The FULL matrix is example-major: entry (n·k + a, m·k + b) is Θ[n, m, a, b], i.e.
+``theta.permute(0, 2, 1, 3).reshape(N*k, M*k)`` of ``compute_ntk``'s FULL kernel (see ANALYSIS.md).
+
+The operator works on a private copy of the model at its parameters when built: in the model's own dtype the
+parameters are shared (in-place updates show); computed in another dtype they are a converted snapshot.
+
+Example::
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    >>> op = ntk_operator(model, torch.randn(5, 3))
+    >>> op.shape, op.matvec(torch.randn(5, 2)).shape          # ((N·k, N·k), (N, k))
+    ((10, 10), torch.Size([5, 2]))
+    >>> scipy.sparse.linalg.eigsh(op.as_linear_operator(), k=3)[0].shape   # top eigenvalues by Lanczos
+    (3,)
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import jvp, vjp
+
+from ntk_service.errors import (
+    MemoryEstimateExceeded,
+    NonFiniteInput,
+    OptionalDependencyMissing,
+    ShapeMismatch,
+    UnknownMode,
+    UnsupportedModel,
+    format_bytes,
+)
+from ntk_service.kernels.functional import NtkProblem, build_problem, check_model, private_copy, validate_inputs
+from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
+from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
+from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.types import NamedTensors
+
+__all__ = ["OPERATOR_MODES", "NtkOperator", "ntk_operator"]
+
+OPERATOR_MODES = (KernelMode.FULL, KernelMode.TRACE, DerivedMode.PSEUDO)
+"""The modes that are linear maps between the x2 side and the x1 side (the diagonals are not)."""
+
+_OPERATION = "ntk_operator"
+
+
+class _Sides:
+    """What both orientations of one operator share: the problem, the inputs, the chunk size and a lock."""
+
+    def __init__(self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor, chunk: int, estimate: int) -> None:
+        self.problem = problem
+        self.x1, self.x2 = x1, x2
+        self.chunk = chunk
+        self.estimate = estimate
+        # functional_call swaps the private module's parameters during a call: one product at a time
+        self.lock = threading.Lock()
+
+
+class NtkOperator:
+    """Θ(x1, x2) as a linear operator (see the module docstring); ``op @ v`` and ``op.T`` are the torch view,
+    ``as_linear_operator()`` the SciPy view.
+
+    Attributes:
+        mode: FULL, TRACE or PSEUDO.
+        shape: (N·k, M·k) for FULL, (N, M) for TRACE and PSEUDO.
+        k: outputs per example.
+        dtype: the compute dtype.
+        examples_per_chunk: examples per VJP / JVP call, from the memory budget.
+        estimate_bytes: the planned peak memory of one product.
+        is_symmetric: x2 was omitted (x2 = x1): Θ is symmetric positive semi-definite, ``rmatvec`` = ``matvec``.
+    """
+
+    def __init__(self, sides: _Sides, mode: KernelMode | DerivedMode, *, transposed: bool, symmetric: bool) -> None:
+        self._sides = sides
+        self._transposed = transposed
+        self.mode = mode
+        self.is_symmetric = symmetric
+        self.k = sides.problem.k
+        self.dtype = sides.problem.dtype
+        self.examples_per_chunk = sides.chunk
+        self.estimate_bytes = sides.estimate
+        rows, cols = (sides.x2, sides.x1) if transposed else (sides.x1, sides.x2)
+        self._rows, self._cols = rows, cols
+        per = self.k if mode is KernelMode.FULL else 1
+        self.shape = (rows.shape[0] * per, cols.shape[0] * per)
+
+    # --- the torch view ---------------------------------------------------------------------------------------
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """Θ v. v: (M, k) for FULL (or flat (M·k,)), (M,) for TRACE and PSEUDO. Returns (N, k) (flat (N·k,) for
+        a flat v) or (N,).
+
+        Raises:
+            ShapeMismatch: v has another shape; NonFiniteInput: v holds NaN or inf.
+        """
+        return self._apply(v, self._rows, self._cols, "matvec")
+
+    def rmatvec(self, w: torch.Tensor) -> torch.Tensor:
+        """Θᵀ w = Θ(x2, x1) w. w: (N, k) for FULL (or flat (N·k,)), (N,) otherwise. Returns (M, k) or (M,)."""
+        return self._apply(w, self._cols, self._rows, "rmatvec")
+
+    def matmat(self, v: torch.Tensor) -> torch.Tensor:
+        """Θ V for V (M·k, r) (FULL) or (M, r): one product per column. Returns (N·k, r) or (N, r)."""
+        if v.ndim != 2 or v.shape[0] != self.shape[1]:
+            raise ShapeMismatch(
+                f"{_OPERATION}.matmat: V has shape {tuple(v.shape)}; expected ({self.shape[1]}, r) for an operator "
+                f"of shape {self.shape}"
+            )
+        return torch.stack([self.matvec(v[:, j]) for j in range(v.shape[1])], dim=1)
+
+    def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
+        """``matmat`` for V (shape[1], r), else ``matvec``."""
+        return self.matmat(v) if v.ndim == 2 and v.shape[0] == self.shape[1] else self.matvec(v)
+
+    @property
+    def T(self) -> NtkOperator:  # noqa: N802 (the matrix transpose, as torch and numpy spell it)
+        """Θ(x2, x1): the transposed operator (the same object's data, no recomputation)."""
+        return NtkOperator(self._sides, self.mode, transposed=not self._transposed, symmetric=self.is_symmetric)
+
+    # --- the SciPy view ---------------------------------------------------------------------------------------
+    def as_linear_operator(self) -> Any:
+        """A ``scipy.sparse.linalg.LinearOperator`` of shape ``self.shape`` on flat float vectors.
+
+        Raises:
+            OptionalDependencyMissing: SciPy is not installed (``pip install 'ntk-service[linalg]'``).
+        """
+        try:
+            from scipy.sparse.linalg import LinearOperator
+        except ImportError as exc:  # pragma: no cover - scipy is in the dev extra
+            raise OptionalDependencyMissing(
+                f"{_OPERATION}.as_linear_operator: needs SciPy; install it with pip install 'ntk-service[linalg]'"
+            ) from exc
+
+        def apply(x: np.ndarray, fn: Any) -> np.ndarray:
+            flat = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
+            out: np.ndarray = fn(flat).double().numpy().reshape((-1, *x.shape[1:]))  # x is (n,) or (n, 1)
+            return out
+
+        return LinearOperator(
+            shape=self.shape,
+            dtype=np.float64 if self.dtype == torch.float64 else np.float32,
+            matvec=lambda x: apply(x, self.matvec),
+            rmatvec=lambda x: apply(x, self.rmatvec),
+        )
+
+    # --- the products -----------------------------------------------------------------------------------------
+    def _apply(self, v: object, rows: torch.Tensor, cols: torch.Tensor, name: str) -> torch.Tensor:
+        k = self.k
+        full = self.mode is KernelMode.FULL
+        t = torch.as_tensor(v)
+        flat = full and t.ndim == 1
+        expected = (cols.shape[0], k) if full else (cols.shape[0],)
+        if not t.is_floating_point() or (
+            tuple(t.shape) != expected and not (flat and t.numel() == math.prod(expected))
+        ):
+            flat_hint = f" or flat ({math.prod(expected)},)" if full else ""
+            raise ShapeMismatch(
+                f"{_OPERATION}.{name}: the vector has shape {tuple(t.shape)} and dtype {t.dtype}; expected a float "
+                f"tensor of shape {expected}{flat_hint} for mode {self.mode.value}"
+            )
+        if not bool(torch.isfinite(t).all()):
+            raise NonFiniteInput(f"{_OPERATION}.{name}: the vector holds NaN or inf")
+        t = t.to(self.dtype).reshape(expected)
+        with self._sides.lock:
+            if full:
+                out = self._product(rows, cols, t)
+            elif self.mode is DerivedMode.PSEUDO:
+                out = self._product(rows, cols, t[:, None].expand(-1, k)).sum(1) / k
+            else:  # TRACE: Σ_a J_a(rows) J_a(cols)ᵀ v, one output at a time (memory O(P))
+                out = torch.zeros(rows.shape[0], dtype=self.dtype)
+                for a in range(k):
+                    cot = torch.zeros(cols.shape[0], k, dtype=self.dtype)
+                    cot[:, a] = t
+                    out += self._product(rows, cols, cot)[:, a]
+        return out.reshape(-1) if flat else out
+
+    def _product(self, rows: torch.Tensor, cols: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
+        """J(rows) (J(cols)ᵀ cotangent): cotangent (M, k) -> (N, k)."""
+        problem, chunk = self._sides.problem, self._sides.chunk
+        u: NamedTensors | None = None
+        for i in range(0, cols.shape[0], chunk):
+            x = cols[i : i + chunk]
+            pullback = vjp(lambda p, x=x: problem.f_batch(p, x), problem.params)[1]
+            (part,) = pullback(cotangent[i : i + chunk])
+            if u is None:
+                u = part
+            else:
+                for name, g in part.items():
+                    u[name] += g
+        assert u is not None
+        tangent = u
+        out = []
+        with _FORWARD_AD_LOCK:  # torch.func.jvp's dual levels are process-global (ntk_vector_products.py)
+            try:
+                for i in range(0, rows.shape[0], chunk):
+                    x = rows[i : i + chunk]
+                    out.append(jvp(lambda p, x=x: problem.f_batch(p, x), (problem.params,), (tangent,))[1])
+            except NotImplementedError as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise UnsupportedModel(
+                    f"{_OPERATION}: the model uses an operation without forward-mode AD ({reason}); build the kernel "
+                    "with compute_ntk(implementation='jacobian_contraction') instead"
+                ) from exc
+        return torch.cat(out).detach()
+
+
+def ntk_operator(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    *,
+    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
+    params: Sequence[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    memory_budget_bytes: int | None = None,
+) -> NtkOperator:
+    """Θ(x1, x2) as a matrix-free operator: products with one VJP and one JVP pass over the data.
+
+    Args:
+        model (nn.Module): maps a batch (N, *input) to (N, *out); run in eval semantics on a private copy.
+        x1 (Tensor): (N, *input): the rows (the output side of ``matvec``).
+        x2 (Tensor, optional): (M, *input): the columns. Default: None, meaning x2 = x1 (a symmetric operator).
+        mode (str): "full" (N·k, M·k), "trace" (N, M) or "pseudo" (N, M). Default: "full".
+        params (list of str, optional): the kernel of a parameter subset (globs). Default: None (all).
+        dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
+        memory_budget_bytes (int, optional): peak memory of one product. Default: ``default_memory_budget()``.
+
+    Returns:
+        NtkOperator: ``matvec`` (M, k) -> (N, k) (FULL) or (M,) -> (N,); ``rmatvec``; ``op @ v``; ``op.T``;
+        ``as_linear_operator()`` for SciPy.
+
+    Raises:
+        UnknownMode: a mode that is not a linear operator (the diagonals) or no mode at all.
+        ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``;
+            UnsupportedModel also for a model that cannot be copied.
+        MemoryEstimateExceeded: the parameter-space vectors and one example's activations exceed the budget.
+    """
+    kernel_mode = parse_any_mode(mode, operation=_OPERATION)
+    if kernel_mode not in OPERATOR_MODES:
+        valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
+        raise UnknownMode(f"{_OPERATION}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
+    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    check_model(model)
+    compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)
+    private = private_copy(model)
+    if private is None:
+        raise UnsupportedModel(
+            f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed), and an operator keeps its own copy; "
+            "use compute_ntk instead"
+        )
+    problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype)
+    cols = x1t if x2t is None else x2t
+    item = problem.itemsize
+    # u, one chunk's gradients, the JVP's tangent (P each); v and the output; per example: the forward's saved
+    # activations for the VJP, primal and tangent activations for the JVP, and its k outputs
+    fixed = 3 * problem.num_params * item + (x1t.shape[0] + cols.shape[0]) * problem.k * item * 3
+    per_example = 2 * problem.saved_bytes + 4 * problem.k * item
+    chunk = int((budget - fixed) // per_example) if budget > fixed else 0
+    if chunk < 1:
+        needed = fixed + per_example
+        raise MemoryEstimateExceeded(
+            f"{_OPERATION}: one product needs at least {format_bytes(needed)} (P={problem.num_params} parameters, "
+            f"k={problem.k}), over the memory budget of {format_bytes(budget)}; use a parameter subset or a larger "
+            "budget",
+            estimate_bytes=int(needed),
+            budget_bytes=budget,
+        )
+    chunk = min(chunk, max(x1t.shape[0], cols.shape[0]))
+    sides = _Sides(problem, x1t, cols, chunk, int(fixed + chunk * per_example))
+    return NtkOperator(sides, kernel_mode, transposed=False, symmetric=x2t is None)

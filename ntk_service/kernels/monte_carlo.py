@@ -1,0 +1,416 @@
+"""``monte_carlo_ntk``: the NTK (or NNGP) averaged over random initializations, with its per-entry standard error.
+
+``build(seed) -> nn.Module`` makes one network per seed; the mean over seeds estimates the kernel in expectation
+over initializations (neural-tangents' ``monte_carlo_kernel_fn``, which reports no spread), the bridge to the
+infinite-width kernels (see docs/kernel_family.md for a one-hidden-layer ReLU net against its arc-cosine kernel).
+
+NOTE [batched ensemble]: a chunk of c models is evaluated as one computation, as in the torch.func ensembling
+notes: ``stack_module_state`` stacks their parameters (c, *shape), a ``meta``-device copy of the first model is
+the skeleton ``functional_call`` runs, and ``vmap`` over the stacked parameters gives every model's per-example
+Jacobians (``vmap(jacrev)`` inside) or features at once. Each model's kernel is then contracted on its own (one
+matmul per parameter tensor, ``jacobian_contraction.contract``), and the kernels are accumulated one by one in
+seed order, so the result does not depend on the chunk size (tested bitwise). The chunk size c is the most
+models whose Jacobians fit the memory budget; when not even one model does, each model's kernel is computed by
+``compute_ntk`` / ``compute_nngp`` (which block over examples): ``MonteCarloResult.models_per_chunk`` is 0 then.
+
+Mean and spread: mean = Σ_s K_s / S (the plain average); the standard error of the mean is
+sqrt(Σ_s (D_s − D̄)² / (S (S − 1))) with D_s = K_s − K_1 (shifted sums: no cancellation when the spread is small
+against the mean). None for a single seed.
+
+Cost: S times one kernel ((N+M)·k·[FP] for the Jacobians, N·M·k²·P for a FULL contraction); memory per chunk
+c·(N+M)·k·P floats of Jacobians plus c copies of the parameters, and three accumulators of the result's size.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev, stack_module_state, vmap
+
+from ntk_service.errors import InvalidInput, UnsupportedModel
+from ntk_service.kernels.api import compute_ntk
+from ntk_service.kernels.functional import NtkProblem, check_model
+from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
+from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode, result_shape
+from ntk_service.kernels.nngp import compute_nngp, feature_kernel, features, find_layer, kernel_shape
+from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.problem_pool import prepared_problem
+from ntk_service.kernels.types import NamedTensors
+
+__all__ = ["MAX_MONTE_CARLO_SEEDS", "KernelKind", "MonteCarloResult", "monte_carlo_ntk"]
+
+MAX_MONTE_CARLO_SEEDS = 1024
+"""Most seeds one call takes: the standard error falls as 1/√S, so past ~1000 samples a wider net or a batch of
+calls is the better use of the time, and a typo (``range(10**6)``) is refused instead of running for hours."""
+
+
+class KernelKind(StrEnum):
+    """Which kernel ``monte_carlo_ntk`` averages."""
+
+    NTK = "ntk"
+    """Θ = J Jᵀ (``compute_ntk``)."""
+    NNGP = "nngp"
+    """f fᵀ of the outputs, or of a layer's features (``compute_nngp``)."""
+
+
+@dataclass(frozen=True)
+class MonteCarloResult:
+    """What ``monte_carlo_ntk`` returns.
+
+    Attributes:
+        mean: the average kernel over the seeds, shaped as the mode's kernel (e.g. (N, M, k, k) for FULL).
+        stderr: the per-entry standard error of ``mean``, same shape; None for one seed.
+        n_samples: S, the number of seeds.
+        kernel: NTK or NNGP.
+        mode: the mode computed.
+        models_per_chunk: models evaluated per batched call (NOTE [batched ensemble]); 0 when each model's
+            kernel was computed on its own by ``compute_ntk`` / ``compute_nngp`` (one model did not fit).
+        estimate_bytes: the planned peak memory of one chunk plus the accumulators.
+    """
+
+    mean: torch.Tensor
+    stderr: torch.Tensor | None
+    n_samples: int
+    kernel: KernelKind
+    mode: KernelMode | DerivedMode
+    models_per_chunk: int
+    estimate_bytes: int
+
+
+_OPERATION = "monte_carlo_ntk"
+
+
+def _check_seeds(seeds: Sequence[int]) -> list[int]:
+    if isinstance(seeds, str | bytes | Mapping) or not isinstance(seeds, Iterable):
+        raise InvalidInput(f"{_OPERATION}: seeds must be a list of integers, got {type(seeds).__name__}")
+    out = list(seeds)
+    if not out:
+        raise InvalidInput(f"{_OPERATION}: seeds is empty; pass at least one seed (two or more for a standard error)")
+    if len(out) > MAX_MONTE_CARLO_SEEDS:
+        raise InvalidInput(
+            f"{_OPERATION}: {len(out)} seeds is over the limit of {MAX_MONTE_CARLO_SEEDS}; split them over several "
+            "calls and average the means"
+        )
+    for i, s in enumerate(out):
+        try:
+            if isinstance(s, bool):
+                raise TypeError
+            out[i] = operator.index(s)  # numpy integers too
+        except TypeError:
+            raise InvalidInput(f"{_OPERATION}: seeds must be integers, got {s!r}") from None
+    if len(set(out)) != len(out):
+        repeated = next(s for s in out if out.count(s) > 1)
+        raise InvalidInput(
+            f"{_OPERATION}: seed {repeated} is repeated; repeated seeds give the same network twice and understate "
+            "the standard error"
+        )
+    return out
+
+
+def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())]
+
+
+def _built(
+    build: Callable[[int], nn.Module], seed: int, expected: list[tuple[str, tuple[int, ...], torch.dtype]] | None
+) -> nn.Module:
+    model = build(seed)
+    check_model(model)
+    if expected is not None and _signature(model) != expected:
+        raise UnsupportedModel(
+            f"{_OPERATION}: build({seed}) returned a model whose parameters or buffers differ in names, shapes or "
+            "dtypes from build of the first seed; every seed must build the same architecture"
+        )
+    return model
+
+
+class _Ensemble:
+    """A chunk of models as one batched function (NOTE [batched ensemble])."""
+
+    def __init__(self, skeleton: nn.Module, models: list[nn.Module], problem: NtkProblem) -> None:
+        params, buffers = stack_module_state(models)
+        cast = {n: t.detach().to(problem.dtype) if t.is_floating_point() else t.detach() for n, t in params.items()}
+        self.selected = {n: cast[n] for n in problem.params}
+        self.rest = {n: t for n, t in cast.items() if n not in problem.params}
+        self.buffers = {n: t.to(problem.dtype) if t.is_floating_point() else t for n, t in buffers.items()}
+        self.skeleton = skeleton
+        self.size = len(models)
+
+    def _call(self, selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = functional_call(self.skeleton, ({**selected, **rest}, buffers), (x,))
+        return out
+
+    def jacobians(self, x: torch.Tensor, k: int) -> NamedTensors:
+        """name -> (c, n, k, p): every model's per-example Jacobians."""
+
+        def single(selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors, xi: torch.Tensor) -> torch.Tensor:
+            return self._call(selected, rest, buffers, xi.unsqueeze(0)).reshape(-1)
+
+        per_model = vmap(jacrev(single), (None, None, None, 0))
+        jac = vmap(per_model, (0, 0, 0, None))(self.selected, self.rest, self.buffers, x)
+        return {n: j.reshape(self.size, x.shape[0], k, -1) for n, j in jac.items()}
+
+    def features(self, x: torch.Tensor, layer: str | None) -> torch.Tensor:
+        """(c, n, d): every model's outputs, or its features at ``layer``."""
+        captured: list[torch.Tensor] = []
+
+        def one(selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors) -> torch.Tensor:
+            captured.clear()
+            out = self._call(selected, rest, buffers, x)
+            return (out if layer is None else captured[0]).reshape(x.shape[0], -1)
+
+        handle = None
+        if layer is not None:
+            target = find_layer(self.skeleton, layer, operation=_OPERATION)
+            handle = target.register_forward_hook(lambda _m, _a, out: captured.append(out))
+        try:
+            with torch.no_grad():
+                return vmap(one)(self.selected, self.rest, self.buffers)
+        finally:
+            if handle is not None:
+                handle.remove()
+
+
+def _ntk_of(j1: NamedTensors, j2: NamedTensors | None, mode: KernelMode | DerivedMode, k: int) -> torch.Tensor:
+    """One model's kernel from its Jacobians name -> (n, k, p) (j2 None: x2 = x1)."""
+    if mode is KernelMode.EXAMPLE_DIAGONAL:
+        return contract_diagonal(j1)
+    if mode is DerivedMode.PSEUDO:
+        g1 = {n: j.sum(1, keepdim=True) for n, j in j1.items()}
+        g2 = g1 if j2 is None else {n: j.sum(1, keepdim=True) for n, j in j2.items()}
+        return _symmetrized(contract(g1, g2, KernelMode.TRACE) / k, mode, j2 is None)
+    return _symmetrized(contract(j1, j1 if j2 is None else j2, mode), mode, j2 is None)
+
+
+def _symmetrized(theta: torch.Tensor, mode: KernelMode | DerivedMode, symmetric: bool) -> torch.Tensor:
+    """(Θ + Θ(x2, x1))/2 when x2 = x1: exactly symmetric (IEEE addition commutes), as ``compute_ntk``'s."""
+    if not symmetric:
+        return theta
+    if mode is KernelMode.FULL:
+        return (theta + theta.permute(1, 0, 3, 2)) / 2
+    if mode is KernelMode.OUTPUT_DIAGONAL:
+        return (theta + theta.permute(1, 0, 2)) / 2
+    return (theta + theta.T) / 2
+
+
+class _Accumulator:
+    """Σ K_s, and the shifted sums Σ D_s, Σ D_s² with D_s = K_s − K_1, added in seed order."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total: torch.Tensor | None = None
+        self.shift = self.shifted = self.squares = torch.empty(0)
+
+    def add(self, kernel: torch.Tensor) -> None:
+        if self.total is None:
+            self.total = kernel.clone()
+            self.shift = kernel.clone()
+            self.shifted = torch.zeros_like(kernel)
+            self.squares = torch.zeros_like(kernel)
+        else:
+            self.total += kernel
+            d = kernel - self.shift
+            self.shifted += d
+            self.squares.addcmul_(d, d)
+        self.count += 1
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.total is not None
+        s = self.count
+        mean = self.total / s
+        if s < 2:
+            return mean, None
+        variance = ((self.squares - self.shifted * self.shifted / s) / (s - 1)).clamp_min_(0)
+        return mean, (variance / s).sqrt_()
+
+
+def monte_carlo_ntk(
+    build: Callable[[int], nn.Module],
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    *,
+    seeds: Sequence[int],
+    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
+    kernel: KernelKind | str = KernelKind.NTK,
+    params: Sequence[str] | None = None,
+    layer: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    memory_budget_bytes: int | None = None,
+    models_per_chunk: int | None = None,
+) -> MonteCarloResult:
+    """The kernel averaged over the networks ``build(seed)`` for every seed, with its per-entry standard error.
+
+    Args:
+        build (callable): ``build(seed) -> nn.Module``; every seed must give the same architecture (parameter and
+            buffer names, shapes, dtypes). Called once per seed, a chunk at a time (never all models at once).
+        x1 (Tensor): (N, *input).
+        x2 (Tensor, optional): (M, *input). Default: None, meaning x2 = x1 (exactly symmetric result).
+        seeds (list of int): distinct seeds, 1 to ``MAX_MONTE_CARLO_SEEDS``.
+        mode (str): any ``compute_ntk`` mode, "pseudo" included. Default: "full".
+        kernel (str): "ntk" or "nngp" (``compute_nngp``'s kernel). Default: "ntk".
+        params (list of str, optional): NTK of a parameter subset (globs). Default: None (all).
+        layer (str, optional): for kernel="nngp", the module whose output gives the features. Default: None.
+        dtype (torch.dtype or str, optional): float32 or float64. Default: the first model's dtype.
+        memory_budget_bytes (int, optional): peak memory allowed. Default: ``default_memory_budget()``.
+        models_per_chunk (int, optional): at most this many models per batched call (the result is the same
+            for every value, bitwise). Default: None (as many as fit the budget).
+
+    Returns:
+        MonteCarloResult: ``mean`` and ``stderr`` shaped as the mode's kernel ((N, M, k, k) for FULL, ...).
+
+    Raises:
+        InvalidInput: seeds empty, over the limit, repeated or not integers; ``layer`` given for kernel="ntk".
+        UnknownLayer, UnknownMode, ShapeMismatch, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``
+            and ``compute_nngp``; UnsupportedModel also when seeds build different architectures.
+        MemoryEstimateExceeded: not even one model's kernel fits the budget.
+
+    Example::
+
+        >>> build = lambda seed: torch.manual_seed(seed) and torch.nn.Sequential(torch.nn.Linear(3, 64),
+        ...     torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        >>> mc = monte_carlo_ntk(build, torch.randn(5, 3), seeds=range(8), mode="trace")
+        >>> mc.mean.shape, mc.stderr.shape                               # (N, N) each
+        (torch.Size([5, 5]), torch.Size([5, 5]))
+    """
+    seed_list = _check_seeds(seeds)
+    kind = _parse_kind(kernel)
+    kernel_mode = parse_any_mode(mode, operation=_OPERATION)
+    if layer is not None and kind is KernelKind.NTK:
+        raise InvalidInput(f"{_OPERATION}: layer={layer!r} names features, which only kernel='nngp' uses")
+    if params is not None and kind is KernelKind.NNGP:
+        raise InvalidInput(f"{_OPERATION}: params={params!r} selects NTK parameters; kernel='nngp' uses none")
+    if models_per_chunk is not None and (isinstance(models_per_chunk, bool) or operator.index(models_per_chunk) < 1):
+        raise InvalidInput(f"{_OPERATION}: models_per_chunk must be a positive integer, got {models_per_chunk!r}")
+    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    first = _built(build, seed_list[0], None)
+    expected = _signature(first)
+    with prepared_problem(first, x1, x2, params=params, dtype=dtype) as prepared:
+        problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
+        if layer is not None:
+            find_layer(problem.module, layer, operation=_OPERATION)
+    symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
+    n = x1t.shape[0]
+    m = n if x2t is None else x2t.shape[0]
+    per_model, fixed = _bytes(problem, kind, kernel_mode, n, 0 if symmetric else m, layer, first, x1t)
+    fits = int((budget - fixed) // per_model) if budget > fixed else 0
+    chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
+    acc = _Accumulator()
+    if chunk < 1:  # one model's Jacobians do not fit: each kernel on its own, blocked over examples
+        alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1))
+        for i, seed in enumerate(seed_list):
+            acc.add(alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t))
+        estimate = fixed
+    else:
+        skeleton = copy.deepcopy(first).eval().to("meta")
+        for start in range(0, len(seed_list), chunk):
+            seeds_c = seed_list[start : start + chunk]
+            models = [first if start + i == 0 else _built(build, s, expected) for i, s in enumerate(seeds_c)]
+            ensemble = _Ensemble(skeleton, models, problem)
+            del models
+            for kernel_s in _chunk_kernels(
+                ensemble, problem, kind, kernel_mode, x1t, None if symmetric else x2t, layer
+            ):
+                acc.add(kernel_s)
+        estimate = fixed + chunk * per_model
+    mean, stderr = acc.result()
+    return MonteCarloResult(
+        mean=mean,
+        stderr=stderr,
+        n_samples=len(seed_list),
+        kernel=kind,
+        mode=kernel_mode,
+        models_per_chunk=max(chunk, 0),
+        estimate_bytes=int(estimate),
+    )
+
+
+@dataclass(frozen=True)
+class _Alone:
+    """One model's kernel by ``compute_ntk`` / ``compute_nngp`` (the fallback of NOTE [batched ensemble])."""
+
+    kind: KernelKind
+    mode: KernelMode | DerivedMode
+    params: Sequence[str] | None
+    layer: str | None
+    dtype: torch.dtype
+    budget: int
+
+    def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> torch.Tensor:
+        if self.kind is KernelKind.NTK:
+            options = {"params": self.params, "dtype": self.dtype, "memory_budget_bytes": self.budget}
+            return compute_ntk(model, x1, x2, mode=self.mode, **options).theta  # type: ignore[arg-type]
+        return compute_nngp(
+            model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
+        ).kernel
+
+
+def _parse_kind(kernel: KernelKind | str) -> KernelKind:
+    try:
+        return KernelKind(kernel)
+    except ValueError:
+        valid = ", ".join(repr(k.value) for k in KernelKind)
+        raise InvalidInput(f"{_OPERATION}: unknown kernel {kernel!r}; expected one of {valid}") from None
+
+
+def _chunk_kernels(
+    ensemble: _Ensemble,
+    problem: NtkProblem,
+    kind: KernelKind,
+    mode: KernelMode | DerivedMode,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    layer: str | None,
+) -> list[torch.Tensor]:
+    """Each model's kernel, in the chunk's order."""
+    if kind is KernelKind.NNGP:
+        f1 = ensemble.features(x1, layer)
+        f2 = None if x2 is None else ensemble.features(x2, layer)
+        return [feature_kernel(f1[s], None if f2 is None else f2[s], mode) for s in range(ensemble.size)]
+    j1 = ensemble.jacobians(x1, problem.k)
+    j2 = None if x2 is None else ensemble.jacobians(x2, problem.k)
+    return [
+        _ntk_of(
+            {n: j[s] for n, j in j1.items()}, None if j2 is None else {n: j[s] for n, j in j2.items()}, mode, problem.k
+        )
+        for s in range(ensemble.size)
+    ]
+
+
+def _bytes(
+    problem: NtkProblem,
+    kind: KernelKind,
+    mode: KernelMode | DerivedMode,
+    n: int,
+    m: int,
+    layer: str | None,
+    first: nn.Module,
+    x1: torch.Tensor,
+) -> tuple[float, float]:
+    """(bytes per model in a chunk, fixed bytes): NOTE [batched ensemble]'s memory model."""
+    item = problem.itemsize
+    all_params = sum(p.numel() for p in first.parameters()) + sum(b.numel() for b in first.buffers())
+    m_all = m if m else n
+    if kind is KernelKind.NTK:
+        k = problem.k
+        shape = result_shape(mode if isinstance(mode, KernelMode) else KernelMode.TRACE, n, m_all, k)
+        jac = (n + m) * k * problem.num_params * item
+        transient = (n + m) * problem.saved_bytes * (1 + k)
+    else:
+        d = problem.k
+        if layer is not None:
+            with prepared_problem(first, x1[:1], None, params=None, dtype=problem.dtype) as one:
+                d = features(one.problem, one.x1, layer, chunk=1, operation=_OPERATION).shape[1]
+        shape = kernel_shape(mode, n, m_all, d)
+        jac = (n + m) * d * item
+        transient = (n + m) * problem.saved_bytes
+    result = math.prod(shape) * item
+    # per model: its own and its stacked parameters, Jacobians (or features), the forward's transients, its kernel
+    per_model = 2 * all_params * item + jac + transient + result
+    return max(per_model, 1.0), 3 * result + all_params * item

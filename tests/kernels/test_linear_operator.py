@@ -1,0 +1,126 @@
+"""ntk_operator: products against the float64 reference kernel as a dense matrix, and Lanczos on the SciPy
+view against dense eigenvalues."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse.linalg
+import torch
+from torch import nn
+
+from ntk_service.errors import MemoryEstimateExceeded, NonFiniteInput, ShapeMismatch, UnknownMode
+from ntk_service.kernels import ntk_operator
+from tests.kernels.zoo import ZOO
+from tests.reference import reference_ntk
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(7, 3, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64)
+
+
+def _rel(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).norm() / expected.norm())
+
+
+def _dense(
+    model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, params: list[str] | None = None
+) -> torch.Tensor:
+    """The reference FULL kernel as the example-major (N·k, M·k) matrix."""
+    full = reference_ntk(model, x1, x2, "full", params)
+    n, m, k, _ = full.shape
+    return full.permute(0, 2, 1, 3).reshape(n * k, m * k)
+
+
+@pytest.mark.parametrize("budget", [None, 10_000], ids=["one_chunk", "chunked"])
+def test_full_products_match_the_reference_kernel_times_v(budget: int | None) -> None:
+    model = _mlp()
+    x1, x2 = _inputs()
+    g = torch.Generator().manual_seed(3)
+    for other in (x2, None):
+        for params in (None, ["2.*"]):
+            dense = _dense(model, x1, other, params)
+            op = ntk_operator(model, x1, other, params=params, dtype=torch.float64, memory_budget_bytes=budget)
+            assert op.shape == tuple(dense.shape) and op.is_symmetric == (other is None)
+            if budget is not None and params is None:
+                assert op.examples_per_chunk < 5  # the data really is walked in chunks
+            m = dense.shape[1] // 3
+            v = torch.randn(m, 3, generator=g, dtype=torch.float64)
+            assert _rel(op.matvec(v), (dense @ v.reshape(-1)).reshape(-1, 3)) <= 1e-10
+            assert _rel(op.matvec(v.reshape(-1)), dense @ v.reshape(-1)) <= 1e-10  # flat in, flat out
+            w = torch.randn(7, 3, generator=g, dtype=torch.float64)
+            assert _rel(op.rmatvec(w), (dense.T @ w.reshape(-1)).reshape(-1, 3)) <= 1e-10
+            assert _rel(op.T.matvec(w), (dense.T @ w.reshape(-1)).reshape(-1, 3)) <= 1e-10
+            cols = torch.randn(dense.shape[1], 2, generator=g, dtype=torch.float64)
+            assert _rel(op @ cols, dense @ cols) <= 1e-10
+
+
+@pytest.mark.parametrize("mode", ["trace", "pseudo"])
+def test_trace_and_pseudo_products_match_the_reference_kernel(mode: str) -> None:
+    model = _mlp()
+    x1, x2 = _inputs()
+    g = torch.Generator().manual_seed(4)
+    for other in (x2, None):
+        kernel = reference_ntk(model, x1, other, mode)  # (N, M)
+        op = ntk_operator(model, x1, other, mode=mode, dtype=torch.float64, memory_budget_bytes=10_000)
+        assert op.shape == tuple(kernel.shape)
+        v = torch.randn(kernel.shape[1], generator=g, dtype=torch.float64)
+        w = torch.randn(kernel.shape[0], generator=g, dtype=torch.float64)
+        assert _rel(op.matvec(v), kernel @ v) <= 1e-10
+        assert _rel(op.rmatvec(w), kernel.T @ w) <= 1e-10
+
+
+def test_conv_model_products_match_the_reference() -> None:
+    entry = next(e for e in ZOO if e.name == "cnn")
+    torch.manual_seed(0)
+    model = entry.build()
+    x1, x2 = entry.inputs(torch.Generator().manual_seed(1))
+    dense = _dense(model, x1, x2)
+    op = ntk_operator(model, x1, x2, dtype=torch.float64)
+    v = torch.randn(dense.shape[1], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert _rel(op.matvec(v), dense @ v) <= 1e-10
+
+
+def test_lanczos_on_the_scipy_view_finds_the_dense_eigenvalues() -> None:
+    model = _mlp()
+    x1, _ = _inputs()
+    dense = _dense(model, x1, None).numpy()
+    linear = ntk_operator(model, x1, dtype=torch.float64).as_linear_operator()
+    assert linear.shape == dense.shape and linear.dtype == np.float64
+    top = np.sort(scipy.sparse.linalg.eigsh(linear, k=4, which="LA", tol=1e-12)[0])
+    expected = np.linalg.eigvalsh((dense + dense.T) / 2)[-4:]
+    np.testing.assert_allclose(top, expected, rtol=1e-9, atol=0)
+    rng = np.random.default_rng(0)
+    x1, x2 = _inputs()
+    rectangular = _dense(model, x1, x2).numpy()  # (N·k, M·k) = (21, 15)
+    linear = ntk_operator(model, x1, x2, dtype=torch.float64).as_linear_operator()
+    v, w = rng.standard_normal((15, 1)), rng.standard_normal(21)
+    scale = 1e-10 * np.abs(rectangular).max() * 15
+    np.testing.assert_allclose(linear.matvec(v), rectangular @ v, rtol=1e-10, atol=scale)
+    np.testing.assert_allclose(linear.rmatvec(w), rectangular.T @ w, rtol=1e-10, atol=scale)
+
+
+def test_wrong_vectors_modes_and_budgets_are_refused_clearly() -> None:
+    model = _mlp()
+    x1, x2 = _inputs()
+    op = ntk_operator(model, x1, x2)
+    with pytest.raises(ShapeMismatch, match=r"matvec: the vector has shape \(7, 3\).*expected .*\(5, 3\) or flat"):
+        op.matvec(torch.zeros(7, 3))
+    with pytest.raises(ShapeMismatch, match=r"rmatvec: the vector has shape \(5, 3\)"):
+        op.rmatvec(torch.zeros(5, 3))
+    with pytest.raises(ShapeMismatch, match="dtype torch.int64"):
+        op.matvec(torch.zeros(5, 3, dtype=torch.int64))
+    with pytest.raises(NonFiniteInput, match="NaN or inf"):
+        op.matvec(torch.full((5, 3), float("nan")))
+    with pytest.raises(ShapeMismatch, match=r"expected a float tensor of shape \(5,\) for mode trace"):
+        ntk_operator(model, x1, x2, mode="trace").matvec(torch.zeros(5, 3))
+    with pytest.raises(UnknownMode, match="'example_diagonal' is not a linear operator"):
+        ntk_operator(model, x1, mode="example_diagonal")
+    with pytest.raises(MemoryEstimateExceeded, match="ntk_operator: one product needs at least"):
+        ntk_operator(model, x1, memory_budget_bytes=1_000)
