@@ -12,7 +12,8 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     │   ├── UnknownMode                   422
     │   ├── UnknownImplementation         422
     │   ├── NoMatchingParameters          422
-    │   └── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
+    │   ├── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
+    │   └── UnstableLearningRate          422  gradient descent above the stable limit (message gives it)
     ├── MalformedRequest                  400  the body cannot be parsed at all
     ├── UnsupportedMediaType              415
     ├── NotAcceptable                     406  e.g. a JSON response over the size cap
@@ -69,6 +70,7 @@ __all__ = [
     "UnknownImplementation",
     "UnknownMode",
     "UnsupportedMediaType",
+    "UnstableLearningRate",
     "UnsupportedModel",
     "error_class_for",
     "format_bytes",
@@ -124,6 +126,12 @@ class UnsupportedModel(InvalidInput):
     """The model cannot be treated example by example (train-mode BatchNorm, interacting examples, ...)."""
 
     error_type = "unsupported_model"
+
+
+class UnstableLearningRate(InvalidInput):
+    """Gradient descent on the linearized model at a step above 2 / (c · λmax): it would diverge."""
+
+    error_type = "unstable_learning_rate"
 
 
 class MalformedRequest(NtkServiceError):
