@@ -17,7 +17,7 @@ from ntk_service.client._base import (
     DEFAULT_TIMEOUT_S,
     TransportFormat,
 )
-from ntk_service.client._client import Client, KernelResult
+from ntk_service.client._client import Client, KernelComparison, KernelResult, KernelSpectrum, LinearizedPrediction
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
@@ -25,6 +25,9 @@ __all__ = [
     "DEFAULT_MAX_RETRY_WAIT_S",
     "DEFAULT_TIMEOUT_S",
     "Client",
+    "KernelComparison",
     "KernelResult",
+    "KernelSpectrum",
+    "LinearizedPrediction",
     "TransportFormat",
 ]

@@ -24,11 +24,12 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
+from ntk_service.client._analysis import AnalysisClient, KernelComparison, KernelSpectrum, LinearizedPrediction
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
 from ntk_service.client._jobs import JobsClient
 from ntk_service.errors import NtkServiceError
 
-__all__ = ["Client", "KernelResult"]
+__all__ = ["Client", "KernelComparison", "KernelResult", "KernelSpectrum", "LinearizedPrediction"]
 
 _DATASET_REF_KEYS = frozenset({"dataset", "start", "stop"})
 
@@ -60,7 +61,7 @@ class KernelResult:
     elapsed_ms: float
 
 
-class Client(JobsClient):
+class Client(JobsClient, AnalysisClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).

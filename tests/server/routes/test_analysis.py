@@ -1,0 +1,165 @@
+"""The analysis routes against a real server: /predict, /spectrum and /compare over HTTP and through the client,
+checked against the float64 reference kernel of the model rebuilt from its downloaded weights, with the analysis
+written out by hand (plain gradient-descent loops, numpy eigvalsh, the distance formula)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ntk_service import wire
+from ntk_service.client import Client
+from ntk_service.errors import (
+    InvalidInput,
+    MemoryEstimateExceeded,
+    ModelNotFound,
+    ShapeMismatch,
+    UnstableLearningRate,
+)
+from tests.conftest import LiveServer
+from tests.reference import reference_ntk
+from tests.server.support import TINY_ARCHITECTURES, rebuild, sample_inputs, tensor_json
+
+K = TINY_ARCHITECTURES["mlp"]["output_dim"]
+
+
+@pytest.fixture(scope="module")
+def versions(live_server: LiveServer) -> dict[str, Any]:
+    """'analysis-mlp' with two versions (seed 3, then random weights), both rebuilt locally in float64."""
+    with live_server.client("write") as http:
+        record = http.post(
+            "/v1/models", json={"name": "analysis-mlp", "architecture": TINY_ARCHITECTURES["mlp"], "seed": 3}
+        ).json()
+        v1 = rebuild(record, http.get("/v1/models/analysis-mlp/versions/1/weights").content)
+        torch.manual_seed(1)
+        upload = {k: (v + 0.3 * torch.randn_like(v)).numpy() for k, v in v1.state_dict().items()}
+        response = http.post(
+            "/v1/models/analysis-mlp/versions",
+            content=wire.encode_safetensors(upload),
+            headers={"Content-Type": wire.MEDIA_SAFETENSORS},
+        )
+        assert response.status_code == 201, response.text
+        v2 = rebuild(record, http.get("/v1/models/analysis-mlp/versions/2/weights").content)
+    return {"record": record, "models": {1: v1.double(), 2: v2.double()}}
+
+
+def _matrix(model: torch.nn.Module, x1: np.ndarray, x2: np.ndarray | None = None) -> np.ndarray:
+    theta = reference_ntk(model, torch.from_numpy(x1), None if x2 is None else torch.from_numpy(x2)).numpy()
+    n, m = theta.shape[:2]
+    return theta.transpose(0, 2, 1, 3).reshape(n * K, m * K)
+
+
+@pytest.fixture
+def client(live_server: LiveServer) -> Client:
+    with Client(live_server.url, api_key=live_server.read_key) as c:
+        yield c
+
+
+def test_predict_gradient_descent_equals_the_loop_on_the_reference_kernel(client: Client, versions) -> None:
+    record, model = versions["record"], versions["models"][2]
+    x_train, x_test = sample_inputs(record, 5, seed=10), sample_inputs(record, 3, seed=11)
+    y = np.random.default_rng(12).standard_normal((5, K))
+    theta, theta_test = _matrix(model, x_train), _matrix(model, x_test, x_train)
+    with torch.no_grad():
+        f = model(torch.from_numpy(x_train).double()).numpy().reshape(-1)
+        f_test = model(torch.from_numpy(x_test).double()).numpy().reshape(-1)
+    c = 2 / (5 * K)
+    lr = 0.5 * 2 / (c * np.linalg.eigvalsh(theta)[-1])
+    out = client.predict(
+        "analysis-mlp", x_train, y, x_test, times=[0, 2, 7], learning_rate=lr, flow="gradient_descent", version=2
+    )
+    assert out.train.shape == (3, 5, K) and out.test is not None and out.test.shape == (3, 3, K)
+    np.testing.assert_allclose(out.f0_train.reshape(-1), f, rtol=1e-12, atol=1e-12)
+    expected = {}
+    for step in range(8):  # f <- f − η·c·Θ(f − y), and the test outputs with Θ*
+        expected[step] = (f.copy(), f_test.copy())
+        residual = f - y.reshape(-1)
+        f, f_test = f - lr * c * theta @ residual, f_test - lr * c * theta_test @ residual
+    for i, step in enumerate([0, 2, 7]):
+        np.testing.assert_allclose(out.train[i].reshape(-1), expected[step][0], rtol=1e-8, atol=1e-10)
+        np.testing.assert_allclose(out.test[i].reshape(-1), expected[step][1], rtol=1e-8, atol=1e-10)
+    assert out.version == 2 and out.kernel_ms > 0 and out.max_learning_rate == pytest.approx(2 * lr, rel=1e-8)
+
+
+def test_predict_at_infinity_and_trace_mode(client: Client, versions) -> None:
+    record, model = versions["record"], versions["models"][1]
+    x_train, x_test = sample_inputs(record, 4, seed=13), sample_inputs(record, 2, seed=14)
+    y = np.random.default_rng(15).standard_normal((4, K))
+    out = client.predict("analysis-mlp", x_train, y, x_test, times=[math.inf], learning_rate=1.0, version=1)
+    theta, theta_test = _matrix(model, x_train), _matrix(model, x_test, x_train)
+    with torch.no_grad():
+        r0 = model(torch.from_numpy(x_train).double()).numpy().reshape(-1) - y.reshape(-1)
+        f_test = model(torch.from_numpy(x_test).double()).numpy().reshape(-1)
+    assert out.times[0] == math.inf and out.test is not None
+    np.testing.assert_allclose(out.train[0], y, atol=1e-8)
+    np.testing.assert_allclose(out.test[0].reshape(-1), f_test - theta_test @ np.linalg.solve(theta, r0), atol=1e-7)
+    trace = client.predict("analysis-mlp", x_train, y, times=[0.5], learning_rate=0.1, mode="trace", version=1)
+    assert trace.test is None and trace.train.shape == (1, 4, K)
+
+
+def test_spectrum_matches_eigvalsh(client: Client, versions) -> None:
+    record, model = versions["record"], versions["models"][2]
+    x = sample_inputs(record, 6, seed=16)
+    s = client.spectrum("analysis-mlp", x, ridges=[0.1])
+    want = np.linalg.eigvalsh(_matrix(model, x))[::-1]
+    np.testing.assert_allclose(s.eigenvalues, want, rtol=1e-9, atol=1e-11)
+    assert s.n == 6 * K and s.method == "eigh" and s.version == 2
+    assert s.effective_dof[0.1] == pytest.approx(np.sum(np.clip(want, 0, None) / (np.clip(want, 0, None) + 0.1)))
+    top = client.spectrum("analysis-mlp", x, top=3, method="lanczos")
+    np.testing.assert_allclose(top.eigenvalues, want[:3], rtol=1e-9)
+    assert top.condition_number is None and top.lambda_min is None
+
+
+def test_compare_versions(client: Client, versions) -> None:
+    record, models = versions["record"], versions["models"]
+    x = sample_inputs(record, 5, seed=17)
+    labels = np.array([0, 1, 2, 0, 1])
+    out = client.compare("analysis-mlp", x, versions=[1, 2, 1], y=labels, variant="centered")
+    k1, k2 = _matrix(models[1], x), _matrix(models[2], x)
+    want = 1 - np.sum(k1 * k2) / (np.linalg.norm(k1) * np.linalg.norm(k2))
+    assert out.versions == [("analysis-mlp", 1), ("analysis-mlp", 2), ("analysis-mlp", 1)]
+    assert out.distance.shape == (3, 3) and out.distance[0, 2] == pytest.approx(0.0, abs=1e-12)
+    assert out.distance[0, 1] == pytest.approx(want, rel=1e-8) and out.distance[1, 0] == out.distance[0, 1]
+    assert out.relative_change[1] == pytest.approx(np.linalg.norm(k2 - k1) / np.linalg.norm(k1), rel=1e-8)
+    # centered alignment of the trace kernel with one-hot labels, written out with H
+    trace = np.einsum("nmaa->nm", k1.reshape(5, K, 5, K).transpose(0, 2, 1, 3))
+    onehot = np.eye(3)[labels]
+    h = np.eye(5) - 1 / 5
+    kc, tc = h @ trace @ h, h @ onehot @ onehot.T @ h
+    assert out.alignment is not None
+    assert out.alignment[0] == pytest.approx(np.sum(kc * tc) / (np.linalg.norm(kc) * np.linalg.norm(tc)), rel=1e-8)
+
+
+def test_bad_inputs_get_clear_4xx(live_server: LiveServer, client: Client, versions) -> None:
+    record = versions["record"]
+    x = sample_inputs(record, 4, seed=18)
+    y = np.zeros((4, K))
+    with pytest.raises(ShapeMismatch, match="send y_train of shape \\(4, 3\\)") as wrong_y:
+        client.predict("analysis-mlp", x, np.zeros((3, K)), times=[1.0], learning_rate=0.1)
+    assert wrong_y.value.http_status == 422
+    with pytest.raises(InvalidInput, match="times must be ≥ 0"):
+        client.predict("analysis-mlp", x, y, times=[-1.0], learning_rate=0.1)
+    with pytest.raises(UnstableLearningRate, match="above the stable limit") as unstable:
+        client.predict("analysis-mlp", x, y, times=[3], learning_rate=1e6, flow="gradient_descent")
+    assert unstable.value.http_status == 422 and "Use learning_rate <" in unstable.value.message
+    with pytest.raises(InvalidInput, match="give both or neither"):
+        client.compare("analysis-mlp", x, versions=[1, 2], variant="centered")
+    with pytest.raises(ModelNotFound):
+        client.spectrum("no-such-model", x)
+    with live_server.client("write") as http:
+        other = {**TINY_ARCHITECTURES["mlp"], "hidden": [5]}
+        assert http.post("/v1/models", json={"name": "analysis-other", "architecture": other}).status_code == 201
+        with pytest.raises(InvalidInput, match="compare versions of one architecture"):
+            client.compare("analysis-mlp", x, versions=[1, {"model": "analysis-other", "version": 1}])
+        big = sample_inputs(record, 1000, seed=19)  # a 3000x3000 float64 eigh: over the 256 MiB budget
+        with pytest.raises(MemoryEstimateExceeded, match="over the memory budget") as refused:
+            client.spectrum("analysis-mlp", big)
+        assert refused.value.http_status == 413 and refused.value.estimate_bytes
+        response = http.post("/v1/models/analysis-mlp/predict", json={"x_train": tensor_json(x), "times": [1]})
+        assert response.status_code == 422 and "needs x_train" in response.json()["error"]["message"]
+        response = http.post("/v1/models/analysis-mlp/spectrum", json={"x": tensor_json(x), "top": 2, "bogus": 1})
+        assert response.status_code == 422 and "bogus" in response.json()["error"]["message"]
