@@ -163,3 +163,52 @@ def test_bad_inputs_get_clear_4xx(live_server: LiveServer, client: Client, versi
         assert response.status_code == 422 and "needs x_train" in response.json()["error"]["message"]
         response = http.post("/v1/models/analysis-mlp/spectrum", json={"x": tensor_json(x), "top": 2, "bogus": 1})
         assert response.status_code == 422 and "bogus" in response.json()["error"]["message"]
+
+
+def test_cli_analyze_and_plot(live_server: LiveServer, client: Client, versions, tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from ntk_service.cli import app
+
+    record, model = versions["record"], versions["models"][2]
+    x, xt = sample_inputs(record, 5, seed=20), sample_inputs(record, 2, seed=21)
+    y = np.random.default_rng(22).standard_normal((5, K))
+    for name, array in {"x": x, "xt": xt, "y": y, "labels": np.array([0, 1, 0, 1, 1])}.items():
+        np.save(tmp_path / f"{name}.npy", array)
+    env = {"NTK_URL": live_server.url, "NTK_API_KEY": live_server.read_key}
+    runner = CliRunner()
+
+    def run(*args: str) -> Any:
+        result = runner.invoke(app, [str(a) for a in args], env=env)
+        assert result.exit_code == 0, f"{result.stdout}\n{result.stderr}"
+        return result
+
+    common = ("--x-train", tmp_path / "x.npy", "--y-train", tmp_path / "y.npy", "--x-test", tmp_path / "xt.npy")
+    run("analyze", "predict", "analysis-mlp", *common, "--times", "0,5,inf", "--learning-rate", "0.05",
+        "-o", tmp_path / "pred.npz")  # fmt: skip
+    saved = np.load(tmp_path / "pred.npz")
+    direct = client.predict("analysis-mlp", x, y, xt, times=[0, 5, math.inf], learning_rate=0.05)
+    np.testing.assert_array_equal(saved["test"], direct.test)
+    np.testing.assert_array_equal(saved["times"], [0, 5, math.inf])
+    run("analyze", "spectrum", "analysis-mlp", "--x", tmp_path / "x.npy", "-o", tmp_path / "eig.npy")
+    want = np.linalg.eigvalsh(_matrix(model, x))[::-1]
+    np.testing.assert_allclose(np.load(tmp_path / "eig.npy"), want, rtol=1e-9, atol=1e-11)
+    out = run("--json", "analyze", "compare", "analysis-mlp", "--x", tmp_path / "x.npy", "--versions", "1,2",
+              "--y", tmp_path / "labels.npy", "--variant", "centered")  # fmt: skip
+    body = json.loads(out.stdout)
+    assert body["distance"][0][1] > 0 and body["versions"][1]["version"] == "analysis-mlp v2"
+    np.save(tmp_path / "theta.npy", reference_ntk(model, torch.from_numpy(x)).numpy())
+    for args in (
+        ("plot", "training", tmp_path / "pred.npz", "-o", tmp_path / "curves.png"),
+        ("plot", "spectrum", tmp_path / "eig.npy", "-o", tmp_path / "spectrum.png"),
+        ("plot", "heatmap", tmp_path / "theta.npy", "-o", tmp_path / "heat.png"),
+    ):
+        run(*args)
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "spectrum.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "heat.png").read_bytes()[:4] == b"\x89PNG"
+    bad = runner.invoke(app, ["analyze", "predict", "analysis-mlp", *map(str, common), "--times", "0,soon",
+                              "--learning-rate", "0.1"], env=env)  # fmt: skip
+    assert bad.exit_code == 2 and "'soon' is not a number" in bad.stderr
