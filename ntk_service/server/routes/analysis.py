@@ -49,6 +49,10 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["analysis"])
 
+_MIN_JSON_BYTES_PER_VALUE = 4
+"""The shortest a float can be in JSON ("0.0,"): an answer whose value count times this exceeds the JSON cap is
+refused before computing."""
+
 _EIGH_WORKSPACE = 3
 """A dense float64 eigh of an n×n matrix holds about 3·n² floats (the copy, the eigenvectors, LAPACK's work)."""
 
@@ -155,6 +159,14 @@ async def predict(
         m = 0 if test is None else test.array.shape[0]
         size = n * k if options.mode == "full" else n
         cross = m * k * n * k if options.mode == "full" else m * n
+        values = (len(options.times) + 1) * (n + m) * k  # train/test at each time, plus f0
+        if values * _MIN_JSON_BYTES_PER_VALUE > settings.max_json_response_bytes:
+            raise PayloadTooLarge(
+                f"{operation}: {values} output values would take at least "
+                f"{format_bytes(values * _MIN_JSON_BYTES_PER_VALUE)} of JSON, over the server's limit of "
+                f"{format_bytes(settings.max_json_response_bytes)} (NTK_MAX_JSON_RESPONSE_BYTES); ask for fewer "
+                "times or fewer examples per request"
+            )
         _check_budget(
             8 * ((1 + _EIGH_WORKSPACE) * size * size + cross),
             settings.memory_budget_bytes,

@@ -17,6 +17,7 @@ from ntk_service.errors import (
     InvalidInput,
     MemoryEstimateExceeded,
     ModelNotFound,
+    PayloadTooLarge,
     ShapeMismatch,
     UnstableLearningRate,
 )
@@ -146,6 +147,10 @@ def test_bad_inputs_get_clear_4xx(live_server: LiveServer, client: Client, versi
     with pytest.raises(UnstableLearningRate, match="above the stable limit") as unstable:
         client.predict("analysis-mlp", x, y, times=[3], learning_rate=1e6, flow="gradient_descent")
     assert unstable.value.http_status == 422 and "Use learning_rate <" in unstable.value.message
+    x8 = sample_inputs(record, 8, seed=23)
+    with pytest.raises(PayloadTooLarge, match="ask for fewer times") as too_big:  # 1000 times: over the 64 KiB cap
+        client.predict("analysis-mlp", x8, np.zeros((8, K)), times=list(range(1000)), learning_rate=0.1)
+    assert too_big.value.http_status == 413
     with pytest.raises(InvalidInput, match="give both or neither"):
         client.compare("analysis-mlp", x, versions=[1, 2], variant="centered")
     with pytest.raises(ModelNotFound):
@@ -212,3 +217,11 @@ def test_cli_analyze_and_plot(live_server: LiveServer, client: Client, versions,
     bad = runner.invoke(app, ["analyze", "predict", "analysis-mlp", *map(str, common), "--times", "0,soon",
                               "--learning-rate", "0.1"], env=env)  # fmt: skip
     assert bad.exit_code == 2 and "'soon' is not a number" in bad.stderr
+
+
+def test_openapi_documents_the_analysis_bodies(live_server: LiveServer) -> None:
+    with live_server.client(None) as http:
+        spec = http.get("/openapi.json").json()
+    for route, field in (("predict", "y_train"), ("spectrum", "top"), ("compare", "versions")):
+        body = spec["paths"][f"/v1/models/{{name}}/{route}"]["post"]["requestBody"]["content"]
+        assert field in body["application/json"]["schema"]["properties"]
