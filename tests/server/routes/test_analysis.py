@@ -5,6 +5,7 @@ written out by hand (plain gradient-descent loops, numpy eigvalsh, the distance 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -225,3 +226,46 @@ def test_openapi_documents_the_analysis_bodies(live_server: LiveServer) -> None:
     for route, field in (("predict", "y_train"), ("spectrum", "top"), ("compare", "versions")):
         body = spec["paths"][f"/v1/models/{{name}}/{route}"]["post"]["requestBody"]["content"]
         assert field in body["application/json"]["schema"]["properties"]
+
+
+def _job(http: Any, dataset: str, version: int, **extra: Any) -> str:
+    body = {"model": "analysis-mlp", "version": version, "x1": {"dataset": dataset}, "mode": "full",
+            "dtype": "float64", "tile_size": 4, **extra}  # fmt: skip
+    response = http.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    for _ in range(1200):
+        job = http.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] != "queued" and job["status"] != "running":
+            assert job["status"] == "succeeded", job
+            return str(job_id)
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish")
+
+
+def test_analyses_of_stored_job_kernels(live_server: LiveServer, versions) -> None:
+    record, models = versions["record"], versions["models"]
+    x = sample_inputs(record, 10, seed=24)
+    with live_server.client("write") as http:
+        with Client(live_server.url, api_key=live_server.write_key) as writer:
+            dataset = writer.upload_dataset(x)["id"]
+        first, second = _job(http, dataset, 1), _job(http, dataset, 2)  # symmetric: 6 of 9 tiles stored
+        k1, k2 = _matrix(models[1], x), _matrix(models[2], x)
+        body = http.post(f"/v1/jobs/{first}/spectrum", json={"top": 4}).json()
+        np.testing.assert_allclose(body["eigenvalues"]["data"], np.linalg.eigvalsh(k1)[::-1][:4], rtol=1e-9)
+        assert body["method"] == "lanczos"
+        dense = http.post(f"/v1/jobs/{first}/spectrum", json={"top": None}).json()
+        assert dense["method"] == "eigh" and dense["n"] == 30
+        y = np.random.default_rng(25).standard_normal((10, K))
+        body = http.post(f"/v1/jobs/{first}/alignment", json={"y": tensor_json(y), "variant": "rayleigh"}).json()
+        assert body["alignment"] == pytest.approx(y.reshape(-1) @ k1 @ y.reshape(-1) / np.sum(y * y), rel=1e-9)
+        body = http.post(f"/v1/jobs/{first}/distance", json={"other": second}).json()
+        want = 1 - np.sum(k1 * k2) / (np.linalg.norm(k1) * np.linalg.norm(k2))
+        assert body["distance"] == pytest.approx(want, rel=1e-8)
+        assert body["relative_change"] == pytest.approx(np.linalg.norm(k2 - k1) / np.linalg.norm(k1), rel=1e-9)
+        trace_job = _job(http, dataset, 1, mode="trace")
+        mismatch = http.post(f"/v1/jobs/{first}/distance", json={"other": trace_job})
+        assert mismatch.status_code == 422 and "same inputs in the same mode" in mismatch.json()["error"]["message"]
+        missing = http.post(f"/v1/jobs/{first}/alignment", json={"variant": "centered"})
+        assert missing.status_code == 422 and "needs y" in missing.json()["error"]["message"]
+        assert http.post("/v1/jobs/nope/spectrum", json={}).status_code == 404
