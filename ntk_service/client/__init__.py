@@ -17,7 +17,15 @@ from ntk_service.client._base import (
     DEFAULT_TIMEOUT_S,
     TransportFormat,
 )
-from ntk_service.client._client import Client, KernelComparison, KernelResult, KernelSpectrum, LinearizedPrediction
+from ntk_service.client._client import (
+    Client,
+    JobKernelDistance,
+    JobKernelSpectrum,
+    KernelComparison,
+    KernelResult,
+    KernelSpectrum,
+    LinearizedPrediction,
+)
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
@@ -25,6 +33,8 @@ __all__ = [
     "DEFAULT_MAX_RETRY_WAIT_S",
     "DEFAULT_TIMEOUT_S",
     "Client",
+    "JobKernelDistance",
+    "JobKernelSpectrum",
     "KernelComparison",
     "KernelResult",
     "KernelSpectrum",

@@ -23,7 +23,14 @@ import numpy as np
 from ntk_service import wire
 from ntk_service.client._base import BaseClient
 
-__all__ = ["AnalysisClient", "KernelComparison", "KernelSpectrum", "LinearizedPrediction"]
+__all__ = [
+    "AnalysisClient",
+    "JobKernelDistance",
+    "JobKernelSpectrum",
+    "KernelComparison",
+    "KernelSpectrum",
+    "LinearizedPrediction",
+]
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,33 @@ class KernelComparison:
     alignment: np.ndarray | None
     variant: str | None
     kernel_ms: float
+    analysis_ms: float
+
+
+@dataclass(frozen=True)
+class JobKernelSpectrum:
+    """``/v1/jobs/{id}/spectrum``: eigenvalues (descending) of a finished job's stored kernel.
+
+    Attributes:
+        eigenvalues: (r,). n: the matrix size. method: "lanczos" (row reads) or "eigh" (loaded whole).
+        lambda_min, condition_number: None for a partial (top-r) spectrum.
+    """
+
+    eigenvalues: np.ndarray
+    n: int
+    method: str
+    lambda_max: float
+    lambda_min: float | None
+    condition_number: float | None
+    analysis_ms: float
+
+
+@dataclass(frozen=True)
+class JobKernelDistance:
+    """``/v1/jobs/{id}/distance``: kernel distance (Fort et al.) and ‖K_other − K‖ / ‖K‖ between two jobs."""
+
+    distance: float
+    relative_change: float
     analysis_ms: float
 
 
@@ -283,6 +317,44 @@ class AnalysisClient(BaseClient):
             kernel_ms=float(out["kernel_ms"]),
             analysis_ms=float(out["analysis_ms"]),
         )
+
+    # ---- a finished job's stored kernel ----
+
+    def job_spectrum(self, job_id: str, *, top: int | None = 20, method: str = "auto") -> JobKernelSpectrum:
+        """The top eigenvalues of a finished job's kernel (Lanczos over row reads; ``top=None``: all, dense).
+
+        Raises:
+            JobNotFound, JobNotFinished (409), ShapeMismatch (a job with x2), MemoryEstimateExceeded.
+        """
+        out = self._send_json("POST", _job_path(job_id, "spectrum"), {"top": top, "method": method})
+        condition = out.get("condition_number")
+        return JobKernelSpectrum(
+            eigenvalues=_tensor(out, "eigenvalues"),
+            n=int(out["n"]),
+            method=str(out["method"]),
+            lambda_max=float(out["lambda_max"]),
+            lambda_min=None if out.get("lambda_min") is None else float(out["lambda_min"]),
+            condition_number=None if condition is None else _inf(condition),
+            analysis_ms=float(out["analysis_ms"]),
+        )
+
+    def job_alignment(self, job_id: str, y: Any, *, variant: str) -> float:
+        """The alignment of a finished job's kernel with labels (N,) int or targets (N, c), streamed by rows."""
+        body = {"y": wire.tensor_to_json(np.asarray(y)), "variant": variant}
+        return float(self._send_json("POST", _job_path(job_id, "alignment"), body)["alignment"])
+
+    def job_distance(self, job_id: str, other: str) -> JobKernelDistance:
+        """Kernel distance and relative change between two finished jobs' kernels (same shape), streamed."""
+        out = self._send_json("POST", _job_path(job_id, "distance"), {"other": other})
+        return JobKernelDistance(
+            distance=float(out["distance"]),
+            relative_change=float(out["relative_change"]),
+            analysis_ms=float(out["analysis_ms"]),
+        )
+
+
+def _job_path(job_id: str, what: str) -> str:
+    return f"/v1/jobs/{quote(job_id, safe='')}/{what}"
 
 
 def _json_time(value: float) -> float | str:

@@ -24,12 +24,27 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._analysis import AnalysisClient, KernelComparison, KernelSpectrum, LinearizedPrediction
+from ntk_service.client._analysis import (
+    AnalysisClient,
+    JobKernelDistance,
+    JobKernelSpectrum,
+    KernelComparison,
+    KernelSpectrum,
+    LinearizedPrediction,
+)
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
 from ntk_service.client._jobs import JobsClient
 from ntk_service.errors import NtkServiceError
 
-__all__ = ["Client", "KernelComparison", "KernelResult", "KernelSpectrum", "LinearizedPrediction"]
+__all__ = [
+    "Client",
+    "JobKernelDistance",
+    "JobKernelSpectrum",
+    "KernelComparison",
+    "KernelResult",
+    "KernelSpectrum",
+    "LinearizedPrediction",
+]
 
 _DATASET_REF_KEYS = frozenset({"dataset", "start", "stop"})
 

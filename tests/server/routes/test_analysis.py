@@ -251,18 +251,19 @@ def test_analyses_of_stored_job_kernels(live_server: LiveServer, versions) -> No
             dataset = writer.upload_dataset(x)["id"]
         first, second = _job(http, dataset, 1), _job(http, dataset, 2)  # symmetric: 6 of 9 tiles stored
         k1, k2 = _matrix(models[1], x), _matrix(models[2], x)
-        body = http.post(f"/v1/jobs/{first}/spectrum", json={"top": 4}).json()
-        np.testing.assert_allclose(body["eigenvalues"]["data"], np.linalg.eigvalsh(k1)[::-1][:4], rtol=1e-9)
-        assert body["method"] == "lanczos"
-        dense = http.post(f"/v1/jobs/{first}/spectrum", json={"top": None}).json()
-        assert dense["method"] == "eigh" and dense["n"] == 30
-        y = np.random.default_rng(25).standard_normal((10, K))
-        body = http.post(f"/v1/jobs/{first}/alignment", json={"y": tensor_json(y), "variant": "rayleigh"}).json()
-        assert body["alignment"] == pytest.approx(y.reshape(-1) @ k1 @ y.reshape(-1) / np.sum(y * y), rel=1e-9)
-        body = http.post(f"/v1/jobs/{first}/distance", json={"other": second}).json()
+        with Client(live_server.url, api_key=live_server.read_key) as reader:
+            top = reader.job_spectrum(first, top=4)
+            dense = reader.job_spectrum(first, top=None)
+            y = np.random.default_rng(25).standard_normal((10, K))
+            aligned = reader.job_alignment(first, y, variant="rayleigh")
+            moved = reader.job_distance(first, second)
+        np.testing.assert_allclose(top.eigenvalues, np.linalg.eigvalsh(k1)[::-1][:4], rtol=1e-9)
+        assert top.method == "lanczos" and dense.method == "eigh" and dense.n == 30
+        np.testing.assert_allclose(dense.eigenvalues, np.linalg.eigvalsh(k1)[::-1], rtol=1e-9, atol=1e-11)
+        assert aligned == pytest.approx(y.reshape(-1) @ k1 @ y.reshape(-1) / np.sum(y * y), rel=1e-9)
         want = 1 - np.sum(k1 * k2) / (np.linalg.norm(k1) * np.linalg.norm(k2))
-        assert body["distance"] == pytest.approx(want, rel=1e-8)
-        assert body["relative_change"] == pytest.approx(np.linalg.norm(k2 - k1) / np.linalg.norm(k1), rel=1e-9)
+        assert moved.distance == pytest.approx(want, rel=1e-8)
+        assert moved.relative_change == pytest.approx(np.linalg.norm(k2 - k1) / np.linalg.norm(k1), rel=1e-9)
         trace_job = _job(http, dataset, 1, mode="trace")
         mismatch = http.post(f"/v1/jobs/{first}/distance", json={"other": trace_job})
         assert mismatch.status_code == 422 and "same inputs in the same mode" in mismatch.json()["error"]["message"]
