@@ -136,6 +136,20 @@ def test_compare_versions(client: Client, versions) -> None:
     assert out.alignment[0] == pytest.approx(np.sum(kc * tc) / (np.linalg.norm(kc) * np.linalg.norm(tc)), rel=1e-8)
 
 
+def test_data_set_slices_as_inputs(live_server: LiveServer, client: Client, versions) -> None:
+    record = versions["record"]
+    x = sample_inputs(record, 9, seed=26)
+    with Client(live_server.url, api_key=live_server.write_key) as writer:
+        ref = {"dataset": writer.upload_dataset(x)["id"], "start": 2, "stop": 8}
+    inline = client.compare("analysis-mlp", x[2:8], versions=[1, 2])
+    stored = client.compare("analysis-mlp", ref, versions=[1, 2])  # each version keys the slice by itself
+    np.testing.assert_allclose(stored.distance, inline.distance, rtol=1e-12, atol=1e-15)
+    assert stored.distance[0, 1] > 0
+    s = client.spectrum("analysis-mlp", ref, version=1)
+    np.testing.assert_allclose(s.eigenvalues, np.linalg.eigvalsh(_matrix(versions["models"][1], x[2:8]))[::-1],
+                               rtol=1e-9, atol=1e-11)  # fmt: skip
+
+
 def test_bad_inputs_get_clear_4xx(live_server: LiveServer, client: Client, versions) -> None:
     record = versions["record"]
     x = sample_inputs(record, 4, seed=18)
