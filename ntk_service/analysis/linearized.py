@@ -103,14 +103,14 @@ def max_learning_rate(
     Args:
         k_train_train: (N, N, k, k) FULL or (N, N) TRACE kernel (read as trace / k ⊗ I_k).
         loss (str): "mse" | "sum" | "half_mse". Default: "mse".
-        n_outputs (int | None): k for a TRACE kernel. Default: None (1 output).
+        n_outputs (int | None): k, required for a TRACE kernel (ignored for FULL). Default: None.
         mode: checked against the shape. Default: inferred.
 
     Returns:
         The limit η*; ``inf`` for a kernel with no positive eigenvalue.
 
     Raises:
-        ShapeMismatch: a non-square kernel. InvalidInput: an unknown loss.
+        ShapeMismatch: a non-square kernel. InvalidInput: an unknown loss, a TRACE kernel without n_outputs.
     """
     kernel = to_kernel_matrix(
         k_train_train,
@@ -121,7 +121,12 @@ def max_learning_rate(
         symmetrize=True,
         trace_outputs=n_outputs,
     )
-    k = kernel.k if kernel.k is not None else (n_outputs or 1)
+    if kernel.k is None and n_outputs is None:
+        raise InvalidInput(
+            "max_learning_rate: a TRACE kernel does not say how many outputs it summed; pass n_outputs=k "
+            "(the limit scales with k² through trace / k and the loss's mean over N·k entries)"
+        )
+    k = kernel.k if kernel.k is not None else int(n_outputs or 1)
     lambda_max = float(np.linalg.eigvalsh(kernel.matrix)[-1])
     return _stable_limit(lambda_max, loss_scale(loss, kernel.n * k))
 

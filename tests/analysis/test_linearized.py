@@ -210,6 +210,15 @@ def test_max_learning_rate_is_the_edge_of_stability(features: Features) -> None:
     assert converged.max_learning_rate == pytest.approx(limit)
 
 
+def test_max_learning_rate_of_a_trace_kernel_needs_k(features: Features) -> None:
+    trace = np.einsum("nmaa->nm", features.theta)
+    with pytest.raises(InvalidInput, match="pass n_outputs=k"):
+        max_learning_rate(trace)
+    lam = np.linalg.eigvalsh(np.kron(trace / 3, np.eye(3)))[-1]
+    assert max_learning_rate(trace, n_outputs=3) == pytest.approx(21 / lam, rel=1e-12)
+    assert max_learning_rate(trace, n_outputs=3, loss="sum") == pytest.approx(1 / lam, rel=1e-12)
+
+
 def test_bad_inputs_are_refused(features: Features) -> None:
     y = np.zeros((7, 3))
     with pytest.raises(InvalidInput, match="times must be ≥ 0"):
