@@ -50,7 +50,10 @@ ARCHITECTURE = {"family": "mlp", "input_dim": 784, "hidden": [512, 512], "output
 def bench_predict(n: int, m: int, full_n: int, rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server = start_live_server(
-            Path(tmp) / "data", max_json_response_bytes=str(1024 * 2**20), compute_concurrency="1"
+            Path(tmp) / "data",
+            max_json_response_bytes=str(1024 * 2**20),
+            compute_concurrency="1",
+            side_cache_bytes="0",  # every round computes both sides, as a first request would
         )
         try:
             with Client(server.url, api_key=server.write_key, timeout=3600) as client:
