@@ -226,13 +226,10 @@ async def predict(
             "analysis_ms": round(analysis_s * 1000, 3),
         }
 
-    body = await limiter.run(run, operation=operation)
-    return _respond(
-        body,
-        settings.max_json_response_bytes,
-        operation=operation,
-        hint="ask for fewer times or fewer test examples per request",
-    )
+    hint = "ask for fewer times or fewer test examples per request"
+    cap = settings.max_json_response_bytes
+    # encoded in the worker thread too: each hop back to the loop with a big body would stall it
+    return await limiter.run(lambda: _respond(run(), cap, operation=operation, hint=hint), operation=operation)
 
 
 @router.post(
@@ -311,8 +308,9 @@ async def kernel_spectrum(
         }
         return body
 
-    body = await limiter.run(run, operation=operation)
-    return _respond(body, settings.max_json_response_bytes, operation=operation, hint="ask for the top eigenvalues")
+    cap = settings.max_json_response_bytes
+    hint = "ask for the top eigenvalues"
+    return await limiter.run(lambda: _respond(run(), cap, operation=operation, hint=hint), operation=operation)
 
 
 def _rekey(x: _Input, record: ModelRecord) -> _Input:
@@ -417,5 +415,6 @@ async def compare(
             "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
         }
 
-    body = await limiter.run(run, operation=operation)
-    return _respond(body, settings.max_json_response_bytes, operation=operation, hint="compare fewer versions")
+    cap = settings.max_json_response_bytes
+    hint = "compare fewer versions"
+    return await limiter.run(lambda: _respond(run(), cap, operation=operation, hint=hint), operation=operation)

@@ -150,6 +150,25 @@ def test_data_set_slices_as_inputs(live_server: LiveServer, client: Client, vers
                                rtol=1e-9, atol=1e-11)  # fmt: skip
 
 
+@pytest.mark.parametrize("family", ["cnn", "transformer"])
+def test_other_families(live_server: LiveServer, client: Client, family: str) -> None:
+    name = f"analysis-{family}"
+    with live_server.client("write") as http:
+        record = http.post("/v1/models", json={"name": name, "architecture": TINY_ARCHITECTURES[family]}).json()
+        model = rebuild(record, http.get(f"/v1/models/{name}/versions/1/weights").content).double()
+    x = sample_inputs(record, 3, seed=27)
+    k = record["output_dim"]
+    out = client.predict(name, x, np.zeros((3, k)), times=[0], learning_rate=0.1)
+    xt = torch.from_numpy(x).double() if x.dtype.kind == "f" else torch.from_numpy(x)
+    with torch.no_grad():
+        np.testing.assert_allclose(out.f0_train, model(xt).numpy(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(out.train[0], out.f0_train, rtol=0, atol=1e-12)  # t = 0: the network outputs
+    theta = reference_ntk(model, torch.from_numpy(x)).numpy().transpose(0, 2, 1, 3).reshape(3 * k, 3 * k)
+    np.testing.assert_allclose(
+        client.spectrum(name, x).eigenvalues, np.linalg.eigvalsh(theta)[::-1], rtol=1e-8, atol=1e-10
+    )
+
+
 def test_bad_inputs_get_clear_4xx(live_server: LiveServer, client: Client, versions) -> None:
     record = versions["record"]
     x = sample_inputs(record, 4, seed=18)
