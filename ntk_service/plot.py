@@ -159,9 +159,11 @@ def plot_training(
     positive = t[np.isfinite(t) & (t > 0)]
     if positive.size and positive.max() / positive.min() > 100:  # steps 1..1000: a log-like axis, 0 kept linear
         ax.set_xscale("symlog", linthresh=float(positive.min()))
+        ax.set_xlim(left=0, right=float(positive.max()) * 1.1)  # times are ≥ 0: no empty negative half
     ax.set_xlabel(time_label)
     ax.set_ylabel("output")
-    ax.set_title(title or ("linearized vs given outputs" if other is not None else "linearized outputs"))
+    heading = title or ("linearized vs given outputs" if other is not None else "linearized outputs")
+    ax.set_title(heading + (" (dotted: t = ∞)" if np.any(np.isinf(t)) else ""))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over the curves
     return fig
