@@ -49,9 +49,11 @@ class SymmetricEigen:
 
     @classmethod
     def of(cls, matrix: np.ndarray, *, rcond: float | None = DEFAULT_RCOND) -> SymmetricEigen:
-        """Decompose ``matrix`` (symmetrized first). Cost O(n³) time, 3·n² floats of memory."""
-        sym = (matrix + matrix.T) / 2
-        eigenvalues, eigenvectors = np.linalg.eigh(sym)
+        """Decompose a symmetric ``matrix`` (only its lower triangle is read, as LAPACK does).
+
+        Cost O(n³) time; memory ~3·n² floats beside the input (LAPACK's copy, the eigenvectors, its workspace).
+        """
+        eigenvalues, eigenvectors = np.linalg.eigh(matrix)
         return cls(eigenvalues, eigenvectors, eigen_tolerance(eigenvalues, rcond))
 
     @property

@@ -21,7 +21,7 @@ import numpy as np
 import scipy.linalg
 
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
-from ntk_service.analysis.layout import to_kernel_matrix, to_targets
+from ntk_service.analysis.layout import add_to_diagonal, to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
 from ntk_service.errors import ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
@@ -62,7 +62,7 @@ def _solver(matrix: np.ndarray, rcond: float | None) -> tuple[Any, float, str, f
     scale = scale if scale > 0 else 1.0
     for jitter in (0.0, *(j * scale for j in _JITTERS)):
         try:
-            factor = scipy.linalg.cho_factor(matrix + jitter * np.eye(matrix.shape[0]), lower=True)
+            factor = scipy.linalg.cho_factor(add_to_diagonal(matrix, jitter), lower=True, overwrite_a=True)
         except np.linalg.LinAlgError:
             continue
 
@@ -126,7 +126,8 @@ def gp_inference(
             f"{train.n} (k = {train.k}); pass Θ(x_test, x_train)"
         )
     lam = ridge_value(train.matrix, ridge, ridge_scale, operation=_OPERATION)
-    matrix = train.matrix + lam * np.eye(train.matrix.shape[0])
+    matrix = train.matrix  # our own copy (to_kernel_matrix): the ridge goes on in place
+    matrix[np.diag_indices_from(matrix)] += lam
     solve, jitter, solver, lambda_min = _solver(matrix, rcond)
     full = train.mode is KernelMode.FULL
     rhs = y.reshape(-1, 1) if full else y

@@ -241,9 +241,8 @@ def linearized_predictions(
     k = y.shape[1]
     f0 = np.zeros_like(y) if f0_train is None else to_targets(f0_train, n=n, k=k, name="f0_train", operation=_OPERATION)
     c = loss_scale(loss, n * k)
-    matrix = kernel.matrix + ridge_value(kernel.matrix, ridge, ridge_scale, operation=_OPERATION) * np.eye(
-        kernel.matrix.shape[0]
-    )
+    matrix = kernel.matrix  # a fresh array of ours (to_kernel_matrix copies): the ridge goes on in place
+    matrix[np.diag_indices_from(matrix)] += ridge_value(matrix, ridge, ridge_scale, operation=_OPERATION)
     eig = SymmetricEigen.of(matrix, rcond=rcond)
     limit = _stable_limit(eig.lambda_max, c)
     if flow == "gradient_descent" and learning_rate > limit:

@@ -149,8 +149,9 @@ def spectrum(
     operator = _as_operator(kernel)
     matrix = None
     if operator is None:
-        matrix = to_kernel_matrix(kernel, name="kernel", operation=_OPERATION, mode=mode, square=True).matrix
-        matrix = (matrix + matrix.T) / 2
+        matrix = to_kernel_matrix(
+            kernel, name="kernel", operation=_OPERATION, mode=mode, square=True, symmetrize=True
+        ).matrix
         n = matrix.shape[0]
     else:
         if len(operator.shape) != 2 or operator.shape[0] != operator.shape[1]:

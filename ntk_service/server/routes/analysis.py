@@ -19,6 +19,7 @@ from starlette.responses import Response
 from torch.func import functional_call
 
 from ntk_service import analysis, wire
+from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import (
     InvalidInput,
     MalformedRequest,
@@ -53,8 +54,13 @@ _MIN_JSON_BYTES_PER_VALUE = 4
 """The shortest a float can be in JSON ("0.0,"): an answer whose value count times this exceeds the JSON cap is
 refused before computing."""
 
-_EIGH_WORKSPACE = 3
-"""A dense float64 eigh of an n×n matrix holds about 3·n² floats (the copy, the eigenvectors, LAPACK's work)."""
+_PREDICT_COPIES = 5
+"""n×n float64 arrays alive at the peak of /predict: the engine's kernel, the analysis's matrix, and eigh's copy,
+eigenvectors and workspace (LAPACK's divide and conquer needs ~2·n² more); Θ(test, train) counts twice (the
+engine's and the matrix)."""
+
+_SPECTRUM_COPIES = {"eigh": 3, "lanczos": 2}
+"""n×n float64 arrays alive in /spectrum: the engine's kernel and the matrix, plus eigvalsh's copy for eigh."""
 
 
 async def _read(request: Request, tensors: tuple[str, ...], *, operation: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -168,7 +174,7 @@ async def predict(
                 "times or fewer examples per request"
             )
         _check_budget(
-            8 * ((1 + _EIGH_WORKSPACE) * size * size + cross),
+            8 * (_PREDICT_COPIES * size * size + 2 * cross),
             settings.memory_budget_bytes,
             what=f"the analysis of a {size}x{size} kernel",
             operation=operation,
@@ -259,9 +265,9 @@ async def kernel_spectrum(
         record = registry.get(name, options.version)
         x = _side(raw["x"], "x", record, datasets, operation)
         size = x.array.shape[0] * (record.output_dim if options.mode == "full" else 1)
-        workspace = 1 + (_EIGH_WORKSPACE if options.top is None or options.method == "eigh" else 1)
+        dense = options.top is None or options.method == "eigh" or (options.method == "auto" and size <= DENSE_MAX_SIZE)
         _check_budget(
-            8 * workspace * size * size,
+            8 * _SPECTRUM_COPIES["eigh" if dense else "lanczos"] * size * size,
             settings.memory_budget_bytes,
             what=f"the spectrum of a {size}x{size} kernel",
             operation=operation,
