@@ -194,7 +194,7 @@ def test_bad_inputs_get_clear_4xx(live_server: LiveServer, client: Client, versi
         assert http.post("/v1/models", json={"name": "analysis-other", "architecture": other}).status_code == 201
         with pytest.raises(InvalidInput, match="compare versions of one architecture"):
             client.compare("analysis-mlp", x, versions=[1, {"model": "analysis-other", "version": 1}])
-        big = sample_inputs(record, 1000, seed=19)  # a 3000x3000 float64 eigh: over the 256 MiB budget
+        big = sample_inputs(record, 1200, seed=19)  # a 3600x3600 float64 eigh (3 copies): over the 256 MiB budget
         with pytest.raises(MemoryEstimateExceeded, match="over the memory budget") as refused:
             client.spectrum("analysis-mlp", big)
         assert refused.value.http_status == 413 and refused.value.estimate_bytes
