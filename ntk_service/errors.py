@@ -13,7 +13,8 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     │   ├── UnknownImplementation         422
     │   ├── NoMatchingParameters          422
     │   ├── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
-    │   └── UnknownLayer                  422  a ``layer`` that is not a module of the model
+    │   ├── UnknownLayer                  422  a ``layer`` that is not a module of the model
+    │   └── UnstableLearningRate          422  gradient descent above the stable limit (message gives it)
     ├── MalformedRequest                  400  the body cannot be parsed at all
     ├── UnsupportedMediaType              415
     ├── NotAcceptable                     406  e.g. a JSON response over the size cap
@@ -73,6 +74,7 @@ __all__ = [
     "UnknownLayer",
     "UnknownMode",
     "UnsupportedMediaType",
+    "UnstableLearningRate",
     "UnsupportedModel",
     "error_class_for",
     "format_bytes",
@@ -134,6 +136,12 @@ class UnknownLayer(InvalidInput):
     """A named layer (``compute_nngp(layer=...)``) is not a module of the model."""
 
     error_type = "unknown_layer"
+
+
+class UnstableLearningRate(InvalidInput):
+    """Gradient descent on the linearized model at a step above 2 / (c · λmax): it would diverge."""
+
+    error_type = "unstable_learning_rate"
 
 
 class MalformedRequest(NtkServiceError):

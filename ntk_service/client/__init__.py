@@ -17,7 +17,15 @@ from ntk_service.client._base import (
     DEFAULT_TIMEOUT_S,
     TransportFormat,
 )
-from ntk_service.client._client import Client, KernelResult
+from ntk_service.client._client import (
+    Client,
+    JobKernelDistance,
+    JobKernelSpectrum,
+    KernelComparison,
+    KernelResult,
+    KernelSpectrum,
+    LinearizedPrediction,
+)
 from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
 from ntk_service.client._results import RemoteResult
 
@@ -27,7 +35,12 @@ __all__ = [
     "DEFAULT_MAX_RETRY_WAIT_S",
     "DEFAULT_TIMEOUT_S",
     "Client",
+    "JobKernelDistance",
+    "JobKernelSpectrum",
+    "KernelComparison",
     "KernelResult",
+    "KernelSpectrum",
+    "LinearizedPrediction",
     "MonteCarloKernel",
     "NngpKernel",
     "RemoteResult",

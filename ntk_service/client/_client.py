@@ -24,12 +24,28 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
+from ntk_service.client._analysis import (
+    AnalysisClient,
+    JobKernelDistance,
+    JobKernelSpectrum,
+    KernelComparison,
+    KernelSpectrum,
+    LinearizedPrediction,
+)
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
 from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
 from ntk_service.errors import NtkServiceError
 
-__all__ = ["Client", "KernelResult"]
+__all__ = [
+    "Client",
+    "JobKernelDistance",
+    "JobKernelSpectrum",
+    "KernelComparison",
+    "KernelResult",
+    "KernelSpectrum",
+    "LinearizedPrediction",
+]
 
 _DATASET_REF_KEYS = frozenset({"dataset", "start", "stop"})
 
@@ -61,7 +77,7 @@ class KernelResult:
     elapsed_ms: float
 
 
-class Client(KernelFamilyClient, JobsClient):
+class Client(KernelFamilyClient, JobsClient, AnalysisClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).

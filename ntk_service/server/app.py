@@ -27,7 +27,17 @@ from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
 from ntk_service.server.errors import install_error_handlers
 from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
-from ntk_service.server.routes import architectures, datasets, health, jobs, kernel_family, kernels, models
+from ntk_service.server.routes import (
+    analysis,
+    architectures,
+    datasets,
+    health,
+    job_analysis,
+    jobs,
+    kernel_family,
+    kernels,
+    models,
+)
 
 __all__ = ["check_bind_address", "create_app", "serve"]
 
@@ -116,7 +126,10 @@ def create_app(settings: Settings) -> FastAPI:
     # add_middleware puts the newest outermost: metrics see every response, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    routers = [module.router for module in (health, architectures, models, datasets, kernels, kernel_family, jobs)]
+    routers = [
+        module.router
+        for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
+    ]
     for router in routers:
         app.include_router(router)
     # FastAPI wraps included routers lazily; keep the plain routes for the 405 handler's Allow header.

@@ -1,0 +1,55 @@
+"""What researchers compute from Θ: linearized training, GP inference, spectrum, alignment, kernel distance.
+
+float64 numpy/scipy linear algebra on the kernels ``compute_ntk`` returns (numpy or torch, FULL (N, M, k, k) or
+TRACE (N, M), the mode inferred from the rank), or on operators and stored kernels where only products or
+tiles are needed. No HTTP, no SQL. The conventions that decide whether numbers match (layout, the TRACE reading,
+losses and time scales, ridge, non-positive modes) are NOTEs in ``layout``, ``linearized``, ``ridge``, ``eigen``
+and ``gp``, and docs/analysis.md.
+
+    >>> theta = compute_ntk(model, x_train).theta                        # (N, N, k, k)  # doctest: +SKIP
+    >>> as_matrix(theta).shape                                          # (N·k, N·k), row n·k + a
+    >>> out = linearized_predictions(theta, y, times=[0, 100, math.inf], learning_rate=0.1)
+    >>> out.train.shape                                                 # (3, N, k)
+    >>> spectrum(theta, top=20).eigenvalues                             # (20,) descending
+    >>> alignment(theta, labels, variant="centered")                    # float
+"""
+
+from __future__ import annotations
+
+from ntk_service.analysis.alignment import Variant, alignment
+from ntk_service.analysis.distance import kernel_distance, relative_change
+from ntk_service.analysis.gp import GpPosterior, gp_inference
+from ntk_service.analysis.layout import as_matrix
+from ntk_service.analysis.linearized import (
+    Flow,
+    LinearizedPredictions,
+    Loss,
+    linearized_predictions,
+    loss_scale,
+    max_learning_rate,
+)
+from ntk_service.analysis.ridge import RidgeScale
+from ntk_service.analysis.spectrum import Method, Spectrum, spectrum, stored_kernel_operator
+from ntk_service.analysis.tiles import KernelTile
+
+__all__ = [
+    "Flow",
+    "GpPosterior",
+    "KernelTile",
+    "LinearizedPredictions",
+    "Loss",
+    "Method",
+    "RidgeScale",
+    "Spectrum",
+    "Variant",
+    "alignment",
+    "as_matrix",
+    "gp_inference",
+    "kernel_distance",
+    "linearized_predictions",
+    "loss_scale",
+    "max_learning_rate",
+    "relative_change",
+    "spectrum",
+    "stored_kernel_operator",
+]

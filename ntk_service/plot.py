@@ -1,0 +1,183 @@
+"""Pictures of what Θ says: a kernel heatmap, a spectrum on a log scale, training curves (``pip install
+'ntk-service[plot]'`` for matplotlib).
+
+Each function returns a ``matplotlib.figure.Figure`` built without pyplot (no global figure state, no display
+backend), so it works in servers, scripts and notebooks alike; ``save_figure`` writes a PNG.
+
+    >>> fig = plot_kernel(theta)                     # (N, N, k, k) -> the (N·k, N·k) matrix   # doctest: +SKIP
+    >>> save_figure(plot_spectrum(spectrum(theta).eigenvalues), "spectrum.png")             # doctest: +SKIP
+    >>> save_figure(plot_training(pred.times, pred.test, given_times, given_test), "curves.png")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ntk_service.analysis import as_matrix
+from ntk_service.errors import InvalidInput, OptionalDependencyMissing, ShapeMismatch
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["DEFAULT_MAX_CURVES", "plot_kernel", "plot_spectrum", "plot_training", "save_figure"]
+
+DEFAULT_MAX_CURVES = 6
+"""Training curves drawn by default (examples × outputs, in order): more lines than this stop being readable."""
+
+_DPI = 120
+
+
+def _figure(width: float = 6.0, height: float = 4.5) -> Figure:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise OptionalDependencyMissing(
+            "ntk_service.plot needs matplotlib; install it with pip install 'ntk-service[plot]'"
+        ) from exc
+    return Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
+
+
+def plot_kernel(theta: Any, *, title: str | None = None, symmetric_scale: bool = True) -> Figure:
+    """A heatmap of a kernel as the matrix of NOTE [layout] (``analysis/layout.py``).
+
+    Args:
+        theta: (N, M, k, k) FULL (drawn as (N·k, M·k), row n·k + a) or (N, M) TRACE, numpy or torch.
+        title: the axes title. Default: the shape and the layout.
+        symmetric_scale: a diverging colour map centred on 0 (kernels have signed off-diagonal entries).
+            Default: True.
+
+    Returns:
+        The figure (one image axes and a colour bar).
+    """
+    matrix = as_matrix(theta)
+    fig = _figure(6.0, 5.0)
+    ax = fig.add_subplot()
+    bound = float(np.max(np.abs(matrix))) or 1.0
+    kwargs = {"cmap": "RdBu_r", "vmin": -bound, "vmax": bound} if symmetric_scale else {"cmap": "viridis"}
+    image = ax.imshow(matrix, interpolation="nearest", **kwargs)
+    fig.colorbar(image, ax=ax, shrink=0.85, label="Θ")
+    layout = "rows n·k + a" if np.ndim(theta) == 4 else "trace over outputs"
+    ax.set_title(title or f"kernel {matrix.shape[0]}×{matrix.shape[1]} ({layout})")
+    ax.set_xlabel("column")
+    ax.set_ylabel("row")
+    return fig
+
+
+def plot_spectrum(
+    eigenvalues: Any | Sequence[Any], *, labels: Sequence[str] | None = None, title: str | None = None
+) -> Figure:
+    """Eigenvalues in descending order on a log scale (one curve per spectrum).
+
+    Args:
+        eigenvalues: (r,) eigenvalues, or a list of them to compare (e.g. checkpoints). Non-positive values cannot
+            be drawn on a log axis: they are counted in the legend instead.
+        labels: one per spectrum. Default: "spectrum 1", ...
+        title: Default: "kernel spectrum".
+    """
+    spectra = (
+        [np.asarray(eigenvalues, dtype=np.float64)]
+        if np.ndim(eigenvalues[0]) == 0
+        else [np.asarray(e, dtype=np.float64) for e in eigenvalues]
+    )
+    if labels is not None and len(labels) != len(spectra):
+        raise InvalidInput(f"plot_spectrum: {len(labels)} labels for {len(spectra)} spectra")
+    fig = _figure()
+    ax = fig.add_subplot()
+    for i, values in enumerate(spectra):
+        values = np.sort(values)[::-1]
+        positive = values[values > 0]
+        label = labels[i] if labels is not None else f"spectrum {i + 1}"
+        dropped = values.size - positive.size
+        if dropped:
+            label += f" ({dropped} ≤ 0 not shown)"
+        ax.plot(np.arange(1, positive.size + 1), positive, marker="o", markersize=3, linewidth=1, label=label)
+    ax.set_yscale("log")
+    ax.set_xlabel("index i (descending)")
+    ax.set_ylabel("eigenvalue λ_i")
+    ax.set_title(title or "kernel spectrum")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return fig
+
+
+def _finite(times: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keep = np.isfinite(times)
+    return times[keep], values[keep]
+
+
+def plot_training(
+    times: Any,
+    predictions: Any,
+    given_times: Any = None,
+    given: Any = None,
+    *,
+    max_curves: int = DEFAULT_MAX_CURVES,
+    title: str | None = None,
+    time_label: str = "time t",
+) -> Figure:
+    """Training curves: the linearized outputs over time (lines) beside given outputs (markers), e.g. the real
+    network trained with the same optimizer.
+
+    Args:
+        times: (T,) times or steps of ``predictions`` (``inf`` is drawn as a dotted horizontal line).
+        predictions: (T, N, k) outputs (``LinearizedPredictions.train`` / ``.test``).
+        given_times, given: (T',) and (T', N, k) outputs to compare with. Default: none.
+        max_curves: how many (example, output) curves to draw, in order. Default: 6.
+        title, time_label: labels. Default: "linearized vs given outputs", "time t".
+
+    Raises:
+        ShapeMismatch: predictions not (T, N, k) matching ``times``, or ``given`` of another (N, k).
+    """
+    t = np.asarray(times, dtype=np.float64).reshape(-1)
+    pred = np.asarray(predictions, dtype=np.float64)
+    if pred.ndim != 3 or pred.shape[0] != t.size:
+        raise ShapeMismatch(f"plot_training: predictions have shape {pred.shape}; expected ({t.size}, N, k)")
+    other = None if given is None else np.asarray(given, dtype=np.float64)
+    other_t = None if given_times is None else np.asarray(given_times, dtype=np.float64).reshape(-1)
+    if other is not None and (other_t is None or other.shape[1:] != pred.shape[1:] or other.shape[0] != other_t.size):
+        raise ShapeMismatch(
+            f"plot_training: given has shape {None if other is None else other.shape} with "
+            f"{None if other_t is None else other_t.size} times; expected (T', {pred.shape[1]}, {pred.shape[2]})"
+        )
+    fig = _figure(7.0, 4.5)
+    ax = fig.add_subplot()
+    colors = [f"C{i}" for i in range(10)]
+    pairs = [(n, a) for n in range(pred.shape[1]) for a in range(pred.shape[2])][:max_curves]
+    for i, (n, a) in enumerate(pairs):
+        color = colors[i % len(colors)]
+        ft, fv = _finite(t, pred[:, n, a])
+        ax.plot(ft, fv, color=color, linewidth=1.5, label=f"linearized x{n}[{a}]")
+        if np.any(np.isinf(t)):
+            ax.axhline(float(pred[np.isinf(t)][0, n, a]), color=color, linestyle=":", linewidth=1)
+        if other is not None and other_t is not None:
+            gt, gv = _finite(other_t, other[:, n, a])
+            ax.plot(gt, gv, color=color, linestyle="none", marker="o", markersize=3.5, label=f"given x{n}[{a}]")
+    positive = t[np.isfinite(t) & (t > 0)]
+    if positive.size and positive.max() / positive.min() > 100:  # steps 1..1000: a log-like axis, 0 kept linear
+        ax.set_xscale("symlog", linthresh=float(positive.min()))
+        ax.set_xlim(left=0, right=float(positive.max()) * 1.1)  # times are ≥ 0: no empty negative half
+    ax.set_xlabel(time_label)
+    ax.set_ylabel("output")
+    heading = title or ("linearized vs given outputs" if other is not None else "linearized outputs")
+    ax.set_title(heading + (" (dotted: t = ∞)" if np.any(np.isinf(t)) else ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over the curves
+    return fig
+
+
+def save_figure(fig: Figure, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG (or the format of the suffix) and return the path.
+
+    Raises:
+        InvalidInput: the file cannot be written.
+    """
+    target = Path(path)
+    try:
+        fig.savefig(target, dpi=_DPI)
+    except OSError as exc:
+        raise InvalidInput(f"save_figure: cannot write {str(target)!r} ({exc.strerror or exc})") from exc
+    return target

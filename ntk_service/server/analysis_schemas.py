@@ -1,0 +1,154 @@
+"""Schemas of the analysis routes (``/predict``, ``/spectrum``, ``/compare``): options validated by pydantic,
+tensors (x_train, y_train, x, y) decoded by ``wire`` beside them (documentation types below only).
+
+Infinity has no JSON number: times, condition numbers and limits that are infinite travel as the string "inf".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ntk_service.kernels.types import NtkImplementation
+from ntk_service.server.schemas import DatasetRef, TensorJson
+
+__all__ = [
+    "MAX_COMPARE_VERSIONS",
+    "MAX_TIMES",
+    "AnalysisKernelOptions",
+    "CompareOptions",
+    "CompareRequest",
+    "PredictOptions",
+    "PredictRequest",
+    "SpectrumOptions",
+    "SpectrumRequest",
+    "VersionRef",
+    "json_float",
+]
+
+MAX_TIMES = 1000
+"""Times per /predict request: the response holds T·(N + M)·k values."""
+
+MAX_COMPARE_VERSIONS = 32
+"""Versions per /compare request: each kernel is kept in memory for the pairwise distances."""
+
+Inf = Literal["inf"]
+
+
+def json_float(value: float) -> float | str:
+    """A float for JSON: ``inf`` as the string "inf" (JSON has no infinity)."""
+    return "inf" if value == math.inf else value
+
+
+class AnalysisKernelOptions(BaseModel):
+    """How Θ is computed for an analysis (always float64: NOTE [layout] in ``analysis/layout.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["full", "trace"] = Field(
+        default="full",
+        description="full: the (N·k, N·k) kernel; trace: the (N, N) sum over outputs, read as (trace / k) ⊗ I_k.",
+    )
+    implementation: NtkImplementation = NtkImplementation.AUTO
+    params: list[str] | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
+    version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
+
+
+class PredictOptions(AnalysisKernelOptions):
+    """``/predict`` options beside the tensors x_train, y_train, x_test."""
+
+    times: list[float | Inf] = Field(
+        min_length=1, max_length=MAX_TIMES, description='Times (or integer step counts); "inf" for convergence.'
+    )
+    learning_rate: float = Field(gt=0, description="η of the optimizer on `loss`.")
+    loss: Literal["mse", "sum", "half_mse"] = Field(
+        default="mse", description="mse = MSELoss(), sum = MSELoss(reduction='sum'), half_mse = ½·mean."
+    )
+    flow: Literal["gradient_flow", "gradient_descent"] = "gradient_flow"
+    ridge: float = Field(default=0.0, ge=0)
+    ridge_scale: Literal["absolute", "relative"] = "absolute"
+
+    @field_validator("times")
+    @classmethod
+    def _non_negative(cls, times: list[float | str]) -> list[float | str]:
+        bad = [t for t in times if not isinstance(t, str) and not (t >= 0)]
+        if bad:
+            raise ValueError(f'times must be ≥ 0 (or "inf"), got {bad}')
+        return times
+
+    def time_values(self) -> list[float]:
+        return [math.inf if isinstance(t, str) else float(t) for t in self.times]
+
+
+class PredictRequest(PredictOptions):
+    """``POST /v1/models/{name}/predict`` (documentation; the route decodes tensors with ``wire``)."""
+
+    x_train: TensorJson | DatasetRef
+    y_train: TensorJson = Field(description="(N, k) targets.")
+    x_test: TensorJson | DatasetRef | None = None
+
+
+class SpectrumOptions(AnalysisKernelOptions):
+    """``/spectrum`` options beside the tensor x."""
+
+    top: int | None = Field(default=None, ge=1, description="Only the top eigenvalues. Default: all.")
+    method: Literal["auto", "eigh", "lanczos"] = "auto"
+    ridges: list[float] = Field(
+        default_factory=list, max_length=64, description="λ > 0 values for effective_dof (needs top = null)."
+    )
+
+    @field_validator("ridges")
+    @classmethod
+    def _positive(cls, ridges: list[float]) -> list[float]:
+        if any(not (r > 0 and math.isfinite(r)) for r in ridges):
+            raise ValueError(f"ridges must be finite and > 0, got {ridges}")
+        return ridges
+
+
+class SpectrumRequest(SpectrumOptions):
+    """``POST /v1/models/{name}/spectrum`` (documentation)."""
+
+    x: TensorJson | DatasetRef
+
+
+class VersionRef(BaseModel):
+    """A version of another model, for comparing kernels across models of one architecture."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    version: int | None = Field(default=None, ge=1)
+
+
+class CompareOptions(BaseModel):
+    """``/compare`` options beside the tensors x and (optional) y."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    versions: list[int | VersionRef] = Field(
+        min_length=1,
+        max_length=MAX_COMPARE_VERSIONS,
+        description="Versions of this model (ints) or {model, version} of others with the same architecture.",
+    )
+    mode: Literal["full", "trace"] = "full"
+    implementation: NtkImplementation = NtkImplementation.AUTO
+    params: list[str] | None = None
+    variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"] | None = Field(
+        default=None, description="Alignment variant; required with y."
+    )
+
+    @field_validator("versions")
+    @classmethod
+    def _positive(cls, versions: list[int | VersionRef]) -> list[int | VersionRef]:
+        if any(isinstance(v, int) and v < 1 for v in versions):
+            raise ValueError("versions must be ≥ 1")
+        return versions
+
+
+class CompareRequest(CompareOptions):
+    """``POST /v1/models/{name}/compare`` (documentation)."""
+
+    x: TensorJson | DatasetRef
+    y: TensorJson | None = Field(default=None, description="Labels (N,) int64 or targets (N, c).")

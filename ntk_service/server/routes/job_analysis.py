@@ -1,0 +1,185 @@
+"""``POST /v1/jobs/{job_id}/spectrum | alignment | distance``: analyses of a finished job's stored kernel.
+
+The kernel is never loaded whole unless the caller asks for a dense eigh: Lanczos reads it through
+``stored_kernel_operator`` and alignment / distance stream it, ``block_rows`` rows at a time (the lower half of a
+symmetric job is mirrored on read, so each block is exact). Memory is then one row block of each kernel (twice for
+a symmetric job's mirrored read), checked against the memory budget before anything is read.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import numpy as np
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from ntk_service import analysis, wire
+from ntk_service.errors import InvalidInput, MalformedRequest, ShapeMismatch
+from ntk_service.jobs.results import ResultArray
+from ntk_service.kernels import KernelMode
+from ntk_service.server.analysis_schemas import json_float
+from ntk_service.server.deps import ComputeDep, ReadAccess, SettingsDep
+from ntk_service.server.media import json_response, read_json
+from ntk_service.server.routes.analysis import _check_budget
+from ntk_service.server.routes.jobs import JobIdParam, JobsDep
+from ntk_service.server.schemas import validate_body
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["jobs"])
+
+_BLOCK_ROWS = 256
+"""Rows of a stored kernel read at a time (memory: rows · M · k² float64, twice for a symmetric job)."""
+
+
+class _RowReader:
+    """``shape`` and ``[i:j]`` row slices of a job's result, the interface the analysis streams through."""
+
+    def __init__(self, array: ResultArray) -> None:
+        self.array = array
+        self.shape = tuple(int(s) for s in array.shape)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop = rows.start or 0, min(rows.stop if rows.stop is not None else self.shape[0], self.shape[0])
+        return self.array.read(rows=(start, stop))
+
+
+class JobSpectrumOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top: int | None = Field(default=20, ge=1, description="Top eigenvalues (Lanczos). null: all (dense eigh).")
+    method: Literal["auto", "eigh", "lanczos"] = "auto"
+
+
+class JobAlignmentOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"]
+
+
+class JobDistanceOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    other: str = Field(description="The job whose kernel to compare with (same shape and mode).")
+
+
+def _open(manager: Any, job_id: str, *, operation: str, square: bool) -> _RowReader:
+    _, array = manager.open_result(job_id)
+    mode = array.plan.mode
+    if mode not in (KernelMode.FULL, KernelMode.TRACE):
+        raise InvalidInput(
+            f"{operation}: job {job_id} stored a {mode.value} kernel; analyses need a full or trace kernel"
+        )
+    reader = _RowReader(array)
+    if square and reader.shape[0] != reader.shape[1]:
+        raise ShapeMismatch(
+            f"{operation}: job {job_id} holds a {reader.shape} kernel; this analysis needs Θ(x, x) (N = M): "
+            "submit the job without x2"
+        )
+    return reader
+
+
+def _block_bytes(reader: _RowReader) -> int:
+    per_row = int(np.prod(reader.shape[1:]))
+    return 8 * _BLOCK_ROWS * per_row * 2  # a symmetric job's read also holds the mirrored band
+
+
+async def _options(request: Request, model: type[BaseModel], *, operation: str) -> tuple[Any, dict[str, Any]]:
+    data = await read_json(request, operation=operation)
+    if not isinstance(data, dict):
+        raise MalformedRequest(f"{operation}: expected a JSON object, got {type(data).__name__}")
+    extra = {key: data.pop(key) for key in ("y",) if key in data}
+    return validate_body(model, data, operation=operation), extra
+
+
+@router.post("/v1/jobs/{job_id}/spectrum", summary="Spectrum of a finished job's kernel (Lanczos over row reads)")
+async def job_spectrum(
+    job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
+) -> Response:
+    operation = f"spectrum of job {job_id}"
+    options, _extra = await _options(request, JobSpectrumOptions, operation=operation)
+
+    def run() -> dict[str, Any]:
+        reader = _open(manager, job_id, operation=operation, square=True)
+        n = reader.shape[0] * (reader.shape[2] if len(reader.shape) == 4 else 1)
+        dense = options.top is None or options.method == "eigh" or options.top >= n
+        estimate = 8 * 4 * n * n if dense else _block_bytes(reader) + 8 * n * (2 * options.top + 2)
+        _check_budget(estimate, settings.memory_budget_bytes, what=f"the spectrum of a {n}x{n} kernel",
+                      operation=operation)  # fmt: skip
+        start = time.perf_counter()
+        if dense:
+            s = analysis.spectrum(reader[0 : reader.shape[0]], top=options.top, method="eigh")
+        else:
+            operator = analysis.stored_kernel_operator(reader, block_rows=_BLOCK_ROWS)
+            s = analysis.spectrum(operator, top=options.top, method="lanczos")
+        return {
+            "eigenvalues": wire.tensor_to_json(s.eigenvalues),
+            "n": s.n,
+            "method": s.method,
+            "lambda_max": s.lambda_max,
+            "lambda_min": s.lambda_min,
+            "condition_number": None if s.condition_number is None else json_float(s.condition_number),
+            "job": job_id,
+            "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
+        }
+
+    return json_response(await limiter.run(run, operation=operation))
+
+
+@router.post("/v1/jobs/{job_id}/alignment", summary="Alignment of a finished job's kernel with labels or targets")
+async def job_alignment(
+    job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
+) -> Response:
+    operation = f"alignment of job {job_id}"
+    options, extra = await _options(request, JobAlignmentOptions, operation=operation)
+    if "y" not in extra:
+        raise InvalidInput(f"{operation}: the body needs y (labels (N,) int64 or targets (N, c)) and variant")
+    y = wire.tensor_from_json(extra["y"], name="y")
+
+    def run() -> dict[str, Any]:
+        reader = _open(manager, job_id, operation=operation, square=True)
+        _check_budget(_block_bytes(reader), settings.memory_budget_bytes, what="one row block", operation=operation)
+        start = time.perf_counter()
+        value = analysis.alignment(reader, y, variant=options.variant, block_rows=_BLOCK_ROWS)
+        return {
+            "alignment": value,
+            "variant": options.variant,
+            "job": job_id,
+            "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
+        }
+
+    return json_response(await limiter.run(run, operation=operation))
+
+
+@router.post("/v1/jobs/{job_id}/distance", summary="Kernel distance and relative change to another job's kernel")
+async def job_distance(
+    job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
+) -> Response:
+    operation = f"distance of job {job_id}"
+    options, _extra = await _options(request, JobDistanceOptions, operation=operation)
+
+    def run() -> dict[str, Any]:
+        first = _open(manager, job_id, operation=operation, square=False)
+        other = _open(manager, options.other, operation=operation, square=False)
+        if first.shape != other.shape:
+            raise ShapeMismatch(
+                f"{operation}: job {job_id} holds {first.shape}, job {options.other} holds {other.shape}; compare "
+                "kernels of the same inputs in the same mode"
+            )
+        _check_budget(2 * _block_bytes(first), settings.memory_budget_bytes, what="two row blocks",
+                      operation=operation)  # fmt: skip
+        start = time.perf_counter()
+        distance = analysis.kernel_distance(first, other, block_rows=_BLOCK_ROWS)
+        change = analysis.relative_change(first, other, block_rows=_BLOCK_ROWS)
+        return {
+            "distance": distance,
+            "relative_change": change,
+            "job": job_id,
+            "other": options.other,
+            "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
+        }
+
+    return json_response(await limiter.run(run, operation=operation))

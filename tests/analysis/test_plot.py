@@ -1,0 +1,49 @@
+"""ntk_service.plot: each figure holds the data it claims (the image is as_matrix's layout, the spectrum's
+points are the positive eigenvalues in order, the curves are the predictions) and saves as a PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from ntk_service.errors import ShapeMismatch  # noqa: E402
+from ntk_service.plot import plot_kernel, plot_spectrum, plot_training, save_figure  # noqa: E402
+from tests.analysis.conftest import Features  # noqa: E402
+
+
+def test_heatmap_shows_the_example_major_matrix(features: Features, tmp_path: Path) -> None:
+    fig = plot_kernel(features.theta)
+    image = fig.axes[0].images[0].get_array()
+    np.testing.assert_allclose(np.asarray(image), features.matrix, atol=1e-14)
+    path = save_figure(fig, tmp_path / "heat.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_spectrum_plots_positive_eigenvalues_in_descending_order() -> None:
+    values = np.array([0.5, 3.0, -1.0, 0.0, 10.0])
+    fig = plot_spectrum([values, values * 2], labels=["a", "b"])
+    ax = fig.axes[0]
+    np.testing.assert_array_equal(ax.lines[0].get_ydata(), [10.0, 3.0, 0.5])
+    np.testing.assert_array_equal(ax.lines[1].get_ydata(), [20.0, 6.0, 1.0])
+    assert ax.get_yscale() == "log"
+    assert "2 ≤ 0 not shown" in ax.get_legend().get_texts()[0].get_text()
+
+
+def test_training_curves_hold_the_predictions() -> None:
+    times = np.array([0.0, 1.0, 10.0, 1000.0, np.inf])
+    pred = np.random.default_rng(0).standard_normal((5, 3, 2))
+    given = pred[:4] + 0.1
+    fig = plot_training(times, pred, times[:4], given, max_curves=2)
+    ax = fig.axes[0]
+    lines = [line for line in ax.lines if line.get_linestyle() == "-"]
+    np.testing.assert_array_equal(lines[0].get_ydata(), pred[:4, 0, 0])  # inf is drawn as a horizontal line
+    np.testing.assert_array_equal(lines[1].get_ydata(), pred[:4, 0, 1])
+    dots = [line for line in ax.lines if line.get_marker() == "o"]
+    np.testing.assert_array_equal(dots[0].get_ydata(), given[:, 0, 0])
+    assert ax.get_xscale() == "symlog"
+    with pytest.raises(ShapeMismatch, match="expected \\(5, N, k\\)"):
+        plot_training(times, pred[:3], None, None)
