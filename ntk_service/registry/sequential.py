@@ -229,7 +229,7 @@ def plan_sequential(config: SequentialConfig, *, operation: str, max_params: int
             floating tensor (1, *out).
     """
     with torch.device("meta"):
-        module = nn.Sequential(*_make_layers(config.layers, "layers", operation))
+        module = nn.Sequential(*_make_layers(config.layers, "layers", operation)).eval()  # as kernels run it
     num_params = sum(p.numel() for p in module.parameters())
     if num_params > max_params:
         raise InvalidInput(
