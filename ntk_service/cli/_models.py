@@ -1,4 +1,4 @@
-"""``ntk-service models register|list|show|delete|upload-weights``."""
+"""``ntk-service models register|list|show|delete|architectures|upload-weights|versions|download-weights``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
+from ntk_service import wire
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._output import print_record, print_table
 
@@ -22,6 +23,11 @@ models_app = typer.Typer(
 NameArg = Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)]
 
 _LIST_COLUMNS = ("name", "version", "family", "num_params", "input_shape", "output_dim")
+_VERSION_COLUMNS = ("version", "created_at", "label", "seed", "weights_sha256")
+
+LabelOption = Annotated[
+    str | None, typer.Option("--label", "-l", help="A label for the version, e.g. 'epoch 3'.", show_default=False)
+]
 
 
 def _with_family(record: dict[str, Any]) -> dict[str, Any]:
@@ -67,10 +73,11 @@ def register(
         ),
     ],
     seed: Annotated[int, typer.Option(help="Seed of the initial weights (version 1).")] = 0,
+    label: LabelOption = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Register a model from an architecture spec (needs a write key)."""
-    record = state_of(ctx).client().register_model(name, _read_architecture(architecture), seed=seed)
+    record = state_of(ctx).client().register_model(name, _read_architecture(architecture), seed=seed, label=label)
     if wants_json(ctx, json_output):
         print_json(record)
     else:
@@ -139,11 +146,48 @@ def upload_weights(
             show_default=False,
         ),
     ],
+    label: LabelOption = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Upload weights as a new immutable version of a model (needs a write key)."""
-    record = state_of(ctx).client().upload_weights(name, weights.read_bytes())
+    record = state_of(ctx).client().upload_weights(name, weights.read_bytes(), label=label)
     if wants_json(ctx, json_output):
         print_json(record)
     else:
         typer.echo(f"uploaded {name} version {record['version']} (sha256 {record.get('weights_sha256', '?')})")
+
+
+@models_app.command("versions")
+def versions(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
+    """List a model's versions, oldest first: upload time, label, seed, weights hash."""
+    records = state_of(ctx).client().list_versions(name)
+    if wants_json(ctx, json_output):
+        print_json(records)
+    else:
+        print_table(records, _VERSION_COLUMNS, empty=f"model {name} has no versions")
+
+
+@models_app.command("download-weights")
+def download_weights(
+    ctx: typer.Context,
+    name: NameArg,
+    output: Annotated[
+        Path,
+        typer.Option("--output", "-o", help="The .safetensors file to write.", dir_okay=False, show_default=False),
+    ],
+    version: Annotated[int | None, typer.Option(help="The version. Default: the latest.", show_default=False)] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Download a version's weights as a .safetensors file (load it with safetensors.torch.load_file)."""
+    client = state_of(ctx).client()
+    record = client.get_model(name, version)
+    tensors = client.download_weights(name, int(record["version"]))
+    try:
+        output.write_bytes(wire.encode_safetensors(tensors))
+    except OSError as exc:
+        raise UsageError(f"--output {str(output)!r}: cannot write it ({exc.strerror or exc})") from exc
+    summary = {"name": name, "version": record["version"], "tensors": len(tensors), "path": str(output)}
+    if wants_json(ctx, json_output):
+        print_json(summary)
+    else:
+        typer.echo(f"wrote {len(tensors)} tensors of {name} version {record['version']} to {output}")

@@ -102,7 +102,9 @@ class Client(JobsClient):
         Raises:
             NameConflict: the name is taken. InvalidInput: a bad architecture spec.
         """
-        body = {"name": name, "architecture": dict(architecture), "seed": seed, "label": label}
+        body: dict[str, Any] = {"name": name, "architecture": dict(architecture), "seed": seed}
+        if label is not None:
+            body["label"] = label
         return dict(self._send_json("POST", "/v1/models", body))
 
     def register_module(
