@@ -52,7 +52,9 @@ def test_lazy_exports_are_the_client_classes() -> None:
         ntk_service.nope  # noqa: B018
 
 
-@pytest.mark.parametrize("module_name", ["ntk_service.client", "ntk_service.wire", "ntk_service.cli"])
+@pytest.mark.parametrize(
+    "module_name", ["ntk_service.client", "ntk_service.wire", "ntk_service.cli", "ntk_service.layers"]
+)
 def test_module_all_lists_its_public_names(module_name: str) -> None:
     module = importlib.import_module(module_name)
     assert sorted(module.__all__) == sorted(set(module.__all__))

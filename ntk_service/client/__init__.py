@@ -18,6 +18,7 @@ from ntk_service.client._base import (
     TransportFormat,
 )
 from ntk_service.client._client import Client, KernelResult
+from ntk_service.client._module_spec import describe_module
 
 __all__ = [
     "DEFAULT_CONNECT_TIMEOUT_S",
@@ -27,4 +28,5 @@ __all__ = [
     "Client",
     "KernelResult",
     "TransportFormat",
+    "describe_module",
 ]

@@ -17,7 +17,7 @@ from typing import Any
 
 from ntk_service.errors import InvalidInput
 
-__all__ = ["describe_module"]
+__all__ = ["SUPPORTED_TYPES", "describe_module"]
 
 Reader = Callable[[Any, str], dict[str, Any]]
 
