@@ -8,7 +8,6 @@ from typing import Annotated, Any
 
 import typer
 
-from ntk_service import wire
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._output import print_record, print_table
 
@@ -179,6 +178,8 @@ def download_weights(
     json_output: JsonFlag = False,
 ) -> None:
     """Download a version's weights as a .safetensors file (load it with safetensors.torch.load_file)."""
+    from ntk_service import wire  # numpy: only when a command needs it, so --help stays light
+
     client = state_of(ctx).client()
     record = client.get_model(name, version)
     tensors = client.download_weights(name, int(record["version"]))

@@ -44,12 +44,69 @@ Activation = Literal["relu", "tanh", "gelu", "erf"]
 PositiveInt = Annotated[int, Field(ge=1, le=MAX_WIDTH)]
 
 
+JsonValue = Any
+"""A value a JSON body can hold; factory kwargs are passed to the factory as parsed JSON, nothing else."""
+
+_RESNET_EXAMPLE: dict[str, JsonValue] = {
+    "family": "sequential",
+    "input_shape": [3, 16, 16],
+    "layers": [
+        {"type": "Conv2d", "in_channels": 3, "out_channels": 8, "kernel_size": 3, "padding": 1, "bias": False},
+        {"type": "BatchNorm2d", "num_features": 8},
+        {"type": "ReLU"},
+        {
+            "type": "Residual",
+            "body": [
+                {"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1},
+                {"type": "ReLU"},
+                {"type": "Conv2d", "in_channels": 16, "out_channels": 16, "kernel_size": 3, "padding": 1},
+            ],
+            "shortcut": [{"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 1, "stride": 2}],
+        },
+        {"type": "ReLU"},
+        {"type": "AdaptiveAvgPool2d", "output_size": 1},
+        {"type": "Flatten"},
+        {"type": "Linear", "in_features": 16, "out_features": 10},
+    ],
+}
+
+_EXAMPLES: dict[str, dict[str, JsonValue]] = {
+    "mlp": {"family": "mlp", "input_dim": 8, "hidden": [64, 64], "output_dim": 3, "activation": "relu"},
+    "cnn": {"family": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "strides": [1, 2], "output_dim": 10},
+    "transformer": {
+        "family": "transformer",
+        "vocab_size": 32,
+        "max_len": 16,
+        "d_model": 32,
+        "n_heads": 4,
+        "n_layers": 2,
+        "d_ff": 64,
+        "output_dim": 2,
+    },
+    "sequential": _RESNET_EXAMPLE,
+    "factory": {
+        "family": "factory",
+        "factory": "mylab.models:make_resnet",
+        "kwargs": {"depth": 8},
+        "input_shape": [3, 32, 32],
+        "input_dtype": "float32",
+    },
+}
+
+
+def _with_example(family: str) -> ConfigDict:
+    """Strict, no unknown keys, and the family's example in its JSON schema (OpenAPI shows one per family)."""
+    return ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [_EXAMPLES[family]]})
+
+
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class MlpConfig(_Config):
     """Fully connected net: Linear layers input_dim -> hidden[0] -> ... -> output_dim, activation between them."""
+
+    model_config = _with_example("mlp")
 
     family: Literal["mlp"] = Field(description="'mlp'.")
     input_dim: PositiveInt = Field(description="Features per example; inputs are float32 of shape (input_dim,).")
@@ -82,6 +139,8 @@ class MlpConfig(_Config):
 class CnnConfig(_Config):
     """Conv2d layers, each followed by the activation, then flatten and one Linear head."""
 
+    model_config = _with_example("cnn")
+
     family: Literal["cnn"] = Field(description="'cnn'.")
     input_shape: list[PositiveInt] = Field(
         min_length=3, max_length=3, description="[C, H, W] of one example; inputs are float32."
@@ -112,6 +171,8 @@ class CnnConfig(_Config):
 class TransformerConfig(_Config):
     """Token + position embeddings, pre-norm encoder blocks, final LayerNorm, mean pooling, Linear head."""
 
+    model_config = _with_example("transformer")
+
     family: Literal["transformer"] = Field(description="'transformer'.")
     vocab_size: PositiveInt = Field(description="Token ids are int64 in [0, vocab_size).")
     max_len: int = Field(ge=1, le=MAX_LEN, description="Sequence length T; inputs are int64 of shape (max_len,).")
@@ -131,12 +192,10 @@ class TransformerConfig(_Config):
         return self
 
 
-JsonValue = Any
-"""A value a JSON body can hold; factory kwargs are passed to the factory as parsed JSON, nothing else."""
-
-
 class SequentialConfig(_Config):
     """Layers from an allow-list of torch.nn classes and ntk_service.layers combinators, applied in order."""
+
+    model_config = _with_example("sequential")
 
     family: Literal["sequential"] = Field(description="'sequential'.")
     input_shape: list[PositiveInt] = Field(
@@ -162,6 +221,8 @@ class SequentialConfig(_Config):
 
 class FactoryConfig(_Config):
     """A model built by an operator-allowed Python function, called with JSON keyword arguments."""
+
+    model_config = _with_example("factory")
 
     family: Literal["factory"] = Field(description="'factory'.")
     factory: str = Field(
@@ -266,56 +327,6 @@ class ArchitectureInfo(BaseModel):
     layers: list[LayerInfo] | None = None
     factories: list[str] | None = None
 
-
-_RESNET_EXAMPLE: dict[str, JsonValue] = {
-    "family": "sequential",
-    "input_shape": [3, 16, 16],
-    "layers": [
-        {"type": "Conv2d", "in_channels": 3, "out_channels": 8, "kernel_size": 3, "padding": 1, "bias": False},
-        {"type": "BatchNorm2d", "num_features": 8},
-        {"type": "ReLU"},
-        {
-            "type": "Residual",
-            "body": [
-                {"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1},
-                {"type": "ReLU"},
-                {"type": "Conv2d", "in_channels": 16, "out_channels": 16, "kernel_size": 3, "padding": 1},
-            ],
-            "shortcut": [{"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 1, "stride": 2}],
-        },
-        {"type": "ReLU"},
-        {"type": "AdaptiveAvgPool2d", "output_size": 1},
-        {"type": "Flatten"},
-        {"type": "Linear", "in_features": 16, "out_features": 10},
-    ],
-}
-
-_EXAMPLES: dict[str, dict[str, JsonValue]] = {
-    "mlp": {"family": "mlp", "input_dim": 8, "hidden": [64, 64], "output_dim": 3, "activation": "relu"},
-    "cnn": {"family": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "strides": [1, 2], "output_dim": 10},
-    "transformer": {
-        "family": "transformer",
-        "vocab_size": 32,
-        "max_len": 16,
-        "d_model": 32,
-        "n_heads": 4,
-        "n_layers": 2,
-        "d_ff": 64,
-        "output_dim": 2,
-    },
-    "sequential": _RESNET_EXAMPLE,
-    "factory": {
-        "family": "factory",
-        "factory": "mylab.models:make_resnet",
-        "kwargs": {"depth": 8},
-        "input_shape": [3, 32, 32],
-        "input_dtype": "float32",
-    },
-}
-
-for _family, _cls in ARCHITECTURE_CONFIGS.items():  # each family's schema in OpenAPI carries its example
-    _cls.model_config["json_schema_extra"] = {"examples": [_EXAMPLES[_family]]}
-    _cls.model_rebuild(force=True)
 
 ArchitectureSpec = Annotated[ArchitectureConfig, Field(discriminator="family")]
 """Any family's architecture, chosen by ``family`` (the OpenAPI schema of ``POST /v1/models``' architecture)."""

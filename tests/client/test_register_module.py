@@ -69,7 +69,7 @@ def test_register_module_versions_and_kernels(live_server: LiveServer, which: st
         for key, tensor in epoch0.state_dict().items():
             assert torch.equal(downloaded[key], tensor), key
 
-        x1, x2 = _inputs(which, 3, seed=3), _inputs(which, 2, seed=4)
+        x1, x2 = _inputs(which, 2, seed=3), _inputs(which, 2, seed=4)
         thetas = []
         for version, local in ((1, epoch0), (2, model)):
             theta = client.ntk(name, x1.numpy(), x2.numpy(), dtype="float64", version=version, as_torch=True)
