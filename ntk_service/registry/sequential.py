@@ -42,7 +42,7 @@ from ntk_service.registry.layer_specs import (
     TransformerEncoderLayerSpec,
 )
 
-__all__ = ["ExplicitTransformerEncoderLayer", "SequentialPlan", "plan_sequential"]
+__all__ = ["ExplicitTransformerEncoderLayer", "SequentialPlan", "build_meta", "plan_sequential"]
 
 
 class ExplicitTransformerEncoderLayer(nn.TransformerEncoderLayer):
@@ -211,6 +211,17 @@ class _Trace:
             )
 
 
+def build_meta(config: SequentialConfig, *, operation: str) -> nn.Sequential:
+    """The spec's ``nn.Sequential`` on the meta device, in eval mode, without any check of shapes (a skeleton for
+    stored weights of a spec ``plan_sequential`` accepted at registration).
+
+    Raises:
+        InvalidInput: a layer that cannot be built (as ``plan_sequential``).
+    """
+    with torch.device("meta"):
+        return nn.Sequential(*_make_layers(config.layers, "layers", operation)).eval()  # eval: as kernels run it
+
+
 def plan_sequential(config: SequentialConfig, *, operation: str, max_params: int) -> SequentialPlan:
     """Build the spec on the meta device, count its parameters, then check every layer on the declared input.
 
@@ -228,8 +239,7 @@ def plan_sequential(config: SequentialConfig, *, operation: str, max_params: int
             shape it gets from the declared input (naming the layer and the shapes), or an output that is not a
             floating tensor (1, *out).
     """
-    with torch.device("meta"):
-        module = nn.Sequential(*_make_layers(config.layers, "layers", operation)).eval()  # as kernels run it
+    module = build_meta(config, operation=operation)
     num_params = sum(p.numel() for p in module.parameters())
     if num_params > max_params:
         raise InvalidInput(

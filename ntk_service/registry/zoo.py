@@ -32,7 +32,7 @@ from ntk_service.registry.architectures import (
 )
 from ntk_service.registry.factory import call_factory, probe_output_dim
 from ntk_service.registry.families import CNN, MLP, Transformer, cnn_spatial_sizes, initialize_parameters
-from ntk_service.registry.sequential import SequentialPlan, plan_sequential
+from ntk_service.registry.sequential import SequentialPlan, build_meta, plan_sequential
 
 __all__ = [
     "MAX_ACTIVATIONS_PER_EXAMPLE",
@@ -151,7 +151,7 @@ def _spec_of(config: ArchitectureConfig, output_dim: int | None = None) -> Model
 
 def _construct_meta(config: BuiltinConfig, operation: str) -> nn.Module:
     if isinstance(config, SequentialConfig):
-        return plan_sequential(config, operation=operation, max_params=MAX_PARAMS).module
+        return build_meta(config, operation=operation)
     cls: type[nn.Module] = {MlpConfig: MLP, CnnConfig: CNN, TransformerConfig: Transformer}[type(config)]
     with torch.device("meta"):
         return cls(config)

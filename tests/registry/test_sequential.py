@@ -310,7 +310,7 @@ def test_engine_matches_the_reference_on_the_registry_models(which: str) -> None
     else:
         local, shape, dtype = small_transformer(), (TRANSFORMER_LEN,), "int64"
         x = torch.randint(0, TRANSFORMER_VOCAB, (6, *shape))
-    train_steps(local, x, 2)
+    train_steps(local, x, 1)
     built, _ = build_model(describe_module(local, input_shape=shape, input_dtype=dtype), seed=0)
     built.load_state_dict(local.state_dict())
     x1, x2 = x[:2], x[2:4]
