@@ -118,7 +118,8 @@ def delete(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> 
 
 @models_app.command("architectures")
 def architectures(ctx: typer.Context, json_output: JsonFlag = False) -> None:
-    """List the built-in families, their config fields and an example spec for --architecture."""
+    """List the families, their config fields, an example spec for --architecture, sequential's layer types and
+    the factories this server allows."""
     infos = state_of(ctx).client().architectures()
     if wants_json(ctx, json_output):
         print_json(infos)
@@ -129,6 +130,11 @@ def architectures(ctx: typer.Context, json_output: JsonFlag = False) -> None:
             default = "required" if item.get("required") else f"default {json.dumps(item.get('default'))}"
             typer.echo(f"  {item.get('name')} ({item.get('type')}, {default}): {item.get('description', '')}")
         typer.echo(f"  example: {json.dumps(info.get('example'))}")
+        for layer in info.get("layers") or []:
+            keywords = ", ".join(str(item.get("name")) for item in layer.get("fields", []))
+            typer.echo(f"  layer {layer.get('type')}({keywords})")
+        if info.get("factories") is not None:
+            typer.echo(f"  allowed on this server: {', '.join(info['factories']) or 'none'}")
 
 
 @models_app.command("upload-weights")

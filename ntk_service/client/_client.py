@@ -80,7 +80,8 @@ class Client(JobsClient):
         return dict(self._get_json("/healthz"))
 
     def architectures(self) -> list[dict[str, Any]]:
-        """``GET /v1/architectures``: the built-in model families and their config fields."""
+        """``GET /v1/architectures``: the model families and their config fields, the layer types of ``sequential``
+        (``layers``) and the operator factories this server allows (``factories`` of the ``factory`` family)."""
         return _items(self._get_json("/v1/architectures"))
 
     # ---- models ----

@@ -38,47 +38,58 @@ class _Layer(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class _Parameterized(_Layer):
-    parameterization: Parameterization = Field(default="standard", description=_PARAMETERIZATION)
-    w_std: Scale = Field(default=1.0, description="σ_w of the 'ntk' parameterization (1.0 with 'standard').")
-    b_std: Scale = Field(default=1.0, description="σ_b of the 'ntk' parameterization (1.0 with 'standard').")
+ParameterizationField = Annotated[Parameterization, Field(description=_PARAMETERIZATION)]
+WStd = Annotated[Scale, Field(description="σ_w of the 'ntk' parameterization (1.0 with 'standard').")]
+BStd = Annotated[Scale, Field(description="σ_b of the 'ntk' parameterization (1.0 with 'standard').")]
+PaddingMode = Literal["zeros", "reflect", "replicate", "circular"]
 
 
-class LinearSpec(_Parameterized):
+class LinearSpec(_Layer):
     """nn.Linear: (*, in_features) -> (*, out_features)."""
 
     type: Literal["Linear"]
     in_features: Size
     out_features: Size
     bias: bool = True
+    parameterization: ParameterizationField = "standard"
+    w_std: WStd = 1.0
+    b_std: BStd = 1.0
 
 
-class _ConvSpec(_Parameterized):
-    in_channels: Size
-    out_channels: Size
-    groups: Size = 1
-    bias: bool = True
-    padding_mode: Literal["zeros", "reflect", "replicate", "circular"] = "zeros"
-
-
-class Conv1dSpec(_ConvSpec):
+class Conv1dSpec(_Layer):
     """nn.Conv1d: (B, C_in, L) -> (B, C_out, L')."""
 
     type: Literal["Conv1d"]
+    in_channels: Size
+    out_channels: Size
     kernel_size: Size1
     stride: Size1 = 1
     padding: Padding1 = 0
     dilation: Size1 = 1
+    groups: Size = 1
+    bias: bool = True
+    padding_mode: PaddingMode = "zeros"
+    parameterization: ParameterizationField = "standard"
+    w_std: WStd = 1.0
+    b_std: BStd = 1.0
 
 
-class Conv2dSpec(_ConvSpec):
+class Conv2dSpec(_Layer):
     """nn.Conv2d: (B, C_in, H, W) -> (B, C_out, H', W')."""
 
     type: Literal["Conv2d"]
+    in_channels: Size
+    out_channels: Size
     kernel_size: Size2
     stride: Size2 = 1
     padding: Padding2 = 0
     dilation: Size2 = 1
+    groups: Size = 1
+    bias: bool = True
+    padding_mode: PaddingMode = "zeros"
+    parameterization: ParameterizationField = "standard"
+    w_std: WStd = 1.0
+    b_std: BStd = 1.0
 
 
 class _BatchNormSpec(_Layer):

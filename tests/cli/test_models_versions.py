@@ -12,7 +12,7 @@ import safetensors.numpy
 from typer.testing import CliRunner
 
 from ntk_service.cli import app
-from tests.conftest import LiveServer
+from tests.conftest import SLOW_FACTORY, LiveServer
 from tests.server.support import TINY_ARCHITECTURES
 
 
@@ -21,6 +21,12 @@ def _run(live_server: LiveServer, *args: str) -> Any:
     result = CliRunner().invoke(app, list(args), env=env)
     assert result.exit_code == 0, f"exit {result.exit_code}\nstdout: {result.stdout}\nstderr: {result.stderr}"
     return result
+
+
+def test_architectures_show_layer_types_and_allowed_factories(live_server: LiveServer) -> None:
+    out = _run(live_server, "models", "architectures").stdout
+    assert "\nsequential: " in out and "  layer Conv2d(in_channels, out_channels, kernel_size, " in out
+    assert f"  allowed on this server: {SLOW_FACTORY}\n" in out
 
 
 def test_versions_and_download_weights(live_server: LiveServer, tmp_path: Path) -> None:
