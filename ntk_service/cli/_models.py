@@ -1,4 +1,4 @@
-"""``ntk-service models register|list|show|delete|upload-weights``."""
+"""``ntk-service models register|list|show|delete|architectures|upload-weights|versions|download-weights``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ models_app = typer.Typer(
 NameArg = Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)]
 
 _LIST_COLUMNS = ("name", "version", "family", "num_params", "input_shape", "output_dim")
+_VERSION_COLUMNS = ("version", "created_at", "label", "seed", "weights_sha256")
+
+LabelOption = Annotated[
+    str | None, typer.Option("--label", "-l", help="A label for the version, e.g. 'epoch 3'.", show_default=False)
+]
 
 
 def _with_family(record: dict[str, Any]) -> dict[str, Any]:
@@ -67,10 +72,11 @@ def register(
         ),
     ],
     seed: Annotated[int, typer.Option(help="Seed of the initial weights (version 1).")] = 0,
+    label: LabelOption = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Register a model from an architecture spec (needs a write key)."""
-    record = state_of(ctx).client().register_model(name, _read_architecture(architecture), seed=seed)
+    record = state_of(ctx).client().register_model(name, _read_architecture(architecture), seed=seed, label=label)
     if wants_json(ctx, json_output):
         print_json(record)
     else:
@@ -112,7 +118,8 @@ def delete(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> 
 
 @models_app.command("architectures")
 def architectures(ctx: typer.Context, json_output: JsonFlag = False) -> None:
-    """List the built-in families, their config fields and an example spec for --architecture."""
+    """List the families, their config fields, an example spec for --architecture, sequential's layer types and
+    the factories this server allows."""
     infos = state_of(ctx).client().architectures()
     if wants_json(ctx, json_output):
         print_json(infos)
@@ -123,6 +130,11 @@ def architectures(ctx: typer.Context, json_output: JsonFlag = False) -> None:
             default = "required" if item.get("required") else f"default {json.dumps(item.get('default'))}"
             typer.echo(f"  {item.get('name')} ({item.get('type')}, {default}): {item.get('description', '')}")
         typer.echo(f"  example: {json.dumps(info.get('example'))}")
+        for layer in info.get("layers") or []:
+            keywords = ", ".join(str(item.get("name")) for item in layer.get("fields", []))
+            typer.echo(f"  layer {layer.get('type')}({keywords})")
+        if info.get("factories") is not None:
+            typer.echo(f"  allowed on this server: {', '.join(info['factories']) or 'none'}")
 
 
 @models_app.command("upload-weights")
@@ -139,11 +151,50 @@ def upload_weights(
             show_default=False,
         ),
     ],
+    label: LabelOption = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Upload weights as a new immutable version of a model (needs a write key)."""
-    record = state_of(ctx).client().upload_weights(name, weights.read_bytes())
+    record = state_of(ctx).client().upload_weights(name, weights.read_bytes(), label=label)
     if wants_json(ctx, json_output):
         print_json(record)
     else:
         typer.echo(f"uploaded {name} version {record['version']} (sha256 {record.get('weights_sha256', '?')})")
+
+
+@models_app.command("versions")
+def versions(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
+    """List a model's versions, oldest first: upload time, label, seed, weights hash."""
+    records = state_of(ctx).client().list_versions(name)
+    if wants_json(ctx, json_output):
+        print_json(records)
+    else:
+        print_table(records, _VERSION_COLUMNS, empty=f"model {name} has no versions")
+
+
+@models_app.command("download-weights")
+def download_weights(
+    ctx: typer.Context,
+    name: NameArg,
+    output: Annotated[
+        Path,
+        typer.Option("--output", "-o", help="The .safetensors file to write.", dir_okay=False, show_default=False),
+    ],
+    version: Annotated[int | None, typer.Option(help="The version. Default: the latest.", show_default=False)] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Download a version's weights as a .safetensors file (load it with safetensors.torch.load_file)."""
+    from ntk_service import wire  # numpy: only when a command needs it, so --help stays light
+
+    client = state_of(ctx).client()
+    record = client.get_model(name, version)
+    tensors = client.download_weights(name, int(record["version"]))
+    try:
+        output.write_bytes(wire.encode_safetensors(tensors))
+    except OSError as exc:
+        raise UsageError(f"--output {str(output)!r}: cannot write it ({exc.strerror or exc})") from exc
+    summary = {"name": name, "version": record["version"], "tensors": len(tensors), "path": str(output)}
+    if wants_json(ctx, json_output):
+        print_json(summary)
+    else:
+        typer.echo(f"wrote {len(tensors)} tensors of {name} version {record['version']} to {output}")

@@ -27,6 +27,7 @@ from ntk_service.client._client import (
     LinearizedPrediction,
 )
 from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
+from ntk_service.client._module_spec import describe_module
 from ntk_service.client._results import RemoteResult
 
 __all__ = [
@@ -45,4 +46,5 @@ __all__ = [
     "NngpKernel",
     "RemoteResult",
     "TransportFormat",
+    "describe_module",
 ]

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from ntk_service.client._analysis import (
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
 from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
+from ntk_service.client._module_spec import describe_module
 from ntk_service.errors import NtkServiceError
 
 __all__ = [
@@ -95,18 +97,22 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient):
         return dict(self._get_json("/healthz"))
 
     def architectures(self) -> list[dict[str, Any]]:
-        """``GET /v1/architectures``: the built-in model families and their config fields."""
+        """``GET /v1/architectures``: the model families and their config fields, the layer types of ``sequential``
+        (``layers``) and the operator factories this server allows (``factories`` of the ``factory`` family)."""
         return _items(self._get_json("/v1/architectures"))
 
     # ---- models ----
 
-    def register_model(self, name: str, architecture: Mapping[str, Any], seed: int = 0) -> dict[str, Any]:
+    def register_model(
+        self, name: str, architecture: Mapping[str, Any], seed: int = 0, *, label: str | None = None
+    ) -> dict[str, Any]:
         """Register a model from an architecture spec (write scope).
 
         Args:
             name (str): the model's unique name.
-            architecture (Mapping): ``{"family": "mlp" | "cnn" | "transformer" | "factory", ...config}``.
+            architecture (Mapping): ``{"family": "mlp" | "cnn" | "transformer" | "sequential" | "factory", ...}``.
             seed (int): initialises the weights (version 1). Default: 0.
+            label (str | None): a label for version 1. Default: none.
 
         Returns:
             The model record: name, version, num_params, input_shape, output_dim, parameters, ...
@@ -114,54 +120,121 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient):
         Raises:
             NameConflict: the name is taken. InvalidInput: a bad architecture spec.
         """
-        body = {"name": name, "architecture": dict(architecture), "seed": seed}
+        body: dict[str, Any] = {"name": name, "architecture": dict(architecture), "seed": seed}
+        if label is not None:
+            body["label"] = label
         return dict(self._send_json("POST", "/v1/models", body))
+
+    def register_module(
+        self,
+        name: str,
+        module: Any,
+        *,
+        input_shape: Sequence[int],
+        input_dtype: str = "float32",
+        label: str | None = None,
+    ) -> dict[str, Any]:
+        """Register your own ``nn.Sequential`` with its current weights as version 1 (write scope).
+
+        The ``sequential`` architecture spec is read from the module (``describe_module``); its ``state_dict()``
+        (parameters and buffers, e.g. BatchNorm running statistics) is uploaded with it in one request, so the
+        server's model has the same parameter names and, in eval mode, the same function. Nothing is pickled.
+
+        Args:
+            name (str): the model's unique name.
+            module (nn.Sequential): built from torch.nn layers the server allows (``GET /v1/architectures``) and
+                ``ntk_service.layers`` (Residual, MeanPool, PositionEmbedding, NtkLinear, ...); float32 weights.
+            input_shape (Sequence[int]): one example's shape, without the batch dimension.
+            input_dtype (str): "float32", or "int64" for token ids. Default: "float32".
+            label (str | None): a label for version 1, e.g. "epoch 0". Default: none.
+
+        Returns:
+            The model record of version 1.
+
+        Raises:
+            InvalidInput: the first module the architecture does not support (named by its path, with what to do),
+                or a spec the server refuses (the layer and the shapes named). NameConflict: the name is taken.
+
+        Example::
+
+            >>> record = client.register_module("resnet", model, input_shape=(3, 32, 32), label="epoch 0")
+            >>> client.upload_weights("resnet", model.state_dict(), label="epoch 1")  # version 2
+        """
+        architecture = describe_module(module, input_shape=input_shape, input_dtype=input_dtype)
+        content = _encode_weights(module.state_dict(), {"architecture": json.dumps(architecture)})
+        response = self._request(
+            "POST",
+            "/v1/models",
+            content=content,
+            content_type=wire.MEDIA_SAFETENSORS,
+            accept=wire.MEDIA_JSON,
+            params={"name": name, "label": label},
+        )
+        return dict(_decode_json(response))
 
     def list_models(self) -> list[dict[str, Any]]:
         """``GET /v1/models``: every registered model's record."""
         return _items(self._get_json("/v1/models"))
 
-    def get_model(self, name: str) -> dict[str, Any]:
-        """One model's record (latest version). Raises ``ModelNotFound``."""
-        return dict(self._get_json(f"/v1/models/{_segment(name)}"))
+    def get_model(self, name: str, version: int | None = None) -> dict[str, Any]:
+        """One version's record (the latest by default). Raises ``ModelNotFound`` (the message lists versions)."""
+        if version is None:
+            return dict(self._get_json(f"/v1/models/{_segment(name)}"))
+        return dict(self._get_json(f"/v1/models/{_segment(name)}/versions/{int(version)}"))
+
+    def list_versions(self, name: str) -> list[dict[str, Any]]:
+        """Every version's record, oldest first: version, created_at (upload time, UTC), label, weights_sha256, ...
+
+        Raises ``ModelNotFound``."""
+        return _items(self._get_json(f"/v1/models/{_segment(name)}/versions"))
 
     def delete_model(self, name: str) -> None:
         """Delete a model and all its versions (write scope). Raises ``ModelNotFound``."""
         self._request("DELETE", f"/v1/models/{_segment(name)}")
 
     def upload_weights(
-        self, name: str, tensors: Mapping[str, Any] | bytes, metadata: Mapping[str, str] | None = None
+        self,
+        name: str,
+        tensors: Mapping[str, Any] | bytes,
+        metadata: Mapping[str, str] | None = None,
+        *,
+        label: str | None = None,
     ) -> dict[str, Any]:
-        """Upload weights as a new immutable version of a model (write scope).
+        """Upload weights as a new immutable version of a model (write scope); one line per checkpoint::
+
+            client.upload_weights("resnet", model.state_dict(), label=f"epoch {epoch}")
 
         Args:
             name (str): the model.
-            tensors (Mapping[str, array] | bytes): parameter name -> array (numpy or torch, e.g. a
-                ``state_dict()``), or the bytes of a safetensors file.
+            tensors (Mapping[str, array] | bytes): tensor name -> array (numpy or torch), e.g. a ``state_dict()``
+                with its buffers, or the bytes of a safetensors file.
             metadata (Mapping[str, str] | None): string metadata for the safetensors header. Default: none.
+            label (str | None): a label for the version, e.g. "epoch 3" (1-200 printable characters).
+                Default: none.
 
         Returns:
             The model record of the new version.
 
         Raises:
-            InvalidInput: names, shapes or dtypes that do not match the architecture.
+            InvalidInput: names, shapes or dtypes that do not match the architecture (every one named).
         """
         if isinstance(tensors, bytes | bytearray):
             content = bytes(tensors)
         else:
-            arrays = {key: _to_numpy(value, name=key) for key, value in tensors.items()}
-            content = wire.encode_safetensors(arrays, dict(metadata) if metadata else None)
+            content = _encode_weights(tensors, dict(metadata) if metadata else None)
         response = self._request(
             "POST",
             f"/v1/models/{_segment(name)}/versions",
             content=content,
             content_type=wire.MEDIA_SAFETENSORS,
             accept=wire.MEDIA_JSON,
+            params={"label": label},
         )
         return dict(_decode_json(response))
 
     def download_weights(self, name: str, version: int | None = None, *, as_torch: bool = False) -> dict[str, Any]:
-        """The weights of one version, parameter name -> array (loadable with ``model.load_state_dict``).
+        """The weights of one version as a ``state_dict`` (tensor name -> array), loadable with
+        ``model.load_state_dict(client.download_weights(name, v, as_torch=True))``.
 
         Args:
             name (str): the model.
@@ -313,6 +386,12 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient):
 def _segment(value: str) -> str:
     """A path segment, percent-encoded so names with '/' or spaces cannot change the route."""
     return quote(str(value), safe="")
+
+
+def _encode_weights(tensors: Mapping[str, Any], metadata: dict[str, str] | None) -> bytes:
+    """A state_dict (torch or numpy values) as safetensors bytes."""
+    arrays = {key: _to_numpy(value, name=key) for key, value in tensors.items()}
+    return wire.encode_safetensors(arrays, metadata)
 
 
 def _items(body: Any) -> list[dict[str, Any]]:

@@ -4,10 +4,13 @@
     >>> registry = ModelRegistry(data_dir)            # <data_dir>/registry.sqlite3 + weights/<sha256>.safetensors
     >>> record = registry.register("m", {"family": "mlp", "input_dim": 4, "hidden": [8], "output_dim": 2}, seed=0)
     >>> record, module = registry.load_module("m")    # eval mode, (N, 4) -> (N, 2)
+    >>> registry.register_weights("r", sequential_spec, safetensors_bytes, label="epoch 0")  # trained version 1
+    >>> registry.add_version("r", safetensors_bytes, label="epoch 1")                         # version 2
     >>> datasets = DatasetStore(data_dir)             # <data_dir>/datasets/<id>.npy
     >>> x = datasets.load(datasets.create(array).id, 0, 10)
 
-Architectures: docs/architectures.md. Crash safety: NOTE [crash safety] in files.py. Tied weights: NOTE [tied
+Architectures: docs/architectures.md (the ``sequential`` family: layer_specs.py, sequential.py).
+Crash safety: NOTE [crash safety] in files.py. Tied weights: NOTE [tied
 weights] in weights.py. Seeds: NOTE [seeded initialisation] in families.py.
 """
 

@@ -1,10 +1,11 @@
 """Architecture specs: the JSON a client sends to register a model, validated with pydantic.
 
-Four families, chosen by the ``family`` key (exact semantics in ``zoo.py`` and ``docs/architectures.md``):
+Five families, chosen by the ``family`` key (exact semantics in ``zoo.py`` and ``docs/architectures.md``):
 
-    mlp          {input_dim, hidden, output_dim, activation, bias}
+    mlp          {input_dim, hidden, output_dim, activation, bias, parameterization, w_std, b_std}
     cnn          {input_shape: [C, H, W], channels, kernel_size, strides, padding, activation, output_dim}
     transformer  {vocab_size, max_len, d_model, n_heads, n_layers, d_ff, output_dim}
+    sequential   {input_shape, input_dtype, layers: [{type: "Conv2d", ...kwargs}, ...]}   (layer_specs.py)
     factory      {factory: "pkg.mod:func", kwargs, input_shape, input_dtype}   (operator-allowed only)
 
 Validation is strict (no "3" for 3, no 3.0 for 3, no unknown keys) and a failure becomes one ``InvalidInput`` whose
@@ -21,32 +22,81 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ntk_service.errors import InvalidInput
+from ntk_service.registry.layer_specs import LAYER_SPECS, LayerSpec, Parameterization, check_layer_tree
+from ntk_service.registry.limits import MAX_LAYERS, MAX_LEN, MAX_SEQUENTIAL_LAYERS, MAX_WIDTH
 
 __all__ = [
     "ARCHITECTURE_CONFIGS",
     "ArchitectureField",
     "ArchitectureInfo",
+    "ArchitectureSpec",
     "CnnConfig",
     "FactoryConfig",
+    "LayerInfo",
     "MlpConfig",
+    "SequentialConfig",
     "TransformerConfig",
     "list_architectures",
     "parse_architecture",
 ]
 
-MAX_LAYERS = 64
-"""Most layers (hidden layers, conv layers, transformer blocks) a built-in model may have: deeper nets are no use for
-kernel studies at the sizes this service can afford, and each layer costs a Python-level forward step."""
-
-MAX_WIDTH = 1 << 20
-"""Largest single size (width, channels, vocabulary, ...). The parameter cap in zoo.py is the real limit; this one only
-keeps the arithmetic of the estimate far from overflow."""
-
-MAX_LEN = 4096
-"""Longest transformer sequence: attention costs T² per head and layer, and the NTK multiplies that by N·M·k²."""
-
 Activation = Literal["relu", "tanh", "gelu", "erf"]
 PositiveInt = Annotated[int, Field(ge=1, le=MAX_WIDTH)]
+
+
+JsonValue = Any
+"""A value a JSON body can hold; factory kwargs are passed to the factory as parsed JSON, nothing else."""
+
+_RESNET_EXAMPLE: dict[str, JsonValue] = {
+    "family": "sequential",
+    "input_shape": [3, 16, 16],
+    "layers": [
+        {"type": "Conv2d", "in_channels": 3, "out_channels": 8, "kernel_size": 3, "padding": 1, "bias": False},
+        {"type": "BatchNorm2d", "num_features": 8},
+        {"type": "ReLU"},
+        {
+            "type": "Residual",
+            "body": [
+                {"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 3, "stride": 2, "padding": 1},
+                {"type": "ReLU"},
+                {"type": "Conv2d", "in_channels": 16, "out_channels": 16, "kernel_size": 3, "padding": 1},
+            ],
+            "shortcut": [{"type": "Conv2d", "in_channels": 8, "out_channels": 16, "kernel_size": 1, "stride": 2}],
+        },
+        {"type": "ReLU"},
+        {"type": "AdaptiveAvgPool2d", "output_size": 1},
+        {"type": "Flatten"},
+        {"type": "Linear", "in_features": 16, "out_features": 10},
+    ],
+}
+
+_EXAMPLES: dict[str, dict[str, JsonValue]] = {
+    "mlp": {"family": "mlp", "input_dim": 8, "hidden": [64, 64], "output_dim": 3, "activation": "relu"},
+    "cnn": {"family": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "strides": [1, 2], "output_dim": 10},
+    "transformer": {
+        "family": "transformer",
+        "vocab_size": 32,
+        "max_len": 16,
+        "d_model": 32,
+        "n_heads": 4,
+        "n_layers": 2,
+        "d_ff": 64,
+        "output_dim": 2,
+    },
+    "sequential": _RESNET_EXAMPLE,
+    "factory": {
+        "family": "factory",
+        "factory": "mylab.models:make_resnet",
+        "kwargs": {"depth": 8},
+        "input_shape": [3, 32, 32],
+        "input_dtype": "float32",
+    },
+}
+
+
+def _with_example(family: str) -> ConfigDict:
+    """Strict, no unknown keys, and the family's example in its JSON schema (OpenAPI shows one per family)."""
+    return ConfigDict(extra="forbid", strict=True, json_schema_extra={"examples": [_EXAMPLES[family]]})
 
 
 class _Config(BaseModel):
@@ -55,6 +105,8 @@ class _Config(BaseModel):
 
 class MlpConfig(_Config):
     """Fully connected net: Linear layers input_dim -> hidden[0] -> ... -> output_dim, activation between them."""
+
+    model_config = _with_example("mlp")
 
     family: Literal["mlp"] = Field(description="'mlp'.")
     input_dim: PositiveInt = Field(description="Features per example; inputs are float32 of shape (input_dim,).")
@@ -66,10 +118,28 @@ class MlpConfig(_Config):
         default="relu", description="Nonlinearity between Linear layers (none after the last); gelu is exact (erf)."
     )
     bias: bool = Field(default=True, description="Whether every Linear layer has a bias.")
+    parameterization: Parameterization = Field(
+        default="standard",
+        description="'standard': nn.Linear layers, PyTorch's init; 'ntk': y = (w_std/sqrt(fan_in)) x Wᵀ + b_std b with "
+        "W, b ~ N(0, 1) (neural-tangents' stax.Dense(parameterization='ntk')).",
+    )
+    w_std: float = Field(default=1.0, ge=0.0, le=1e6, description="σ_w of the 'ntk' parameterization.")
+    b_std: float = Field(default=1.0, ge=0.0, le=1e6, description="σ_b of the 'ntk' parameterization.")
+
+    @model_validator(mode="after")
+    def _check_scales(self) -> MlpConfig:
+        if self.parameterization == "standard" and (self.w_std, self.b_std) != (1.0, 1.0):
+            raise ValueError(
+                f"w_std and b_std apply only to parameterization 'ntk' (got w_std={self.w_std}, b_std={self.b_std} "
+                "with 'standard'); set parameterization to 'ntk' or drop them"
+            )
+        return self
 
 
 class CnnConfig(_Config):
     """Conv2d layers, each followed by the activation, then flatten and one Linear head."""
+
+    model_config = _with_example("cnn")
 
     family: Literal["cnn"] = Field(description="'cnn'.")
     input_shape: list[PositiveInt] = Field(
@@ -101,6 +171,8 @@ class CnnConfig(_Config):
 class TransformerConfig(_Config):
     """Token + position embeddings, pre-norm encoder blocks, final LayerNorm, mean pooling, Linear head."""
 
+    model_config = _with_example("transformer")
+
     family: Literal["transformer"] = Field(description="'transformer'.")
     vocab_size: PositiveInt = Field(description="Token ids are int64 in [0, vocab_size).")
     max_len: int = Field(ge=1, le=MAX_LEN, description="Sequence length T; inputs are int64 of shape (max_len,).")
@@ -120,12 +192,37 @@ class TransformerConfig(_Config):
         return self
 
 
-JsonValue = Any
-"""A value a JSON body can hold; factory kwargs are passed to the factory as parsed JSON, nothing else."""
+class SequentialConfig(_Config):
+    """Layers from an allow-list of torch.nn classes and ntk_service.layers combinators, applied in order."""
+
+    model_config = _with_example("sequential")
+
+    family: Literal["sequential"] = Field(description="'sequential'.")
+    input_shape: list[PositiveInt] = Field(
+        min_length=1, max_length=8, description="Shape of one example, without the batch dimension."
+    )
+    input_dtype: Literal["float32", "int64"] = Field(
+        default="float32", description="dtype of the inputs; int64 token ids must go into an Embedding first."
+    )
+    layers: list[LayerSpec] = Field(
+        min_length=1,
+        max_length=MAX_SEQUENTIAL_LAYERS,
+        description="The layers in order, as nn.Sequential applies them: {type, ...constructor keywords}; "
+        "GET /v1/architectures lists every type and its keywords.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_tree(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_layer_tree(data.get("layers"))
+        return data
 
 
 class FactoryConfig(_Config):
     """A model built by an operator-allowed Python function, called with JSON keyword arguments."""
+
+    model_config = _with_example("factory")
 
     family: Literal["factory"] = Field(description="'factory'.")
     factory: str = Field(
@@ -141,12 +238,13 @@ class FactoryConfig(_Config):
     input_dtype: Literal["float32", "int64"] = Field(default="float32", description="dtype of the inputs.")
 
 
-ArchitectureConfig = MlpConfig | CnnConfig | TransformerConfig | FactoryConfig
+ArchitectureConfig = MlpConfig | CnnConfig | TransformerConfig | SequentialConfig | FactoryConfig
 
 ARCHITECTURE_CONFIGS: dict[str, type[_Config]] = {
     "mlp": MlpConfig,
     "cnn": CnnConfig,
     "transformer": TransformerConfig,
+    "sequential": SequentialConfig,
     "factory": FactoryConfig,
 }
 """Family name -> its pydantic config class."""
@@ -207,39 +305,36 @@ class ArchitectureField(BaseModel):
     description: str
 
 
+class LayerInfo(BaseModel):
+    """One layer type a ``sequential`` spec may use, with its keywords."""
+
+    type: str
+    description: str
+    fields: list[ArchitectureField]
+
+
 class ArchitectureInfo(BaseModel):
-    """A family: its name, what it builds, its config fields and an example architecture dict."""
+    """A family: its name, what it builds, its config fields and an example architecture dict.
+
+    ``layers`` (sequential only) lists the allowed layer types; ``factories`` (factory only) the
+    ``module:function`` factories this server's operator allows (NTK_MODEL_FACTORIES).
+    """
 
     name: str
     description: str
     fields: list[ArchitectureField]
     example: dict[str, JsonValue]
+    layers: list[LayerInfo] | None = None
+    factories: list[str] | None = None
 
 
-_EXAMPLES: dict[str, dict[str, JsonValue]] = {
-    "mlp": {"family": "mlp", "input_dim": 8, "hidden": [64, 64], "output_dim": 3, "activation": "relu"},
-    "cnn": {"family": "cnn", "input_shape": [1, 8, 8], "channels": [4, 8], "strides": [1, 2], "output_dim": 10},
-    "transformer": {
-        "family": "transformer",
-        "vocab_size": 32,
-        "max_len": 16,
-        "d_model": 32,
-        "n_heads": 4,
-        "n_layers": 2,
-        "d_ff": 64,
-        "output_dim": 2,
-    },
-    "factory": {
-        "family": "factory",
-        "factory": "mylab.models:make_resnet",
-        "kwargs": {"depth": 8},
-        "input_shape": [3, 32, 32],
-        "input_dtype": "float32",
-    },
-}
+ArchitectureSpec = Annotated[ArchitectureConfig, Field(discriminator="family")]
+"""Any family's architecture, chosen by ``family`` (the OpenAPI schema of ``POST /v1/models``' architecture)."""
 
 
 def _type_name(annotation: object) -> str:
+    if annotation == LayerSpec:
+        return "layer"
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is Annotated:
@@ -257,32 +352,51 @@ def _type_name(annotation: object) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-def list_architectures() -> list[ArchitectureInfo]:
-    """The families a model can be registered with, and their config fields.
+def _fields(cls: type[BaseModel], *, skip: tuple[str, ...] = ()) -> list[ArchitectureField]:
+    fields = []
+    for field_name, field in cls.model_fields.items():
+        if field_name in skip:
+            continue
+        required = field.is_required()
+        default = None if required else field.get_default(call_default_factory=True)
+        fields.append(
+            ArchitectureField(
+                name=field_name,
+                type=_type_name(field.annotation),
+                required=required,
+                default=default,
+                description=field.description or "",
+            )
+        )
+    return fields
+
+
+def list_architectures(allowed_factories: frozenset[str] = frozenset()) -> list[ArchitectureInfo]:
+    """The families a model can be registered with, their config fields, sequential's layer types, and the
+    operator's factories.
+
+    Args:
+        allowed_factories (frozenset[str]): the server's NTK_MODEL_FACTORIES, shown on the factory family.
+            Default: none.
 
     Returns:
-        One ArchitectureInfo per family ("mlp", "cnn", "transformer", "factory"), in that order.
+        One ArchitectureInfo per family ("mlp", "cnn", "transformer", "sequential", "factory"), in that order.
 
     Example:
         >>> [a.name for a in list_architectures()]
-        ['mlp', 'cnn', 'transformer', 'factory']
+        ['mlp', 'cnn', 'transformer', 'sequential', 'factory']
     """
     infos = []
     for name, cls in ARCHITECTURE_CONFIGS.items():
-        fields = []
-        for field_name, field in cls.model_fields.items():
-            required = field.is_required()
-            default = None if required else field.get_default(call_default_factory=True)
-            fields.append(
-                ArchitectureField(
-                    name=field_name,
-                    type=_type_name(field.annotation),
-                    required=required,
-                    default=default,
-                    description=field.description or "",
-                )
-            )
-        infos.append(
-            ArchitectureInfo(name=name, description=(cls.__doc__ or "").strip(), fields=fields, example=_EXAMPLES[name])
+        info = ArchitectureInfo(
+            name=name, description=(cls.__doc__ or "").strip(), fields=_fields(cls), example=_EXAMPLES[name]
         )
+        if name == "sequential":
+            info.layers = [
+                LayerInfo(type=kind, description=(spec.__doc__ or kind).strip(), fields=_fields(spec, skip=("type",)))
+                for kind, spec in LAYER_SPECS.items()
+            ]
+        elif name == "factory":
+            info.factories = sorted(allowed_factories)
+        infos.append(info)
     return infos

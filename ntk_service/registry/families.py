@@ -19,6 +19,7 @@ import math
 import torch
 from torch import nn
 
+from ntk_service.layers import NtkConv1d, NtkConv2d, NtkLinear
 from ntk_service.registry.architectures import CnnConfig, MlpConfig, TransformerConfig
 
 __all__ = [
@@ -49,7 +50,8 @@ def make_activation(name: str) -> nn.Module:
 class MLP(nn.Module):
     """``layers.0 -> act -> layers.1 -> act -> ... -> layers.L`` (no activation after the last Linear).
 
-    Input (B, input_dim) float32, output (B, output_dim).
+    Input (B, input_dim) float32, output (B, output_dim). With ``parameterization="ntk"`` the layers are
+    ``NtkLinear(w_std, b_std)`` (NOTE [NTK parameterization] in ntk_service/layers.py), same parameter names.
     """
 
     ntk_fixed_pipeline = True
@@ -59,7 +61,13 @@ class MLP(nn.Module):
     def __init__(self, config: MlpConfig) -> None:
         super().__init__()
         dims = [config.input_dim, *config.hidden, config.output_dim]
-        self.layers = nn.ModuleList(nn.Linear(a, b, bias=config.bias) for a, b in zip(dims, dims[1:], strict=False))
+        pairs = zip(dims, dims[1:], strict=False)
+        if config.parameterization == "ntk":
+            self.layers = nn.ModuleList(
+                NtkLinear(a, b, bias=config.bias, w_std=config.w_std, b_std=config.b_std) for a, b in pairs
+            )
+        else:
+            self.layers = nn.ModuleList(nn.Linear(a, b, bias=config.bias) for a, b in pairs)
         self.activation = make_activation(config.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,10 +198,12 @@ def initialize_parameters(module: nn.Module, generator: torch.Generator) -> None
     NOTE [seeded initialisation]
     The rules are PyTorch's defaults written out, so they do not depend on the global RNG (which other threads may
     draw from) nor on a future PyTorch changing its defaults:
-      Linear, Conv2d   weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in_features or C_in·K·K
-                       (= kaiming_uniform_(a=sqrt(5)), PyTorch's default)
+      Linear, Conv1d/2d  weight and bias ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in_features or
+                       C_in/groups·prod(kernel) (= kaiming_uniform_(a=sqrt(5)), PyTorch's default)
+      NtkLinear, NtkConv*  weight and bias ~ N(0, 1) (NTK parameterization: the forward scales them)
       Embedding        weight ~ N(0, 1)
-      LayerNorm        weight = 1, bias = 0
+      LayerNorm, RMSNorm, GroupNorm, BatchNorm  weight = 1, bias = 0; BatchNorm running_mean = 0, running_var = 1,
+                       num_batches_tracked = 0
       MultiheadAttention  in_proj_weight ~ xavier_uniform U(±sqrt(6 / (d + 3d))), in_proj_bias = 0,
                        out_proj.weight as a Linear, out_proj.bias = 0
     Same config + same seed -> bit-identical weights (and the same weights_sha256).
@@ -206,13 +216,17 @@ def initialize_parameters(module: nn.Module, generator: torch.Generator) -> None
         for sub in module.modules():
             if isinstance(sub, nn.MultiheadAttention):
                 d = sub.embed_dim
-                assert sub.in_proj_bias is not None and sub.out_proj.bias is not None
                 _uniform(sub.in_proj_weight, math.sqrt(6.0 / (d + 3 * d)), generator)
-                sub.in_proj_bias.zero_()
                 _uniform(sub.out_proj.weight, 1.0 / math.sqrt(d), generator)
-                sub.out_proj.bias.zero_()
+                for bias in (sub.in_proj_bias, sub.out_proj.bias):
+                    if bias is not None:
+                        bias.zero_()
                 done.update(id(p) for p in sub.parameters())
-            elif isinstance(sub, nn.Linear | nn.Conv2d):
+            elif isinstance(sub, NtkLinear | NtkConv1d | NtkConv2d):
+                for p in sub.parameters(recurse=False):
+                    p.normal_(0.0, 1.0, generator=generator)
+                    done.add(id(p))
+            elif isinstance(sub, nn.Linear | nn.Conv1d | nn.Conv2d):
                 if id(sub.weight) in done:  # the out_proj of an attention layer, done above
                     continue
                 bound = 1.0 / math.sqrt(sub.weight[0].numel())
@@ -223,9 +237,14 @@ def initialize_parameters(module: nn.Module, generator: torch.Generator) -> None
             elif isinstance(sub, nn.Embedding):
                 sub.weight.normal_(0.0, 1.0, generator=generator)
                 done.add(id(sub.weight))
-            elif isinstance(sub, nn.LayerNorm):
-                sub.weight.fill_(1.0)
-                sub.bias.fill_(0.0)
-                done.update({id(sub.weight), id(sub.bias)})
+            elif isinstance(sub, nn.LayerNorm | nn.RMSNorm | nn.GroupNorm | nn.modules.batchnorm._BatchNorm):
+                for key, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0), ("running_var", 1.0)):
+                    tensor = getattr(sub, key, None)
+                    if isinstance(tensor, torch.Tensor):
+                        tensor.fill_(value)
+                        done.add(id(tensor))
+                tracked = getattr(sub, "num_batches_tracked", None)
+                if isinstance(tracked, torch.Tensor):
+                    tracked.zero_()
     missed = [name for name, p in module.named_parameters() if id(p) not in done]
     assert not missed, f"initialize_parameters: no rule for {missed}"

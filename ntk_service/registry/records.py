@@ -31,7 +31,8 @@ class ModelRecord:
         output_dim: k, outputs per example.
         parameters: (name, shape) in ``named_parameters()`` order.
         weights_sha256: hex sha256 of the stored safetensors file (the same bytes ``weights_bytes`` returns).
-        created_at: when this version was committed (UTC).
+        created_at: when this version was committed (UTC): its upload time.
+        label: the optional label given with the upload, e.g. "epoch 3" (None when none was given).
     """
 
     name: str
@@ -45,6 +46,7 @@ class ModelRecord:
     parameters: tuple[ParameterInfo, ...]
     weights_sha256: str
     created_at: datetime
+    label: str | None = None
 
     @property
     def cache_key(self) -> tuple[str, int, str, str]:
@@ -69,6 +71,7 @@ class ModelRecord:
             "parameters": [{"name": p.name, "shape": list(p.shape)} for p in self.parameters],
             "weights_sha256": self.weights_sha256,
             "created_at": self.created_at.isoformat(),
+            "label": self.label,
         }
 
 

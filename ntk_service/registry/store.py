@@ -34,9 +34,9 @@ from ntk_service.registry.weights import (
     parse_safetensors,
     serialize,
 )
-from ntk_service.registry.zoo import build_model, build_skeleton
+from ntk_service.registry.zoo import ModelSpec, build_model, build_skeleton, build_uninitialized
 
-__all__ = ["MODEL_NAME_PATTERN", "ModelRegistry"]
+__all__ = ["MAX_LABEL_LENGTH", "MODEL_NAME_PATTERN", "ModelRegistry"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,24 @@ DEFAULT_MODULE_CACHE_SIZE = 8
 
 _MAX_NAMES_IN_MESSAGE = 20
 
+MAX_LABEL_LENGTH = 200
+"""Longest version label ("epoch 3", "lr=1e-3 step 12000"): a short note shown beside the version, not a document."""
+
+
+def _check_label(label: object, op: str) -> str | None:
+    if label is None:
+        return None
+    if not isinstance(label, str) or not 1 <= len(label) <= MAX_LABEL_LENGTH or not label.isprintable():
+        shown = repr(label)[:60]
+        raise InvalidInput(
+            f"{op}: a version label must be 1-{MAX_LABEL_LENGTH} printable characters (e.g. 'epoch 3'), got {shown}"
+        )
+    return label
+
+
 _SELECT_VERSION = """
 SELECT v.name, v.version, m.architecture, v.seed, v.num_params, v.input_shape, v.input_dtype, v.output_dim,
-       v.parameters, v.weights_sha256, v.created_at
+       v.parameters, v.weights_sha256, v.created_at, v.label
 FROM model_versions v JOIN models m ON m.name = v.name
 """
 
@@ -72,6 +87,7 @@ def _record_from_row(row: Any) -> ModelRecord:
         parameters=tuple(ParameterInfo(n, tuple(s)) for n, s in json.loads(row[8])),
         weights_sha256=row[9],
         created_at=datetime.fromisoformat(row[10]),
+        label=row[11],
     )
 
 
@@ -115,28 +131,82 @@ class ModelRegistry:
 
     # ---------------------------------------------------------------- writes
 
-    def register(self, name: str, architecture: dict[str, Any], seed: int = 0) -> ModelRecord:
+    def register(
+        self, name: str, architecture: dict[str, Any], seed: int = 0, *, label: str | None = None
+    ) -> ModelRecord:
         """Create a model and its version 1, with weights initialised from ``seed``.
 
         Args:
             name (str): ``^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$``.
             architecture (dict): ``{"family": ..., ...config}``, see ``list_architectures()``.
             seed (int): in [0, 2**63). Same architecture + seed -> same weights and weights_sha256. Default: 0.
+            label (str | None): a label for version 1, 1-200 printable characters. Default: none.
 
         Returns:
             The ModelRecord of version 1.
 
         Raises:
-            InvalidInput: bad name, architecture, seed, or a model over the size caps.
+            InvalidInput: bad name, label, architecture, seed, or a model over the size caps.
             PermissionDenied: a factory the operator does not allow.
             NameConflict: a model of this name exists.
         """
         op = f"register {name!r}" if isinstance(name, str) else "register"
         self._check_name(name, op)
+        label = _check_label(label, op)
         self._check_free(name, op)
         module, spec = build_model(architecture, seed, allowed_factories=self.allowed_factories, operation=op)
         normalized = parse_architecture(architecture, operation=op).model_dump(mode="json")
-        data, sha = serialize(canonical_tensors(module, operation=op))
+        tensors = canonical_tensors(module, operation=op)
+        return self._create(name, normalized, module, spec, tensors, seed=seed, label=label, op=op)
+
+    def register_weights(
+        self, name: str, architecture: dict[str, Any], safetensors_bytes: bytes, *, label: str | None = None
+    ) -> ModelRecord:
+        """Create a model whose version 1 is uploaded weights (a trained ``state_dict()``), in one transaction.
+
+        Args:
+            name (str): as ``register``.
+            architecture (dict): as ``register``; no seeded initialisation is drawn.
+            safetensors_bytes (bytes): exactly the tensors of the architecture's ``state_dict()`` (buffers such as
+                BatchNorm running statistics included), as ``add_version`` takes them.
+            label (str | None): a label for version 1. Default: none.
+
+        Returns:
+            The ModelRecord of version 1 (seed None).
+
+        Raises:
+            InvalidInput: bad name, label or architecture; missing, unexpected or mismatched tensors (all named).
+            MalformedRequest: the bytes are not safetensors.
+            NonFiniteInput: NaN or inf in the weights.
+            PermissionDenied, NameConflict: as ``register``.
+        """
+        op = f"register {name!r}" if isinstance(name, str) else "register"
+        self._check_name(name, op)
+        label = _check_label(label, op)
+        self._check_free(name, op)
+        config = parse_architecture(architecture, operation=op)
+        tensors = parse_safetensors(safetensors_bytes, operation=op)
+        module, spec = build_uninitialized(config, allowed_factories=self.allowed_factories, operation=op)
+        canonical = canonical_tensors(module, operation=op)
+        load_tensors(module, tensors, operation=op)  # the strict check of names, shapes, dtypes and values
+        stored = {n: tensors[n].contiguous() for n in canonical}
+        normalized = config.model_dump(mode="json")
+        return self._create(name, normalized, module.eval(), spec, stored, seed=None, label=label, op=op)
+
+    def _create(
+        self,
+        name: str,
+        normalized: dict[str, Any],
+        module: nn.Module,
+        spec: ModelSpec,
+        tensors: dict[str, Any],
+        *,
+        seed: int | None,
+        label: str | None,
+        op: str,
+    ) -> ModelRecord:
+        """Store version 1: the weights file, the model row and the version row, committed together."""
+        data, sha = serialize(tensors)
         tmp = self._files.write_temp(lambda f: f.write(data))
         record = ModelRecord(
             name=name,
@@ -150,6 +220,7 @@ class ModelRegistry:
             parameters=_parameter_infos(module),
             weights_sha256=sha,
             created_at=_now(),
+            label=label,
         )
         with self._files.temp_cleanup(tmp):
             try:
@@ -168,13 +239,14 @@ class ModelRegistry:
         logger.info("registered model %r (%s, %d params, sha256 %s)", name, spec, record.num_params, sha[:12])
         return record
 
-    def add_version(self, name: str, safetensors_bytes: bytes) -> ModelRecord:
+    def add_version(self, name: str, safetensors_bytes: bytes, *, label: str | None = None) -> ModelRecord:
         """Store uploaded weights as the next version of a model.
 
         Args:
             name (str): an existing model.
             safetensors_bytes (bytes): a safetensors file with exactly the tensors of the model's ``state_dict()``
                 (tied aliases once, see NOTE [tied weights] in weights.py): same names, shapes and dtypes.
+            label (str | None): a label for the version, e.g. "epoch 3", 1-200 printable characters. Default: none.
 
         Returns:
             The new ModelRecord (seed None). The stored file is re-serialized canonically (no metadata), so
@@ -187,6 +259,7 @@ class ModelRegistry:
             NonFiniteInput: NaN or inf in the weights.
         """
         op = f"add_version {name!r}"
+        label = _check_label(label, op)
         latest = self.get(name)
         tensors = parse_safetensors(safetensors_bytes, operation=op)
         module = self._skeleton(latest, op)
@@ -208,7 +281,7 @@ class ModelRegistry:
                             "check the model and upload again"
                         )
                     record = dataclasses.replace(
-                        latest, version=int(row[0]) + 1, seed=None, weights_sha256=sha, created_at=_now()
+                        latest, version=int(row[0]) + 1, seed=None, weights_sha256=sha, created_at=_now(), label=label
                     )
                     self._files.publish(tmp, sha)
                     self._insert_version_row(conn, record)
@@ -328,7 +401,7 @@ class ModelRegistry:
     def _insert_version_row(self, conn: Any, record: ModelRecord) -> None:
         conn.execute(
             "INSERT INTO model_versions (name, version, seed, num_params, input_shape, input_dtype, output_dim, "
-            "parameters, weights_sha256, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "parameters, weights_sha256, created_at, label) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 record.name,
                 record.version,
@@ -340,6 +413,7 @@ class ModelRegistry:
                 json.dumps([[p.name, list(p.shape)] for p in record.parameters]),
                 record.weights_sha256,
                 record.created_at.isoformat(),
+                record.label,
             ),
         )
 

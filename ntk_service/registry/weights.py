@@ -15,7 +15,10 @@ through its stored name, and the tie is kept.
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from dataclasses import dataclass
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -30,8 +33,12 @@ __all__ = [
     "layout_of",
     "load_tensors",
     "parse_safetensors",
+    "safetensors_architecture",
     "serialize",
 ]
+
+_MAX_HEADER_BYTES = 100_000_000
+"""safetensors' own cap on the JSON header (a ResNet's header is a few KB)."""
 
 _DTYPE_NAMES = {
     torch.float16: "float16",
@@ -167,3 +174,35 @@ def load_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], *, operati
             f"{operation}: weights do not fit the model: missing {result.missing_keys}, "
             f"unexpected {result.unexpected_keys}"
         )
+
+
+def safetensors_architecture(data: bytes, *, operation: str) -> dict[str, Any]:
+    """The architecture a weights upload carries as JSON in its safetensors ``__metadata__["architecture"]``.
+
+    Raises:
+        MalformedRequest: the bytes are not safetensors (bad header).
+        InvalidInput: no ``architecture`` entry, or one that is not a JSON object.
+    """
+    if len(data) < 8:
+        raise MalformedRequest(f"{operation}: the body is not a safetensors file (got {len(data)} bytes)")
+    (size,) = struct.unpack("<Q", bytes(data[:8]))
+    if size > min(len(data) - 8, _MAX_HEADER_BYTES):
+        raise MalformedRequest(f"{operation}: the body is not a safetensors file (its header claims {size} bytes)")
+    try:
+        header = json.loads(bytes(data[8 : 8 + size]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise MalformedRequest(f"{operation}: the body is not a safetensors file (header: {exc})") from exc
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    raw = metadata.get("architecture") if isinstance(metadata, dict) else None
+    if not isinstance(raw, str):
+        raise InvalidInput(
+            f"{operation}: the safetensors file has no __metadata__['architecture']; put the architecture there as "
+            "JSON (Client.register_module does), or register with a JSON body and upload the weights as version 2"
+        )
+    try:
+        architecture = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidInput(f"{operation}: __metadata__['architecture'] is not valid JSON ({exc})") from exc
+    if not isinstance(architecture, dict):
+        raise InvalidInput(f"{operation}: __metadata__['architecture'] must be a JSON object with a 'family' key")
+    return architecture

@@ -7,7 +7,8 @@
     torch.Size([5, 2])
 
 Built-in families are sized from their config *before* any memory is allocated (MAX_PARAMS,
-MAX_ACTIVATIONS_PER_EXAMPLE), so registering a huge model is refused with the count instead of exhausting the server.
+MAX_ACTIVATIONS_PER_EXAMPLE), so registering a huge model is refused with the count instead of exhausting the server;
+``sequential`` specs are built and traced on the meta device first (sequential.py), which allocates nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from ntk_service.registry.architectures import (
     CnnConfig,
     FactoryConfig,
     MlpConfig,
+    SequentialConfig,
     TransformerConfig,
     parse_architecture,
 )
 from ntk_service.registry.factory import call_factory, probe_output_dim
 from ntk_service.registry.families import CNN, MLP, Transformer, cnn_spatial_sizes, initialize_parameters
+from ntk_service.registry.sequential import SequentialPlan, build_meta, plan_sequential
 
 __all__ = [
     "MAX_ACTIVATIONS_PER_EXAMPLE",
@@ -37,6 +40,7 @@ __all__ = [
     "ModelSpec",
     "build_model",
     "build_skeleton",
+    "build_uninitialized",
     "count_params",
 ]
 
@@ -117,6 +121,21 @@ def _check_size(config: MlpConfig | CnnConfig | TransformerConfig, operation: st
         )
 
 
+BuiltinConfig = MlpConfig | CnnConfig | TransformerConfig | SequentialConfig
+"""The families built here (everything but operator factories)."""
+
+
+def _plan_sequential(config: SequentialConfig, operation: str) -> SequentialPlan:
+    """Plan a sequential spec on the meta device (parameter cap first, then shapes, then activations)."""
+    plan = plan_sequential(config, operation=operation, max_params=MAX_PARAMS)
+    if plan.activations > MAX_ACTIVATIONS_PER_EXAMPLE:
+        raise InvalidInput(
+            f"{operation}: one example of this sequential model produces about {plan.activations:,} activation "
+            f"values, more than the limit of {MAX_ACTIVATIONS_PER_EXAMPLE:,}; use a smaller input or narrower layers"
+        )
+    return plan
+
+
 def _spec_of(config: ArchitectureConfig, output_dim: int | None = None) -> ModelSpec:
     if isinstance(config, MlpConfig):
         return ModelSpec((config.input_dim,), "float32", config.output_dim)
@@ -125,25 +144,33 @@ def _spec_of(config: ArchitectureConfig, output_dim: int | None = None) -> Model
     if isinstance(config, TransformerConfig):
         return ModelSpec((config.max_len,), "int64", config.output_dim)
     assert output_dim is not None
+    if isinstance(config, SequentialConfig):
+        return ModelSpec(tuple(config.input_shape), config.input_dtype, output_dim)
     return ModelSpec(tuple(config.input_shape), config.input_dtype, output_dim)
 
 
-def _builtin_class(config: MlpConfig | CnnConfig | TransformerConfig) -> type[nn.Module]:
-    return {MlpConfig: MLP, CnnConfig: CNN, TransformerConfig: Transformer}[type(config)]
+def _construct_meta(config: BuiltinConfig, operation: str) -> nn.Module:
+    if isinstance(config, SequentialConfig):
+        return build_meta(config, operation=operation)
+    cls: type[nn.Module] = {MlpConfig: MLP, CnnConfig: CNN, TransformerConfig: Transformer}[type(config)]
+    with torch.device("meta"):
+        return cls(config)
 
 
-def _allocate(config: MlpConfig | CnnConfig | TransformerConfig) -> nn.Module:
-    """The built-in module with uninitialised float32 CPU parameters.
+def _materialize(model: nn.Module) -> nn.Module:
+    """A meta module with uninitialised float32 CPU parameters (and zero buffers) in place of its meta tensors.
 
     Built on the meta device (so PyTorch's default init draws nothing from the global RNG and costs nothing), then
-    each parameter is replaced by ``torch.empty``; ``Module.to_empty`` would do the same but its meta-tensor path
-    imports torch's compiler stack on first use (seconds). Built-in families have no tied parameters or buffers.
+    each parameter and buffer is replaced by ``torch.empty`` / ``torch.zeros``; ``Module.to_empty`` would do the
+    same but its meta-tensor path imports torch's compiler stack on first use (seconds). Built-in families have no
+    tied parameters or buffers.
     """
-    with torch.device("meta"):
-        model = _builtin_class(config)(config)
     for sub in model.modules():
         for key, p in list(sub.named_parameters(recurse=False)):
             sub.register_parameter(key, nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad))
+        for key, b in list(sub.named_buffers(recurse=False)):
+            persistent = key not in sub._non_persistent_buffers_set
+            sub.register_buffer(key, torch.zeros(b.shape, dtype=b.dtype), persistent=persistent)
     return model
 
 
@@ -179,7 +206,7 @@ def build_model(
     """Validate an architecture dict and build its model, initialised deterministically from ``seed``.
 
     Args:
-        architecture (dict): ``{"family": "mlp" | "cnn" | "transformer" | "factory", ...config}``; see
+        architecture (dict): ``{"family": "mlp" | "cnn" | "transformer" | "sequential" | "factory", ...config}``; see
             ``list_architectures()`` and docs/architectures.md.
         seed (int): in [0, 2**63). Built-in families draw from a private ``torch.Generator`` seeded with it (see
             NOTE [seeded initialisation] in families.py); factories run under ``torch.manual_seed(seed)`` inside a
@@ -192,20 +219,45 @@ def build_model(
         to (N, spec.output_dim) outputs, and its ModelSpec.
 
     Raises:
-        InvalidInput: bad architecture (every bad field named), a CNN whose feature map would be empty, a model over
-            MAX_PARAMS or MAX_ACTIVATIONS_PER_EXAMPLE, a bad seed, or a factory that fails.
+        InvalidInput: bad architecture (every bad field named), a CNN whose feature map would be empty, a
+            sequential layer that fails on the declared input (layer and shapes named), a model over MAX_PARAMS or
+            MAX_ACTIVATIONS_PER_EXAMPLE, a bad seed, or a factory that fails.
         PermissionDenied: a factory not in ``allowed_factories``.
     """
     seed = _validate_seed(seed, operation)
     config = parse_architecture(architecture, operation=operation)
     if isinstance(config, FactoryConfig):
         return _build_factory(config, seed, allowed_factories, operation)
-    _check_size(config, operation)
-    model = _allocate(config)
+    model, spec = _checked_skeleton(config, operation)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     initialize_parameters(model, generator)
-    return model.eval(), _spec_of(config)
+    return model, spec
+
+
+def build_uninitialized(
+    config: ArchitectureConfig, *, allowed_factories: frozenset[str], operation: str
+) -> tuple[nn.Module, ModelSpec]:
+    """Like ``build_model`` with every check, but parameters left uninitialised (factories: seed 0), for weights
+    that are about to be loaded into it.
+
+    Raises:
+        InvalidInput, PermissionDenied: as ``build_model``.
+    """
+    if isinstance(config, FactoryConfig):
+        return _build_factory(config, 0, allowed_factories, operation)
+    return _checked_skeleton(config, operation)
+
+
+def _checked_skeleton(config: BuiltinConfig, operation: str) -> tuple[nn.Module, ModelSpec]:
+    meta: nn.Module
+    if isinstance(config, SequentialConfig):
+        plan = _plan_sequential(config, operation)
+        meta, output_dim = plan.module, plan.output_dim
+    else:
+        _check_size(config, operation)
+        meta, output_dim = _construct_meta(config, operation), None
+    return _materialize(meta).eval(), _spec_of(config, output_dim)
 
 
 def build_skeleton(
@@ -219,4 +271,4 @@ def build_skeleton(
     """
     if isinstance(config, FactoryConfig):
         return _build_factory(config, 0, allowed_factories, operation)[0]
-    return _allocate(config).eval()
+    return _materialize(_construct_meta(config, operation)).eval()

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ntk_service.errors import InvalidInput, MalformedRequest
 from ntk_service.kernels.types import NtkImplementation
+from ntk_service.registry.architectures import ArchitectureSpec
 from ntk_service.server.errors import format_validation_errors
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "MatvecPublic",
     "MatvecRequest",
     "ModelCreate",
+    "ModelCreateSchema",
     "ModelPublic",
     "ModelsPublic",
     "MonteCarloOptions",
@@ -128,6 +130,15 @@ class ModelCreate(BaseModel):
         examples=[{"family": "mlp", "input_dim": 784, "hidden": [256], "output_dim": 10, "activation": "relu"}]
     )
     seed: int = Field(default=0, ge=0, description="Seed of the initial weights (version 1).")
+    label: str | None = Field(default=None, description="Label of version 1, e.g. 'init'. Default: none.")
+
+
+class ModelCreateSchema(ModelCreate):
+    """``POST /v1/models`` as OpenAPI documents it (documentation only): ``architecture`` is the discriminated union
+    of the families on ``family``, each with an example. Routes validate the architecture in the registry
+    (``parse_architecture``), so the library and HTTP give the same messages."""
+
+    architecture: ArchitectureSpec  # type: ignore[assignment]
 
 
 class ParameterPublic(BaseModel):
@@ -146,7 +157,8 @@ class ModelPublic(BaseModel):
     output_dim: int
     parameters: list[ParameterPublic]
     weights_sha256: str
-    created_at: str
+    created_at: str = Field(description="When this version was uploaded (UTC, ISO 8601).")
+    label: str | None = Field(default=None, description="The label given with the upload, e.g. 'epoch 3'.")
 
 
 class ModelsPublic(BaseModel):
@@ -260,14 +272,19 @@ class MatvecPublic(BaseModel):
     elapsed_ms: float
 
 
-def _inline_refs(node: Any, defs: dict[str, Any]) -> Any:
+def _inline_refs(node: Any, defs: dict[str, Any], seen: tuple[str, ...] = ()) -> Any:
     if isinstance(node, dict):
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#/$defs/"):
-            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
-        return {k: _inline_refs(v, defs) for k, v in node.items() if k != "$defs"}
+            name = ref.removeprefix("#/$defs/")
+            if name in seen:  # a recursive schema (a Residual's body is a list of layers): stop at the cycle
+                return {"type": "object", "description": f"{name}, as above (recursive)"}
+            return _inline_refs(defs[name], defs, (*seen, name))
+        if isinstance(node.get("discriminator"), dict):  # its mapping points into $defs, gone once inlined
+            node = {**node, "discriminator": {"propertyName": node["discriminator"]["propertyName"]}}
+        return {k: _inline_refs(v, defs, seen) for k, v in node.items() if k != "$defs"}
     if isinstance(node, list):
-        return [_inline_refs(v, defs) for v in node]
+        return [_inline_refs(v, defs, seen) for v in node]
     return node
 
 

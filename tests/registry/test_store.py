@@ -52,6 +52,7 @@ PUBLIC_FIELDS = {
     "parameters",
     "weights_sha256",
     "created_at",
+    "label",
 }
 
 
@@ -84,7 +85,14 @@ def test_register_get_list(tmp_path: Path) -> None:
         ("layers.1.weight", (2, 4)),
         ("layers.1.bias", (2,)),
     ]
-    assert record.architecture == {**MLP, "activation": "relu", "bias": True}
+    assert record.architecture == {
+        **MLP,
+        "activation": "relu",
+        "bias": True,
+        "parameterization": "standard",
+        "w_std": 1.0,
+        "b_std": 1.0,
+    }
     assert record.created_at.tzinfo == UTC and abs((datetime.now(UTC) - record.created_at).total_seconds()) < 60
     public = record.to_public()
     assert set(public) == PUBLIC_FIELDS

@@ -231,8 +231,13 @@ def test_factory_failures_are_explained(arch: dict[str, Any], fragment: str) -> 
 
 
 def test_list_architectures_describes_every_family() -> None:
-    infos = {a.name: a for a in list_architectures()}
-    assert list(infos) == ["mlp", "cnn", "transformer", "factory"]
+    infos = {a.name: a for a in list_architectures(frozenset({"b.m:f", "a.m:f"}))}
+    assert list(infos) == ["mlp", "cnn", "transformer", "sequential", "factory"]
+    assert infos["factory"].factories == ["a.m:f", "b.m:f"] and infos["mlp"].factories is None
+    layers = {layer.type: layer for layer in infos["sequential"].layers or []}
+    assert {"Linear", "Conv2d", "BatchNorm2d", "TransformerEncoderLayer", "Residual", "MeanPool"} <= set(layers)
+    assert [f.name for f in layers["Residual"].fields] == ["body", "shortcut"]
+    assert layers["Residual"].fields[0].type == "list[layer]"
     mlp = {f.name: f for f in infos["mlp"].fields}
     assert mlp["hidden"].type == "list[int]" and mlp["hidden"].required
     assert mlp["activation"].type == "'relu' | 'tanh' | 'gelu' | 'erf'" and mlp["activation"].default == "relu"

@@ -1,17 +1,37 @@
-"""Model registry routes: register, list, show, delete, upload and download weight versions."""
+"""Model registry routes: register, list, show, delete, upload and download weight versions.
+
+``POST /v1/models`` takes either JSON (an architecture and a seed) or a safetensors file (trained weights, with the
+architecture as JSON in the file's ``__metadata__["architecture"]`` and the name as ``?name=``): the latter is
+what ``Client.register_module`` sends, so a trained model's own ``state_dict()`` is version 1.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 import anyio.to_thread
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from ntk_service import wire
+from ntk_service.errors import InvalidInput
+from ntk_service.registry.weights import safetensors_architecture
 from ntk_service.server.deps import ReadAccess, RegistryDep, WriteAccess
-from ntk_service.server.media import collection_response, json_response, read_json, require_content_type
-from ntk_service.server.schemas import ModelCreate, ModelPublic, ModelsPublic, openapi_body, validate_body
+from ntk_service.server.media import (
+    collection_response,
+    content_type,
+    json_response,
+    read_json,
+    require_content_type,
+)
+from ntk_service.server.schemas import (
+    ModelCreate,
+    ModelCreateSchema,
+    ModelPublic,
+    ModelsPublic,
+    openapi_body,
+    validate_body,
+)
 
 __all__ = ["router"]
 
@@ -19,20 +39,46 @@ router = APIRouter(prefix="/v1/models", tags=["models"])
 
 NameParam = Annotated[str, Path(description="The model's registered name.")]
 VersionParam = Annotated[int, Path(ge=1, description="A version number (1 = the registered initial weights).")]
+LabelQuery = Annotated[
+    str | None, Query(max_length=200, description="A label for the new version, e.g. 'epoch 3'. Default: none.")
+]
+
+_WEIGHTS_BODY = (
+    "Trained weights: exactly the tensors of the architecture's state_dict() (buffers included), with the "
+    "architecture as JSON in __metadata__['architecture'] and the model's name as ?name= (Client.register_module)."
+)
 
 
 @router.post(
     "",
     status_code=201,
     response_model=ModelPublic,
-    summary="Register a model from an architecture spec and a seed (version 1)",
-    openapi_extra=openapi_body(ModelCreate),
+    summary="Register a model: an architecture with a seed (JSON) or with trained weights (safetensors), version 1",
+    openapi_extra=openapi_body(ModelCreateSchema, binary={wire.MEDIA_SAFETENSORS: _WEIGHTS_BODY}),
 )
-async def register_model(request: Request, _: WriteAccess, registry: RegistryDep) -> Response:
+async def register_model(
+    request: Request,
+    _: WriteAccess,
+    registry: RegistryDep,
+    name: Annotated[str | None, Query(description="The model's name (safetensors bodies only).")] = None,
+    label: LabelQuery = None,
+) -> Response:
     operation = "register model"
-    body = validate_body(ModelCreate, await read_json(request, operation=operation), operation=operation)
-    record = await anyio.to_thread.run_sync(lambda: registry.register(body.name, body.architecture, seed=body.seed))
-    return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{body.name}"})
+    if content_type(request) == wire.MEDIA_SAFETENSORS:
+        if name is None:
+            raise InvalidInput(f"{operation}: a safetensors body needs the model's name as the query parameter ?name=")
+        data = await request.body()
+        architecture = safetensors_architecture(data, operation=operation)
+        weighted_name = name
+        record = await anyio.to_thread.run_sync(
+            lambda: registry.register_weights(weighted_name, architecture, data, label=label)
+        )
+    else:
+        body = validate_body(ModelCreate, await read_json(request, operation=operation), operation=operation)
+        record = await anyio.to_thread.run_sync(
+            lambda: registry.register(body.name, body.architecture, seed=body.seed, label=body.label)
+        )
+    return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{record.name}"})
 
 
 @router.get("", response_model=ModelsPublic, summary="List models (latest version of each)")
@@ -70,17 +116,20 @@ async def list_versions(name: NameParam, _: ReadAccess, registry: RegistryDep) -
             "content": {
                 wire.MEDIA_SAFETENSORS: {
                     "schema": {"type": "string", "format": "binary"},
-                    "description": "Every parameter by its named_parameters() name, shapes and dtypes as registered.",
+                    "description": "Every tensor of the model's state_dict() (parameters and buffers) by name, "
+                    "shapes and dtypes as registered.",
                 }
             },
         }
     },
 )
-async def upload_version(name: NameParam, request: Request, _: WriteAccess, registry: RegistryDep) -> Response:
+async def upload_version(
+    name: NameParam, request: Request, _: WriteAccess, registry: RegistryDep, label: LabelQuery = None
+) -> Response:
     operation = f"upload weights of model {name!r}"
     require_content_type(request, (wire.MEDIA_SAFETENSORS,), operation=operation)
     body = await request.body()
-    record = await anyio.to_thread.run_sync(lambda: registry.add_version(name, body))
+    record = await anyio.to_thread.run_sync(lambda: registry.add_version(name, body, label=label))
     location = f"/v1/models/{name}/versions/{record.version}"
     return json_response(record.to_public(), status_code=201, headers={"Location": location})
 

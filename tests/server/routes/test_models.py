@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ntk_service import wire
-from tests.conftest import LiveServer
+from tests.conftest import SLOW_FACTORY, LiveServer
 from tests.reference import reference_ntk
 from tests.server.support import TINY_ARCHITECTURES, assert_close_to_reference, decode_theta, rebuild
 
@@ -30,7 +30,7 @@ def test_register_each_family(live_server: LiveServer, family: str) -> None:
     assert record["seed"] == 3
     assert set(record) == {
         "name", "version", "architecture", "seed", "num_params", "input_shape", "input_dtype", "output_dim",
-        "parameters", "weights_sha256", "created_at",
+        "parameters", "weights_sha256", "created_at", "label",
     }  # fmt: skip
     assert {k: record["architecture"][k] for k in architecture} == architecture
     model = rebuild(record, weights)
@@ -56,10 +56,16 @@ def test_architectures_lists_the_families(live_server: LiveServer) -> None:
     with live_server.client("read") as client:
         body = client.get("/v1/architectures").json()
     names = [a["name"] for a in body["data"]]
-    assert names == ["mlp", "cnn", "transformer", "factory"]
-    assert body["count"] == 4
+    assert names == ["mlp", "cnn", "transformer", "sequential", "factory"]
+    assert body["count"] == 5
     mlp = body["data"][0]
     assert {f["name"] for f in mlp["fields"]} >= {"input_dim", "hidden", "output_dim", "activation", "bias"}
+    assert {f["name"] for f in mlp["fields"]} >= {"parameterization", "w_std", "b_std"}
+    # the operator's factories are listed, so a 403 is not the first place a client learns them
+    assert body["data"][4]["factories"] == [SLOW_FACTORY]
+    layers = {layer["type"]: layer for layer in body["data"][3]["layers"]}
+    conv = {f["name"]: f for f in layers["Conv2d"]["fields"]}
+    assert conv["kernel_size"]["required"] and conv["padding"]["default"] == 0
 
 
 def test_versions_list_show_download_delete(live_server: LiveServer) -> None:
