@@ -19,6 +19,7 @@ import anyio.to_thread
 import uvicorn
 from fastapi import FastAPI
 
+from ntk_service import __version__
 from ntk_service.config import LOOPBACK_HOSTS, Settings
 from ntk_service.kernels import SideCache, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
@@ -27,6 +28,7 @@ from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
 from ntk_service.server.errors import install_error_handlers
 from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
+from ntk_service.server.openapi import install_openapi, operation_id
 from ntk_service.server.routes import architectures, datasets, health, jobs, kernels, models
 
 __all__ = ["check_bind_address", "create_app", "serve"]
@@ -107,12 +109,19 @@ def create_app(settings: Settings) -> FastAPI:
         ValueError: an open server on a non-loopback host (see ``check_bind_address``).
     """
     check_bind_address(settings)
-    app = FastAPI(title="ntk-service", description=API_DESCRIPTION, version="0.1.0", lifespan=_lifespan)
+    app = FastAPI(
+        title="ntk-service",
+        description=API_DESCRIPTION,
+        version=__version__,
+        lifespan=_lifespan,
+        generate_unique_id_function=operation_id,
+    )
     app.state.settings = settings
     app.state.keyring = KeyRing(settings.api_key_scopes())
     app.state.metrics = Metrics()
     app.state.ready = False
     install_error_handlers(app)
+    install_openapi(app)
     # add_middleware puts the newest outermost: metrics see every response, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from ntk_service.errors import ServiceUnavailable
 from ntk_service.server.deps import MetricsDep
@@ -20,13 +20,13 @@ async def healthz() -> Response:
     return json_response({"status": "ok"})
 
 
-@router.get("/readyz", summary="Readiness: registry and data sets are open (503 until then)")
+@router.get("/readyz", responses={503: {}}, summary="Readiness: registry and data sets are open (503 until then)")
 async def readyz(request: Request) -> Response:
     if not getattr(request.app.state, "ready", False):
         raise ServiceUnavailable("readyz: the server is starting or stopping; retry shortly", retry_after_s=1)
     return json_response({"status": "ready"})
 
 
-@router.get("/metrics", summary="Prometheus metrics (text exposition format)")
+@router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text exposition format)")
 async def metrics(metrics: MetricsDep) -> Response:
     return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
 import anyio.to_thread
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.server.deps import ReadAccess, RegistryDep, WriteAccess
 from ntk_service.server.media import collection_response, json_response, read_json, require_content_type
+from ntk_service.server.params import NamePath, VersionPath
 from ntk_service.server.schemas import ModelCreate, ModelPublic, ModelsPublic, openapi_body, validate_body
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
-NameParam = Annotated[str, Path(description="The model's registered name.")]
-VersionParam = Annotated[int, Path(ge=1, description="A version number (1 = the registered initial weights).")]
+NameParam = NamePath
+VersionParam = VersionPath
 
 
 @router.post(
@@ -26,6 +25,7 @@ VersionParam = Annotated[int, Path(ge=1, description="A version number (1 = the 
     status_code=201,
     response_model=ModelPublic,
     summary="Register a model from an architecture spec and a seed (version 1)",
+    responses={409: {"description": "A model with this name exists."}},
     openapi_extra=openapi_body(ModelCreate),
 )
 async def register_model(request: Request, _: WriteAccess, registry: RegistryDep) -> Response:
@@ -94,6 +94,7 @@ async def get_version(name: NameParam, version: VersionParam, _: ReadAccess, reg
 @router.get(
     "/{name}/versions/{version}/weights",
     summary="Download a version's weights (safetensors)",
+    response_class=Response,  # never JSON: the document lists only safetensors
     responses={200: {"content": {wire.MEDIA_SAFETENSORS: {}}}},
 )
 async def get_weights(name: NameParam, version: VersionParam, _: ReadAccess, registry: RegistryDep) -> Response:
