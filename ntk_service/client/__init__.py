@@ -11,19 +11,25 @@ Errors are the ``ntk_service.errors`` classes, mapped from the server's error bo
 from __future__ import annotations
 
 from ntk_service.client._base import (
+    API_KEY_ENV,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_RETRIES,
     DEFAULT_MAX_RETRY_WAIT_S,
     DEFAULT_TIMEOUT_S,
+    DEFAULT_URL,
+    URL_ENV,
     TransportFormat,
 )
 from ntk_service.client._client import Client, KernelResult
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_MAX_RETRY_WAIT_S",
     "DEFAULT_TIMEOUT_S",
+    "DEFAULT_URL",
+    "URL_ENV",
     "Client",
     "KernelResult",
     "TransportFormat",

@@ -1,0 +1,44 @@
+"""``Client()`` takes the server URL and the API key from ``NTK_URL`` / ``NTK_API_KEY`` when they are not given,
+so keys stay out of notebooks; explicit arguments win."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ntk_service.client import API_KEY_ENV, DEFAULT_URL, URL_ENV, Client
+
+
+def _seen(*args: str, **kwargs: str) -> httpx.Request:
+    """The request ``Client(*args, **kwargs).health()`` sends."""
+    requests: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return httpx.Response(200, json={"status": "ok"})
+
+    with Client(*args, transport=httpx.MockTransport(handler), **kwargs) as client:  # type: ignore[arg-type]
+        client.health()
+    return requests[0]
+
+
+def test_environment_supplies_url_and_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(URL_ENV, "http://ntk.example:9000/")
+    monkeypatch.setenv(API_KEY_ENV, "env-key")
+    request = _seen()
+    assert str(request.url) == "http://ntk.example:9000/healthz"
+    assert request.headers["authorization"] == "Bearer env-key"
+
+
+def test_arguments_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(URL_ENV, "http://ntk.example:9000")
+    monkeypatch.setenv(API_KEY_ENV, "env-key")
+    request = _seen("http://other:1", api_key="arg-key")
+    assert str(request.url) == "http://other:1/healthz" and request.headers["authorization"] == "Bearer arg-key"
+
+
+def test_without_environment_the_default_url_and_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(URL_ENV, raising=False)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    request = _seen()
+    assert str(request.url) == f"{DEFAULT_URL}/healthz" and "authorization" not in request.headers
