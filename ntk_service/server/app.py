@@ -25,6 +25,7 @@ from ntk_service.kernels import SideCache, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
+from ntk_service.server.docs import install_docs
 from ntk_service.server.errors import install_error_handlers
 from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
@@ -115,6 +116,8 @@ def create_app(settings: Settings) -> FastAPI:
         version=__version__,
         lifespan=_lifespan,
         generate_unique_id_function=operation_id,
+        docs_url=None,  # served from packaged assets by install_docs, not from a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.keyring = KeyRing(settings.api_key_scopes())
@@ -122,6 +125,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.ready = False
     install_error_handlers(app)
     install_openapi(app)
+    install_docs(app)
     # add_middleware puts the newest outermost: metrics see every response, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
