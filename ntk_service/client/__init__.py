@@ -21,6 +21,7 @@ from ntk_service.client._base import (
     TransportFormat,
 )
 from ntk_service.client._client import Client, KernelResult
+from ntk_service.client._service import ServerInfo, ServerLimits
 
 __all__ = [
     "API_KEY_ENV",
@@ -32,5 +33,7 @@ __all__ = [
     "URL_ENV",
     "Client",
     "KernelResult",
+    "ServerInfo",
+    "ServerLimits",
     "TransportFormat",
 ]

@@ -26,6 +26,7 @@ import numpy as np
 from ntk_service import wire
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
 from ntk_service.client._jobs import JobsClient
+from ntk_service.client._service import ServiceClient
 from ntk_service.errors import NtkServiceError
 
 __all__ = ["Client", "KernelResult"]
@@ -60,7 +61,7 @@ class KernelResult:
     elapsed_ms: float
 
 
-class Client(JobsClient):
+class Client(JobsClient, ServiceClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio.to_thread
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -81,6 +82,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         concurrency=settings.compute_concurrency, max_queue=settings.max_queue, metrics=app.state.metrics
     )
     await jobs.start_jobs(app)  # after the registry, data sets and limiter: resumes unfinished jobs
+    app.state.metrics.watch_jobs(app.state.jobs)
     if app.state.keyring.is_open:
         logger.warning(
             "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
@@ -121,7 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     app.state.keyring = KeyRing(settings.api_key_scopes())
-    app.state.metrics = Metrics()
+    app.state.metrics = Metrics(build={"version": __version__, "torch": torch.__version__})
     app.state.ready = False
     install_error_handlers(app)
     install_openapi(app)

@@ -42,3 +42,14 @@ def test_without_environment_the_default_url_and_no_key(monkeypatch: pytest.Monk
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     request = _seen()
     assert str(request.url) == f"{DEFAULT_URL}/healthz" and "authorization" not in request.headers
+
+
+def test_info_returns_the_server_record() -> None:
+    body = {"version": "0.1.0", "torch": "2.13.0+cpu", "executor": "local", "device": "cpu", "limits": {}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/v1/info"
+        return httpx.Response(200, json=body)
+
+    with Client("http://ntk.test", transport=httpx.MockTransport(handler)) as client:
+        assert client.info() == body
