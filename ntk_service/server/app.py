@@ -32,6 +32,7 @@ from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
 from ntk_service.server.openapi import install_openapi, operation_id
 from ntk_service.server.routes import architectures, datasets, health, jobs, kernels, models
+from ntk_service.server.shutdown import Drain, DrainMiddleware, GracefulServer
 
 __all__ = ["check_bind_address", "create_app", "serve"]
 
@@ -65,6 +66,7 @@ def check_bind_address(settings: Settings) -> None:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
+    app.state.drain.bind()
     configure_torch_threads(settings.torch_threads())
 
     def open_stores() -> tuple[ModelRegistry, DatasetStore]:
@@ -125,12 +127,14 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.keyring = KeyRing(settings.api_key_scopes())
     app.state.metrics = Metrics(build={"version": __version__, "torch": torch.__version__})
     app.state.ready = False
+    app.state.drain = Drain()
     install_error_handlers(app)
     install_openapi(app)
     install_docs(app)
     # add_middleware puts the newest outermost: metrics see every response, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)  # outermost: ends streams at shutdown
     routers = [module.router for module in (health, architectures, models, datasets, kernels, jobs)]
     for router in routers:
         app.include_router(router)
@@ -140,17 +144,21 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def serve(settings: Settings) -> None:
-    """Run the service with uvicorn on ``settings.host:settings.port`` until interrupted.
+    """Run the service with uvicorn on ``settings.host:settings.port`` until SIGTERM or Ctrl-C, then shut down
+    gracefully (``server/shutdown.py``: in-flight requests finish within ``settings.shutdown_timeout_s``, streams
+    end, running job tiles finish and the rest resume at the next start).
 
     Raises:
         ValueError: an open server on a non-loopback host (see ``check_bind_address``).
     """
     check_bind_address(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
+    GracefulServer(config, drain=app.state.drain).run()

@@ -58,7 +58,7 @@ async def healthz() -> Response:
 
 @router.get("/readyz", responses={503: {}}, summary="Readiness: registry and data sets are open (503 until then)")
 async def readyz(request: Request) -> Response:
-    if not getattr(request.app.state, "ready", False):
+    if not getattr(request.app.state, "ready", False) or request.app.state.drain.is_set:
         raise ServiceUnavailable("readyz: the server is starting or stopping; retry shortly", retry_after_s=1)
     return json_response({"status": "ready"})
 
