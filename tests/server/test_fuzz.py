@@ -24,7 +24,7 @@ from tests.server.support import TINY_ARCHITECTURES
 SEED = 20261201
 """Fixed (and no example database): the same requests in the same order every run."""
 
-MAX_EXAMPLES = 60
+MAX_EXAMPLES = 40
 """Test cases per operation in the fuzzing phase (the coverage phase adds its boundary cases on top)."""
 
 CHECKS = (
