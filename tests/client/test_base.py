@@ -3,6 +3,9 @@ so keys stay out of notebooks; explicit arguments win."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import pytest
 
@@ -53,3 +56,19 @@ def test_info_returns_the_server_record() -> None:
 
     with Client("http://ntk.test", transport=httpx.MockTransport(handler)) as client:
         assert client.info() == body
+
+
+def test_wait_raises_timeout_error_when_the_job_is_still_running() -> None:
+    running = {"id": "j1", "status": "running", "tiles_done": 1, "tiles_total": 4, "progress": 0.25, "eta_s": 9.0}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            body = b"event: progress\ndata: " + json.dumps(running).encode() + b"\n\n"
+            return httpx.Response(200, content=body, headers={"Content-Type": "text/event-stream"})
+        return httpx.Response(200, json=running)
+
+    with Client("http://ntk.test", transport=httpx.MockTransport(handler)) as client:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="wait: job j1 still running after 0.3 s"):
+            client.wait("j1", timeout=0.3, progress=False)
+        assert time.monotonic() - start < 5
