@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, WRITE_KEY, LiveServer
+from tests.conftest import WRITE_KEY, LiveServer
 from tests.server.support import TINY_ARCHITECTURES
 
 SEED = 20261201
@@ -86,10 +86,11 @@ def test_fuzz_every_operation(start_server: Callable[..., LiveServer], tmp_path:
         "--report-dir",
         str(report),
     ]
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.server.fuzz_hooks"}
+    # The hooks by file, and tmp_path as the working directory: schemathesis keeps a cache in its working directory.
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": str(Path(__file__).with_name("fuzz_hooks.py"))}
     start = time.monotonic()
     result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=TIME_BUDGET_S, check=False
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIME_BUDGET_S, check=False
     )
     elapsed = time.monotonic() - start
     output = result.stdout + result.stderr
