@@ -35,18 +35,19 @@ COPY ${WHEELS_DIR}/ /tmp/wheels/
 RUN if [ -n "${TORCH_INDEX_URL}" ] && [ -z "${NO_INDEX}" ]; then set -- --extra-index-url "${TORCH_INDEX_URL}"; fi; \
     pip install --no-cache-dir ${NO_INDEX:+--no-index} -c /tmp/build/constraints.txt "$@" torch==2.13.0
 
-# The other dependencies (with the ray extra, so the image is also a Ray node) and the build backend, read from
-# pyproject.toml alone: the code is not copied yet, so editing code keeps this layer.
+# The other dependencies (the client's, the server extra, and the ray extra so the image is also a Ray node) and
+# the build backend, read from pyproject.toml alone: the code is not copied yet, so editing code keeps this layer.
 COPY pyproject.toml /tmp/build/pyproject.toml
 RUN python3 -c "import tomllib; t = tomllib.load(open('/tmp/build/pyproject.toml', 'rb')); p = t['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['ray'] + t['build-system']['requires']))" \
+print('\n'.join(p['dependencies'] + p['optional-dependencies']['server'] + p['optional-dependencies']['ray'] \
++ t['build-system']['requires']))" \
         > /tmp/build/requirements.txt \
     && pip install --no-cache-dir ${NO_INDEX:+--no-index} -c /tmp/build/constraints.txt \
         -r /tmp/build/requirements.txt
 
 # The package as a wheel, outside the venv: the runtime stage copies the venv (dependencies only, a big layer that
 # stays cached) and installs this small wheel on top.
-COPY pyproject.toml constraints.txt README.md* /tmp/build/src/
+COPY pyproject.toml constraints.txt LICENSE README.md* /tmp/build/src/
 COPY ntk_service /tmp/build/src/ntk_service
 RUN pip wheel --no-cache-dir --no-deps --no-build-isolation -w /tmp/dist /tmp/build/src
 

@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev,ray]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[server,dev,ray]'
 	touch $(STAMP)
 
 # OpenMP threads sleep instead of spinning while they wait: on a shared host spinning made kernels up to 10x

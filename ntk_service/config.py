@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     job_disk_budget_bytes: int | None = Field(
         None, gt=0, description="Disk all stored job results may take (413 above). Default: 90% of the free space."
     )
+    shutdown_timeout_s: int = Field(
+        30, ge=0, le=3600, description="On SIGTERM, how long in-flight requests may take to finish before cancelled."
+    )
     job_results_dir: Path | None = Field(
         None, description="Job results (Zarr); shared storage for Ray clusters. Default: <data_dir>/jobs."
     )

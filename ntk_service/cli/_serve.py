@@ -26,9 +26,16 @@ def serve(
     ] = None,
 ) -> None:
     """Run the server until interrupted. Everything else (keys, limits) comes from NTK_* variables."""
-    from pydantic import ValidationError
+    try:
+        from pydantic import ValidationError
 
-    from ntk_service.config import Settings
+        from ntk_service.config import Settings
+        from ntk_service.server import serve as run_server
+    except ImportError as exc:  # a client-only install: `pip install ntk-service` has no server
+        fail(
+            f"serve: the server is not installed ({exc}); install it with: pip install 'ntk-service[server]'",
+            code=EXIT_USAGE,
+        )
 
     overrides: dict[str, Any] = {
         key: value
@@ -42,8 +49,6 @@ def serve(
             f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
         )
         fail(f"serve: invalid configuration: {problems}", code=EXIT_USAGE)
-
-    from ntk_service.server import serve as run_server
 
     try:
         run_server(settings)

@@ -11,10 +11,13 @@ Errors are the ``ntk_service.errors`` classes, mapped from the server's error bo
 from __future__ import annotations
 
 from ntk_service.client._base import (
+    API_KEY_ENV,
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_RETRIES,
     DEFAULT_MAX_RETRY_WAIT_S,
     DEFAULT_TIMEOUT_S,
+    DEFAULT_URL,
+    URL_ENV,
     TransportFormat,
 )
 from ntk_service.client._client import (
@@ -29,12 +32,16 @@ from ntk_service.client._client import (
 from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
 from ntk_service.client._module_spec import describe_module
 from ntk_service.client._results import RemoteResult
+from ntk_service.client._service import ServerInfo, ServerLimits
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_MAX_RETRY_WAIT_S",
     "DEFAULT_TIMEOUT_S",
+    "DEFAULT_URL",
+    "URL_ENV",
     "Client",
     "JobKernelDistance",
     "JobKernelSpectrum",
@@ -45,6 +52,8 @@ __all__ = [
     "MonteCarloKernel",
     "NngpKernel",
     "RemoteResult",
+    "ServerInfo",
+    "ServerLimits",
     "TransportFormat",
     "describe_module",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.utils
 import math
+import os
 import time
 from collections.abc import Mapping
 from typing import Any, Literal, Self
@@ -27,16 +28,29 @@ from ntk_service.errors import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_CONNECT_TIMEOUT_S",
     "DEFAULT_MAX_RETRIES",
     "DEFAULT_MAX_RETRY_WAIT_S",
     "DEFAULT_TIMEOUT_S",
+    "DEFAULT_URL",
+    "URL_ENV",
     "BaseClient",
     "TransportFormat",
 ]
 
 TransportFormat = Literal["safetensors", "npy", "json"]
 """How tensors travel: safetensors (default: named tensors + metadata in one body), npy (one array), json."""
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+"""Where ``Client()`` connects when neither ``url`` nor ``NTK_URL`` says otherwise (``ntk-service serve``'s default)."""
+
+URL_ENV = "NTK_URL"
+"""Environment variable ``Client()`` takes the server URL from when ``url`` is not given (the CLI reads it too)."""
+
+API_KEY_ENV = "NTK_API_KEY"
+"""Environment variable ``Client()`` takes the API key from when ``api_key`` is not given: keys stay out of
+notebooks."""
 
 DEFAULT_TIMEOUT_S = 600.0
 """Read timeout: a kernel over a few thousand examples legitimately takes minutes on a CPU server."""
@@ -62,8 +76,10 @@ class BaseClient:
     """Owns the ``httpx.Client`` and turns responses into Python values or ``ntk_service.errors`` exceptions.
 
     Args:
-        url (str): the server's base URL, e.g. ``"http://127.0.0.1:8000"``.
-        api_key (str | None): sent as ``Authorization: Bearer <key>``. Default: none (an open server).
+        url (str | None): the server's base URL, e.g. ``"http://127.0.0.1:8000"``. Default: ``$NTK_URL``, else
+            ``DEFAULT_URL``.
+        api_key (str | None): sent as ``Authorization: Bearer <key>``. Default: ``$NTK_API_KEY``, else none (an
+            open server).
         timeout (float | httpx.Timeout): read timeout in seconds (connect stays short), or a full
             ``httpx.Timeout``. Default: ``DEFAULT_TIMEOUT_S``.
         transport_format (str): ``"safetensors"``, ``"npy"`` or ``"json"``. Default: ``"safetensors"``.
@@ -78,7 +94,7 @@ class BaseClient:
 
     def __init__(
         self,
-        url: str,
+        url: str | None = None,
         api_key: str | None = None,
         *,
         timeout: float | httpx.Timeout = DEFAULT_TIMEOUT_S,
@@ -95,6 +111,9 @@ class BaseClient:
             raise ValueError(f"Client: max_retries must be >= 0, got {max_retries}")
         if not isinstance(timeout, httpx.Timeout):
             timeout = httpx.Timeout(timeout, connect=min(DEFAULT_CONNECT_TIMEOUT_S, timeout))
+        # The environment is read here, once, only for what the caller left out (as the CLI's options do).
+        url = url if url is not None else os.environ.get(URL_ENV) or DEFAULT_URL
+        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         headers = {"User-Agent": f"ntk-service-client/{__version__}"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"

@@ -37,6 +37,7 @@ from ntk_service.client._base import _decode_json, _decode_tensors, _media
 from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
 from ntk_service.client._module_spec import describe_module
+from ntk_service.client._service import ServiceClient
 from ntk_service.errors import NtkServiceError
 
 __all__ = [
@@ -79,7 +80,7 @@ class KernelResult:
     elapsed_ms: float
 
 
-class Client(KernelFamilyClient, JobsClient, AnalysisClient):
+class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).

@@ -196,7 +196,7 @@ class JobsClient(BaseClient):
 
         Raises:
             JobFailed: the job failed (its error message).
-            ServiceUnavailable: ``timeout`` passed first.
+            TimeoutError: ``timeout`` passed first (the job keeps running; wait again or cancel it).
         """
         job_id = str(job if isinstance(job, str) else job["id"])
         out = stream or sys.stderr
@@ -208,7 +208,7 @@ class JobsClient(BaseClient):
                     out.write("\r" + format_progress(record))
                     out.flush()
                 if deadline is not None and time.monotonic() > deadline:
-                    raise ServiceUnavailable(f"wait: job {job_id} still {record.get('status')} after {timeout} s")
+                    raise TimeoutError(f"wait: job {job_id} still {record.get('status')} after {timeout} s")
                 record = self._follow_events(job_id, record, out if progress else None, deadline)
         finally:
             if progress:

@@ -16,17 +16,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio.to_thread
+import torch
 import uvicorn
 from fastapi import FastAPI
 
+from ntk_service import __version__
 from ntk_service.config import LOOPBACK_HOSTS, Settings
 from ntk_service.kernels import SideCache, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
+from ntk_service.server.docs import install_docs
 from ntk_service.server.errors import install_error_handlers
 from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
+from ntk_service.server.openapi import install_openapi, operation_id
 from ntk_service.server.routes import (
     analysis,
     architectures,
@@ -38,6 +42,7 @@ from ntk_service.server.routes import (
     kernels,
     models,
 )
+from ntk_service.server.shutdown import Drain, DrainMiddleware, GracefulServer
 
 __all__ = ["check_bind_address", "create_app", "serve"]
 
@@ -71,6 +76,7 @@ def check_bind_address(settings: Settings) -> None:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
+    app.state.drain.bind()
     configure_torch_threads(settings.torch_threads())
 
     def open_stores() -> tuple[ModelRegistry, DatasetStore]:
@@ -88,6 +94,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         concurrency=settings.compute_concurrency, max_queue=settings.max_queue, metrics=app.state.metrics
     )
     await jobs.start_jobs(app)  # after the registry, data sets and limiter: resumes unfinished jobs
+    app.state.metrics.watch_jobs(app.state.jobs)
     if app.state.keyring.is_open:
         logger.warning(
             "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
@@ -117,15 +124,27 @@ def create_app(settings: Settings) -> FastAPI:
         ValueError: an open server on a non-loopback host (see ``check_bind_address``).
     """
     check_bind_address(settings)
-    app = FastAPI(title="ntk-service", description=API_DESCRIPTION, version="0.1.0", lifespan=_lifespan)
+    app = FastAPI(
+        title="ntk-service",
+        description=API_DESCRIPTION,
+        version=__version__,
+        lifespan=_lifespan,
+        generate_unique_id_function=operation_id,
+        docs_url=None,  # served from packaged assets by install_docs, not from a CDN
+        redoc_url=None,
+    )
     app.state.settings = settings
     app.state.keyring = KeyRing(settings.api_key_scopes())
-    app.state.metrics = Metrics()
+    app.state.metrics = Metrics(build={"version": __version__, "torch": torch.__version__})
     app.state.ready = False
+    app.state.drain = Drain()
     install_error_handlers(app)
+    install_openapi(app)
+    install_docs(app)
     # add_middleware puts the newest outermost: metrics see every response, 413s included.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(DrainMiddleware, drain=app.state.drain)  # outermost: ends streams at shutdown
     routers = [
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
@@ -138,17 +157,21 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def serve(settings: Settings) -> None:
-    """Run the service with uvicorn on ``settings.host:settings.port`` until interrupted.
+    """Run the service with uvicorn on ``settings.host:settings.port`` until SIGTERM or Ctrl-C, then shut down
+    gracefully (``server/shutdown.py``: in-flight requests finish within ``settings.shutdown_timeout_s``, streams
+    end, running job tiles finish and the rest resume at the next start).
 
     Raises:
         ValueError: an open server on a non-loopback host (see ``check_bind_address``).
     """
     check_bind_address(settings)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
     )
+    GracefulServer(config, drain=app.state.drain).run()

@@ -21,6 +21,8 @@ from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.metrics import Metrics
 
 __all__ = [
+    "AUTH_DEPENDENCIES",
+    "COMPUTE_DEPENDENCIES",
     "ComputeDep",
     "DatasetsDep",
     "MetricsDep",
@@ -67,13 +69,23 @@ def _authorizer(needed: Scope) -> Any:
     return authorize
 
 
+_read = _authorizer("read")
+_write = _authorizer("write")
+_limiter = _from_state("limiter")
+
+AUTH_DEPENDENCIES: dict[Callable[..., Any], Scope] = {_read: "read", _write: "write"}
+"""The scope each access dependency checks: the OpenAPI pass (``server/openapi.py``) documents 401/403 from it."""
+
+COMPUTE_DEPENDENCIES: frozenset[Callable[..., Any]] = frozenset({_limiter})
+"""Dependencies whose routes queue for a compute slot: the OpenAPI pass documents their 429."""
+
 SettingsDep = Annotated[Settings, Depends(_from_state("settings"))]
 RegistryDep = Annotated[ModelRegistry, Depends(_from_state("registry"))]
 DatasetsDep = Annotated[DatasetStore, Depends(_from_state("datasets"))]
-ComputeDep = Annotated[ComputeLimiter, Depends(_from_state("limiter"))]
+ComputeDep = Annotated[ComputeLimiter, Depends(_limiter)]
 SideCacheDep = Annotated[SideCache, Depends(_from_state("side_cache"))]
 MetricsDep = Annotated[Metrics, Depends(_from_state("metrics"))]
-ReadAccess = Annotated[Principal, Depends(_authorizer("read"))]
+ReadAccess = Annotated[Principal, Depends(_read)]
 """The caller, holding a ``read`` (or ``write``) key: 401 without a valid key."""
-WriteAccess = Annotated[Principal, Depends(_authorizer("write"))]
+WriteAccess = Annotated[Principal, Depends(_write)]
 """The caller, holding a ``write`` key: 401 without a valid key, 403 with a ``read`` key."""

@@ -7,7 +7,9 @@ cardinality stays bounded; unknown paths share the label ``<unmatched>``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -15,10 +17,16 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ntk_service.jobs import JobManager, JobStatus
 from ntk_service.kernels import SideCache
 
 __all__ = ["Metrics", "MetricsMiddleware", "CONTENT_TYPE_LATEST"]
@@ -29,11 +37,28 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 """Seconds: from a health check (ms) to a large kernel (minutes)."""
 
 
-class Metrics:
-    """The service's collectors, registered on a private registry."""
+JOB_STATUSES = tuple(status.value for status in JobStatus)
+"""Every status a job can have: each is exported, zeros included, so a dashboard never sees a series vanish."""
 
-    def __init__(self) -> None:
+_TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class Metrics:
+    """The service's collectors, registered on a private registry.
+
+    Args:
+        build: labels of ``ntk_build_info`` (``{"version": ..., "torch": ...}``). Default: none exported.
+    """
+
+    def __init__(self, build: Mapping[str, str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # process_resident_memory_bytes, process_cpu_seconds_total, open fds, ... (read from /proc when scraped)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        if build:
+            Info("ntk_build", "The server's version and the torch it runs on.", registry=self.registry).info(
+                dict(build)
+            )
         self.requests = Counter(
             "ntk_http_requests",
             "HTTP requests by method, route template and status.",
@@ -69,13 +94,12 @@ class Metrics:
         )
 
     def watch_side_cache(self, cache: SideCache) -> None:
-        """Export the side cache's hits, misses and size (read when scraped)."""
-        for name, doc, read in (
-            ("ntk_side_cache_hits", "Side-cache lookups that reused a stored side.", lambda: cache.hits),
-            ("ntk_side_cache_misses", "Side-cache lookups that had to compute the side.", lambda: cache.misses),
-            ("ntk_side_cache_bytes", "Bytes held by the side cache.", lambda: cache.nbytes),
-        ):
-            Gauge(name, doc, registry=self.registry).set_function(read)
+        """Export the side cache's hits and misses (counters) and size (read when scraped)."""
+        self.registry.register(_SideCacheCollector(cache))
+
+    def watch_jobs(self, manager: JobManager) -> None:
+        """Export jobs by status, tiles done and their compute seconds (read from the job store when scraped)."""
+        self.registry.register(_JobsCollector(manager))
 
     def watch_job_disk(self, read: Callable[[], tuple[int, int | None, int]]) -> None:
         """Export the job results' disk use: ``read()`` gives (used, configured budget or None, available) bytes."""
@@ -96,6 +120,58 @@ class Metrics:
 
 def _or_minus_one(value: int | None) -> float:
     return -1.0 if value is None else float(value)
+
+
+class _SideCacheCollector(Collector):
+    def __init__(self, cache: SideCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[Any]:
+        cache = self._cache
+        yield CounterMetricFamily("ntk_side_cache_hits", "Side-cache lookups that reused a stored side.", cache.hits)
+        yield CounterMetricFamily("ntk_side_cache_misses", "Side-cache lookups that computed the side.", cache.misses)
+        yield GaugeMetricFamily("ntk_side_cache_bytes", "Bytes held by the side cache.", cache.nbytes)
+
+
+class _JobsCollector(Collector):
+    """Reads the job store at scrape time (the render runs off the event loop, see routes/health.py).
+
+    A finished job's tile seconds never change, so they are read once and kept: a scrape reads the tiles of
+    unfinished jobs only.
+    """
+
+    def __init__(self, manager: JobManager) -> None:
+        self._manager = manager
+        self._finished_seconds: dict[str, float] = {}
+
+    def collect(self) -> Iterator[Any]:
+        records = self._manager.list()
+        by_status = Tally(record.status.value for record in records)
+        jobs = GaugeMetricFamily("ntk_jobs", "Jobs the server holds, by status.", labels=("status",))
+        for status in JOB_STATUSES:
+            jobs.add_metric((status,), by_status.get(status, 0))
+        yield jobs
+        yield GaugeMetricFamily(
+            "ntk_job_tiles_done", "Tiles computed and recorded, over all jobs held.", sum(r.tiles_done for r in records)
+        )
+        yield GaugeMetricFamily(
+            "ntk_job_tiles_pending",
+            "Tiles of queued or running jobs still to compute.",
+            sum(r.tiles_total - r.tiles_done for r in records if r.status.value not in _TERMINAL),
+        )
+        seconds = 0.0
+        for record in records:
+            if record.tiles_done == 0:
+                continue
+            kept = self._finished_seconds.get(record.id)
+            if kept is None:
+                kept = sum(self._manager.store.tile_seconds(record.id))
+                if record.status.value in _TERMINAL:
+                    self._finished_seconds[record.id] = kept
+            seconds += kept
+        yield GaugeMetricFamily(
+            "ntk_job_tile_seconds", "Compute seconds of the tiles done, over all jobs held.", seconds
+        )
 
 
 class MetricsMiddleware:

@@ -13,7 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ntk_service.errors import InvalidInput, MalformedRequest
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.architectures import ArchitectureSpec
+from ntk_service.registry.store import MAX_LABEL_LENGTH
 from ntk_service.server.errors import format_validation_errors
+from ntk_service.server.params import (
+    ID_MAX_LENGTH,
+    INT64_MAX,
+    MAX_GLOBS,
+    MAX_JSON_TENSOR_VALUES,
+    Glob,
+    NonNegativeInt64,
+)
 
 __all__ = [
     "ArchitecturesPublic",
@@ -71,9 +80,9 @@ def validate_body(model: type[ModelT], data: Any, *, operation: str) -> ModelT:
 class TensorJson(BaseModel):
     """A tensor in JSON (documentation only): flat row-major ``data`` of ``shape``."""
 
-    shape: list[int] = Field(examples=[[2, 3]])
-    dtype: Literal["float32", "float64", "int64"] = "float32"
-    data: list[float] = Field(examples=[[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    shape: list[NonNegativeInt64] = Field(max_length=8, examples=[[2, 3]])
+    dtype: Literal["float32", "float64", "int64"] = Field(examples=["float32"])
+    data: list[float] = Field(max_length=MAX_JSON_TENSOR_VALUES, examples=[[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
 
 
 class DatasetRef(BaseModel):
@@ -81,9 +90,9 @@ class DatasetRef(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset: str = Field(description="Data set id from POST /v1/datasets.")
-    start: int | None = Field(default=None, ge=0, description="First row. Default: 0.")
-    stop: int | None = Field(default=None, ge=0, description="One past the last row. Default: all rows.")
+    dataset: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="Data set id from POST /v1/datasets.")
+    start: int | None = Field(default=None, ge=0, le=INT64_MAX, description="First row. Default: 0.")
+    stop: int | None = Field(default=None, ge=0, le=INT64_MAX, description="One past the last row. Default: all rows.")
 
 
 class KernelOptions(BaseModel):
@@ -97,9 +106,11 @@ class KernelOptions(BaseModel):
         "pseudo (N,M): (1/k) Σ_ab Θ_ab.",
     )
     implementation: NtkImplementation = NtkImplementation.AUTO
-    params: list[str] | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
+    params: list[Glob] | None = Field(
+        default=None, max_length=MAX_GLOBS, description="Glob patterns over parameter names; null = all."
+    )
     dtype: Literal["float32", "float64"] | None = Field(default=None, description="Compute dtype. Default: model's.")
-    version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
+    version: int | None = Field(default=None, ge=1, le=INT64_MAX, description="Model version. Default: the latest.")
 
 
 class KernelRequest(KernelOptions):
@@ -129,8 +140,10 @@ class ModelCreate(BaseModel):
     architecture: dict[str, Any] = Field(
         examples=[{"family": "mlp", "input_dim": 784, "hidden": [256], "output_dim": 10, "activation": "relu"}]
     )
-    seed: int = Field(default=0, ge=0, description="Seed of the initial weights (version 1).")
-    label: str | None = Field(default=None, description="Label of version 1, e.g. 'init'. Default: none.")
+    seed: int = Field(default=0, ge=0, le=INT64_MAX, description="Seed of the initial weights (version 1).")
+    label: str | None = Field(
+        default=None, max_length=MAX_LABEL_LENGTH, description="Label of version 1, e.g. 'init'. Default: none."
+    )
 
 
 class ModelCreateSchema(ModelCreate):

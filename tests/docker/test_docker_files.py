@@ -148,7 +148,15 @@ def _dockerignored(path: str, patterns: list[str]) -> bool:
 def test_dockerignore_sends_only_what_the_build_copies() -> None:
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     patterns = [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
-    for kept in ("pyproject.toml", "constraints.txt", "README.md", "ntk_service/server/app.py", "docker/wheels/t.whl"):
+    kept_files = (
+        "pyproject.toml",
+        "constraints.txt",
+        "LICENSE",
+        "README.md",
+        "ntk_service/server/app.py",
+        "docker/wheels/t.whl",
+    )
+    for kept in kept_files:
         assert not _dockerignored(kept, patterns), f"{kept} must reach the build context"
     for dropped in (
         ".venv/bin/python",

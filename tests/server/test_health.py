@@ -84,3 +84,75 @@ def test_openapi_documents_the_kernel_body_types(live_server: LiveServer) -> Non
     body = spec["paths"]["/v1/models/{name}/ntk"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "application/x-safetensors", "application/x-npy"}
     assert "x1" in body["application/json"]["schema"]["properties"]
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_operator_metrics_process_build_cache_and_jobs(live_server: LiveServer) -> None:
+    import time
+
+    import numpy as np
+    import torch
+
+    from ntk_service import __version__, wire
+
+    arch = {"family": "mlp", "input_dim": 3, "hidden": [4], "output_dim": 2}
+    with live_server.client("write") as client:
+        assert client.post("/v1/models", json={"name": "ops-mlp", "architecture": arch}).status_code == 201
+        x = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+        dataset = client.post("/v1/datasets", content=wire.encode_npy(x), headers={"Content-Type": wire.MEDIA_NPY})
+        ref = {"dataset": dataset.json()["id"]}
+        before = _samples(client.get("/metrics").text)
+        for _ in range(2):  # the second request reuses the first one's side from the cache
+            assert client.post("/v1/models/ops-mlp/ntk", json={"x1": ref, "mode": "trace"}).status_code == 200
+        job = client.post("/v1/jobs", json={"model": "ops-mlp", "x1": ref, "mode": "trace", "tile_size": 2}).json()
+        deadline = time.monotonic() + 60
+        while client.get(f"/v1/jobs/{job['id']}").json()["status"] != "succeeded":
+            assert time.monotonic() < deadline, "the job did not finish"
+            time.sleep(0.2)
+        after = _samples(client.get("/metrics").text)
+
+    def delta(name: str) -> float:
+        return after[(name, ())] - before.get((name, ()), 0.0)
+
+    assert after[("process_resident_memory_bytes", ())] > 50 * 2**20  # torch alone is bigger
+    assert after[("process_cpu_seconds_total", ())] > 0
+    build = [labels for name, labels in after if name == "ntk_build_info"]
+    assert build == [(("torch", torch.__version__), ("version", __version__))]
+    assert delta("ntk_side_cache_hits_total") >= 1 and delta("ntk_side_cache_misses_total") >= 1
+    assert after[("ntk_jobs", (("status", "succeeded"),))] >= 1
+    assert {labels for name, labels in after if name == "ntk_jobs"} == {
+        (("status", s),) for s in ("queued", "running", "succeeded", "failed", "cancelled")
+    }
+    assert delta("ntk_job_tiles_done") >= job["tiles_total"] == 3  # 4 examples in tiles of 2: the upper triangle
+    assert delta("ntk_job_tile_seconds") > 0
+
+
+def test_info_names_versions_limits_executor_and_device(live_server: LiveServer) -> None:
+    import platform
+
+    import torch
+
+    from ntk_service import __version__
+
+    with live_server.client("read") as client:
+        info = client.get("/v1/info").json()
+    with live_server.client(None) as anonymous:
+        assert anonymous.get("/v1/info").status_code == 401
+    assert (info["version"], info["torch"], info["python"]) == (
+        __version__,
+        torch.__version__,
+        platform.python_version(),
+    )
+    assert (info["executor"], info["device"]) == ("local", "cpu")
+    assert info["limits"]["max_body_bytes"] == 2 * 2**20  # the live server's NTK_MAX_BODY_BYTES
+    assert info["limits"]["max_json_response_bytes"] == 64 * 2**10
+    assert info["limits"]["memory_budget_bytes"] == 256 * 2**20

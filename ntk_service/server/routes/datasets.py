@@ -12,13 +12,14 @@ from starlette.responses import Response
 from ntk_service import wire
 from ntk_service.server.deps import DatasetsDep, ReadAccess, WriteAccess
 from ntk_service.server.media import collection_response, json_response, read_tensors, take_tensor
+from ntk_service.server.params import ID_MAX_LENGTH
 from ntk_service.server.schemas import DatasetPublic, DatasetsPublic
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
-DatasetIdParam = Annotated[str, Path(description="The id returned by POST /v1/datasets.")]
+DatasetIdParam = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The id returned by POST /v1/datasets.")]
 
 DATASET_TENSOR = "x"
 """Name of the tensor in a safetensors upload (an .npy upload is one array)."""

@@ -44,6 +44,7 @@ from ntk_service.kernels import KernelMode, NtkImplementation
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ReadAccess, WriteAccess
 from ntk_service.server.media import encode_theta, json_response, json_too_large, negotiate, read_json
+from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, QUERY_MAX_LENGTH, Glob
 from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = [
@@ -71,7 +72,7 @@ FastAPI itself sends keep-alive comments on a quiet stream."""
 _MIN_JSON_BYTES_PER_VALUE = 4
 """The shortest a float can be in JSON ("0.0,"): a slice over the JSON cap this way is refused before reading."""
 
-JobIdParam = Annotated[str, Path(description="The id returned by POST /v1/jobs.")]
+JobIdParam = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The id returned by POST /v1/jobs.")]
 
 
 class JobDataset(BaseModel):
@@ -79,9 +80,11 @@ class JobDataset(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset: str = Field(description="Data set id from POST /v1/datasets.")
-    start: int | None = Field(None, ge=0, description="First row. Default: 0.")
-    stop: int | None = Field(None, ge=1, description="One past the last row. Default: the data set's rows.")
+    dataset: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="Data set id from POST /v1/datasets.")
+    start: int | None = Field(None, ge=0, le=INT64_MAX, description="First row. Default: 0.")
+    stop: int | None = Field(
+        None, ge=1, le=INT64_MAX, description="One past the last row. Default: the data set's rows."
+    )
 
     def rows(self, manager: JobManager) -> tuple[int, int] | None:
         if self.start is None and self.stop is None:
@@ -95,14 +98,16 @@ class JobCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Registered model name.")
-    version: int | None = Field(None, ge=1, description="Model version. Default: the latest.")
+    model: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="Registered model name.")
+    version: int | None = Field(None, ge=1, le=INT64_MAX, description="Model version. Default: the latest.")
     x1: JobDataset
     x2: JobDataset | None = Field(None, description="null: x2 = x1 (only tiles on/above the diagonal computed).")
     mode: KernelMode = KernelMode.FULL
     implementation: NtkImplementation = NtkImplementation.AUTO
     dtype: Literal["float32", "float64"] = "float32"
-    params: list[str] | None = Field(None, description="Glob patterns over parameter names; null = all.")
+    params: list[Glob] | None = Field(
+        None, max_length=MAX_GLOBS, description="Glob patterns over parameter names; null = all."
+    )
     tile_size: int | None = Field(None, ge=1, le=65536, description="Examples per tile side. Default: server's.")
 
 
@@ -281,6 +286,7 @@ async def stop_jobs(app: FastAPI) -> None:
     status_code=202,
     response_model=JobPublic,
     summary="Submit a batch kernel job",
+    responses={404: {"description": "The model, version or a data set does not exist."}},
     openapi_extra=openapi_body(JobCreate),
 )
 async def submit_job(request: Request, _: WriteAccess, manager: JobsDep) -> Response:
@@ -346,8 +352,13 @@ async def job_result(
     request: Request,
     _: ReadAccess,
     manager: JobsDep,
-    rows: Annotated[str | None, Query(description="Row range a:b (either end may be omitted). Default: all.")] = None,
-    cols: Annotated[str | None, Query(description="Column range c:d. Default: all.")] = None,
+    rows: Annotated[
+        str | None,
+        Query(max_length=QUERY_MAX_LENGTH, description="Row range a:b (either end may be omitted). Default: all."),
+    ] = None,
+    cols: Annotated[
+        str | None, Query(max_length=QUERY_MAX_LENGTH, description="Column range c:d. Default: all.")
+    ] = None,
 ) -> Response:
     operation = f"result of job {job_id}"
     media = negotiate(request, RESULT_TYPES, operation=operation)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import anyio.to_thread
 import numpy as np
 import torch
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from ntk_service import wire
@@ -53,6 +53,7 @@ from ntk_service.server.media import (
     read_tensors,
     take_tensor,
 )
+from ntk_service.server.params import INT64_MAX, MAX_GLOBS, Glob, NamePath
 from ntk_service.server.schemas import (
     DatasetRef,
     KernelModeValue,
@@ -222,7 +223,7 @@ def _compute(
     ),
 )
 async def compute_kernel(
-    name: Annotated[str, Path(description="The model's registered name.")],
+    name: NamePath,
     request: Request,
     _: ReadAccess,
     registry: RegistryDep,
@@ -233,9 +234,13 @@ async def compute_kernel(
     metrics: MetricsDep,
     mode: Annotated[KernelModeValue | None, Query(description="Binary bodies only. Default: full.")] = None,
     implementation: Annotated[NtkImplementation | None, Query(description="Binary bodies only.")] = None,
-    params: Annotated[list[str] | None, Query(description="Binary bodies only; repeat for several globs.")] = None,
+    params: Annotated[
+        list[Glob] | None, Query(max_length=MAX_GLOBS, description="Binary bodies only; repeat for several globs.")
+    ] = None,
     dtype: Annotated[Literal["float32", "float64"] | None, Query(description="Binary bodies only.")] = None,
-    version: Annotated[int | None, Query(ge=1, description="Binary bodies only. Default: latest.")] = None,
+    version: Annotated[
+        int | None, Query(ge=1, le=INT64_MAX, description="Binary bodies only. Default: latest.")
+    ] = None,
 ) -> Response:
     operation = f"ntk of model {name!r}"
     given = {"mode": mode, "implementation": implementation, "params": params, "dtype": dtype, "version": version}

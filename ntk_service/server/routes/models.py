@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Annotated
 
 import anyio.to_thread
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput
+from ntk_service.registry.store import MAX_LABEL_LENGTH
 from ntk_service.registry.weights import safetensors_architecture
 from ntk_service.server.deps import ReadAccess, RegistryDep, WriteAccess
 from ntk_service.server.media import (
@@ -24,6 +25,7 @@ from ntk_service.server.media import (
     read_json,
     require_content_type,
 )
+from ntk_service.server.params import ID_MAX_LENGTH, NamePath, VersionPath
 from ntk_service.server.schemas import (
     ModelCreate,
     ModelCreateSchema,
@@ -37,10 +39,11 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 
-NameParam = Annotated[str, Path(description="The model's registered name.")]
-VersionParam = Annotated[int, Path(ge=1, description="A version number (1 = the registered initial weights).")]
+NameParam = NamePath
+VersionParam = VersionPath
 LabelQuery = Annotated[
-    str | None, Query(max_length=200, description="A label for the new version, e.g. 'epoch 3'. Default: none.")
+    str | None,
+    Query(max_length=MAX_LABEL_LENGTH, description="A label for the new version, e.g. 'epoch 3'. Default: none."),
 ]
 
 _WEIGHTS_BODY = (
@@ -54,13 +57,16 @@ _WEIGHTS_BODY = (
     status_code=201,
     response_model=ModelPublic,
     summary="Register a model: an architecture with a seed (JSON) or with trained weights (safetensors), version 1",
+    responses={409: {"description": "A model with this name exists."}},
     openapi_extra=openapi_body(ModelCreateSchema, binary={wire.MEDIA_SAFETENSORS: _WEIGHTS_BODY}),
 )
 async def register_model(
     request: Request,
     _: WriteAccess,
     registry: RegistryDep,
-    name: Annotated[str | None, Query(description="The model's name (safetensors bodies only).")] = None,
+    name: Annotated[
+        str | None, Query(max_length=ID_MAX_LENGTH, description="The model's name (safetensors bodies only).")
+    ] = None,
     label: LabelQuery = None,
 ) -> Response:
     operation = "register model"
@@ -143,6 +149,7 @@ async def get_version(name: NameParam, version: VersionParam, _: ReadAccess, reg
 @router.get(
     "/{name}/versions/{version}/weights",
     summary="Download a version's weights (safetensors)",
+    response_class=Response,  # never JSON: the document lists only safetensors
     responses={200: {"content": {wire.MEDIA_SAFETENSORS: {}}}},
 )
 async def get_weights(name: NameParam, version: VersionParam, _: ReadAccess, registry: RegistryDep) -> Response:

@@ -142,9 +142,9 @@ def test_uploaded_version_is_used_and_old_version_stays(live_server: LiveServer)
 
 def _side_cache_hits(client: Any) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith("ntk_side_cache_hits "):
+        if line.startswith("ntk_side_cache_hits_total "):  # a counter since issue 16
             return float(line.split()[1])
-    raise AssertionError("ntk_side_cache_hits not exported")
+    raise AssertionError("ntk_side_cache_hits_total not exported")
 
 
 def test_dataset_rows_as_x2_and_the_side_cache_reuses_them(live_server: LiveServer, registered: dict[str, Any]) -> None:
