@@ -79,6 +79,7 @@ def as_matrix(theta: Any, mode: KernelMode | str | None = None) -> np.ndarray:
     Raises:
         ShapeMismatch, NonFiniteInput: see ``infer_mode`` / ``to_float64``.
 
+    Examples:
         >>> as_matrix(np.zeros((5, 4, 3, 3))).shape   # (N·k, M·k)
         (15, 12)
     """

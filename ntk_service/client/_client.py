@@ -324,8 +324,10 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
             (N, M, k) for "output_diagonal".
 
         Raises:
-            ModelNotFound, DatasetNotFound, InvalidInput (ShapeMismatch, NonFiniteInput, ...),
-            MemoryEstimateExceeded (413, message carries the estimate), Busy (after the retries).
+            ModelNotFound, DatasetNotFound: no such model, version or data set (404).
+            InvalidInput: bad inputs, e.g. ShapeMismatch or NonFiniteInput (422).
+            MemoryEstimateExceeded: over the server's memory budget; the message carries the estimate (413).
+            Busy: still over capacity after the retries (429).
         """
         result = self.ntk_result(
             model,

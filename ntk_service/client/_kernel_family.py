@@ -52,7 +52,12 @@ class MonteCarloKernel:
     Attributes:
         mean: the kernel averaged over the seeds (shaped as the mode's kernel).
         stderr: its per-entry standard error, same shape; None for one seed.
-        n_samples, kernel ("ntk" | "nngp"), mode, models_per_chunk, model, elapsed_ms.
+        n_samples: how many seeds (networks) were averaged.
+        kernel: "ntk" or "nngp".
+        mode: the kernel mode's wire value.
+        models_per_chunk: networks evaluated as one batched call.
+        model: the model's name.
+        elapsed_ms: server-side compute time in milliseconds.
     """
 
     mean: Any

@@ -204,6 +204,7 @@ class ResultArray:
         plan: the TilePlan (tile geometry and symmetry).
         group: the open Zarr group.
 
+    Examples:
         >>> arr = ResultArray.create(path, plan=plan, k=10, dtype="float32", attributes={})  # doctest: +SKIP
         >>> arr.write_tile(plan.tiles[0], theta)     # theta (T, T, 10, 10) for FULL         # doctest: +SKIP
         >>> arr.read(rows=(0, 64), cols=(0, 32)).shape                                       # doctest: +SKIP

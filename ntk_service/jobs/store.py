@@ -72,6 +72,7 @@ class JobStore:
     Args:
         path (Path): the database file; its directory is created if missing.
 
+    Examples:
         >>> store = JobStore(tmp_path / "jobs.sqlite3")          # doctest: +SKIP
         >>> store.create_job(record, tile_ids=[0, 1, 3])         # doctest: +SKIP
         >>> store.claim_tile(record.id, 0); store.mark_tile_done(record.id, 0, elapsed_s=0.1)  # doctest: +SKIP

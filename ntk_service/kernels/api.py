@@ -164,8 +164,8 @@ def compute_ntk(
         OUTPUT_DIAGONAL, (N, M) PSEUDO; plus the mode, the implementation that ran and the memory estimate.
 
     Raises:
-        UnknownMode, UnknownImplementation, ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters,
-        UnsupportedModel: bad input (all InvalidInput).
+        InvalidInput: bad input: UnknownMode, UnknownImplementation, ShapeMismatch, EmptyBatch, NonFiniteInput,
+            NoMatchingParameters or UnsupportedModel.
         MemoryEstimateExceeded: even the smallest blocks would not fit the budget (before allocating).
     """
     kernel_mode = parse_any_mode(mode)

@@ -382,7 +382,7 @@ def list_architectures(allowed_factories: frozenset[str] = frozenset()) -> list[
     Returns:
         One ArchitectureInfo per family ("mlp", "cnn", "transformer", "sequential", "factory"), in that order.
 
-    Example:
+    Examples:
         >>> [a.name for a in list_architectures()]
         ['mlp', 'cnn', 'transformer', 'sequential', 'factory']
     """
