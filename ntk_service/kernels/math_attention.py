@@ -17,18 +17,29 @@ nothing outside the ``with`` block (another thread, the caller's own code afterw
 - a direct ``F.scaled_dot_product_attention`` call runs ``torch._scaled_dot_product_attention_math``, torch's
   own composite reference of that function.
 
-Measured (DESIGN §6): the math path gives forward AD on MultiheadAttention with float64 error 2.6e-16.
+Measured (DESIGN §6): the math path gives forward AD on MultiheadAttention with float64 error 2.6e-16. Under
+``vmap`` it is also the faster one: the per-example ``vmap(jacrev)`` of the benchmark transformer (N = M = 32)
+took 4.0 s of CPU against 6.2 s on the flash kernel's per-example fallback (one process, alternating).
+
+``attention_scope(module)`` is the mode for a model with attention modules and a no-op for the rest (the mode
+costs a Python call per torch operation: nothing on a vmapped pass, traced once, but a share of a small batched
+one).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["math_attention"]
+__all__ = ["ATTENTION_MODULES", "attention_scope", "has_attention", "math_attention"]
+
+ATTENTION_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+"""Modules whose eval forward may take a fused attention kernel."""
 
 
 def _sdpa_math(
@@ -70,3 +81,13 @@ class math_attention(TorchFunctionMode):  # noqa: N801 - used like a function: `
         if func is F.scaled_dot_product_attention:
             return _sdpa_math(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def has_attention(module: nn.Module) -> bool:
+    """Whether ``module`` contains one of ``ATTENTION_MODULES``."""
+    return any(isinstance(m, ATTENTION_MODULES) for m in module.modules())
+
+
+def attention_scope(module: nn.Module) -> contextlib.AbstractContextManager[object]:
+    """``math_attention()`` when ``module`` has attention modules, else a no-op context."""
+    return math_attention() if has_attention(module) else contextlib.nullcontext()

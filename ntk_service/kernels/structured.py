@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured_capture import StructurePlan, capture, is_batch_safe, plan_structure
 from ntk_service.kernels.structured_contract import (
@@ -226,7 +227,8 @@ class Structured:
         plan = terms.plan
         if terms.batch_safe is None and x.shape[0] >= 2:
             terms.batch_safe = is_batch_safe(problem, plan, x[:2])
-        cap = capture(problem, plan, x, batched=bool(terms.batch_safe))
+        with attention_scope(problem.module):  # fallback jacrev under vmap: see math_attention.py
+            cap = capture(problem, plan, x, batched=bool(terms.batch_safe))
         factored = []
         for term in terms.factored:
             parts = [
