@@ -60,6 +60,13 @@ def _work_flops(model: torch.nn.Module, x1: torch.Tensor, x2: torch.Tensor, mode
     return (n + m) * fp * (1 + 2 * k) + contraction
 
 
+def _high_water_kib() -> int:
+    """This process's peak RSS (VmHWM, KiB). Not ``ru_maxrss``: Linux carries that over fork and exec, so a child
+    of a large process would start at its parent's peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
 def _memory(name: str, n: int, mode: str, contender: str) -> float:
     """Peak-RSS growth (MiB) of one call in a fresh process."""
     code = "\n".join(
@@ -69,13 +76,20 @@ def _memory(name: str, n: int, mode: str, contender: str) -> float:
             "from bench_real_models import _call",
             "from _models import MODELS, make_inputs",
             f"model = MODELS[{name!r}](); x1, x2 = make_inputs({name!r}, {n}), make_inputs({name!r}, {n}, seed=2)",
-            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss",
+            "from bench_real_models import _high_water_kib",
+            "base = _high_water_kib()",
             f"_call({contender!r}, model, x1, x2, {mode!r})",
-            "print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024))",
+            "print(json.dumps((_high_water_kib() - base) / 1024))",
         ]
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def memory_case(name: str, n: int, mode: str, contenders: list[str]) -> None:
+    print(f"\n{name} N=M={n} {mode}: peak RSS growth of one call in a fresh process")
+    for c in contenders:
+        print(f"  {c:<28} {_memory(name, n, mode, c):7.0f} MiB")
 
 
 def bench_case(name: str, n: int, mode: str, contenders: list[str], rounds: int, memory: bool) -> None:
@@ -128,6 +142,7 @@ def main() -> None:
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument("--memory-only", action="store_true", help="only the fresh-process peak memory")
     args = parser.parse_args()
     torch.set_num_threads(2)
     retain_freed_memory()  # as the server does
@@ -135,7 +150,10 @@ def main() -> None:
     for name in args.models:
         for n in args.sizes:
             for mode in args.modes:
-                bench_case(name, n, mode, args.contenders, args.rounds, args.memory)
+                if args.memory_only:
+                    memory_case(name, n, mode, args.contenders)
+                else:
+                    bench_case(name, n, mode, args.contenders, args.rounds, args.memory)
 
 
 if __name__ == "__main__":
