@@ -59,7 +59,15 @@ from ntk_service.kernels.structured_contract import (
 )
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
-__all__ = ["NOMINAL_PARTNERS", "SYMMETRIC_SPLIT_MIN", "Structured", "StructuredTerms", "structured_terms"]
+__all__ = [
+    "BATCHED_CAPTURE_WEIGHT",
+    "NOMINAL_PARTNERS",
+    "PER_EXAMPLE_CAPTURE_WEIGHT",
+    "SYMMETRIC_SPLIT_MIN",
+    "Structured",
+    "StructuredTerms",
+    "structured_terms",
+]
 
 NOMINAL_PARTNERS = 64
 """Examples a side is assumed to be contracted with when weighing the one-off cost of building a Jacobian
@@ -157,6 +165,12 @@ def _foldable_bias(plan: StructurePlan, weight: str, uses_of: dict[str, tuple[in
             return name
     return None
 
+
+BATCHED_CAPTURE_WEIGHT = 1.05
+"""AUTO's relative cost of a structured FLOP with the batched (or closed-form) capture; NOTE [auto choice]."""
+
+PER_EXAMPLE_CAPTURE_WEIGHT = 0.8
+"""AUTO's relative cost of a structured FLOP when fallback parameters make the capture per example (vmap)."""
 
 SYMMETRIC_SPLIT_MIN = 128
 """Smallest block for which a side paired with itself is contracted from 3 of its 4 half-blocks; below it the
@@ -359,6 +373,11 @@ class Structured:
             per_output = {KernelMode.FULL: k * k, KernelMode.TRACE: 1}.get(mode, k)
             largest = max(largest, grams * (1 + per_output))
         return (2 * result + largest) * item
+
+    def cost_weight(self, problem: NtkProblem) -> float:
+        """AUTO's cost of one estimated FLOP (NOTE [auto choice] in api.py): ``PER_EXAMPLE_CAPTURE_WEIGHT`` when
+        fallback parameters make the capture per example under vmap, else ``BATCHED_CAPTURE_WEIGHT``."""
+        return PER_EXAMPLE_CAPTURE_WEIGHT if self._terms(problem).fallback else BATCHED_CAPTURE_WEIGHT
 
     def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
         terms = self._terms(problem)

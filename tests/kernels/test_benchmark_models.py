@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks._models import ResNet, TransformerClassifier, randomize_batchnorm
+from benchmarks._models import MODELS, ResNet, TransformerClassifier, make_inputs, randomize_batchnorm
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
-from ntk_service.kernels.api import _ALGORITHMS
+from ntk_service.kernels.api import _ALGORITHMS, _plan_choice
 from ntk_service.kernels.math_attention import math_attention
+from ntk_service.kernels.problem_pool import prepared_problem
 from tests.reference import assert_matches, reference_ntk
 
 pytestmark = pytest.mark.filterwarnings(
@@ -65,6 +66,22 @@ def test_benchmark_models_match_the_reference(name: str, implementation: NtkImpl
         if implementation is not NtkImplementation.AUTO:
             assert result.implementation is implementation
         assert_matches(result.theta, _reference(name, mode, with_x2), 1e-10)
+
+
+@pytest.mark.parametrize(
+    ("name", "winner"),
+    [("resnet", NtkImplementation.JACOBIAN_CONTRACTION), ("transformer", NtkImplementation.STRUCTURED)],
+)
+def test_auto_picks_the_measured_winner_on_the_benchmark_models(name: str, winner: NtkImplementation) -> None:
+    """At N = M = 32, FULL and TRACE, AUTO's cost model picks what benchmarks/bench_real_models.py measured as
+    fastest of our implementations (docs/engine.md): the plain contraction on the ResNet, structured on the
+    transformer. Planning only: no kernel is computed."""
+    model = MODELS[name]()
+    x = make_inputs(name, 4)
+    with prepared_problem(model, x, x, params=None, dtype=None) as prepared:
+        for mode in (KernelMode.FULL, KernelMode.TRACE):
+            alg, _, _ = _plan_choice(NtkImplementation.AUTO, (prepared.problem, 32, 32, mode, False), 2**34)
+            assert alg.implementation is winner, mode
 
 
 def test_math_attention_gives_forward_ad_to_multihead_attention_in_eval_mode() -> None:
