@@ -1,14 +1,23 @@
-"""The cost of HTTP + encoding over the bare engine call, for JSON, .npy and safetensors, printed as ratios.
+"""The cost of HTTP over the bare engine call: an inline kernel's binary round trip against the library call plus
+the transfer, and the fixed per-request cost, all alternating in one run.
 
-One MLP kernel (N = M = 128, full mode, k = 10: a 6.6 MB float32 result) is computed by ``compute_ntk`` in this
-process and through a real uvicorn server (a subprocess on loopback) with each wire format, in interleaved rounds so
-load from other processes hits all variants alike. A round trip counts everything a client waits for: encoding the
-request, HTTP, the server's decoding, validation, compute and encoding, and decoding the response to numpy. The
-server's side cache is off (``NTK_SIDE_CACHE_BYTES=0``) so every request computes as much as the bare call. Both
-sides run the same implementation (the one the server's AUTO picks) with the same torch thread count.
+A real uvicorn server (a subprocess on loopback, its side cache at the default size, so the bench also shows the
+cache stays out of the way of inline inputs) and this process compute the same kernel, x1 and x2 inline
+(N = M, default the benchmark MLP 784-512-512-10 at N = M = 64, full mode). Each round runs, in turn:
 
-    .venv/bin/python benchmarks/bench_http.py               # median of 7 rounds
-    .venv/bin/python benchmarks/bench_http.py --rounds 3 --n 64
+- ``engine``: ``compute_ntk(model, x1, x2)`` in this process (after ``retain_freed_memory``, as the server);
+- ``wire``: the transfer's in-process share: encoding x1 and x2 as safetensors, decoding them, encoding theta and
+  decoding it (what a round trip adds in bytes handled, without the socket);
+- ``safetensors`` / ``npy``: the round trip (``npy`` sends x1 alone, x2 = x1, so it is a different kernel and
+  compares with ``engine_sym``, the bare symmetric call);
+- ``tiny``: a 2-example kernel over HTTP, whose round trip minus its server-measured compute and its wire time
+  is the fixed per-request cost (HTTP on loopback, auth, the registry lookup, thread hops).
+
+The target (issue 18): the binary round trip within 1.15× of the library call plus the transfer. Medians over
+rounds; the machine is shared, so only the ratios of one run mean much.
+
+    .venv/bin/python benchmarks/bench_http.py                 # 15 rounds
+    .venv/bin/python benchmarks/bench_http.py --rounds 7 --n 128 --hidden 128 128 --input-dim 32
 """
 
 from __future__ import annotations
@@ -28,68 +37,99 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ntk_service import wire  # noqa: E402
-from ntk_service.kernels import compute_ntk  # noqa: E402
+from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
 from tests.conftest import LiveServer, start_live_server  # noqa: E402
 from tests.server.support import decode_theta, rebuild, request_kernel  # noqa: E402
-
-ARCHITECTURE = {"family": "mlp", "input_dim": 32, "hidden": [128, 128], "output_dim": 10, "activation": "relu"}
-FORMATS = ("json", "npy", "safetensors")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--n", type=int, default=128, help="N = M examples (x2 = x1). Default: 128.")
-    parser.add_argument("--rounds", type=int, default=7, help="Timed rounds (after one warm-up). Default: 7.")
+    parser.add_argument("--n", type=int, default=64, help="N = M examples. Default: 64.")
+    parser.add_argument("--input-dim", type=int, default=784)
+    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 512])
+    parser.add_argument("--rounds", type=int, default=15, help="Timed rounds (after one warm-up). Default: 15.")
     args = parser.parse_args()
-
+    architecture = {
+        "family": "mlp",
+        "input_dim": args.input_dim,
+        "hidden": args.hidden,
+        "output_dim": 10,
+        "activation": "relu",
+    }
     with tempfile.TemporaryDirectory() as tmp:
         server = start_live_server(
             Path(tmp) / "data",
-            side_cache_bytes="0",
             max_json_response_bytes=str(1024 * 2**20),
             max_body_bytes=str(1024 * 2**20),
             compute_concurrency="1",
         )
         try:
-            run(server, n=args.n, rounds=args.rounds)
+            run(server, architecture, n=args.n, rounds=args.rounds)
         finally:
             server.stop()
 
 
-def run(server: LiveServer, *, n: int, rounds: int) -> None:
+def _wire_time(x1: np.ndarray, x2: np.ndarray | None, theta: np.ndarray) -> float:
+    """Seconds to encode and decode the request's tensors and the response's theta (safetensors)."""
+    start = time.perf_counter()
+    tensors = {"x1": x1} if x2 is None else {"x1": x1, "x2": x2}
+    wire.decode_safetensors(wire.encode_safetensors(tensors))
+    wire.decode_safetensors(wire.encode_safetensors({"theta": theta}, {"mode": "full"}))
+    return time.perf_counter() - start
+
+
+def run(server: LiveServer, architecture: dict[str, object], *, n: int, rounds: int) -> None:
     client = server.client("write", timeout=600.0)
-    record = client.post("/v1/models", json={"name": "bench", "architecture": ARCHITECTURE}).json()
+    record = client.post("/v1/models", json={"name": "bench", "architecture": architecture}).json()
     model = rebuild(record, client.get("/v1/models/bench/versions/1/weights").content)
     torch.set_num_threads(2)  # the server's count on this machine: cores // compute_concurrency
+    retain_freed_memory()  # as the server's warm_up
     rng = np.random.default_rng(0)
+    dim = int(architecture["input_dim"])  # type: ignore[call-overload]
 
-    def fresh_x1() -> np.ndarray:
-        return rng.standard_normal((n, ARCHITECTURE["input_dim"])).astype(np.float32)
+    def fresh(rows: int) -> np.ndarray:
+        return rng.standard_normal((rows, dim)).astype(np.float32)
 
-    _, meta = decode_theta(request_kernel(client, "bench", fresh_x1(), None, fmt="npy"))
-    implementation = meta["implementation"]
+    theta_bytes = n * n * 100 * 4
 
-    def bare() -> dict[str, float]:
-        x1 = torch.from_numpy(fresh_x1())
+    def engine() -> dict[str, float]:
+        x1, x2 = torch.from_numpy(fresh(n)), torch.from_numpy(fresh(n))
         start = time.perf_counter()
-        compute_ntk(model, x1, mode="full", implementation=implementation)
+        compute_ntk(model, x1, x2)
         return {"total": time.perf_counter() - start}
 
-    def over_http(fmt: str) -> Callable[[], dict[str, float]]:
+    def engine_sym() -> dict[str, float]:
+        x1 = torch.from_numpy(fresh(n))
+        start = time.perf_counter()
+        compute_ntk(model, x1)
+        return {"total": time.perf_counter() - start}
+
+    def transfer() -> dict[str, float]:
+        return {"total": _wire_time(fresh(n), fresh(n), np.zeros((n, n, 10, 10), np.float32))}
+
+    def over_http(fmt: str, rows: int) -> Callable[[], dict[str, float]]:
         def call() -> dict[str, float]:
-            x1 = fresh_x1()
+            x1 = fresh(rows)
+            x2 = None if fmt == "npy" else fresh(rows)
             start = time.perf_counter()
-            theta, meta = decode_theta(
-                request_kernel(client, "bench", x1, None, fmt=fmt, implementation=implementation)
-            )
+            theta, meta = decode_theta(request_kernel(client, "bench", x1, x2, fmt=fmt))
             total = time.perf_counter() - start
-            assert theta.shape == (n, n, 10, 10)
-            return {"total": total, "server_compute": float(meta["elapsed_ms"]) / 1000}
+            assert theta.shape == (rows, rows, 10, 10)
+            out = {"total": total, "server_compute": float(meta["elapsed_ms"]) / 1000}
+            if rows != n:
+                out["wire"] = _wire_time(x1, x2, theta)
+            return out
 
         return call
 
-    variants: dict[str, Callable[[], dict[str, float]]] = {"engine": bare}
-    variants.update({fmt: over_http(fmt) for fmt in FORMATS})
+    variants: dict[str, Callable[[], dict[str, float]]] = {
+        "engine": engine,
+        "safetensors": over_http("safetensors", n),
+        "wire": transfer,
+        "engine_sym": engine_sym,
+        "npy": over_http("npy", n),
+        "tiny": over_http("safetensors", 2),
+    }
     for call in variants.values():  # warm-up
         call()
     times: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
@@ -98,24 +138,33 @@ def run(server: LiveServer, *, n: int, rounds: int) -> None:
             times[name].append(call())
     client.close()
 
-    engine = statistics.median(t["total"] for t in times["engine"])
-    theta_mb = n * n * 100 * 4 / 1e6
+    def med(name: str, field: str = "total") -> float:
+        return statistics.median(t[field] for t in times[name])
+
+    hidden = "-".join(str(h) for h in architecture["hidden"])  # type: ignore[attr-defined]
     print(
-        f"MLP {ARCHITECTURE['input_dim']}-128-128-10, N = M = {n}, full mode, theta {theta_mb:.1f} MB float32, "
-        f"implementation {implementation}, median of {rounds} rounds, torch threads {torch.get_num_threads()}"
+        f"MLP {dim}-{hidden}-10, N = M = {n}, full mode, theta {theta_bytes / 1e6:.1f} MB float32, x1 and x2 inline, "
+        f"median of {rounds} alternating rounds, torch threads {torch.get_num_threads()}, server side cache on"
     )
-    print(f"{'variant':<13} {'median ms':>10} {'ratio':>7} {'server compute ms':>18} {'paired ratio':>13}")
-    print(f"{'engine (bare)':<13} {engine * 1000:>10.1f} {1.0:>7.3f} {'':>18} {'':>13}")
-    for fmt in FORMATS:
-        total = statistics.median(t["total"] for t in times[fmt])
-        compute = statistics.median(t["server_compute"] for t in times[fmt])
-        paired = statistics.median(t["total"] / t["server_compute"] for t in times[fmt])
-        print(f"{fmt:<13} {total * 1000:>10.1f} {total / engine:>7.3f} {compute * 1000:>18.1f} {paired:>13.3f}")
-    print(
-        "ratio: HTTP round trip / the bare engine call in this process. paired ratio: each round trip / the engine "
-        "time the server measured for that same request (removes the compute's run-to-run and process-to-process "
-        f"variance). Media types: {wire.MEDIA_JSON}, {wire.MEDIA_NPY}, {wire.MEDIA_SAFETENSORS}."
-    )
+    engine_s, wire_s, http_s = med("engine"), med("wire"), med("safetensors")
+    fixed = statistics.median(t["total"] - t["server_compute"] - t["wire"] for t in times["tiny"])
+    print(f"{'variant':<34} {'median ms':>10}")
+    rows = [
+        ("engine: compute_ntk(x1, x2)", engine_s),
+        ("wire: safetensors codec of x1, x2, theta", wire_s),
+        ("safetensors round trip (x1, x2)", http_s),
+        ("  its server-measured compute", med("safetensors", "server_compute")),
+        ("engine_sym: compute_ntk(x1)", med("engine_sym")),
+        (".npy round trip (x1 only)", med("npy")),
+        ("tiny (N = M = 2) round trip", med("tiny")),
+        ("fixed per-request cost", fixed),
+    ]
+    for label, seconds in rows:
+        print(f"{label:<34} {seconds * 1000:>10.2f}")
+    print(f"round trip / (engine + wire):       {http_s / (engine_s + wire_s):.3f}   (target <= 1.15)")
+    print(f"round trip / (engine + wire + fixed): {http_s / (engine_s + wire_s + fixed):.3f}")
+    print(f"server compute / engine:            {med('safetensors', 'server_compute') / engine_s:.3f}")
+    print(f".npy round trip / engine_sym:       {med('npy') / med('engine_sym'):.3f}")
 
 
 if __name__ == "__main__":

@@ -71,4 +71,6 @@ class NtkAlgorithm(Protocol):
 
     # Optional: ``joint_sides(problem, x1, x2) -> (side of x1, side of x2)``, both built by one ``left`` pass over
     # x1 and x2 together (views of that side). An algorithm with it (and ``right_is_left``) gets both sides of a
-    # one-block kernel from one pass (``BlockPlan.joint_sides``).
+    # one-block kernel from one pass (``BlockPlan.joint_sides``). With it, optionally
+    # ``joint_pays(problem, n, m) -> bool``: False where two passes are cheaper (default: always True).
+    # Optional: ``cost_weight(problem) -> float``, AUTO's cost of one estimated FLOP (default: api._EFFICIENCY).

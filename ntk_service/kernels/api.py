@@ -15,6 +15,14 @@ NOTE [auto choice]: AUTO plans every implementation for the memory budget and ta
 estimated FLOPs (``NtkAlgorithm.flops``, from P, k, N, M and the counted forward FLOPs) among those that fit.
 Forward-mode products run at a lower fraction of peak than the dense matmuls of a contraction on CPU, so their
 FLOPs are weighted by ``_EFFICIENCY`` (measured with benchmarks/bench_kernels.py). It never times the candidates.
+Structured's weight depends on how it captures (``Structured.cost_weight``, measured with
+benchmarks/bench_real_models.py, alternating in one process): 1.05 for the batched capture, whose k reverse
+passes run at a lower rate per FLOP than ``vmap(jacrev)`` on deep convolutional models (the ResNet: ~2.5 against
+~9 GFLOP per CPU second) while its estimate is within 1 % of the Jacobian contraction's (every weight in Jacobian
+form), so the plain contraction wins there; every case where the batched capture won by measurement has an
+estimate ratio <= 0.91 (CNN trace N = 16) and keeps it. 0.8 for the per-example capture (fallback parameters,
+e.g. attention's packed projections): on the benchmark transformer it took 0.69-0.75 of the contraction's CPU
+time per estimated FLOP (N = M = 32, FULL and TRACE), so it is taken there (estimate ratio 1.005-1.16).
 The choice is kept with the problem per call shape (``NtkProblem.choices``) and reused while the budget gives the
 same answer: a budget between the plan's estimate and the budget it was made for always does, a larger one only
 when the plan is the planner's first candidate and the implementation the cheapest of all (fitting or not).
@@ -32,7 +40,7 @@ from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.blocks import run_blocks
-from ntk_service.kernels.functional import check_model, select_parameters
+from ntk_service.kernels.functional import NtkProblem, check_model, select_parameters
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
@@ -58,9 +66,15 @@ _ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
 _EFFICIENCY: dict[NtkImplementation, float] = {
     NtkImplementation.JACOBIAN_CONTRACTION: 1.0,
     NtkImplementation.NTK_VECTOR_PRODUCTS: 3.0,
-    NtkImplementation.STRUCTURED: 1.0,
 }
-"""Relative cost of one estimated FLOP per implementation; see NOTE [auto choice]."""
+"""Relative cost of one estimated FLOP per implementation without a ``cost_weight``; see NOTE [auto choice]."""
+
+
+def _weight(impl: NtkImplementation, alg: NtkAlgorithm, problem: NtkProblem) -> float:
+    """The cost of one estimated FLOP of ``alg`` on ``problem``: its ``cost_weight`` if it has one, else
+    ``_EFFICIENCY`` (NOTE [auto choice])."""
+    cost_weight = getattr(alg, "cost_weight", None)
+    return float(cost_weight(problem)) if cost_weight is not None else _EFFICIENCY.get(impl, 1.0)
 
 
 _CHOICES_PER_PROBLEM = 64
@@ -106,7 +120,7 @@ def _plan_choice(
         return alg, plan, plan.first_choice
     best: tuple[float, NtkAlgorithm, BlockPlan] | None = None
     refusal: MemoryEstimateExceeded | None = None
-    costs = {impl: alg.flops(problem, n, m, mode) * _EFFICIENCY.get(impl, 1.0) for impl, alg in _ALGORITHMS.items()}
+    costs = {impl: alg.flops(problem, n, m, mode) * _weight(impl, alg, problem) for impl, alg in _ALGORITHMS.items()}
     for impl, alg in _ALGORITHMS.items():
         try:
             plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)

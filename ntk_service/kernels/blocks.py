@@ -3,8 +3,9 @@
 When x2 is x1 only blocks on and above the diagonal are contracted; each is mirrored below it, and diagonal
 blocks are symmetrized as (B + Bᵀ)/2, so the result is exactly symmetric (IEEE addition commutes). When x1 and x2
 are one block each and the plan allows it (``BlockPlan.joint_sides``), both sides come from one pass over x1 and
-x2 together, unless a side cache is in play: a cached side must not depend on which other examples shared its
-pass (its bits would then depend on hits and misses).
+x2 together, unless a side cache is in play for a keyed side: a cached side must not depend on which other examples
+shared its pass (its bits would then depend on hits and misses). A cache that holds nothing (``max_bytes`` 0) or
+sides without keys leave the joint pass alone.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def run_blocks(
     sides = _Sides(alg, problem, side_cache, tag)
     theta = torch.empty(result_shape(mode, n, m, problem.k), dtype=problem.dtype)
     bn, bm = plan.block_n, plan.block_m
+    if side_cache is not None and side_cache.max_bytes <= 0:
+        side_cache = None  # a disabled cache: never consulted, never in the way of the joint pass
     cached = side_cache is not None and (x1_key is not None or x2_key is not None)
     if plan.joint_sides and x2 is not None and not cached:  # cached sides must not be views of a joint one
         with torch.no_grad():

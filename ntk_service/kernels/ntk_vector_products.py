@@ -6,6 +6,9 @@ of the block, vmapped over the rows. TRACE and OUTPUT_DIAGONAL keep only the c-t
 
 Time N·k·[FP]·(1+2k)/k + 2·N·M·k·[FP]; memory n·k·P for the rows plus n·k·m forward-mode activations per block.
 Best when P is huge relative to [FP] (wide layers, few examples) or k is large.
+
+Forward-mode products run under ``math_attention()``: attention's fused eval kernels have no forward-mode AD, its
+math path has (``math_attention.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch.func import jvp, vmap
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.jacobian_contraction import jacobians
+from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
@@ -32,13 +36,14 @@ in jvp at once fail with "no level exists" (measured with 4 threads on one model
 
 @contextmanager
 def _forward_ad() -> Iterator[None]:
-    """Forward-mode AD under ``_FORWARD_AD_LOCK``; an operation of the model without a forward-mode formula (the
-    old ``torch.nn.utils.weight_norm``'s kernel, some custom ops) is the model's limit, not a server fault.
+    """Forward-mode AD under ``_FORWARD_AD_LOCK``, attention on its math path (``math_attention``, this thread only);
+    an operation of the model without a forward-mode formula (the old ``torch.nn.utils.weight_norm``'s kernel, some
+    custom ops) is the model's limit, not a server fault.
 
     Raises:
         UnsupportedModel: torch has no forward-mode AD for an operation the model uses.
     """
-    with _FORWARD_AD_LOCK:
+    with _FORWARD_AD_LOCK, math_attention():
         try:
             yield
         except NotImplementedError as exc:

@@ -127,6 +127,7 @@ def plan_blocks(
         MemoryEstimateExceeded: even one example per block does not fit; carries the estimate and the budget.
     """
     joint = not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "joint_sides")
+    joint = joint and getattr(alg, "joint_pays", lambda *_: True)(problem, n, m)
     if joint:
         result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
         joint_peak, _ = alg.side_bytes(problem, n + m, left=True)

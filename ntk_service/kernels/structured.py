@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured_capture import StructurePlan, capture, is_batch_safe, plan_structure
 from ntk_service.kernels.structured_contract import (
@@ -58,7 +59,15 @@ from ntk_service.kernels.structured_contract import (
 )
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
-__all__ = ["NOMINAL_PARTNERS", "SYMMETRIC_SPLIT_MIN", "Structured", "StructuredTerms", "structured_terms"]
+__all__ = [
+    "BATCHED_CAPTURE_WEIGHT",
+    "NOMINAL_PARTNERS",
+    "PER_EXAMPLE_CAPTURE_WEIGHT",
+    "SYMMETRIC_SPLIT_MIN",
+    "Structured",
+    "StructuredTerms",
+    "structured_terms",
+]
 
 NOMINAL_PARTNERS = 64
 """Examples a side is assumed to be contracted with when weighing the one-off cost of building a Jacobian
@@ -157,6 +166,12 @@ def _foldable_bias(plan: StructurePlan, weight: str, uses_of: dict[str, tuple[in
     return None
 
 
+BATCHED_CAPTURE_WEIGHT = 1.05
+"""AUTO's relative cost of a structured FLOP with the batched (or closed-form) capture; NOTE [auto choice]."""
+
+PER_EXAMPLE_CAPTURE_WEIGHT = 0.8
+"""AUTO's relative cost of a structured FLOP when fallback parameters make the capture per example (vmap)."""
+
 SYMMETRIC_SPLIT_MIN = 128
 """Smallest block for which a side paired with itself is contracted from 3 of its 4 half-blocks; below it the
 smaller products lose what the skipped quarter saves (MLP 784-512-512-10: N = 64 even, N = 256 20% faster)."""
@@ -226,7 +241,8 @@ class Structured:
         plan = terms.plan
         if terms.batch_safe is None and x.shape[0] >= 2:
             terms.batch_safe = is_batch_safe(problem, plan, x[:2])
-        cap = capture(problem, plan, x, batched=bool(terms.batch_safe))
+        with attention_scope(problem.module):  # fallback jacrev under vmap: see math_attention.py
+            cap = capture(problem, plan, x, batched=bool(terms.batch_safe))
         factored = []
         for term in terms.factored:
             parts = [
@@ -357,6 +373,11 @@ class Structured:
             per_output = {KernelMode.FULL: k * k, KernelMode.TRACE: 1}.get(mode, k)
             largest = max(largest, grams * (1 + per_output))
         return (2 * result + largest) * item
+
+    def cost_weight(self, problem: NtkProblem) -> float:
+        """AUTO's cost of one estimated FLOP (NOTE [auto choice] in api.py): ``PER_EXAMPLE_CAPTURE_WEIGHT`` when
+        fallback parameters make the capture per example under vmap, else ``BATCHED_CAPTURE_WEIGHT``."""
+        return PER_EXAMPLE_CAPTURE_WEIGHT if self._terms(problem).fallback else BATCHED_CAPTURE_WEIGHT
 
     def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
         terms = self._terms(problem)

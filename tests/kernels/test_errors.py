@@ -21,6 +21,7 @@ from ntk_service.errors import (
 )
 from ntk_service.kernels import SideCache, compute_ntk
 from ntk_service.kernels.functional import validate_inputs
+from ntk_service.kernels.structured import Structured
 from tests.reference import reference_ntk
 
 
@@ -163,6 +164,31 @@ def test_side_cache_reuses_the_keyed_side(mlp: nn.Module) -> None:
     assert torch.equal(second.theta, cold.theta)  # a reused side is the side computed afresh, bit for bit
     # without keys both sides come from one pass over x1 and x2 together: the same kernel up to rounding
     torch.testing.assert_close(second.theta, compute_ntk(mlp, x1 + 1, x2).theta)
+
+
+@pytest.mark.parametrize("cache_bytes", [0, 2**20], ids=["disabled", "unkeyed"])
+def test_a_cache_that_cannot_help_leaves_the_joint_pass_alone(
+    mlp: nn.Module, cache_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """x1 and x2 without keys, or with keys and a disabled cache, take one joint pass and never touch the cache."""
+    joint_calls = []
+    real = Structured.joint_sides
+
+    def spy(self: Structured, problem: object, x1: torch.Tensor, x2: torch.Tensor) -> object:
+        joint_calls.append(x1.shape[0])
+        return real(self, problem, x1, x2)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Structured, "joint_sides", spy)
+    cache = SideCache(max_bytes=cache_bytes)
+    x1, x2 = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    keys = {"x1_key": ("m", 1, "a"), "x2_key": ("m", 1, "b")} if cache_bytes == 0 else {}
+    theta = compute_ntk(mlp, x1, x2, implementation="structured", side_cache=cache, dtype="float64", **keys).theta
+    assert joint_calls == [3]
+    assert len(cache) == 0 and cache.hits == 0 and cache.misses == 0
+    expected = reference_ntk(mlp, x1, x2)
+    assert (theta - expected).abs().max() <= 1e-10 * expected.abs().max()
+    compute_ntk(mlp, x1, x2, implementation="structured", side_cache=SideCache(2**20), x2_key=("m", 1, "b"))
+    assert joint_calls == [3], "a keyed side with a working cache is computed on its own (cacheable) pass"
 
 
 def test_side_cache_is_bounded() -> None:

@@ -28,7 +28,7 @@ from ntk_service.errors import (
     ShapeMismatch,
     format_bytes,
 )
-from ntk_service.kernels import KernelMode, default_memory_budget
+from ntk_service.kernels import default_memory_budget
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.analysis_schemas import (
     AnalysisKernelOptions,
@@ -76,7 +76,7 @@ async def _read(request: Request, tensors: tuple[str, ...], *, operation: str) -
 
 def _side(raw: Any, label: str, record: ModelRecord, datasets: DatasetStore, operation: str) -> _Input:
     parsed = _parse_x(raw, side=label, operation=operation)
-    item = _from_dataset(parsed, record, datasets) if isinstance(parsed, DatasetRef) else _inline(parsed, record)
+    item = _from_dataset(parsed, record, datasets) if isinstance(parsed, DatasetRef) else _inline(parsed)
     _check_input(item.array, record, side=label, operation=operation)
     return item
 
@@ -94,7 +94,7 @@ def _check_budget(estimate: int, budget: int | None, *, what: str, operation: st
 
 def _kernel_options(options: AnalysisKernelOptions | CompareOptions, version: int | None) -> KernelOptions:
     return KernelOptions(
-        mode=KernelMode(options.mode),
+        mode=options.mode,
         implementation=options.implementation,
         params=options.params,
         dtype="float64",

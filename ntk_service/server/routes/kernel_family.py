@@ -107,7 +107,7 @@ async def _begin(
         record = registry.get(name, version)
 
         def side(raw: _Side, label: str) -> _Input:
-            item = _from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else _inline(raw, record)
+            item = _from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else _inline(raw)
             _check_input(item.array, record, side=label, operation=operation)
             return item
 

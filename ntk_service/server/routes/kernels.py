@@ -2,14 +2,17 @@
 
 Inputs come inline (JSON tensors, or ``x1``/``x2`` tensors of an .npy / safetensors body with the options as
 query parameters) or as row ranges of stored data sets. They are checked against the model's input shape and
-dtype before anything is computed; the computation runs off the event loop under the compute limiter, with the
-shared side cache keyed by model version and input content, so a repeated request against the same data set
-reuses that side.
+dtype before anything is computed; the computation runs off the event loop under the compute limiter.
+
+The shared side cache holds data-set rows only (keyed by model version, data set and row range), so a repeated
+request against the same data set reuses that side. Inline tensors are not keyed: hashing them costs time, a
+client rarely resends the same bytes, and an unkeyed kernel with x1 and x2 takes the engine's joint pass (one
+forward and reverse pass over both sides) instead of two separate ones. With the cache off
+(``NTK_SIDE_CACHE_BYTES=0``) the engine never sees it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from collections.abc import Hashable
@@ -30,7 +33,7 @@ from ntk_service.errors import (
     ShapeMismatch,
     format_bytes,
 )
-from ntk_service.kernels import NtkImplementation, NtkResult, compute_ntk
+from ntk_service.kernels import NtkImplementation, NtkResult, SideCache, compute_ntk
 from ntk_service.kernels.modes import parse_any_mode, result_shape
 from ntk_service.registry import DatasetStore, ModelRecord
 from ntk_service.server.deps import (
@@ -78,15 +81,14 @@ cap is refused before computing; otherwise the encoded length decides."""
 
 @dataclass(frozen=True)
 class _Input:
-    """One side: the array (N, *input) and the side-cache key naming its content."""
+    """One side: the array (N, *input) and the side-cache key naming its content (None: not cached)."""
 
     array: np.ndarray
-    key: Hashable
+    key: Hashable | None
 
 
-def _inline(array: np.ndarray, record: ModelRecord) -> _Input:
-    digest = hashlib.sha256(np.ascontiguousarray(array).data).hexdigest()
-    return _Input(array, (*record.cache_key, "inline", digest, array.shape, str(array.dtype)))
+def _inline(array: np.ndarray) -> _Input:
+    return _Input(array, None)  # see the module docstring: inline sides are not cached
 
 
 def _from_dataset(ref: DatasetRef, record: ModelRecord, datasets: DatasetStore) -> _Input:
@@ -182,10 +184,13 @@ def _compute(
     *,
     record: ModelRecord,
     budget: int | None,
-    side_cache: Any,
+    side_cache: SideCache | None,
     operation: str,
 ) -> tuple[NtkResult, float]:
     """The engine call (in a worker thread); returns the result and its wall time in seconds."""
+    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
+    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
+        side_cache = None  # nothing to reuse: the engine may then take its joint pass
     start = time.perf_counter()
     try:
         result = compute_ntk(
@@ -253,7 +258,7 @@ async def compute_kernel(
         record = registry.get(name, options.version)
 
         def side(raw: _Side, label: str) -> _Input:
-            item = _from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else _inline(raw, record)
+            item = _from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else _inline(raw)
             _check_input(item.array, record, side=label, operation=operation)
             return item
 

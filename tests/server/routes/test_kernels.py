@@ -167,6 +167,25 @@ def test_dataset_rows_as_x2_and_the_side_cache_reuses_them(live_server: LiveServ
     assert hits_after > hits_before, "the second request should reuse the data set's side"
 
 
+def _side_cache_metric(client: Any, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_inline_x1_and_x2_stay_out_of_the_side_cache(live_server: LiveServer, registered: dict[str, Any]) -> None:
+    """Inline sides are not cached (the engine takes its joint pass for them): the cache is never consulted."""
+    record, model = registered["mlp"]
+    x1, x2 = sample_inputs(record, 3, seed=21), sample_inputs(record, 3, seed=22)
+    with live_server.client("write") as client:
+        before = {m: _side_cache_metric(client, m) for m in ("ntk_side_cache_hits", "ntk_side_cache_misses")}
+        theta, _ = decode_theta(request_kernel(client, record["name"], x1, x2, fmt="safetensors"))
+        after = {m: _side_cache_metric(client, m) for m in ("ntk_side_cache_hits", "ntk_side_cache_misses")}
+    assert after == before
+    assert_close_to_reference(theta, _reference(model, x1, x2, "full"))
+
+
 def test_dataset_as_x1_with_symmetric_x2(live_server: LiveServer, registered: dict[str, Any]) -> None:
     record, model = registered["transformer"]
     data = sample_inputs(record, 4, seed=11)
