@@ -5,13 +5,26 @@ over initializations (neural-tangents' ``monte_carlo_kernel_fn``, which reports 
 infinite-width kernels (see docs/kernel_family.md for a one-hidden-layer ReLU net against its arc-cosine kernel).
 
 NOTE [batched ensemble]: a chunk of c models is evaluated as one computation, as in the torch.func ensembling
-notes: ``stack_module_state`` stacks their parameters (c, *shape), a ``meta``-device copy of the first model is
-the skeleton ``functional_call`` runs, and ``vmap`` over the stacked parameters gives every model's per-example
+notes: ``stack_module_state`` stacks their parameters (c, *shape), a copy of the first model is the skeleton
+``functional_call`` runs, and ``vmap`` over the stacked parameters gives every model's per-example
 Jacobians (``vmap(jacrev)`` inside) or features at once. Each model's kernel is then contracted on its own (one
 matmul per parameter tensor, ``jacobian_contraction.contract``), and the kernels are accumulated one by one in
-seed order, so the result does not depend on the chunk size (tested bitwise). The chunk size c is the most
+seed order, so the result does not depend on the chunk size beyond the last bits (NOTE [chunking and bits]). The
+skeleton stays on the models' device, not on ``meta`` as in the notes: ``.to("meta")`` unties tied parameters
+(each module gets its own meta tensor, which ``stack_module_state``, listing a tied tensor once, never replaces),
+and a CPU op on a meta tensor returns uninitialized memory instead of failing, so a tied model (or a tensor
+attribute that is not a parameter or buffer) gave garbage or NaN; a real copy keeps the ties, which
+``functional_call`` (``tie_weights``) then feeds from the one stacked tensor. The chunk size c is the most
 models whose Jacobians fit the memory budget; when not even one model does, each model's kernel is computed by
 ``compute_ntk`` / ``compute_nngp`` (which block over examples): ``MonteCarloResult.models_per_chunk`` is 0 then.
+
+NOTE [chunking and bits]: the accumulation is in seed order whatever the chunk size, but a model's kernel is not
+always bitwise the same in a chunk of 1 and of 5: vmap batches an elementwise op or a convolution over the models,
+and torch's CPU kernels take another vectorized path (SIMD body or scalar tail, another convolution algorithm) for
+another size. Measured on the test zoo (7 seeds, chunks 1/2/3/7): bitwise for Linear, Tanh/ReLU, LayerNorm,
+Embedding and tied models in both dtypes; GELU in float64 within 3e-17 relative (its erf), convolutions in
+float32 within 2e-7 relative (a few ulps); the tests bound every case at 8 ulps of the largest entry. A fixed
+chunk size (``models_per_chunk``) and thread count reproduce a run bitwise.
 
 Mean and spread: mean = Σ_s K_s / S (the plain average); the standard error of the mean is
 sqrt(Σ_s (D_s − D̄)² / (S (S − 1))) with D_s = K_s − K_1 (shifted sums: no cancellation when the spread is small
@@ -260,7 +273,7 @@ def monte_carlo_ntk(
         dtype (torch.dtype or str, optional): float32 or float64. Default: the first model's dtype.
         memory_budget_bytes (int, optional): peak memory allowed. Default: ``default_memory_budget()``.
         models_per_chunk (int, optional): at most this many models per batched call (the result is the same
-            for every value, bitwise). Default: None (as many as fit the budget).
+            for every value to a few ulps: NOTE [chunking and bits]). Default: None (as many as fit the budget).
 
     Returns:
         MonteCarloResult: ``mean`` and ``stderr`` shaped as the mode's kernel ((N, M, k, k) for FULL, ...).
@@ -308,7 +321,7 @@ def monte_carlo_ntk(
             acc.add(alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t))
         estimate = fixed
     else:
-        skeleton = copy.deepcopy(first).eval().to("meta")
+        skeleton = copy.deepcopy(first).eval()  # not on meta: NOTE [batched ensemble]
         for start in range(0, len(seed_list), chunk):
             seeds_c = seed_list[start : start + chunk]
             models = [first if start + i == 0 else _built(build, s, expected) for i, s in enumerate(seeds_c)]
