@@ -127,6 +127,16 @@ def _check_seeds(seeds: Sequence[int]) -> list[int]:
     return out
 
 
+def _positive_int(value: object) -> bool:
+    """An integer >= 1 (numpy integers too), not a bool, float or string (``operator.index`` raised TypeError)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= 1  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(n, tuple(t.shape), t.dtype) for n, t in (*model.named_parameters(), *model.named_buffers())]
 
@@ -299,7 +309,7 @@ def monte_carlo_ntk(
         raise InvalidInput(f"{_OPERATION}: layer={layer!r} names features, which only kernel='nngp' uses")
     if params is not None and kind is KernelKind.NNGP:
         raise InvalidInput(f"{_OPERATION}: params={params!r} selects NTK parameters; kernel='nngp' uses none")
-    if models_per_chunk is not None and (isinstance(models_per_chunk, bool) or operator.index(models_per_chunk) < 1):
+    if models_per_chunk is not None and not _positive_int(models_per_chunk):
         raise InvalidInput(f"{_OPERATION}: models_per_chunk must be a positive integer, got {models_per_chunk!r}")
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     first = _built(build, seed_list[0], None)

@@ -177,6 +177,9 @@ def test_bad_seeds_layers_and_architectures_are_refused_clearly() -> None:
         monte_carlo_ntk(_build, x1, seeds=[1], layer="3")
     with pytest.raises(UnknownLayer, match="layer 'head' is not a module"):
         monte_carlo_ntk(_build, x1, seeds=[1], kernel="nngp", layer="head")
+    for chunk in (0, True, 2.0, "3"):
+        with pytest.raises(InvalidInput, match="models_per_chunk must be a positive integer"):
+            monte_carlo_ntk(_build, x1, seeds=[1], models_per_chunk=chunk)  # type: ignore[arg-type]
     with pytest.raises(UnsupportedModel, match=r"build\(2\) returned a model whose parameters"):
         monte_carlo_ntk(lambda s: nn.Linear(3, s), x1, seeds=[1, 2])
 
