@@ -327,9 +327,12 @@ def monte_carlo_ntk(
     acc = _Accumulator()
     if chunk < 1:  # one model's Jacobians do not fit: each kernel on its own, blocked over examples
         alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1))
+        largest = 0
         for i, seed in enumerate(seed_list):
-            acc.add(alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t))
-        estimate = fixed
+            kernel_s, planned = alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t)
+            acc.add(kernel_s)
+            largest = max(largest, planned)
+        estimate = fixed + largest  # the accumulators and the costliest single kernel's own plan
     else:
         skeleton = copy.deepcopy(first).eval()  # not on meta: NOTE [batched ensemble]
         for start in range(0, len(seed_list), chunk):
@@ -365,13 +368,16 @@ class _Alone:
     dtype: torch.dtype
     budget: int
 
-    def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> torch.Tensor:
+    def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """The model's kernel and its planned peak bytes."""
         if self.kind is KernelKind.NTK:
             options = {"params": self.params, "dtype": self.dtype, "memory_budget_bytes": self.budget}
-            return compute_ntk(model, x1, x2, mode=self.mode, **options).theta  # type: ignore[arg-type]
-        return compute_nngp(
+            result = compute_ntk(model, x1, x2, mode=self.mode, **options)  # type: ignore[arg-type]
+            return result.theta, result.estimate_bytes
+        nngp = compute_nngp(
             model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
-        ).kernel
+        )
+        return nngp.kernel, nngp.estimate_bytes
 
 
 def _parse_kind(kernel: KernelKind | str) -> KernelKind:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ntk_service.errors import InvalidInput, UnknownLayer, UnsupportedModel
-from ntk_service.kernels import DerivedMode, KernelMode, MonteCarloResult, monte_carlo_ntk
+from ntk_service.kernels import DerivedMode, KernelMode, MonteCarloResult, compute_ntk, monte_carlo_ntk
 from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from tests.kernels.zoo import ZOO, ZooEntry
 from tests.reference import assert_matches, reference_ntk
@@ -110,6 +110,9 @@ def test_a_budget_too_small_for_one_models_jacobians_computes_each_kernel_on_its
     result = monte_carlo_ntk(_build, x1, x2, seeds=SEEDS, dtype=torch.float64, memory_budget_bytes=12_000)
     assert result.models_per_chunk == 0
     _check_against(result, samples)
+    # the estimate covers each kernel's own plan (it was the accumulators alone) and stays within the budget
+    alone = compute_ntk(_build(SEEDS[0]), x1, x2, dtype=torch.float64, memory_budget_bytes=12_000).estimate_bytes
+    assert alone < result.estimate_bytes <= 12_000
     one = monte_carlo_ntk(_build, x1, x2, seeds=np.array([3]), dtype=torch.float64)  # numpy integers are seeds
     assert one.stderr is None
     assert_matches(one.mean, samples[0], 1e-12)
