@@ -14,9 +14,12 @@ skeleton stays on the models' device, not on ``meta`` as in the notes: ``.to("me
 (each module gets its own meta tensor, which ``stack_module_state``, listing a tied tensor once, never replaces),
 and a CPU op on a meta tensor returns uninitialized memory instead of failing, so a tied model (or a tensor
 attribute that is not a parameter or buffer) gave garbage or NaN; a real copy keeps the ties, which
-``functional_call`` (``tie_weights``) then feeds from the one stacked tensor. The chunk size c is the most
-models whose Jacobians fit the memory budget; when not even one model does, each model's kernel is computed by
-``compute_ntk`` / ``compute_nngp`` (which block over examples): ``MonteCarloResult.models_per_chunk`` is 0 then.
+``functional_call`` (``tie_weights``) then feeds from the one stacked tensor. ``functional_call`` swaps only
+parameters and buffers, so a model with plain tensor attributes (a fixed random projection kept as
+``self.proj = torch.randn(...)``) would get the skeleton's for every seed: such models take the per-model path.
+The chunk size c is the most models whose Jacobians fit the memory budget; when not even one model does (or
+the model has plain tensor attributes), each model's kernel is computed by ``compute_ntk`` / ``compute_nngp``
+(which block over examples): ``MonteCarloResult.models_per_chunk`` is 0 then.
 
 NOTE [chunking and bits]: the accumulation is in seed order whatever the chunk size, but a model's kernel is not
 always bitwise the same in a chunk of 1 and of 5: vmap batches an elementwise op or a convolution over the models,
@@ -135,6 +138,17 @@ def _positive_int(value: object) -> bool:
         return operator.index(value) >= 1  # type: ignore[arg-type]
     except TypeError:
         return False
+
+
+def _plain_tensors(model: nn.Module) -> list[str]:
+    """Tensor attributes that are neither parameters nor buffers (``self.proj = torch.randn(...)``): a batched
+    ensemble only swaps parameters and buffers, so the skeleton's own would stand in for every seed's."""
+    return [
+        f"{name}.{attr}" if name else attr
+        for name, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -324,8 +338,10 @@ def monte_carlo_ntk(
     per_model, fixed = _bytes(problem, kind, kernel_mode, n, 0 if symmetric else m, layer, first, x1t)
     fits = int((budget - fixed) // per_model) if budget > fixed else 0
     chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
+    if _plain_tensors(first):  # the skeleton would lend every seed the first model's (NOTE [batched ensemble])
+        chunk = 0
     acc = _Accumulator()
-    if chunk < 1:  # one model's Jacobians do not fit: each kernel on its own, blocked over examples
+    if chunk < 1:  # one model's Jacobians do not fit, or plain tensors: each kernel on its own
         alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1))
         largest = 0
         for i, seed in enumerate(seed_list):

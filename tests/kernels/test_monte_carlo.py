@@ -118,6 +118,40 @@ def test_a_budget_too_small_for_one_models_jacobians_computes_each_kernel_on_its
     assert_matches(one.mean, samples[0], 1e-12)
 
 
+class _RandomFeatures(nn.Module):
+    """A fixed random projection kept as a plain tensor attribute (not a buffer), then a trained Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.randn(3, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(x @ self.proj.to(x.dtype)))
+
+
+def test_plain_tensor_attributes_are_each_seeds_own_not_the_first_models() -> None:
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return _RandomFeatures()
+
+    x1, x2 = _inputs()
+    for kernel, mode in (("ntk", "trace"), ("nngp", "full")):
+        result = monte_carlo_ntk(build, x1, x2, seeds=SEEDS, kernel=kernel, mode=mode, dtype=torch.float64)
+        if kernel == "ntk":
+            samples = torch.stack([reference_ntk(build(s), x1, x2, "trace") for s in SEEDS])
+        else:
+            outputs = [(_features_of(build(s), x1), _features_of(build(s), x2)) for s in SEEDS]
+            samples = torch.stack([torch.einsum("na,mb->nmab", f1, f2) for f1, f2 in outputs])
+        _check_against(result, samples)
+        assert result.models_per_chunk == 0  # the per-model path
+
+
+def _features_of(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.double()(x.double())
+
+
 class _NtkReluNet(nn.Module):
     """f(x) = v · relu(W x / √d) / √m with W (m, d), v (m,) ~ N(0, 1): NTK parameterization, no bias."""
 
