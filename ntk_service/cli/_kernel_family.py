@@ -19,7 +19,7 @@ from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of
 from ntk_service.cli._inputs import read_side
 from ntk_service.cli._kernel import Dtype, Mode
 
-__all__ = ["KernelKind", "OperatorMode", "matvec", "monte_carlo", "nngp"]
+__all__ = ["MAX_SEEDS", "KernelKind", "OperatorMode", "matvec", "monte_carlo", "nngp"]
 
 _PRINT_LIMIT = 1000
 """Without -o, a result of at most this many values is printed; a bigger one needs a file."""
@@ -83,18 +83,29 @@ def _emit(
         typer.echo(np.array2string(array, threshold=_PRINT_LIMIT))
 
 
+MAX_SEEDS = 1024
+"""The server's ``MAX_MONTE_CARLO_SEEDS`` (a test keeps them equal; the CLI does not import the torch side)."""
+
+
 def _seeds(text: str) -> list[int]:
-    """``"0-15"``, ``"1,2,5"`` or a mix (``"0-3,9"``) as a list of ints."""
+    """``"0-15"``, ``"1,2,5"`` or a mix (``"0-3,9"``) as a list of ints, at most ``MAX_SEEDS`` of them: a typo
+    like ``0-1000000000`` is refused here instead of building a billion-element list before the server says no."""
     seeds: list[int] = []
     try:
         for part in (p.strip() for p in text.split(",") if p.strip()):
             if "-" in part[1:]:
-                low, high = part.split("-", 1)
-                seeds.extend(range(int(low), int(high) + 1))
+                low, high = (int(end) for end in part.split("-", 1))
+                if high < low:
+                    raise UsageError(f"--seeds: the range {part!r} is empty; write it low-high, e.g. 0-15")
+                if len(seeds) + (high - low + 1) > MAX_SEEDS:
+                    raise UsageError(f"--seeds: {text!r} lists more than {MAX_SEEDS} seeds, the most one call takes")
+                seeds.extend(range(low, high + 1))
             else:
                 seeds.append(int(part))
     except ValueError as exc:
         raise UsageError(f"--seeds: expected integers and ranges like 0-15,20, got {text!r}") from exc
+    if len(seeds) > MAX_SEEDS:
+        raise UsageError(f"--seeds: {text!r} lists more than {MAX_SEEDS} seeds, the most one call takes")
     return seeds
 
 

@@ -12,6 +12,7 @@ answers come as safetensors unless ``transport_format="json"``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,17 @@ def _side(value: Any, name: str) -> dict[str, Any] | None:
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch, without importing it
         value = value.detach().cpu().numpy()
     return wire.tensor_to_json(np.asarray(value))
+
+
+def _seed(value: Any) -> Any:
+    """A seed for JSON: numpy integers as ints; anything else as given, for the server to refuse by name (``int()``
+    would turn 1.5 into 1, "7" into 7 and True into 1 silently)."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value.item() if isinstance(value, np.generic) else value
 
 
 def _maybe_torch(array: np.ndarray | None, as_torch: bool) -> Any:
@@ -182,7 +194,7 @@ class KernelFamilyClient(BaseClient):
         body = {
             "x1": _side(x1, "x1"),
             "x2": _side(x2, "x2"),
-            "seeds": [int(s) for s in seeds],
+            "seeds": [_seed(s) for s in seeds],
             "kernel": kernel,
             "mode": mode,
             "layer": layer,

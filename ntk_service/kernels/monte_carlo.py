@@ -5,13 +5,29 @@ over initializations (neural-tangents' ``monte_carlo_kernel_fn``, which reports 
 infinite-width kernels (see docs/kernel_family.md for a one-hidden-layer ReLU net against its arc-cosine kernel).
 
 NOTE [batched ensemble]: a chunk of c models is evaluated as one computation, as in the torch.func ensembling
-notes: ``stack_module_state`` stacks their parameters (c, *shape), a ``meta``-device copy of the first model is
-the skeleton ``functional_call`` runs, and ``vmap`` over the stacked parameters gives every model's per-example
+notes: ``stack_module_state`` stacks their parameters (c, *shape), a copy of the first model is the skeleton
+``functional_call`` runs, and ``vmap`` over the stacked parameters gives every model's per-example
 Jacobians (``vmap(jacrev)`` inside) or features at once. Each model's kernel is then contracted on its own (one
 matmul per parameter tensor, ``jacobian_contraction.contract``), and the kernels are accumulated one by one in
-seed order, so the result does not depend on the chunk size (tested bitwise). The chunk size c is the most
-models whose Jacobians fit the memory budget; when not even one model does, each model's kernel is computed by
-``compute_ntk`` / ``compute_nngp`` (which block over examples): ``MonteCarloResult.models_per_chunk`` is 0 then.
+seed order, so the result does not depend on the chunk size beyond the last bits (NOTE [chunking and bits]). The
+skeleton stays on the models' device, not on ``meta`` as in the notes: ``.to("meta")`` unties tied parameters
+(each module gets its own meta tensor, which ``stack_module_state``, listing a tied tensor once, never replaces),
+and a CPU op on a meta tensor returns uninitialized memory instead of failing, so a tied model (or a tensor
+attribute that is not a parameter or buffer) gave garbage or NaN; a real copy keeps the ties, which
+``functional_call`` (``tie_weights``) then feeds from the one stacked tensor. ``functional_call`` swaps only
+parameters and buffers, so a model with plain tensor attributes (a fixed random projection kept as
+``self.proj = torch.randn(...)``) would get the skeleton's for every seed: such models take the per-model path.
+The chunk size c is the most models whose Jacobians fit the memory budget; when not even one model does (or
+the model has plain tensor attributes), each model's kernel is computed by ``compute_ntk`` / ``compute_nngp``
+(which block over examples): ``MonteCarloResult.models_per_chunk`` is 0 then.
+
+NOTE [chunking and bits]: the accumulation is in seed order whatever the chunk size, but a model's kernel is not
+always bitwise the same in a chunk of 1 and of 5: vmap batches an elementwise op or a convolution over the models,
+and torch's CPU kernels take another vectorized path (SIMD body or scalar tail, another convolution algorithm) for
+another size. Measured on the test zoo (7 seeds, chunks 1/2/3/7): bitwise for Linear, Tanh/ReLU, LayerNorm,
+Embedding and tied models in both dtypes; GELU in float64 within 3e-17 relative (its erf), convolutions in
+float32 within 2e-7 relative (a few ulps); the tests bound every case at 8 ulps of the largest entry. A fixed
+chunk size (``models_per_chunk``) and thread count reproduce a run bitwise.
 
 Mean and spread: mean = Σ_s K_s / S (the plain average); the standard error of the mean is
 sqrt(Σ_s (D_s − D̄)² / (S (S − 1))) with D_s = K_s − K_1 (shifted sums: no cancellation when the spread is small
@@ -112,6 +128,27 @@ def _check_seeds(seeds: Sequence[int]) -> list[int]:
             "the standard error"
         )
     return out
+
+
+def _positive_int(value: object) -> bool:
+    """An integer >= 1 (numpy integers too), not a bool, float or string (``operator.index`` raised TypeError)."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return operator.index(value) >= 1  # type: ignore[arg-type]
+    except TypeError:
+        return False
+
+
+def _plain_tensors(model: nn.Module) -> list[str]:
+    """Tensor attributes that are neither parameters nor buffers (``self.proj = torch.randn(...)``): a batched
+    ensemble only swaps parameters and buffers, so the skeleton's own would stand in for every seed's."""
+    return [
+        f"{name}.{attr}" if name else attr
+        for name, module in model.named_modules()
+        for attr, value in vars(module).items()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def _signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -260,7 +297,7 @@ def monte_carlo_ntk(
         dtype (torch.dtype or str, optional): float32 or float64. Default: the first model's dtype.
         memory_budget_bytes (int, optional): peak memory allowed. Default: ``default_memory_budget()``.
         models_per_chunk (int, optional): at most this many models per batched call (the result is the same
-            for every value, bitwise). Default: None (as many as fit the budget).
+            for every value to a few ulps: NOTE [chunking and bits]). Default: None (as many as fit the budget).
 
     Returns:
         MonteCarloResult: ``mean`` and ``stderr`` shaped as the mode's kernel ((N, M, k, k) for FULL, ...).
@@ -286,7 +323,7 @@ def monte_carlo_ntk(
         raise InvalidInput(f"{_OPERATION}: layer={layer!r} names features, which only kernel='nngp' uses")
     if params is not None and kind is KernelKind.NNGP:
         raise InvalidInput(f"{_OPERATION}: params={params!r} selects NTK parameters; kernel='nngp' uses none")
-    if models_per_chunk is not None and (isinstance(models_per_chunk, bool) or operator.index(models_per_chunk) < 1):
+    if models_per_chunk is not None and not _positive_int(models_per_chunk):
         raise InvalidInput(f"{_OPERATION}: models_per_chunk must be a positive integer, got {models_per_chunk!r}")
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     first = _built(build, seed_list[0], None)
@@ -301,14 +338,19 @@ def monte_carlo_ntk(
     per_model, fixed = _bytes(problem, kind, kernel_mode, n, 0 if symmetric else m, layer, first, x1t)
     fits = int((budget - fixed) // per_model) if budget > fixed else 0
     chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
+    if _plain_tensors(first):  # the skeleton would lend every seed the first model's (NOTE [batched ensemble])
+        chunk = 0
     acc = _Accumulator()
-    if chunk < 1:  # one model's Jacobians do not fit: each kernel on its own, blocked over examples
+    if chunk < 1:  # one model's Jacobians do not fit, or plain tensors: each kernel on its own
         alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1))
+        largest = 0
         for i, seed in enumerate(seed_list):
-            acc.add(alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t))
-        estimate = fixed
+            kernel_s, planned = alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t)
+            acc.add(kernel_s)
+            largest = max(largest, planned)
+        estimate = fixed + largest  # the accumulators and the costliest single kernel's own plan
     else:
-        skeleton = copy.deepcopy(first).eval().to("meta")
+        skeleton = copy.deepcopy(first).eval()  # not on meta: NOTE [batched ensemble]
         for start in range(0, len(seed_list), chunk):
             seeds_c = seed_list[start : start + chunk]
             models = [first if start + i == 0 else _built(build, s, expected) for i, s in enumerate(seeds_c)]
@@ -342,13 +384,16 @@ class _Alone:
     dtype: torch.dtype
     budget: int
 
-    def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> torch.Tensor:
+    def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """The model's kernel and its planned peak bytes."""
         if self.kind is KernelKind.NTK:
             options = {"params": self.params, "dtype": self.dtype, "memory_budget_bytes": self.budget}
-            return compute_ntk(model, x1, x2, mode=self.mode, **options).theta  # type: ignore[arg-type]
-        return compute_nngp(
+            result = compute_ntk(model, x1, x2, mode=self.mode, **options)  # type: ignore[arg-type]
+            return result.theta, result.estimate_bytes
+        nngp = compute_nngp(
             model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
-        ).kernel
+        )
+        return nngp.kernel, nngp.estimate_bytes
 
 
 def _parse_kind(kernel: KernelKind | str) -> KernelKind:

@@ -16,8 +16,11 @@ PSEUDO              (N, M)         (1/d) Σ_ab F1[n, a] F2[m, b]   (none)
 
 NOTE [NNGP normalization]: neural-tangents divides the contraction over its traced axes by their size (a mean,
 so its default NNGP of a k-output model is F1 F2ᵀ / k), exactly as it does for its NTK; our TRACE is the plain
-sum, as our NTK TRACE is. Both are one draw at the given parameters: the NNGP of the infinite-width theory is
-the expectation over initializations (``monte_carlo.py``). The conjugate kernel at a readout's input Φ is the
+sum, as our NTK TRACE is. A layer's features are flattened per example first, so for a layer with several
+feature axes (a convolution's (C, H, W)) TRACE sums over all of them: neural-tangents' ``trace_axes`` over every
+output axis times d, not its default (the last axis alone, which keeps the other axes in the kernel). Both are
+one draw at the given parameters: the NNGP of the infinite-width theory is the expectation over initializations
+(``monte_carlo.py``). The conjugate kernel at a readout's input Φ is the
 TRACE kernel of that layer's features, ΦΦᵀ; the NTK block of a Linear readout's weight is ΦΦᵀ ⊗ I_k.
 
 Cost: one forward pass per example (N + M, or N when x2 is omitted), no gradients; memory the features

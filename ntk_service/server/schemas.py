@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from ntk_service.errors import InvalidInput, MalformedRequest
 from ntk_service.kernels.types import NtkImplementation
@@ -235,7 +235,8 @@ class MonteCarloOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    seeds: list[int] = Field(description="Distinct seeds, one network each (1 to 1024).")
+    # strict: JSON true / "7" / 7.0 are not seeds (lax pydantic would turn true into 1, "7" into 7)
+    seeds: list[StrictInt] = Field(description="Distinct integer seeds, one network each (1 to 1024).")
     kernel: Literal["ntk", "nngp"] = "ntk"
     mode: KernelModeValue = "full"
     layer: str | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")

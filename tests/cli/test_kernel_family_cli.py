@@ -13,6 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from ntk_service.cli import app
+from ntk_service.cli._kernel_family import MAX_SEEDS
+from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from ntk_service.registry.zoo import build_model
 from tests.conftest import LiveServer
 from tests.reference import reference_ntk
@@ -93,5 +95,12 @@ def test_bad_seeds_and_layers_exit_with_clear_messages(cli: Any, tmp_path: Path)
     np.save(tmp_path / "x1.npy", np.ones((2, 4), np.float32))
     bad = cli("monte-carlo", NAME, "--x1", str(tmp_path / "x1.npy"), "--seeds", "a-b")
     assert bad.exit_code == 2 and "--seeds: expected integers" in bad.stderr
+    for text, message in (("0-1024", "more than 1024 seeds"), ("0-10000000000000", "more than 1024"), ("5-1", "empty")):
+        bad = cli("monte-carlo", NAME, "--x1", str(tmp_path / "x1.npy"), "--seeds", text)  # refused before any list
+        assert bad.exit_code == 2 and "--seeds: " in bad.stderr and message in bad.stderr, (text, bad.stderr)
     bad = cli("nngp", NAME, "--x1", str(tmp_path / "x1.npy"), "--layer", "head")
     assert bad.exit_code == 1 and "unknown_layer" in bad.stderr and "'head' is not a module" in bad.stderr
+
+
+def test_the_cli_seed_limit_is_the_libraries() -> None:
+    assert MAX_SEEDS == MAX_MONTE_CARLO_SEEDS

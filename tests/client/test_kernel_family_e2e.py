@@ -56,3 +56,7 @@ def test_nngp_monte_carlo_matvec_and_pseudo_from_the_client(
             client.nngp(NAME, x1, layer="head")
         with pytest.raises(InvalidInput, match="seeds is empty"):
             client.monte_carlo(NAME, x1, seeds=[])
+        for bad in (1.5, np.float64(2.5), "7", True):  # never truncated or coerced into a seed on the way
+            with pytest.raises(InvalidInput, match=r"seeds\.0: Input should be a valid integer"):
+                client.monte_carlo(NAME, x1, seeds=[bad, 9])
+        assert client.monte_carlo(NAME, x1, seeds=np.array([4, 5]), mode="trace").n_samples == 2

@@ -124,3 +124,31 @@ def test_wrong_vectors_modes_and_budgets_are_refused_clearly() -> None:
         ntk_operator(model, x1, mode="example_diagonal")
     with pytest.raises(MemoryEstimateExceeded, match="ntk_operator: one product needs at least"):
         ntk_operator(model, x1, memory_budget_bytes=1_000)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "pseudo"])
+def test_a_large_n_with_a_small_budget_is_walked_one_chunk_at_a_time(mode: str) -> None:
+    """The memory claim's premise, observed: the model never sees more than ``examples_per_chunk`` examples in
+    one call (so activations are one chunk's), the estimate stays within the budget, and the product is still
+    right (against the dense reference on a subset of rows: Θ v restricted to the first rows)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    seen: list[int] = []
+    model[0].register_forward_hook(lambda _m, args, _out: seen.append(int(args[0].shape[0])))
+    n, budget = 1000, 110_000  # over the fixed O(P + N·k) part (97 KB here): ~12 KB for activations
+    x = torch.randn(n, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    op = ntk_operator(model, x, mode=mode, memory_budget_bytes=budget)
+    assert op.estimate_bytes <= budget and 1 <= op.examples_per_chunk < n // 20
+    v = torch.randn(
+        *((n, 2) if mode == "full" else (n,)), generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+    seen.clear()
+    product = op.matvec(v)
+    assert seen and max(seen) <= op.examples_per_chunk and sum(seen) >= 2 * n  # every example, chunk by chunk
+    rows = 5
+    kernel = reference_ntk(model, x[:rows], x, "full" if mode == "full" else mode)
+    if mode == "full":
+        expected = torch.einsum("nmab,mb->na", kernel, v)
+    else:
+        expected = kernel @ v
+    assert _rel(product[:rows], expected) <= 1e-10

@@ -133,6 +133,11 @@ def test_bad_inputs_get_clear_4xx_answers(live_server: LiveServer, registered: A
         ("monte_carlo", {"x1": x1, "seeds": []}, 422, "invalid_input", "seeds is empty"),
         ("monte_carlo", {"x1": x1, "seeds": list(range(1025))}, 422, "invalid_input", "over the limit of 1024"),
         ("monte_carlo", {"x1": x1, "seeds": [1, 1]}, 422, "invalid_input", "seed 1 is repeated"),
+        ("monte_carlo", {"x1": x1, "seeds": [True, 2]}, 422, "invalid_input", "seeds.0: Input should be a valid int"),
+        ("monte_carlo", {"x1": x1, "seeds": ["7"]}, 422, "invalid_input", "seeds.0: Input should be a valid int"),
+        ("monte_carlo", {"x1": x1, "seeds": [2.0]}, 422, "invalid_input", "seeds.0: Input should be a valid int"),
+        ("monte_carlo", {"x1": x1, "seeds": [2**70]}, 422, "invalid_input", "seeds.0"),
+        ("monte_carlo", {"x1": x1, "seeds": [2**63]}, 422, "invalid_input", "seed must be an integer in [0, 2**63)"),
         ("operator/matvec", {"x1": x1, "v": tensor_json(np.zeros((2, 3)))}, 422, "shape_mismatch", "expected"),
         ("operator/matvec", {"x1": x1}, 422, "invalid_input", "the body needs v"),
         (
