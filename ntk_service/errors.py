@@ -12,7 +12,8 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     │   ├── UnknownMode                   422
     │   ├── UnknownImplementation         422
     │   ├── NoMatchingParameters          422
-    │   └── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
+    │   ├── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
+    │   └── UnknownDevice                 422  not 'cpu', 'cuda' or 'cuda:N', or a CUDA device that is absent
     ├── MalformedRequest                  400  the body cannot be parsed at all
     ├── UnsupportedMediaType              415
     ├── NotAcceptable                     406  e.g. a JSON response over the size cap
@@ -68,6 +69,7 @@ __all__ = [
     "ResultNotFound",
     "ServiceUnavailable",
     "ShapeMismatch",
+    "UnknownDevice",
     "UnknownImplementation",
     "UnknownMode",
     "UnsupportedMediaType",
@@ -126,6 +128,12 @@ class UnsupportedModel(InvalidInput):
     """The model cannot be treated example by example (train-mode BatchNorm, interacting examples, ...)."""
 
     error_type = "unsupported_model"
+
+
+class UnknownDevice(InvalidInput):
+    """A device string that is not 'cpu', 'cuda' or 'cuda:N', or a CUDA device this machine does not have."""
+
+    error_type = "unknown_device"
 
 
 class MalformedRequest(NtkServiceError):

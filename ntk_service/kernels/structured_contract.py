@@ -126,14 +126,16 @@ def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dty
     return torch.baddbmm(one, left, right.transpose(1, 2), beta=int(plus_one))
 
 
-_ONES: dict[torch.dtype, torch.Tensor] = {}
+_ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _one(dtype: torch.dtype) -> torch.Tensor:
-    """A 0-d tensor 1 of ``dtype``, made once (only ever read)."""
-    one = _ONES.get(dtype)
+    """A 0-d tensor 1 of ``dtype`` on the default device (NOTE [device context] in api.py), made once per pair
+    (only ever read)."""
+    key = (dtype, torch.get_default_device())
+    one = _ONES.get(key)
     if one is None:
-        one = _ONES[dtype] = torch.ones((), dtype=dtype)
+        one = _ONES[key] = torch.ones((), dtype=dtype)
     return one
 
 
