@@ -135,9 +135,9 @@ def place_module(module: nn.Module, device: torch.device) -> nn.Module:
     """
     memo: dict[int, object] = {}
     for p in module.parameters():
-        memo[id(p)] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(p.detach().to(device, copy=True), requires_grad=p.requires_grad)
     for b in module.buffers():
-        memo[id(b)] = b.detach().to(device)
+        memo[id(b)] = b.detach().to(device, copy=True)
     try:
         return copy.deepcopy(module, memo)
     except Exception as exc:

@@ -17,10 +17,13 @@ class ModuleCache:
 
     Args:
         max_size (int): modules kept; 0 keeps none (every call builds).
+        place (callable, optional): applied to every module before it is cached or returned, e.g. moving it to the
+            compute device once per model version. Default: none.
     """
 
-    def __init__(self, max_size: int) -> None:
+    def __init__(self, max_size: int, *, place: Callable[[nn.Module], nn.Module] | None = None) -> None:
         self.max_size = max_size
+        self._place = place
         self._modules: OrderedDict[Hashable, nn.Module] = OrderedDict()
         self._building: dict[Hashable, Future[nn.Module]] = {}
         self._lock = threading.Lock()
@@ -41,6 +44,8 @@ class ModuleCache:
             return future.result()
         try:
             module = build()
+            if self._place is not None:
+                module = self._place(module)
         except BaseException as exc:
             with self._lock:
                 del self._building[key]
@@ -56,6 +61,8 @@ class ModuleCache:
         """Cache ``module`` under ``key`` as the most recently used, evicting the least recently used over max_size."""
         if self.max_size <= 0:
             return
+        if self._place is not None:
+            module = self._place(module)
         with self._lock:
             self._modules[key] = module
             self._modules.move_to_end(key)

@@ -182,6 +182,8 @@ def _compute(
     budget: int | None,
     side_cache: Any,
     operation: str,
+    device: str = "cpu",
+    allow_tf32: bool = False,
 ) -> tuple[NtkResult, float]:
     """The engine call (in a worker thread); returns the result and its wall time in seconds."""
     start = time.perf_counter()
@@ -196,6 +198,8 @@ def _compute(
             dtype=options.dtype,
             memory_budget_bytes=budget,
             side_cache=side_cache,
+            device=device,
+            allow_tf32=allow_tf32,
             x1_key=x1.key,
             x2_key=None if x2 is None else x2.key,
         )
@@ -276,6 +280,8 @@ async def compute_kernel(
             budget=settings.memory_budget_bytes,
             side_cache=side_cache,
             operation=operation,
+            device=settings.device,  # the registry keeps the module there (one copy per version)
+            allow_tf32=settings.allow_tf32,
         )
         meta = {
             "mode": result.mode.value,
