@@ -53,7 +53,7 @@ class ModuleCache:
             raise
         with self._lock:
             del self._building[key]
-        self.put(key, module)
+        self._store(key, module)
         future.set_result(module)
         return module
 
@@ -61,8 +61,11 @@ class ModuleCache:
         """Cache ``module`` under ``key`` as the most recently used, evicting the least recently used over max_size."""
         if self.max_size <= 0:
             return
-        if self._place is not None:
-            module = self._place(module)
+        self._store(key, module if self._place is None else self._place(module))
+
+    def _store(self, key: Hashable, module: nn.Module) -> None:
+        if self.max_size <= 0:
+            return
         with self._lock:
             self._modules[key] = module
             self._modules.move_to_end(key)
