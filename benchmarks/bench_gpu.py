@@ -48,19 +48,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(call: Callable[[], object], device: torch.device) -> tuple[float, int | None]:
-    """Seconds of one call, synchronized before and after, and its peak GPU memory above what was allocated."""
+def measure(call: Callable[[], object], device: torch.device) -> tuple[float, int | None, object]:
+    """Seconds of one call, synchronized before and after, its peak GPU memory above what was allocated before,
+    and its result."""
     _sync(device)
     base = None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
-    call()
+    result = call()
     _sync(device)
     seconds = time.perf_counter() - start
     peak = None if base is None else torch.cuda.max_memory_allocated(device) - base
-    return seconds, peak
+    return seconds, peak, result
 
 
 def _variants(model: torch.nn.Module, x1: torch.Tensor, x2: torch.Tensor, device: torch.device) -> dict[str, Any]:
@@ -81,9 +82,17 @@ def bench_kernels(device: torch.device, sizes: list[int], repeats: int) -> list[
             times: dict[str, list[float]] = {v: [] for v in calls}
             peaks: dict[str, int | None] = {}
             errors: dict[str, str] = {}
-            for variant, call in calls.items():  # warm-up (and the peak memory of one call)
+            diffs: dict[str, float] = {}
+            reference: torch.Tensor | None = None
+            for variant, call in calls.items():  # warm-up: the peak memory of one call, and a check of its numbers
                 try:
-                    _, peaks[variant] = measure(call, device)
+                    _, peaks[variant], theta = measure(call, device)
+                    assert isinstance(theta, torch.Tensor)
+                    if variant == TUTORIAL:
+                        reference = theta
+                    elif reference is not None:
+                        diffs[variant] = float((theta - reference).abs().max() / reference.abs().max())
+                    del theta
                 except torch.OutOfMemoryError as exc:
                     errors[variant] = f"out of GPU memory: {str(exc).splitlines()[0]}"
                     torch.cuda.empty_cache()
@@ -92,6 +101,7 @@ def bench_kernels(device: torch.device, sizes: list[int], repeats: int) -> list[
                     if variant not in errors:
                         times[variant].append(measure(call, device)[0])
             base = statistics.median(times[TUTORIAL]) if TUTORIAL not in errors else None
+            del reference
             for variant in calls:
                 median = statistics.median(times[variant]) if variant not in errors else None
                 rows.append(
@@ -102,6 +112,7 @@ def bench_kernels(device: torch.device, sizes: list[int], repeats: int) -> list[
                         "median_s": median,
                         "peak_bytes": peaks.get(variant),
                         "ratio_to_tutorial": None if median is None or base is None else median / base,
+                        "max_rel_diff_vs_tutorial": diffs.get(variant),
                         "error": errors.get(variant),
                     }
                 )
@@ -163,15 +174,20 @@ def bench_http(device: torch.device, n: int, repeats: int) -> dict[str, Any]:
 
 
 def _print(rows: list[dict[str, Any]], http: dict[str, Any] | None) -> None:
-    print(f"{'model':<5} {'N=M':>5} {'variant':<21} {'median s':>10} {'x tutorial':>10} {'peak GPU MiB':>13}")
+    print(
+        f"{'model':<5} {'N=M':>5} {'variant':<21} {'median s':>10} {'x tutorial':>10} {'peak GPU MiB':>13} "
+        f"{'rel diff':>9}"
+    )
     for r in rows:
         if r["error"]:
             print(f"{r['model']:<5} {r['n']:>5} {r['variant']:<21} {r['error']}")
             continue
         ratio = "" if r["ratio_to_tutorial"] is None else f"{r['ratio_to_tutorial']:.3f}"
         peak = "n/a" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:.1f}"
-        print(f"{r['model']:<5} {r['n']:>5} {r['variant']:<21} {r['median_s']:>10.4f} {ratio:>10} {peak:>13}")
+        diff = "" if r["max_rel_diff_vs_tutorial"] is None else f"{r['max_rel_diff_vs_tutorial']:.1e}"
+        print(f"{r['model']:<5} {r['n']:>5} {r['variant']:<21} {r['median_s']:>10.4f} {ratio:>10} {peak:>13} {diff:>9}")
     print("x tutorial: our median time / the tutorial's on the same device in the same rounds (< 1: faster).")
+    print("rel diff: max |ours - tutorial| / max |tutorial| of the warm-up results (float32; a sanity check).")
     if http is not None:
         print(
             f"HTTP (server {http['readyz']}): MLP N=M={http['n']} full float32 as .npy, {http['implementation']}: "
