@@ -21,6 +21,7 @@ from benchmarks._models import MODELS, make_inputs
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.kernels import compute_ntk, device_memory_budget
 from ntk_service.registry import DatasetStore, ModelRegistry
+from ntk_service.results import compute_ntk_tiled
 from tests.conftest import start_live_server
 from tests.reference import assert_matches, reference_ntk
 from tests.server.support import decode_theta, rebuild, request_kernel
@@ -155,3 +156,12 @@ def test_a_local_job_on_cuda_equals_the_reference(tmp_path: Path) -> None:
         manager.stop()
         registry.close()
         datasets.close()
+
+
+def test_compute_ntk_tiled_on_cuda_equals_the_reference(tmp_path: Path) -> None:
+    model, x1, x2 = _case("mlp")
+    view = compute_ntk_tiled(
+        model, x1, x2, out=tmp_path / "k.zarr", tile_size=2, dtype="float64", progress=False, device="cuda"
+    )
+    assert_matches(torch.from_numpy(np.asarray(view[:])), reference_ntk(model, x1, x2))
+    assert {p.device.type for p in model.parameters()} == {"cpu"}  # the caller's model stays on the CPU

@@ -15,6 +15,7 @@ from ntk_service.errors import JobFailed, UnknownDevice
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.jobs.executors import RayExecutor
 from ntk_service.jobs.executors.ray import assigned_device
+from ntk_service.results import compute_ntk_tiled
 from tests.jobs.conftest import JobsEnv, wait_finished
 from tests.reference import reference_ntk
 
@@ -43,9 +44,21 @@ def test_the_local_executor_passes_its_device_and_tf32_choice_to_every_tile(
 
 
 @NO_CUDA
-def test_a_local_executor_on_an_absent_gpu_is_refused() -> None:
+def test_a_local_executor_on_an_absent_gpu_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnknownDevice, match="LocalExecutor: device 'cuda' was asked for but CUDA is not available"):
         LocalExecutor(device="cuda")
+    with pytest.raises(UnknownDevice, match="compute_ntk_tiled: device 'cuda:1' was asked for but CUDA is not"):
+        compute_ntk_tiled(torch.nn.Linear(3, 2), torch.randn(4, 3), out=tmp_path / "k.zarr", device="cuda:1")
+    assert not (tmp_path / "k.zarr").exists()  # refused before anything is written
+
+
+def test_compute_ntk_tiled_on_device_cpu_equals_the_reference(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).double()
+    x1, x2 = torch.randn(5, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)
+    out = tmp_path / "k.zarr"
+    view = compute_ntk_tiled(model, x1, x2, out=out, tile_size=2, dtype="float64", progress=False, device="cpu")
+    np.testing.assert_allclose(np.asarray(view[:]), reference_ntk(model, x1, x2).numpy(), rtol=1e-10, atol=1e-12)
 
 
 def test_a_job_without_a_configured_budget_takes_its_executors(jobs_env: JobsEnv, tmp_path: Path) -> None:
