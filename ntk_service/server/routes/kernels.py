@@ -27,6 +27,7 @@ from ntk_service.errors import (
     InvalidInput,
     MalformedRequest,
     NtkServiceError,
+    ResourceLimit,
     ShapeMismatch,
     format_bytes,
 )
@@ -205,6 +206,11 @@ def _compute(
         )
     except NtkServiceError:
         raise
+    except torch.OutOfMemoryError as exc:  # the plan fit the budget, the device did not (other processes, fragments)
+        raise ResourceLimit(
+            f"{operation}: {device} ran out of memory although the plan fit the memory budget; retry, send fewer "
+            "examples or a cheaper mode, or lower NTK_MEMORY_BUDGET_BYTES"
+        ) from exc
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         # The model's own forward failed on these inputs (e.g. a factory model with other expectations).
         raise InvalidInput(f"{operation}: model {record.name!r} failed on the inputs: {exc}") from exc
