@@ -165,3 +165,47 @@ def test_compute_ntk_tiled_on_cuda_equals_the_reference(tmp_path: Path) -> None:
     )
     assert_matches(torch.from_numpy(np.asarray(view[:])), reference_ntk(model, x1, x2))
     assert {p.device.type for p in model.parameters()} == {"cpu"}  # the caller's model stays on the CPU
+
+
+def test_a_ray_job_with_gpus_runs_on_the_gpu_ray_assigned(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray", reason="the Ray executor needs the ntk-service[ray] extra")
+    from ntk_service.jobs.executors import RayExecutor
+    from ntk_service.jobs.executors.ray import assigned_device
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        patch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
+        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+    registry = ModelRegistry(tmp_path, device="cuda")  # the server's copy on its GPU: Ray ships a CPU copy
+    datasets = DatasetStore(tmp_path)
+    manager = JobManager(
+        data_dir=tmp_path, models=registry, datasets=datasets, executor=RayExecutor(num_gpus=0.5, max_in_flight=2)
+    )
+    try:
+
+        @ray.remote(num_gpus=0.5)
+        def where() -> tuple[str, bool]:
+            import os
+
+            device = assigned_device(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+            return str(device), torch.cuda.is_available()
+
+        assert ray.get(where.remote()) == ("cuda:0", True)
+        architecture = {"family": "mlp", "input_dim": 6, "hidden": [16], "output_dim": 3, "activation": "tanh"}
+        registry.register("m", architecture, seed=0)
+        x = np.random.default_rng(0).standard_normal((9, 6)).astype(np.float32)
+        manager.start()
+        job = manager.submit(model="m", x1_dataset=datasets.create(x).id, mode="trace", dtype="float64", tile_size=4)
+        assert job.spec.memory_budget_bytes is None  # each GPU task plans for its own GPU
+        deadline = time.monotonic() + 180
+        while not (record := manager.get(job.id)).is_finished and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert record.status is JobStatus.SUCCEEDED, record.error
+        _, placed = registry.load_module("m")
+        expected = reference_ntk(copy.deepcopy(placed).cpu(), torch.from_numpy(x), mode="trace")
+        assert_matches(torch.from_numpy(manager.read_result(job.id)), expected)
+    finally:
+        manager.stop()
+        registry.close()
+        datasets.close()
+        ray.shutdown()
