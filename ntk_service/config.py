@@ -12,6 +12,7 @@ prefix, e.g. ``NTK_DATA_DIR=/srv/ntk NTK_API_KEYS="alice-key:write,bob-key:read"
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -46,6 +47,9 @@ DEFAULT_MAX_BINARY_RESPONSE_BYTES = 1 * 2**30
 
 DEFAULT_SIDE_CACHE_BYTES = 512 * 2**20
 """512 MiB of cached per-side intermediates (Jacobians, activations) shared by all requests."""
+
+_DEVICE_PATTERN = re.compile(r"^(cpu|cuda(:\d+)?)$")
+"""The device strings ``NTK_DEVICE`` accepts; whether the device exists is checked when the server starts."""
 
 DEFAULT_MAX_QUEUE = 4
 """Requests allowed to wait for a compute slot before the server answers 429: a short queue keeps latency
@@ -134,6 +138,11 @@ class Settings(BaseSettings):
         None, description="Ray cluster for executor=ray ('auto', 'ray://head:10001'). Default: a local Ray."
     )
     ray_num_gpus: float = Field(0, ge=0, description="GPUs reserved per Ray tile task (> 0 runs tiles on CUDA).")
+    device: str = Field(
+        "cpu",
+        description="Where kernels and local job tiles run: 'cpu', 'cuda' or 'cuda:N' (checked at startup).",
+    )
+    allow_tf32: bool = Field(False, description="Let float32 kernels on CUDA use TF32 tensor cores (less precise).")
     job_tile_size: int = Field(
         256, ge=1, description="Examples per tile side when a job names none (a 256² FULL tile, k=10: 26 MB)."
     )
@@ -151,6 +160,14 @@ class Settings(BaseSettings):
     @classmethod
     def _lower_log_level(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _check_device(cls, value: object) -> object:
+        text = value.strip().lower() if isinstance(value, str) else value
+        if not isinstance(text, str) or not _DEVICE_PATTERN.match(text):
+            raise ValueError(f"NTK_DEVICE: {value!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'")
+        return text
 
     @model_validator(mode="after")
     def _check_keys(self) -> Settings:

@@ -14,7 +14,8 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     │   ├── NoMatchingParameters          422
     │   ├── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
     │   ├── UnknownLayer                  422  a ``layer`` that is not a module of the model
-    │   └── UnstableLearningRate          422  gradient descent above the stable limit (message gives it)
+    │   ├── UnstableLearningRate          422  gradient descent above the stable limit (message gives it)
+    │   └── UnknownDevice                 422  not 'cpu', 'cuda' or 'cuda:N', or a CUDA device that is absent
     ├── MalformedRequest                  400  the body cannot be parsed at all
     ├── UnsupportedMediaType              415
     ├── NotAcceptable                     406  e.g. a JSON response over the size cap
@@ -70,6 +71,7 @@ __all__ = [
     "ResultNotFound",
     "ServiceUnavailable",
     "ShapeMismatch",
+    "UnknownDevice",
     "UnknownImplementation",
     "UnknownLayer",
     "UnknownMode",
@@ -142,6 +144,12 @@ class UnstableLearningRate(InvalidInput):
     """Gradient descent on the linearized model at a step above 2 / (c · λmax): it would diverge."""
 
     error_type = "unstable_learning_rate"
+
+
+class UnknownDevice(InvalidInput):
+    """A device string that is not 'cpu', 'cuda' or 'cuda:N', or a CUDA device this machine does not have."""
+
+    error_type = "unknown_device"
 
 
 class MalformedRequest(NtkServiceError):

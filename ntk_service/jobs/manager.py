@@ -62,7 +62,7 @@ from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_til
 from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
 from ntk_service.jobs.store import JobStore
-from ntk_service.kernels import compute_ntk, default_memory_budget
+from ntk_service.kernels import compute_ntk
 from ntk_service.kernels.modes import KernelMode, parse_mode
 from ntk_service.kernels.types import parse_implementation
 
@@ -159,7 +159,7 @@ class JobManager:
         disk_budget_bytes: what all stored results may take together. Default: ``DISK_FREE_FRACTION`` of the free
             space (less what unfinished jobs will still write).
         memory_budget_bytes: the engine's memory budget per tile, fixed into each job at submission.
-            Default: the engine's default at submission time.
+            Default: the executor's device's default at submission time (``Executor.memory_budget``).
         results_dir: where the result groups go, ``<results_dir>/<job id>/result.zarr``; on a Ray cluster a
             filesystem every worker mounts at the same path (the SQLite file stays in ``<data_dir>/jobs``: WAL
             needs a local disk). Default: ``<data_dir>/jobs``.
@@ -312,7 +312,7 @@ class JobManager:
         if ds2 is None and x2_rows is not None:
             raise InvalidInput("jobs: x2 rows given without an x2 data set; name x2's data set too, or omit x2 rows")
         plan = plan_tiles(n=r1[1] - r1[0], m=None if r2 is None else r2[1] - r2[0], tile_size=tile, mode=kernel_mode)
-        budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else default_memory_budget()
+        budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else self.executor.memory_budget()
         self._probe(
             module,
             (x1_dataset, r1[0]),
@@ -383,7 +383,7 @@ class JobManager:
         implementation: str,
         dtype: str,
         params: list[str] | None,
-        budget: int,
+        budget: int | None,
     ) -> None:
         # One example per side: finds wrong shapes, dtypes, parameter globs and unsupported models in milliseconds,
         # so the client gets a 422 now instead of a failed job later.

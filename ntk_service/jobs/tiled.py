@@ -38,7 +38,7 @@ from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, plan_tiles
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray
 from ntk_service.jobs.view import ResultView, open_result
-from ntk_service.kernels import compute_ntk, default_memory_budget
+from ntk_service.kernels import compute_ntk, model_device, parse_device, place_module
 from ntk_service.kernels.modes import KernelMode, parse_mode
 from ntk_service.kernels.types import parse_implementation
 
@@ -85,11 +85,11 @@ class _LedgerCallbacks:
         return False  # Ctrl-C raises KeyboardInterrupt in the tile itself; written tiles stay written
 
 
-def _executor(executor: str | Executor) -> tuple[Executor, bool]:
+def _executor(executor: str | Executor, device: torch.device) -> tuple[Executor, bool]:
     if isinstance(executor, Executor):
         return executor, False
     if executor == "local":
-        return LocalExecutor(), True
+        return LocalExecutor(device=device), True
     if executor == "ray":
         return RayExecutor(), True
     raise InvalidInput(f"compute_ntk_tiled: executor must be 'local', 'ray' or an Executor, got {executor!r}")
@@ -117,6 +117,7 @@ def compute_ntk_tiled(
     resume: bool = True,
     executor: str | Executor = "local",
     progress: bool = True,
+    device: torch.device | str | None = None,
 ) -> ResultView:
     """Compute Θ(x1, x2) tile by tile into a result group on disk, resumably; no server needed.
 
@@ -137,6 +138,10 @@ def compute_ntk_tiled(
             Executor. Default: "local".
         progress (bool): a progress bar (tiles/s, ETA) on stderr; silent when stderr is not a terminal.
             Default: True.
+        device (torch.device | str | None): where the local executor computes ("cpu", "cuda", "cuda:N"); the
+            model is copied there once (the caller's stays put), each tile's rows are moved there and each tile
+            comes back to the host to be written. Ray tasks use the GPUs ``RayExecutor(num_gpus=...)`` reserves
+            instead. Default: the model's device.
 
     Returns:
         ResultView of the whole kernel: (N, M, k, k) FULL, (N, M) TRACE, (N, M, k) OUTPUT_DIAGONAL, (N, k, k)
@@ -163,9 +168,13 @@ def compute_ntk_tiled(
     plan = plan_tiles(n=int(t1.shape[0]), m=m, tile_size=tile_size, mode=kernel_mode)
     path = Path(out).absolute()  # Ray workers run elsewhere (their own cwd): they get the absolute path
     existing = _existing(path) if resume else None
+    dev = model_device(model) if device is None else parse_device(device, operation="compute_ntk_tiled")
+    runner, owned = _executor(executor, dev)
+    if isinstance(model, nn.Module) and isinstance(runner, LocalExecutor) and model_device(model) != dev:
+        model = place_module(model, dev)  # once for all tiles, not once per tile
     if memory_budget_bytes is None:
         stored = None if existing is None else existing.attributes.get("memory_budget_bytes")
-        memory_budget_bytes = int(stored) if stored is not None else default_memory_budget()
+        memory_budget_bytes = int(stored) if stored is not None else runner.memory_budget()
     probe = compute_ntk(
         model,
         t1[:1],
@@ -175,6 +184,7 @@ def compute_ntk_tiled(
         params=params,
         dtype=dtype,
         memory_budget_bytes=memory_budget_bytes,
+        device=dev if isinstance(runner, LocalExecutor) else None,
     )
     # TRACE sums the outputs away; k (for the metadata) then comes from one forward pass of one example.
     k = _outputs(model, t1) if kernel_mode is KernelMode.TRACE else int(probe.theta.shape[-1])
@@ -203,7 +213,6 @@ def compute_ntk_tiled(
         array = ResultArray.create(path, plan=plan, k=k, dtype=dtype, attributes=spec.result_attributes())
     done = array.done_tile_ids()
     tiles = [t for t in plan.tiles if t.id not in done]
-    runner, owned = _executor(executor)
     bar = tqdm(
         total=len(plan.tiles),
         initial=len(plan.tiles) - len(tiles),

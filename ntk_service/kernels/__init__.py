@@ -7,6 +7,13 @@
 
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
+from ntk_service.kernels.device import (
+    DEFAULT_DEVICE,
+    device_memory_budget,
+    model_device,
+    parse_device,
+    place_module,
+)
 from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
@@ -16,6 +23,7 @@ from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
 __all__ = [
+    "DEFAULT_DEVICE",
     "DEFAULT_IMPLEMENTATION",
     "DerivedMode",
     "KernelKind",
@@ -29,6 +37,10 @@ __all__ = [
     "compute_nngp",
     "compute_ntk",
     "default_memory_budget",
+    "device_memory_budget",
+    "model_device",
+    "parse_device",
+    "place_module",
     "monte_carlo_ntk",
     "ntk_operator",
     "retain_freed_memory",

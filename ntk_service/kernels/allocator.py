@@ -99,6 +99,8 @@ def prefer_huge_pages(t: torch.Tensor) -> torch.Tensor:
     28-33 ms, 10-12 ms after ``madvise(MADV_HUGEPAGE)`` (transparent huge pages in "madvise" mode, the common
     default). Advice only: it changes no value, and where it is not honoured (THP off, not Linux) nothing happens.
     """
+    if t.device.type != "cpu":  # host memory advice: a GPU buffer has no pages here
+        return t
     madvise = _madvise()
     start = t.data_ptr()
     end = start + t.untyped_storage().nbytes()

@@ -23,13 +23,22 @@ form), so the plain contraction wins there; every case where the batched capture
 estimate ratio <= 0.91 (CNN trace N = 16) and keeps it. 0.8 for the per-example capture (fallback parameters,
 e.g. attention's packed projections): on the benchmark transformer it took 0.69-0.75 of the contraction's CPU
 time per estimated FLOP (N = M = 32, FULL and TRACE), so it is taken there (estimate ratio 1.005-1.16).
+The weights are kept per device kind (``_EFFICIENCY_BY_DEVICE``); no GPU has measured any yet, so off the CPU every
+estimated FLOP weighs 1 (docs/gpu.md).
 The choice is kept with the problem per call shape (``NtkProblem.choices``) and reused while the budget gives the
 same answer: a budget between the plan's estimate and the budget it was made for always does, a larger one only
 when the plan is the planner's first candidate and the implementation the cheapest of all (fitting or not).
+
+NOTE [device context]: off the CPU, ``compute_ntk`` runs inside ``torch.device(device)``, so every tensor the
+engine creates without naming a device (block results, probes, identity bases, scratch buffers) is made on the
+computing device: no allocation site names a device, and none can be missed. The mode is thread-local and costs
+a Python hop per torch call, so the CPU path, where the default device is already right, does not enter it.
+Module-level caches of tensors must key on the device (``structured_contract._one``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Hashable, Sequence
 
@@ -40,11 +49,12 @@ from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.blocks import run_blocks
+from ntk_service.kernels.device import device_memory_budget, model_device, parse_device, tf32_policy
 from ntk_service.kernels.functional import NtkProblem, check_model, select_parameters
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
-from ntk_service.kernels.planning import BlockPlan, default_memory_budget, plan_blocks
+from ntk_service.kernels.planning import BlockPlan, plan_blocks
 from ntk_service.kernels.problem_pool import Prepared, prepared_problem
 from ntk_service.kernels.pseudo import SummedOutputs, pseudo_key, pseudo_params
 from ntk_service.kernels.side_cache import SideCache
@@ -71,10 +81,22 @@ _EFFICIENCY: dict[NtkImplementation, float] = {
 
 
 def _weight(impl: NtkImplementation, alg: NtkAlgorithm, problem: NtkProblem) -> float:
-    """The cost of one estimated FLOP of ``alg`` on ``problem``: its ``cost_weight`` if it has one, else
-    ``_EFFICIENCY`` (NOTE [auto choice])."""
+    """The cost of one estimated FLOP of ``alg`` on ``problem`` (NOTE [auto choice]): on the CPU its ``cost_weight``
+    if it has one, else ``_EFFICIENCY``; elsewhere the device kind's table (both measured on this CPU only)."""
+    kind = model_device(problem.module).type
+    if kind != "cpu":
+        return _EFFICIENCY_BY_DEVICE.get(kind, {}).get(impl, 1.0)
     cost_weight = getattr(alg, "cost_weight", None)
     return float(cost_weight(problem)) if cost_weight is not None else _EFFICIENCY.get(impl, 1.0)
+
+
+_EFFICIENCY_BY_DEVICE: dict[str, dict[NtkImplementation, float]] = {
+    "cpu": _EFFICIENCY,
+    # Not measured: no GPU has run this engine yet (docs/gpu.md), so every estimated FLOP weighs 1 on CUDA.
+    # benchmarks/bench_gpu.py prints the ratios to set these from when a GPU is available.
+    "cuda": {},
+}
+"""AUTO's weights per device kind (``torch.device.type``); a missing implementation weighs 1."""
 
 
 _CHOICES_PER_PROBLEM = 64
@@ -150,6 +172,8 @@ def compute_ntk(
     side_cache: SideCache | None = None,
     x1_key: Hashable | None = None,
     x2_key: Hashable | None = None,
+    device: torch.device | str | None = None,
+    allow_tf32: bool = False,
 ) -> NtkResult:
     """Empirical NTK Θ(x1, x2) = J(x1) J(x2)ᵀ of ``model``, J = ∂f(x)/∂θ per example, shape (k, P).
 
@@ -169,22 +193,29 @@ def compute_ntk(
             of that subset only. Tied weights count once. Default: None (all parameters).
         dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
         memory_budget_bytes (int, optional): the engine chunks to fit this peak. Default: half the memory
-            available now (``planning.default_memory_budget``).
+            available now on the computing device (``device.device_memory_budget``).
         side_cache (SideCache, optional): reuse per-side intermediates across calls, for sides with a key.
         x1_key, x2_key (hashable, optional): keys naming the model version and the content of x1 / x2.
+        device (torch.device or str, optional): "cpu", "cuda" or "cuda:N". The inputs are moved there; a model
+            elsewhere is copied there for this call (place it once with ``model.to(device)`` to avoid the copy)
+            and the plan fits that device's memory (NOTE [device budgets] in device.py). Default: the model's device.
+        allow_tf32 (bool): let float32 matmuls and convolutions on CUDA use TF32 tensor cores (NOTE [TF32]).
+            Default: False.
 
     Returns:
         NtkResult: ``theta`` (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k)
-        OUTPUT_DIAGONAL, (N, M) PSEUDO; plus the mode, the implementation that ran and the memory estimate.
+        OUTPUT_DIAGONAL, (N, M) PSEUDO, on the computing device; plus the mode, the implementation that ran and the
+        memory estimate.
 
     Raises:
         InvalidInput: bad input: UnknownMode, UnknownImplementation, ShapeMismatch, EmptyBatch, NonFiniteInput,
-            NoMatchingParameters or UnsupportedModel.
+            NoMatchingParameters, UnsupportedModel or UnknownDevice.
         MemoryEstimateExceeded: even the smallest blocks would not fit the budget (before allocating).
     """
     kernel_mode = parse_any_mode(mode)
     impl = parse_implementation(implementation)
-    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    dev = model_device(model) if device is None else parse_device(device)
+    budget = device_memory_budget(dev) if memory_budget_bytes is None else int(memory_budget_bytes)
     if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel (k = 1) of Σ_a f_a / √k: see pseudo.py
         check_model(model)
         if params is not None:
@@ -192,9 +223,19 @@ def compute_ntk(
         model, params = SummedOutputs(model), pseudo_params(params)
         x1_key, x2_key = pseudo_key(x1_key), pseudo_key(x2_key)
     engine_mode = KernelMode.TRACE if kernel_mode is DerivedMode.PSEUDO else kernel_mode
-    with prepared_problem(model, x1, x2, params=params, dtype=dtype) as prepared:
-        result = _compute(prepared, engine_mode, impl, budget, side_cache, x1_key, x2_key)
+    with _on_device(dev, allow_tf32), prepared_problem(model, x1, x2, params=params, dtype=dtype, device=dev) as p:
+        result = _compute(p, engine_mode, impl, budget, side_cache, x1_key, x2_key)
     return result if engine_mode is kernel_mode else dataclasses.replace(result, mode=kernel_mode)
+
+
+def _on_device(device: torch.device, allow_tf32: bool) -> contextlib.AbstractContextManager[object]:
+    """Off the CPU: tensors the engine creates land on ``device``, under the TF32 policy (NOTE [device context])."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.device(device))
+    stack.enter_context(tf32_policy(allow_tf32))
+    return stack
 
 
 def _compute(
@@ -231,15 +272,18 @@ def _compute(
     )
 
 
-def warm_up() -> None:
-    """Prepare a long-running process for kernels: keep freed memory (``retain_freed_memory``, NOTE
-    [allocator]) and load the engine's lazy machinery (torch.func transforms, the FLOP counter) with a tiny kernel.
+def warm_up(device: torch.device | str | None = None) -> None:
+    """Prepare a long-running process for kernels on ``device`` (Default: the CPU): on the CPU keep freed memory
+    (``retain_freed_memory``, NOTE [allocator]); everywhere load the engine's lazy machinery (torch.func
+    transforms, the FLOP counter, the device's math libraries) with a tiny kernel.
 
     The first ``compute_ntk`` in a process pays a one-time import of about 1.3 s on an idle 2-core CPU (several
     seconds under load); a server calls this before it reports ready, so no request pays it.
     """
-    retain_freed_memory()
+    dev = parse_device(device, operation="warm_up")
+    if dev.type == "cpu":
+        retain_freed_memory()  # a host malloc tweak: CPU kernels only
     model = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 2))
     x = torch.zeros(2, 2)
     for implementation in _ALGORITHMS:
-        compute_ntk(model, x, implementation=implementation)
+        compute_ntk(model, x, implementation=implementation, device=dev)

@@ -14,7 +14,8 @@ In-place updates of values (an optimizer step, ``load_state_dict``) keep the fin
 shares those tensors, so it sees the new values. Anything else (a replaced submodule or parameter, ``.to()``,
 ``p.data = ...``, a changed attribute) changes the fingerprint and drops the model's kept problems. Problems
 whose tensors would be dtype-converted copies (a float32 model computed in float64) are not kept: they would hold
-a second copy of the weights and go stale on in-place updates.
+a second copy of the weights and go stale on in-place updates; nor are problems of a model copied to another device
+(``device=``): the server keeps its models on the device instead (the registry's module cache holds that copy).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ntk_service.kernels.device import model_device, place_module
 from ntk_service.kernels.functional import (
     NtkProblem,
     build_problem,
@@ -168,11 +170,14 @@ def prepared_problem(
     *,
     params: Sequence[str] | None,
     dtype: torch.dtype | str | None,
+    device: torch.device | None = None,
 ) -> Iterator[Prepared]:
     """Validate the inputs and check out a prepared problem for ``model`` (kept or new; NOTE [problem pool]).
 
     Args:
         model, x1, x2, params, dtype: as ``functional.prepare_problem``.
+        device: where to compute; the inputs are moved there, and a model elsewhere is copied there for this call
+            (not kept). Default: None, the model's device.
 
     Yields:
         The problem, the caller's alone until the block exits, and kept for later calls when it exits without an
@@ -183,6 +188,14 @@ def prepared_problem(
     """
     check_model(model)
     compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)
+    if device is not None:
+        x1t, x2t = x1t.to(device), None if x2t is None else x2t.to(device)
+        if model_device(model) != device:  # a per-call copy on the device, see the module docstring
+            placed = place_module(model, device).eval()
+            copied = build_problem(placed, x1t, x2t, params=params, dtype=compute_dtype)
+            copied.owns_module = not _converts(placed, compute_dtype)
+            yield Prepared(copied, x1t, x2t)
+            return
     signature: Hashable = (
         tuple(x1t.shape[1:]),
         x1t.is_floating_point(),

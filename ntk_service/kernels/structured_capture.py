@@ -491,7 +491,7 @@ def _capture_batched(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) 
 def _capture_batched_once(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> Capture:
     n, k = x.shape[0], problem.k
     if any(isinstance(layer, nn.Conv1d | nn.Conv2d) for layer in plan.layers):
-        if plan.channels_last:
+        if plan.channels_last and x.device.type == "cpu":  # NOTE [channels-last capture] was measured on oneDNN
             try:
                 return _capture_passes(problem, plan, x, channels_last=True)
             except torch.OutOfMemoryError:

@@ -117,7 +117,7 @@ def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dty
     if index:
         gram = (a1.reshape(-1, 1) == a2.reshape(1, -1)).to(dtype).unsqueeze(0)
         return gram + 1 if plus_one else gram
-    one = _one(dtype)  # the bias: + 1 fused into the product (beta = 1 or 0)
+    one = _one(dtype, a1.device)  # the bias: + 1 fused into the product (beta = 1 or 0)
     if g == 1:  # the common case in as few tensor calls as it takes: (n·T, da) by (m·S, da)
         left, right = a1.reshape(-1, a1.shape[-1]), a2.reshape(-1, a2.shape[-1])
         return torch.addmm(one, left, right.T, beta=int(plus_one))[None]
@@ -126,14 +126,16 @@ def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dty
     return torch.baddbmm(one, left, right.transpose(1, 2), beta=int(plus_one))
 
 
-_ONES: dict[torch.dtype, torch.Tensor] = {}
+_ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def _one(dtype: torch.dtype) -> torch.Tensor:
-    """A 0-d tensor 1 of ``dtype``, made once (only ever read)."""
-    one = _ONES.get(dtype)
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-d tensor 1 of ``dtype`` on ``device``, made once per pair (only ever read; NOTE [device context] in
+    api.py)."""
+    key = (dtype, device)
+    one = _ONES.get(key)
     if one is None:
-        one = _ONES[dtype] = torch.ones((), dtype=dtype)
+        one = _ONES[key] = torch.ones((), dtype=dtype, device=device)
     return one
 
 

@@ -17,10 +17,13 @@ class ModuleCache:
 
     Args:
         max_size (int): modules kept; 0 keeps none (every call builds).
+        place (callable, optional): applied to every module before it is cached or returned, e.g. moving it to the
+            compute device once per model version. Default: none.
     """
 
-    def __init__(self, max_size: int) -> None:
+    def __init__(self, max_size: int, *, place: Callable[[nn.Module], nn.Module] | None = None) -> None:
         self.max_size = max_size
+        self._place = place
         self._modules: OrderedDict[Hashable, nn.Module] = OrderedDict()
         self._building: dict[Hashable, Future[nn.Module]] = {}
         self._lock = threading.Lock()
@@ -41,6 +44,8 @@ class ModuleCache:
             return future.result()
         try:
             module = build()
+            if self._place is not None:
+                module = self._place(module)
         except BaseException as exc:
             with self._lock:
                 del self._building[key]
@@ -48,12 +53,17 @@ class ModuleCache:
             raise
         with self._lock:
             del self._building[key]
-        self.put(key, module)
+        self._store(key, module)
         future.set_result(module)
         return module
 
     def put(self, key: Hashable, module: nn.Module) -> None:
         """Cache ``module`` under ``key`` as the most recently used, evicting the least recently used over max_size."""
+        if self.max_size <= 0:
+            return
+        self._store(key, module if self._place is None else self._place(module))
+
+    def _store(self, key: Hashable, module: nn.Module) -> None:
         if self.max_size <= 0:
             return
         with self._lock:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+import torch
 from torch import nn
 
 from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkServiceError
@@ -109,6 +110,8 @@ class ModelRegistry:
         data_dir (Path): where the database and weight files live (created if missing).
         allowed_factories (frozenset[str]): ``"module:function"`` factories the operator allows. Default: none.
         module_cache_size (int): built modules kept in memory (LRU); 0 disables the cache. Default: 8.
+        device (torch.device or str): where cached modules live: each version is moved there once, when it is
+            cached, and ``load_module`` returns it there. Default: "cpu".
 
     Raises:
         NtkServiceError: the database was written by a newer ntk-service.
@@ -120,13 +123,15 @@ class ModelRegistry:
         *,
         allowed_factories: frozenset[str] = frozenset(),
         module_cache_size: int = DEFAULT_MODULE_CACHE_SIZE,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.data_dir = Path(data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.allowed_factories = frozenset(allowed_factories)
         self._db = Database(self.data_dir / DATABASE_FILENAME)
         self._files = FileStore(self.data_dir / "weights", ".safetensors")
-        self._cache = ModuleCache(module_cache_size)
+        self.device = torch.device(device)
+        self._cache = ModuleCache(module_cache_size, place=lambda module: module.to(self.device))
         self._sweep()
 
     # ---------------------------------------------------------------- writes
@@ -360,7 +365,8 @@ class ModelRegistry:
         return self.weights_path(name, version).read_bytes()
 
     def load_module(self, name: str, version: int | None = None) -> tuple[ModelRecord, nn.Module]:
-        """The record and its module (eval mode, float32), from an LRU cache or built from the weights file.
+        """The record and its module (eval mode, float32, on ``device``), from an LRU cache or built from the weights
+        file.
 
         The module is shared between callers: do not mutate it (the kernel engine does not).
 

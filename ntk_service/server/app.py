@@ -22,7 +22,8 @@ from fastapi import FastAPI
 
 from ntk_service import __version__
 from ntk_service.config import LOOPBACK_HOSTS, Settings
-from ntk_service.kernels import SideCache, warm_up
+from ntk_service.errors import UnknownDevice
+from ntk_service.kernels import SideCache, parse_device, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
@@ -44,7 +45,7 @@ from ntk_service.server.routes import (
 )
 from ntk_service.server.shutdown import Drain, DrainMiddleware, GracefulServer
 
-__all__ = ["check_bind_address", "create_app", "serve"]
+__all__ = ["check_bind_address", "check_device", "create_app", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,19 @@ def check_bind_address(settings: Settings) -> None:
         )
 
 
+def check_device(settings: Settings) -> torch.device:
+    """The device kernels run on (``NTK_DEVICE``), checked to exist on this machine.
+
+    Raises:
+        ValueError: CUDA asked for where it is absent, or a CUDA index past the visible GPUs; the message says
+        what this machine has and how to fix it.
+    """
+    try:
+        return parse_device(settings.device, operation="serve: NTK_DEVICE")
+    except UnknownDevice as exc:
+        raise ValueError(exc.message) from None
+
+
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
@@ -81,11 +95,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
     def open_stores() -> tuple[ModelRegistry, DatasetStore]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        registry = ModelRegistry(settings.data_dir, allowed_factories=settings.allowed_factories)
+        registry = ModelRegistry(
+            settings.data_dir, allowed_factories=settings.allowed_factories, device=app.state.device
+        )
         return registry, DatasetStore(settings.data_dir)
 
     registry, datasets = await anyio.to_thread.run_sync(open_stores)
-    await anyio.to_thread.run_sync(warm_up)  # the engine's one-time imports, paid before /readyz says ready
+    # the engine's one-time imports (and the device's libraries), paid before /readyz says ready
+    await anyio.to_thread.run_sync(warm_up, app.state.device)
     app.state.registry = registry
     app.state.datasets = datasets
     app.state.side_cache = SideCache(max_bytes=settings.side_cache_bytes)
@@ -100,7 +117,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
             "the server is reachable from this machine only"
         )
-    logger.info("ntk-service ready: data in %s, %d compute slot(s)", settings.data_dir, settings.compute_concurrency)
+    logger.info(
+        "ntk-service ready: data in %s, %d compute slot(s) on %s",
+        settings.data_dir,
+        settings.compute_concurrency,
+        app.state.device,
+    )
     app.state.ready = True
     try:
         yield
@@ -121,9 +143,11 @@ def create_app(settings: Settings) -> FastAPI:
         The app, ready for uvicorn (or ``httpx.ASGITransport`` with the lifespan run by the caller).
 
     Raises:
-        ValueError: an open server on a non-loopback host (see ``check_bind_address``).
+        ValueError: an open server on a non-loopback host (see ``check_bind_address``), or a device this machine
+        does not have (``check_device``).
     """
     check_bind_address(settings)
+    device = check_device(settings)
     app = FastAPI(
         title="ntk-service",
         description=API_DESCRIPTION,
@@ -134,6 +158,7 @@ def create_app(settings: Settings) -> FastAPI:
         redoc_url=None,
     )
     app.state.settings = settings
+    app.state.device = device
     app.state.keyring = KeyRing(settings.api_key_scopes())
     app.state.metrics = Metrics(build={"version": __version__, "torch": torch.__version__})
     app.state.ready = False

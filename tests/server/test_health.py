@@ -16,7 +16,7 @@ from tests.conftest import LiveServer
 def test_healthz_and_readyz(live_server: LiveServer) -> None:
     with live_server.client(None) as client:
         assert client.get("/healthz").json() == {"status": "ok"}
-        assert client.get("/readyz").json() == {"status": "ready"}
+        assert client.get("/readyz").json() == {"status": "ready", "device": "cpu"}
 
 
 def test_readyz_is_503_until_the_lifespan_has_opened_the_registry(tmp_path: Path) -> None:

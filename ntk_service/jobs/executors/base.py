@@ -25,7 +25,7 @@ from torch import nn
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray
-from ntk_service.kernels import SideCache, compute_ntk
+from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
 
 __all__ = ["Executor", "JobWork", "TileCallbacks", "TileOutcome", "compute_tile", "run_tile"]
 
@@ -80,6 +80,8 @@ def compute_tile(
     tile: Tile,
     *,
     side_cache: SideCache | None = None,
+    device: torch.device | str | None = None,
+    allow_tf32: bool = False,
 ) -> tuple[np.ndarray, str]:
     """Compute one tile's block with ``compute_ntk``.
 
@@ -90,6 +92,9 @@ def compute_tile(
         tile: the tile.
         side_cache: optional cache of per-side intermediates, keyed by the data set hash and the row range (a
             row block of a symmetric job is the same side whether it appears as rows or columns).
+        device: where the block is computed (the tile's rows are moved there; the result comes back to the host).
+            Default: the model's device.
+        allow_tf32: as for ``compute_ntk``. Default: False.
 
     Returns:
         (theta, implementation): theta (R, C, k, k) FULL, (R, C) TRACE, (R, C, k) OUTPUT_DIAGONAL, (R, k, k)
@@ -112,6 +117,8 @@ def compute_tile(
         dtype=spec.dtype,
         memory_budget_bytes=spec.memory_budget_bytes,
         side_cache=side_cache,
+        device=device,
+        allow_tf32=allow_tf32,
         # Keys name data-set rows, not tile rows: two jobs over different row ranges of one data set never collide.
         x1_key=(spec.weights_sha256, spec.x1_sha256, spec.x1_start + r0, spec.x1_start + r1),
         x2_key=None if right is None else (spec.weights_sha256, other_sha, other_start + c0, other_start + c1),
@@ -128,14 +135,19 @@ def run_tile(
     *,
     array: ResultArray | None = None,
     side_cache: SideCache | None = None,
+    device: torch.device | str | None = None,
+    allow_tf32: bool = False,
 ) -> TileOutcome:
     """Compute one tile and write its chunk; returns the outcome to record (the caller records it).
 
     Args:
         array: the job's open ResultArray. Default: opened from ``work.result_path`` (what a Ray worker does).
+        side_cache, device, allow_tf32: as for ``compute_tile``.
     """
     start = time.perf_counter()
-    theta, implementation = compute_tile(model, x1, x2, work, tile, side_cache=side_cache)
+    theta, implementation = compute_tile(
+        model, x1, x2, work, tile, side_cache=side_cache, device=device, allow_tf32=allow_tf32
+    )
     if array is None:
         array = ResultArray.open(work.result_path, plan=work.plan)
     array.write_tile(tile, theta)
@@ -146,6 +158,9 @@ class Executor(ABC):
     """Runs the tiles of a job. Implementations: ``LocalExecutor`` (in-process) and ``RayExecutor``."""
 
     name: str = "executor"
+
+    device: torch.device = torch.device("cpu")
+    """Where this executor's tiles run (the planner budget of a job is that device's)."""
 
     @abstractmethod
     def run(
@@ -169,6 +184,11 @@ class Executor(ABC):
         Raises:
             NtkServiceError or any exception of a tile's computation: the job fails with its message.
         """
+
+    def memory_budget(self) -> int | None:
+        """The per-tile memory budget fixed into a job at submission when none is configured: the default budget
+        of ``device`` (None lets each tile plan for the device it gets)."""
+        return device_memory_budget(self.device)
 
     def close(self) -> None:  # noqa: B027 - optional hook, most executors hold nothing
         """Release what the executor holds (threads, a Ray connection)."""

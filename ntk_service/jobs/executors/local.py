@@ -27,7 +27,7 @@ from torch import nn
 from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, TileOutcome, run_tile
 from ntk_service.jobs.planner import Tile
 from ntk_service.jobs.results import ResultArray
-from ntk_service.kernels import SideCache
+from ntk_service.kernels import SideCache, parse_device
 
 __all__ = ["DEFAULT_JOB_SIDE_CACHE_BYTES", "LocalExecutor", "RunCompute"]
 
@@ -52,6 +52,11 @@ class LocalExecutor(Executor):
         run_compute: runs one tile's computation; the server passes one that takes a compute slot.
             Default: call it directly.
         side_cache_bytes: size of the per-job SideCache. Default: ``DEFAULT_JOB_SIDE_CACHE_BYTES``.
+        device: where tiles run, "cpu", "cuda" or "cuda:N" (checked here). Default: "cpu".
+        allow_tf32: let float32 tiles on CUDA use TF32 (NOTE [TF32] in kernels/device.py). Default: False.
+
+    Raises:
+        UnknownDevice: a device this machine does not have.
     """
 
     name = "local"
@@ -62,12 +67,16 @@ class LocalExecutor(Executor):
         workers: int = 1,
         run_compute: RunCompute[TileOutcome] | None = None,
         side_cache_bytes: int = DEFAULT_JOB_SIDE_CACHE_BYTES,
+        device: torch.device | str = "cpu",
+        allow_tf32: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"LocalExecutor: workers must be ≥ 1, got {workers}")
         self.workers = workers
         self.run_compute: RunCompute[TileOutcome] = run_compute or _direct
         self.side_cache_bytes = side_cache_bytes
+        self.device = parse_device(device, operation="LocalExecutor")
+        self.allow_tf32 = allow_tf32
 
     def run(
         self,
@@ -97,7 +106,18 @@ class LocalExecutor(Executor):
                     continue
                 try:
                     outcome = self.run_compute(
-                        partial(run_tile, model, x1, x2, work, tile, array=array, side_cache=cache)
+                        partial(
+                            run_tile,
+                            model,
+                            x1,
+                            x2,
+                            work,
+                            tile,
+                            array=array,
+                            side_cache=cache,
+                            device=self.device,
+                            allow_tf32=self.allow_tf32,
+                        )
                     )
                 except BaseException:
                     failed.set()

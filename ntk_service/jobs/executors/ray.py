@@ -12,27 +12,41 @@
 - ``max_retries`` re-runs a task whose worker died (Ray's default is 3); an exception inside a task is not
   retried and fails the job with its message.
 - At most ``max_in_flight`` tasks are submitted at once, so cancellation stops the job within that many tiles and a
-  10k-tile job does not flood the scheduler. ``num_gpus`` per task reserves a GPU and moves the tile's work there.
+  10k-tile job does not flood the scheduler.
+- ``num_gpus`` per task (``NTK_RAY_NUM_GPUS``, fractions share a GPU) reserves a GPU and the task computes on the
+  GPU Ray assigned it (``assigned_device``): Ray sets CUDA_VISIBLE_DEVICES in the worker to the ids of
+  ``ray.get_gpu_ids()``. A task that was given a GPU but whose torch sees none fails the job saying so, instead
+  of quietly running on the CPU. The model goes to the object store as a CPU copy; each worker moves it to its
+  GPU once per model version (NOTE [worker cache]) and only a tile's rows are moved per task.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from ntk_service.errors import JobFailed, NtkServiceError, OptionalDependencyMissing
+from ntk_service.errors import JobFailed, NtkServiceError, OptionalDependencyMissing, UnknownDevice
 from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, TileOutcome, run_tile
 from ntk_service.jobs.executors.local import DEFAULT_JOB_SIDE_CACHE_BYTES
 from ntk_service.jobs.planner import Tile
-from ntk_service.kernels import SideCache, retain_freed_memory
+from ntk_service.kernels import (
+    SideCache,
+    device_memory_budget,
+    model_device,
+    parse_device,
+    place_module,
+    retain_freed_memory,
+)
 
-__all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "import_ray"]
+__all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "assigned_device", "import_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +86,51 @@ def _worker_cache() -> SideCache:
     return _worker_side_cache
 
 
+_WORKER_MODELS = 2
+"""Models a Ray worker keeps on its GPU (NOTE [worker cache]): the current job's and one more."""
+
+_worker_models: OrderedDict[tuple[str, str], nn.Module] = OrderedDict()
+
+
+def _worker_model(model: nn.Module, weights_sha256: str, device: torch.device) -> nn.Module:
+    # NOTE [worker cache] too: the model moved to this worker's GPU once per version; keyed by the weights' hash.
+    if device.type == "cpu":
+        return model
+    key = (weights_sha256, str(device))
+    placed = _worker_models.get(key)
+    if placed is None:
+        placed = _worker_models[key] = model.to(device)  # the task's own deserialized copy: moving it is safe
+        while len(_worker_models) > _WORKER_MODELS:
+            _worker_models.popitem(last=False)
+    _worker_models.move_to_end(key)
+    return placed
+
+
+def assigned_device(gpu_ids: Sequence[int | str], visible_devices: str | None) -> torch.device:
+    """The CUDA device of the first GPU Ray assigned a task, or the CPU when it assigned none.
+
+    Args:
+        gpu_ids: ``ray.get_gpu_ids()`` in the task.
+        visible_devices: the worker's CUDA_VISIBLE_DEVICES, which Ray sets to the assigned ids (so the GPU is
+            ``cuda:<its position there>``); None or empty when Ray leaves it alone (then the id is the index).
+
+    Raises:
+        JobFailed: an assigned id that is neither listed in CUDA_VISIBLE_DEVICES nor an index.
+    """
+    if not gpu_ids:
+        return torch.device("cpu")
+    first = str(gpu_ids[0])
+    order = [v.strip() for v in (visible_devices or "").split(",") if v.strip()]
+    if first in order:
+        return torch.device("cuda", order.index(first))
+    if first.isdigit() and not order:
+        return torch.device("cuda", int(first))
+    raise JobFailed(
+        f"jobs: Ray assigned GPU {first!r} to a tile but CUDA_VISIBLE_DEVICES is {visible_devices!r}; "
+        "let Ray manage CUDA_VISIBLE_DEVICES in its workers"
+    )
+
+
 def _tile_task(
     model: nn.Module,
     x1: torch.Tensor,
@@ -80,15 +139,23 @@ def _tile_task(
     tile: Tile,
     threads: int,
     use_gpu: bool,
+    allow_tf32: bool = False,
 ) -> TileOutcome:
     # Runs in a Ray worker: one torch thread per reserved CPU, so tasks sharing a node do not oversubscribe it.
     torch.set_num_threads(max(1, threads))
-    retain_freed_memory()  # as the server process does (NOTE [allocator]); once per worker process
-    if use_gpu and torch.cuda.is_available():
-        device = torch.device("cuda")
-        model, x1 = model.to(device), x1.to(device)
-        x2 = None if x2 is None else x2.to(device)
-    return run_tile(model, x1, x2, work, tile, side_cache=_worker_cache())
+    device = assigned_device(import_ray().get_gpu_ids() if use_gpu else [], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if device.type == "cpu":
+        retain_freed_memory()  # as the server process does (NOTE [allocator]); once per worker process
+    else:
+        try:
+            device = parse_device(device, operation="jobs: a Ray tile task")
+        except UnknownDevice as exc:
+            raise JobFailed(
+                f"{exc.message}. Ray gave this task a GPU (NTK_RAY_NUM_GPUS > 0) but torch in the worker cannot "
+                "use it: install a CUDA build of torch on the GPU nodes, or set NTK_RAY_NUM_GPUS=0"
+            ) from None
+        model = _worker_model(model, work.spec.weights_sha256, device)
+    return run_tile(model, x1, x2, work, tile, side_cache=_worker_cache(), device=device, allow_tf32=allow_tf32)
 
 
 class RayExecutor(Executor):
@@ -97,7 +164,8 @@ class RayExecutor(Executor):
     Args:
         address: Ray cluster address for ``ray.init`` (None: reuse an initialised Ray, else start a local one).
         num_cpus: CPUs reserved per task (also its torch threads). Default: 1.
-        num_gpus: GPUs reserved per task; > 0 runs the tile on CUDA. Default: 0.
+        num_gpus: GPUs reserved per task; > 0 runs the tile on the CUDA device Ray assigns. Default: 0.
+        allow_tf32: let float32 tiles on CUDA use TF32 (NOTE [TF32] in kernels/device.py). Default: False.
         max_retries: retries of a task whose worker died. Default: ``DEFAULT_MAX_RETRIES``.
         max_in_flight: tasks submitted at once. Default: twice the cluster's CPUs divided by ``num_cpus``.
     """
@@ -112,14 +180,21 @@ class RayExecutor(Executor):
         num_gpus: float = 0,
         max_retries: int = DEFAULT_MAX_RETRIES,
         max_in_flight: int | None = None,
+        allow_tf32: bool = False,
     ) -> None:
         self.address = address
         self.num_cpus = num_cpus
         self.num_gpus = num_gpus
         self.max_retries = max_retries
         self.max_in_flight = max_in_flight
+        self.allow_tf32 = allow_tf32
         self._ray: Any = None
         self._owns_ray = False
+
+    def memory_budget(self) -> int | None:
+        """The host budget for CPU tasks; None for GPU tasks, so each plans for the GPU it is given (the driver
+        cannot see the workers' GPUs)."""
+        return None if self.num_gpus > 0 else device_memory_budget(torch.device("cpu"))
 
     def _connect(self) -> Any:
         if self._ray is None:
@@ -153,8 +228,10 @@ class RayExecutor(Executor):
         callbacks: TileCallbacks,
     ) -> None:
         ray = self._connect()
-        # Put once: every task receives references to the same objects instead of its own copy.
-        model_ref, x1_ref = ray.put(model), ray.put(x1)
+        # Put once: every task receives references to the same objects instead of its own copy. The model goes as
+        # a CPU copy (a server computing on its GPU keeps its modules there); workers place it themselves.
+        shipped = model if model_device(model).type == "cpu" else place_module(model, torch.device("cpu"))
+        model_ref, x1_ref = ray.put(shipped), ray.put(x1)
         x2_ref = None if x2 is None else ray.put(x2)
         remote = ray.remote(_tile_task).options(
             num_cpus=self.num_cpus,
@@ -171,7 +248,8 @@ class RayExecutor(Executor):
             while pending and len(in_flight) < window and not callbacks.should_stop():
                 tile = pending.pop()
                 if callbacks.claim(tile):
-                    ref = remote.remote(model_ref, x1_ref, x2_ref, work, tile, threads, self.num_gpus > 0)
+                    use_gpu = self.num_gpus > 0
+                    ref = remote.remote(model_ref, x1_ref, x2_ref, work, tile, threads, use_gpu, self.allow_tf32)
                     in_flight[ref] = tile
             if callbacks.should_stop():
                 pending.clear()  # tasks already running finish at their tile boundary and are recorded

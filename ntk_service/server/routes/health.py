@@ -56,11 +56,15 @@ async def healthz() -> Response:
     return json_response({"status": "ok"})
 
 
-@router.get("/readyz", responses={503: {}}, summary="Readiness: registry and data sets are open (503 until then)")
+@router.get(
+    "/readyz",
+    responses={503: {}},
+    summary="Readiness: registry and data sets are open (503 until then); names the compute device",
+)
 async def readyz(request: Request) -> Response:
     if not getattr(request.app.state, "ready", False) or request.app.state.drain.is_set:
         raise ServiceUnavailable("readyz: the server is starting or stopping; retry shortly", retry_after_s=1)
-    return json_response({"status": "ready"})
+    return json_response({"status": "ready", "device": str(request.app.state.device)})
 
 
 @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics (text exposition format)")

@@ -237,8 +237,8 @@ def _limited(limiter: ComputeLimiter, token: Any) -> Callable[[Callable[[], T]],
 def _executor(settings: Settings, limiter: ComputeLimiter, token: Any) -> Executor:
     if settings.executor == "ray":
         import_ray()  # fail at startup, with install instructions, rather than on the first job
-        return RayExecutor(address=settings.ray_address, num_gpus=settings.ray_num_gpus)
-    return LocalExecutor(run_compute=_limited(limiter, token))
+        return RayExecutor(address=settings.ray_address, num_gpus=settings.ray_num_gpus, allow_tf32=settings.allow_tf32)
+    return LocalExecutor(run_compute=_limited(limiter, token), device=settings.device, allow_tf32=settings.allow_tf32)
 
 
 async def start_jobs(app: FastAPI) -> None:

@@ -30,6 +30,7 @@ from ntk_service.errors import (
     InvalidInput,
     MalformedRequest,
     NtkServiceError,
+    ResourceLimit,
     ShapeMismatch,
     format_bytes,
 )
@@ -186,6 +187,8 @@ def _compute(
     budget: int | None,
     side_cache: SideCache | None,
     operation: str,
+    device: str = "cpu",
+    allow_tf32: bool = False,
 ) -> tuple[NtkResult, float]:
     """The engine call (in a worker thread); returns the result and its wall time in seconds."""
     keyed = x1.key is not None or (x2 is not None and x2.key is not None)
@@ -203,11 +206,18 @@ def _compute(
             dtype=options.dtype,
             memory_budget_bytes=budget,
             side_cache=side_cache,
+            device=device,
+            allow_tf32=allow_tf32,
             x1_key=x1.key,
             x2_key=None if x2 is None else x2.key,
         )
     except NtkServiceError:
         raise
+    except torch.OutOfMemoryError as exc:  # the plan fit the budget, the device did not (other processes, fragments)
+        raise ResourceLimit(
+            f"{operation}: {device} ran out of memory although the plan fit the memory budget; retry, send fewer "
+            "examples or a cheaper mode, or lower NTK_MEMORY_BUDGET_BYTES"
+        ) from exc
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
         # The model's own forward failed on these inputs (e.g. a factory model with other expectations).
         raise InvalidInput(f"{operation}: model {record.name!r} failed on the inputs: {exc}") from exc
@@ -287,6 +297,8 @@ async def compute_kernel(
             budget=settings.memory_budget_bytes,
             side_cache=side_cache,
             operation=operation,
+            device=settings.device,  # the registry keeps the module there (one copy per version)
+            allow_tf32=settings.allow_tf32,
         )
         meta = {
             "mode": result.mode.value,
