@@ -22,6 +22,7 @@ from torch import nn
 from ntk_service.client import Client
 from ntk_service.errors import JobNotFound
 from ntk_service.results import open_result
+from ntk_service.server.routes.jobs import stream_pieces
 from tests.conftest import LiveServer, start_live_server
 from tests.jobs.conftest import SLOW_MODEL, TINY_MLP, tiny_model_from_weights
 from tests.reference import reference_ntk
@@ -35,8 +36,10 @@ _SERVER_SETTINGS = {
     "max_binary_response_bytes": str(4096),
     "job_disk_budget_bytes": str(2**20),
     "memory_budget_bytes": str(64 * 2**20),
+    "job_stream_block_bytes": str(100),
 }
-"""64 KiB JSON cap, 4 KiB cap on binary answers built in one piece, 1 MiB disk budget for all job results."""
+"""64 KiB JSON cap, 4 KiB cap on binary answers built in one piece, 1 MiB disk budget for all job results, streamed
+downloads in reads of at most 100 bytes (a row of the FULL float64 job is 720 bytes: it goes in pieces of a row)."""
 
 
 class _Servers:
@@ -300,6 +303,56 @@ def test_download_streams_to_a_file_and_one_piece_answers_are_capped(
         with pytest.raises(JobNotFound):
             ntk.download_result("0123", tmp_path / "missing.npy")
         assert not (tmp_path / "missing.npy").exists()
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "entry", "block_bytes"),
+    [
+        ((3, 9), (1, 23), (3, 3), 200),  # a row (22 × 72 B) wider than a read: pieces of one row
+        ((3, 9), (1, 23), (3, 3), 10),  # smaller than one entry: one entry per read
+        ((0, 30), (5, 11), (), 100),  # whole rows, at most a tile of them
+        ((2, 19), None, (3, 3), 300),  # EXAMPLE_DIAGONAL: rows only
+    ],
+)
+def test_stream_pieces_cover_the_block_in_order_and_are_bounded_by_bytes(
+    rows: tuple[int, int], cols: tuple[int, int] | None, entry: tuple[int, ...], block_bytes: int
+) -> None:
+    itemsize, tile = 8, 4
+    entry_bytes = int(np.prod(entry, dtype=np.int64)) * itemsize
+    seen: list[tuple[int, int]] = []
+    for (r0, r1), piece_cols in stream_pieces(rows, cols, entry, itemsize, tile, block_bytes):
+        c0, c1 = piece_cols if piece_cols is not None else (0, 1)
+        assert (r1 - r0) * (c1 - c0) * entry_bytes <= max(block_bytes, entry_bytes)
+        assert (r0 // tile == (r1 - 1) // tile) and (c0 // tile == (c1 - 1) // tile or piece_cols == cols)
+        seen += [(r, c) for r in range(r0, r1) for c in range(c0, c1)]
+    c0, c1 = cols if cols is not None else (0, 1)
+    assert seen == [(r, c) for r in range(*rows) for c in range(c0, c1)]  # the .npy body's C order
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype", "with_x2"),
+    [("trace", "float32", False), ("output_diagonal", "float64", True), ("example_diagonal", "float32", False)],
+)
+def test_streamed_download_of_every_mode_and_dtype_is_exact(
+    server: LiveServer, tiny_job: dict[str, Any], mode: str, dtype: str, with_x2: bool
+) -> None:
+    rng = np.random.default_rng(11)
+    x1, x2 = rng.standard_normal((9, 4)).astype(np.float32), rng.standard_normal((6, 4)).astype(np.float32)
+    with server.client() as client:
+        sides = {"x1": {"dataset": _upload(client, x1)}}
+        if with_x2:
+            sides["x2"] = {"dataset": _upload(client, x2)}
+        spec = {"model": "tiny", "mode": mode, "dtype": dtype, "tile_size": 4, **sides}
+        job = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])
+        assert job["status"] == "succeeded", job
+        response = client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": NPY})
+        assert int(response.headers["content-length"]) == len(response.content)
+        theta = _npy(response)
+    assert theta.dtype == np.dtype(dtype)
+    expected = reference_ntk(
+        tiny_job["model"], torch.from_numpy(x1), torch.from_numpy(x2) if with_x2 else None, mode=mode
+    ).numpy()
+    np.testing.assert_allclose(theta, expected, rtol=1e-5, atol=1e-6)
 
 
 def _metric(client: httpx.Client, name: str) -> float:
