@@ -23,7 +23,7 @@ import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
-from ntk_service.client._results import RemoteResult, download_to
+from ntk_service.client._results import FETCH_BLOCK_BYTES, RemoteResult, download_to
 from ntk_service.errors import JobFailed, JobNotFinished, NtkServiceError, ServiceUnavailable
 
 __all__ = ["FINISHED", "JobsClient", "format_progress"]
@@ -319,9 +319,17 @@ class JobsClient(BaseClient):
         params = {"rows": _range(rows, "rows"), "cols": _range(cols, "cols")}
         return download_to(self, _job_id(job), Path(path), params)
 
-    def result_array(self, job: str | Mapping[str, Any]) -> RemoteResult:
+    def result_array(self, job: str | Mapping[str, Any], *, fetch_block_bytes: int = FETCH_BLOCK_BYTES) -> RemoteResult:
         """A succeeded job's kernel as a lazy array: ``remote[a:b, c:d]`` fetches only that block (``?rows=&cols=``),
         mirrored below the diagonal by the server for symmetric jobs.
+
+        Args:
+            job: the job id or record.
+            fetch_block_bytes (int): the most a strided slice (``remote[::10, ::10]``) fetches at a time, at least
+                one row. Default: ``FETCH_BLOCK_BYTES`` (64 MiB).
+
+        Returns:
+            RemoteResult: shape (N, M, k, k) full, (N, M) trace, ...; indexing returns numpy.
 
         Raises:
             JobNotFinished: the job has not succeeded. JobNotFound.
@@ -331,4 +339,4 @@ class JobsClient(BaseClient):
             raise JobNotFinished(
                 f"result_array: job {record['id']} is {record.get('status')}; wait for it (client.wait(job)) first"
             )
-        return RemoteResult(self, record)
+        return RemoteResult(self, record, fetch_block_bytes=fetch_block_bytes)

@@ -27,10 +27,15 @@ from ntk_service.errors import NtkServiceError, ServiceUnavailable
 if TYPE_CHECKING:
     from ntk_service.client._jobs import JobsClient
 
-__all__ = ["RemoteResult", "download_to", "stream_npy"]
+__all__ = ["FETCH_BLOCK_BYTES", "RemoteResult", "download_to", "stream_npy"]
 
 _CHUNK_BYTES = 1 << 20
 """Bytes written per chunk of a streamed download."""
+
+FETCH_BLOCK_BYTES = 64 * 2**20
+"""A strided or indexed slice of a RemoteResult (``remote[::10, ::10]``) fetches at most this much at a time (at
+least one row) and keeps only the wanted entries: its memory is the answer plus one such block, never the bounding
+block."""
 
 
 class _Sink(Protocol):
@@ -86,11 +91,20 @@ def _bounds(key: Any, size: int, axis: str) -> tuple[int, int, Any]:
 class RemoteResult:
     """A succeeded job's kernel on the server; indexing fetches only the indexed block (``?rows=&cols=``).
 
+    Slice bounds out of range are clipped as numpy clips them; an out-of-range integer raises IndexError, a
+    negative step ValueError.
+
     Attributes:
         job_id: the job. shape, dtype, ndim: the whole result's. mode: the kernel mode.
+        fetch_block_bytes: the most a strided or indexed slice fetches at a time (see ``FETCH_BLOCK_BYTES``).
     """
 
-    def __init__(self, client: JobsClient, job: Mapping[str, Any]) -> None:
+    def __init__(
+        self, client: JobsClient, job: Mapping[str, Any], *, fetch_block_bytes: int = FETCH_BLOCK_BYTES
+    ) -> None:
+        if fetch_block_bytes < 1:
+            raise ValueError(f"RemoteResult: fetch_block_bytes must be ≥ 1, got {fetch_block_bytes}")
+        self.fetch_block_bytes = fetch_block_bytes
         self._client = client
         self.job_id = str(job["id"])
         self.shape: tuple[int, ...] = tuple(int(v) for v in job["result_shape"])
@@ -126,14 +140,31 @@ class RemoteResult:
         example_axes = 1 if self.mode == "example_diagonal" else 2
         parts = parts + (slice(None),) * max(0, example_axes - len(parts))
         r0, r1, row_local = _bounds(parts[0], self.shape[0], "rows")
-        local = [row_local]
         cols = None
+        col_local: tuple[Any, ...] = ()
         if example_axes == 2:
-            c0, c1, col_local = _bounds(parts[1], self.shape[1], "cols")
-            cols = (c0, c1)
-            local.append(col_local)
-        block: np.ndarray = self._fetch((r0, r1), cols)[tuple(local) + tuple(parts[example_axes:])]
-        return block
+            c0, c1, local = _bounds(parts[1], self.shape[1], "cols")
+            cols, col_local = (c0, c1), (local,)
+        rest = tuple(parts[example_axes:])
+        plain = all(p == slice(None, None, 1) for p in (row_local, *col_local))
+        if plain or isinstance(row_local, int):  # the answer is the whole fetched block (or one row of it)
+            block: np.ndarray = self._fetch((r0, r1), cols)[(row_local, *col_local, *rest)]
+            return block
+        # A step: fetch bounded row groups and keep the wanted rows of each, never the whole bounding block.
+        step = int(row_local.step)
+        wanted = range(r0, r1, step)
+        tail = (() if cols is None else (cols[1] - cols[0],)) + self.shape[example_axes:]
+        row_bytes = max(1, int(np.prod(tail, dtype=np.int64)) * self.dtype.itemsize)
+        per_fetch = (max(1, self.fetch_block_bytes // row_bytes) - 1) // step + 1  # wanted rows per GET, ≥ 1
+        pick = (slice(None, None, step), *col_local, *rest)
+        pieces = [
+            self._fetch((start, min(start + (per_fetch - 1) * step + 1, wanted.stop)), cols)[pick]
+            for start in wanted[::per_fetch]
+        ]
+        if not pieces:
+            empty: np.ndarray = self._fetch((r0, r0), cols)[pick]
+            return empty
+        return np.concatenate(pieces, axis=0)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         whole = self[...]

@@ -7,6 +7,7 @@ import io
 import json
 import sqlite3
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -353,6 +354,33 @@ def test_streamed_download_of_every_mode_and_dtype_is_exact(
         tiny_job["model"], torch.from_numpy(x1), torch.from_numpy(x2) if with_x2 else None, mode=mode
     ).numpy()
     np.testing.assert_allclose(theta, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_result_array_strided_slices_fetch_bounded_blocks(server: LiveServer, tiny_job: dict[str, Any]) -> None:
+    dense = reference_ntk(tiny_job["model"], torch.from_numpy(tiny_job["x1_array"]), mode="full").numpy()
+    keys = [np.s_[1::3, ::2], np.s_[::4, 7], np.s_[2:9:2, 1:10, 0, 2], np.s_[-3:, 12:], np.s_[8:2:1, :], np.s_[9]]
+    with Client(server.url, api_key=server.read_key) as ntk:
+        for fetch_block_bytes in (1, 2**26):  # one row per GET, or everything in one
+            remote = ntk.result_array(tiny_job["id"], fetch_block_bytes=fetch_block_bytes)
+            for key in keys:
+                np.testing.assert_allclose(remote[key], dense[key], rtol=1e-10, atol=1e-12, err_msg=str(key))
+        with server.client() as client:  # 512² float32 trace (1 MiB whole), deleted at the end
+            dataset = _upload(client, np.random.default_rng(3).standard_normal((512, 4)).astype(np.float32))
+            spec = {"model": "tiny", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 256}
+            job = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])
+            try:
+                whole = ntk.result_array(job["id"])[:, :]
+                remote = ntk.result_array(job["id"], fetch_block_bytes=16 * 2**10)
+                tracemalloc.start()
+                try:
+                    strided = remote[::64, 5::64]
+                    _, peak = tracemalloc.get_traced_memory()
+                finally:
+                    tracemalloc.stop()
+            finally:
+                assert client.delete(f"/v1/jobs/{job['id']}").status_code == 200
+    np.testing.assert_array_equal(strided, whole[::64, 5::64])
+    assert peak < 256 * 2**10, f"an 8 × 8 strided slice peaked at {peak / 2**10:.0f} KiB (the result is 1 MiB)"
 
 
 def _metric(client: httpx.Client, name: str) -> float:
