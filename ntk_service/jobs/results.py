@@ -424,8 +424,9 @@ def migrate_legacy(
     elif not _is_half_migrated(group_path):
         return False
     group = zarr.open_group(str(group_path), mode="r+", use_consolidated=False)
-    legacy_attributes: Any = group.attrs.get("legacy_attributes") or {}
-    old = dict(legacy_attributes)
+    legacy_attributes: Any = group.attrs.get("legacy_attributes")
+    # Cut off after the new attributes were written: they already hold the old ones, keep them as they are.
+    old = dict(legacy_attributes) if legacy_attributes is not None else dict(group.attrs.asdict())
     _set_dimension_names(group_path / _THETA / "zarr.json", dimension_names(plan.mode))
     _create_ledger(group, plan)
     ledger: Any = group[_LEDGER]
@@ -454,12 +455,16 @@ def migrate_legacy(
 
 
 def _is_half_migrated(group_path: Path) -> bool:
-    # A migration cut off after the rename: the group still carries only the old attributes.
+    # A migration cut off after the rename (the group still carries only the old attributes), or after the new
+    # attributes but before the consolidated metadata, which is written last.
     try:
         metadata = json.loads((group_path / "zarr.json").read_text())
     except FileNotFoundError:
         return False
-    return "legacy_attributes" in metadata.get("attributes", {})
+    attributes = metadata.get("attributes", {})
+    if "legacy_attributes" in attributes:
+        return True
+    return attributes.get("migrated_from") == LEGACY_ARRAY_NAME and not metadata.get("consolidated_metadata")
 
 
 def _set_dimension_names(metadata_path: Path, names: tuple[str, ...]) -> None:
