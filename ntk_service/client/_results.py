@@ -53,11 +53,13 @@ def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], 
     operation = f"GET {path}"
     query = {k: v for k, v in params.items() if v is not None}
     written = 0
+    started = False  # the answer began: a transport error from here on cuts the download off
     try:
         with client._http.stream("GET", path, params=query, headers={"Accept": wire.MEDIA_NPY}) as response:
             if response.status_code >= 400:
                 response.read()
                 raise _error_from_response(response, operation)
+            started = True
             expected = int(response.headers.get("content-length", "-1"))
             for chunk in response.iter_bytes(_CHUNK_BYTES):
                 sink.write(chunk)
@@ -65,8 +67,11 @@ def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], 
     except httpx.TimeoutException as exc:
         raise ServiceUnavailable(f"{operation}: no answer from {client.url} in time ({type(exc).__name__})") from exc
     except httpx.TransportError as exc:
-        if written:
-            raise NtkServiceError(f"{operation}: the download was cut off after {written} bytes ({exc})") from exc
+        if started:
+            raise NtkServiceError(
+                f"{operation}: the download was cut off after {written} bytes had been written ({exc}); download it "
+                "again"
+            ) from exc
         raise ServiceUnavailable(f"{operation}: cannot reach {client.url} ({exc})") from exc
     if 0 <= expected != written:
         raise NtkServiceError(f"{operation}: the download was cut off: {written} of {expected} bytes")

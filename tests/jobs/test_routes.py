@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
+import threading
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ import xarray as xr
 from torch import nn
 
 from ntk_service.client import Client
-from ntk_service.errors import JobNotFound
+from ntk_service.errors import JobNotFound, NtkServiceError, ServiceUnavailable
 from ntk_service.results import open_result
 from ntk_service.server.routes.jobs import stream_pieces
 from tests.conftest import LiveServer, start_live_server
@@ -381,6 +382,41 @@ def test_result_array_strided_slices_fetch_bounded_blocks(server: LiveServer, ti
                 assert client.delete(f"/v1/jobs/{job['id']}").status_code == 200
     np.testing.assert_array_equal(strided, whole[::64, 5::64])
     assert peak < 256 * 2**10, f"an 8 × 8 strided slice peaked at {peak / 2**10:.0f} KiB (the result is 1 MiB)"
+
+
+@pytest.mark.slow
+def test_a_download_cut_off_by_the_server_dying_says_so_and_leaves_no_file(tmp_path: Path) -> None:
+    # Reads of 64 bytes: the 4 MiB result streams for seconds, long enough to kill the server in the middle.
+    server = start_live_server(tmp_path / "data", keys=False, job_stream_block_bytes="64")
+    try:
+        with server.client(None) as client:
+            _register(client, "tiny", TINY_MLP)
+            dataset = _upload(client, np.random.default_rng(5).standard_normal((1024, 4)).astype(np.float32))
+            spec = {"model": "tiny", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 256}
+            job = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])
+        outcome: list[BaseException] = []
+
+        def download() -> None:
+            with Client(server.url) as ntk:
+                try:
+                    ntk.download_result(job["id"], tmp_path / "theta.npy")
+                except NtkServiceError as exc:
+                    outcome.append(exc)
+
+        thread = threading.Thread(target=download)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "theta.npy.part").exists():
+            assert time.monotonic() < deadline and thread.is_alive(), "the download never started"
+            time.sleep(0.01)
+        time.sleep(2.0)  # the answer has begun (its header comes at once; the body takes about two minutes)
+        server.process.kill()
+        thread.join(30)
+    finally:
+        server.stop()
+    assert len(outcome) == 1 and not isinstance(outcome[0], ServiceUnavailable), outcome
+    assert "the download was cut off" in str(outcome[0])
+    assert not (tmp_path / "theta.npy").exists() and not (tmp_path / "theta.npy.part").exists()
 
 
 def _metric(client: httpx.Client, name: str) -> float:
