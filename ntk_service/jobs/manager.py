@@ -506,19 +506,28 @@ class JobManager:
             keep_record: keep the job's record (its status, spec, times) with ``result_deleted_at`` set.
                 Default: False (the job disappears; a later GET is a 404).
 
+        A record kept by an earlier deletion (or by a deletion a crash cut off) is removed by a later one without
+        ``keep_record`` (0 bytes freed): otherwise nothing could ever remove it.
+
         Returns:
             Deletion with the bytes freed on disk.
 
         Raises:
             JobNotFound: no such job (404), e.g. deleted already.
-            ResultNotFound: the result was already deleted, the record kept, or a concurrent deletion of it is under
-                way (404).
+            ResultNotFound: the result was already deleted and ``keep_record`` asks to keep the record, or a
+                concurrent deletion of it is under way (404).
             Conflict: the job is still queued or running (cancel it first), its cancelled tiles are still finishing,
                 or its result is being downloaded (409).
         """
         record = self.store.get_job(job_id)
         if record.result_deleted_at is not None:
-            raise ResultNotFound(f"jobs: the result of job {job_id} was already deleted; nothing to delete")
+            if keep_record:
+                raise ResultNotFound(f"jobs: the result of job {job_id} was already deleted; nothing to delete")
+            if not self.store.delete_job(job_id):
+                raise JobNotFound(f"jobs: no job with id {job_id!r}; list jobs with GET /v1/jobs")
+            logger.info("jobs: deleted the record of %s (its result was deleted before)", job_id)
+            self._bump(job_id)
+            return Deletion(job_id=job_id, freed_bytes=0, record_kept=False)
         if not record.is_finished:
             raise Conflict(
                 f"jobs: job {job_id} is {record.status.value}; cancel it first (DELETE /v1/jobs/{job_id} cancels a "

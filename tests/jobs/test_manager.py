@@ -23,6 +23,7 @@ from ntk_service.errors import (
     DiskEstimateExceeded,
     InvalidInput,
     JobNotFinished,
+    JobNotFound,
     ModelNotFound,
     NoMatchingParameters,
     ResultNotFound,
@@ -327,7 +328,10 @@ def test_delete_refuses_unfinished_jobs_and_results_being_read(
     with pytest.raises(ResultNotFound, match="was deleted"):
         manager.read_result(job.id)
     with pytest.raises(ResultNotFound, match="already deleted"):
-        manager.delete(job.id)
+        manager.delete(job.id, keep_record=True)
+    assert manager.delete(job.id) == Deletion(job_id=job.id, freed_bytes=0, record_kept=False)  # the record goes
+    with pytest.raises(JobNotFound):
+        manager.get(job.id)
 
 
 def test_a_deletion_cut_off_by_a_crash_is_finished_at_the_next_start(
@@ -342,6 +346,9 @@ def test_a_deletion_cut_off_by_a_crash_is_finished_at_the_next_start(
     second = make_manager()
     assert not (jobs_dir / f".deleting-{job.id}").exists()
     assert second.get(job.id).result_deleted_at is not None
+    assert second.delete(job.id).freed_bytes == 0  # whatever that deletion meant to keep, the record can go now
+    with pytest.raises(JobNotFound):
+        second.get(job.id)
 
 
 def test_two_deletions_at_once_delete_once_and_the_other_is_a_404(

@@ -430,7 +430,9 @@ def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def test_delete_frees_the_disk_and_the_budget_and_a_second_delete_is_a_404(server: LiveServer) -> None:
+def test_delete_frees_the_disk_and_the_budget_and_a_second_delete_is_a_404(
+    server: LiveServer, tiny_job: dict[str, Any]
+) -> None:  # tiny_job: the model 'tiny' is registered
     with server.client() as client:
         # 512 examples, trace, tiles of 256: 3 stored tiles of 256² float32 = 768 KiB of the 1 MiB budget.
         dataset = _upload(client, np.random.default_rng(7).standard_normal((512, 4)).astype(np.float32))
@@ -461,10 +463,14 @@ def test_delete_frees_the_disk_and_the_budget_and_a_second_delete_is_a_404(serve
         assert record["status"] == "succeeded" and record["result_deleted_at"] is not None
         gone = client.get(f"/v1/jobs/{second['id']}/result", headers={"Accept": NPY})
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "result_not_found"
-        twice = client.delete(f"/v1/jobs/{second['id']}")
+        twice = client.delete(f"/v1/jobs/{second['id']}", params={"keep_record": "true"})
         assert twice.status_code == 404 and "already deleted" in twice.json()["error"]["message"]
     with server.client("read") as reader:
         assert reader.delete(f"/v1/jobs/{second['id']}").status_code == 403
+    with server.client() as client:  # the kept record itself can still go
+        record_gone = client.delete(f"/v1/jobs/{second['id']}")
+        assert record_gone.json() == {"id": second["id"], "deleted": "job", "freed_bytes": 0}
+        assert client.get(f"/v1/jobs/{second['id']}").status_code == 404
 
 
 def test_jobs_over_data_set_row_ranges(server: LiveServer, tiny_job: dict[str, Any]) -> None:
