@@ -23,7 +23,7 @@ import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
-from ntk_service.client._results import FETCH_BLOCK_BYTES, RemoteResult, download_to
+from ntk_service.client._results import FETCH_BLOCK_BYTES, RemoteResult, download_to, fetch_npy
 from ntk_service.errors import JobFailed, JobNotFinished, NtkServiceError, ServiceUnavailable
 
 __all__ = ["FINISHED", "JobsClient", "format_progress"]
@@ -275,6 +275,13 @@ class JobsClient(BaseClient):
             JobNotFinished: 409 while the job has not succeeded. JobNotFound. InvalidInput: a bad range.
         """
         params = {"rows": _range(rows, "rows"), "cols": _range(cols, "cols")}
+        if self.transport_format == "npy":  # streamed into the array: held once, not as a body and an array
+            theta = fetch_npy(self, _segment(job_id), params)
+            if as_torch:
+                import torch  # lazily: the client imports without torch
+
+                return torch.from_numpy(theta)
+            return theta
         response = self._request(
             "GET", f"/v1/jobs/{_segment(job_id)}/result", params=params, accept=_ACCEPT[self.transport_format]
         )

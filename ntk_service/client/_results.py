@@ -27,10 +27,7 @@ from ntk_service.errors import NtkServiceError, ServiceUnavailable
 if TYPE_CHECKING:
     from ntk_service.client._jobs import JobsClient
 
-__all__ = ["FETCH_BLOCK_BYTES", "RemoteResult", "download_to", "stream_npy"]
-
-_CHUNK_BYTES = 1 << 20
-"""Bytes written per chunk of a streamed download."""
+__all__ = ["FETCH_BLOCK_BYTES", "RemoteResult", "download_to", "fetch_npy", "stream_npy"]
 
 FETCH_BLOCK_BYTES = 64 * 2**20
 """A strided or indexed slice of a RemoteResult (``remote[::10, ::10]``) fetches at most this much at a time (at
@@ -61,7 +58,7 @@ def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], 
                 raise _error_from_response(response, operation)
             started = True
             expected = int(response.headers.get("content-length", "-1"))
-            for chunk in response.iter_bytes(_CHUNK_BYTES):
+            for chunk in response.iter_bytes():  # as the network delivers it: no re-chunking buffer beside it
                 sink.write(chunk)
                 written += len(chunk)
     except httpx.TimeoutException as exc:
@@ -130,10 +127,7 @@ class RemoteResult:
             return np.zeros(shape, dtype=self.dtype)
         out = np.empty(shape, dtype=self.dtype)
         params = {"rows": f"{rows[0]}:{rows[1]}", "cols": None if cols is None else f"{cols[0]}:{cols[1]}"}
-        sink = _ArraySink(out)
-        stream_npy(self._client, f"/v1/jobs/{self.job_id}/result", params, sink)
-        sink.check()
-        return out
+        return fetch_npy(self._client, self.job_id, params, out)
 
     def __getitem__(self, key: Any) -> np.ndarray:
         parts = key if isinstance(key, tuple) else (key,)
@@ -169,7 +163,7 @@ class RemoteResult:
         if not pieces:
             empty: np.ndarray = self._fetch((r0, r0), cols)[pick]
             return empty
-        return np.concatenate(pieces, axis=0)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         whole = self[...]
@@ -177,11 +171,12 @@ class RemoteResult:
 
 
 class _ArraySink:
-    """A file-like sink that parses the .npy header, then copies the data straight into a preallocated array."""
+    """A file-like sink that parses the .npy header, then copies the data straight into an array: ``out`` when given
+    (the header must match it), else one allocated from the header (``result()``)."""
 
-    def __init__(self, out: np.ndarray) -> None:
+    def __init__(self, out: np.ndarray | None) -> None:
         self.out = out
-        self.flat = out.reshape(-1).view(np.uint8)
+        self.flat = None if out is None else out.reshape(-1).view(np.uint8)
         self.head = b""
         self.offset: int | None = None
         self.filled = 0
@@ -197,12 +192,15 @@ class _ArraySink:
             self.offset = 10 + header_len
             stream = io.BytesIO(self.head[: self.offset])
             np.lib.format.read_magic(stream)
-            shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
-            if tuple(shape) != self.out.shape or np.dtype(dtype) != self.out.dtype:
-                raise NtkServiceError(
-                    f"RemoteResult: the server sent {tuple(shape)} {dtype}, expected {self.out.shape} {self.out.dtype}"
-                )
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
+            if self.out is None and not fortran_order and not np.dtype(dtype).hasobject:
+                self.out = np.empty(shape, dtype=dtype)
+                self.flat = self.out.reshape(-1).view(np.uint8)
+            if self.out is None or tuple(shape) != self.out.shape or np.dtype(dtype) != self.out.dtype:
+                expected = "a C-order numeric array" if self.out is None else f"{self.out.shape} {self.out.dtype}"
+                raise NtkServiceError(f"RemoteResult: the server sent {tuple(shape)} {dtype}, expected {expected}")
             chunk, self.head = self.head[self.offset :], b""
+        assert self.flat is not None  # set with the header
         end = self.filled + len(chunk)
         if end > self.flat.size:
             raise NtkServiceError(f"RemoteResult: the server sent more than the {self.flat.size} bytes expected")
@@ -210,9 +208,22 @@ class _ArraySink:
         self.filled = end
         return len(chunk)
 
-    def check(self) -> None:
-        if self.filled != self.flat.size:
-            raise NtkServiceError(f"RemoteResult: got {self.filled} of {self.flat.size} bytes")
+    def result(self) -> np.ndarray:
+        """The array, once every byte arrived. Raises NtkServiceError when some are missing."""
+        if self.out is None or self.flat is None or self.filled != self.flat.size:
+            expected = "a header" if self.flat is None else f"{self.flat.size} bytes"
+            raise NtkServiceError(f"RemoteResult: got {self.filled} bytes of the data, expected {expected}")
+        return self.out
+
+
+def fetch_npy(
+    client: JobsClient, job_id: str, params: Mapping[str, str | None], out: np.ndarray | None = None
+) -> np.ndarray:
+    """A result (or a block) streamed as ``.npy`` straight into ``out`` (or an array allocated from the header):
+    the data is held once, never as a response body and an array beside it."""
+    sink = _ArraySink(out)
+    stream_npy(client, f"/v1/jobs/{job_id}/result", params, sink)
+    return sink.result()
 
 
 def download_to(client: JobsClient, job_id: str, path: Path, params: Mapping[str, str | None]) -> np.ndarray:

@@ -150,7 +150,7 @@ class ResultView:
         ]
         if not pieces:
             return self._sub((wanted.start, wanted.start), cols).to_numpy()[pick]
-        return np.concatenate(pieces, axis=0)
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
 
     def _sub(self, rows: tuple[int, int], cols: tuple[int, int] | None) -> ResultView:
         return ResultView(self._store, rows, cols, read_block_bytes=self.read_block_bytes)

@@ -378,10 +378,19 @@ def test_result_array_strided_slices_fetch_bounded_blocks(server: LiveServer, ti
                     _, peak = tracemalloc.get_traced_memory()
                 finally:
                     tracemalloc.stop()
+                with Client(server.url, api_key=server.read_key, transport_format="npy") as npy_client:
+                    tracemalloc.start()
+                    try:
+                        streamed = npy_client.job_result(job["id"])
+                        _, whole_peak = tracemalloc.get_traced_memory()
+                    finally:
+                        tracemalloc.stop()
             finally:
                 assert client.delete(f"/v1/jobs/{job['id']}").status_code == 200
     np.testing.assert_array_equal(strided, whole[::64, 5::64])
     assert peak < 256 * 2**10, f"an 8 × 8 strided slice peaked at {peak / 2**10:.0f} KiB (the result is 1 MiB)"
+    np.testing.assert_array_equal(streamed, whole)
+    assert whole_peak < 1.5 * whole.nbytes, f"job_result (npy) of 1 MiB peaked at {whole_peak / 2**20:.2f} MiB"
 
 
 @pytest.mark.slow
