@@ -21,7 +21,8 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._base import _error_from_response
+from ntk_service.client import _base
+from ntk_service.client._base import _RETRY_STATUSES, _error_from_response
 from ntk_service.errors import NtkServiceError, ServiceUnavailable
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class _Sink(Protocol):
 def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], sink: _Sink) -> int:
     """GET ``path`` as ``application/x-npy`` and copy the body into ``sink`` as it arrives; returns the bytes.
 
+    A 429 or 503 before any data is retried as ``Client._request`` retries (``max_retries``, ``Retry-After``).
+
     Raises:
         NtkServiceError subclass: the server's error (e.g. JobNotFinished, ResultNotFound).
         ServiceUnavailable: the server cannot be reached.
@@ -51,16 +54,24 @@ def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], 
     query = {k: v for k, v in params.items() if v is not None}
     written = 0
     started = False  # the answer began: a transport error from here on cuts the download off
+    attempt = 0
     try:
-        with client._http.stream("GET", path, params=query, headers={"Accept": wire.MEDIA_NPY}) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise _error_from_response(response, operation)
-            started = True
-            expected = int(response.headers.get("content-length", "-1"))
-            for chunk in response.iter_bytes():  # as the network delivers it: no re-chunking buffer beside it
-                sink.write(chunk)
-                written += len(chunk)
+        while not started:
+            with client._http.stream("GET", path, params=query, headers={"Accept": wire.MEDIA_NPY}) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    # 429/503 before any data (e.g. the server is starting): retried as every client call is.
+                    wait = client._retry_wait(response, attempt) if response.status_code in _RETRY_STATUSES else None
+                    if wait is not None and attempt < client.max_retries:
+                        attempt += 1
+                        _base._sleep(wait)
+                        continue
+                    raise _error_from_response(response, operation)
+                started = True
+                expected = int(response.headers.get("content-length", "-1"))
+                for chunk in response.iter_bytes():  # as the network delivers it: no re-chunking buffer beside it
+                    sink.write(chunk)
+                    written += len(chunk)
     except httpx.TimeoutException as exc:
         raise ServiceUnavailable(f"{operation}: no answer from {client.url} in time ({type(exc).__name__})") from exc
     except httpx.TransportError as exc:
