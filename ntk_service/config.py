@@ -45,6 +45,9 @@ DEFAULT_MAX_JSON_RESPONSE_BYTES = 16 * 2**20
 DEFAULT_MAX_BINARY_RESPONSE_BYTES = 1 * 2**30
 """1 GiB: a job result sent in one piece (safetensors) is built in the server's memory; bigger ones stream as .npy."""
 
+DEFAULT_STREAM_BLOCK_BYTES = 32 * 2**20
+"""32 MiB: what a streamed job result download holds at a time (one read, at least one entry), however large."""
+
 DEFAULT_SIDE_CACHE_BYTES = 512 * 2**20
 """512 MiB of cached per-side intermediates (Jacobians, activations) shared by all requests."""
 
@@ -128,6 +131,11 @@ class Settings(BaseSettings):
         DEFAULT_MAX_BINARY_RESPONSE_BYTES,
         gt=0,
         description="Largest job result sent in one piece (safetensors; 406 above: stream it as .npy).",
+    )
+    job_stream_block_bytes: int = Field(
+        DEFAULT_STREAM_BLOCK_BYTES,
+        gt=0,
+        description="A streamed .npy job result is read and sent in pieces of at most this many bytes.",
     )
     side_cache_bytes: int = Field(DEFAULT_SIDE_CACHE_BYTES, ge=0, description="LRU of per-side intermediates.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")

@@ -23,7 +23,7 @@ import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
-from ntk_service.client._results import RemoteResult, download_to
+from ntk_service.client._results import FETCH_BLOCK_BYTES, RemoteResult, download_to, fetch_npy
 from ntk_service.errors import JobFailed, JobNotFinished, NtkServiceError, ServiceUnavailable
 
 __all__ = ["FINISHED", "JobsClient", "format_progress"]
@@ -275,6 +275,13 @@ class JobsClient(BaseClient):
             JobNotFinished: 409 while the job has not succeeded. JobNotFound. InvalidInput: a bad range.
         """
         params = {"rows": _range(rows, "rows"), "cols": _range(cols, "cols")}
+        if self.transport_format == "npy":  # streamed into the array: held once, not as a body and an array
+            theta = fetch_npy(self, _segment(job_id), params)
+            if as_torch:
+                import torch  # lazily: the client imports without torch
+
+                return torch.from_numpy(theta)
+            return theta
         response = self._request(
             "GET", f"/v1/jobs/{_segment(job_id)}/result", params=params, accept=_ACCEPT[self.transport_format]
         )
@@ -319,9 +326,17 @@ class JobsClient(BaseClient):
         params = {"rows": _range(rows, "rows"), "cols": _range(cols, "cols")}
         return download_to(self, _job_id(job), Path(path), params)
 
-    def result_array(self, job: str | Mapping[str, Any]) -> RemoteResult:
+    def result_array(self, job: str | Mapping[str, Any], *, fetch_block_bytes: int = FETCH_BLOCK_BYTES) -> RemoteResult:
         """A succeeded job's kernel as a lazy array: ``remote[a:b, c:d]`` fetches only that block (``?rows=&cols=``),
         mirrored below the diagonal by the server for symmetric jobs.
+
+        Args:
+            job: the job id or record.
+            fetch_block_bytes (int): the most a strided slice (``remote[::10, ::10]``) fetches at a time, at least
+                one row. Default: ``FETCH_BLOCK_BYTES`` (64 MiB).
+
+        Returns:
+            RemoteResult: shape (N, M, k, k) full, (N, M) trace, ...; indexing returns numpy.
 
         Raises:
             JobNotFinished: the job has not succeeded. JobNotFound.
@@ -331,4 +346,4 @@ class JobsClient(BaseClient):
             raise JobNotFinished(
                 f"result_array: job {record['id']} is {record.get('status')}; wait for it (client.wait(job)) first"
             )
-        return RemoteResult(self, record)
+        return RemoteResult(self, record, fetch_block_bytes=fetch_block_bytes)

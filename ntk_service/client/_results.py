@@ -21,16 +21,19 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._base import _error_from_response
+from ntk_service.client import _base
+from ntk_service.client._base import _RETRY_STATUSES, _error_from_response
 from ntk_service.errors import NtkServiceError, ServiceUnavailable
 
 if TYPE_CHECKING:
     from ntk_service.client._jobs import JobsClient
 
-__all__ = ["RemoteResult", "download_to", "stream_npy"]
+__all__ = ["FETCH_BLOCK_BYTES", "RemoteResult", "download_to", "fetch_npy", "stream_npy"]
 
-_CHUNK_BYTES = 1 << 20
-"""Bytes written per chunk of a streamed download."""
+FETCH_BLOCK_BYTES = 64 * 2**20
+"""A strided or indexed slice of a RemoteResult (``remote[::10, ::10]``) fetches at most this much at a time (at
+least one row) and keeps only the wanted entries: its memory is the answer plus one such block, never the bounding
+block."""
 
 
 class _Sink(Protocol):
@@ -40,6 +43,8 @@ class _Sink(Protocol):
 def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], sink: _Sink) -> int:
     """GET ``path`` as ``application/x-npy`` and copy the body into ``sink`` as it arrives; returns the bytes.
 
+    A 429 or 503 before any data is retried as ``Client._request`` retries (``max_retries``, ``Retry-After``).
+
     Raises:
         NtkServiceError subclass: the server's error (e.g. JobNotFinished, ResultNotFound).
         ServiceUnavailable: the server cannot be reached.
@@ -48,20 +53,33 @@ def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], 
     operation = f"GET {path}"
     query = {k: v for k, v in params.items() if v is not None}
     written = 0
+    started = False  # the answer began: a transport error from here on cuts the download off
+    attempt = 0
     try:
-        with client._http.stream("GET", path, params=query, headers={"Accept": wire.MEDIA_NPY}) as response:
-            if response.status_code >= 400:
-                response.read()
-                raise _error_from_response(response, operation)
-            expected = int(response.headers.get("content-length", "-1"))
-            for chunk in response.iter_bytes(_CHUNK_BYTES):
-                sink.write(chunk)
-                written += len(chunk)
+        while not started:
+            with client._http.stream("GET", path, params=query, headers={"Accept": wire.MEDIA_NPY}) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    # 429/503 before any data (e.g. the server is starting): retried as every client call is.
+                    wait = client._retry_wait(response, attempt) if response.status_code in _RETRY_STATUSES else None
+                    if wait is not None and attempt < client.max_retries:
+                        attempt += 1
+                        _base._sleep(wait)
+                        continue
+                    raise _error_from_response(response, operation)
+                started = True
+                expected = int(response.headers.get("content-length", "-1"))
+                for chunk in response.iter_bytes():  # as the network delivers it: no re-chunking buffer beside it
+                    sink.write(chunk)
+                    written += len(chunk)
     except httpx.TimeoutException as exc:
         raise ServiceUnavailable(f"{operation}: no answer from {client.url} in time ({type(exc).__name__})") from exc
     except httpx.TransportError as exc:
-        if written:
-            raise NtkServiceError(f"{operation}: the download was cut off after {written} bytes ({exc})") from exc
+        if started:
+            raise NtkServiceError(
+                f"{operation}: the download was cut off after {written} bytes had been written ({exc}); download it "
+                "again"
+            ) from exc
         raise ServiceUnavailable(f"{operation}: cannot reach {client.url} ({exc})") from exc
     if 0 <= expected != written:
         raise NtkServiceError(f"{operation}: the download was cut off: {written} of {expected} bytes")
@@ -86,11 +104,20 @@ def _bounds(key: Any, size: int, axis: str) -> tuple[int, int, Any]:
 class RemoteResult:
     """A succeeded job's kernel on the server; indexing fetches only the indexed block (``?rows=&cols=``).
 
+    Slice bounds out of range are clipped as numpy clips them; an out-of-range integer raises IndexError, a
+    negative step ValueError.
+
     Attributes:
         job_id: the job. shape, dtype, ndim: the whole result's. mode: the kernel mode.
+        fetch_block_bytes: the most a strided or indexed slice fetches at a time (see ``FETCH_BLOCK_BYTES``).
     """
 
-    def __init__(self, client: JobsClient, job: Mapping[str, Any]) -> None:
+    def __init__(
+        self, client: JobsClient, job: Mapping[str, Any], *, fetch_block_bytes: int = FETCH_BLOCK_BYTES
+    ) -> None:
+        if fetch_block_bytes < 1:
+            raise ValueError(f"RemoteResult: fetch_block_bytes must be ≥ 1, got {fetch_block_bytes}")
+        self.fetch_block_bytes = fetch_block_bytes
         self._client = client
         self.job_id = str(job["id"])
         self.shape: tuple[int, ...] = tuple(int(v) for v in job["result_shape"])
@@ -111,10 +138,7 @@ class RemoteResult:
             return np.zeros(shape, dtype=self.dtype)
         out = np.empty(shape, dtype=self.dtype)
         params = {"rows": f"{rows[0]}:{rows[1]}", "cols": None if cols is None else f"{cols[0]}:{cols[1]}"}
-        sink = _ArraySink(out)
-        stream_npy(self._client, f"/v1/jobs/{self.job_id}/result", params, sink)
-        sink.check()
-        return out
+        return fetch_npy(self._client, self.job_id, params, out)
 
     def __getitem__(self, key: Any) -> np.ndarray:
         parts = key if isinstance(key, tuple) else (key,)
@@ -126,14 +150,31 @@ class RemoteResult:
         example_axes = 1 if self.mode == "example_diagonal" else 2
         parts = parts + (slice(None),) * max(0, example_axes - len(parts))
         r0, r1, row_local = _bounds(parts[0], self.shape[0], "rows")
-        local = [row_local]
         cols = None
+        col_local: tuple[Any, ...] = ()
         if example_axes == 2:
-            c0, c1, col_local = _bounds(parts[1], self.shape[1], "cols")
-            cols = (c0, c1)
-            local.append(col_local)
-        block: np.ndarray = self._fetch((r0, r1), cols)[tuple(local) + tuple(parts[example_axes:])]
-        return block
+            c0, c1, local = _bounds(parts[1], self.shape[1], "cols")
+            cols, col_local = (c0, c1), (local,)
+        rest = tuple(parts[example_axes:])
+        plain = all(p == slice(None, None, 1) for p in (row_local, *col_local))
+        if plain or isinstance(row_local, int):  # the answer is the whole fetched block (or one row of it)
+            block: np.ndarray = self._fetch((r0, r1), cols)[(row_local, *col_local, *rest)]
+            return block
+        # A step: fetch bounded row groups and keep the wanted rows of each, never the whole bounding block.
+        step = int(row_local.step)
+        wanted = range(r0, r1, step)
+        tail = (() if cols is None else (cols[1] - cols[0],)) + self.shape[example_axes:]
+        row_bytes = max(1, int(np.prod(tail, dtype=np.int64)) * self.dtype.itemsize)
+        per_fetch = (max(1, self.fetch_block_bytes // row_bytes) - 1) // step + 1  # wanted rows per GET, ≥ 1
+        pick = (slice(None, None, step), *col_local, *rest)
+        pieces = [
+            self._fetch((start, min(start + (per_fetch - 1) * step + 1, wanted.stop)), cols)[pick]
+            for start in wanted[::per_fetch]
+        ]
+        if not pieces:
+            empty: np.ndarray = self._fetch((r0, r0), cols)[pick]
+            return empty
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         whole = self[...]
@@ -141,11 +182,12 @@ class RemoteResult:
 
 
 class _ArraySink:
-    """A file-like sink that parses the .npy header, then copies the data straight into a preallocated array."""
+    """A file-like sink that parses the .npy header, then copies the data straight into an array: ``out`` when given
+    (the header must match it), else one allocated from the header (``result()``)."""
 
-    def __init__(self, out: np.ndarray) -> None:
+    def __init__(self, out: np.ndarray | None) -> None:
         self.out = out
-        self.flat = out.reshape(-1).view(np.uint8)
+        self.flat = None if out is None else out.reshape(-1).view(np.uint8)
         self.head = b""
         self.offset: int | None = None
         self.filled = 0
@@ -161,12 +203,15 @@ class _ArraySink:
             self.offset = 10 + header_len
             stream = io.BytesIO(self.head[: self.offset])
             np.lib.format.read_magic(stream)
-            shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
-            if tuple(shape) != self.out.shape or np.dtype(dtype) != self.out.dtype:
-                raise NtkServiceError(
-                    f"RemoteResult: the server sent {tuple(shape)} {dtype}, expected {self.out.shape} {self.out.dtype}"
-                )
+            shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(stream)
+            if self.out is None and not fortran_order and not np.dtype(dtype).hasobject:
+                self.out = np.empty(shape, dtype=dtype)
+                self.flat = self.out.reshape(-1).view(np.uint8)
+            if self.out is None or tuple(shape) != self.out.shape or np.dtype(dtype) != self.out.dtype:
+                expected = "a C-order numeric array" if self.out is None else f"{self.out.shape} {self.out.dtype}"
+                raise NtkServiceError(f"RemoteResult: the server sent {tuple(shape)} {dtype}, expected {expected}")
             chunk, self.head = self.head[self.offset :], b""
+        assert self.flat is not None  # set with the header
         end = self.filled + len(chunk)
         if end > self.flat.size:
             raise NtkServiceError(f"RemoteResult: the server sent more than the {self.flat.size} bytes expected")
@@ -174,9 +219,22 @@ class _ArraySink:
         self.filled = end
         return len(chunk)
 
-    def check(self) -> None:
-        if self.filled != self.flat.size:
-            raise NtkServiceError(f"RemoteResult: got {self.filled} of {self.flat.size} bytes")
+    def result(self) -> np.ndarray:
+        """The array, once every byte arrived. Raises NtkServiceError when some are missing."""
+        if self.out is None or self.flat is None or self.filled != self.flat.size:
+            expected = "a header" if self.flat is None else f"{self.flat.size} bytes"
+            raise NtkServiceError(f"RemoteResult: got {self.filled} bytes of the data, expected {expected}")
+        return self.out
+
+
+def fetch_npy(
+    client: JobsClient, job_id: str, params: Mapping[str, str | None], out: np.ndarray | None = None
+) -> np.ndarray:
+    """A result (or a block) streamed as ``.npy`` straight into ``out`` (or an array allocated from the header):
+    the data is held once, never as a response body and an array beside it."""
+    sink = _ArraySink(out)
+    stream_npy(client, f"/v1/jobs/{job_id}/result", params, sink)
+    return sink.result()
 
 
 def download_to(client: JobsClient, job_id: str, path: Path, params: Mapping[str, str | None]) -> np.ndarray:

@@ -196,6 +196,7 @@ class JobManager:
         self._runs: dict[str, _Run] = {}
         self._cancelled: set[str] = set()
         self._readers: dict[str, int] = {}
+        self._deleting: set[str] = set()
         self._thread: threading.Thread | None = None
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
@@ -462,6 +463,7 @@ class JobManager:
         Raises:
             JobNotFound: no such job (404).
             JobNotFinished: the job has not succeeded (409): queued, running, failed or cancelled.
+            ResultNotFound: the result was deleted, or is not on disk (404).
         """
         record = self.store.get_job(job_id)
         if record.result_deleted_at is not None:
@@ -475,7 +477,13 @@ class JobManager:
                 f"jobs: job {job_id} is {record.status.value} ({record.tiles_done}/{record.tiles_total} tiles){why}; "
                 "its result can be read once it has succeeded (watch GET /v1/jobs/{id}/events)"
             )
-        return record, ResultArray.open(self._result_path(job_id), plan=plan_of(record.spec))
+        path = self._result_path(job_id)
+        if not (path / "zarr.json").is_file():  # being deleted right now, or removed from disk by hand
+            raise ResultNotFound(
+                f"jobs: the result of job {job_id} is not on disk (deleted while being opened, or removed outside "
+                f"the server); delete the job (DELETE /v1/jobs/{job_id}) and submit it again"
+            )
+        return record, ResultArray.open(path, plan=plan_of(record.spec))
 
     @contextmanager
     def reading(self, job_id: str) -> Iterator[None]:
@@ -498,18 +506,28 @@ class JobManager:
             keep_record: keep the job's record (its status, spec, times) with ``result_deleted_at`` set.
                 Default: False (the job disappears; a later GET is a 404).
 
+        A record kept by an earlier deletion (or by a deletion a crash cut off) is removed by a later one without
+        ``keep_record`` (0 bytes freed): otherwise nothing could ever remove it.
+
         Returns:
             Deletion with the bytes freed on disk.
 
         Raises:
             JobNotFound: no such job (404), e.g. deleted already.
-            ResultNotFound: the result was already deleted, the record kept (404).
+            ResultNotFound: the result was already deleted and ``keep_record`` asks to keep the record, or a
+                concurrent deletion of it is under way (404).
             Conflict: the job is still queued or running (cancel it first), its cancelled tiles are still finishing,
                 or its result is being downloaded (409).
         """
         record = self.store.get_job(job_id)
         if record.result_deleted_at is not None:
-            raise ResultNotFound(f"jobs: the result of job {job_id} was already deleted; nothing to delete")
+            if keep_record:
+                raise ResultNotFound(f"jobs: the result of job {job_id} was already deleted; nothing to delete")
+            if not self.store.delete_job(job_id):
+                raise JobNotFound(f"jobs: no job with id {job_id!r}; list jobs with GET /v1/jobs")
+            logger.info("jobs: deleted the record of %s (its result was deleted before)", job_id)
+            self._bump(job_id)
+            return Deletion(job_id=job_id, freed_bytes=0, record_kept=False)
         if not record.is_finished:
             raise Conflict(
                 f"jobs: job {job_id} is {record.status.value}; cancel it first (DELETE /v1/jobs/{job_id} cancels a "
@@ -520,19 +538,27 @@ class JobManager:
                 raise Conflict(
                     f"jobs: job {job_id} was cancelled and its running tiles are still finishing; retry in a moment"
                 )
+            if job_id in self._deleting:  # a concurrent DELETE of the same job got here first
+                raise ResultNotFound(f"jobs: the result of job {job_id} is already being deleted; nothing to delete")
             readers = self._readers.get(job_id, 0)
             if readers:
                 raise Conflict(
                     f"jobs: the result of job {job_id} is being downloaded ({readers} download(s)); retry when "
                     "they have finished"
                 )
+            self._deleting.add(job_id)
+        try:
             trash = move_aside(self.results_dir, job_id)  # atomic: from here no reader can open it
-        freed = tree_bytes(trash) if trash.exists() else 0
-        if keep_record:
-            self.store.mark_result_deleted(job_id)
-        elif not self.store.delete_job(job_id):
-            raise JobNotFound(f"jobs: no job with id {job_id!r}; list jobs with GET /v1/jobs")
-        shutil.rmtree(trash, ignore_errors=True)
+            freed = tree_bytes(trash) if trash.exists() else 0
+            if keep_record:
+                if not self.store.mark_result_deleted(job_id):
+                    raise ResultNotFound(f"jobs: the result of job {job_id} was already deleted; nothing to delete")
+            elif not self.store.delete_job(job_id):
+                raise JobNotFound(f"jobs: no job with id {job_id!r}; list jobs with GET /v1/jobs")
+            shutil.rmtree(trash, ignore_errors=True)
+        finally:
+            with self._lock:
+                self._deleting.discard(job_id)
         logger.info("jobs: deleted the result of %s (%s freed)", job_id, format_bytes(freed))
         self._bump(job_id)
         return Deletion(job_id=job_id, freed_bytes=freed, record_kept=keep_record)

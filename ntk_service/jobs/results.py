@@ -52,7 +52,9 @@ __all__ = [
     "RESULT_GROUP_NAME",
     "ResultArray",
     "dimension_names",
+    "is_half_created",
     "migrate_legacy",
+    "result_attributes_at",
     "mirror_theta",
     "parse_range",
     "provenance",
@@ -192,6 +194,27 @@ def plan_from_attributes(attributes: dict[str, Any], *, path: Path) -> tuple[Til
     return plan, int(attributes["k"])
 
 
+def result_attributes_at(path: Path) -> dict[str, Any] | None:
+    """The group attributes of the ntk-service result at ``path``, or None when ``path`` holds no such result
+    (read from ``zarr.json`` alone: nothing else is opened)."""
+    try:
+        metadata = json.loads((path / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return None
+    attributes = metadata.get("attributes") if isinstance(metadata, dict) else None
+    if not isinstance(attributes, dict) or attributes.get("format") != FORMAT_NAME:
+        return None
+    return attributes
+
+
+def is_half_created(path: Path) -> bool:
+    """True for a result group whose creation was cut off (its attributes are written, ``theta`` or the ledger is
+    not): no tile of it can have been written, since tiles are written only after ``ResultArray.create`` returns."""
+    if result_attributes_at(path) is None:
+        return False
+    return not ((path / _THETA / "zarr.json").is_file() and (path / _LEDGER / "zarr.json").is_file())
+
+
 def _ledger_size(plan: TilePlan) -> int:
     return max(t.id for t in plan.tiles) + 1
 
@@ -276,6 +299,11 @@ class ResultArray:
         attributes = dict(group.attrs.asdict())
         if plan is None:
             plan, _ = plan_from_attributes(attributes, path=Path(path))
+        if is_half_created(Path(path)):
+            raise InvalidInput(
+                f"open_result: the result at {str(path)!r} was never fully created (its creation was cut off: theta "
+                "or tiles/done is missing) and holds no tile; run compute_ntk_tiled with this out again to start it"
+            )
         return cls(path, plan, group)
 
     @property
@@ -397,8 +425,9 @@ def migrate_legacy(
     elif not _is_half_migrated(group_path):
         return False
     group = zarr.open_group(str(group_path), mode="r+", use_consolidated=False)
-    legacy_attributes: Any = group.attrs.get("legacy_attributes") or {}
-    old = dict(legacy_attributes)
+    legacy_attributes: Any = group.attrs.get("legacy_attributes")
+    # Cut off after the new attributes were written: they already hold the old ones, keep them as they are.
+    old = dict(legacy_attributes) if legacy_attributes is not None else dict(group.attrs.asdict())
     _set_dimension_names(group_path / _THETA / "zarr.json", dimension_names(plan.mode))
     _create_ledger(group, plan)
     ledger: Any = group[_LEDGER]
@@ -427,12 +456,16 @@ def migrate_legacy(
 
 
 def _is_half_migrated(group_path: Path) -> bool:
-    # A migration cut off after the rename: the group still carries only the old attributes.
+    # A migration cut off after the rename (the group still carries only the old attributes), or after the new
+    # attributes but before the consolidated metadata, which is written last.
     try:
         metadata = json.loads((group_path / "zarr.json").read_text())
     except FileNotFoundError:
         return False
-    return "legacy_attributes" in metadata.get("attributes", {})
+    attributes = metadata.get("attributes", {})
+    if "legacy_attributes" in attributes:
+        return True
+    return attributes.get("migrated_from") == LEGACY_ARRAY_NAME and not metadata.get("consolidated_metadata")
 
 
 def _set_dimension_names(metadata_path: Path, names: tuple[str, ...]) -> None:

@@ -36,7 +36,7 @@ from ntk_service.jobs.executors.local import LocalExecutor
 from ntk_service.jobs.executors.ray import RayExecutor
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, plan_tiles
 from ntk_service.jobs.records import JobSpec
-from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray
+from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
 from ntk_service.jobs.view import ResultView, open_result
 from ntk_service.kernels import compute_ntk, model_device, parse_device, place_module
 from ntk_service.kernels.modes import KernelMode, parse_mode
@@ -133,7 +133,8 @@ def compute_ntk_tiled(
         memory_budget_bytes (int | None): the engine's budget per tile. Default: the stored one when resuming,
             else the engine's default now (stored, so a resumed run chunks the same way).
         resume (bool): continue a result already at ``out`` (it must be of the same computation, see NOTE
-            [tiled resume]); False starts over and overwrites ``out``. Default: True.
+            [tiled resume]); False starts over and overwrites ``out``, which must then be a result of
+            ``compute_ntk_tiled``, an empty folder or absent (never another folder). Default: True.
         executor: "local" (this process), "ray" (Ray tasks; a local Ray unless one is initialised), or an
             Executor. Default: "local".
         progress (bool): a progress bar (tiles/s, ETA) on stderr; silent when stderr is not a terminal.
@@ -150,7 +151,9 @@ def compute_ntk_tiled(
     Raises:
         InvalidInput, ShapeMismatch, UnknownMode, ...: bad arguments (found by a one-example probe before
             anything is written).
-        InvalidInput: ``out`` holds a different computation (or something that is not a result) and resume=True.
+        InvalidInput: ``out`` holds a different computation (or something that is not a result) and resume=True;
+            ``out`` holds something that is not a result of ``compute_ntk_tiled`` (a server job's result included)
+            and resume=False.
         MemoryEstimateExceeded: one tile does not fit the memory budget even at the smallest chunks.
     """
     kernel_mode = parse_mode(mode)
@@ -167,6 +170,8 @@ def compute_ntk_tiled(
     m = None if t2 is None else int(t2.shape[0])
     plan = plan_tiles(n=int(t1.shape[0]), m=m, tile_size=tile_size, mode=kernel_mode)
     path = Path(out).absolute()  # Ray workers run elsewhere (their own cwd): they get the absolute path
+    if not resume:
+        _check_overwritable(path)
     existing = _existing(path) if resume else None
     dev = model_device(model) if device is None else parse_device(device, operation="compute_ntk_tiled")
     runner, owned = _executor(executor, dev)
@@ -242,13 +247,36 @@ def _outputs(model: nn.Module, x1: torch.Tensor) -> int:
         return int(model(x1[:1]).reshape(1, -1).shape[1])
 
 
+def _refuse_server_result(path: Path) -> None:
+    job_id = (result_attributes_at(path) or {}).get("job_id")
+    if job_id is not None:
+        raise InvalidInput(
+            f"compute_ntk_tiled: out={str(path)!r} is the result of the server's job {job_id}; writing into it would "
+            "corrupt that job: choose another out (open_result reads it)"
+        )
+
+
+def _check_overwritable(path: Path) -> None:
+    """resume=False overwrites ``out``: only ever a result of compute_ntk_tiled (or nothing, or an empty folder),
+    never a folder that holds anything else (Zarr's overwrite removes the whole folder)."""
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())):
+        return
+    if result_attributes_at(path) is None:
+        raise InvalidInput(
+            f"compute_ntk_tiled: out={str(path)!r} exists and is not a result of compute_ntk_tiled; resume=False "
+            "would delete everything in it: choose a new out (e.g. 'kernel.zarr'), or remove it yourself"
+        )
+    _refuse_server_result(path)
+
+
 def _existing(path: Path) -> ResultArray | None:
-    if not path.exists():
-        return None
+    if not path.exists() or (path.is_dir() and not any(path.iterdir())) or is_half_created(path):
+        return None  # nothing yet, or a creation cut off before any tile could be written: create it anew
     if not (path / "zarr.json").exists() and (path / RESULT_GROUP_NAME).exists():
         raise InvalidInput(
             f"compute_ntk_tiled: {str(path)!r} is a folder holding a result; pass out={str(path / RESULT_GROUP_NAME)!r}"
         )
+    _refuse_server_result(path)
     try:
         return ResultArray.open(path)
     except InvalidInput as exc:

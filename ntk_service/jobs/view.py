@@ -15,6 +15,7 @@ reads] in ``results.py``), whichever way it is read here; plain Zarr or ``xarray
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,11 @@ from ntk_service.errors import InvalidInput, OptionalDependencyMissing
 from ntk_service.jobs.results import LEGACY_ARRAY_NAME, RESULT_GROUP_NAME, ResultArray, dimension_names
 from ntk_service.kernels.modes import KernelMode
 
-__all__ = ["ResultView", "open_result"]
+__all__ = ["READ_BLOCK_BYTES", "ResultView", "open_result"]
+
+READ_BLOCK_BYTES = 64 * 2**20
+"""A strided or indexed read (``result[::10, ::10]``) reads at most this much of the kernel at a time (at least one
+row), then keeps only the wanted entries: its memory is the answer plus one such block, not the bounding block."""
 
 
 def _bounds(key: Any, size: int, axis: str) -> tuple[int, int, int | None, int]:
@@ -68,10 +73,19 @@ class ResultView:
         mode: the KernelMode. symmetric: x2 was omitted (only the upper tiles are stored).
         attrs: the result's metadata (model, weights hash, data-set rows, versions, format version, ...).
         rows, cols: the block's row and column range in the whole result.
+        read_block_bytes: the most a strided or indexed read reads at a time (see ``READ_BLOCK_BYTES``).
     """
 
-    def __init__(self, store: ResultArray, rows: tuple[int, int], cols: tuple[int, int] | None) -> None:
+    def __init__(
+        self,
+        store: ResultArray,
+        rows: tuple[int, int],
+        cols: tuple[int, int] | None,
+        *,
+        read_block_bytes: int = READ_BLOCK_BYTES,
+    ) -> None:
         self._store = store
+        self.read_block_bytes = read_block_bytes
         self.rows = rows
         self.cols = cols
         self.mode: KernelMode = store.plan.mode
@@ -97,8 +111,12 @@ class ResultView:
         return f"ResultView({str(self.path)!r}, shape={self.shape}, dims={self.dims}, dtype={self.dtype})"
 
     def __getitem__(self, key: Any) -> Any:
-        """Slices of the example axes give a lazy ResultView; integers, steps or output-axis indices read the
-        block now and return numpy (reading only the chunks the block needs)."""
+        """Slices (step 1) of the example axes give a lazy ResultView; integers, steps or output-axis indices read
+        the block now and return numpy, row group by row group (at most ``READ_BLOCK_BYTES`` read at a time beyond
+        the answer), so ``result[::100, ::100]`` never reads the whole kernel into memory at once.
+
+        Out-of-range slice bounds are clipped as numpy clips them (``result[10:20]`` of 11 rows has 1 row);
+        an out-of-range integer raises IndexError; a negative step raises InvalidInput."""
         parts = key if isinstance(key, tuple) else (key,)
         if any(p is Ellipsis for p in parts):
             at = parts.index(Ellipsis)
@@ -107,18 +125,35 @@ class ResultView:
             raise IndexError(f"ResultView: {len(parts)} indices for a result of {self.ndim} dimensions")
         n_example_axes = 1 if self.cols is None else 2
         example, rest = parts[:n_example_axes], parts[n_example_axes:]
-        r0, r1, r_index, r_step = _bounds(example[0], self.shape[0], "rows")
-        rows = (self.rows[0] + r0, self.rows[0] + r1)
+        r0, r1, r_index, r_step = _bounds(example[0] if example else slice(None), self.shape[0], "rows")
         cols = self.cols
-        local: list[Any] = [slice(None, None, r_step) if r_index is None else 0]
+        c_local: list[Any] = []
+        lazy = r_index is None and r_step == 1 and not rest
         if self.cols is not None:
             c0, c1, c_index, c_step = _bounds(example[1] if len(example) > 1 else slice(None), self.shape[1], "cols")
             cols = (self.cols[0] + c0, self.cols[0] + c1)
-            local.append(slice(None, None, c_step) if c_index is None else 0)
-        block = ResultView(self._store, rows, cols)
-        if all(isinstance(p, slice) for p in local) and all(p == slice(None) for p in local) and not rest:
-            return block
-        return block.to_numpy()[tuple(local) + tuple(rest)]
+            c_local.append(slice(None, None, c_step) if c_index is None else 0)
+            lazy = lazy and c_index is None and c_step == 1
+        if lazy:
+            return self._sub((self.rows[0] + r0, self.rows[0] + r1), cols)
+        if r_index is not None:
+            block = self._sub((self.rows[0] + r_index, self.rows[0] + r_index + 1), cols)
+            return block.to_numpy()[(0, *c_local, *rest)]
+        wanted = range(self.rows[0] + r0, self.rows[0] + r1, r_step)
+        tail = (() if cols is None else (cols[1] - cols[0],)) + self._store.shape[1 if cols is None else 2 :]
+        row_bytes = max(1, math.prod(tail) * self.dtype.itemsize)
+        per_read = (max(1, self.read_block_bytes // row_bytes) - 1) // r_step + 1  # wanted rows per read, ≥ 1
+        pick = (slice(None, None, r_step), *c_local, *rest)
+        pieces = [
+            self._sub((start, min(start + (per_read - 1) * r_step + 1, wanted.stop)), cols).to_numpy()[pick]
+            for start in wanted[::per_read]
+        ]
+        if not pieces:
+            return self._sub((wanted.start, wanted.start), cols).to_numpy()[pick]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
+
+    def _sub(self, rows: tuple[int, int], cols: tuple[int, int] | None) -> ResultView:
+        return ResultView(self._store, rows, cols, read_block_bytes=self.read_block_bytes)
 
     def to_numpy(self) -> np.ndarray:
         """Read the block: (R, C, ...) numpy, mirrored below the diagonal."""
@@ -171,13 +206,17 @@ class ResultView:
         return xr.DataArray(self.to_dask(), dims=self.dims, name="theta", attrs=attrs)
 
 
-def open_result(path: str | Path, *, allow_incomplete: bool = False) -> ResultView:
+def open_result(
+    path: str | Path, *, allow_incomplete: bool = False, read_block_bytes: int = READ_BLOCK_BYTES
+) -> ResultView:
     """Open a stored kernel (a job's or ``compute_ntk_tiled``'s) as a lazy, symmetry-aware view.
 
     Args:
         path: the ``result.zarr`` group, or the folder holding it (a job's directory).
         allow_incomplete: open a result whose tiles are not all written yet (missing tiles read as 0).
             Default: False.
+        read_block_bytes: the most a strided or indexed read (``result[::10, ::10]``) reads at a time, at least
+            one row. Default: ``READ_BLOCK_BYTES`` (64 MiB).
 
     Returns:
         ResultView of the whole kernel: (N, M, k, k) FULL, (N, M) TRACE, (N, M, k) OUTPUT_DIAGONAL, (N, k, k)
@@ -205,4 +244,6 @@ def open_result(path: str | Path, *, allow_incomplete: bool = False) -> ResultVi
         )
     plan = store.plan
     cols = None if plan.mode is KernelMode.EXAMPLE_DIAGONAL else (0, plan.m)
-    return ResultView(store, (0, plan.n), cols)
+    if read_block_bytes < 1:
+        raise InvalidInput(f"open_result: read_block_bytes must be ≥ 1, got {read_block_bytes}")
+    return ResultView(store, (0, plan.n), cols, read_block_bytes=read_block_bytes)

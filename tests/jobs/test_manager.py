@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,6 +23,7 @@ from ntk_service.errors import (
     DiskEstimateExceeded,
     InvalidInput,
     JobNotFinished,
+    JobNotFound,
     ModelNotFound,
     NoMatchingParameters,
     ResultNotFound,
@@ -28,7 +31,8 @@ from ntk_service.errors import (
     UnknownMode,
 )
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
-from ntk_service.jobs.manager import DiskUsage, plan_of
+from ntk_service.jobs import manager as manager_module
+from ntk_service.jobs.manager import Deletion, DiskUsage, plan_of
 from ntk_service.jobs.results import mirror_theta
 from ntk_service.kernels import KernelMode, compute_ntk
 from ntk_service.results import open_result
@@ -324,7 +328,10 @@ def test_delete_refuses_unfinished_jobs_and_results_being_read(
     with pytest.raises(ResultNotFound, match="was deleted"):
         manager.read_result(job.id)
     with pytest.raises(ResultNotFound, match="already deleted"):
-        manager.delete(job.id)
+        manager.delete(job.id, keep_record=True)
+    assert manager.delete(job.id) == Deletion(job_id=job.id, freed_bytes=0, record_kept=False)  # the record goes
+    with pytest.raises(JobNotFound):
+        manager.get(job.id)
 
 
 def test_a_deletion_cut_off_by_a_crash_is_finished_at_the_next_start(
@@ -339,3 +346,52 @@ def test_a_deletion_cut_off_by_a_crash_is_finished_at_the_next_start(
     second = make_manager()
     assert not (jobs_dir / f".deleting-{job.id}").exists()
     assert second.get(job.id).result_deleted_at is not None
+    assert second.delete(job.id).freed_bytes == 0  # whatever that deletion meant to keep, the record can go now
+    with pytest.raises(JobNotFound):
+        second.get(job.id)
+
+
+def test_two_deletions_at_once_delete_once_and_the_other_is_a_404(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = make_manager()
+    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=4)
+    wait_finished(manager, job.id)
+    measure = manager_module.tree_bytes
+
+    def slow_measure(path: Path) -> int:  # widens the window between the rename and the record update
+        time.sleep(0.3)
+        return measure(path)
+
+    monkeypatch.setattr(manager_module, "tree_bytes", slow_measure)
+    outcomes: list[object] = []
+
+    def delete() -> None:
+        try:
+            outcomes.append(manager.delete(job.id, keep_record=True))
+        except Exception as exc:  # noqa: BLE001 - the outcome is what is checked
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=delete) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(10)
+    deleted = [o for o in outcomes if isinstance(o, Deletion)]
+    refused = [o for o in outcomes if isinstance(o, ResultNotFound)]
+    assert len(deleted) == 1 and len(refused) == 1, outcomes
+    assert deleted[0].freed_bytes > job.estimate_bytes
+    assert not list((jobs_env.data_dir / "jobs").glob(f"*{job.id}*"))
+
+
+def test_a_result_missing_on_disk_is_a_404_not_an_invalid_input(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    manager = make_manager()
+    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=4)
+    wait_finished(manager, job.id)
+    shutil.rmtree(jobs_env.data_dir / "jobs" / job.id)  # removed by hand (or renamed by a deletion under way)
+    with pytest.raises(ResultNotFound, match="is not on disk"):
+        manager.open_result(job.id)
+    assert manager.delete(job.id).freed_bytes == 0  # the record can still be deleted

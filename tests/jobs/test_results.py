@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import zarr
 
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs.planner import plan_tiles
-from ntk_service.jobs.results import FORMAT_VERSION, ResultArray, mirror_theta, parse_range
+from ntk_service.jobs.results import FORMAT_VERSION, ResultArray, migrate_legacy, mirror_theta, parse_range
 from ntk_service.kernels import KernelMode
 
 MODES = [KernelMode.FULL, KernelMode.TRACE, KernelMode.OUTPUT_DIAGONAL]
@@ -92,3 +93,46 @@ def test_parse_range() -> None:
         parse_range("5:11", 10, axis="rows")
     with pytest.raises(InvalidInput, match="not a range"):
         parse_range("5", 10, axis="rows")
+
+
+def _legacy_job(job_dir: Path, theta: np.ndarray) -> None:
+    """A result as versions before the result group stored it: a bare array <job>/theta.zarr."""
+    legacy = zarr.create_array(
+        store=str(job_dir / "theta.zarr"),
+        shape=theta.shape,
+        chunks=(4, 4),
+        dtype="float64",
+        fill_value=0,
+        compressors=None,
+        attributes={"model": "m", "implementation_used": ["structured"]},
+    )
+    legacy[...] = theta
+
+
+@pytest.mark.parametrize("cut_off", ["after the rename", "before the consolidated metadata"])
+def test_a_migration_cut_off_anywhere_is_finished_by_the_next_and_is_idempotent(tmp_path: Path, cut_off: str) -> None:
+    plan = plan_tiles(n=10, m=None, tile_size=4, mode=KernelMode.TRACE)
+    theta = np.triu(_symmetric_kernel(KernelMode.TRACE, 10, 2))  # stored: the upper tiles (here: more zeros)
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    _legacy_job(job_dir, theta)
+    done = {t.id for t in plan.tiles}
+    group_path = job_dir / "result.zarr"
+    if cut_off == "after the rename":
+        zarr.open_group(str(group_path), mode="w", attributes={"legacy_attributes": {"model": "m"}})
+        (job_dir / "theta.zarr").rename(group_path / "theta")
+    else:
+        assert migrate_legacy(job_dir, plan=plan, k=2, done_tile_ids=done, attributes={"job_id": "j"})
+        metadata = json.loads((group_path / "zarr.json").read_text())
+        metadata.pop("consolidated_metadata")
+        (group_path / "zarr.json").write_text(json.dumps(metadata))
+    assert migrate_legacy(job_dir, plan=plan, k=2, done_tile_ids=done, attributes={"job_id": "j"})
+    assert not migrate_legacy(job_dir, plan=plan, k=2, done_tile_ids=done, attributes={"job_id": "j"})
+    metadata = json.loads((group_path / "zarr.json").read_text())
+    assert metadata["consolidated_metadata"]["metadata"]["theta"]["dimension_names"] == ["x1", "x2"]
+    attributes = metadata["attributes"]
+    assert attributes["format_version"] == FORMAT_VERSION and attributes["model"] == "m"
+    assert attributes["migrated_from"] == "theta.zarr" and "legacy_attributes" not in attributes
+    array = ResultArray.open(group_path, writable=False)
+    assert array.done_tile_ids() == done
+    np.testing.assert_array_equal(array.read()[np.triu_indices(10)], theta[np.triu_indices(10)])

@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import json
 import sqlite3
+import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +22,9 @@ import xarray as xr
 from torch import nn
 
 from ntk_service.client import Client
-from ntk_service.errors import JobNotFound
+from ntk_service.errors import JobNotFound, NtkServiceError, ServiceUnavailable
 from ntk_service.results import open_result
+from ntk_service.server.routes.jobs import stream_pieces
 from tests.conftest import LiveServer, start_live_server
 from tests.jobs.conftest import SLOW_MODEL, TINY_MLP, tiny_model_from_weights
 from tests.reference import reference_ntk
@@ -35,8 +38,10 @@ _SERVER_SETTINGS = {
     "max_binary_response_bytes": str(4096),
     "job_disk_budget_bytes": str(2**20),
     "memory_budget_bytes": str(64 * 2**20),
+    "job_stream_block_bytes": str(100),
 }
-"""64 KiB JSON cap, 4 KiB cap on binary answers built in one piece, 1 MiB disk budget for all job results."""
+"""64 KiB JSON cap, 4 KiB cap on binary answers built in one piece, 1 MiB disk budget for all job results, streamed
+downloads in reads of at most 100 bytes (a row of the FULL float64 job is 720 bytes: it goes in pieces of a row)."""
 
 
 class _Servers:
@@ -302,6 +307,127 @@ def test_download_streams_to_a_file_and_one_piece_answers_are_capped(
         assert not (tmp_path / "missing.npy").exists()
 
 
+@pytest.mark.parametrize(
+    ("rows", "cols", "entry", "block_bytes"),
+    [
+        ((3, 9), (1, 23), (3, 3), 200),  # a row (22 × 72 B) wider than a read: pieces of one row
+        ((3, 9), (1, 23), (3, 3), 10),  # smaller than one entry: one entry per read
+        ((0, 30), (5, 11), (), 100),  # whole rows, at most a tile of them
+        ((2, 19), None, (3, 3), 300),  # EXAMPLE_DIAGONAL: rows only
+    ],
+)
+def test_stream_pieces_cover_the_block_in_order_and_are_bounded_by_bytes(
+    rows: tuple[int, int], cols: tuple[int, int] | None, entry: tuple[int, ...], block_bytes: int
+) -> None:
+    itemsize, tile = 8, 4
+    entry_bytes = int(np.prod(entry, dtype=np.int64)) * itemsize
+    seen: list[tuple[int, int]] = []
+    for (r0, r1), piece_cols in stream_pieces(rows, cols, entry, itemsize, tile, block_bytes):
+        c0, c1 = piece_cols if piece_cols is not None else (0, 1)
+        assert (r1 - r0) * (c1 - c0) * entry_bytes <= max(block_bytes, entry_bytes)
+        assert (r0 // tile == (r1 - 1) // tile) and (c0 // tile == (c1 - 1) // tile or piece_cols == cols)
+        seen += [(r, c) for r in range(r0, r1) for c in range(c0, c1)]
+    c0, c1 = cols if cols is not None else (0, 1)
+    assert seen == [(r, c) for r in range(*rows) for c in range(c0, c1)]  # the .npy body's C order
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype", "with_x2"),
+    [("trace", "float32", False), ("output_diagonal", "float64", True), ("example_diagonal", "float32", False)],
+)
+def test_streamed_download_of_every_mode_and_dtype_is_exact(
+    server: LiveServer, tiny_job: dict[str, Any], mode: str, dtype: str, with_x2: bool
+) -> None:
+    rng = np.random.default_rng(11)
+    x1, x2 = rng.standard_normal((9, 4)).astype(np.float32), rng.standard_normal((6, 4)).astype(np.float32)
+    with server.client() as client:
+        sides = {"x1": {"dataset": _upload(client, x1)}}
+        if with_x2:
+            sides["x2"] = {"dataset": _upload(client, x2)}
+        spec = {"model": "tiny", "mode": mode, "dtype": dtype, "tile_size": 4, **sides}
+        job = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])
+        assert job["status"] == "succeeded", job
+        response = client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": NPY})
+        assert int(response.headers["content-length"]) == len(response.content)
+        theta = _npy(response)
+    assert theta.dtype == np.dtype(dtype)
+    expected = reference_ntk(
+        tiny_job["model"], torch.from_numpy(x1), torch.from_numpy(x2) if with_x2 else None, mode=mode
+    ).numpy()
+    np.testing.assert_allclose(theta, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_result_array_strided_slices_fetch_bounded_blocks(server: LiveServer, tiny_job: dict[str, Any]) -> None:
+    dense = reference_ntk(tiny_job["model"], torch.from_numpy(tiny_job["x1_array"]), mode="full").numpy()
+    keys = [np.s_[1::3, ::2], np.s_[::4, 7], np.s_[2:9:2, 1:10, 0, 2], np.s_[-3:, 12:], np.s_[8:2:1, :], np.s_[9]]
+    with Client(server.url, api_key=server.read_key) as ntk:
+        for fetch_block_bytes in (1, 2**26):  # one row per GET, or everything in one
+            remote = ntk.result_array(tiny_job["id"], fetch_block_bytes=fetch_block_bytes)
+            for key in keys:
+                np.testing.assert_allclose(remote[key], dense[key], rtol=1e-10, atol=1e-12, err_msg=str(key))
+        with server.client() as client:  # 512² float32 trace (1 MiB whole), deleted at the end
+            dataset = _upload(client, np.random.default_rng(3).standard_normal((512, 4)).astype(np.float32))
+            spec = {"model": "tiny", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 256}
+            job = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])
+            try:
+                whole = ntk.result_array(job["id"])[:, :]
+                remote = ntk.result_array(job["id"], fetch_block_bytes=16 * 2**10)
+                tracemalloc.start()
+                try:
+                    strided = remote[::64, 5::64]
+                    _, peak = tracemalloc.get_traced_memory()
+                finally:
+                    tracemalloc.stop()
+                with Client(server.url, api_key=server.read_key, transport_format="npy") as npy_client:
+                    tracemalloc.start()
+                    try:
+                        streamed = npy_client.job_result(job["id"])
+                        _, whole_peak = tracemalloc.get_traced_memory()
+                    finally:
+                        tracemalloc.stop()
+            finally:
+                assert client.delete(f"/v1/jobs/{job['id']}").status_code == 200
+    np.testing.assert_array_equal(strided, whole[::64, 5::64])
+    assert peak < 256 * 2**10, f"an 8 × 8 strided slice peaked at {peak / 2**10:.0f} KiB (the result is 1 MiB)"
+    np.testing.assert_array_equal(streamed, whole)
+    assert whole_peak < 1.5 * whole.nbytes, f"job_result (npy) of 1 MiB peaked at {whole_peak / 2**20:.2f} MiB"
+
+
+@pytest.mark.slow
+def test_a_download_cut_off_by_the_server_dying_says_so_and_leaves_no_file(tmp_path: Path) -> None:
+    # Reads of 64 bytes: the 4 MiB result streams for seconds, long enough to kill the server in the middle.
+    server = start_live_server(tmp_path / "data", keys=False, job_stream_block_bytes="64")
+    try:
+        with server.client(None) as client:
+            _register(client, "tiny", TINY_MLP)
+            dataset = _upload(client, np.random.default_rng(5).standard_normal((1024, 4)).astype(np.float32))
+            spec = {"model": "tiny", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 256}
+            job = _wait(client, client.post("/v1/jobs", json=spec).json()["id"])
+        outcome: list[BaseException] = []
+
+        def download() -> None:
+            with Client(server.url) as ntk:
+                try:
+                    ntk.download_result(job["id"], tmp_path / "theta.npy")
+                except NtkServiceError as exc:
+                    outcome.append(exc)
+
+        thread = threading.Thread(target=download)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "theta.npy.part").exists():
+            assert time.monotonic() < deadline and thread.is_alive(), "the download never started"
+            time.sleep(0.01)
+        time.sleep(2.0)  # the answer has begun (its header comes at once; the body takes about two minutes)
+        server.process.kill()
+        thread.join(30)
+    finally:
+        server.stop()
+    assert len(outcome) == 1 and not isinstance(outcome[0], ServiceUnavailable), outcome
+    assert "the download was cut off" in str(outcome[0])
+    assert not (tmp_path / "theta.npy").exists() and not (tmp_path / "theta.npy.part").exists()
+
+
 def _metric(client: httpx.Client, name: str) -> float:
     for line in client.get("/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -313,7 +439,9 @@ def _tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def test_delete_frees_the_disk_and_the_budget_and_a_second_delete_is_a_404(server: LiveServer) -> None:
+def test_delete_frees_the_disk_and_the_budget_and_a_second_delete_is_a_404(
+    server: LiveServer, tiny_job: dict[str, Any]
+) -> None:  # tiny_job: the model 'tiny' is registered
     with server.client() as client:
         # 512 examples, trace, tiles of 256: 3 stored tiles of 256² float32 = 768 KiB of the 1 MiB budget.
         dataset = _upload(client, np.random.default_rng(7).standard_normal((512, 4)).astype(np.float32))
@@ -344,10 +472,14 @@ def test_delete_frees_the_disk_and_the_budget_and_a_second_delete_is_a_404(serve
         assert record["status"] == "succeeded" and record["result_deleted_at"] is not None
         gone = client.get(f"/v1/jobs/{second['id']}/result", headers={"Accept": NPY})
         assert gone.status_code == 404 and gone.json()["error"]["type"] == "result_not_found"
-        twice = client.delete(f"/v1/jobs/{second['id']}")
+        twice = client.delete(f"/v1/jobs/{second['id']}", params={"keep_record": "true"})
         assert twice.status_code == 404 and "already deleted" in twice.json()["error"]["message"]
     with server.client("read") as reader:
         assert reader.delete(f"/v1/jobs/{second['id']}").status_code == 403
+    with server.client() as client:  # the kept record itself can still go
+        record_gone = client.delete(f"/v1/jobs/{second['id']}")
+        assert record_gone.json() == {"id": second["id"], "deleted": "job", "freed_bytes": 0}
+        assert client.get(f"/v1/jobs/{second['id']}").status_code == 404
 
 
 def test_jobs_over_data_set_row_ranges(server: LiveServer, tiny_job: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +21,8 @@ import zarr
 from torch import nn
 
 from ntk_service.errors import InvalidInput
+from ntk_service.jobs.planner import plan_tiles
+from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import KernelMode
 from ntk_service.results import FORMAT_VERSION, compute_ntk_tiled, open_result
 from tests.jobs.factories import slow_tiled_problem
@@ -228,3 +231,46 @@ def test_kill_9_mid_run_then_resume_is_bitwise_equal_and_recomputes_no_done_tile
     np.testing.assert_allclose(resumed.to_numpy(), reference, rtol=1e-4, atol=1e-6)
     meta = json.loads((interrupted / "zarr.json").read_text())["attributes"]
     assert meta["tiles_total"] == 21 and meta["symmetric"] is True
+
+
+def test_resume_false_never_deletes_a_folder_that_is_not_its_result(tmp_path: Path, x: torch.Tensor) -> None:
+    model = _model()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("keep me")
+    with pytest.raises(InvalidInput, match="not a result of compute_ntk_tiled; resume=False would delete"):
+        compute_ntk_tiled(model, x, out=project, mode="trace", tile_size=4, resume=False, progress=False)
+    assert (project / "notes.txt").read_text() == "keep me"
+    # A server job's result is an ntk-service result, but not this call's to overwrite or resume into.
+    job_result = tmp_path / "jobs" / "abc" / "result.zarr"
+    ResultArray.create(
+        job_result,
+        plan=plan_tiles(n=11, m=None, tile_size=4, mode=KernelMode.TRACE),
+        k=3,
+        dtype="float32",
+        attributes={"job_id": "abc"},
+    )
+    for resume in (True, False):
+        with pytest.raises(InvalidInput, match="is the result of the server's job abc"):
+            compute_ntk_tiled(model, x, out=job_result, mode="trace", tile_size=4, resume=resume, progress=False)
+    assert (job_result / "zarr.json").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    view = compute_ntk_tiled(model, x, out=empty, mode="trace", tile_size=4, dtype="float64", progress=False)
+    np.testing.assert_allclose(np.asarray(view), reference_ntk(model, x, mode="trace").numpy(), rtol=1e-10)
+
+
+def test_a_result_whose_creation_was_cut_off_is_created_anew(tmp_path: Path, x: torch.Tensor) -> None:
+    model = _model()
+    out = tmp_path / "k.zarr"
+    compute_ntk_tiled(model, x, out=out, mode="trace", tile_size=4, dtype="float64", progress=False)
+    # As if killed inside ResultArray.create: the group's attributes written, the ledger (and the consolidated
+    # metadata, written last) not yet.
+    shutil.rmtree(out / "tiles")
+    metadata = json.loads((out / "zarr.json").read_text())
+    metadata.pop("consolidated_metadata", None)
+    (out / "zarr.json").write_text(json.dumps(metadata))
+    with pytest.raises(InvalidInput, match="never fully created"):
+        open_result(out)
+    view = compute_ntk_tiled(model, x, out=out, mode="trace", tile_size=4, dtype="float64", progress=False)
+    np.testing.assert_allclose(np.asarray(view), reference_ntk(model, x, mode="trace").numpy(), rtol=1e-10)

@@ -19,7 +19,7 @@ import asyncio
 import io
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -48,7 +48,6 @@ from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, QUERY
 from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = [
-    "STREAM_BLOCK_BYTES",
     "JobCreate",
     "JobDeleted",
     "JobPublic",
@@ -56,6 +55,7 @@ __all__ = [
     "router",
     "start_jobs",
     "stop_jobs",
+    "stream_pieces",
 ]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -390,7 +390,7 @@ async def job_result(
     download = await anyio.to_thread.run_sync(prepare)
     values = math.prod(download.shape)
     if media == wire.MEDIA_NPY:
-        return _stream_npy(manager, download)
+        return _stream_npy(manager, download, settings.job_stream_block_bytes)
     if media == wire.MEDIA_JSON and values * _MIN_JSON_BYTES_PER_VALUE > cap:
         size = f"at least {format_bytes(values * _MIN_JSON_BYTES_PER_VALUE)}"
         raise json_too_large(size, cap, operation="job result", hint=_SLICE_HINT)
@@ -414,10 +414,6 @@ async def job_result(
 
 _SLICE_HINT = ", or download a slice with ?rows=a:b&cols=c:d"
 
-STREAM_BLOCK_BYTES = 32 * 2**20
-"""A streamed download reads and sends at most this much at a time (at least one row): the server never holds
-more than one such block of a result, however large the result."""
-
 
 @dataclass(frozen=True, slots=True)
 class _Download:
@@ -438,23 +434,51 @@ def _check_still_there(download: _Download) -> None:
         raise ResultNotFound(f"jobs: the result of job {download.job_id} was deleted while it was being read")
 
 
-def _row_blocks(download: _Download) -> list[tuple[int, int]]:
-    """Row ranges of at most STREAM_BLOCK_BYTES each, cut at tile boundaries (each read touches whole tiles)."""
-    r0, r1 = download.rows
-    tile = download.array.plan.tile_size
-    row_bytes = math.prod(download.shape[1:]) * download.array.dtype.itemsize
-    step = max(1, min(tile, STREAM_BLOCK_BYTES // max(row_bytes, 1)))
-    blocks = []
-    start = r0
-    while start < r1:
-        boundary = (start // tile + 1) * tile
-        stop = min(r1, boundary, start + step)
-        blocks.append((start, stop))
-        start = stop
-    return blocks
+Piece = tuple[tuple[int, int], tuple[int, int] | None]
+"""The rows and columns of one read of a streamed download."""
 
 
-def _stream_npy(manager: JobManager, download: _Download) -> Response:
+def stream_pieces(
+    rows: tuple[int, int],
+    cols: tuple[int, int] | None,
+    entry_shape: tuple[int, ...],
+    itemsize: int,
+    tile_size: int,
+    block_bytes: int,
+) -> Iterator[Piece]:
+    """The reads of a streamed download of ``rows × cols``, in the order of the ``.npy`` body (C order).
+
+    Each read is at most ``block_bytes`` (at least one entry ``(k, k)``), cut at tile boundaries so it touches whole
+    tiles: blocks of whole rows, or, when one row is wider than ``block_bytes`` (a wide FULL kernel), pieces of one
+    row (a row's entries are contiguous in the body).
+
+    Args:
+        rows, cols: the block; cols None for EXAMPLE_DIAGONAL.
+        entry_shape: the shape of one (row, col) entry: (k, k) FULL, () TRACE, (k,) OUTPUT_DIAGONAL; for
+            EXAMPLE_DIAGONAL the shape of one row, (k, k).
+        itemsize: bytes per value. tile_size: the result's tile size. block_bytes: the most one read may take.
+    """
+    r0, r1 = rows
+    entry_bytes = math.prod(entry_shape) * itemsize
+    row_bytes = entry_bytes * (1 if cols is None else cols[1] - cols[0])
+    if cols is None or row_bytes <= block_bytes:
+        step = max(1, min(tile_size, block_bytes // max(row_bytes, 1)))
+        start = r0
+        while start < r1:
+            stop = min(r1, (start // tile_size + 1) * tile_size, start + step)
+            yield (start, stop), cols
+            start = stop
+        return
+    width = max(1, block_bytes // max(entry_bytes, 1))
+    for row in range(r0, r1):
+        start = cols[0]
+        while start < cols[1]:
+            stop = min(cols[1], (start // tile_size + 1) * tile_size, start + width)
+            yield (row, row + 1), (start, stop)
+            start = stop
+
+
+def _stream_npy(manager: JobManager, download: _Download, block_bytes: int) -> Response:
     """The block as a streamed ``.npy``: the header (shape and dtype are known up front), then row blocks in order.
 
     ``Content-Length`` is exact, so a client can tell a complete download from a cut one.
@@ -467,16 +491,20 @@ def _stream_npy(manager: JobManager, download: _Download) -> Response:
     head = header.getvalue()
     length = len(head) + math.prod(download.shape) * dtype.itemsize
 
-    def read_block(block: tuple[int, int]) -> bytes:
-        theta = download.array.read(rows=block, cols=download.cols)
+    def read_piece(piece: Piece) -> bytes:
+        theta = download.array.read(rows=piece[0], cols=piece[1])
         _check_still_there(download)
         return np.ascontiguousarray(theta, dtype=dtype).tobytes()
+
+    entry_shape = download.shape[1:] if download.cols is None else download.shape[2:]
+    plan = download.array.plan
+    pieces = stream_pieces(download.rows, download.cols, entry_shape, dtype.itemsize, plan.tile_size, block_bytes)
 
     async def body() -> AsyncIterator[bytes]:
         with manager.reading(download.job_id):
             yield head
-            for block in _row_blocks(download):
-                yield await anyio.to_thread.run_sync(read_block, block)
+            for piece in pieces:
+                yield await anyio.to_thread.run_sync(read_piece, piece)
 
     headers = {f"X-NTK-{key.replace('_', '-').title()}": str(value) for key, value in download.meta.items()}
     headers["Content-Length"] = str(length)
