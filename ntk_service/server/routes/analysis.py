@@ -320,7 +320,10 @@ async def kernel_spectrum(
 
 
 def _rekey(x: _Input, record: ModelRecord) -> _Input:
-    """The same inputs keyed for another version: side-cache keys start with the version's 4-part cache_key."""
+    """The same inputs keyed for another version: side-cache keys start with the version's 4-part cache_key.
+    Inline inputs have no key (they are never cached) and stay as they are."""
+    if x.key is None:
+        return x
     return _Input(x.array, (*record.cache_key, *tuple(x.key)[len(record.cache_key) :]))  # type: ignore[arg-type]
 
 
