@@ -7,12 +7,13 @@ Infinity has no JSON number: times, condition numbers and limits that are infini
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from ntk_service.kernels.types import NtkImplementation
-from ntk_service.server.schemas import DatasetRef, TensorJson
+from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, VersionInt
+from ntk_service.server.schemas import DatasetRef, Globs, TensorJson
 
 __all__ = [
     "MAX_COMPARE_VERSIONS",
@@ -36,6 +37,10 @@ MAX_COMPARE_VERSIONS = 32
 
 Inf = Literal["inf"]
 
+VersionNumber = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 1, "maximum": INT64_MAX})]
+"""A version of this model in ``/compare``'s versions; the range is checked by CompareOptions' validator, so a bad
+one gets one plain message rather than one per member of the ``int | VersionRef`` union."""
+
 
 def json_float(value: float) -> float | str:
     """A float for JSON: ``inf`` as the string "inf" (JSON has no infinity)."""
@@ -52,8 +57,8 @@ class AnalysisKernelOptions(BaseModel):
         description="full: the (N·k, N·k) kernel; trace: the (N, N) sum over outputs, read as (trace / k) ⊗ I_k.",
     )
     implementation: NtkImplementation = NtkImplementation.AUTO
-    params: list[str] | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
-    version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
+    params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
+    version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
 
 
 class PredictOptions(AnalysisKernelOptions):
@@ -93,7 +98,9 @@ class PredictRequest(PredictOptions):
 class SpectrumOptions(AnalysisKernelOptions):
     """``/spectrum`` options beside the tensor x."""
 
-    top: int | None = Field(default=None, ge=1, description="Only the top eigenvalues. Default: all.")
+    top: int | None = Field(
+        default=None, ge=1, le=INT64_MAX, description="Only the top eigenvalues (at most n are returned). Default: all."
+    )
     method: Literal["auto", "eigh", "lanczos"] = "auto"
     ridges: list[float] = Field(
         default_factory=list, max_length=64, description="λ > 0 values for effective_dof (needs top = null)."
@@ -118,8 +125,8 @@ class VersionRef(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
-    version: int | None = Field(default=None, ge=1)
+    model: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="The other model's registered name.")
+    version: VersionInt | None = Field(default=None, description="Its version. Default: the latest.")
 
 
 class CompareOptions(BaseModel):
@@ -127,14 +134,14 @@ class CompareOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    versions: list[int | VersionRef] = Field(
+    versions: list[VersionNumber | VersionRef] = Field(
         min_length=1,
         max_length=MAX_COMPARE_VERSIONS,
         description="Versions of this model (ints) or {model, version} of others with the same architecture.",
     )
     mode: Literal["full", "trace"] = "full"
     implementation: NtkImplementation = NtkImplementation.AUTO
-    params: list[str] | None = None
+    params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
     variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"] | None = Field(
         default=None, description="Alignment variant; required with y."
     )
@@ -142,8 +149,9 @@ class CompareOptions(BaseModel):
     @field_validator("versions")
     @classmethod
     def _positive(cls, versions: list[int | VersionRef]) -> list[int | VersionRef]:
-        if any(isinstance(v, int) and v < 1 for v in versions):
-            raise ValueError("versions must be ≥ 1")
+        bad = [v for v in versions if isinstance(v, int) and not 1 <= v <= INT64_MAX]
+        if bad:
+            raise ValueError(f"versions must be ≥ 1 and ≤ 2**63 - 1, got {bad}")
         return versions
 
 
