@@ -28,7 +28,7 @@ from ntk_service.errors import (
     ShapeMismatch,
     format_bytes,
 )
-from ntk_service.kernels import KernelMode, default_memory_budget
+from ntk_service.kernels import default_memory_budget
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.analysis_schemas import (
     AnalysisKernelOptions,
@@ -95,7 +95,7 @@ def _check_budget(estimate: int, budget: int | None, *, what: str, operation: st
 
 def _kernel_options(options: AnalysisKernelOptions | CompareOptions, version: int | None) -> KernelOptions:
     return KernelOptions(
-        mode=KernelMode(options.mode),
+        mode=options.mode,  # "full" | "trace", wire values of KernelMode
         implementation=options.implementation,
         params=options.params,
         dtype="float64",
