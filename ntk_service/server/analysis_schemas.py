@@ -17,6 +17,7 @@ from ntk_service.server.schemas import DatasetRef, Globs, TensorJson
 
 __all__ = [
     "MAX_COMPARE_VERSIONS",
+    "MAX_RIDGE",
     "MAX_TIMES",
     "AnalysisKernelOptions",
     "CompareOptions",
@@ -34,6 +35,11 @@ MAX_TIMES = 1000
 
 MAX_COMPARE_VERSIONS = 32
 """Versions per /compare request: each kernel is kept in memory for the pairwise distances."""
+
+MAX_RIDGE = 1e100
+"""Largest ridge: far past any useful regularization (predictions equal f0 to every digit long before), and far
+enough from float64's 1.8e308 that a relative ridge times the kernel's scale stays finite (1e308 made the stable
+learning rate NaN, sent as null)."""
 
 Inf = Literal["inf"]
 
@@ -72,7 +78,12 @@ class PredictOptions(AnalysisKernelOptions):
         default="mse", description="mse = MSELoss(), sum = MSELoss(reduction='sum'), half_mse = ½·mean."
     )
     flow: Literal["gradient_flow", "gradient_descent"] = "gradient_flow"
-    ridge: float = Field(default=0.0, ge=0)
+    ridge: float = Field(
+        default=0.0,
+        ge=0,
+        json_schema_extra={"maximum": MAX_RIDGE},  # checked by _bounded_ridge, whose message reads 1e+100
+        description="λ added to the kernel's diagonal (relative: times its mean).",
+    )
     ridge_scale: Literal["absolute", "relative"] = "absolute"
 
     @field_validator("times")
@@ -82,6 +93,15 @@ class PredictOptions(AnalysisKernelOptions):
         if bad:
             raise ValueError(f'times must be ≥ 0 (or "inf"), got {bad}')
         return times
+
+    @field_validator("ridge")
+    @classmethod
+    def _bounded_ridge(cls, ridge: float) -> float:
+        if ridge > MAX_RIDGE:
+            raise ValueError(
+                f"ridge must be ≤ {MAX_RIDGE:g}, got {ridge:g}; far smaller ridges already give f0 to every digit"
+            )
+        return ridge
 
     def time_values(self) -> list[float]:
         return [math.inf if isinstance(t, str) else float(t) for t in self.times]
