@@ -150,7 +150,9 @@ class CnnConfig(_Config):
     )
     kernel_size: PositiveInt = Field(default=3, description="Square kernel size of every conv layer.")
     strides: list[PositiveInt] | None = Field(
-        default=None, description="Stride of each conv layer (same length as channels). Default: all 1."
+        default=None,
+        max_length=MAX_LAYERS,
+        description="Stride of each conv layer (same length as channels). Default: all 1.",
     )
     padding: int = Field(default=0, ge=0, le=MAX_WIDTH, description="Zero padding on each side, every conv layer.")
     activation: Activation = Field(default="relu", description="Nonlinearity after every conv layer.")

@@ -276,8 +276,12 @@ class ResidualSpec(_Layer):
     """ntk_service.layers.Residual: body(x) + shortcut(x) (shortcut null: body(x) + x)."""
 
     type: Literal["Residual"]
-    body: list[LayerSpec] = Field(min_length=1, description="The main path, as a list of layers.")
-    shortcut: list[LayerSpec] | None = Field(default=None, description="The skip path; null is the identity.")
+    body: list[LayerSpec] = Field(
+        min_length=1, max_length=MAX_SEQUENTIAL_LAYERS, description="The main path, as a list of layers."
+    )
+    shortcut: list[LayerSpec] | None = Field(
+        default=None, max_length=MAX_SEQUENTIAL_LAYERS, description="The skip path; null is the identity."
+    )
 
 
 LayerSpec = Annotated[

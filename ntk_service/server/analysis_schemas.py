@@ -7,15 +7,17 @@ Infinity has no JSON number: times, condition numbers and limits that are infini
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
 from ntk_service.kernels.types import NtkImplementation
-from ntk_service.server.schemas import DatasetRef, TensorJson
+from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, VersionInt
+from ntk_service.server.schemas import DatasetRef, Globs, TensorJson
 
 __all__ = [
     "MAX_COMPARE_VERSIONS",
+    "MAX_RIDGE",
     "MAX_TIMES",
     "AnalysisKernelOptions",
     "CompareOptions",
@@ -34,7 +36,16 @@ MAX_TIMES = 1000
 MAX_COMPARE_VERSIONS = 32
 """Versions per /compare request: each kernel is kept in memory for the pairwise distances."""
 
+MAX_RIDGE = 1e100
+"""Largest ridge: far past any useful regularization (predictions equal f0 to every digit long before), and far
+enough from float64's 1.8e308 that a relative ridge times the kernel's scale stays finite (1e308 made the stable
+learning rate NaN, sent as null)."""
+
 Inf = Literal["inf"]
+
+VersionNumber = Annotated[int, WithJsonSchema({"type": "integer", "minimum": 1, "maximum": INT64_MAX})]
+"""A version of this model in ``/compare``'s versions; the range is checked by CompareOptions' validator, so a bad
+one gets one plain message rather than one per member of the ``int | VersionRef`` union."""
 
 
 def json_float(value: float) -> float | str:
@@ -52,8 +63,8 @@ class AnalysisKernelOptions(BaseModel):
         description="full: the (N·k, N·k) kernel; trace: the (N, N) sum over outputs, read as (trace / k) ⊗ I_k.",
     )
     implementation: NtkImplementation = NtkImplementation.AUTO
-    params: list[str] | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
-    version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
+    params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
+    version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
 
 
 class PredictOptions(AnalysisKernelOptions):
@@ -67,7 +78,12 @@ class PredictOptions(AnalysisKernelOptions):
         default="mse", description="mse = MSELoss(), sum = MSELoss(reduction='sum'), half_mse = ½·mean."
     )
     flow: Literal["gradient_flow", "gradient_descent"] = "gradient_flow"
-    ridge: float = Field(default=0.0, ge=0)
+    ridge: float = Field(
+        default=0.0,
+        ge=0,
+        json_schema_extra={"maximum": MAX_RIDGE},  # checked by _bounded_ridge, whose message reads 1e+100
+        description="λ added to the kernel's diagonal (relative: times its mean).",
+    )
     ridge_scale: Literal["absolute", "relative"] = "absolute"
 
     @field_validator("times")
@@ -77,6 +93,15 @@ class PredictOptions(AnalysisKernelOptions):
         if bad:
             raise ValueError(f'times must be ≥ 0 (or "inf"), got {bad}')
         return times
+
+    @field_validator("ridge")
+    @classmethod
+    def _bounded_ridge(cls, ridge: float) -> float:
+        if ridge > MAX_RIDGE:
+            raise ValueError(
+                f"ridge must be ≤ {MAX_RIDGE:g}, got {ridge:g}; far smaller ridges already give f0 to every digit"
+            )
+        return ridge
 
     def time_values(self) -> list[float]:
         return [math.inf if isinstance(t, str) else float(t) for t in self.times]
@@ -93,7 +118,9 @@ class PredictRequest(PredictOptions):
 class SpectrumOptions(AnalysisKernelOptions):
     """``/spectrum`` options beside the tensor x."""
 
-    top: int | None = Field(default=None, ge=1, description="Only the top eigenvalues. Default: all.")
+    top: int | None = Field(
+        default=None, ge=1, le=INT64_MAX, description="Only the top eigenvalues (at most n are returned). Default: all."
+    )
     method: Literal["auto", "eigh", "lanczos"] = "auto"
     ridges: list[float] = Field(
         default_factory=list, max_length=64, description="λ > 0 values for effective_dof (needs top = null)."
@@ -118,8 +145,8 @@ class VersionRef(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
-    version: int | None = Field(default=None, ge=1)
+    model: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="The other model's registered name.")
+    version: VersionInt | None = Field(default=None, description="Its version. Default: the latest.")
 
 
 class CompareOptions(BaseModel):
@@ -127,14 +154,14 @@ class CompareOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    versions: list[int | VersionRef] = Field(
+    versions: list[VersionNumber | VersionRef] = Field(
         min_length=1,
         max_length=MAX_COMPARE_VERSIONS,
         description="Versions of this model (ints) or {model, version} of others with the same architecture.",
     )
     mode: Literal["full", "trace"] = "full"
     implementation: NtkImplementation = NtkImplementation.AUTO
-    params: list[str] | None = None
+    params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
     variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"] | None = Field(
         default=None, description="Alignment variant; required with y."
     )
@@ -142,8 +169,9 @@ class CompareOptions(BaseModel):
     @field_validator("versions")
     @classmethod
     def _positive(cls, versions: list[int | VersionRef]) -> list[int | VersionRef]:
-        if any(isinstance(v, int) and v < 1 for v in versions):
-            raise ValueError("versions must be ≥ 1")
+        bad = [v for v in versions if isinstance(v, int) and not 1 <= v <= INT64_MAX]
+        if bad:
+            raise ValueError(f"versions must be ≥ 1 and ≤ 2**63 - 1, got {bad}")
         return versions
 
 

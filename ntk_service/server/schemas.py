@@ -6,11 +6,12 @@ Tensors never go through these models at run time (validating a big ``list[float
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from ntk_service.errors import InvalidInput, MalformedRequest
+from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.architectures import ArchitectureSpec
 from ntk_service.registry.store import MAX_LABEL_LENGTH
@@ -20,8 +21,10 @@ from ntk_service.server.params import (
     INT64_MAX,
     MAX_GLOBS,
     MAX_JSON_TENSOR_VALUES,
+    QUERY_MAX_LENGTH,
     Glob,
     NonNegativeInt64,
+    VersionInt,
 )
 
 __all__ = [
@@ -29,10 +32,12 @@ __all__ = [
     "DatasetPublic",
     "DatasetRef",
     "DatasetsPublic",
+    "Globs",
     "KernelOptions",
     "KernelPublic",
     "KernelModeValue",
     "KernelRequest",
+    "LayerName",
     "MatvecOptions",
     "MatvecPublic",
     "MatvecRequest",
@@ -43,6 +48,7 @@ __all__ = [
     "MonteCarloOptions",
     "MonteCarloPublic",
     "MonteCarloRequest",
+    "MonteCarloSeeds",
     "NngpOptions",
     "NngpPublic",
     "NngpRequest",
@@ -60,6 +66,20 @@ KernelModeValue = Literal["full", "trace", "example_diagonal", "output_diagonal"
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
+
+Globs = Annotated[list[Glob], Field(max_length=MAX_GLOBS)]
+"""Glob patterns over parameter names (``fnmatch``), at most MAX_GLOBS."""
+
+LayerName = Annotated[str, Field(max_length=QUERY_MAX_LENGTH)]
+"""A module name as ``named_modules()`` gives it, e.g. ``"layers.3.body.1"`` ("" is the model itself)."""
+
+MonteCarloSeeds = Annotated[
+    list[Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]],
+    # The count and distinctness are checked by monte_carlo_ntk (its messages say how to split a long list); the
+    # schema states the same limits.
+    Field(json_schema_extra={"minItems": 1, "maxItems": MAX_MONTE_CARLO_SEEDS, "uniqueItems": True}),
+]
+"""Distinct seeds in [0, 2⁶³), one network each; 1 to MAX_MONTE_CARLO_SEEDS of them."""
 
 
 def validate_body(model: type[ModelT], data: Any, *, operation: str) -> ModelT:
@@ -207,9 +227,11 @@ class NngpOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     mode: KernelModeValue = Field(default="full", description="As for /ntk, with d features for k.")
-    layer: str | None = Field(default=None, description="A module name: its output's features. null = the outputs.")
+    layer: LayerName | None = Field(
+        default=None, description="A module name: its output's features. null = the outputs."
+    )
     dtype: Literal["float32", "float64"] | None = Field(default=None, description="Compute dtype. Default: model's.")
-    version: int | None = Field(default=None, ge=1, description="Model version. Default: the latest.")
+    version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
 
 
 class NngpRequest(NngpOptions):
@@ -236,11 +258,11 @@ class MonteCarloOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # strict: JSON true / "7" / 7.0 are not seeds (lax pydantic would turn true into 1, "7" into 7)
-    seeds: list[StrictInt] = Field(description="Distinct integer seeds, one network each (1 to 1024).")
+    seeds: MonteCarloSeeds = Field(description=f"Distinct seeds, one network each (1 to {MAX_MONTE_CARLO_SEEDS}).")
     kernel: Literal["ntk", "nngp"] = "ntk"
     mode: KernelModeValue = "full"
-    layer: str | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
-    params: list[str] | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
+    layer: LayerName | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
+    params: Globs | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
     dtype: Literal["float32", "float64"] | None = None
 
 
@@ -267,9 +289,9 @@ class MatvecOptions(BaseModel):
 
     mode: Literal["full", "trace", "pseudo"] = "full"
     transpose: bool = Field(default=False, description="Θᵀ w = Θ(x2, x1) w instead of Θ v.")
-    params: list[str] | None = None
+    params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
     dtype: Literal["float32", "float64"] | None = None
-    version: int | None = Field(default=None, ge=1)
+    version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
 
 
 class MatvecRequest(MatvecOptions):

@@ -49,6 +49,27 @@ def model(live_server: LiveServer) -> str:
         ("GET", "/v1/datasets/" + "d" * 200, {}, "dataset_id"),
         ("GET", "/v1/jobs/x/result?rows=" + "1" * 300, {}, "rows"),
         ("POST", "/v1/models/{m}/ntk", {"json": {"x1": {"dataset": "d"}, "params": ["p" * 300]}}, "params"),
+        # the kernel family, analysis and job-analysis routes
+        ("POST", "/v1/models/" + "n" * 200 + "/nngp", {"json": {"x1": {"dataset": "d"}}}, "name"),
+        ("POST", "/v1/models/{m}/nngp", {"json": {"x1": {"dataset": "d"}, "version": JUST_OVER}}, "version"),
+        ("POST", "/v1/models/{m}/nngp", {"json": {"x1": {"dataset": "d"}, "layer": "l" * 300}}, "layer"),
+        ("POST", "/v1/models/{m}/monte_carlo", {"json": {"x1": {"dataset": "d"}, "seeds": [JUST_OVER]}}, "seeds"),
+        (
+            "POST",
+            "/v1/models/{m}/operator/matvec",
+            {"json": {"x1": {"dataset": "d"}, "v": {"dataset": "d"}, "params": ["p" * 300]}},
+            "params",
+        ),
+        ("POST", "/v1/models/{m}/spectrum", {"json": {"x": {"dataset": "d"}, "top": JUST_OVER}}, "top"),
+        ("POST", "/v1/models/{m}/compare", {"json": {"x": {"dataset": "d"}, "versions": [JUST_OVER]}}, "versions"),
+        (
+            "POST",
+            "/v1/models/{m}/compare",
+            {"json": {"x": {"dataset": "d"}, "versions": [{"model": "m" * 200}]}},
+            "model",
+        ),
+        ("POST", "/v1/jobs/x/spectrum", {"json": {"top": JUST_OVER}}, "top"),
+        ("POST", "/v1/jobs/x/distance", {"json": {"other": "o" * 200}}, "other"),
     ],
 )
 def test_out_of_range_inputs_get_422(

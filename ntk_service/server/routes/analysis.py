@@ -9,12 +9,12 @@ the analysis's own memory (the float64 kernels and the eigh workspace) is compar
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Any
 
 import anyio.to_thread
 import numpy as np
 import torch
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 from torch.func import functional_call
 
@@ -43,6 +43,7 @@ from ntk_service.server.analysis_schemas import (
 )
 from ntk_service.server.deps import ComputeDep, DatasetsDep, ReadAccess, RegistryDep, SettingsDep, SideCacheDep
 from ntk_service.server.media import json_response, read_json
+from ntk_service.server.params import NamePath
 from ntk_service.server.routes.kernels import _check_input, _compute, _from_dataset, _inline, _Input, _parse_x
 from ntk_service.server.schemas import DatasetRef, KernelOptions, openapi_body, validate_body
 
@@ -94,7 +95,7 @@ def _check_budget(estimate: int, budget: int | None, *, what: str, operation: st
 
 def _kernel_options(options: AnalysisKernelOptions | CompareOptions, version: int | None) -> KernelOptions:
     return KernelOptions(
-        mode=options.mode,
+        mode=options.mode,  # "full" | "trace", wire values of KernelMode
         implementation=options.implementation,
         params=options.params,
         dtype="float64",
@@ -136,7 +137,7 @@ def _respond(body: dict[str, Any], cap: int, *, operation: str, hint: str) -> Re
     openapi_extra=openapi_body(PredictRequest),
 )
 async def predict(
-    name: Annotated[str, Path(description="The model's registered name.")],
+    name: NamePath,
     request: Request,
     _: ReadAccess,
     registry: RegistryDep,
@@ -244,7 +245,7 @@ async def predict(
     openapi_extra=openapi_body(SpectrumRequest),
 )
 async def kernel_spectrum(
-    name: Annotated[str, Path(description="The model's registered name.")],
+    name: NamePath,
     request: Request,
     _: ReadAccess,
     registry: RegistryDep,
@@ -347,7 +348,7 @@ def _resolve(name: str, versions: list[int | VersionRef], registry: ModelRegistr
     openapi_extra=openapi_body(CompareRequest),
 )
 async def compare(
-    name: Annotated[str, Path(description="The model's registered name.")],
+    name: NamePath,
     request: Request,
     _: ReadAccess,
     registry: RegistryDep,

@@ -23,9 +23,10 @@ from ntk_service.kernels import KernelMode
 from ntk_service.server.analysis_schemas import json_float
 from ntk_service.server.deps import ComputeDep, ReadAccess, SettingsDep
 from ntk_service.server.media import json_response, read_json
+from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX
 from ntk_service.server.routes.analysis import _check_budget
 from ntk_service.server.routes.jobs import JobIdParam, JobsDep
-from ntk_service.server.schemas import validate_body
+from ntk_service.server.schemas import TensorJson, openapi_body, validate_body
 
 __all__ = ["router"]
 
@@ -50,7 +51,9 @@ class _RowReader:
 class JobSpectrumOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    top: int | None = Field(default=20, ge=1, description="Top eigenvalues (Lanczos). null: all (dense eigh).")
+    top: int | None = Field(
+        default=20, ge=1, le=INT64_MAX, description="Top eigenvalues (Lanczos). null: all (dense eigh)."
+    )
     method: Literal["auto", "eigh", "lanczos"] = "auto"
 
 
@@ -60,10 +63,20 @@ class JobAlignmentOptions(BaseModel):
     variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"]
 
 
+class JobAlignmentRequest(JobAlignmentOptions):
+    """``POST /v1/jobs/{job_id}/alignment`` (documentation; the route decodes y with ``wire``)."""
+
+    y: TensorJson = Field(description="Labels (N,) int64 or targets (N, c).")
+
+
 class JobDistanceOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    other: str = Field(description="The job whose kernel to compare with (same shape and mode).")
+    other: str = Field(
+        min_length=1,
+        max_length=ID_MAX_LENGTH,
+        description="The job whose kernel to compare with (same shape and mode).",
+    )
 
 
 def _open(manager: Any, job_id: str, *, operation: str, square: bool) -> _RowReader:
@@ -95,7 +108,11 @@ async def _options(request: Request, model: type[BaseModel], *, operation: str) 
     return validate_body(model, data, operation=operation), extra
 
 
-@router.post("/v1/jobs/{job_id}/spectrum", summary="Spectrum of a finished job's kernel (Lanczos over row reads)")
+@router.post(
+    "/v1/jobs/{job_id}/spectrum",
+    summary="Spectrum of a finished job's kernel (Lanczos over row reads)",
+    openapi_extra=openapi_body(JobSpectrumOptions),
+)
 async def job_spectrum(
     job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
 ) -> Response:
@@ -129,7 +146,11 @@ async def job_spectrum(
     return json_response(await limiter.run(run, operation=operation))
 
 
-@router.post("/v1/jobs/{job_id}/alignment", summary="Alignment of a finished job's kernel with labels or targets")
+@router.post(
+    "/v1/jobs/{job_id}/alignment",
+    summary="Alignment of a finished job's kernel with labels or targets",
+    openapi_extra=openapi_body(JobAlignmentRequest),
+)
 async def job_alignment(
     job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
 ) -> Response:
@@ -154,7 +175,11 @@ async def job_alignment(
     return json_response(await limiter.run(run, operation=operation))
 
 
-@router.post("/v1/jobs/{job_id}/distance", summary="Kernel distance and relative change to another job's kernel")
+@router.post(
+    "/v1/jobs/{job_id}/distance",
+    summary="Kernel distance and relative change to another job's kernel",
+    openapi_extra=openapi_body(JobDistanceOptions),
+)
 async def job_distance(
     job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
 ) -> Response:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import anyio.to_thread
 import numpy as np
 import torch
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
@@ -27,6 +27,7 @@ from ntk_service.registry import ModelRecord
 from ntk_service.registry.zoo import build_model
 from ntk_service.server.deps import ComputeDep, DatasetsDep, ReadAccess, RegistryDep, SettingsDep
 from ntk_service.server.media import json_too_large, negotiate, parse_off_loop, read_json
+from ntk_service.server.params import NamePath
 from ntk_service.server.routes.kernels import _check_input, _from_dataset, _inline, _Input, _parse_x, _Side
 from ntk_service.server.schemas import (
     DatasetRef,
@@ -159,7 +160,7 @@ def _array(x: _Input | None) -> torch.Tensor | None:
     openapi_extra=openapi_body(NngpRequest),
 )
 async def nngp(
-    name: Annotated[str, Path(description="The model's registered name.")],
+    name: NamePath,
     request: Request,
     _: ReadAccess,
     registry: RegistryDep,
@@ -209,7 +210,7 @@ async def nngp(
     openapi_extra=openapi_body(MonteCarloRequest),
 )
 async def monte_carlo(
-    name: Annotated[str, Path(description="The model's registered name (its architecture is used).")],
+    name: NamePath,
     request: Request,
     _: ReadAccess,
     registry: RegistryDep,
@@ -267,7 +268,7 @@ async def monte_carlo(
     openapi_extra=openapi_body(MatvecRequest),
 )
 async def operator_matvec(
-    name: Annotated[str, Path(description="The model's registered name.")],
+    name: NamePath,
     request: Request,
     _: ReadAccess,
     registry: RegistryDep,

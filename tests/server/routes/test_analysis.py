@@ -178,6 +178,8 @@ def test_bad_inputs_get_clear_4xx(live_server: LiveServer, client: Client, versi
     assert wrong_y.value.http_status == 422
     with pytest.raises(InvalidInput, match="times must be ≥ 0"):
         client.predict("analysis-mlp", x, y, times=[-1.0], learning_rate=0.1)
+    with pytest.raises(InvalidInput, match="ridge must be ≤ 1e\\+100, got 1e\\+308"):  # was NaN (null)
+        client.predict("analysis-mlp", x, y, times=[1.0], learning_rate=0.1, ridge=1e308, ridge_scale="relative")
     with pytest.raises(UnstableLearningRate, match="above the stable limit") as unstable:
         client.predict("analysis-mlp", x, y, times=[3], learning_rate=1e6, flow="gradient_descent")
     assert unstable.value.http_status == 422 and "Use learning_rate <" in unstable.value.message
