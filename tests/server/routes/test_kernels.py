@@ -179,9 +179,11 @@ def test_inline_x1_and_x2_stay_out_of_the_side_cache(live_server: LiveServer, re
     record, model = registered["mlp"]
     x1, x2 = sample_inputs(record, 3, seed=21), sample_inputs(record, 3, seed=22)
     with live_server.client("write") as client:
-        before = {m: _side_cache_metric(client, m) for m in ("ntk_side_cache_hits", "ntk_side_cache_misses")}
+        before = {
+            m: _side_cache_metric(client, m) for m in ("ntk_side_cache_hits_total", "ntk_side_cache_misses_total")
+        }
         theta, _ = decode_theta(request_kernel(client, record["name"], x1, x2, fmt="safetensors"))
-        after = {m: _side_cache_metric(client, m) for m in ("ntk_side_cache_hits", "ntk_side_cache_misses")}
+        after = {m: _side_cache_metric(client, m) for m in ("ntk_side_cache_hits_total", "ntk_side_cache_misses_total")}
     assert after == before
     assert_close_to_reference(theta, _reference(model, x1, x2, "full"))
 
