@@ -116,7 +116,8 @@ class ResultView:
             cols = (self.cols[0] + c0, self.cols[0] + c1)
             local.append(slice(None, None, c_step) if c_index is None else 0)
         block = ResultView(self._store, rows, cols)
-        if all(isinstance(p, slice) for p in local) and all(p == slice(None) for p in local) and not rest:
+        # slice(None, None, 1) != slice(None): a plain slice (step 1) of the example axes stays lazy
+        if all(isinstance(p, slice) and p.step == 1 for p in local) and not rest:
             return block
         return block.to_numpy()[tuple(local) + tuple(rest)]
 
