@@ -24,7 +24,7 @@ __all__ = ["InfoLimits", "InfoPublic", "router"]
 router = APIRouter(tags=["health"])
 
 DEVICE = "cpu"
-"""Where kernels are computed; every computation runs on the CPU for now."""
+"""The default device (NTK_DEVICE), the example OpenAPI shows; the answers say the device the server resolved."""
 
 
 class InfoLimits(BaseModel):
@@ -73,14 +73,14 @@ async def metrics(metrics: MetricsDep) -> Response:
 
 
 @router.get("/v1/info", response_model=InfoPublic, summary="Server and torch versions, limits, executor, device")
-async def get_info(_: ReadAccess, settings: SettingsDep) -> Response:
+async def get_info(request: Request, _: ReadAccess, settings: SettingsDep) -> Response:
     info = InfoPublic(
         version=__version__,
         torch=torch.__version__,
         numpy=np.__version__,
         python=platform.python_version(),
         executor=settings.executor,
-        device=DEVICE,
+        device=str(request.app.state.device),  # what NTK_DEVICE resolved to, as /readyz says
         limits=InfoLimits(
             max_body_bytes=settings.max_body_bytes,
             max_json_response_bytes=settings.max_json_response_bytes,
