@@ -70,7 +70,7 @@ from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
 from ntk_service.kernels.structured.options import StructuredOptions
-from ntk_service.kernels.structured.plan import StructuredTerms, StructurePlan
+from ntk_service.kernels.structured.plan import StructuredTerms
 from ntk_service.kernels.structured.recorder import Recorder, hooks, run_recorded
 from ntk_service.kernels.types import NamedTensors
 
@@ -113,7 +113,7 @@ def _batched_capture(recorder: Recorder, deltas: list[Delta]) -> Capture:
 
 
 class ChainCapture:
-    """NOTE [sequential chains]: the closed form of ``run_chain``, while no hook is registered."""
+    """The closed form of ``run_chain`` (NOTE [sequential chains]), while no hook is registered."""
 
     name = "chain"
 
@@ -203,8 +203,7 @@ class ConvPassesCapture:
 
 class BatchedCapture:
     """NOTE [probes]: one batched forward and one reverse pass batched over the output basis
-    (``autograd.grad(..., is_grads_batched=True)``); with a Linear head, from the head's input (NOTE [linear
-    head])."""
+    (``autograd.grad(..., is_grads_batched=True)``)."""
 
     name = "batched"
 
@@ -228,20 +227,6 @@ class BatchedCapture:
             if not terms.probe_outputs and recorder.outputs_modified():
                 return None
             eye = torch.eye(k, dtype=problem.dtype)
-            head = _linear_head(plan, recorder, out) if options.linear_head else None
-            if head is not None:  # NOTE [linear head]
-                weight = plan.states[plan.uses[-1].layer]["weight"]  # (k, in)
-                cotangent = weight.unsqueeze(1).expand(k, n, weight.shape[1])  # ∂f_c/∂a = W[c], every example
-                earlier = recorder.probes[:-1]
-                head_grads: tuple[torch.Tensor | None, ...] = (None,) * len(earlier)
-                if earlier and head.requires_grad:  # else no earlier call reaches the head's input: δ = 0
-                    head_grads = torch.autograd.grad(head, earlier, cotangent, is_grads_batched=True, allow_unused=True)
-                deltas = [
-                    _zeros(n, k, p) if g is None else Delta(g.transpose(0, 1), layout)
-                    for g, p in zip(head_grads, earlier, strict=True)
-                ]
-                identity = Delta(eye.unsqueeze(0).expand(n, k, k), Layout.EXAMPLE_MAJOR, shared=True)
-                return _batched_capture(recorder, [*deltas, identity])
             # a materialized basis: the batched matmul of a Linear output layer's backward then folds k into its
             # rows (one mm) instead of an expanded bmm
             basis = eye.unsqueeze(1).expand(k, n, k).contiguous()
@@ -336,28 +321,6 @@ def _rerun_if_modified(
     capture = once(problem, terms, x, options, channels_last)
     assert capture is not None  # with added probes no output is its own probe
     return capture, terms
-
-
-def _linear_head(plan: StructurePlan, recorder: Recorder, out: torch.Tensor) -> torch.Tensor | None:
-    """The input a (n, in) of the last covered call when the model's output (n, k) is exactly that call's output
-    and it is an ``nn.Linear`` with k outputs; else None.
-
-    NOTE [linear head]: then ∂f_c/∂a = W[c] for every example, so the reverse pass can start at a with those
-    rows (stride 0 over the examples) instead of at the output with the basis: it skips the head's batched
-    matmul, whose (k, n, in) result is the size of a hidden layer's δ, and the head's δ is the identity.
-    "Exactly": same memory, contiguous, and not modified in place after the call (its version counter).
-    """
-    if not recorder.outputs or len(recorder.outputs) != len(plan.uses) or not recorder.probes:
-        return None
-    probed, version = recorder.outputs[-1]
-    a = recorder.inputs[-1]
-    layer = plan.layers[plan.uses[-1].layer]
-    same = probed.data_ptr() == out.data_ptr() and probed.shape == out.shape and probed._version == version
-    if not (isinstance(layer, nn.Linear) and same and out.is_contiguous() and a.ndim == 2):
-        return None
-    if layer.out_features != out.shape[1] or "weight" not in plan.states[plan.uses[-1].layer]:
-        return None
-    return a
 
 
 def _output_basis(grad: torch.Tensor, basis: torch.Tensor, eye: torch.Tensor, layout: Layout) -> Delta:

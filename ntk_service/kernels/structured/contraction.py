@@ -1,6 +1,6 @@
 """Contractions of the structured NTK, one per mode, accumulated in place into one buffer per block.
 
-A factored term J_c = Σ_g Σ_t D_c[g,t] ⊗ A[g,t] (``structured_rules.Factors``) contributes
+A factored term J_c = Σ_g Σ_t D_c[g,t] ⊗ A[g,t] (``rules.Factors``) contributes
 
     Θ_cd(x1, x2) += Σ_g Σ_{t,s} G^D_cd[g; t, s] · G^A[g; t, s],   G^D = D1 D2ᵀ (Gram of the δ's), G^A = A1 A2ᵀ
 
@@ -12,16 +12,17 @@ Accumulator layouts: FULL (k, n, k, m), TRACE (n, m), OUTPUT_DIAGONAL (k, n, m),
 
 NOTE [accumulator memory]: the FULL accumulator is indexed (c, i, d, j) in every case, but its memory follows the
 δ's: the autograd capture leaves δ in (k, n, ·) memory, so the δ Grams come out with rows (c, i) and the memory is
-(k, n, k, m); the sequential chain (``structured_chain.py``) and rule Jacobians lie example-major, (n, k, ·), so
-the Grams come out with rows (i, c) and the memory is (n, k, m, k) (``prefers_example_major`` decides per block).
-Either way each Gram is written where it lies, and the one permuting pass that makes theta's (n, m, k, k) layout
-(``finish``, ``finish_with_factored``) is the costly part of a small kernel: from (n, k, m, k) memory it moves k-long
-runs within one example's rows; from (k, n, k, m) every element comes from another row (MLP 784-512-512-10,
-N = M = 256: 6.7 against 13.4 ms for that pass, of a ~110 ms kernel).
+(k, n, k, m); the sequential chain (``chain.py``) and rule Jacobians lie example-major, (n, k, ·), so the Grams
+come out with rows (i, c) and the memory is (n, k, m, k) (``prefers_example_major`` decides per block). Either way
+each Gram is written where it lies, and the one permuting pass that makes theta's (n, m, k, k) layout (``finish``,
+``finish_with_factored``) is the costly part of a small kernel: from (n, k, m, k) memory it moves k-long runs within
+one example's rows; from (k, n, k, m) every element comes from another row. The layouts are facts the sides
+declare (``descriptors.Layout``), and the accumulator's is recorded in ``Accumulator.example_major``: nothing here
+reads a stride to decide.
 
-NOTE [example-independent δ]: when δ of a weight is the same for every example (stride 0 over the examples, as
-the capture leaves it for a Linear layer whose output is the model's output: δ_c = e_c), G^D is one k×k matrix Δ
-and the term is Δ ⊗ G^A: an outer product instead of an (n·k)×(m·k) Gram.
+NOTE [example-independent δ]: when δ of a weight is the same for every example (declared ``Delta.shared``: the
+identity δ_c = e_c of a Linear layer whose output is the model's output, or the rows of W the chain hands below
+it), G^D is one k×k matrix Δ and the term is Δ ⊗ G^A: an outer product instead of an (n·k)×(m·k) Gram.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``StructuredOptions``: every fast path of the structured engine as one switch, passed as data.
 
-``Structured(options=StructuredOptions(linear_head=False))`` runs the same kernel without that shortcut: each
+``Structured(options=StructuredOptions(chain=False))`` runs the same kernel without that shortcut: each
 switch turns one fast path off and leaves a slower, equally exact way in its place, so a test can check a path
 against the float64 reference with the path on and off, and ``benchmarks/bench_fast_paths.py`` can A/B each in one
 process. The defaults are the engine's behaviour; docs/engine.md lists what each path buys.
@@ -18,10 +18,6 @@ Form = Literal["cheaper", "factored", "jacobian"]
 """How a weight with factors is contracted: the cheaper form by the cost model (NOTE [factored or Jacobian]), or
 every such weight forced into one form (a testing knob: both forms must give the reference kernel)."""
 
-SYMMETRIC_SPLIT_MIN = 128
-"""Smallest block for which a side paired with itself is contracted from 3 of its 4 half-blocks; below it the
-smaller products lose what the skipped quarter saves (measured with benchmarks/bench_fast_paths.py)."""
-
 
 @dataclass(frozen=True)
 class StructuredOptions:
@@ -34,16 +30,11 @@ class StructuredOptions:
             [probes]); off: per example under vmap.
         outputs_as_probes: differentiate at the layer outputs themselves (NOTE [outputs as probes]); off: add a
             zero probe to every covered output.
-        linear_head: start the reverse pass at a Linear head's input (NOTE [linear head]).
         conv_passes: capture a convolutional model by k plain reverse passes (NOTE [channels-last capture]); off:
             one reverse pass batched over the output basis, as for other models.
         channels_last: run those passes with channels-last convolutions (NOTE [channels-last capture]).
         shared_delta: contract a δ the capture declares shared by all examples as Δ ⊗ G^A (NOTE
             [example-independent δ]); off: as a general δ.
-        interleave: in the joint pass with N = M, interleave x1 and x2 (NOTE [interleaved joint pass]).
-        symmetric_split: contract a side with itself from 3 of its 4 half-blocks when it has at least
-            ``symmetric_split_min`` examples.
-        symmetric_split_min: see ``symmetric_split``. Default: ``SYMMETRIC_SPLIT_MIN``.
         fused_finish: add the last plain factored term of a FULL block in the pass that writes theta's layout.
         fresh_first_term: write the first factored term into an uninitialized accumulator instead of adding it
             to zeros.
@@ -58,13 +49,9 @@ class StructuredOptions:
     chain: bool = True
     batched_capture: bool = True
     outputs_as_probes: bool = True
-    linear_head: bool = True
     conv_passes: bool = True
     channels_last: bool = True
     shared_delta: bool = True
-    interleave: bool = True
-    symmetric_split: bool = True
-    symmetric_split_min: int = SYMMETRIC_SPLIT_MIN
     fused_finish: bool = True
     fresh_first_term: bool = True
     example_major_accumulator: bool = True
