@@ -108,31 +108,28 @@ class _ViewModifiedInPlace(nn.Module):
 
 
 OUTPUTS = {
-    "untouched": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), False),
-    "in-place relu": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3)), True),
-    "view modified in place": (_ViewModifiedInPlace, True),
+    "untouched": lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)),
+    "in-place relu": lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3)),
+    "view modified in place": _ViewModifiedInPlace,
 }
 
 
-@pytest.mark.parametrize("outputs_as_probes", [True, False])
 @pytest.mark.parametrize("name", OUTPUTS)
-def test_outputs_are_their_own_probes_until_one_is_modified_in_place(name: str, outputs_as_probes: bool) -> None:
-    """NOTE [outputs as probes]: an in-place change of a covered output yields a new plan that adds probes (the
-    first plan stays as it was: plans are frozen); with the path off every plan adds probes. The kernel is exact."""
-    build, modified = OUTPUTS[name]
+def test_batched_capture_is_exact_when_outputs_are_modified_in_place(name: str) -> None:
+    """Covered outputs modified in place after their call (an in-place ReLU, a view of one scaled): the batched
+    capture differentiates at added probes, so the kernel is exact in every mode. The plan the first block made
+    batch safe is a new one: the analysed plan is left as it was."""
     torch.manual_seed(0)
-    model = build().double()
+    model = OUTPUTS[name]().double()
     x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
-    alg = Structured(StructuredOptions(chain=False, outputs_as_probes=outputs_as_probes))
+    alg = Structured(AUTOGRAD_CAPTURE)
     with eval_semantics(model) as module:
         problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
         first = alg.terms(problem)
-        assert first.probe_outputs is not outputs_as_probes
         for mode in KernelMode:
             assert_matches(_run(alg, problem, x1t, x2t, mode), reference_ntk(model, x1, x2, mode.value))
-        assert first.probe_outputs is not outputs_as_probes  # never mutated
-        assert alg.terms(problem).probe_outputs is (modified or not outputs_as_probes)
-        assert alg.terms(problem).batch_safe
+        assert first.batch_safe is None  # never mutated
+        assert alg.terms(problem).batch_safe is True
 
 
 def _run(alg: Structured, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor, mode: KernelMode) -> torch.Tensor:

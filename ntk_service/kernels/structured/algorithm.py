@@ -133,13 +133,14 @@ class Structured:
         return finish(self._accumulate(problem, left, right, mode))
 
     def _new_accumulator(
-        self, problem: NtkProblem, mode: KernelMode, sides: tuple[StructuredSide, ...], n: int, m: int, *, zero: bool
+        self, problem: NtkProblem, mode: KernelMode, left: StructuredSide, right: StructuredSide
     ) -> Accumulator:
-        """The one place a block's accumulator is made: its memory follows the sides' layouts (NOTE [accumulator
-        memory] in contraction.py)."""
-        layouts = [layout for side in sides for layout in side.layouts()]
+        """The one place a block's accumulator is made, zero: its memory follows the sides' layouts (NOTE
+        [accumulator memory] in contraction.py)."""
+        layouts = left.layouts() + right.layouts()
         example_major = self.options.example_major_accumulator and prefers_example_major(layouts)
-        return new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major, zero=zero)
+        n, m = left.examples, right.examples
+        return new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major)
 
     def _accumulate(
         self,
@@ -153,25 +154,15 @@ class Structured:
         """The accumulator of a block: every term of the sides added into it, in one loop over the terms (the
         factored term number ``held`` left out, for ``finish_with_factored``)."""
         terms = self.terms(problem)
-        fresh = self.options.fresh_first_term
         factored = [
             (term, lf, rf)
             for i, (term, lf, rf) in enumerate(zip(terms.factored, left.factored, right.factored, strict=True))
             if i != held
         ]
-        acc = self._new_accumulator(
-            problem, mode, (left, right), left.examples, right.examples, zero=not (factored and fresh)
-        )
-        for i, (term, lf, rf) in enumerate(factored):
-            add_factored(
-                acc,
-                lf,
-                rf,
-                index=term.index,
-                plus_one=term.bias is not None,
-                fresh=fresh and i == 0,
-                shared_delta=self.options.shared_delta,
-            )
+        acc = self._new_accumulator(problem, mode, left, right)
+        for term, lf, rf in factored:
+            plus_one = term.bias is not None
+            add_factored(acc, lf, rf, index=term.index, plus_one=plus_one, shared_delta=self.options.shared_delta)
         for name, j1 in left.jacobians.items():
             add_jacobian(acc, j1, right.jacobians[name])
         return acc

@@ -30,14 +30,6 @@ batched forward with plain autograd instead (``autograd.grad(..., is_grads_batch
 with about half the overhead. Hooks are registered per call, removed in ``finally``, and act only for the
 capture active in the current context (other threads using the same module see a no-op).
 
-NOTE [outputs as probes]: in the batched forward the layer outputs themselves are the points the reverse pass
-differentiates at (``autograd.grad`` w.r.t. a non-leaf tensor gives the cotangent flowing into it): no zero is
-added to each output (that would be one more elementwise pass over every layer output). That
-is exact while nothing modifies an output in place afterwards (``nn.ReLU(inplace=True)``, ``out[:, 0] += ...``):
-then the tensor's history is rebased and its gradient would be taken after the modification. Every output's
-version counter (shared with its views) is checked after the forward; if one moved, the plan switches to added
-probes (a new plan with ``StructuredTerms.probe_outputs``) and the capture reruns once.
-
 NOTE [channels-last capture]: a convolutional model's batched capture runs k plain reverse passes, and each pass
 is mostly the input gradients of its convolutions (transposed convolutions over n images). oneDNN computes
 those on NCHW tensors through internal reorders to and from its blocked layout, and on channels-last (NHWC)
@@ -51,21 +43,16 @@ whose backward gives NCHW cotangents. A δ that comes back channels-last goes in
 (``_delta_buffer``), which ``ConvRule`` reads in place. A model that ``.view``s an inner convolution's output
 cannot take channels-last strides: the first such failure yields a plan without that layout and the capture
 reruns in NCHW.
-
-The δ of an early convolution is the largest buffer of a side (n·k·C·H·W), fresh memory on every call:
-``_delta_buffer`` asks for huge pages for it (NOTE [huge pages] in allocator.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.allocator import prefer_huge_pages
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
@@ -151,24 +138,20 @@ class ConvPassesCapture:
         # NOTE [channels-last capture] was measured on oneDNN: the CPU only
         if options.channels_last and terms.channels_last and x.device.type == "cpu":
             try:
-                return _rerun_if_modified(problem, terms, x, self._once, options, channels_last=True)
+                return self._once(problem, terms, x, channels_last=True), terms
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:  # e.g. the model views a convolution's output: .view needs NCHW strides
                 terms = terms.learned(channels_last=False)
-        return _rerun_if_modified(problem, terms, x, self._once, options, channels_last=False)
+        return self._once(problem, terms, x, channels_last=False), terms
 
     @staticmethod
-    def _once(
-        problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, options: StructuredOptions, channels_last: bool
-    ) -> Capture | None:
+    def _once(problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, *, channels_last: bool) -> Capture:
         n, k, plan = x.shape[0], problem.k, terms.plan
-        recorder = Recorder(plan, n, probe_outputs=terms.probe_outputs)
+        recorder = Recorder(plan, n)
         recorder.channels_last = channels_last
         with hooks(plan.layers, recorder.pre if channels_last else None, recorder.post), torch.enable_grad():
             out = run_recorded(problem, recorder, problem.params, x)  # (n, k)
-            if not terms.probe_outputs and recorder.outputs_modified():
-                return None
             buffers: list[torch.Tensor | None] = [None] * len(recorder.probes)
             basis = [False] * len(recorder.probes)  # so far every pass gave the cotangent itself: δ_c = e_c
             eye = torch.eye(k, dtype=problem.dtype)
@@ -183,7 +166,7 @@ class ConvPassesCapture:
                         basis[i] = True  # a layer whose output is the model's output
                         continue
                     if buffer is None:  # earlier passes gave zeros (no cotangent) or e_c (the basis)
-                        buffer = buffers[i] = _delta_buffer(g, k, huge_pages=options.huge_pages)
+                        buffer = buffers[i] = _delta_buffer(g, k)
                         if basis[i]:
                             buffer[:, :c].copy_(eye[:c].expand(n, c, k))
                         else:
@@ -213,19 +196,11 @@ class BatchedCapture:
     def run(
         self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
     ) -> tuple[Capture, StructuredTerms]:
-        return _rerun_if_modified(problem, terms, x, self._once, options, channels_last=False)
-
-    @staticmethod
-    def _once(
-        problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, options: StructuredOptions, channels_last: bool
-    ) -> Capture | None:
         n, k, plan = x.shape[0], problem.k, terms.plan
         layout = _batched_layout(n, k)
-        recorder = Recorder(plan, n, probe_outputs=terms.probe_outputs)
+        recorder = Recorder(plan, n)
         with hooks(plan.layers, None, recorder.post), torch.enable_grad():
             out = run_recorded(problem, recorder, problem.params, x)  # (n, k)
-            if not terms.probe_outputs and recorder.outputs_modified():
-                return None
             eye = torch.eye(k, dtype=problem.dtype)
             # a materialized basis: the batched matmul of a Linear output layer's backward then folds k into its
             # rows (one mm) instead of an expanded bmm
@@ -235,7 +210,7 @@ class BatchedCapture:
             _zeros(n, k, p) if g is None else _output_basis(g, basis, eye, layout)
             for g, p in zip(grads, recorder.probes, strict=True)
         ]
-        return _batched_capture(recorder, deltas)
+        return _batched_capture(recorder, deltas), terms
 
 
 class PerExampleCapture:
@@ -291,36 +266,10 @@ def capture(
 
     Returns:
         The capture (inputs[i] (n, *in_shape), deltas[i] (n, k, *out_shape) for use i; fallback name -> (n, k, p))
-        and the plan (``terms``, or a new one when the capture learned a fact: NOTE [outputs as probes], NOTE
-        [channels-last capture]).
+        and the plan (``terms``, or a new one when the capture learned a fact: NOTE [channels-last capture]).
     """
     strategy = next(s for s in CAPTURES if s.applies(problem, terms, options))
     return strategy.run(problem, terms, options, x)
-
-
-_Once = Callable[[NtkProblem, StructuredTerms, torch.Tensor, StructuredOptions, bool], "Capture | None"]
-"""One batched capture attempt; None when the model modified a covered output in place (checked after the
-forward, before any reverse pass)."""
-
-
-def _rerun_if_modified(
-    problem: NtkProblem,
-    terms: StructuredTerms,
-    x: torch.Tensor,
-    once: _Once,
-    options: StructuredOptions,
-    *,
-    channels_last: bool,
-) -> tuple[Capture, StructuredTerms]:
-    """A batched capture by ``once``; if the model modified a covered output in place (NOTE [outputs as probes]),
-    again under a new plan that adds probes."""
-    capture = once(problem, terms, x, options, channels_last)
-    if capture is not None:
-        return capture, terms
-    terms = terms.learned(probe_outputs=True)
-    capture = once(problem, terms, x, options, channels_last)
-    assert capture is not None  # with added probes no output is its own probe
-    return capture, terms
 
 
 def _output_basis(grad: torch.Tensor, basis: torch.Tensor, eye: torch.Tensor, layout: Layout) -> Delta:
@@ -337,20 +286,15 @@ def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _delta_buffer(grad: torch.Tensor, k: int, *, huge_pages: bool) -> torch.Tensor:
+def _delta_buffer(grad: torch.Tensor, k: int) -> torch.Tensor:
     """Uninitialised δ (n, k, *grad.shape[1:]) for the k reverse passes of ``ConvPassesCapture``.
 
     A channels-last cotangent (n, C, H, W) gets memory (n, H, W, k, C): each example's δ is then an (H·W, k·C)
     matrix, so a convolution's weight Jacobian is one batched matmul with its patches and the bias a sum over
     the outer axes (NOTE [channels-last capture]); others get (n, k, ...).
     """
-    keep = prefer_huge_pages if huge_pages else _as_is
     n, *shape = grad.shape
     if grad.ndim == 4 and grad.is_contiguous(memory_format=torch.channels_last) and not grad.is_contiguous():
         c, h, w = shape
-        return keep(torch.empty((n, h, w, k, c), dtype=grad.dtype)).permute(0, 3, 4, 1, 2)
-    return keep(torch.empty((n, k, *shape), dtype=grad.dtype))
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
+        return torch.empty((n, h, w, k, c), dtype=grad.dtype).permute(0, 3, 4, 1, 2)
+    return torch.empty((n, k, *shape), dtype=grad.dtype)

@@ -28,36 +28,28 @@ class StructuredOptions:
         chain: capture a pure pipeline of Linear layers and activations in closed form (NOTE [sequential chains]).
         batched_capture: capture on the whole block with plain autograd when the model is batch safe (NOTE
             [probes]); off: per example under vmap.
-        outputs_as_probes: differentiate at the layer outputs themselves (NOTE [outputs as probes]); off: add a
-            zero probe to every covered output.
         conv_passes: capture a convolutional model by k plain reverse passes (NOTE [channels-last capture]); off:
             one reverse pass batched over the output basis, as for other models.
         channels_last: run those passes with channels-last convolutions (NOTE [channels-last capture]).
         shared_delta: contract a δ the capture declares shared by all examples as Δ ⊗ G^A (NOTE
             [example-independent δ]); off: as a general δ.
         fused_finish: add the last plain factored term of a FULL block in the pass that writes theta's layout.
-        fresh_first_term: write the first factored term into an uninitialized accumulator instead of adding it
-            to zeros.
         example_major_accumulator: lay a FULL accumulator out like its δ's (NOTE [accumulator memory]); off:
             always (k, n, k, m) memory.
         thin_conv_jacobian: build a thin-patch convolution's J transposed, its bias from the same matmul (rules).
         fold_bias: fold a bias into its weight's factored term (+1 in G^A); off: the bias as a Jacobian term.
-        huge_pages: ask for huge pages for the convolution passes' δ buffers (NOTE [huge pages]).
     """
 
     form: Form = "cheaper"
     chain: bool = True
     batched_capture: bool = True
-    outputs_as_probes: bool = True
     conv_passes: bool = True
     channels_last: bool = True
     shared_delta: bool = True
     fused_finish: bool = True
-    fresh_first_term: bool = True
     example_major_accumulator: bool = True
     thin_conv_jacobian: bool = True
     fold_bias: bool = True
-    huge_pages: bool = True
 
     def without(self, *paths: str) -> StructuredOptions:
         """These options with the named fast paths (``FAST_PATHS``) switched off."""
