@@ -185,7 +185,7 @@ class Structured:
 
     def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:
         terms = self.terms(problem)
-        acc = new_accumulator(KernelMode.EXAMPLE_DIAGONAL, left.examples, 0, problem.k, problem.dtype)
+        acc = self._new_accumulator(problem, KernelMode.EXAMPLE_DIAGONAL, left, left)
         for term, side in zip(terms.factored, left.factored, strict=True):
             add_factored_diagonal(acc, side, index=term.index, plus_one=term.bias is not None)
         for j in left.jacobians.values():
