@@ -116,9 +116,12 @@ class _ServerPool:
         self.launched += 1
         return launch_live_server(self.root / f"data{self.launched}", keys=False)
 
-    def take(self) -> LiveServer:
+    def take(self, workdir: Path) -> LiveServer:
+        """The next server, its data directory also at ``workdir/data`` (where ``serve --data-dir ./data`` would
+        put it: docs/results.md opens a job's result.zarr by that path)."""
         server = wait_until_ready(self.spare or self._launch())  # then the next launch: one server starts at a time
         self.spare = self._launch() if self.launched < self.needed else None
+        (workdir / "data").symlink_to(server.data_dir, target_is_directory=True)
         return server
 
     def close(self) -> None:
@@ -151,7 +154,7 @@ def test_document_code_blocks_run(
     runnable = [block for block in blocks if block.skip_reason is None]
     if not runnable:
         pytest.skip(f"{path.name}: no runnable code block")
-    server = server_pool.take() if _needs_server(runnable) else None
+    server = server_pool.take(tmp_path) if _needs_server(runnable) else None
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("NTK_URL", raising=False)
     monkeypatch.delenv("NTK_API_KEY", raising=False)
