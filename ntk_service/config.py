@@ -77,13 +77,12 @@ def parse_api_keys(text: str, *, source: str = "NTK_API_KEYS") -> dict[str, Scop
         dict mapping each key to ``"read"`` or ``"write"``.
 
     Raises:
-        ValueError: an entry is not ``key:scope`` with scope ``read`` or ``write``.
+        ValueError: an entry is not ``key:scope`` with scope ``read`` or ``write``, or its key has a character an
+            HTTP header cannot carry (non-ASCII, control characters).
     """
     keys: dict[str, Scope] = {}
-    for raw in text.replace("\n", ",").split(","):
-        entry = raw.strip()
-        if not entry or entry.startswith("#"):
-            continue
+    entries = (raw.strip() for raw in text.replace("\n", ",").split(","))
+    for number, entry in enumerate((e for e in entries if e and not e.startswith("#")), start=1):
         key, sep, scope = entry.rpartition(":")
         key, scope = key.strip(), scope.strip()
         if not sep or not key or scope not in SCOPES:
@@ -91,6 +90,13 @@ def parse_api_keys(text: str, *, source: str = "NTK_API_KEYS") -> dict[str, Scop
             raise ValueError(
                 f"{source}: entry {shown!r} is not 'key:scope' with scope 'read' or 'write'; "
                 "write keys as e.g. 'my-secret-key:write'"
+            )
+        bad = next((i for i, char in enumerate(key) if not " " <= char <= "~"), None)
+        if bad is not None:  # HTTP header values are ASCII: no client could ever send this key
+            raise ValueError(
+                f"{source}: the key of entry {number} has a non-ASCII or control character at position "
+                f"{bad + 1}; API keys travel in the Authorization header, which carries only printable ASCII: "
+                "use letters, digits and punctuation (e.g. from secrets.token_urlsafe())"
             )
         keys[key] = scope
     return keys

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ntk_service.analysis import as_matrix
-from ntk_service.errors import InvalidInput, OptionalDependencyMissing, ShapeMismatch
+from ntk_service.errors import InvalidInput, NonFiniteInput, OptionalDependencyMissing, ShapeMismatch
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -41,6 +40,25 @@ def _figure(width: float = 6.0, height: float = 4.5) -> Figure:
     return Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
 
 
+def _kernel_matrix(theta: Any) -> np.ndarray:
+    """``analysis.as_matrix`` with numpy alone: (N·k, M·k) float64 with row n·k + a for a FULL kernel, the (N, M)
+    TRACE kernel itself. Not imported from ``ntk_service.analysis``, which loads the engine (torch) for its modes:
+    plotting a kernel file must work in a client-only install with the [plot] extra (tests/cli/test_plot_cli.py)."""
+    if hasattr(theta, "detach") and hasattr(theta, "cpu"):  # a torch tensor, without importing torch here
+        theta = theta.detach().cpu().double().numpy()
+    matrix = np.asarray(theta, dtype=np.float64)
+    if matrix.ndim == 4 and matrix.shape[2] == matrix.shape[3]:
+        n, m, k, _ = matrix.shape
+        matrix = np.ascontiguousarray(matrix.transpose(0, 2, 1, 3)).reshape(n * k, m * k)
+    elif matrix.ndim != 2:
+        raise ShapeMismatch(
+            f"plot_kernel: theta has shape {matrix.shape}; expected a FULL kernel (N, M, k, k) or a TRACE kernel (N, M)"
+        )
+    if not np.all(np.isfinite(matrix)):
+        raise NonFiniteInput("plot_kernel: theta has NaN or infinite entries")
+    return matrix
+
+
 def plot_kernel(theta: Any, *, title: str | None = None, symmetric_scale: bool = True) -> Figure:
     """A heatmap of a kernel as the matrix of NOTE [layout] (``analysis/layout.py``).
 
@@ -52,8 +70,11 @@ def plot_kernel(theta: Any, *, title: str | None = None, symmetric_scale: bool =
 
     Returns:
         The figure (one image axes and a colour bar).
+
+    Raises:
+        ShapeMismatch: not a FULL or TRACE kernel. NonFiniteInput: NaN or ±inf entries.
     """
-    matrix = as_matrix(theta)
+    matrix = _kernel_matrix(theta)
     fig = _figure(6.0, 5.0)
     ax = fig.add_subplot()
     bound = float(np.max(np.abs(matrix))) or 1.0

@@ -75,6 +75,12 @@ def start_live_server(data_dir: Path, *, keys: bool = True, **settings: str) -> 
         keys: configure ``read-key:read,write-key:write``; False runs an open server.
         **settings: more settings by field name, e.g. ``max_queue="0"`` becomes ``NTK_MAX_QUEUE=0``.
     """
+    return wait_until_ready(launch_live_server(data_dir, keys=keys, **settings))
+
+
+def launch_live_server(data_dir: Path, *, keys: bool = True, **settings: str) -> LiveServer:
+    """``start_live_server`` without the wait: the process starts while the caller does other work; call
+    ``wait_until_ready`` before using it."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NTK_")}
     env.update(
@@ -93,7 +99,12 @@ def start_live_server(data_dir: Path, *, keys: bool = True, **settings: str) -> 
         process = subprocess.Popen(
             [sys.executable, "-c", _SERVE], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
-    server = LiveServer(f"http://127.0.0.1:{port}", data_dir, process, log_path, env=env)
+    return LiveServer(f"http://127.0.0.1:{port}", data_dir, process, log_path, env=env)
+
+
+def wait_until_ready(server: LiveServer) -> LiveServer:
+    """Wait until a launched server's ``/readyz`` answers 200 (stopping it and raising if it never does)."""
+    process = server.process
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:

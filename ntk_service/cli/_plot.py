@@ -4,7 +4,8 @@
     $ ntk-service analyze spectrum mlp --x x.npy -o eig.npy && ntk-service plot spectrum eig.npy -o spectrum.png
     $ ntk-service analyze predict mlp ... -o pred.npz && ntk-service plot training pred.npz -o curves.png
 
-Needs matplotlib (``pip install 'ntk-service[plot]'``); runs locally, no server.
+Needs matplotlib (``pip install 'ntk-service[plot]'``); runs locally, no server, and without torch (a client-only
+install): only the eigenvalues of a square kernel file are computed with the engine's install.
 """
 
 from __future__ import annotations
@@ -64,14 +65,27 @@ def spectrum_plot(
     label: Annotated[list[str] | None, typer.Option("--label", help="One label per file.")] = None,
 ) -> None:
     """Eigenvalues on a log scale, one curve per file (e.g. one per checkpoint)."""
-    from ntk_service.analysis import spectrum
     from ntk_service.plot import plot_spectrum
 
     spectra = []
     for path in files:
         array = read_npy(path, option="FILES")
-        spectra.append(array if array.ndim == 1 else spectrum(array).eigenvalues)
+        spectra.append(array if array.ndim == 1 else _eigenvalues(array, path))
     _save(plot_spectrum(spectra, labels=label or [p.stem for p in files]), output)
+
+
+def _eigenvalues(kernel: Any, path: Path) -> Any:
+    """``analysis.spectrum`` of a square kernel file, imported only here: it needs the engine's install (torch,
+    scipy), which the other plots do not."""
+    try:
+        from ntk_service.analysis import spectrum
+    except ImportError as exc:  # a client-only install with the [plot] extra
+        raise UsageError(
+            f"FILES: {str(path)!r} is a kernel, and computing its eigenvalues here needs "
+            f"pip install 'ntk-service[server]' ({exc}); or plot the eigenvalues `ntk-service analyze spectrum -o` "
+            "wrote (the server computes them)"
+        ) from exc
+    return spectrum(kernel).eigenvalues
 
 
 @plot_app.command()

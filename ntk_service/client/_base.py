@@ -21,6 +21,7 @@ from ntk_service import __version__, wire
 from ntk_service.errors import (
     Busy,
     DiskEstimateExceeded,
+    InvalidInput,
     MemoryEstimateExceeded,
     NtkServiceError,
     ServiceUnavailable,
@@ -72,6 +73,17 @@ _RETRY_STATUSES = frozenset({429, 503})
 _sleep = time.sleep  # a module attribute so tests can observe waits without sleeping
 
 
+def _check_header_safe(api_key: str, *, source: str) -> None:
+    """Refuse a key httpx could not send: header values are printable ASCII (servers refuse other keys too)."""
+    bad = next((i for i, char in enumerate(api_key) if not " " <= char <= "~"), None)
+    if bad is not None:
+        raise InvalidInput(
+            f"Client: {source} has a non-ASCII or control character at position {bad + 1}; an API key travels in "
+            "the Authorization header, which carries only printable ASCII: check the key for a typo or a pasted "
+            "character (servers accept only ASCII keys)"
+        )
+
+
 class BaseClient:
     """Owns the ``httpx.Client`` and turns responses into Python values or ``ntk_service.errors`` exceptions.
 
@@ -90,6 +102,7 @@ class BaseClient:
 
     Raises:
         ValueError: an unknown ``transport_format`` or a negative ``max_retries``.
+        InvalidInput: an ``api_key`` with a character an HTTP header cannot carry (non-ASCII, control characters).
     """
 
     def __init__(
@@ -113,9 +126,11 @@ class BaseClient:
             timeout = httpx.Timeout(timeout, connect=min(DEFAULT_CONNECT_TIMEOUT_S, timeout))
         # The environment is read here, once, only for what the caller left out (as the CLI's options do).
         url = url if url is not None else os.environ.get(URL_ENV) or DEFAULT_URL
-        api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        explicit_key = api_key is not None
+        api_key = api_key if explicit_key else os.environ.get(API_KEY_ENV) or None
         headers = {"User-Agent": f"ntk-service-client/{__version__}"}
         if api_key:
+            _check_header_safe(api_key, source="api_key" if explicit_key else API_KEY_ENV)
             headers["Authorization"] = f"Bearer {api_key}"
         self.url = url.rstrip("/")
         self.transport_format: TransportFormat = transport_format

@@ -281,6 +281,15 @@ def _probe(problem: NtkProblem, x: torch.Tensor) -> None:
     try:
         batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
     except Exception as exc:  # the model's own error, e.g. a shape mismatch inside a layer
+        sizes = sorted({m.num_embeddings for m in problem.module.modules() if isinstance(m, nn.Embedding)})
+        if isinstance(exc, IndexError) and sizes and not x.is_floating_point():  # ids outside an Embedding's table
+            tables = (
+                f"a vocabulary of {sizes[0]} (ids 0..{sizes[0] - 1})" if len(sizes) == 1 else f"vocabularies {sizes}"
+            )
+            raise InvalidInput(
+                f"compute_ntk: the model failed on token ids in [{int(x.min())}, {int(x.max())}] ({exc}); its "
+                f"nn.Embedding has {tables}: send ids inside the vocabulary"
+            ) from exc
         raise ShapeMismatch(
             f"compute_ntk: the model failed on inputs of per-example shape {tuple(x.shape[1:])} and dtype "
             f"{x.dtype}: {type(exc).__name__}: {exc}. Check the input shape the model expects"

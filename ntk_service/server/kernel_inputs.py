@@ -120,6 +120,18 @@ def from_dataset(ref: DatasetRef, record: ModelRecord, datasets: DatasetStore) -
     return KernelInput(array, (*record.cache_key, "dataset", ref.dataset, ref.start, ref.stop))
 
 
+def _vocabulary(architecture: dict[str, Any]) -> int | None:
+    """How many token ids the model's input embedding takes: a transformer's ``vocab_size``, or the
+    ``num_embeddings`` of the Embedding an int64 ``sequential`` model starts with; None when not known (float
+    inputs, factory models)."""
+    if architecture.get("family") == "transformer":
+        return int(architecture["vocab_size"])
+    layers = architecture.get("layers") if architecture.get("family") == "sequential" else None
+    if architecture.get("input_dtype") == "int64" and layers and layers[0].get("type") == "Embedding":
+        return int(layers[0]["num_embeddings"])
+    return None
+
+
 def check_input(array: np.ndarray, record: ModelRecord, *, side: str, operation: str) -> None:
     """Refuse inputs the model cannot take, before computing: per-example shape, dtype, token range.
 
@@ -152,8 +164,8 @@ def check_input(array: np.ndarray, record: ModelRecord, *, side: str, operation:
             f"{operation}: {side} has dtype {array.dtype}, model {record.name!r} expects "
             f"{record.input_dtype}; send {wanted}"
         )
-    if is_sequence and array.size:
-        vocab = int(architecture["vocab_size"])
+    vocab = _vocabulary(architecture)
+    if vocab is not None and array.size:
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= vocab:
             raise InvalidInput(

@@ -8,8 +8,11 @@ import time
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from ntk_service.cli import app
 from ntk_service.client import API_KEY_ENV, DEFAULT_URL, URL_ENV, Client
+from ntk_service.errors import InvalidInput
 
 
 def _seen(*args: str, **kwargs: str) -> httpx.Request:
@@ -45,6 +48,18 @@ def test_without_environment_the_default_url_and_no_key(monkeypatch: pytest.Monk
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     request = _seen()
     assert str(request.url) == f"{DEFAULT_URL}/healthz" and "authorization" not in request.headers
+
+
+@pytest.mark.parametrize("key", ["clé-secrète", "tab\tkey"])
+def test_a_key_a_header_cannot_carry_is_refused_with_what_to_fix(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(InvalidInput, match="api_key has a non-ASCII or control character at position [34]; .* ASCII"):
+        Client("http://ntk.example:9000", api_key=key)
+    monkeypatch.setenv(API_KEY_ENV, key)
+    with pytest.raises(InvalidInput, match=f"{API_KEY_ENV} has a non-ASCII or control character"):
+        Client("http://ntk.example:9000")
+    # The CLI prints it as one line (the client is built on the first command that talks to a server).
+    result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", "--api-key", key, "models", "list"])
+    assert result.exit_code == 1 and result.stderr.startswith("error: invalid_input: Client: api_key has a non-ASCII")
 
 
 def test_info_returns_the_server_record() -> None:

@@ -3,8 +3,10 @@
 One test per document: its ``python`` blocks run in order in one namespace (as a reader runs them in a notebook),
 its ``bash`` blocks through ``bash -euo pipefail`` with the venv's scripts on PATH, and its ``json`` blocks must
 parse. A document whose blocks talk to a server gets a real one of its own (a uvicorn subprocess, open mode, a
-fresh data directory); the blocks are run as written, with the documented default address
-``http://127.0.0.1:8000`` replaced by that server's. Everything runs in a temporary working directory.
+fresh data directory, stopped after the document: no state leaks between pages); the blocks are run as written,
+with the documented default address ``http://127.0.0.1:8000`` replaced by that server's. Everything runs in a
+temporary working directory. Each page's server is launched while the page before it runs (``_ServerPool``), so
+no page waits for a server to import torch.
 
 A block that cannot run here (it starts a long-lived server, builds a Docker image, or runs a benchmark of
 minutes) is preceded by ``<!-- snippet: skip (reason) -->``; the test reports every skipped block with its reason.
@@ -18,12 +20,13 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT, LiveServer, start_live_server
+from tests.conftest import REPO_ROOT, LiveServer, launch_live_server, wait_until_ready
 
 DOCUMENTED_URL = "http://127.0.0.1:8000"
 """The address the docs use: ``ntk-service serve``'s default."""
@@ -94,16 +97,64 @@ def _run_bash(block: Block, code: str, cwd: Path, server: LiveServer | None) -> 
     )
 
 
+def _page_needs_server(path: Path) -> bool:
+    return _needs_server([block for block in _blocks(path) if block.skip_reason is None])
+
+
+class _ServerPool:
+    """One fresh open-mode server per page that needs one, each launched ahead, while the page before it runs.
+
+    ``take`` waits until the spare is ready, launches the next page's (as long as pages that need a server remain
+    in this run) and returns it; every server has its own data directory and is stopped by its page.
+    """
+
+    def __init__(self, root: Path, needed: int) -> None:
+        self.root, self.needed, self.launched = root, needed, 0
+        self.spare: LiveServer | None = None
+
+    def _launch(self) -> LiveServer:
+        self.launched += 1
+        return launch_live_server(self.root / f"data{self.launched}", keys=False)
+
+    def take(self, workdir: Path) -> LiveServer:
+        """The next server, its data directory also at ``workdir/data`` (where ``serve --data-dir ./data`` would
+        put it: docs/results.md opens a job's result.zarr by that path)."""
+        server = wait_until_ready(self.spare or self._launch())  # then the next launch: one server starts at a time
+        self.spare = self._launch() if self.launched < self.needed else None
+        (workdir / "data").symlink_to(server.data_dir, target_is_directory=True)
+        return server
+
+    def close(self) -> None:
+        if self.spare is not None:
+            self.spare.stop()
+
+
+@pytest.fixture(scope="module")
+def server_pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[_ServerPool]:
+    pages = [
+        item.callspec.params["path"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_document_code_blocks_run" and hasattr(item, "callspec")
+    ]
+    pool = _ServerPool(tmp_path_factory.mktemp("snippet-servers"), sum(map(_page_needs_server, pages)))
+    yield pool
+    pool.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", _documents(), ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_document_code_blocks_run(
-    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    path: Path,
+    tmp_path: Path,
+    server_pool: _ServerPool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     blocks = _blocks(path)
     runnable = [block for block in blocks if block.skip_reason is None]
     if not runnable:
         pytest.skip(f"{path.name}: no runnable code block")
-    server = start_live_server(tmp_path / "data", keys=False) if _needs_server(runnable) else None
+    server = server_pool.take(tmp_path) if _needs_server(runnable) else None
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("NTK_URL", raising=False)
     monkeypatch.delenv("NTK_API_KEY", raising=False)

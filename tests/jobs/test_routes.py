@@ -38,10 +38,10 @@ _SERVER_SETTINGS = {
     "max_binary_response_bytes": str(4096),
     "job_disk_budget_bytes": str(2**20),
     "memory_budget_bytes": str(64 * 2**20),
-    "job_stream_block_bytes": str(100),
+    "job_stream_block_bytes": str(400),
 }
 """64 KiB JSON cap, 4 KiB cap on binary answers built in one piece, 1 MiB disk budget for all job results, streamed
-downloads in reads of at most 100 bytes (a row of the FULL float64 job is 720 bytes: it goes in pieces of a row)."""
+downloads in reads of at most 400 bytes (a row of the FULL float64 job is 720 bytes: it goes in pieces of a row)."""
 
 
 class _Servers:

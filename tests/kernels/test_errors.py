@@ -54,6 +54,13 @@ def test_empty_batch(mlp: nn.Module, which: str) -> None:
         compute_ntk(mlp, *args)
 
 
+def test_token_ids_outside_the_vocabulary_name_it() -> None:
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2))
+    with pytest.raises(InvalidInput, match=r"token ids in \[1, 12\] .*vocabulary of 10 \(ids 0\.\.9\)") as caught:
+        compute_ntk(model, torch.tensor([[1, 2, 3], [4, 5, 12]]))
+    assert not isinstance(caught.value, ShapeMismatch)  # the shape was right: it is the ids that are not
+
+
 def test_scalar_input(mlp: nn.Module) -> None:
     with pytest.raises(ShapeMismatch, match="batch dimension"):
         compute_ntk(mlp, torch.tensor(1.0))

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from typer.testing import CliRunner
 
+from ntk_service.cli import app
 from ntk_service.config import Settings, parse_api_keys
 from ntk_service.server import create_app, serve
 
@@ -41,6 +43,19 @@ def test_malformed_key_entries_are_refused_with_the_expected_format(text: str) -
         parse_api_keys(text)
     with pytest.raises(ValidationError, match="NTK_API_KEYS"):
         Settings(api_keys=text)
+
+
+def test_a_key_no_client_could_send_is_refused_at_start(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="entry 2 has a non-ASCII or control character at position 3; .*ASCII"):
+        parse_api_keys("ok-key:read, clé:write")
+    key_file = tmp_path / "keys.txt"
+    key_file.write_text("# lab keys\nalice:write\nbéa:read\n", encoding="utf-8")
+    with pytest.raises(ValidationError, match="NTK_API_KEY_FILE .*entry 2 has a non-ASCII"):
+        Settings(api_key_file=key_file)
+    # `ntk-service serve` reports it as one line before binding anything.
+    result = CliRunner().invoke(app, ["serve", "--data-dir", str(tmp_path)], env={"NTK_API_KEYS": "clé:write"})
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: serve: invalid configuration: ") and "non-ASCII" in result.stderr
 
 
 def test_missing_key_file_is_a_clear_error(tmp_path: Path) -> None:

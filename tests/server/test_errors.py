@@ -203,6 +203,31 @@ def test_422_dtype_mismatch(client: httpx.Client) -> None:
     )
 
 
+@pytest.mark.parametrize("family", ["sequential", "transformer"])
+def test_422_token_ids_outside_the_vocabulary_before_computing(client: httpx.Client, family: str) -> None:
+    architecture = TINY_ARCHITECTURES["transformer"]  # vocabulary 11
+    if family == "sequential":
+        architecture = {
+            "family": "sequential",
+            "input_shape": [3],
+            "input_dtype": "int64",
+            "layers": [
+                {"type": "Embedding", "num_embeddings": 11, "embedding_dim": 2},
+                {"type": "Flatten"},
+                {"type": "Linear", "in_features": 6, "out_features": 2},
+            ],
+        }
+    name = f"errors-tokens-{family}"
+    assert client.post("/v1/models", json={"name": name, "architecture": architecture}).status_code == 201
+    x1 = tensor_json(np.array([[1, 2, 3], [4, 11, 0]], np.int64))
+    message = _error(client.post(f"/v1/models/{name}/ntk", json={"x1": x1}), 422, "invalid_input")
+    assert message == (
+        f"ntk of model {name!r}: x1 has token ids in [0, 11], model {name!r} has a vocabulary of 11 (ids 0..10)"
+    )
+    ok = tensor_json(np.array([[1, 2, 3], [4, 10, 0]], np.int64))
+    assert client.post(f"/v1/models/{name}/ntk", json={"x1": ok, "mode": "trace"}).status_code == 200
+
+
 def test_422_nan_input_in_a_binary_body(client: httpx.Client) -> None:
     x1 = np.ones((2, 4), np.float32)
     x1[1, 2] = np.nan
