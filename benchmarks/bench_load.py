@@ -1,9 +1,9 @@
 """A bounded load test on loopback: concurrent kernels, data-set uploads and job submissions against a real server.
 
 A fixed number of requests (``--requests``) is sent by ``--concurrency`` client threads, in a fixed, seeded mix;
-meanwhile ``GET /healthz`` is probed every 20 ms from a separate process (whose timings are the server's alone),
-and, for comparison, from one more thread of the load-generating process (whose timings also hold the waits for
-that process's GIL, busy encoding the load's JSON bodies). The run stops by itself when the last request is
+meanwhile ``GET /healthz`` is probed every 20 ms from a separate process (after 5 s of probing before the load,
+the machine's baseline) and, for comparison, from one more thread of the load-generating process (which shares that
+process's GIL with the client threads encoding JSON bodies). The run stops by itself when the last request is
 answered and the submitted jobs have finished (or ``--job-timeout`` passed). It prints one table and exits non-zero
 when a promise is broken:
 
@@ -52,6 +52,8 @@ COMPUTE_CONCURRENCY = 1
 MAX_QUEUE = 2
 HEALTH_PERIOD_S = 0.02
 HEALTH_P99_LIMIT_MS = 100.0
+IDLE_BASELINE_S = 5.0
+"""Seconds /healthz is probed before the load starts: the baseline of the machine as it is."""
 MIX = (("kernel", 0.6), ("upload", 0.2), ("job", 0.2))
 """Share of each kind of request."""
 
@@ -72,15 +74,16 @@ def _vm_kib(pid: int, field: str) -> int:
 
 
 def _probe_health(url: str, ready: Event, stop: Event, out: Any) -> None:
-    """The separate prober process: ``GET /healthz`` every HEALTH_PERIOD_S until ``stop``; sends the latencies (ms)."""
+    """The separate prober process: ``GET /healthz`` every HEALTH_PERIOD_S until ``stop``; sends (when, ms) pairs,
+    ``when`` on the system-wide monotonic clock, so the parent can tell the idle baseline from the load."""
     latencies = []
     with httpx.Client(base_url=url, timeout=10) as own:
         own.get("/healthz").raise_for_status()  # connected and warm
         ready.set()
         while not stop.is_set():
-            start = time.perf_counter()
+            when, start = time.monotonic(), time.perf_counter()
             own.get("/healthz").raise_for_status()
-            latencies.append((time.perf_counter() - start) * 1000)
+            latencies.append((when, (time.perf_counter() - start) * 1000))
             time.sleep(HEALTH_PERIOD_S)
     out.put(latencies)
 
@@ -174,7 +177,9 @@ def run(server: LiveServer, args: argparse.Namespace) -> int:
     prober_process.start()
     if not ready.wait(timeout=120):
         raise RuntimeError("the /healthz prober process did not start")
+    time.sleep(IDLE_BASELINE_S)  # /healthz with no load from this benchmark: what the machine alone costs
     prober.start()
+    load_from = time.monotonic()
     started = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
     for thread in threads:
@@ -182,10 +187,13 @@ def run(server: LiveServer, args: argparse.Namespace) -> int:
     for thread in threads:
         thread.join()
     load_s = time.perf_counter() - started
+    load_to = time.monotonic()
     stop_probe.set()
     stop_process.set()
     prober.join()
-    process_ms: list[float] = from_process.get(timeout=60)
+    probes: list[tuple[float, float]] = from_process.get(timeout=60)
+    process_ms = [ms for when, ms in probes if load_from <= when <= load_to]
+    idle_ms = [ms for when, ms in probes if when < load_from]
     prober_process.join(timeout=60)
 
     with server.client("read") as client:
@@ -229,6 +237,12 @@ def run(server: LiveServer, args: argparse.Namespace) -> int:
             f"{p50:.1f} / {p99:.1f} ms",
             f"p99 < {HEALTH_P99_LIMIT_MS:.0f} ms",
             p99 < HEALTH_P99_LIMIT_MS,
+        ),
+        (
+            f"/healthz p50 / p99 before the load, separate process ({len(idle_ms)} probes)",
+            f"{_percentile(idle_ms, 0.5):.1f} / {_percentile(idle_ms, 0.99):.1f} ms",
+            "(baseline)",
+            True,
         ),
         (
             f"/healthz p50 / p99, a thread of the load's process ({len(health_ms)} probes)",
