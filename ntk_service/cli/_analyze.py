@@ -11,13 +11,16 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_npy, read_side
 from ntk_service.cli._output import print_record, print_table
+
+if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
+    from ntk_service.client import SpectrumMethodName
 
 __all__ = ["analyze_app"]
 
@@ -178,7 +181,7 @@ def spectrum(
             model,
             read_side(x, option="--x"),
             top=top,
-            method=method,
+            method=cast("SpectrumMethodName", method),  # the server refuses another value, naming the three
             ridges=ridge or [],
             mode=mode.value,
             version=version,

@@ -87,7 +87,14 @@ def kernel(
         state_of(ctx)
         .client()
         .ntk_result(
-            model, side1, side2, mode=mode, implementation=implementation, params=globs, dtype=dtype, version=version
+            model,
+            side1,
+            side2,
+            mode=mode.value,
+            implementation=implementation.value,
+            params=globs,
+            dtype=None if dtype is None else dtype.value,
+            version=version,
         )
     )
     theta = result.theta

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_side
 from ntk_service.cli._kernel import Dtype, Mode
+
+if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
+    from ntk_service.client import DtypeName
 
 __all__ = ["MAX_SEEDS", "KernelKind", "OperatorMode", "matvec", "monte_carlo", "nngp"]
 
@@ -87,6 +90,10 @@ MAX_SEEDS = 1024
 """The server's ``MAX_MONTE_CARLO_SEEDS`` (a test keeps them equal; the CLI does not import the torch side)."""
 
 
+def _dtype(dtype: Dtype | None) -> DtypeName | None:
+    return None if dtype is None else dtype.value
+
+
 def _seeds(text: str) -> list[int]:
     """``"0-15"``, ``"1,2,5"`` or a mix (``"0-3,9"``) as a list of ints, at most ``MAX_SEEDS`` of them: a typo
     like ``0-1000000000`` is refused here instead of building a billion-element list before the server says no."""
@@ -126,7 +133,9 @@ def nngp(
     side1 = read_side(x1, option="--x1")
     side2 = read_side(x2, option="--x2") if x2 is not None else None
     result = (
-        state_of(ctx).client().nngp_result(model, side1, side2, layer=layer, mode=mode, dtype=dtype, version=version)
+        state_of(ctx)
+        .client()
+        .nngp_result(model, side1, side2, layer=layer, mode=mode.value, dtype=_dtype(dtype), version=version)
     )
     summary = {"mode": result.mode, "layer": result.layer, "features": result.features, "model": result.model}
     _emit(ctx, "kernel", result.kernel, output, {**summary, "elapsed_ms": result.elapsed_ms}, json_output)
@@ -153,7 +162,16 @@ def monte_carlo(
     result = (
         state_of(ctx)
         .client()
-        .monte_carlo(model, side1, side2, seeds=_seeds(seeds), kernel=kernel, mode=mode, layer=layer, dtype=dtype)
+        .monte_carlo(
+            model,
+            side1,
+            side2,
+            seeds=_seeds(seeds),
+            kernel=kernel.value,
+            mode=mode.value,
+            layer=layer,
+            dtype=_dtype(dtype),
+        )
     )
     if output is not None and result.stderr is not None:
         _save(output.with_suffix(".stderr.npy"), result.stderr)
@@ -185,5 +203,7 @@ def matvec(
     side1 = read_side(x1, option="--x1")
     side2 = read_side(x2, option="--x2") if x2 is not None else None
     client = state_of(ctx).client()
-    product = client.matvec(model, side1, side2, v=vector, mode=mode, transpose=transpose, dtype=dtype, version=version)
+    product = client.matvec(
+        model, side1, side2, v=vector, mode=mode.value, transpose=transpose, dtype=_dtype(dtype), version=version
+    )
     _emit(ctx, "product", product, output, {"mode": mode.value, "model": model}, json_output)

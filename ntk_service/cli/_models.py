@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,7 +30,7 @@ LabelOption = Annotated[
 ]
 
 
-def _with_family(record: dict[str, Any]) -> dict[str, Any]:
+def _with_family(record: Mapping[str, Any]) -> dict[str, Any]:
     architecture = record.get("architecture")
     family = architecture.get("family") if isinstance(architecture, dict) else None
     return {**record, "family": family}

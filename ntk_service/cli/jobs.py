@@ -10,8 +10,9 @@ $ ntk-service jobs delete 3f2a...              # a finished job: its result leav
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
@@ -19,6 +20,9 @@ from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wan
 from ntk_service.cli._inputs import read_npy
 from ntk_service.cli._kernel import Dtype, Implementation, Mode
 from ntk_service.cli._output import print_record, print_table
+
+if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
+    from ntk_service.client import JobInfo, JobModeName
 
 __all__ = ["jobs_app"]
 
@@ -66,11 +70,11 @@ def _dataset_id(ctx: typer.Context, value: str, *, option: str) -> str | dict[st
     return side
 
 
-def _watch(ctx: typer.Context, job_id: str, json_output: bool) -> dict[str, Any]:
+def _watch(ctx: typer.Context, job_id: str, json_output: bool) -> JobInfo:
     return state_of(ctx).client().wait(job_id, progress=not wants_json(ctx, json_output))
 
 
-def _show(ctx: typer.Context, job: dict[str, Any], json_output: bool) -> None:
+def _show(ctx: typer.Context, job: Mapping[str, Any], json_output: bool) -> None:
     if wants_json(ctx, json_output):
         print_json(job)
     else:
@@ -109,7 +113,7 @@ def submit(
             model,
             _dataset_id(ctx, x1, option="--x1"),
             None if x2 is None else _dataset_id(ctx, x2, option="--x2"),
-            mode=mode.value,
+            mode=cast("JobModeName", mode.value),  # the server refuses "pseudo" with its message
             implementation=implementation.value,
             dtype=dtype.value,
             params=globs,

@@ -15,13 +15,22 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import quote
 
 import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import BaseClient
+from ntk_service.client._types import (
+    AlignmentVariantName,
+    AnalysisModeName,
+    FlowName,
+    ImplementationName,
+    LossName,
+    RidgeScaleName,
+    SpectrumMethodName,
+)
 
 __all__ = [
     "AnalysisClient",
@@ -74,7 +83,7 @@ class KernelSpectrum:
 
     eigenvalues: np.ndarray
     n: int
-    method: str
+    method: Literal["eigh", "lanczos"]
     lambda_max: float
     lambda_min: float | None
     condition_number: float | None
@@ -99,7 +108,7 @@ class KernelComparison:
     distance: np.ndarray
     relative_change: np.ndarray
     alignment: np.ndarray | None
-    variant: str | None
+    variant: AlignmentVariantName | None
     kernel_ms: float
     analysis_ms: float
 
@@ -115,7 +124,7 @@ class JobKernelSpectrum:
 
     eigenvalues: np.ndarray
     n: int
-    method: str
+    method: Literal["eigh", "lanczos"]
     lambda_max: float
     lambda_min: float | None
     condition_number: float | None
@@ -173,12 +182,12 @@ class AnalysisClient(BaseClient):
         *,
         times: Sequence[float],
         learning_rate: float,
-        loss: str = "mse",
-        flow: str = "gradient_flow",
+        loss: LossName = "mse",
+        flow: FlowName = "gradient_flow",
         ridge: float = 0.0,
-        ridge_scale: str = "absolute",
-        mode: str = "full",
-        implementation: str = "auto",
+        ridge_scale: RidgeScaleName = "absolute",
+        mode: AnalysisModeName = "full",
+        implementation: ImplementationName = "auto",
         params: Sequence[str] | None = None,
         version: int | None = None,
     ) -> LinearizedPrediction:
@@ -235,10 +244,10 @@ class AnalysisClient(BaseClient):
         x: Any,
         *,
         top: int | None = None,
-        method: str = "auto",
+        method: SpectrumMethodName = "auto",
         ridges: Sequence[float] = (),
-        mode: str = "full",
-        implementation: str = "auto",
+        mode: AnalysisModeName = "full",
+        implementation: ImplementationName = "auto",
         params: Sequence[str] | None = None,
         version: int | None = None,
     ) -> KernelSpectrum:
@@ -261,7 +270,7 @@ class AnalysisClient(BaseClient):
         return KernelSpectrum(
             eigenvalues=_tensor(out, "eigenvalues"),
             n=int(out["n"]),
-            method=str(out["method"]),
+            method=cast(Literal["eigh", "lanczos"], str(out["method"])),
             lambda_max=float(out["lambda_max"]),
             lambda_min=None if out.get("lambda_min") is None else float(out["lambda_min"]),
             condition_number=None if condition is None else _inf(condition),
@@ -280,9 +289,9 @@ class AnalysisClient(BaseClient):
         *,
         versions: Sequence[int | Mapping[str, Any]],
         y: Any = None,
-        variant: str | None = None,
-        mode: str = "full",
-        implementation: str = "auto",
+        variant: AlignmentVariantName | None = None,
+        mode: AnalysisModeName = "full",
+        implementation: ImplementationName = "auto",
         params: Sequence[str] | None = None,
     ) -> KernelComparison:
         """``POST /v1/models/{model}/compare``: the kernel on probe inputs x across versions (checkpoints).
@@ -320,7 +329,9 @@ class AnalysisClient(BaseClient):
 
     # ---- a finished job's stored kernel ----
 
-    def job_spectrum(self, job_id: str, *, top: int | None = 20, method: str = "auto") -> JobKernelSpectrum:
+    def job_spectrum(
+        self, job_id: str, *, top: int | None = 20, method: SpectrumMethodName = "auto"
+    ) -> JobKernelSpectrum:
         """The top eigenvalues of a finished job's kernel (Lanczos over row reads; ``top=None``: all, dense).
 
         Raises:
@@ -331,14 +342,14 @@ class AnalysisClient(BaseClient):
         return JobKernelSpectrum(
             eigenvalues=_tensor(out, "eigenvalues"),
             n=int(out["n"]),
-            method=str(out["method"]),
+            method=cast(Literal["eigh", "lanczos"], str(out["method"])),
             lambda_max=float(out["lambda_max"]),
             lambda_min=None if out.get("lambda_min") is None else float(out["lambda_min"]),
             condition_number=None if condition is None else _inf(condition),
             analysis_ms=float(out["analysis_ms"]),
         )
 
-    def job_alignment(self, job_id: str, y: Any, *, variant: str) -> float:
+    def job_alignment(self, job_id: str, y: Any, *, variant: AlignmentVariantName) -> float:
         """The alignment of a finished job's kernel with labels (N,) int or targets (N, c), streamed by rows."""
         body = {"y": wire.tensor_to_json(np.asarray(y)), "variant": variant}
         return float(self._send_json("POST", _job_path(job_id, "alignment"), body)["alignment"])

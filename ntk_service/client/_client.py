@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
@@ -38,6 +38,14 @@ from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
 from ntk_service.client._module_spec import describe_module
 from ntk_service.client._service import ServiceClient
+from ntk_service.client._types import (
+    DatasetInfo,
+    DtypeName,
+    HealthStatus,
+    ImplementationName,
+    KernelModeName,
+    ModelInfo,
+)
 from ntk_service.errors import NtkServiceError
 
 __all__ = [
@@ -73,8 +81,8 @@ class KernelResult:
     """
 
     theta: Any
-    mode: str
-    implementation: str
+    mode: KernelModeName
+    implementation: ImplementationName
     model: str
     version: int
     elapsed_ms: float
@@ -93,9 +101,9 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
 
     # ---- service ----
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> HealthStatus:
         """``GET /healthz``: liveness (no key needed)."""
-        return dict(self._get_json("/healthz"))
+        return cast(HealthStatus, dict(self._get_json("/healthz")))
 
     def architectures(self) -> list[dict[str, Any]]:
         """``GET /v1/architectures``: the model families and their config fields, the layer types of ``sequential``
@@ -106,7 +114,7 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
 
     def register_model(
         self, name: str, architecture: Mapping[str, Any], seed: int = 0, *, label: str | None = None
-    ) -> dict[str, Any]:
+    ) -> ModelInfo:
         """Register a model from an architecture spec (write scope).
 
         Args:
@@ -124,7 +132,7 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
         body: dict[str, Any] = {"name": name, "architecture": dict(architecture), "seed": seed}
         if label is not None:
             body["label"] = label
-        return dict(self._send_json("POST", "/v1/models", body))
+        return cast(ModelInfo, dict(self._send_json("POST", "/v1/models", body)))
 
     def register_module(
         self,
@@ -134,7 +142,7 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
         input_shape: Sequence[int],
         input_dtype: str = "float32",
         label: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ModelInfo:
         """Register your own ``nn.Sequential`` with its current weights as version 1 (write scope).
 
         The ``sequential`` architecture spec is read from the module (``describe_module``); its ``state_dict()``
@@ -171,23 +179,23 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
             accept=wire.MEDIA_JSON,
             params={"name": name, "label": label},
         )
-        return dict(_decode_json(response))
+        return cast(ModelInfo, dict(_decode_json(response)))
 
-    def list_models(self) -> list[dict[str, Any]]:
+    def list_models(self) -> list[ModelInfo]:
         """``GET /v1/models``: every registered model's record."""
-        return _items(self._get_json("/v1/models"))
+        return cast(list[ModelInfo], _items(self._get_json("/v1/models")))
 
-    def get_model(self, name: str, version: int | None = None) -> dict[str, Any]:
+    def get_model(self, name: str, version: int | None = None) -> ModelInfo:
         """One version's record (the latest by default). Raises ``ModelNotFound`` (the message lists versions)."""
         if version is None:
-            return dict(self._get_json(f"/v1/models/{_segment(name)}"))
-        return dict(self._get_json(f"/v1/models/{_segment(name)}/versions/{int(version)}"))
+            return cast(ModelInfo, dict(self._get_json(f"/v1/models/{_segment(name)}")))
+        return cast(ModelInfo, dict(self._get_json(f"/v1/models/{_segment(name)}/versions/{int(version)}")))
 
-    def list_versions(self, name: str) -> list[dict[str, Any]]:
+    def list_versions(self, name: str) -> list[ModelInfo]:
         """Every version's record, oldest first: version, created_at (upload time, UTC), label, weights_sha256, ...
 
         Raises ``ModelNotFound``."""
-        return _items(self._get_json(f"/v1/models/{_segment(name)}/versions"))
+        return cast(list[ModelInfo], _items(self._get_json(f"/v1/models/{_segment(name)}/versions")))
 
     def delete_model(self, name: str) -> None:
         """Delete a model and all its versions (write scope). Raises ``ModelNotFound``."""
@@ -200,7 +208,7 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
         metadata: Mapping[str, str] | None = None,
         *,
         label: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> ModelInfo:
         """Upload weights as a new immutable version of a model (write scope); one line per checkpoint::
 
             client.upload_weights("resnet", model.state_dict(), label=f"epoch {epoch}")
@@ -231,7 +239,7 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
             accept=wire.MEDIA_JSON,
             params={"label": label},
         )
-        return dict(_decode_json(response))
+        return cast(ModelInfo, dict(_decode_json(response)))
 
     def download_weights(self, name: str, version: int | None = None, *, as_torch: bool = False) -> dict[str, Any]:
         """The weights of one version as a ``state_dict`` (tensor name -> array), loadable with
@@ -254,7 +262,7 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
 
     # ---- data sets ----
 
-    def upload_dataset(self, array: Any, name: str | None = None) -> dict[str, Any]:
+    def upload_dataset(self, array: Any, name: str | None = None) -> DatasetInfo:
         """Upload inputs once, to reference them by id and row range in kernels (write scope).
 
         Args:
@@ -273,15 +281,15 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
             accept=wire.MEDIA_JSON,
             params={"name": name},
         )
-        return dict(_decode_json(response))
+        return cast(DatasetInfo, dict(_decode_json(response)))
 
-    def list_datasets(self) -> list[dict[str, Any]]:
+    def list_datasets(self) -> list[DatasetInfo]:
         """``GET /v1/datasets``: every data set's record."""
-        return _items(self._get_json("/v1/datasets"))
+        return cast(list[DatasetInfo], _items(self._get_json("/v1/datasets")))
 
-    def get_dataset(self, dataset_id: str) -> dict[str, Any]:
+    def get_dataset(self, dataset_id: str) -> DatasetInfo:
         """One data set's record. Raises ``DatasetNotFound``."""
-        return dict(self._get_json(f"/v1/datasets/{_segment(dataset_id)}"))
+        return cast(DatasetInfo, dict(self._get_json(f"/v1/datasets/{_segment(dataset_id)}")))
 
     def delete_dataset(self, dataset_id: str) -> None:
         """Delete a data set (write scope). Raises ``DatasetNotFound``."""
@@ -295,10 +303,10 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
         x1: Any,
         x2: Any = None,
         *,
-        mode: str = "full",
-        implementation: str = "auto",
+        mode: KernelModeName = "full",
+        implementation: ImplementationName = "auto",
         params: Sequence[str] | None = None,
-        dtype: str | None = None,
+        dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
     ) -> Any:
@@ -310,7 +318,7 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
                 ``{"dataset": id, "start": i, "stop": j}`` (start/stop optional).
             x2: (M, *input), same forms; ``None`` means x2 = x1 (computed once, exactly symmetric).
                 Default: None.
-            mode (str): "full" | "trace" | "example_diagonal" | "output_diagonal". Default: "full".
+            mode (str): "full" | "trace" | "example_diagonal" | "output_diagonal" | "pseudo". Default: "full".
             implementation (str): "auto" | "jacobian_contraction" | "ntk_vector_products" | "structured".
                 Default: "auto".
             params (Sequence[str] | None): glob patterns over parameter names, e.g. ``["head.*"]``.
@@ -348,10 +356,10 @@ class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
         x1: Any,
         x2: Any = None,
         *,
-        mode: str = "full",
-        implementation: str = "auto",
+        mode: KernelModeName = "full",
+        implementation: ImplementationName = "auto",
         params: Sequence[str] | None = None,
-        dtype: str | None = None,
+        dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
     ) -> KernelResult:
@@ -453,8 +461,8 @@ def _kernel_result(response: httpx.Response, *, model: str, as_torch: bool) -> K
         meta = {**headers, **meta_strings}
     return KernelResult(
         theta=_maybe_torch(theta, as_torch),
-        mode=str(meta.get("mode") or ""),
-        implementation=str(meta.get("implementation") or ""),
+        mode=cast(KernelModeName, str(meta.get("mode") or "")),
+        implementation=cast(ImplementationName, str(meta.get("implementation") or "")),
         model=str(meta.get("model") or model),
         version=int(meta.get("version") or 0),
         elapsed_ms=float(meta.get("elapsed_ms") or 0.0),

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 from urllib.parse import quote
 
 import httpx
@@ -24,6 +24,7 @@ import numpy as np
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
 from ntk_service.client._results import FETCH_BLOCK_BYTES, RemoteResult, download_to, fetch_npy
+from ntk_service.client._types import DtypeName, ImplementationName, JobDeletion, JobInfo, JobModeName
 from ntk_service.errors import JobFailed, JobNotFinished, NtkServiceError, ServiceUnavailable
 
 __all__ = ["FINISHED", "JobsClient", "format_progress"]
@@ -102,13 +103,13 @@ class JobsClient(BaseClient):
         x1: str | Mapping[str, str],
         x2: str | Mapping[str, str] | None = None,
         *,
-        mode: str = "full",
-        implementation: str = "auto",
-        dtype: str = "float32",
+        mode: JobModeName = "full",
+        implementation: ImplementationName = "auto",
+        dtype: DtypeName = "float32",
         params: Sequence[str] | None = None,
         version: int | None = None,
         tile_size: int | None = None,
-    ) -> dict[str, Any]:
+    ) -> JobInfo:
         """Submit a batch kernel job over whole data sets (write scope).
 
         Args:
@@ -138,26 +139,28 @@ class JobsClient(BaseClient):
             "params": None if params is None else list(params),
             "tile_size": tile_size,
         }
-        return dict(self._send_json("POST", "/v1/jobs", {k: v for k, v in body.items() if v is not None}))
+        return cast(
+            JobInfo, dict(self._send_json("POST", "/v1/jobs", {k: v for k, v in body.items() if v is not None}))
+        )
 
-    def get_job(self, job_id: str) -> dict[str, Any]:
+    def get_job(self, job_id: str) -> JobInfo:
         """The job's record with progress (``tiles_done``, ``progress``, ``eta_s``). Raises ``JobNotFound``."""
-        return dict(self._get_json(f"/v1/jobs/{_segment(job_id)}"))
+        return cast(JobInfo, dict(self._get_json(f"/v1/jobs/{_segment(job_id)}")))
 
-    def list_jobs(self) -> list[dict[str, Any]]:
+    def list_jobs(self) -> list[JobInfo]:
         """All jobs, newest first."""
         body = self._get_json("/v1/jobs")
-        return [dict(item) for item in body["data"]]
+        return [cast(JobInfo, dict(item)) for item in body["data"]]
 
-    def cancel_job(self, job_id: str) -> dict[str, Any]:
+    def cancel_job(self, job_id: str) -> JobInfo:
         """Cancel a job (write scope): running tiles finish, no new tile starts; a finished job is left as it is.
         Returns the record."""
         response = self._request(
             "DELETE", f"/v1/jobs/{_segment(job_id)}", params={"cancel_only": "true"}, accept=wire.MEDIA_JSON
         )
-        return dict(_decode_json(response))
+        return cast(JobInfo, dict(_decode_json(response)))
 
-    def delete_job(self, job: str | Mapping[str, Any], *, keep_record: bool = False) -> dict[str, Any]:
+    def delete_job(self, job: str | Mapping[str, Any], *, keep_record: bool = False) -> JobDeletion | JobInfo:
         """Delete a finished job's result from the server's disk (write scope); a running job is cancelled instead.
 
         Args:
@@ -173,7 +176,7 @@ class JobsClient(BaseClient):
         """
         params = {"keep_record": "true" if keep_record else None}
         response = self._request("DELETE", f"/v1/jobs/{_job_id(job)}", params=params, accept=wire.MEDIA_JSON)
-        return dict(_decode_json(response))
+        return cast("JobDeletion | JobInfo", dict(_decode_json(response)))
 
     def wait(
         self,
@@ -182,7 +185,7 @@ class JobsClient(BaseClient):
         progress: bool = True,
         timeout: float | None = None,
         stream: TextIO | None = None,
-    ) -> dict[str, Any]:
+    ) -> JobInfo:
         """Block until the job finishes, optionally drawing a progress bar with ETA.
 
         Args:
@@ -218,9 +221,7 @@ class JobsClient(BaseClient):
             raise JobFailed(f"job {job_id} failed: {record.get('error')}")
         return record
 
-    def _follow_events(
-        self, job_id: str, last: dict[str, Any], out: TextIO | None, deadline: float | None
-    ) -> dict[str, Any]:
+    def _follow_events(self, job_id: str, last: JobInfo, out: TextIO | None, deadline: float | None) -> JobInfo:
         """Read the event stream until the job ends (or the stream breaks); returns the latest record."""
         record = last
         read_timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
@@ -236,7 +237,7 @@ class JobsClient(BaseClient):
                     return self.get_job(job_id)  # raises the mapped error (e.g. JobNotFound)
                 for line in response.iter_lines():
                     if line.startswith("data:"):
-                        record = dict(json.loads(line[5:]))
+                        record = cast(JobInfo, dict(json.loads(line[5:])))
                         if out is not None:
                             out.write("\r" + format_progress(record))
                             out.flush()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
 import httpx
@@ -23,6 +23,7 @@ import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors, _media
+from ntk_service.client._types import DtypeName, FamilyKernelName, KernelModeName, OperatorModeName
 
 __all__ = ["KernelFamilyClient", "MonteCarloKernel", "NngpKernel"]
 
@@ -38,7 +39,7 @@ class NngpKernel:
     """
 
     kernel: Any
-    mode: str
+    mode: KernelModeName
     layer: str | None
     features: int
     model: str
@@ -64,8 +65,8 @@ class MonteCarloKernel:
     mean: Any
     stderr: Any
     n_samples: int
-    kernel: str
-    mode: str
+    kernel: FamilyKernelName
+    mode: KernelModeName
     models_per_chunk: int
     model: str
     elapsed_ms: float
@@ -125,8 +126,8 @@ class KernelFamilyClient(BaseClient):
         x2: Any = None,
         *,
         layer: str | None = None,
-        mode: str = "full",
-        dtype: str | None = None,
+        mode: KernelModeName = "full",
+        dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
     ) -> NngpKernel:
@@ -149,7 +150,7 @@ class KernelFamilyClient(BaseClient):
         layer_meta = meta.get("layer")
         return NngpKernel(
             kernel=_maybe_torch(tensors["kernel"], as_torch),
-            mode=str(meta["mode"]),
+            mode=cast(KernelModeName, str(meta["mode"])),
             layer=None if layer_meta in (None, "None") else str(layer_meta),
             features=int(meta["features"]),
             model=str(meta["model"]),
@@ -168,11 +169,11 @@ class KernelFamilyClient(BaseClient):
         x2: Any = None,
         *,
         seeds: Sequence[int],
-        kernel: str = "ntk",
-        mode: str = "full",
+        kernel: FamilyKernelName = "ntk",
+        mode: KernelModeName = "full",
         layer: str | None = None,
         params: Sequence[str] | None = None,
-        dtype: str | None = None,
+        dtype: DtypeName | None = None,
         as_torch: bool = False,
     ) -> MonteCarloKernel:
         """The NTK (or NNGP) of the model's architecture averaged over one fresh network per seed.
@@ -206,8 +207,8 @@ class KernelFamilyClient(BaseClient):
             mean=_maybe_torch(tensors["mean"], as_torch),
             stderr=_maybe_torch(tensors.get("stderr"), as_torch),
             n_samples=int(meta["n_samples"]),
-            kernel=str(meta["kernel"]),
-            mode=str(meta["mode"]),
+            kernel=cast(FamilyKernelName, str(meta["kernel"])),
+            mode=cast(KernelModeName, str(meta["mode"])),
             models_per_chunk=int(meta["models_per_chunk"]),
             model=str(meta["model"]),
             elapsed_ms=float(meta["elapsed_ms"]),
@@ -220,10 +221,10 @@ class KernelFamilyClient(BaseClient):
         x2: Any = None,
         *,
         v: Any,
-        mode: str = "full",
+        mode: OperatorModeName = "full",
         transpose: bool = False,
         params: Sequence[str] | None = None,
-        dtype: str | None = None,
+        dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
     ) -> Any:

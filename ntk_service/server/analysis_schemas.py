@@ -15,7 +15,7 @@ from ntk_service import wire
 from ntk_service.analysis import Spectrum
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, VersionInt
-from ntk_service.server.schemas import DatasetRef, Globs, TensorJson
+from ntk_service.server.schemas import SIDE_FORMS, DatasetRef, Globs, TensorJson
 
 __all__ = [
     "MAX_COMPARE_VERSIONS",
@@ -77,7 +77,9 @@ class AnalysisKernelOptions(BaseModel):
         default="full",
         description="full: the (N·k, N·k) kernel; trace: the (N, N) sum over outputs, read as (trace / k) ⊗ I_k.",
     )
-    implementation: NtkImplementation = NtkImplementation.AUTO
+    implementation: NtkImplementation = Field(
+        default=NtkImplementation.AUTO, description="How to compute (all give the same numbers); auto picks by cost."
+    )
     params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
     version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
 
@@ -86,20 +88,28 @@ class PredictOptions(AnalysisKernelOptions):
     """``/predict`` options beside the tensors x_train, y_train, x_test."""
 
     times: list[float | Inf] = Field(
-        min_length=1, max_length=MAX_TIMES, description='Times (or integer step counts); "inf" for convergence.'
+        min_length=1,
+        max_length=MAX_TIMES,
+        description='Times (or integer step counts); "inf" for convergence.',
+        examples=[[0, 10, 100, "inf"]],
     )
-    learning_rate: float = Field(gt=0, description="η of the optimizer on `loss`.")
+    learning_rate: float = Field(gt=0, description="η of the optimizer on `loss`.", examples=[0.1])
     loss: Literal["mse", "sum", "half_mse"] = Field(
         default="mse", description="mse = MSELoss(), sum = MSELoss(reduction='sum'), half_mse = ½·mean."
     )
-    flow: Literal["gradient_flow", "gradient_descent"] = "gradient_flow"
+    flow: Literal["gradient_flow", "gradient_descent"] = Field(
+        default="gradient_flow",
+        description="gradient_flow: continuous time (times); gradient_descent: integer step counts.",
+    )
     ridge: float = Field(
         default=0.0,
         ge=0,
         json_schema_extra={"maximum": MAX_RIDGE},  # checked by _bounded_ridge, whose message reads 1e+100
         description="λ added to the kernel's diagonal (relative: times its mean).",
     )
-    ridge_scale: Literal["absolute", "relative"] = "absolute"
+    ridge_scale: Literal["absolute", "relative"] = Field(
+        default="absolute", description="absolute: λ as given; relative: λ times the mean of the kernel's diagonal."
+    )
 
     @field_validator("times")
     @classmethod
@@ -125,9 +135,11 @@ class PredictOptions(AnalysisKernelOptions):
 class PredictRequest(PredictOptions):
     """``POST /v1/models/{name}/predict`` (documentation; the route decodes tensors with ``wire``)."""
 
-    x_train: TensorJson | DatasetRef
+    x_train: TensorJson | DatasetRef = Field(description="Training inputs (N, *input): " + SIDE_FORMS)
     y_train: TensorJson = Field(description="(N, k) targets.")
-    x_test: TensorJson | DatasetRef | None = None
+    x_test: TensorJson | DatasetRef | None = Field(
+        default=None, description="Test inputs (M, *input), as x_train; null: training outputs only."
+    )
 
 
 class SpectrumOptions(AnalysisKernelOptions):
@@ -136,7 +148,9 @@ class SpectrumOptions(AnalysisKernelOptions):
     top: int | None = Field(
         default=None, ge=1, le=INT64_MAX, description="Only the top eigenvalues (at most n are returned). Default: all."
     )
-    method: Literal["auto", "eigh", "lanczos"] = "auto"
+    method: Literal["auto", "eigh", "lanczos"] = Field(
+        default="auto", description="eigh: dense, every eigenvalue; lanczos: the top ones; auto: by size."
+    )
     ridges: list[float] = Field(
         default_factory=list, max_length=64, description="λ > 0 values for effective_dof (needs top = null)."
     )
@@ -152,7 +166,7 @@ class SpectrumOptions(AnalysisKernelOptions):
 class SpectrumRequest(SpectrumOptions):
     """``POST /v1/models/{name}/spectrum`` (documentation)."""
 
-    x: TensorJson | DatasetRef
+    x: TensorJson | DatasetRef = Field(description="Inputs (N, *input) of Θ(x, x): " + SIDE_FORMS)
 
 
 class VersionRef(BaseModel):
@@ -174,8 +188,10 @@ class CompareOptions(BaseModel):
         max_length=MAX_COMPARE_VERSIONS,
         description="Versions of this model (ints) or {model, version} of others with the same architecture.",
     )
-    mode: Literal["full", "trace"] = "full"
-    implementation: NtkImplementation = NtkImplementation.AUTO
+    mode: Literal["full", "trace"] = Field(default="full", description="As for /predict.")
+    implementation: NtkImplementation = Field(
+        default=NtkImplementation.AUTO, description="How to compute (all give the same numbers); auto picks by cost."
+    )
     params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
     variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"] | None = Field(
         default=None, description="Alignment variant; required with y."
@@ -193,5 +209,5 @@ class CompareOptions(BaseModel):
 class CompareRequest(CompareOptions):
     """``POST /v1/models/{name}/compare`` (documentation)."""
 
-    x: TensorJson | DatasetRef
+    x: TensorJson | DatasetRef = Field(description="Probe inputs (N, *input): " + SIDE_FORMS)
     y: TensorJson | None = Field(default=None, description="Labels (N,) int64 or targets (N, c).")

@@ -67,6 +67,14 @@ KernelModeValue = Literal["full", "trace", "example_diagonal", "output_diagonal"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
 
+SIDE_FORMS = 'a JSON tensor, or rows of a stored data set {"dataset": id, "start", "stop"}.'
+"""How a side may come, for the descriptions of x1, x_train, x, ..."""
+X1_DESCRIPTION = "x1 (N, *input): " + SIDE_FORMS
+X2_DESCRIPTION = "x2 (M, *input), as x1; null: x2 = x1 (computed once, exactly symmetric)."
+DTYPE_DESCRIPTION = "Compute dtype. Default: the model's."
+ELAPSED_DESCRIPTION = "Server-side compute time in milliseconds."
+COUNT_DESCRIPTION = "How many items data holds."
+
 Globs = Annotated[list[Glob], Field(max_length=MAX_GLOBS)]
 """Glob patterns over parameter names (``fnmatch``), at most MAX_GLOBS."""
 
@@ -100,9 +108,15 @@ def validate_body(model: type[ModelT], data: Any, *, operation: str) -> ModelT:
 class TensorJson(BaseModel):
     """A tensor in JSON (documentation only): flat row-major ``data`` of ``shape``."""
 
-    shape: list[NonNegativeInt64] = Field(max_length=8, examples=[[2, 3]])
-    dtype: Literal["float32", "float64", "int64"] = Field(examples=["float32"])
-    data: list[float] = Field(max_length=MAX_JSON_TENSOR_VALUES, examples=[[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]])
+    shape: list[NonNegativeInt64] = Field(max_length=8, examples=[[2, 3]], description="The tensor's shape.")
+    dtype: Literal["float32", "float64", "int64"] = Field(
+        examples=["float32"], description="The element type (integers are token ids or labels)."
+    )
+    data: list[float] = Field(
+        max_length=MAX_JSON_TENSOR_VALUES,
+        examples=[[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]],
+        description="The values, flat in row-major (C) order: prod(shape) of them.",
+    )
 
 
 class DatasetRef(BaseModel):
@@ -125,30 +139,40 @@ class KernelOptions(BaseModel):
         description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k) | "
         "pseudo (N,M): (1/k) Σ_ab Θ_ab.",
     )
-    implementation: NtkImplementation = NtkImplementation.AUTO
-    params: list[Glob] | None = Field(
-        default=None, max_length=MAX_GLOBS, description="Glob patterns over parameter names; null = all."
+    implementation: NtkImplementation = Field(
+        default=NtkImplementation.AUTO,
+        description="How to compute (all give the same numbers); auto picks by cost.",
+        examples=["auto"],
     )
-    dtype: Literal["float32", "float64"] | None = Field(default=None, description="Compute dtype. Default: model's.")
+    params: list[Glob] | None = Field(
+        default=None,
+        max_length=MAX_GLOBS,
+        description="Glob patterns over parameter names; null = all.",
+        examples=[["layers.1.*"]],
+    )
+    dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
     version: int | None = Field(default=None, ge=1, le=INT64_MAX, description="Model version. Default: the latest.")
 
 
 class KernelRequest(KernelOptions):
     """``POST /v1/models/{name}/ntk`` as JSON (documentation; routes decode x1/x2 with ``wire``)."""
 
-    x1: TensorJson | DatasetRef
-    x2: TensorJson | DatasetRef | None = Field(default=None, description="null: x2 = x1 (exactly symmetric).")
+    x1: TensorJson | DatasetRef = Field(description=X1_DESCRIPTION)
+    x2: TensorJson | DatasetRef | None = Field(default=None, description=X2_DESCRIPTION)
 
 
 class KernelPublic(BaseModel):
     """The JSON kernel response."""
 
-    theta: TensorJson
-    mode: KernelModeValue
-    implementation: NtkImplementation
-    model: str
-    version: int
-    elapsed_ms: float
+    theta: TensorJson = Field(
+        description="Θ(x1, x2): (N, M, k, k) full, (N, M) trace and pseudo, (N, k, k) example_diagonal, "
+        "(N, M, k) output_diagonal."
+    )
+    mode: KernelModeValue = Field(description="The mode computed.")
+    implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
+    model: str = Field(description="The model's name.")
+    version: int = Field(description="The model version used.")
+    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
 class ModelCreate(BaseModel):
@@ -156,9 +180,12 @@ class ModelCreate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(pattern=NAME_PATTERN, examples=["mnist-mlp"])
+    name: str = Field(
+        pattern=NAME_PATTERN, examples=["mnist-mlp"], description="A unique name: letters, digits, '._-', 1-64."
+    )
     architecture: dict[str, Any] = Field(
-        examples=[{"family": "mlp", "input_dim": 784, "hidden": [256], "output_dim": 10, "activation": "relu"}]
+        description="The family and its config fields (GET /v1/architectures lists them).",
+        examples=[{"family": "mlp", "input_dim": 784, "hidden": [256], "output_dim": 10, "activation": "relu"}],
     )
     seed: int = Field(default=0, ge=0, le=INT64_MAX, description="Seed of the initial weights (version 1).")
     label: str | None = Field(
@@ -171,54 +198,65 @@ class ModelCreateSchema(ModelCreate):
     of the families on ``family``, each with an example. Routes validate the architecture in the registry
     (``parse_architecture``), so the library and HTTP give the same messages."""
 
-    architecture: ArchitectureSpec  # type: ignore[assignment]
+    architecture: ArchitectureSpec = Field(  # type: ignore[assignment]
+        description="The family (the discriminator) and its config fields; GET /v1/architectures lists them."
+    )
 
 
 class ParameterPublic(BaseModel):
-    name: str
-    shape: list[int]
+    """One parameter tensor."""
+
+    name: str = Field(description="Its name in named_parameters(), e.g. 'layers.0.weight'.")
+    shape: list[int] = Field(description="Its shape.")
 
 
 class ModelPublic(BaseModel):
-    name: str
-    version: int
-    architecture: dict[str, Any]
-    seed: int | None = None
-    num_params: int
-    input_shape: list[int]
-    input_dtype: str
-    output_dim: int
-    parameters: list[ParameterPublic]
-    weights_sha256: str
+    """One version of a registered model."""
+
+    name: str = Field(description="The model's name.", examples=["mnist-mlp"])
+    version: int = Field(description="1 for the seeded weights, then 2, 3, ... per weight upload.", examples=[1])
+    architecture: dict[str, Any] = Field(description="The validated architecture, defaults filled in.")
+    seed: int | None = Field(default=None, description="The seed of version 1; null for uploaded weights.")
+    num_params: int = Field(description="P, parameter values (tied parameters counted once).", examples=[203530])
+    input_shape: list[int] = Field(description="One example's shape, without the batch dimension.", examples=[[784]])
+    input_dtype: str = Field(description='"float32", or "int64" for token ids.', examples=["float32"])
+    output_dim: int = Field(description="k, outputs per example.", examples=[10])
+    parameters: list[ParameterPublic] = Field(description="(name, shape) in named_parameters() order.")
+    weights_sha256: str = Field(description="Hex sha256 of the stored safetensors file.")
     created_at: str = Field(description="When this version was uploaded (UTC, ISO 8601).")
     label: str | None = Field(default=None, description="The label given with the upload, e.g. 'epoch 3'.")
 
 
 class ModelsPublic(BaseModel):
-    data: list[ModelPublic]
-    count: int
+    data: list[ModelPublic] = Field(description="The latest version of each model.")
+    count: int = Field(description=COUNT_DESCRIPTION)
 
 
 class DatasetPublic(BaseModel):
+    """An uploaded data set."""
+
     model_config = ConfigDict(extra="allow")
 
-    id: str
-    name: str | None = None
-    shape: list[int]
-    dtype: str
-    sha256: str
-    size_bytes: int
-    created_at: str
+    id: str = Field(description="ds_ and 24 hex digits, to reference it in kernels and jobs.")
+    name: str | None = Field(default=None, description="The name given with the upload (not unique).")
+    shape: list[int] = Field(description="(N, *input).", examples=[[1000, 784]])
+    dtype: str = Field(description='"float32", "float64" or "int64".', examples=["float32"])
+    sha256: str = Field(description="Hex sha256 of the stored .npy file.")
+    size_bytes: int = Field(description="Size of the stored .npy file.")
+    created_at: str = Field(description="When it was uploaded (UTC, ISO 8601).")
 
 
 class DatasetsPublic(BaseModel):
-    data: list[DatasetPublic]
-    count: int
+    data: list[DatasetPublic] = Field(description="Every data set.")
+    count: int = Field(description=COUNT_DESCRIPTION)
 
 
 class ArchitecturesPublic(BaseModel):
-    data: list[dict[str, Any]]
-    count: int
+    data: list[dict[str, Any]] = Field(
+        description="One entry per family (its config fields and an example), the sequential layer types and "
+        "the allowed factories."
+    )
+    count: int = Field(description=COUNT_DESCRIPTION)
 
 
 class NngpOptions(BaseModel):
@@ -230,25 +268,25 @@ class NngpOptions(BaseModel):
     layer: LayerName | None = Field(
         default=None, description="A module name: its output's features. null = the outputs."
     )
-    dtype: Literal["float32", "float64"] | None = Field(default=None, description="Compute dtype. Default: model's.")
+    dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
     version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
 
 
 class NngpRequest(NngpOptions):
     """``POST /v1/models/{name}/nngp`` as JSON (documentation; the route decodes x1/x2 with ``wire``)."""
 
-    x1: TensorJson | DatasetRef
-    x2: TensorJson | DatasetRef | None = Field(default=None, description="null: x2 = x1 (exactly symmetric).")
+    x1: TensorJson | DatasetRef = Field(description=X1_DESCRIPTION)
+    x2: TensorJson | DatasetRef | None = Field(default=None, description=X2_DESCRIPTION)
 
 
 class NngpPublic(BaseModel):
-    kernel: TensorJson
-    mode: KernelModeValue
-    layer: str | None
-    features: int
-    model: str
-    version: int
-    elapsed_ms: float
+    kernel: TensorJson = Field(description="f(x1) f(x2)ᵀ, shaped as the mode's kernel with d features for k.")
+    mode: KernelModeValue = Field(description="The mode computed.")
+    layer: str | None = Field(description="The module whose features were used; null: the outputs.")
+    features: int = Field(description="d, the features per example.")
+    model: str = Field(description="The model's name.")
+    version: int = Field(description="The model version used.")
+    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
 class MonteCarloOptions(BaseModel):
@@ -259,27 +297,29 @@ class MonteCarloOptions(BaseModel):
 
     # strict: JSON true / "7" / 7.0 are not seeds (lax pydantic would turn true into 1, "7" into 7)
     seeds: MonteCarloSeeds = Field(description=f"Distinct seeds, one network each (1 to {MAX_MONTE_CARLO_SEEDS}).")
-    kernel: Literal["ntk", "nngp"] = "ntk"
-    mode: KernelModeValue = "full"
+    kernel: Literal["ntk", "nngp"] = Field(default="ntk", description="The kernel averaged.")
+    mode: KernelModeValue = Field(default="full", description="As for /ntk.")
     layer: LayerName | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
     params: Globs | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
-    dtype: Literal["float32", "float64"] | None = None
+    dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
 
 
 class MonteCarloRequest(MonteCarloOptions):
-    x1: TensorJson | DatasetRef
-    x2: TensorJson | DatasetRef | None = None
+    """``POST /v1/models/{name}/monte_carlo`` as JSON (documentation)."""
+
+    x1: TensorJson | DatasetRef = Field(description=X1_DESCRIPTION)
+    x2: TensorJson | DatasetRef | None = Field(default=None, description=X2_DESCRIPTION)
 
 
 class MonteCarloPublic(BaseModel):
-    mean: TensorJson
+    mean: TensorJson = Field(description="The kernel averaged over the seeds, shaped as the mode's kernel.")
     stderr: TensorJson | None = Field(description="Per-entry standard error of the mean; null for one seed.")
-    n_samples: int
-    kernel: Literal["ntk", "nngp"]
-    mode: KernelModeValue
-    models_per_chunk: int
-    model: str
-    elapsed_ms: float
+    n_samples: int = Field(description="Networks averaged (the number of seeds).")
+    kernel: Literal["ntk", "nngp"] = Field(description="The kernel averaged.")
+    mode: KernelModeValue = Field(description="The mode computed.")
+    models_per_chunk: int = Field(description="Networks evaluated as one batched call.")
+    model: str = Field(description="The model whose architecture was built.")
+    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
 class MatvecOptions(BaseModel):
@@ -287,25 +327,29 @@ class MatvecOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["full", "trace", "pseudo"] = "full"
+    mode: Literal["full", "trace", "pseudo"] = Field(
+        default="full", description="full: v is (M, k); trace and pseudo: v is (M,)."
+    )
     transpose: bool = Field(default=False, description="Θᵀ w = Θ(x2, x1) w instead of Θ v.")
     params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
-    dtype: Literal["float32", "float64"] | None = None
+    dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
     version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
 
 
 class MatvecRequest(MatvecOptions):
-    x1: TensorJson | DatasetRef
-    x2: TensorJson | DatasetRef | None = None
+    """``POST /v1/models/{name}/operator/matvec`` as JSON (documentation)."""
+
+    x1: TensorJson | DatasetRef = Field(description=X1_DESCRIPTION)
+    x2: TensorJson | DatasetRef | None = Field(default=None, description=X2_DESCRIPTION)
     v: TensorJson = Field(description="(M, k) for full, (M,) for trace and pseudo; (N, ...) with transpose.")
 
 
 class MatvecPublic(BaseModel):
-    product: TensorJson
-    mode: Literal["full", "trace", "pseudo"]
-    model: str
-    version: int
-    elapsed_ms: float
+    product: TensorJson = Field(description="Θ(x1, x2) v: (N, k) full, (N,) trace and pseudo; (M, ...) transposed.")
+    mode: Literal["full", "trace", "pseudo"] = Field(description="The mode computed.")
+    model: str = Field(description="The model's name.")
+    version: int = Field(description="The model version used.")
+    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
 def _inline_refs(node: Any, defs: dict[str, Any], seen: tuple[str, ...] = ()) -> Any:

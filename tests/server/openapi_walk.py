@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["input_schemas", "unbounded"]
+__all__ = ["input_schemas", "unbounded", "undocumented_fields"]
 
 
 def _resolve(node: Any, document: dict[str, Any]) -> Any:
@@ -67,3 +67,47 @@ def unbounded(schema: dict[str, Any]) -> str | None:
     if kind == "array" and "maxItems" not in schema:
         return "array without maxItems"
     return None
+
+
+def _fields(node: Any, where: str, document: dict[str, Any], seen: frozenset[str]) -> Iterator[tuple[str, Any]]:
+    """(where, schema) of every object property below ``node``, through $ref, unions and arrays."""
+    if isinstance(node, dict) and isinstance(node.get("$ref"), str):
+        if node["$ref"] in seen:
+            return
+        seen = seen | {node["$ref"]}
+        node = _resolve(node, document)
+    if not isinstance(node, dict):
+        return
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in node.get(key, []):
+            yield from _fields(sub, where, document, seen)
+    if isinstance(node.get("items"), dict):
+        yield from _fields(node["items"], f"{where}[]", document, seen)
+    for name, sub in node.get("properties", {}).items():
+        yield f"{where}.{name}", sub
+        yield from _fields(sub, f"{where}.{name}", document, seen)
+
+
+def undocumented_fields(document: dict[str, Any], *, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every request or response field (and parameter) without a description, as ``"POST /path body.x.y"``; a
+    field whose place starts with one of ``skip`` is not checked."""
+    missing = []
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            op = f"{method.upper()} {path}"
+            for parameter in operation.get("parameters", []):
+                parameter = _resolve(parameter, document)
+                if not (parameter.get("description") or parameter.get("schema", {}).get("description")):
+                    missing.append(f"{op} {parameter['in']} {parameter['name']}")
+            places = [("body", entry) for entry in operation.get("requestBody", {}).get("content", {}).values()]
+            places += [
+                (f"response {code}", entry)
+                for code, response in operation.get("responses", {}).items()
+                for entry in response.get("content", {}).values()
+            ]
+            for label, entry in places:
+                for where, field in _fields(entry.get("schema", {}), f"{op} {label}", document, frozenset()):
+                    described = field.get("description") or _resolve(field, document).get("description")
+                    if not described and not where.startswith(skip):
+                        missing.append(where)
+    return sorted(set(missing))

@@ -25,9 +25,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +57,10 @@ DEFAULT_MAX_RETRIES = 3
 
 _WAIT_S = 1.0
 """How often the driver loop wakes to check for cancellation while tasks run."""
+
+_REAP_GRACE_S = 1.0
+"""After ``ray.shutdown()``, how long a process of the local Ray may take to exit before it gets SIGTERM (the
+agents take up to a minute on their own, so waiting longer buys nothing)."""
 
 
 def import_ray() -> Any:
@@ -190,6 +196,7 @@ class RayExecutor(Executor):
         self.allow_tf32 = allow_tf32
         self._ray: Any = None
         self._owns_ray = False
+        self._before_ray: set[int] = set()  # this process's children before it started a local Ray
 
     def memory_budget(self) -> int | None:
         """The host budget for CPU tasks; None for GPU tasks, so each plans for the GPU it is given (the driver
@@ -201,15 +208,25 @@ class RayExecutor(Executor):
             ray = import_ray()
             if not ray.is_initialized():
                 logger.info("jobs: connecting to Ray at %s", self.address or "a new local instance")
+                self._before_ray = _descendants(os.getpid())
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING)
                 self._owns_ray = True
             self._ray = ray
         return self._ray
 
     def close(self) -> None:
-        """Disconnect from Ray if this executor connected (a local instance it started stops with it)."""
+        """Disconnect from Ray if this executor connected (a local instance it started stops with it).
+
+        ``ray.shutdown()`` stops the GCS and the raylet, but the raylet's agents (``ray::DashboardAgent``,
+        ``ray::RuntimeEnvAgent``) only notice their parent is gone and exit up to a minute later, after this
+        process may have ended (``tests/server/test_shutdown_ray.py`` saw them outlive the server). So the local
+        instance's processes are noted first (this process's descendants that were not there before ``ray.init``
+        and run Ray's code) and any still alive ``_REAP_GRACE_S`` after the shutdown get SIGTERM, then SIGKILL.
+        """
         if self._ray is not None and self._owns_ray:
+            started = {pid for pid in _descendants(os.getpid()) - self._before_ray if "ray" in _command(pid)}
             self._ray.shutdown()
+            _reap(started, grace_s=_REAP_GRACE_S)
         self._ray, self._owns_ray = None, False
 
     def _window(self, ray: Any) -> int:
@@ -266,6 +283,60 @@ class RayExecutor(Executor):
                     raise _unwrap(exc, tile) from exc
                 callbacks.done(outcome)
         logger.info("jobs: %s ran %d tile(s) on Ray in %.1f s", work.job_id, len(tiles), time.perf_counter() - started)
+
+
+def _descendants(root: int) -> set[int]:
+    """The pids of ``root``'s live descendants (Linux ``/proc``; elsewhere none are found)."""
+    children: dict[int, set[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile, or not a process entry
+        children.setdefault(parent, set()).add(int(entry.name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), set()) - found:
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _command(pid: int) -> str:
+    """The command line of ``pid`` ("" when it has exited)."""
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # the pid was reused by someone else's process: not ours any more
+        return False
+    return True
+
+
+def _reap(pids: set[int], *, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for ``pids`` to exit; SIGTERM, then SIGKILL, those still alive."""
+    for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 1.0), (signal.SIGKILL, 1.0)):
+        left = {pid for pid in pids if _alive(pid)}
+        if not left:
+            return
+        if sig is not None:
+            logger.info("jobs: %s to %d process(es) the local Ray left behind", sig.name, len(left))
+            for pid in left:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(_alive(pid) for pid in left):
+            time.sleep(0.05)
 
 
 def _unwrap(exc: Exception, tile: Tile) -> Exception:

@@ -54,13 +54,17 @@ class JobSpectrumOptions(BaseModel):
     top: int | None = Field(
         default=20, ge=1, le=INT64_MAX, description="Top eigenvalues (Lanczos). null: all (dense eigh)."
     )
-    method: Literal["auto", "eigh", "lanczos"] = "auto"
+    method: Literal["auto", "eigh", "lanczos"] = Field(
+        default="auto", description="lanczos: the top eigenvalues over row reads; eigh: load it whole; auto: by top."
+    )
 
 
 class JobAlignmentOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"]
+    variant: Literal["uncentered", "centered", "centered_vec_y", "rayleigh"] = Field(
+        description="The kernel-target alignment variant."
+    )
 
 
 class JobAlignmentRequest(JobAlignmentOptions):

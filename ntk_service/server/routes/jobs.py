@@ -98,11 +98,13 @@ class JobCreate(BaseModel):
 
     model: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="Registered model name.")
     version: int | None = Field(None, ge=1, le=INT64_MAX, description="Model version. Default: the latest.")
-    x1: JobDataset
+    x1: JobDataset = Field(description="The data set (or its rows) of x1: N examples.")
     x2: JobDataset | None = Field(None, description="null: x2 = x1 (only tiles on/above the diagonal computed).")
-    mode: KernelMode = KernelMode.FULL
-    implementation: NtkImplementation = NtkImplementation.AUTO
-    dtype: Literal["float32", "float64"] = "float32"
+    mode: KernelMode = Field(KernelMode.FULL, description="As for /ntk (pseudo excepted).")
+    implementation: NtkImplementation = Field(
+        NtkImplementation.AUTO, description="How to compute each tile; auto picks by cost."
+    )
+    dtype: Literal["float32", "float64"] = Field("float32", description="Compute and storage dtype.")
     params: list[Glob] | None = Field(
         None, max_length=MAX_GLOBS, description="Glob patterns over parameter names; null = all."
     )
@@ -112,43 +114,45 @@ class JobCreate(BaseModel):
 class JobPublic(BaseModel):
     """A job and where it stands."""
 
-    id: str
-    status: Literal["queued", "running", "succeeded", "failed", "cancelled"]
-    model: str
-    version: int
-    x1: JobDataset
-    x2: JobDataset | None
-    mode: KernelMode
-    implementation: NtkImplementation
-    implementation_used: list[str]
-    dtype: str
-    params: list[str] | None
-    tile_size: int
-    tiles_done: int
-    tiles_total: int
-    progress: float
-    eta_s: float | None
-    error: str | None
-    result_shape: list[int]
-    estimate_bytes: int
-    executor: str
-    created_at: str
-    started_at: str | None
-    finished_at: str | None
-    result_deleted_at: str | None
+    id: str = Field(description="The job's id, for GET /v1/jobs/{job_id} and its result.")
+    status: Literal["queued", "running", "succeeded", "failed", "cancelled"] = Field(
+        description="Where it stands; succeeded, failed and cancelled never change again."
+    )
+    model: str = Field(description="The model's name.")
+    version: int = Field(description="The model version, resolved at submission.")
+    x1: JobDataset = Field(description="The rows of x1.")
+    x2: JobDataset | None = Field(description="The rows of x2; null: x2 = x1 (symmetric).")
+    mode: KernelMode = Field(description="The kernel mode stored.")
+    implementation: NtkImplementation = Field(description="The implementation asked for.")
+    implementation_used: list[str] = Field(description="The implementations the tiles ran (auto resolved).")
+    dtype: str = Field(description="Compute and storage dtype.")
+    params: list[str] | None = Field(description="Parameter globs; null = all.")
+    tile_size: int = Field(description="Examples per tile side.")
+    tiles_done: int = Field(description="Tiles computed so far.")
+    tiles_total: int = Field(description="Tiles in all (on and above the diagonal for a symmetric job).")
+    progress: float = Field(description="tiles_done / tiles_total, 0 to 1.")
+    eta_s: float | None = Field(description="Estimated seconds left; null until a tile has finished.")
+    error: str | None = Field(description="Why it failed; null otherwise.")
+    result_shape: list[int] = Field(description="The stored kernel's shape, e.g. (N, M) for trace.")
+    estimate_bytes: int = Field(description="The result's size on disk.")
+    executor: str = Field(description='"local" or "ray".')
+    created_at: str = Field(description="Submission time (UTC, ISO 8601).")
+    started_at: str | None = Field(description="When the first tile started; null while queued.")
+    finished_at: str | None = Field(description="When it ended; null while it runs.")
+    result_deleted_at: str | None = Field(description="When its result was deleted (the record kept); null if not.")
 
 
 class JobDeleted(BaseModel):
     """``DELETE /v1/jobs/{id}`` of a finished job: what was removed."""
 
-    id: str
+    id: str = Field(description="The job's id.")
     deleted: Literal["result", "job"] = Field(description='"job": record and result; "result": the record is kept.')
     freed_bytes: int = Field(description="Bytes removed from disk.")
 
 
 class JobsPublic(BaseModel):
-    data: list[JobPublic]
-    count: int
+    data: list[JobPublic] = Field(description="Every job, newest first.")
+    count: int = Field(description="How many items data holds.")
 
 
 def _iso(timestamp: float | None) -> str | None:

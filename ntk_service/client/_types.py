@@ -1,0 +1,176 @@
+"""The types of the client's arguments and results, for a notebook or an editor to complete.
+
+The records the server sends (models, data sets, jobs) are ``TypedDict``\\ s: at run time they are the plain dicts
+the client always returned, so ``record["version"]``, ``json.dumps(record)`` and the CLI's printing work as before,
+while an editor completes their keys and knows their types. The option values are ``Literal``\\ s of the wire
+values; the engine's enums (``KernelMode.TRACE``, ...) are ``str`` enums and pass as those values.
+
+``tests/client/test_types.py`` checks every record type against the server's own response (its keys) and its
+OpenAPI document (the fields and the ``Literal`` values).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict, final
+
+__all__ = [
+    "AlignmentVariantName",
+    "AnalysisModeName",
+    "DatasetInfo",
+    "DatasetSlice",
+    "DtypeName",
+    "HealthStatus",
+    "FamilyKernelName",
+    "FlowName",
+    "ImplementationName",
+    "JobDeletion",
+    "JobInfo",
+    "JobModeName",
+    "JobSide",
+    "JobStatusName",
+    "KernelModeName",
+    "LossName",
+    "ModelInfo",
+    "OperatorModeName",
+    "ParameterShape",
+    "RidgeScaleName",
+    "SpectrumMethodName",
+]
+
+KernelModeName = Literal["full", "trace", "example_diagonal", "output_diagonal", "pseudo"]
+"""A kernel mode: "full" (N, M, k, k), "trace" (N, M), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k),
+"pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
+
+JobModeName = Literal["full", "trace", "example_diagonal", "output_diagonal"]
+"""The modes a batch job stores (every kernel mode but "pseudo")."""
+
+AnalysisModeName = Literal["full", "trace"]
+"""The modes an analysis (predict, spectrum, compare) computes Θ in."""
+
+ImplementationName = Literal["auto", "jacobian_contraction", "ntk_vector_products", "structured"]
+"""How a kernel is computed; "auto" picks by cost (a result names the one that ran, never "auto")."""
+
+DtypeName = Literal["float32", "float64"]
+"""A compute dtype."""
+
+OperatorModeName = Literal["full", "trace", "pseudo"]
+"""The modes of one operator product Θ v (``matvec``)."""
+
+FamilyKernelName = Literal["ntk", "nngp"]
+"""Which kernel ``monte_carlo`` averages."""
+
+LossName = Literal["mse", "sum", "half_mse"]
+"""The training loss of ``predict``: "mse" is torch's ``MSELoss()``, "sum" ``MSELoss(reduction="sum")``, "half_mse"
+half of "mse"."""
+
+FlowName = Literal["gradient_flow", "gradient_descent"]
+"""Continuous-time gradient flow (times) or gradient descent (integer step counts)."""
+
+RidgeScaleName = Literal["absolute", "relative"]
+"""The ridge λ as given, or times the mean of the kernel's diagonal."""
+
+SpectrumMethodName = Literal["auto", "eigh", "lanczos"]
+"""How a spectrum is computed: dense eigh, Lanczos for the top eigenvalues, or by size."""
+
+AlignmentVariantName = Literal["uncentered", "centered", "centered_vec_y", "rayleigh"]
+"""The kernel-target alignment variant."""
+
+JobStatusName = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+"""Where a job stands; the last three never change again."""
+
+
+class DatasetSlice(TypedDict, total=False):
+    """Rows ``start:stop`` of an uploaded data set, in place of an inline array (``dataset`` is required)."""
+
+    dataset: str
+    start: int
+    stop: int
+
+
+class ParameterShape(TypedDict):
+    """One parameter tensor of a model, in ``named_parameters()`` order."""
+
+    name: str
+    shape: list[int]
+
+
+class ModelInfo(TypedDict):
+    """One version of a registered model (``register_model``, ``get_model``, ``list_models``, ...)."""
+
+    name: str
+    version: int
+    architecture: dict[str, object]
+    seed: int | None
+    num_params: int
+    input_shape: list[int]
+    input_dtype: str
+    output_dim: int
+    parameters: list[ParameterShape]
+    weights_sha256: str
+    created_at: str
+    label: str | None
+
+
+class DatasetInfo(TypedDict):
+    """An uploaded data set (``upload_dataset``, ``get_dataset``, ``list_datasets``)."""
+
+    id: str
+    name: str | None
+    shape: list[int]
+    dtype: str
+    sha256: str
+    size_bytes: int
+    created_at: str
+
+
+class JobSide(TypedDict):
+    """The rows of a data set one side of a job covers."""
+
+    dataset: str
+    start: int
+    stop: int
+
+
+@final  # final, so that ``"freed_bytes" in answer`` tells the two answers of ``delete_job`` apart
+class JobInfo(TypedDict):
+    """A batch kernel job and where it stands (``submit_job``, ``get_job``, ``wait``, ...)."""
+
+    id: str
+    status: JobStatusName
+    model: str
+    version: int
+    x1: JobSide
+    x2: JobSide | None
+    mode: JobModeName
+    implementation: ImplementationName
+    implementation_used: list[str]
+    dtype: DtypeName
+    params: list[str] | None
+    tile_size: int
+    tiles_done: int
+    tiles_total: int
+    progress: float
+    eta_s: float | None
+    error: str | None
+    result_shape: list[int]
+    estimate_bytes: int
+    executor: str
+    created_at: str
+    started_at: str | None
+    finished_at: str | None
+    result_deleted_at: str | None
+
+
+@final
+class JobDeletion(TypedDict):
+    """What ``delete_job`` removed from a finished job: "job" (record and result) or "result" (record kept)."""
+
+    id: str
+    deleted: Literal["result", "job"]
+    freed_bytes: int
+
+
+class HealthStatus(TypedDict):
+    """``GET /healthz``."""
+
+    status: Literal["ok"]
