@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured_capture import StructurePlan, capture, is_batch_safe, plan_structure
@@ -342,6 +343,53 @@ class Structured:
             add_jacobian_diagonal(acc, j)
         return acc
 
+    def pair_groups(
+        self,
+        problem: NtkProblem,
+        left: StructuredSide,
+        right: StructuredSide,
+        mode: KernelMode,
+        groups: ParameterGroups,
+    ) -> torch.Tensor:
+        """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
+        kernels] in groups.py)."""
+        terms, of = self._terms(problem), groups.index
+        n, m = _side_examples(left), _side_examples(right)
+        example_major = prefers_example_major(_layout_tensors(left) + _layout_tensors(right))
+        accs = [
+            new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major) for _ in groups.names
+        ]
+        for term, lf, rf in zip(terms.factored, left["factored"], right["factored"], strict=True):
+            bias = None if term.bias is None else of[term.bias]  # its group
+            bias_apart = bias is not None and bias != of[term.name]
+            plus_one = bias is not None and not bias_apart
+            add_factored(accs[of[term.name]], lf, rf, mode, index=term.index, plus_one=plus_one)
+            if (
+                bias is not None and bias_apart
+            ):  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A makes G^A = 0
+                add_factored(accs[bias], _no_inputs(lf), _no_inputs(rf), mode, index=False, plus_one=True)
+        for name, j1 in left["jacobians"].items():
+            add_jacobian(accs[of[name]], j1, right["jacobians"][name], mode)
+        return torch.stack([finish(acc, mode) for acc in accs])
+
+    def diagonal_groups(self, problem: NtkProblem, left: StructuredSide, groups: ParameterGroups) -> torch.Tensor:
+        """EXAMPLE_DIAGONAL per parameter group, (G, n, k, k)."""
+        terms, of = self._terms(problem), groups.index
+        accs = [
+            new_accumulator(KernelMode.EXAMPLE_DIAGONAL, _side_examples(left), 0, problem.k, problem.dtype)
+            for _ in groups.names
+        ]
+        for term, side in zip(terms.factored, left["factored"], strict=True):
+            bias = None if term.bias is None else of[term.bias]
+            bias_apart = bias is not None and bias != of[term.name]
+            plus_one = bias is not None and not bias_apart
+            add_factored_diagonal(accs[of[term.name]], side, index=term.index, plus_one=plus_one)
+            if bias is not None and bias_apart:
+                add_factored_diagonal(accs[bias], _no_inputs(side), index=False, plus_one=True)
+        for name, j in left["jacobians"].items():
+            add_jacobian_diagonal(accs[of[name]], j)
+        return torch.stack(accs)
+
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
         terms = self._terms(problem)
         plan, k, item = terms.plan, problem.k, problem.itemsize
@@ -400,6 +448,12 @@ class Structured:
         p_jacobian = sum(jt.numel for jt in terms.jacobian) + p_fallback
         contraction += 2.0 * outputs * p_jacobian
         return sides + pairs * contraction
+
+
+def _no_inputs(factors: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A factored term's (A, δ) with A one zero input column, (n, G, T, 1): its G^A is 0, + 1 the bias's."""
+    a, d = factors
+    return torch.zeros_like(a[..., :1]), d
 
 
 def _slice_side(side: StructuredSide, start: int, stop: int | None, step: int = 1) -> StructuredSide:
