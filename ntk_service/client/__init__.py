@@ -29,6 +29,7 @@ from ntk_service.client._client import (
     KernelSpectrum,
     LinearizedPrediction,
 )
+from ntk_service.client._groups import GroupKernels
 from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
 from ntk_service.client._module_spec import describe_module
 from ntk_service.client._results import RemoteResult
@@ -43,6 +44,7 @@ __all__ = [
     "DEFAULT_URL",
     "URL_ENV",
     "Client",
+    "GroupKernels",
     "JobKernelDistance",
     "JobKernelSpectrum",
     "KernelComparison",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import anyio.to_thread
 import numpy as np
@@ -34,7 +34,14 @@ from ntk_service.errors import (
     ShapeMismatch,
     format_bytes,
 )
-from ntk_service.kernels import NtkImplementation, NtkResult, SideCache, compute_ntk
+from ntk_service.kernels import (
+    NtkGroupsResult,
+    NtkImplementation,
+    NtkResult,
+    SideCache,
+    compute_ntk,
+    compute_ntk_groups,
+)
 from ntk_service.kernels.modes import parse_any_mode, result_shape
 from ntk_service.registry import DatasetStore, ModelRecord
 from ntk_service.server.deps import (
@@ -45,6 +52,13 @@ from ntk_service.server.deps import (
     RegistryDep,
     SettingsDep,
     SideCacheDep,
+)
+from ntk_service.server.group_kernels import (
+    GROUP_RESPONSE_TYPES,
+    KernelGroupsPublic,
+    check_group_names,
+    encode_groups,
+    parse_groups_query,
 )
 from ntk_service.server.media import (
     BINARY_TENSOR_TYPES,
@@ -74,6 +88,9 @@ router = APIRouter(tags=["kernels"])
 
 RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
 """What a kernel response can be, JSON first (the default without ``Accept``)."""
+
+MAX_GROUPS_QUERY_LENGTH = 16384
+"""Longest ``groups`` query value (a JSON object of groups and globs); longer groupings go in a JSON body."""
 
 _MIN_JSON_BYTES_PER_VALUE = 4
 """The shortest a float can be in JSON data ("0.0,"): a result whose element count times this exceeds the JSON
@@ -142,6 +159,8 @@ def _parse_x(raw: Any, *, side: str, operation: str) -> np.ndarray | DatasetRef:
 
 _Side = np.ndarray | DatasetRef
 
+_Result = TypeVar("_Result")
+
 
 async def _read_request(
     request: Request, query: KernelOptions | None, *, operation: str
@@ -191,26 +210,63 @@ def _compute(
     allow_tf32: bool = False,
 ) -> tuple[NtkResult, float]:
     """The engine call (in a worker thread); returns the result and its wall time in seconds."""
+    t1, t2, kwargs = _engine_arguments(x1, x2, options, budget, side_cache, device, allow_tf32)
+    call = lambda: compute_ntk(module, t1, t2, params=options.params, **kwargs)  # noqa: E731
+    return _guarded(call, record=record, operation=operation, device=device)
+
+
+def _compute_groups(
+    module: torch.nn.Module,
+    x1: _Input,
+    x2: _Input | None,
+    options: KernelOptions,
+    *,
+    record: ModelRecord,
+    budget: int | None,
+    side_cache: SideCache | None,
+    operation: str,
+    device: str = "cpu",
+    allow_tf32: bool = False,
+) -> tuple[NtkGroupsResult, float]:
+    """``_compute`` for a request with ``groups``: ``compute_ntk_groups``, one kernel per group."""
+    t1, t2, kwargs = _engine_arguments(x1, x2, options, budget, side_cache, device, allow_tf32)
+    groups: Any = options.groups
+    call = lambda: compute_ntk_groups(module, t1, t2, groups=groups, rest=options.rest, **kwargs)  # noqa: E731
+    return _guarded(call, record=record, operation=operation, device=device)
+
+
+def _engine_arguments(
+    x1: _Input,
+    x2: _Input | None,
+    options: KernelOptions,
+    budget: int | None,
+    side_cache: SideCache | None,
+    device: str,
+    allow_tf32: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """x1, x2 as tensors and the engine's keyword arguments shared by both kernel calls."""
     keyed = x1.key is not None or (x2 is not None and x2.key is not None)
     if not keyed or side_cache is None or side_cache.max_bytes <= 0:
         side_cache = None  # nothing to reuse: the engine may then take its joint pass
+    kwargs: dict[str, Any] = {
+        "mode": options.mode,
+        "implementation": options.implementation,
+        "dtype": options.dtype,
+        "memory_budget_bytes": budget,
+        "side_cache": side_cache,
+        "device": device,
+        "allow_tf32": allow_tf32,
+        "x1_key": x1.key,
+        "x2_key": None if x2 is None else x2.key,
+    }
+    return torch.from_numpy(x1.array), None if x2 is None else torch.from_numpy(x2.array), kwargs
+
+
+def _guarded(call: Callable[[], _Result], *, record: ModelRecord, operation: str, device: str) -> tuple[_Result, float]:
+    """``call()`` and its wall time, with the errors a model or a device raises told apart from the engine's."""
     start = time.perf_counter()
     try:
-        result = compute_ntk(
-            module,
-            torch.from_numpy(x1.array),
-            None if x2 is None else torch.from_numpy(x2.array),
-            mode=options.mode,
-            implementation=options.implementation,
-            params=options.params,
-            dtype=options.dtype,
-            memory_budget_bytes=budget,
-            side_cache=side_cache,
-            device=device,
-            allow_tf32=allow_tf32,
-            x1_key=x1.key,
-            x2_key=None if x2 is None else x2.key,
-        )
+        result = call()
     except NtkServiceError:
         raise
     except torch.OutOfMemoryError as exc:  # the plan fit the budget, the device did not (other processes, fragments)
@@ -226,8 +282,8 @@ def _compute(
 
 @router.post(
     "/v1/models/{name}/ntk",
-    response_model=KernelPublic,
-    summary="Compute the empirical NTK of a model version on x1 (and x2)",
+    response_model=KernelPublic | KernelGroupsPublic,
+    summary="Compute the empirical NTK of a model version on x1 (and x2), or one per parameter group",
     responses={200: {"content": {wire.MEDIA_NPY: {}, wire.MEDIA_SAFETENSORS: {}}}},
     openapi_extra=openapi_body(
         KernelRequest,
@@ -256,13 +312,35 @@ async def compute_kernel(
     version: Annotated[
         int | None, Query(ge=1, le=INT64_MAX, description="Binary bodies only. Default: latest.")
     ] = None,
+    groups: Annotated[
+        str | None,
+        Query(
+            max_length=MAX_GROUPS_QUERY_LENGTH,
+            description='Binary bodies only: "modules" or a JSON object {"name": ["glob", ...]}.',
+        ),
+    ] = None,
+    rest: Annotated[bool | None, Query(description="Binary bodies only; with groups.")] = None,
 ) -> Response:
     operation = f"ntk of model {name!r}"
-    given = {"mode": mode, "implementation": implementation, "params": params, "dtype": dtype, "version": version}
+    given = {
+        "mode": mode,
+        "implementation": implementation,
+        "params": params,
+        "dtype": dtype,
+        "version": version,
+        "groups": parse_groups_query(groups, operation=operation),
+        "rest": rest,
+    }
     chosen = {key: value for key, value in given.items() if value is not None}
-    query = KernelOptions.model_validate(chosen) if chosen else None
+    query = validate_body(KernelOptions, chosen, operation=operation) if chosen else None
     x1_raw, x2_raw, options = await _read_request(request, query, operation=operation)
-    response_type = negotiate(request, RESPONSE_TYPES, operation=operation)
+    if options.groups is not None and options.params is not None:
+        raise InvalidInput(f"{operation}: params and groups both select parameters; put the globs in groups")
+    if options.rest and options.groups is None:
+        raise InvalidInput(f"{operation}: rest=true needs groups")
+    check_group_names(options.groups, operation=operation)
+    offered = RESPONSE_TYPES if options.groups is None else GROUP_RESPONSE_TYPES
+    response_type = negotiate(request, offered, operation=operation)
 
     def prepare() -> tuple[ModelRecord, _Input, _Input | None]:
         record = registry.get(name, options.version)
@@ -280,15 +358,18 @@ async def compute_kernel(
         n = x1.array.shape[0]
         m = n if x2 is None else x2.array.shape[0]
         numel = math.prod(result_shape(parse_any_mode(options.mode), n, m, record.output_dim))
+        if isinstance(options.groups, dict):  # at least one kernel per group ("modules": known after the compute)
+            numel *= len(options.groups) + int(options.rest)
         if numel * _MIN_JSON_BYTES_PER_VALUE > cap:
             raise json_too_large(
                 f"at least {format_bytes(numel * _MIN_JSON_BYTES_PER_VALUE)}", cap, operation=operation
             )
 
-    def run() -> tuple[Response, NtkResult, float]:
+    def run() -> tuple[Response, NtkResult | NtkGroupsResult, float]:
         # compute and encode in one worker-thread hop: each hop costs milliseconds on a loaded machine
         _, module = registry.load_module(record.name, record.version)
-        result, seconds = _compute(
+        compute = _compute if options.groups is None else _compute_groups
+        result, seconds = compute(
             module,
             x1,
             x2,
@@ -307,6 +388,8 @@ async def compute_kernel(
             "version": record.version,
             "elapsed_ms": round(seconds * 1000, 3),
         }
+        if isinstance(result, NtkGroupsResult):
+            return encode_groups(result, response_type, meta, cap=cap, operation=operation), result, seconds
         return (
             encode_theta(result.theta.detach().cpu().numpy(), response_type, meta, cap=cap, operation=operation),
             result,

@@ -1,0 +1,105 @@
+"""Per-layer kernels over HTTP: ``groups`` on ``POST /v1/models/{name}/ntk`` (``compute_ntk_groups``).
+
+A request with ``groups`` ("modules", or ``{"name": ["glob", ...]}``; in the query of a binary body, "modules" or
+that object as JSON text) answers one kernel per group:
+
+- JSON: ``{"groups": [{"name", "parameters", "theta"}, ...], "mode", "implementation", "model", "version",
+  "elapsed_ms"}``, the groups in the order of the request;
+- ``Accept: application/x-safetensors``: one tensor per group, named by the group, with the metadata as strings
+  (``groups``: the names in order, as a JSON list; ``parameters``: a JSON object of the names in each group).
+
+A grouped answer is several tensors, so ``application/x-npy`` is not offered (406 naming the two that are).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from ntk_service import wire
+from ntk_service.errors import InvalidInput, format_bytes
+from ntk_service.kernels import NtkGroupsResult, NtkImplementation
+from ntk_service.server.media import json_too_large
+from ntk_service.server.schemas import KernelModeValue, TensorJson
+
+__all__ = [
+    "GROUP_RESPONSE_TYPES",
+    "GroupKernelPublic",
+    "KernelGroupsPublic",
+    "check_group_names",
+    "encode_groups",
+    "parse_groups_query",
+]
+
+GROUP_RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_SAFETENSORS)
+"""What a grouped kernel answer can be, JSON first."""
+
+_RESERVED_NAMES = frozenset({"__metadata__"})
+"""Names a safetensors body cannot give a tensor (its header's metadata entry)."""
+
+
+class GroupKernelPublic(BaseModel):
+    """One group's kernel in the JSON answer."""
+
+    name: str
+    parameters: list[str]
+    theta: TensorJson
+
+
+class KernelGroupsPublic(BaseModel):
+    """The JSON answer of a kernel request with ``groups``."""
+
+    groups: list[GroupKernelPublic]
+    mode: KernelModeValue
+    implementation: NtkImplementation
+    model: str
+    version: int
+    elapsed_ms: float
+
+
+def parse_groups_query(value: str | None, *, operation: str) -> Any:
+    """The ``groups`` query value of a binary-body request: "modules", or a JSON object text (None when absent)."""
+    if value is None or value == "modules":
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidInput(
+            f'{operation}: groups={value!r} in the query must be "modules" or a JSON object '
+            '{"name": ["glob", ...]}, e.g. groups={"head":["head.*"]} (URL-encoded)'
+        )
+    return parsed
+
+
+def check_group_names(groups: object, *, operation: str) -> None:
+    """Refuse group names a safetensors answer cannot carry."""
+    if isinstance(groups, dict):
+        bad = sorted(_RESERVED_NAMES & set(groups))
+        if bad:
+            raise InvalidInput(f"{operation}: group name {bad[0]!r} is reserved by the safetensors format; rename it")
+
+
+def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:
+    """The group kernels as ``media``: safetensors (a tensor per group) or JSON (406 over ``cap`` bytes)."""
+    arrays = {name: theta.detach().cpu().numpy() for name, theta in result.thetas.items()}
+    parameters = {name: list(names) for name, names in result.parameters.items()}
+    if media == wire.MEDIA_SAFETENSORS:
+        metadata = {key: str(value) for key, value in meta.items()}
+        metadata["groups"] = json.dumps(list(arrays))
+        metadata["parameters"] = json.dumps(parameters)
+        return Response(wire.encode_safetensors(arrays, metadata), media_type=media)
+    entries = [
+        {"name": name, "parameters": parameters[name], "theta": wire.tensor_to_json(theta)}
+        for name, theta in arrays.items()
+    ]
+    body = wire.json_dumps({"groups": entries, **meta})
+    if len(body) > cap:
+        raise json_too_large(
+            format_bytes(len(body)), cap, operation=operation, hint=" (group kernels: safetensors, not npy)"
+        )
+    return Response(body, media_type=wire.MEDIA_JSON)
