@@ -7,10 +7,12 @@ Infinity has no JSON number: times, condition numbers and limits that are infini
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 
+from ntk_service import wire
+from ntk_service.analysis import Spectrum
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, VersionInt
 from ntk_service.server.schemas import DatasetRef, Globs, TensorJson
@@ -28,6 +30,7 @@ __all__ = [
     "SpectrumRequest",
     "VersionRef",
     "json_float",
+    "spectrum_fields",
 ]
 
 MAX_TIMES = 1000
@@ -51,6 +54,18 @@ one gets one plain message rather than one per member of the ``int | VersionRef`
 def json_float(value: float) -> float | str:
     """A float for JSON: ``inf`` as the string "inf" (JSON has no infinity)."""
     return "inf" if value == math.inf else value
+
+
+def spectrum_fields(s: Spectrum) -> dict[str, Any]:
+    """The fields every spectrum answer (of a model's kernel or of a job's) starts with."""
+    return {
+        "eigenvalues": wire.tensor_to_json(s.eigenvalues),
+        "n": s.n,
+        "method": s.method,
+        "lambda_max": s.lambda_max,
+        "lambda_min": s.lambda_min,
+        "condition_number": None if s.condition_number is None else json_float(s.condition_number),
+    }
 
 
 class AnalysisKernelOptions(BaseModel):

@@ -16,26 +16,34 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import torch
 from pydantic import BaseModel
 from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, format_bytes
-from ntk_service.kernels import NtkGroupsResult, NtkImplementation
+from ntk_service.kernels import NtkGroupsResult, NtkImplementation, SideCache, compute_ntk_groups
+from ntk_service.registry import ModelRecord
+from ntk_service.server.kernel_inputs import KernelInput, run_model
 from ntk_service.server.media import json_too_large
-from ntk_service.server.schemas import KernelModeValue, TensorJson
+from ntk_service.server.schemas import KernelModeValue, KernelOptions, TensorJson
 
 __all__ = [
     "GROUP_RESPONSE_TYPES",
+    "MAX_GROUPS_QUERY_LENGTH",
     "GroupKernelPublic",
     "KernelGroupsPublic",
-    "check_group_names",
+    "check_group_options",
     "encode_groups",
     "parse_groups_query",
+    "run_group_kernel",
 ]
 
 GROUP_RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_SAFETENSORS)
 """What a grouped kernel answer can be, JSON first."""
+
+MAX_GROUPS_QUERY_LENGTH = 16384
+"""Longest ``groups`` query value (a JSON object of groups and globs); longer groupings go in a JSON body."""
 
 _RESERVED_NAMES = frozenset({"__metadata__"})
 """Names a safetensors body cannot give a tensor (its header's metadata entry)."""
@@ -76,12 +84,58 @@ def parse_groups_query(value: str | None, *, operation: str) -> Any:
     return parsed
 
 
-def check_group_names(groups: object, *, operation: str) -> None:
-    """Refuse group names a safetensors answer cannot carry."""
-    if isinstance(groups, dict):
-        bad = sorted(_RESERVED_NAMES & set(groups))
+def check_group_options(options: KernelOptions, *, operation: str) -> None:
+    """Refuse what a grouped request cannot mean before any work: params beside groups, rest without groups, a
+    group name a safetensors answer cannot carry."""
+    if options.groups is not None and options.params is not None:
+        raise InvalidInput(f"{operation}: params and groups both select parameters; put the globs in groups")
+    if options.rest and options.groups is None:
+        raise InvalidInput(f"{operation}: rest=true needs groups")
+    if isinstance(options.groups, dict):
+        bad = sorted(_RESERVED_NAMES & set(options.groups))
         if bad:
             raise InvalidInput(f"{operation}: group name {bad[0]!r} is reserved by the safetensors format; rename it")
+
+
+def run_group_kernel(
+    module: torch.nn.Module,
+    x1: KernelInput,
+    x2: KernelInput | None,
+    options: KernelOptions,
+    *,
+    record: ModelRecord,
+    budget: int | None,
+    side_cache: SideCache | None,
+    operation: str,
+    device: str = "cpu",
+    allow_tf32: bool = False,
+) -> tuple[NtkGroupsResult, float]:
+    """``kernel_inputs.run_kernel`` for a request with ``groups``: ``compute_ntk_groups`` (blocking) and its wall
+    time in seconds."""
+    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
+    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
+        side_cache = None  # nothing to reuse: the engine may then take its joint pass
+    groups: Any = options.groups
+
+    def call() -> NtkGroupsResult:
+        return compute_ntk_groups(
+            module,
+            torch.from_numpy(x1.array),
+            None if x2 is None else torch.from_numpy(x2.array),
+            groups=groups,
+            rest=options.rest,
+            mode=options.mode,
+            implementation=options.implementation,
+            dtype=options.dtype,
+            memory_budget_bytes=budget,
+            side_cache=side_cache,
+            device=device,
+            allow_tf32=allow_tf32,
+            x1_key=x1.key,
+            x2_key=None if x2 is None else x2.key,
+        )
+
+    return run_model(call, record=record, operation=operation, device=device)
 
 
 def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:

@@ -20,15 +20,7 @@ from torch.func import functional_call
 
 from ntk_service import analysis, wire
 from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
-from ntk_service.errors import (
-    InvalidInput,
-    MalformedRequest,
-    MemoryEstimateExceeded,
-    PayloadTooLarge,
-    ShapeMismatch,
-    format_bytes,
-)
-from ntk_service.kernels import default_memory_budget
+from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.analysis_schemas import (
     AnalysisKernelOptions,
@@ -40,20 +32,27 @@ from ntk_service.server.analysis_schemas import (
     SpectrumRequest,
     VersionRef,
     json_float,
+    spectrum_fields,
 )
-from ntk_service.server.deps import ComputeDep, DatasetsDep, ReadAccess, RegistryDep, SettingsDep, SideCacheDep
-from ntk_service.server.media import json_response, read_json
+from ntk_service.server.deps import ReadAccess
+from ntk_service.server.kernel_inputs import (
+    MIN_JSON_BYTES_PER_VALUE,
+    ComputeContext,
+    ComputeContextDep,
+    KernelInput,
+    answer_json,
+    check_budget,
+    load_side,
+    parse_side,
+    read_object,
+    run_kernel,
+)
 from ntk_service.server.params import NamePath
-from ntk_service.server.routes.kernels import _check_input, _compute, _from_dataset, _inline, _Input, _parse_x
-from ntk_service.server.schemas import DatasetRef, KernelOptions, openapi_body, validate_body
+from ntk_service.server.schemas import KernelOptions, openapi_body, validate_body
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["analysis"])
-
-_MIN_JSON_BYTES_PER_VALUE = 4
-"""The shortest a float can be in JSON ("0.0,"): an answer whose value count times this exceeds the JSON cap is
-refused before computing."""
 
 _PREDICT_COPIES = 5
 """n×n float64 arrays alive at the peak of /predict: the engine's kernel, the analysis's matrix, and eigh's copy,
@@ -65,32 +64,17 @@ _SPECTRUM_COPIES = {"eigh": 3, "lanczos": 2}
 
 
 async def _read(request: Request, tensors: tuple[str, ...], *, operation: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The raw tensor fields named in ``tensors`` (absent ones omitted) and the remaining option fields."""
-    data = await read_json(request, operation=operation)
-    if not isinstance(data, dict):
-        raise MalformedRequest(f"{operation}: expected a JSON object, got {type(data).__name__}")
+    """The raw tensor fields named in ``tensors`` (absent or null ones omitted) and the remaining option fields."""
+    data = await read_object(request, operation=operation)
     raw = {key: data.pop(key) for key in tensors if data.get(key) is not None}
     for key in tensors:
         data.pop(key, None)
     return raw, data
 
 
-def _side(raw: Any, label: str, record: ModelRecord, datasets: DatasetStore, operation: str) -> _Input:
-    parsed = _parse_x(raw, side=label, operation=operation)
-    item = _from_dataset(parsed, record, datasets) if isinstance(parsed, DatasetRef) else _inline(parsed)
-    _check_input(item.array, record, side=label, operation=operation)
-    return item
-
-
-def _check_budget(estimate: int, budget: int | None, *, what: str, operation: str) -> None:
-    limit = default_memory_budget() if budget is None else budget
-    if estimate > limit:
-        raise MemoryEstimateExceeded(
-            f"{operation}: {what} needs about {format_bytes(estimate)} in float64, over the memory budget of "
-            f"{format_bytes(limit)} (NTK_MEMORY_BUDGET_BYTES); use fewer examples or mode 'trace'",
-            estimate_bytes=estimate,
-            budget_bytes=limit,
-        )
+def _side(raw: Any, label: str, record: ModelRecord, datasets: DatasetStore, operation: str) -> KernelInput:
+    parsed = parse_side(raw, side=label, operation=operation)
+    return load_side(parsed, record, datasets, side=label, operation=operation)
 
 
 def _kernel_options(options: AnalysisKernelOptions | CompareOptions, version: int | None) -> KernelOptions:
@@ -103,8 +87,27 @@ def _kernel_options(options: AnalysisKernelOptions | CompareOptions, version: in
     )
 
 
-def _theta(module: torch.nn.Module, x1: _Input, x2: _Input | None, options: KernelOptions, **kw: Any) -> np.ndarray:
-    result, _ = _compute(module, x1, x2, options, **kw)
+def _theta(
+    ctx: ComputeContext,
+    module: torch.nn.Module,
+    x1: KernelInput,
+    x2: KernelInput | None,
+    options: KernelOptions,
+    *,
+    record: ModelRecord,
+    operation: str,
+) -> np.ndarray:
+    """Θ(x1, x2) of ``record`` in float64 through the engine path of ``/ntk`` (side cache, memory budget)."""
+    result, _ = run_kernel(
+        module,
+        x1,
+        x2,
+        options,
+        record=record,
+        budget=ctx.settings.memory_budget_bytes,
+        side_cache=ctx.side_cache,
+        operation=operation,
+    )
     return np.asarray(result.theta.detach().cpu().numpy(), dtype=np.float64)
 
 
@@ -121,16 +124,6 @@ def _forward64(module: torch.nn.Module, x: np.ndarray) -> np.ndarray:
     return np.asarray(out.reshape(x.shape[0], -1).numpy(), dtype=np.float64)
 
 
-def _respond(body: dict[str, Any], cap: int, *, operation: str, hint: str) -> Response:
-    response = json_response(body)
-    if len(response.body) > cap:
-        raise PayloadTooLarge(
-            f"{operation}: the response would be {format_bytes(len(response.body))}, over the server's JSON limit "
-            f"of {format_bytes(cap)} (NTK_MAX_JSON_RESPONSE_BYTES); {hint}"
-        )
-    return response
-
-
 @router.post(
     "/v1/models/{name}/predict",
     summary="Outputs of the linearized network trained by gradient flow / descent, at the given times",
@@ -140,11 +133,7 @@ async def predict(
     name: NamePath,
     request: Request,
     _: ReadAccess,
-    registry: RegistryDep,
-    datasets: DatasetsDep,
-    limiter: ComputeDep,
-    side_cache: SideCacheDep,
-    settings: SettingsDep,
+    ctx: ComputeContextDep,
 ) -> Response:
     operation = f"predict of model {name!r}"
     raw, rest = await _read(request, ("x_train", "y_train", "x_test"), operation=operation)
@@ -153,10 +142,12 @@ async def predict(
     options = validate_body(PredictOptions, rest, operation=operation)
     y_train = wire.tensor_from_json(raw["y_train"], name="y_train")
 
-    def prepare() -> tuple[ModelRecord, _Input, _Input | None]:
-        record = registry.get(name, options.version)
-        train = _side(raw["x_train"], "x_train", record, datasets, operation)
-        test = _side(raw["x_test"], "x_test", record, datasets, operation) if "x_test" in raw else None
+    settings = ctx.settings
+
+    def prepare() -> tuple[ModelRecord, KernelInput, KernelInput | None]:
+        record = ctx.registry.get(name, options.version)
+        train = _side(raw["x_train"], "x_train", record, ctx.datasets, operation)
+        test = _side(raw["x_test"], "x_test", record, ctx.datasets, operation) if "x_test" in raw else None
         n, k = train.array.shape[0], record.output_dim
         if y_train.shape not in ((n, k),) + (((n,),) if k == 1 else ()):
             raise ShapeMismatch(
@@ -167,14 +158,14 @@ async def predict(
         size = n * k if options.mode == "full" else n
         cross = m * k * n * k if options.mode == "full" else m * n
         values = (len(options.times) + 1) * (n + m) * k  # train/test at each time, plus f0
-        if values * _MIN_JSON_BYTES_PER_VALUE > settings.max_json_response_bytes:
+        if values * MIN_JSON_BYTES_PER_VALUE > settings.max_json_response_bytes:
             raise PayloadTooLarge(
                 f"{operation}: {values} output values would take at least "
-                f"{format_bytes(values * _MIN_JSON_BYTES_PER_VALUE)} of JSON, over the server's limit of "
+                f"{format_bytes(values * MIN_JSON_BYTES_PER_VALUE)} of JSON, over the server's limit of "
                 f"{format_bytes(settings.max_json_response_bytes)} (NTK_MAX_JSON_RESPONSE_BYTES); ask for fewer "
                 "times or fewer examples per request"
             )
-        _check_budget(
+        check_budget(
             8 * (_PREDICT_COPIES * size * size + 2 * cross),
             settings.memory_budget_bytes,
             what=f"the analysis of a {size}x{size} kernel",
@@ -186,16 +177,12 @@ async def predict(
     kernel_options = _kernel_options(options, record.version)
 
     def run() -> dict[str, Any]:
-        _, module = registry.load_module(record.name, record.version)
-        kw = {
-            "record": record,
-            "budget": settings.memory_budget_bytes,
-            "side_cache": side_cache,
-            "operation": operation,
-        }
+        _, module = ctx.registry.load_module(record.name, record.version)
         start = time.perf_counter()
-        theta = _theta(module, train, None, kernel_options, **kw)
-        theta_test = None if test is None else _theta(module, test, train, kernel_options, **kw)
+        theta = _theta(ctx, module, train, None, kernel_options, record=record, operation=operation)
+        theta_test = None
+        if test is not None:
+            theta_test = _theta(ctx, module, test, train, kernel_options, record=record, operation=operation)
         f0_train = _forward64(module, train.array)
         f0_test = None if test is None else _forward64(module, test.array)
         kernel_s = time.perf_counter() - start
@@ -234,9 +221,7 @@ async def predict(
         }
 
     hint = "ask for fewer times or fewer test examples per request"
-    cap = settings.max_json_response_bytes
-    # encoded in the worker thread too: each hop back to the loop with a big body would stall it
-    return await limiter.run(lambda: _respond(run(), cap, operation=operation, hint=hint), operation=operation)
+    return await answer_json(ctx.limiter, run, cap=settings.max_json_response_bytes, operation=operation, hint=hint)
 
 
 @router.post(
@@ -248,11 +233,7 @@ async def kernel_spectrum(
     name: NamePath,
     request: Request,
     _: ReadAccess,
-    registry: RegistryDep,
-    datasets: DatasetsDep,
-    limiter: ComputeDep,
-    side_cache: SideCacheDep,
-    settings: SettingsDep,
+    ctx: ComputeContextDep,
 ) -> Response:
     operation = f"spectrum of model {name!r}"
     raw, rest = await _read(request, ("x",), operation=operation)
@@ -262,12 +243,14 @@ async def kernel_spectrum(
     if options.ridges and options.top is not None:
         raise InvalidInput(f"{operation}: ridges (effective_dof) need every eigenvalue; drop top or the ridges")
 
-    def prepare() -> tuple[ModelRecord, _Input]:
-        record = registry.get(name, options.version)
-        x = _side(raw["x"], "x", record, datasets, operation)
+    settings = ctx.settings
+
+    def prepare() -> tuple[ModelRecord, KernelInput]:
+        record = ctx.registry.get(name, options.version)
+        x = _side(raw["x"], "x", record, ctx.datasets, operation)
         size = x.array.shape[0] * (record.output_dim if options.mode == "full" else 1)
         dense = options.top is None or options.method == "eigh" or (options.method == "auto" and size <= DENSE_MAX_SIZE)
-        _check_budget(
+        check_budget(
             8 * _SPECTRUM_COPIES["eigh" if dense else "lanczos"] * size * size,
             settings.memory_budget_bytes,
             what=f"the spectrum of a {size}x{size} kernel",
@@ -278,28 +261,16 @@ async def kernel_spectrum(
     record, x = await anyio.to_thread.run_sync(prepare)
 
     def run() -> dict[str, Any]:
-        _, module = registry.load_module(record.name, record.version)
+        _, module = ctx.registry.load_module(record.name, record.version)
         start = time.perf_counter()
         theta = _theta(
-            module,
-            x,
-            None,
-            _kernel_options(options, record.version),
-            record=record,
-            budget=settings.memory_budget_bytes,
-            side_cache=side_cache,
-            operation=operation,
+            ctx, module, x, None, _kernel_options(options, record.version), record=record, operation=operation
         )
         kernel_s = time.perf_counter() - start
         start = time.perf_counter()
         s = analysis.spectrum(theta, top=options.top, method=options.method)
         body = {
-            "eigenvalues": wire.tensor_to_json(s.eigenvalues),
-            "n": s.n,
-            "method": s.method,
-            "lambda_max": s.lambda_max,
-            "lambda_min": s.lambda_min,
-            "condition_number": None if s.condition_number is None else json_float(s.condition_number),
+            **spectrum_fields(s),
             "ranks": {
                 "entropy": s.entropy,
                 "participation_ratio": s.participation_ratio,
@@ -315,17 +286,16 @@ async def kernel_spectrum(
         }
         return body
 
-    cap = settings.max_json_response_bytes
     hint = "ask for the top eigenvalues"
-    return await limiter.run(lambda: _respond(run(), cap, operation=operation, hint=hint), operation=operation)
+    return await answer_json(ctx.limiter, run, cap=settings.max_json_response_bytes, operation=operation, hint=hint)
 
 
-def _rekey(x: _Input, record: ModelRecord) -> _Input:
+def _rekey(x: KernelInput, record: ModelRecord) -> KernelInput:
     """The same inputs keyed for another version: side-cache keys start with the version's 4-part cache_key.
     Inline inputs have no key (they are never cached) and stay as they are."""
     if x.key is None:
         return x
-    return _Input(x.array, (*record.cache_key, *tuple(x.key)[len(record.cache_key) :]))  # type: ignore[arg-type]
+    return KernelInput(x.array, (*record.cache_key, *tuple(x.key)[len(record.cache_key) :]))  # type: ignore[arg-type]
 
 
 def _resolve(name: str, versions: list[int | VersionRef], registry: ModelRegistry, operation: str) -> list[ModelRecord]:
@@ -351,11 +321,7 @@ async def compare(
     name: NamePath,
     request: Request,
     _: ReadAccess,
-    registry: RegistryDep,
-    datasets: DatasetsDep,
-    limiter: ComputeDep,
-    side_cache: SideCacheDep,
-    settings: SettingsDep,
+    ctx: ComputeContextDep,
 ) -> Response:
     operation = f"compare of model {name!r}"
     raw, rest = await _read(request, ("x", "y"), operation=operation)
@@ -369,14 +335,16 @@ async def compare(
         )
     y = None if "y" not in raw else wire.tensor_from_json(raw["y"], name="y")
 
-    def prepare() -> tuple[list[ModelRecord], _Input]:
-        records = _resolve(name, options.versions, registry, operation)
-        x = _side(raw["x"], "x", records[0], datasets, operation)
+    settings = ctx.settings
+
+    def prepare() -> tuple[list[ModelRecord], KernelInput]:
+        records = _resolve(name, options.versions, ctx.registry, operation)
+        x = _side(raw["x"], "x", records[0], ctx.datasets, operation)
         n = x.array.shape[0]
         if y is not None and (y.ndim not in (1, 2) or y.shape[0] != n):
             raise ShapeMismatch(f"{operation}: y has shape {y.shape}; x has {n} examples, send y with {n} rows")
         size = n * (records[0].output_dim if options.mode == "full" else 1)
-        _check_budget(
+        check_budget(
             8 * (len(records) + 1) * size * size,
             settings.memory_budget_bytes,
             what=f"{len(records)} kernels of {size}x{size}",
@@ -390,19 +358,9 @@ async def compare(
         start = time.perf_counter()
         kernels = []
         for record in records:
-            _, module = registry.load_module(record.name, record.version)
-            kernels.append(
-                _theta(
-                    module,
-                    _rekey(x, record),
-                    None,
-                    _kernel_options(options, record.version),
-                    record=record,
-                    budget=settings.memory_budget_bytes,
-                    side_cache=side_cache,
-                    operation=operation,
-                )
-            )
+            _, module = ctx.registry.load_module(record.name, record.version)
+            options_v = _kernel_options(options, record.version)
+            kernels.append(_theta(ctx, module, _rekey(x, record), None, options_v, record=record, operation=operation))
         kernel_s = time.perf_counter() - start
         start = time.perf_counter()
         count = len(kernels)
@@ -425,6 +383,5 @@ async def compare(
             "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
         }
 
-    cap = settings.max_json_response_bytes
     hint = "compare fewer versions"
-    return await limiter.run(lambda: _respond(run(), cap, operation=operation, hint=hint), operation=operation)
+    return await answer_json(ctx.limiter, run, cap=settings.max_json_response_bytes, operation=operation, hint=hint)

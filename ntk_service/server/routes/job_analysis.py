@@ -17,14 +17,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from ntk_service import analysis, wire
-from ntk_service.errors import InvalidInput, MalformedRequest, ShapeMismatch
+from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import KernelMode
-from ntk_service.server.analysis_schemas import json_float
+from ntk_service.server.analysis_schemas import spectrum_fields
 from ntk_service.server.deps import ComputeDep, ReadAccess, SettingsDep
-from ntk_service.server.media import json_response, read_json
+from ntk_service.server.kernel_inputs import check_budget, read_object
+from ntk_service.server.media import json_response
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX
-from ntk_service.server.routes.analysis import _check_budget
 from ntk_service.server.routes.jobs import JobIdParam, JobsDep
 from ntk_service.server.schemas import TensorJson, openapi_body, validate_body
 
@@ -101,9 +101,7 @@ def _block_bytes(reader: _RowReader) -> int:
 
 
 async def _options(request: Request, model: type[BaseModel], *, operation: str) -> tuple[Any, dict[str, Any]]:
-    data = await read_json(request, operation=operation)
-    if not isinstance(data, dict):
-        raise MalformedRequest(f"{operation}: expected a JSON object, got {type(data).__name__}")
+    data = await read_object(request, operation=operation)
     extra = {key: data.pop(key) for key in ("y",) if key in data}
     return validate_body(model, data, operation=operation), extra
 
@@ -124,7 +122,7 @@ async def job_spectrum(
         n = reader.shape[0] * (reader.shape[2] if len(reader.shape) == 4 else 1)
         dense = options.top is None or options.method == "eigh" or options.top >= n
         estimate = 8 * 4 * n * n if dense else _block_bytes(reader) + 8 * n * (2 * options.top + 2)
-        _check_budget(estimate, settings.memory_budget_bytes, what=f"the spectrum of a {n}x{n} kernel",
+        check_budget(estimate, settings.memory_budget_bytes, what=f"the spectrum of a {n}x{n} kernel",
                       operation=operation)  # fmt: skip
         start = time.perf_counter()
         if dense:
@@ -133,12 +131,7 @@ async def job_spectrum(
             operator = analysis.stored_kernel_operator(reader, block_rows=_BLOCK_ROWS)
             s = analysis.spectrum(operator, top=options.top, method="lanczos")
         return {
-            "eigenvalues": wire.tensor_to_json(s.eigenvalues),
-            "n": s.n,
-            "method": s.method,
-            "lambda_max": s.lambda_max,
-            "lambda_min": s.lambda_min,
-            "condition_number": None if s.condition_number is None else json_float(s.condition_number),
+            **spectrum_fields(s),
             "job": job_id,
             "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
         }
@@ -162,7 +155,7 @@ async def job_alignment(
 
     def run() -> dict[str, Any]:
         reader = _open(manager, job_id, operation=operation, square=True)
-        _check_budget(_block_bytes(reader), settings.memory_budget_bytes, what="one row block", operation=operation)
+        check_budget(_block_bytes(reader), settings.memory_budget_bytes, what="one row block", operation=operation)
         start = time.perf_counter()
         value = analysis.alignment(reader, y, variant=options.variant, block_rows=_BLOCK_ROWS)
         return {
@@ -194,7 +187,7 @@ async def job_distance(
                 f"{operation}: job {job_id} holds {first.shape}, job {options.other} holds {other.shape}; compare "
                 "kernels of the same inputs in the same mode"
             )
-        _check_budget(2 * _block_bytes(first), settings.memory_budget_bytes, what="two row blocks",
+        check_budget(2 * _block_bytes(first), settings.memory_budget_bytes, what="two row blocks",
                       operation=operation)  # fmt: skip
         start = time.perf_counter()
         distance = analysis.kernel_distance(first, other, block_rows=_BLOCK_ROWS)

@@ -43,6 +43,7 @@ from ntk_service.jobs.results import ResultArray, parse_range
 from ntk_service.kernels import KernelMode, NtkImplementation
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ReadAccess, WriteAccess
+from ntk_service.server.kernel_inputs import MIN_JSON_BYTES_PER_VALUE
 from ntk_service.server.media import encode_theta, json_response, json_too_large, negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, QUERY_MAX_LENGTH, Glob
 from ntk_service.server.schemas import openapi_body, validate_body
@@ -68,9 +69,6 @@ RESULT_TYPES = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
 EVENT_POLL_S = 0.25
 """How often the event stream looks for a change (an in-memory counter, no database read unless it moved);
 FastAPI itself sends keep-alive comments on a quiet stream."""
-
-_MIN_JSON_BYTES_PER_VALUE = 4
-"""The shortest a float can be in JSON ("0.0,"): a slice over the JSON cap this way is refused before reading."""
 
 JobIdParam = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The id returned by POST /v1/jobs.")]
 
@@ -391,8 +389,8 @@ async def job_result(
     values = math.prod(download.shape)
     if media == wire.MEDIA_NPY:
         return _stream_npy(manager, download, settings.job_stream_block_bytes)
-    if media == wire.MEDIA_JSON and values * _MIN_JSON_BYTES_PER_VALUE > cap:
-        size = f"at least {format_bytes(values * _MIN_JSON_BYTES_PER_VALUE)}"
+    if media == wire.MEDIA_JSON and values * MIN_JSON_BYTES_PER_VALUE > cap:
+        size = f"at least {format_bytes(values * MIN_JSON_BYTES_PER_VALUE)}"
         raise json_too_large(size, cap, operation="job result", hint=_SLICE_HINT)
     nbytes = values * download.array.dtype.itemsize
     if media == wire.MEDIA_SAFETENSORS and nbytes > settings.max_binary_response_bytes:

@@ -8,12 +8,9 @@ computation runs off the event loop under the compute limiter. The pseudo-NTK is
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
-import anyio.to_thread
 import numpy as np
 import torch
 from fastapi import APIRouter, Request
@@ -21,16 +18,23 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import InvalidInput, MalformedRequest, NtkServiceError, format_bytes
+from ntk_service.errors import InvalidInput, format_bytes
 from ntk_service.kernels import compute_nngp, monte_carlo_ntk, ntk_operator
 from ntk_service.registry import ModelRecord
 from ntk_service.registry.zoo import build_model
-from ntk_service.server.deps import ComputeDep, DatasetsDep, ReadAccess, RegistryDep, SettingsDep
-from ntk_service.server.media import json_too_large, negotiate, parse_off_loop, read_json
+from ntk_service.server.deps import ReadAccess
+from ntk_service.server.kernel_inputs import (
+    ComputeContext,
+    ComputeContextDep,
+    KernelInput,
+    load_sides,
+    parse_sides,
+    read_object,
+    run_model,
+)
+from ntk_service.server.media import json_too_large, negotiate
 from ntk_service.server.params import NamePath
-from ntk_service.server.routes.kernels import _check_input, _from_dataset, _inline, _Input, _parse_x, _Side
 from ntk_service.server.schemas import (
-    DatasetRef,
     MatvecOptions,
     MatvecPublic,
     MatvecRequest,
@@ -52,71 +56,43 @@ RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_SAFETENSORS)
 """What these routes answer, JSON first (the default without ``Accept``)."""
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
-T = TypeVar("T")
-
-
-async def _read(
-    request: Request, options_model: type[OptionsT], *, operation: str, extra: tuple[str, ...] = ()
-) -> tuple[_Side, _Side | None, dict[str, np.ndarray], OptionsT]:
-    """x1, x2, the tensors named in ``extra`` and the options, from a JSON body."""
-    data = await read_json(request, operation=operation)
-    if not isinstance(data, dict):
-        raise MalformedRequest(f"{operation}: expected a JSON object with x1 (and x2, ...), got {type(data).__name__}")
-    for key in ("x1", *extra):
-        if key not in data:
-            raise InvalidInput(f"{operation}: the body needs {key}")
-    raw = {key: data.pop(key) for key in ("x1", "x2", *extra) if key in data}
-    options = validate_body(options_model, data, operation=operation)
-
-    def parse() -> tuple[_Side, _Side | None, dict[str, np.ndarray]]:
-        x1 = _parse_x(raw["x1"], side="x1", operation=operation)
-        x2 = None if raw.get("x2") is None else _parse_x(raw["x2"], side="x2", operation=operation)
-        return x1, x2, {key: wire.tensor_from_json(raw[key], name=key) for key in extra}
-
-    x1, x2, tensors = await parse_off_loop(parse, size=len(await request.body()))
-    return x1, x2, tensors, options
 
 
 @dataclass(frozen=True)
-class _Call:
+class _Call(Generic[OptionsT]):
     """What a request brings, read and checked: the record, both sides, extra tensors, options, answer type."""
 
     record: ModelRecord
-    x1: _Input
-    x2: _Input | None
+    x1: KernelInput
+    x2: KernelInput | None
     tensors: dict[str, np.ndarray]
+    options: OptionsT
     media: str
 
 
 async def _begin(
     request: Request,
-    registry: Any,
-    datasets: Any,
+    ctx: ComputeContext,
     name: str,
-    options: BaseModel,
-    sides: tuple[_Side, _Side | None],
-    tensors: dict[str, np.ndarray],
+    options_model: type[OptionsT],
     *,
     operation: str,
-) -> _Call:
-    """Negotiate the answer type, then load the model record and both sides and check them against the model
-    (in a worker thread)."""
+    extra: tuple[str, ...] = (),
+) -> _Call[OptionsT]:
+    """Read x1, x2, the tensors named in ``extra`` and the options from the JSON body, negotiate the answer type,
+    then load the model record and both sides and check them against the model (in a worker thread)."""
+    data = await read_object(request, operation=operation, expected=" with x1 (and x2, ...)")
+    for key in ("x1", *extra):
+        if key not in data:
+            raise InvalidInput(f"{operation}: the body needs {key}")
+    raw = {key: data.pop(key) for key in ("x1", "x2", *extra) if key in data}
+    options = validate_body(options_model, data, operation=operation)
+    x1, x2, tensors = await parse_sides(
+        request, raw["x1"], raw.get("x2"), operation=operation, extra={key: raw[key] for key in extra}
+    )
     media = negotiate(request, RESPONSE_TYPES, operation=operation)
-    version = getattr(options, "version", None)
-
-    def prepare() -> tuple[ModelRecord, _Input, _Input | None]:
-        record = registry.get(name, version)
-
-        def side(raw: _Side, label: str) -> _Input:
-            item = _from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else _inline(raw)
-            _check_input(item.array, record, side=label, operation=operation)
-            return item
-
-        x1, x2 = sides
-        return record, side(x1, "x1"), None if x2 is None else side(x2, "x2")
-
-    record, x1, x2 = await anyio.to_thread.run_sync(prepare)
-    return _Call(record, x1, x2, tensors, media)
+    record, first, second = await load_sides(ctx, name, getattr(options, "version", None), x1, x2, operation=operation)
+    return _Call(record, first, second, tensors, options, media)
 
 
 def _encode(
@@ -136,19 +112,7 @@ def _encode(
     return Response(body, media_type=wire.MEDIA_JSON)
 
 
-def _timed(fn: Callable[[], T], *, record: ModelRecord, operation: str) -> tuple[T, float]:
-    """``fn()`` and its wall time; a model failing on the inputs is the caller's input error, not a 500."""
-    start = time.perf_counter()
-    try:
-        out = fn()
-    except NtkServiceError:
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-        raise InvalidInput(f"{operation}: model {record.name!r} failed on the inputs: {exc}") from exc
-    return out, time.perf_counter() - start
-
-
-def _array(x: _Input | None) -> torch.Tensor | None:
+def _array(x: KernelInput | None) -> torch.Tensor | None:
     return None if x is None else torch.from_numpy(x.array)
 
 
@@ -163,18 +127,14 @@ async def nngp(
     name: NamePath,
     request: Request,
     _: ReadAccess,
-    registry: RegistryDep,
-    datasets: DatasetsDep,
-    limiter: ComputeDep,
-    settings: SettingsDep,
+    ctx: ComputeContextDep,
 ) -> Response:
     operation = f"nngp of model {name!r}"
-    x1_raw, x2_raw, tensors, options = await _read(request, NngpOptions, operation=operation)
-    call = await _begin(request, registry, datasets, name, options, (x1_raw, x2_raw), tensors, operation=operation)
-    record, x1, x2, media = call.record, call.x1, call.x2, call.media
+    call = await _begin(request, ctx, name, NngpOptions, operation=operation)
+    record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
 
     def run() -> Response:
-        _, module = registry.load_module(record.name, record.version)
+        _, module = ctx.registry.load_module(record.name, record.version)
 
         def call() -> Any:
             return compute_nngp(
@@ -187,7 +147,7 @@ async def nngp(
                 memory_budget_bytes=settings.memory_budget_bytes,
             )
 
-        result, seconds = _timed(call, record=record, operation=operation)
+        result, seconds = run_model(call, record=record, operation=operation)
         meta = {
             "mode": result.mode.value,
             "layer": result.layer,
@@ -199,7 +159,7 @@ async def nngp(
         kernel = result.kernel.detach().cpu().numpy()
         return _encode({"kernel": kernel}, media, meta, cap=settings.max_json_response_bytes, operation=operation)
 
-    return await limiter.run(run, operation=operation)
+    return await ctx.limiter.run(run, operation=operation)
 
 
 @router.post(
@@ -213,15 +173,11 @@ async def monte_carlo(
     name: NamePath,
     request: Request,
     _: ReadAccess,
-    registry: RegistryDep,
-    datasets: DatasetsDep,
-    limiter: ComputeDep,
-    settings: SettingsDep,
+    ctx: ComputeContextDep,
 ) -> Response:
     operation = f"monte_carlo of model {name!r}"
-    x1_raw, x2_raw, tensors, options = await _read(request, MonteCarloOptions, operation=operation)
-    call = await _begin(request, registry, datasets, name, options, (x1_raw, x2_raw), tensors, operation=operation)
-    record, x1, x2, media = call.record, call.x1, call.x2, call.media
+    call = await _begin(request, ctx, name, MonteCarloOptions, operation=operation)
+    record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
     factories = settings.allowed_factories
 
     def build(seed: int) -> torch.nn.Module:
@@ -242,7 +198,7 @@ async def monte_carlo(
                 memory_budget_bytes=settings.memory_budget_bytes,
             )
 
-        result, seconds = _timed(call, record=record, operation=operation)
+        result, seconds = run_model(call, record=record, operation=operation)
         meta = {
             "n_samples": result.n_samples,
             "kernel": result.kernel.value,
@@ -257,7 +213,7 @@ async def monte_carlo(
         }
         return _encode(tensors, media, meta, cap=settings.max_json_response_bytes, operation=operation)
 
-    return await limiter.run(run, operation=operation)
+    return await ctx.limiter.run(run, operation=operation)
 
 
 @router.post(
@@ -271,19 +227,15 @@ async def operator_matvec(
     name: NamePath,
     request: Request,
     _: ReadAccess,
-    registry: RegistryDep,
-    datasets: DatasetsDep,
-    limiter: ComputeDep,
-    settings: SettingsDep,
+    ctx: ComputeContextDep,
 ) -> Response:
     operation = f"operator matvec of model {name!r}"
-    x1_raw, x2_raw, tensors, options = await _read(request, MatvecOptions, operation=operation, extra=("v",))
-    call = await _begin(request, registry, datasets, name, options, (x1_raw, x2_raw), tensors, operation=operation)
-    record, x1, x2, media = call.record, call.x1, call.x2, call.media
+    call = await _begin(request, ctx, name, MatvecOptions, operation=operation, extra=("v",))
+    record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
     v = torch.from_numpy(call.tensors["v"])
 
     def run() -> Response:
-        _, module = registry.load_module(record.name, record.version)
+        _, module = ctx.registry.load_module(record.name, record.version)
 
         def call() -> torch.Tensor:
             op = ntk_operator(
@@ -297,7 +249,7 @@ async def operator_matvec(
             )
             return op.rmatvec(v) if options.transpose else op.matvec(v)
 
-        product, seconds = _timed(call, record=record, operation=operation)
+        product, seconds = run_model(call, record=record, operation=operation)
         meta = {
             "mode": options.mode,
             "model": record.name,
@@ -307,4 +259,4 @@ async def operator_matvec(
         out = product.detach().cpu().numpy()
         return _encode({"product": out}, media, meta, cap=settings.max_json_response_bytes, operation=operation)
 
-    return await limiter.run(run, operation=operation)
+    return await ctx.limiter.run(run, operation=operation)
