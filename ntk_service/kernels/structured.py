@@ -352,22 +352,31 @@ class Structured:
         groups: ParameterGroups,
     ) -> torch.Tensor:
         """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
-        kernels] in groups.py)."""
+        kernels] in groups.py); a group's first factored term is written, not added (``fresh``), as in ``pair``."""
         terms, of = self._terms(problem), groups.index
         n, m = _side_examples(left), _side_examples(right)
         example_major = prefers_example_major(_layout_tensors(left) + _layout_tensors(right))
         accs = [
-            new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major) for _ in groups.names
+            new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major, zero=False)
+            for _ in groups.names
         ]
+        written = [False] * len(accs)
+
+        def add(
+            g: int, lf: tuple[torch.Tensor, torch.Tensor], rf: tuple[torch.Tensor, torch.Tensor], **kw: Any
+        ) -> None:
+            add_factored(accs[g], lf, rf, mode, fresh=not written[g], **kw)
+            written[g] = True
+
         for term, lf, rf in zip(terms.factored, left["factored"], right["factored"], strict=True):
             bias = None if term.bias is None else of[term.bias]  # its group
             bias_apart = bias is not None and bias != of[term.name]
-            plus_one = bias is not None and not bias_apart
-            add_factored(accs[of[term.name]], lf, rf, mode, index=term.index, plus_one=plus_one)
-            if (
-                bias is not None and bias_apart
-            ):  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A makes G^A = 0
-                add_factored(accs[bias], _no_inputs(lf), _no_inputs(rf), mode, index=False, plus_one=True)
+            add(of[term.name], lf, rf, index=term.index, plus_one=bias is not None and not bias_apart)
+            if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A
+                add(bias, _no_inputs(lf), _no_inputs(rf), index=False, plus_one=True)
+        for g, acc in enumerate(accs):
+            if not written[g]:
+                acc.zero_()
         for name, j1 in left["jacobians"].items():
             add_jacobian(accs[of[name]], j1, right["jacobians"][name], mode)
         return torch.stack([finish(acc, mode) for acc in accs])
