@@ -33,7 +33,7 @@ NOTE [device context]: off the CPU, ``compute_ntk`` runs inside ``torch.device(d
 engine creates without naming a device (block results, probes, identity bases, scratch buffers) is made on the
 computing device: no allocation site names a device, and none can be missed. The mode is thread-local and costs
 a Python hop per torch call, so the CPU path, where the default device is already right, does not enter it.
-Module-level caches of tensors must key on the device (``structured_contract._one``).
+Module-level caches of tensors must key on the device (``structured.contraction._one``).
 """
 
 from __future__ import annotations

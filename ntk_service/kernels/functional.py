@@ -69,6 +69,8 @@ class NtkProblem:
             values of ``params`` and ``frozen`` (same storage and dtype), so ``f_own`` may call it directly.
         choices: the implementation and block plan chosen per call shape (``api._choose``), kept with the
             problem so a kept problem (``problem_pool``) plans once per shape.
+        analyses: an implementation's one-off analysis of the model, kept with the problem by a key of its own
+            (the structured engine's frozen plan per options: ``structured.Structured.terms``).
     """
 
     module: nn.Module
@@ -81,6 +83,7 @@ class NtkProblem:
     saved_bytes: float
     owns_module: bool = False
     choices: dict[Hashable, Any] = field(default_factory=dict)
+    analyses: dict[Hashable, Any] = field(default_factory=dict)
 
     @property
     def k(self) -> int:

@@ -56,7 +56,7 @@ class MLP(nn.Module):
 
     ntk_fixed_pipeline = True
     """The forward calls the same modules in the same order every time: the structured engine may trace it once
-    and capture it in closed form (NOTE [sequential chains] in ``ntk_service/kernels/structured_chain.py``)."""
+    and capture it in closed form (NOTE [sequential chains] in ``ntk_service/kernels/structured/chain.py``)."""
 
     def __init__(self, config: MlpConfig) -> None:
         super().__init__()

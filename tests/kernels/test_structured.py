@@ -3,6 +3,7 @@ and per-layer Jacobian), all four modes, x2 given and omitted, parameter subsets
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 from collections.abc import Callable, Iterator
@@ -12,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk, structured
-from ntk_service.kernels.blocks import run_blocks
+from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
 from ntk_service.kernels.functional import eval_semantics, prepare_problem
-from ntk_service.kernels.planning import plan_blocks
-from ntk_service.kernels.structured import Structured, StructuredTerms, structured_terms
+from ntk_service.kernels.structured import Structured, StructuredOptions, StructuredTerms, structured_terms
+from ntk_service.kernels.structured.options import Form
+from tests.kernels.conftest import structured_ntk
 from tests.reference import assert_matches, reference_ntk
 
 pytestmark = pytest.mark.filterwarnings(
@@ -36,8 +37,9 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-FORMS = [None, "factored", "jacobian"]
-"""None: the cost model's choice per weight; the others force every weight with factors into that form."""
+FORMS: list[Form | None] = [None, "factored", "jacobian"]
+"""None: compute_ntk (the cost model's choice per weight); the others force every weight with factors into that
+form (``StructuredOptions.form``)."""
 
 
 class TwiceLinear(nn.Module):
@@ -273,22 +275,20 @@ def _structured(
     x2: torch.Tensor | None,
     mode: KernelMode,
     *,
-    form: str | None,
+    form: Form | None,
     params: list[str] | None = None,
     dtype: torch.dtype = torch.float64,
+    options: StructuredOptions | None = None,
 ) -> torch.Tensor:
     """compute_ntk(implementation="structured") for form None; the same pipeline with a forced form otherwise."""
-    if form is None:
+    if form is None and options is None:
         result = compute_ntk(model, x1, x2, mode=mode, implementation="structured", params=params, dtype=dtype)
         assert result.implementation is NtkImplementation.STRUCTURED
         return result.theta
-    alg = Structured(form)
-    with eval_semantics(model) as module:
-        problem, x1t, x2t = prepare_problem(module, x1, x2, params=params, dtype=dtype)
-        symmetric = x2t is None or mode is KernelMode.EXAMPLE_DIAGONAL
-        m = x1t.shape[0] if x2t is None else x2t.shape[0]
-        plan = plan_blocks(alg, problem, x1t.shape[0], m, mode, symmetric=symmetric, budget_bytes=2**30)
-        return run_blocks(alg, problem, x1t, None if symmetric else x2t, mode, plan)
+    options = StructuredOptions() if options is None else options
+    if form is not None:
+        options = dataclasses.replace(options, form=form)
+    return structured_ntk(model, x1, x2, mode, options=options, params=params, dtype=dtype)
 
 
 @pytest.mark.parametrize("form", FORMS, ids=str)
@@ -408,20 +408,22 @@ def test_batched_capture_only_where_layers_see_examples_along_dim_0(name: str, e
     model, x1, _ = _case(name)
     with eval_semantics(model) as module:
         problem, x1t, _ = prepare_problem(module, x1, None, params=None, dtype=torch.float64)
-        terms = structured_terms(problem, x1t[:1])
+        before = structured_terms(problem, x1t[:1])
         Structured().left(problem, x1t)
-        assert terms.batch_safe is expected
+        assert before.batch_safe is None  # plans are frozen: what a block shows makes a new one
+        assert structured_terms(problem).batch_safe is expected
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn1d", "transformer"])
-def test_side_with_itself_from_half_blocks_matches_reference(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """x2 omitted with a block of >= SYMMETRIC_SPLIT_MIN examples: 3 of 4 half-blocks, odd split included."""
-    monkeypatch.setattr(structured, "SYMMETRIC_SPLIT_MIN", 8)  # the real threshold needs too many examples here
+def test_side_with_itself_from_half_blocks_matches_reference(name: str) -> None:
+    """x2 omitted with a block of >= symmetric_split_min examples: 3 of 4 half-blocks, odd split included."""
+    options = StructuredOptions(symmetric_split_min=8)  # the default threshold needs too many examples here
     model, _, _ = _case(name)
     x = torch.cat([MODELS[name][1](torch.Generator().manual_seed(s))[0] for s in range(4)])[:9]
     assert x.shape[0] == 9
-    for form in ("factored", "jacobian"):
-        theta = _structured(model, x, None, KernelMode.FULL, form=form)
+    forms: tuple[Form, ...] = ("factored", "jacobian")
+    for form in forms:
+        theta = _structured(model, x, None, KernelMode.FULL, form=form, options=options)
         assert_matches(theta, reference_ntk(model, x, None, "full"), 1e-10)
 
 
@@ -445,11 +447,11 @@ class ViewedConv(nn.Module):
 def test_convolutional_capture_in_channels_last_or_nchw(build: Callable[[], nn.Module], channels_last: bool) -> None:
     """The batched capture of a CNN runs its convolutions in channels-last memory where the model allows it,
     and in NCHW where it views a convolution's output; both give the reference kernel."""
-    terms = _conv_capture_matches_reference(build, seed=2, form=None)
-    assert terms.batch_safe and terms.plan.channels_last is channels_last
+    terms = _conv_capture_matches_reference(build, seed=2, form="cheaper")
+    assert terms.batch_safe and terms.channels_last is channels_last
 
 
-def _conv_capture_matches_reference(build: Callable[[], nn.Module], seed: int, form: str | None) -> StructuredTerms:
+def _conv_capture_matches_reference(build: Callable[[], nn.Module], seed: int, form: Form) -> StructuredTerms:
     """The FULL structured kernel of a small CNN on (3, 2, 6, 6) and (2, 2, 6, 6) inputs, checked against the
     float64 reference; returns the terms (plan) it used."""
     with torch.random.fork_rng(devices=[]):
@@ -459,9 +461,9 @@ def _conv_capture_matches_reference(build: Callable[[], nn.Module], seed: int, f
     x1, x2 = torch.randn(3, 2, 6, 6, generator=g), torch.randn(2, 2, 6, 6, generator=g)
     with eval_semantics(model) as module:
         problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
-        alg = Structured(form)
-        terms = structured_terms(problem, x1t[:1], form)
+        alg = Structured(StructuredOptions(form=form))
         theta = alg.pair(problem, alg.left(problem, x1t), alg.left(problem, x2t), KernelMode.FULL)
+        terms = alg.terms(problem)  # the plan after the blocks: what they showed is in it
     assert_matches(theta, reference_ntk(model, x1, x2, "full"), 1e-10)
     return terms
 

@@ -9,9 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import KernelMode, compute_ntk, structured, structured_capture, structured_contract
+from ntk_service.kernels import KernelMode, compute_ntk
+from ntk_service.kernels.structured import StructuredOptions
+from ntk_service.kernels.structured import algorithm as structured_algorithm
+from ntk_service.kernels.structured import capture as structured_capture
+from ntk_service.kernels.structured.contraction import Accumulator
 from ntk_service.registry.architectures import MlpConfig
 from ntk_service.registry.families import MLP
+from tests.kernels.conftest import AUTOGRAD_CAPTURE, structured_ntk
 from tests.reference import assert_matches, reference_ntk
 
 
@@ -99,19 +104,18 @@ CHAINS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], list[str] | No
 
 @pytest.mark.parametrize("capture", ["chain", "autograd"])
 @pytest.mark.parametrize("name", CHAINS)
-def test_chain_matches_reference(name: str, capture: str, request: pytest.FixtureRequest) -> None:
+def test_chain_matches_reference(name: str, capture: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Both captures of each chain agree with the float64 reference in every mode, x2 given or not; the chain is
-    the one taken unless turned off."""
-    if capture == "autograd":
-        request.getfixturevalue("autograd_capture")
-    chained = _count_chain_runs(request.getfixturevalue("monkeypatch"))
+    the one taken unless turned off (``StructuredOptions.chain``)."""
+    options = AUTOGRAD_CAPTURE if capture == "autograd" else StructuredOptions()
+    chained = _count_chain_runs(monkeypatch)
     build, shape, params = CHAINS[name]
     torch.manual_seed(0)
     model = build().double()
     x1, x2 = torch.randn(6, *shape, dtype=torch.float64), torch.randn(4, *shape, dtype=torch.float64)
     for mode in KernelMode:
         for other in (x2, None):
-            theta = compute_ntk(model, x1, other, mode=mode, implementation="structured", params=params).theta
+            theta = structured_ntk(model, x1, other, mode, options=options, params=params)
             expected = reference_ntk(model, x1, other, mode.value, params)
             assert_matches(theta, expected)
     assert (len(chained) > 0) == (capture == "chain")
@@ -229,7 +233,7 @@ def test_chain_steps_aside_while_a_global_hook_is_registered(monkeypatch: pytest
 
 
 def _count_chain_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that grows by one per ``run_chain`` call."""
+    """A list that grows by one per ``run_chain`` call (a spy that only counts: it calls the real one)."""
     runs: list[int] = []
     real = structured_capture.run_chain
 
@@ -242,29 +246,30 @@ def _count_chain_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize("capture", ["chain", "autograd"])
-def test_accumulator_memory_follows_the_captures_delta(capture: str, request: pytest.FixtureRequest) -> None:
+def test_accumulator_memory_follows_the_captures_delta(capture: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [accumulator memory]: the chain's δ lies example-major and so does the FULL accumulator; the autograd
     capture's δ lies output-major and so does the accumulator. Either way the kernel is exact."""
-    if capture == "autograd":
-        request.getfixturevalue("autograd_capture")
-    monkeypatch = request.getfixturevalue("monkeypatch")
-    accumulators: list[torch.Tensor] = []
-    real = structured_contract.finish_with_factored
+    options = AUTOGRAD_CAPTURE if capture == "autograd" else StructuredOptions()
+    accumulators: list[Accumulator] = []
+    real = structured_algorithm.finish_with_factored
 
-    def spy(acc: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        accumulators.append(acc)
+    def spy(acc: Accumulator, *args: object, **kwargs: object) -> torch.Tensor:
+        accumulators.append(acc)  # observed, passed on
         return real(acc, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(structured, "finish_with_factored", spy)
+    monkeypatch.setattr(structured_algorithm, "finish_with_factored", spy)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), nn.Linear(7, 3)).double()
     x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
-    theta = compute_ntk(model, x1, x2, implementation="structured").theta
+    theta = structured_ntk(model, x1, x2, KernelMode.FULL, options=options)
     expected = reference_ntk(model, x1, x2)
     assert_matches(theta, expected)
     (acc,) = accumulators
-    assert acc.shape == (3, 6, 3, 4)  # (c, i, d, j) either way
+    assert acc.tensor.shape == (3, 6, 3, 4)  # (c, i, d, j) either way
     if capture == "chain":
-        assert acc.permute(1, 0, 3, 2).is_contiguous() and not acc.is_contiguous()
+        assert acc.example_major and acc.tensor.permute(1, 0, 3, 2).is_contiguous() and not acc.tensor.is_contiguous()
     else:
-        assert acc.is_contiguous()
+        assert not acc.example_major and acc.tensor.is_contiguous()
+    off = structured_ntk(model, x1, x2, KernelMode.FULL, options=options.without("example_major_accumulator"))
+    assert_matches(off, expected)
+    assert not accumulators[-1].example_major

@@ -1,13 +1,22 @@
-"""The structured path's shortcuts run where they should and agree with the float64 reference in every mode."""
+"""The structured path's shortcuts run where they should, each can be switched off through ``StructuredOptions``,
+and on or off they agree with the float64 reference in every mode."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import KernelMode, compute_ntk, structured_capture
-from ntk_service.kernels.structured import Structured
+import ntk_service.kernels.structured as structured_package
+from ntk_service.kernels import KernelMode, compute_ntk
+from ntk_service.kernels.blocks import run_blocks
+from ntk_service.kernels.functional import NtkProblem, eval_semantics, prepare_problem
+from ntk_service.kernels.planning import plan_blocks
+from ntk_service.kernels.structured import FAST_PATHS, Structured, StructuredOptions
+from ntk_service.kernels.structured import capture as structured_capture
+from tests.kernels.conftest import AUTOGRAD_CAPTURE, structured_ntk
 from tests.reference import assert_matches, reference_ntk
 
 
@@ -24,6 +33,10 @@ def test_output_layer_delta_shared_by_all_examples_is_contracted_as_an_outer_pro
     assert_matches(theta, expected)
     if mode is not KernelMode.EXAMPLE_DIAGONAL:  # the diagonal has its own contraction
         assert shared_deltas and torch.equal(shared_deltas[0], torch.eye(3, dtype=torch.float64))
+    shared_deltas.clear()
+    off = structured_ntk(model, x1, x2, mode, options=StructuredOptions(shared_delta=False))
+    assert_matches(off, expected)
+    assert not shared_deltas
 
 
 class _ScaledInPlace(nn.Module):
@@ -71,11 +84,11 @@ HEADS = {
 
 
 @pytest.mark.parametrize("name", HEADS)
-@pytest.mark.usefixtures("autograd_capture")
 def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """NOTE [linear head]: taken exactly when the model's output is a Linear's output; the kernel is exact."""
+    """NOTE [linear head]: taken exactly when the model's output is a Linear's output (observed by a spy that
+    returns the real answer); the kernel is exact with the path on and off."""
     taken: list[bool] = []
     real = structured_capture._linear_head
 
@@ -90,8 +103,11 @@ def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
     model = build().double()
     width = 10 if name == "head over positions" else 5
     x1, x2 = torch.randn(6, width, dtype=torch.float64), torch.randn(4, width, dtype=torch.float64)
-    _matches_reference_in_every_mode(model, x1, x2)
+    _matches_reference_in_every_mode(model, x1, x2, AUTOGRAD_CAPTURE)
     assert taken and all(t == expected_taken for t in taken)
+    taken.clear()
+    _matches_reference_in_every_mode(model, x1, x2, AUTOGRAD_CAPTURE.without("linear_head"))
+    assert not taken
 
 
 class _ViewModifiedInPlace(nn.Module):
@@ -114,29 +130,31 @@ OUTPUTS = {
 }
 
 
+@pytest.mark.parametrize("outputs_as_probes", [True, False])
 @pytest.mark.parametrize("name", OUTPUTS)
-@pytest.mark.usefixtures("autograd_capture")
-def test_outputs_are_their_own_probes_until_one_is_modified_in_place(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """NOTE [outputs as probes]: an in-place change of a covered output switches the plan to added probes (the
-    first capture reruns) and the kernel stays exact."""
-    probing: list[bool] = []
-    real = structured_capture._capture_batched_once
-
-    def spy(problem: object, plan: structured_capture.StructurePlan, x: torch.Tensor) -> object:
-        probing.append(plan.probe_outputs)
-        return real(problem, plan, x)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(structured_capture, "_capture_batched_once", spy)
+def test_outputs_are_their_own_probes_until_one_is_modified_in_place(name: str, outputs_as_probes: bool) -> None:
+    """NOTE [outputs as probes]: an in-place change of a covered output yields a new plan that adds probes (the
+    first plan stays as it was: plans are frozen); with the path off every plan adds probes. The kernel is exact."""
     build, modified = OUTPUTS[name]
     torch.manual_seed(0)
     model = build().double()
     x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
-    _matches_reference_in_every_mode(model, x1, x2)
-    assert probing[0] is False  # every plan starts with the outputs as probes
-    assert all(probing[1:]) if modified else not any(probing)
-    assert len(probing) == len(KernelMode) + (1 if modified else 0)
+    alg = Structured(StructuredOptions(chain=False, outputs_as_probes=outputs_as_probes))
+    with eval_semantics(model) as module:
+        problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
+        first = alg.terms(problem)
+        assert first.probe_outputs is not outputs_as_probes
+        for mode in KernelMode:
+            assert_matches(_run(alg, problem, x1t, x2t, mode), reference_ntk(model, x1, x2, mode.value))
+        assert first.probe_outputs is not outputs_as_probes  # never mutated
+        assert alg.terms(problem).probe_outputs is (modified or not outputs_as_probes)
+        assert alg.terms(problem).batch_safe
+
+
+def _run(alg: Structured, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor, mode: KernelMode) -> torch.Tensor:
+    symmetric = mode is KernelMode.EXAMPLE_DIAGONAL
+    plan = plan_blocks(alg, problem, x1.shape[0], x2.shape[0], mode, symmetric=symmetric, budget_bytes=2**30)
+    return run_blocks(alg, problem, x1, None if symmetric else x2, mode, plan)
 
 
 class _ResidualMlp(nn.Module):
@@ -179,7 +197,8 @@ JOINT = {  # model, per-example input shape, x2 examples, whether the joint pass
 def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_slices_in_place(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """NOTE [interleaved joint pass]: plain factored sides come from x1[0], x2[0], x1[1], ...; the kernel is exact."""
+    """NOTE [interleaved joint pass]: plain factored sides come from x1[0], x2[0], x1[1], ... (the inputs observed
+    by a spy that passes them on); the kernel is exact."""
     passes: list[torch.Tensor] = []
     real = Structured.left
 
@@ -207,7 +226,79 @@ def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_s
             assert torch.equal(x[:6], x1) and torch.equal(x[6:], x2)
 
 
-def _matches_reference_in_every_mode(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> None:
+def _matches_reference_in_every_mode(
+    model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, options: StructuredOptions
+) -> None:
     for mode in KernelMode:
-        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
+        theta = structured_ntk(model, x1, x2, mode, options=options)
         assert_matches(theta, reference_ntk(model, x1, x2, mode.value))
+
+
+class _TinyCnn(nn.Module):
+    """Two convolutions (a thin first patch, 2·3·3 < THIN_PATCH), biases, a Linear head: the conv passes,
+    channels-last and thin-Jacobian paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(2, 3, 3, stride=2, padding=1), nn.Conv2d(3, 4, 2)
+        self.head = nn.Linear(4 * 2 * 2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.conv2(torch.relu(self.conv1(x)))).flatten(1))
+
+
+SWITCHED = {  # model, per-example input shape
+    "chain mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)), (5,)),
+    "residual mlp": (_ResidualMlp, (5,)),
+    "cnn": (_TinyCnn, (2, 6, 6)),
+}
+
+
+@functools.cache
+def _switched_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, dict[tuple[str, bool], torch.Tensor]]:
+    """The model, x1, x2 (4 examples each) and its float64 reference kernels by (mode, x2 given), made once."""
+    build, shape = SWITCHED[name]
+    torch.manual_seed(0)
+    model = build().double()
+    x1, x2 = torch.randn(4, *shape, dtype=torch.float64), torch.randn(4, *shape, dtype=torch.float64)
+    expected = {(mode, given): reference_ntk(model, x1, x2 if given else None, mode) for mode, given in _SWITCHED_RUNS}
+    return model, x1, x2, expected
+
+
+_SWITCHED_RUNS = (("full", True), ("full", False), ("trace", True))
+
+
+@pytest.mark.parametrize("path", FAST_PATHS)
+@pytest.mark.parametrize("name", SWITCHED)
+def test_every_fast_path_can_be_switched_off_and_the_kernel_stays_exact(name: str, path: str) -> None:
+    """Each switch of ``StructuredOptions`` off, the others on: FULL (x2 given; and x2 omitted with the
+    symmetric split reachable) and TRACE against the float64 reference."""
+    model, x1, x2, expected = _switched_case(name)
+    options = StructuredOptions(symmetric_split_min=4).without(path)
+    for mode, given in _SWITCHED_RUNS:
+        theta = structured_ntk(model, x1, x2 if given else None, KernelMode(mode), options=options)
+        assert_matches(theta, expected[mode, given])
+
+
+def test_options_name_only_known_fast_paths() -> None:
+    with pytest.raises(ValueError, match="unknown fast paths"):
+        StructuredOptions().without("warp_drive")
+    assert StructuredOptions().without("chain", "interleave") == StructuredOptions(chain=False, interleave=False)
+
+
+def test_exported_members() -> None:
+    """The subpackage's public surface is exactly its ``__all__`` (the submodules are its internals)."""
+    expected = [
+        "BATCHED_CAPTURE_WEIGHT",
+        "FAST_PATHS",
+        "NOMINAL_PARTNERS",
+        "PER_EXAMPLE_CAPTURE_WEIGHT",
+        "SYMMETRIC_SPLIT_MIN",
+        "Structured",
+        "StructuredOptions",
+        "StructuredTerms",
+        "structured_terms",
+    ]
+    assert structured_package.__all__ == expected
+    for name in expected:
+        assert getattr(structured_package, name) is not None

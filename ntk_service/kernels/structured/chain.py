@@ -5,13 +5,11 @@ closed form: δ at the head's output is e_c, at its input W[c]; an activation ma
 by the kernel autograd calls, threshold_backward; the others by their aten backward on ones, σ'(z) once for the
 block (n, d) rather than once per output), and a Linear maps δ to δ W. δ comes out example-major, rows (i, c),
 which spares the contraction the costly transposition of an output-major one (NOTE [accumulator memory] in
-``structured_contract.py``).
+``contraction.py``).
 
 ``run_chain`` does exactly that for all k outputs at once, as (n, k, ·) matrices: one forward under
-``no_grad`` and one matmul per hidden layer, no hooks, no graph, no vmapped engine run. On the benchmark MLP
-(784-512-512-10, N = M = 64) the kernel took 14.2 instead of 15.4 ms in an in-process alternation with the
-autograd capture, 14.0 instead of 14.6 ms alternating with neural-tangents (``benchmarks/bench_trees_ab.py``);
-the example-major layout then took N = M = 256 from 103 to 97 ms and left N = 64 as it was.
+``no_grad`` and one matmul per hidden layer, no hooks, no graph, no vmapped engine run (what that buys:
+``StructuredOptions.chain`` in docs/engine.md, measured with ``benchmarks/bench_fast_paths.py``).
 
 The chain is taken only where it is exactly the model (``sequential_chain`` lists the conditions): one traced
 forward on the plan's example (``_PipelineTrace``) must be a pure pipeline of modules of exactly the known types
@@ -19,9 +17,9 @@ with their stock forward — an ``nn.Sequential`` of them, nested or not, or a m
 forward (``FIXED_PIPELINE_ATTRIBUTE``: the registry's MLP family, which loops over an ``nn.ModuleList``); any
 tensor operation of its own, even reading ``x.shape``, refuses it, so the forward cannot depend on values or on
 the batch size — with vectors per example, no parameter on the Jacobian path, and no hooks when the capture runs.
-Anything else takes the autograd capture in ``structured_capture.py``, which handles every model the rules cover.
+Anything else takes the autograd capture in ``capture.py``, which handles every model the rules cover.
 A chain's forward is not called again after that trace, which is why an arbitrary forward does not qualify: one
-reading a global flag or the grad mode could take another path on a later call (found in review).
+reading a global flag or the grad mode could take another path on a later call.
 (While another thread prepares a problem, ``FlopCounterMode`` holds global module hooks: a capture then also
 takes the autograd way, exact but slower.)
 """
@@ -40,6 +38,7 @@ from torch.nn.modules import module as torch_module
 from torch.overrides import TorchFunctionMode
 
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.structured.descriptors import Delta, Layout
 
 __all__ = ["FIXED_PIPELINE_ATTRIBUTE", "Chain", "run_chain", "sequential_chain"]
 
@@ -304,7 +303,7 @@ def _parameter(
 
 
 @torch.no_grad()
-def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tensor], list[Delta]]:
     """Every captured Linear call's input a and output cotangents δ (NOTE [sequential chains]).
 
     Args:
@@ -314,12 +313,12 @@ def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tens
 
     Returns:
         inputs[u] (n, 1, in_u) and deltas[u] (n, k, 1, out_u) as the autograd capture gives them, but δ lies
-        example-major, in (n, k, out_u) memory (NOTE [accumulator memory] in structured_contract.py); for the head,
-        the identity expanded over the examples.
+        example-major, in (n, k, out_u) memory (NOTE [accumulator memory] in contraction.py); δ's that are the same
+        for every example (the head's identity, the rows of W right below it) are declared shared (stride 0).
     """
     n = x.shape[0]
     inputs: list[torch.Tensor | None] = [None] * uses
-    deltas: list[torch.Tensor | None] = [None] * uses
+    deltas: list[Delta | None] = [None] * uses
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's (input, output)
     h = x
     for step in chain.steps:
@@ -334,17 +333,18 @@ def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tens
     k = h.shape[1]
     eye = torch.eye(k, dtype=h.dtype)
     g = eye.unsqueeze(0).expand(n, k, k)  # the cotangent at the output, (n, k, k): the basis
-    is_basis = True
+    is_basis, is_shared = True, True
     first = min((s.use for s in chain.steps if isinstance(s, _Linear) and s.use is not None), default=None)
     for step, (z, y) in zip(reversed(chain.steps), reversed(saved), strict=True):
         if first is None:
             break
         if isinstance(step, _Pointwise):
             if step.backward is not None:
-                g, is_basis = step.backward(g, z.unsqueeze(1), y.unsqueeze(1)), False
+                g, is_basis, is_shared = step.backward(g, z.unsqueeze(1), y.unsqueeze(1)), False, False
             continue
         if step.use is not None:
-            deltas[step.use] = eye.expand(n, k, k) if is_basis else g
+            delta = eye.expand(n, k, k) if is_basis else g
+            deltas[step.use] = Delta(delta.unsqueeze(2), Layout.EXAMPLE_MAJOR, shared=is_shared)
             if step.use == first:
                 break
         # δ W, for all k outputs at once; from the basis, W[c] for every example (stride 0 over n)
@@ -352,10 +352,7 @@ def run_chain(chain: Chain, x: torch.Tensor, uses: int) -> tuple[list[torch.Tens
         if is_basis:
             g = weight.unsqueeze(0).expand(n, k, weight.shape[1])
         else:
-            g = torch.mm(g.reshape(n * k, -1), weight).view(n, k, -1)
+            g, is_shared = torch.mm(g.reshape(n * k, -1), weight).view(n, k, -1), False
         is_basis = False
     assert all(a is not None for a in inputs) and all(d is not None for d in deltas)
-    return (
-        [a.unsqueeze(1) for a in inputs if a is not None],
-        [d.unsqueeze(2) for d in deltas if d is not None],
-    )
+    return [a.unsqueeze(1) for a in inputs if a is not None], [d for d in deltas if d is not None]

@@ -7,7 +7,7 @@ products over positions t (and is block diagonal over groups g) returns ``Factor
 
     J_c = Σ_g Σ_t D_c[g, t] ⊗ A[g, t],      so   J1_c · J2_d = Σ_g Σ_{t,s} (D1_c[g,t] · D2_d[g,s]) (A1[g,t] · A2[g,s]),
 
-which ``structured.py`` contracts without ever forming J (the factored form) or turns into J with one batched
+which ``contraction.py`` contracts without ever forming J (the factored form) or turns into J with one batched
 matmul (``factors_jacobian``), whichever its cost model says is cheaper. Parameters without factors (biases,
 affine parameters of normalisation layers) give J directly, as they are cheap: J_b = Σ_t δ[t], J_w = Σ_t δ[t] ⊙ x̂[t].
 
@@ -100,6 +100,11 @@ class Rule:
         """(G, T, da, dd) of one use with per-example input/output shapes, for the cost model."""
         raise NotImplementedError
 
+    def keeps_delta(self, module: nn.Module) -> bool:
+        """Whether ``factors`` returns D as a view of δ (a reshape), so what the capture declared about δ (its
+        layout, being shared by all examples) holds for D too."""
+        return False
+
     def jacobians(
         self,
         module: nn.Module,
@@ -107,9 +112,12 @@ class Rule:
         a: torch.Tensor,
         delta: torch.Tensor,
         state: dict[str, torch.Tensor],
+        *,
+        thin: bool = True,
     ) -> dict[str, torch.Tensor]:
         """J of each parameter in ``roles`` for one use, role -> (n, k, numel); a rule may share work between
-        them (one pass over δ for a weight and its bias)."""
+        them (one pass over δ for a weight and its bias). ``thin``: the rule's thin-operand form may be used
+        (``StructuredOptions.thin_conv_jacobian``)."""
         return {role: self.jacobian(module, role, a, delta, state) for role in roles}
 
     def jacobian(
@@ -137,6 +145,9 @@ class LinearRule(Rule):
 
     def factor_dims(self, module: nn.Module, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[int, ...]:
         return (1, math.prod(in_shape[:-1]), in_shape[-1], out_shape[-1])
+
+    def keeps_delta(self, module: nn.Module) -> bool:
+        return True
 
     def jacobian(
         self, module: nn.Module, role: str, a: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]
@@ -244,18 +255,32 @@ class ConvRule(Rule):
         a: torch.Tensor,
         delta: torch.Tensor,
         state: dict[str, torch.Tensor],
+        *,
+        thin: bool = True,
     ) -> dict[str, torch.Tensor]:
         """The weight's J and, with thin patches, the bias's J from the same matmul (a row of ones under the
         patches sums δ over positions: one read of the layer's largest δ instead of two); see ``jacobian``."""
-        if "weight" not in roles:
+        if "weight" not in roles or not thin:
+            return {role: self._jacobian(module, role, a, delta, state, thin=thin) for role in roles}
+        thin_j = self._thin_jacobians(module, a, delta, with_bias="bias" in roles)
+        if thin_j is None:
             return super().jacobians(module, roles, a, delta, state)
-        thin = self._thin_jacobians(module, a, delta, with_bias="bias" in roles)
-        if thin is None:
-            return super().jacobians(module, roles, a, delta, state)
-        return {role: thin[role] for role in roles}
+        return {role: thin_j[role] for role in roles}
 
     def jacobian(
         self, module: nn.Module, role: str, a: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        return self._jacobian(module, role, a, delta, state, thin=True)
+
+    def _jacobian(
+        self,
+        module: nn.Module,
+        role: str,
+        a: torch.Tensor,
+        delta: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        *,
+        thin: bool,
     ) -> torch.Tensor:
         sp = self._spatial(module)
         if role == "bias":
@@ -264,9 +289,9 @@ class ConvRule(Rule):
         n, k = delta.shape[:2]
         if module.groups > 1 or math.prod(delta.shape[2 : delta.ndim - sp - 1]) > 1:
             return super().jacobian(module, role, a, delta, state)
-        thin = self._thin_jacobians(module, a, delta, with_bias=False)
-        if thin is not None:
-            return thin["weight"]
+        thin_j = self._thin_jacobians(module, a, delta, with_bias=False) if thin else None
+        if thin_j is not None:
+            return thin_j["weight"]
         # one group, one image per example: J = δ (k·C_out, L) @ patchesᵀ (L, q) per example, one bmm; with δ
         # in (k, n, ...) memory (vmapped capture) one bmm per output c reads it in place instead
         d = delta.reshape(n, k, module.out_channels, -1)
@@ -284,8 +309,7 @@ class ConvRule(Rule):
         """J of the weight (and the bias) as Jᵀ = patches (q (+1), L) @ δ (L, k·C_out) per example, or None when
         that form does not apply. With δ in (n, L, k, C_out) memory (channels-last capture) and thin patches
         (q < THIN_PATCH) both operands are read row-major and one small copy transposes the result: BLAS is ~2x
-        slower on a thin output from two transposed operands (conv 3->32 3x3 of the benchmark CNN: 14 ms vs
-        7.5 ms)."""
+        slower on a thin output from two transposed operands (``StructuredOptions.thin_conv_jacobian``)."""
         assert isinstance(module, nn.Conv1d | nn.Conv2d)
         sp = self._spatial(module)
         if module.groups > 1 or math.prod(delta.shape[2 : delta.ndim - sp - 1]) > 1:
@@ -330,6 +354,10 @@ class EmbeddingRule(Rule):
     def index_rows(self, module: nn.Module) -> int:
         assert isinstance(module, nn.Embedding)
         return module.num_embeddings
+
+    def keeps_delta(self, module: nn.Module) -> bool:
+        assert isinstance(module, nn.Embedding)
+        return module.padding_idx is None  # else D is δ masked at the padding ids: a new tensor
 
 
 class NormRule(Rule):

@@ -26,11 +26,15 @@ and the term is Δ ⊗ G^A: an outer product instead of an (n·k)×(m·k) Gram.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.structured.descriptors import Delta, FactorSide, JacobianSide, Layout
 
 __all__ = [
+    "Accumulator",
     "accumulator_shape",
     "add_factored",
     "add_factored_diagonal",
@@ -41,6 +45,7 @@ __all__ = [
     "fusable",
     "new_accumulator",
     "prefers_example_major",
+    "shared_gram",
 ]
 
 
@@ -54,61 +59,66 @@ def accumulator_shape(mode: KernelMode, n: int, m: int, k: int) -> tuple[int, ..
     }[mode]
 
 
+@dataclass(frozen=True)
+class Accumulator:
+    """A block's accumulator: ``tensor`` indexed as above; ``example_major``: a FULL one lies in (n, k, m, k)
+    memory, else (k, n, k, m) (NOTE [accumulator memory]). Made once per block by ``new_accumulator``; every
+    term is added into it by the ``add_*`` functions."""
+
+    tensor: torch.Tensor
+    mode: KernelMode
+    example_major: bool = False
+
+
 def new_accumulator(
     mode: KernelMode, n: int, m: int, k: int, dtype: torch.dtype, *, example_major: bool = False, zero: bool = True
-) -> torch.Tensor:
+) -> Accumulator:
     """An accumulator of the shape above, zero or (``zero=False``) uninitialized; FULL with ``example_major`` in
     (n, k, m, k) memory (NOTE [accumulator memory])."""
     make = torch.zeros if zero else torch.empty
     if mode is KernelMode.FULL and example_major:
-        return make((n, k, m, k), dtype=dtype).permute(1, 0, 3, 2)
-    return make(accumulator_shape(mode, n, m, k), dtype=dtype)
+        return Accumulator(make((n, k, m, k), dtype=dtype).permute(1, 0, 3, 2), mode, True)
+    return Accumulator(make(accumulator_shape(mode, n, m, k), dtype=dtype), mode, False)
 
 
-def prefers_example_major(tensors: list[torch.Tensor]) -> bool:
-    """Whether a FULL accumulator for these δ's (n, k, ...) and Jacobians (n, k, p) lies example-major: unless
-    one of them lies output-major (NOTE [accumulator memory]); δ's shared by all examples say nothing."""
-    return not any(_output_major(t) for t in tensors)
+def prefers_example_major(layouts: list[Layout]) -> bool:
+    """Whether a FULL accumulator for δ's and Jacobians of these layouts lies example-major: unless one of them
+    lies output-major (NOTE [accumulator memory]); δ's shared by all examples are not listed (they lie either way)."""
+    return Layout.OUTPUT_MAJOR not in layouts
 
 
-def finish(acc: torch.Tensor, mode: KernelMode) -> torch.Tensor:
+def finish(acc: Accumulator) -> torch.Tensor:
     """The accumulator as a theta block: (n, m, k, k), (n, m), (n, m, k) or (n, k, k)."""
-    if mode is KernelMode.FULL:
-        return acc.permute(1, 3, 0, 2)
-    if mode is KernelMode.OUTPUT_DIAGONAL:
-        return acc.permute(1, 2, 0)
-    return acc
+    if acc.mode is KernelMode.FULL:
+        return acc.tensor.permute(1, 3, 0, 2)
+    if acc.mode is KernelMode.OUTPUT_DIAGONAL:
+        return acc.tensor.permute(1, 2, 0)
+    return acc.tensor
 
 
-def _output_major(t: torch.Tensor) -> bool:
-    """Whether t (n, k, ...) lies in (k, n, ...) memory (the autograd capture's layout); a tensor shared by all
-    examples (stride 0) lies either way."""
-    return t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) > t.stride(0) != 0
-
-
-def add_jacobian(acc: torch.Tensor, j1: torch.Tensor, j2: torch.Tensor, mode: KernelMode) -> None:
-    """acc += J1 J2ᵀ for j1 (n, k, p), j2 (m, k, p) in ``mode`` (not EXAMPLE_DIAGONAL)."""
+def add_jacobian(acc: Accumulator, left: JacobianSide, right: JacobianSide) -> None:
+    """acc += J1 J2ᵀ for J1 (n, k, p), J2 (m, k, p) in the accumulator's mode (not EXAMPLE_DIAGONAL)."""
+    t, j1, j2 = acc.tensor, left.tensor, right.tensor
     n, k, _ = j1.shape
     m = j2.shape[0]
-    if mode is KernelMode.FULL:
-        if _output_major(j1) and _output_major(j2) and acc.is_contiguous():
-            acc.view(k * n, k * m).addmm_(
-                j1.transpose(0, 1).reshape(k * n, -1), j2.transpose(0, 1).reshape(k * m, -1).T
-            )
-        elif acc.permute(1, 0, 3, 2).is_contiguous():  # example-major J and accumulator: added in place
-            acc.permute(1, 0, 3, 2).view(n * k, m * k).addmm_(j1.reshape(n * k, -1), j2.reshape(m * k, -1).T)
+    if acc.mode is KernelMode.FULL:
+        output_major = left.layout is Layout.OUTPUT_MAJOR and right.layout is Layout.OUTPUT_MAJOR
+        if output_major and not acc.example_major:
+            t.view(k * n, k * m).addmm_(j1.transpose(0, 1).reshape(k * n, -1), j2.transpose(0, 1).reshape(k * m, -1).T)
+        elif acc.example_major:  # example-major J and accumulator: added in place
+            t.permute(1, 0, 3, 2).view(n * k, m * k).addmm_(j1.reshape(n * k, -1), j2.reshape(m * k, -1).T)
         else:  # example-major J (rule Jacobians, jacrev): one Gram in that order, added permuted
             gram = j1.reshape(n * k, -1) @ j2.reshape(m * k, -1).T
-            acc.add_(gram.view(n, k, m, k).permute(1, 0, 3, 2))
-    elif mode is KernelMode.TRACE:
-        acc.addmm_(j1.reshape(n, -1), j2.reshape(m, -1).T)
+            t.add_(gram.view(n, k, m, k).permute(1, 0, 3, 2))
+    elif acc.mode is KernelMode.TRACE:
+        t.addmm_(j1.reshape(n, -1), j2.reshape(m, -1).T)
     else:
-        acc.baddbmm_(j1.transpose(0, 1), j2.permute(1, 2, 0))
+        t.baddbmm_(j1.transpose(0, 1), j2.permute(1, 2, 0))
 
 
-def add_jacobian_diagonal(acc: torch.Tensor, j: torch.Tensor) -> None:
-    """acc (n, k, k) += J_n J_nᵀ for j (n, k, p)."""
-    acc.baddbmm_(j, j.transpose(1, 2))
+def add_jacobian_diagonal(acc: Accumulator, side: JacobianSide) -> None:
+    """acc (n, k, k) += J_n J_nᵀ for J (n, k, p)."""
+    acc.tensor.baddbmm_(side.tensor, side.tensor.transpose(1, 2))
 
 
 def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -127,11 +137,11 @@ def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dty
 
 
 _ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+"""A read-only cache of constants (never steered, keyed on the device: NOTE [device context] in api.py)."""
 
 
 def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-d tensor 1 of ``dtype`` on ``device``, made once per pair (only ever read; NOTE [device context] in
-    api.py)."""
+    """A 0-d tensor 1 of ``dtype`` on ``device``, made once per pair (only ever read)."""
     key = (dtype, device)
     one = _ONES.get(key)
     if one is None:
@@ -139,44 +149,42 @@ def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return one
 
 
-def _example_independent(d1: torch.Tensor, d2: torch.Tensor) -> torch.Tensor | None:
-    """Δ (k, k) = δ1 δ2ᵀ when both δ (n, k, 1, 1, dd) are the same for every example (NOTE [example-independent
-    δ]), else None."""
-    if d1.stride(0) != 0 or d2.stride(0) != 0 or d1.shape[2] != 1 or d1.shape[3] != 1 or d2.shape[3] != 1:
+def shared_gram(d1: Delta, d2: Delta) -> torch.Tensor | None:
+    """Δ (k, k) = δ1 δ2ᵀ when both δ (n, k, 1, 1, dd) are declared the same for every example (NOTE
+    [example-independent δ]), else None."""
+    t1, t2 = d1.tensor, d2.tensor
+    if not (d1.shared and d2.shared) or t1.shape[2] != 1 or t1.shape[3] != 1 or t2.shape[3] != 1:
         return None
-    return d1[0, :, 0, 0] @ d2[0, :, 0, 0].T
+    return t1[0, :, 0, 0] @ t2[0, :, 0, 0].T
 
 
-def _plain_gram_d(d1: torch.Tensor, d2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _plain_gram_d(d1: Delta, d2: Delta, out: Accumulator | None = None) -> torch.Tensor:
     """G^D of δ's with G = T = S = 1, d1 (n, k, 1, 1, dd): indexed (k, n, k, m), its rows in the order the δ's
     lie in memory ((i, c) when both lie example-major, else (c, i): NOTE [accumulator memory]); written into
     ``out`` (a FULL accumulator) when given, in place where its memory has that order."""
-    (n, k), m, dd = d1.shape[:2], d2.shape[0], d1.shape[-1]
-    if _output_major(d1) or _output_major(d2):  # rows (c, i): (k, n, k, m) memory
-        left, right = d1.permute(1, 0, 2, 3, 4).reshape(k * n, dd), d2.permute(1, 0, 2, 3, 4).reshape(k * m, dd)
-        memory_shape, to_memory = (k, n, k, m), (0, 1, 2, 3)
+    t1, t2 = d1.tensor, d2.tensor
+    (n, k), m, dd = t1.shape[:2], t2.shape[0], t1.shape[-1]
+    if Layout.OUTPUT_MAJOR in (d1.layout, d2.layout):  # rows (c, i): (k, n, k, m) memory
+        left, right = t1.permute(1, 0, 2, 3, 4).reshape(k * n, dd), t2.permute(1, 0, 2, 3, 4).reshape(k * m, dd)
+        memory_shape, to_memory, in_place = (k, n, k, m), (0, 1, 2, 3), out is not None and not out.example_major
     else:  # rows (i, c): (n, k, m, k) memory
-        left, right = d1.reshape(n * k, dd), d2.reshape(m * k, dd)
+        left, right = t1.reshape(n * k, dd), t2.reshape(m * k, dd)
         memory_shape, to_memory = (n, k, m, k), (1, 0, 3, 2)  # its own inverse
-    if out is not None and out.permute(to_memory).is_contiguous():
-        torch.mm(left, right.T, out=out.permute(to_memory).view(n * k, m * k))
-        return out
+        in_place = out is not None and out.example_major
+    if out is not None and in_place:
+        torch.mm(left, right.T, out=out.tensor.permute(to_memory).view(n * k, m * k))
+        return out.tensor
     gram = torch.mm(left, right.T).view(memory_shape).permute(to_memory)
-    return gram if out is None else out.copy_(gram)
+    return gram if out is None else out.tensor.copy_(gram)
 
 
 def _add_example_major(
-    memory: torch.Tensor,
-    d1: torch.Tensor,
-    d2: torch.Tensor,
-    shared: torch.Tensor | None,
-    gram_a: torch.Tensor,
-    *,
-    fresh: bool,
+    acc: Accumulator, d1: Delta, d2: Delta, shared: torch.Tensor | None, gram_a: torch.Tensor, *, fresh: bool
 ) -> None:
-    """memory (n, k, m, k) [+]= G^D ⊙ G^A of a plain or example-independent term, in an example-major FULL
-    accumulator. G^A (n, m) is repeated over d first, so every elementwise pass runs over m·k contiguous elements
-    (broadcasting it over (c, d) directly gives loops of k); an identity-like Δ touches only the diagonal c = d."""
+    """acc [+]= G^D ⊙ G^A of a plain or example-independent term, in an example-major FULL accumulator, whose
+    memory is (n, k, m, k). G^A (n, m) is repeated over d first, so every elementwise pass runs over m·k contiguous
+    elements (broadcasting it over (c, d) directly gives loops of k); an identity-like Δ touches only c = d."""
+    memory = acc.tensor.permute(1, 0, 3, 2)
     n, k, m, _ = memory.shape
     if shared is not None and torch.equal(shared, torch.diag_embed(shared.diagonal())):
         if fresh:
@@ -192,122 +200,124 @@ def _add_example_major(
             memory.addcmul_(repeated.view(n, 1, m, k), shared.view(1, k, 1, k))
         return
     if fresh:  # the Gram written into the accumulator, scaled in place while it is in cache
-        _plain_gram_d(d1, d2, out=memory.permute(1, 0, 3, 2))
+        _plain_gram_d(d1, d2, out=acc)
         flat.mul_(repeated)
         return
     gram = _plain_gram_d(d1, d2).permute(1, 0, 3, 2)
-    if gram.is_contiguous():
+    if Layout.OUTPUT_MAJOR not in (d1.layout, d2.layout):  # the Gram lies (n, k, m, k): one flat pass
         flat.addcmul_(gram.reshape(n, k, m * k), repeated)
     else:
         memory.addcmul_(gram, gram_a.view(n, 1, m, 1))
 
 
 def add_factored(
-    acc: torch.Tensor,
-    left: tuple[torch.Tensor, torch.Tensor],
-    right: tuple[torch.Tensor, torch.Tensor],
-    mode: KernelMode,
+    acc: Accumulator,
+    left: FactorSide,
+    right: FactorSide,
     *,
     index: bool,
     plus_one: bool,
     fresh: bool = False,
+    shared_delta: bool = True,
 ) -> None:
-    """acc += the factored term of (a1, d1) with (a2, d2) in ``mode`` (not EXAMPLE_DIAGONAL).
+    """acc += the factored term of (a1, d1) with (a2, d2) in the accumulator's mode (not EXAMPLE_DIAGONAL).
 
     a1 (n, G, T, da) or ids (n, 1, T); d1 (n, k, G, T, dd); likewise a2, d2 with m examples and S positions.
     ``fresh``: acc is uninitialized (``torch.empty``) and this is its first term: written, not added, which
-    spares zeroing and re-reading the block's largest buffer.
+    spares zeroing and re-reading the block's largest buffer. ``shared_delta``: take δ's declared shared by all
+    examples as one Δ (NOTE [example-independent δ]).
     """
     a1, d1 = left
     a2, d2 = right
-    n, k, g, t, dd = d1.shape
-    m, s = d2.shape[0], d2.shape[3]
-    gram_a = _gram_a(a1, a2, index, plus_one, d1.dtype)  # (G, n·T, m·S)
-    shared = _example_independent(d1, d2)
-    if mode is KernelMode.FULL and (shared is not None or g == t == s == 1):  # one (k, n, k, m) product
-        memory = acc.permute(1, 0, 3, 2)
-        if memory.is_contiguous():  # example-major (NOTE [accumulator memory])
-            _add_example_major(memory, d1, d2, shared, gram_a.view(n, m), fresh=fresh)
+    t, mode = acc.tensor, acc.mode
+    n, k, g, tt, dd = d1.tensor.shape
+    m, s = d2.tensor.shape[0], d2.tensor.shape[3]
+    gram_a = _gram_a(a1, a2, index, plus_one, d1.tensor.dtype)  # (G, n·T, m·S)
+    shared = shared_gram(d1, d2) if shared_delta else None
+    if mode is KernelMode.FULL and (shared is not None or g == tt == s == 1):  # one (k, n, k, m) product
+        if acc.example_major:
+            _add_example_major(acc, d1, d2, shared, gram_a.view(n, m), fresh=fresh)
             return
         if fresh and shared is None:  # the Gram written into acc, scaled in place while it is in cache
             _plain_gram_d(d1, d2, out=acc)
-            acc.mul_(gram_a.view(1, n, 1, m))
+            t.mul_(gram_a.view(1, n, 1, m))
             return
         gram_d = shared.view(k, 1, k, 1) if shared is not None else _plain_gram_d(d1, d2)
         if fresh:
-            torch.mul(gram_d, gram_a.view(1, n, 1, m), out=acc)
+            torch.mul(gram_d, gram_a.view(1, n, 1, m), out=t)
         else:
-            acc.addcmul_(gram_d, gram_a.view(1, n, 1, m))
+            t.addcmul_(gram_d, gram_a.view(1, n, 1, m))
         return
     if fresh:
-        acc.zero_()
+        t.zero_()
     if shared is not None:  # G^A (n, m) times one k×k Δ
         if mode is KernelMode.TRACE:
-            acc.add_(gram_a.view(n, m) * shared.trace())
+            t.add_(gram_a.view(n, m) * shared.trace())
         else:
-            acc.addcmul_(shared.diagonal().view(k, 1, 1), gram_a.view(1, n, m))
+            t.addcmul_(shared.diagonal().view(k, 1, 1), gram_a.view(1, n, m))
         return
+    _add_general(acc, d1.tensor, d2.tensor, gram_a)
+
+
+def _add_general(acc: Accumulator, d1: torch.Tensor, d2: torch.Tensor, gram_a: torch.Tensor) -> None:
+    """acc += Σ_g Σ_{t,s} G^D ⊙ G^A for δ's with groups or positions (and OUTPUT_DIAGONAL/TRACE's plain case)."""
+    t, mode = acc.tensor, acc.mode
+    n, k, g, tt, dd = d1.shape
+    m, s = d2.shape[0], d2.shape[3]
     if mode is KernelMode.FULL:
-        dl = d1.permute(2, 1, 0, 3, 4).reshape(g, k * n * t, dd)  # rows (c, example, position): δ's memory order
+        dl = d1.permute(2, 1, 0, 3, 4).reshape(g, k * n * tt, dd)  # rows (c, example, position): δ's memory order
         dr = d2.permute(2, 1, 0, 3, 4).reshape(g, k * m * s, dd)
-        gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(g, k, n, t, k, m, s)
-        gram_d.mul_(gram_a.view(g, 1, n, t, 1, m, s))
-        acc.add_(gram_d.sum((0, 3, 6)))
+        gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(g, k, n, tt, k, m, s)
+        gram_d.mul_(gram_a.view(g, 1, n, tt, 1, m, s))
+        t.add_(gram_d.sum((0, 3, 6)))
         return
     if mode is KernelMode.TRACE:
-        dl = d1.permute(2, 0, 3, 1, 4).reshape(g, n * t, k * dd)
+        dl = d1.permute(2, 0, 3, 1, 4).reshape(g, n * tt, k * dd)
         dr = d2.permute(2, 0, 3, 1, 4).reshape(g, m * s, k * dd)
         gram_d = torch.bmm(dl, dr.transpose(1, 2))  # (G, n·T, m·S), summed over c
-        if g == 1 and t == 1 and s == 1:
-            acc.addcmul_(gram_d.view(n, m), gram_a.view(n, m))
+        if g == 1 and tt == 1 and s == 1:
+            t.addcmul_(gram_d.view(n, m), gram_a.view(n, m))
             return
-        acc.add_(gram_d.mul_(gram_a).view(g, n, t, m, s).sum((0, 2, 4)))
+        t.add_(gram_d.mul_(gram_a).view(g, n, tt, m, s).sum((0, 2, 4)))
         return
     # OUTPUT_DIAGONAL: one Gram per output c, acc (k, n, m)
-    if g == t == s == 1:  # δ read in place in either memory order: (k, n, dd) matrices with a row stride
+    if g == tt == s == 1:  # δ read in place in either memory order: (k, n, dd) matrices with a row stride
         gram_d = torch.bmm(d1[:, :, 0, 0].transpose(0, 1), d2[:, :, 0, 0].permute(1, 2, 0))
-        acc.addcmul_(gram_d, gram_a.view(1, n, m))
+        t.addcmul_(gram_d, gram_a.view(1, n, m))
         return
-    dl = d1.permute(1, 2, 0, 3, 4).reshape(k * g, n * t, dd)
+    dl = d1.permute(1, 2, 0, 3, 4).reshape(k * g, n * tt, dd)
     dr = d2.permute(1, 2, 0, 3, 4).reshape(k * g, m * s, dd)
-    gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(k, g, n, t, m, s)
-    gram_d.mul_(gram_a.view(1, g, n, t, m, s))
-    acc.add_(gram_d.sum((1, 3, 5)))
+    gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(k, g, n, tt, m, s)
+    gram_d.mul_(gram_a.view(1, g, n, tt, m, s))
+    t.add_(gram_d.sum((1, 3, 5)))
 
 
-def fusable(left: tuple[torch.Tensor, torch.Tensor], right: tuple[torch.Tensor, torch.Tensor]) -> bool:
+def fusable(left: FactorSide, right: FactorSide) -> bool:
     """Whether ``finish_with_factored`` takes this term: float A, G = T = S = 1."""
-    (a1, d1), (_, d2) = left, right
-    return a1.is_floating_point() and d1.shape[2:4] == (1, 1) and d2.shape[2:4] == (1, 1)
+    return left.a.is_floating_point() and left.d.tensor.shape[2:4] == (1, 1) and right.d.tensor.shape[2:4] == (1, 1)
 
 
 def finish_with_factored(
-    acc: torch.Tensor,
-    left: tuple[torch.Tensor, torch.Tensor],
-    right: tuple[torch.Tensor, torch.Tensor],
-    *,
-    plus_one: bool,
+    acc: Accumulator, left: FactorSide, right: FactorSide, *, plus_one: bool, shared_delta: bool = True
 ) -> torch.Tensor:
     """theta (n, m, k, k), contiguous = FULL acc (k, n, k, m) + one more ``fusable`` factored term, in one pass
     that writes theta's layout (the permuting copy of the accumulator, with k-long inner runs, is the slow part of
     a small block; the term rides along)."""
     (a1, d1), (a2, d2) = left, right
-    k, n, _, m = acc.shape
-    gram_a = _gram_a(a1, a2, False, plus_one, acc.dtype)[0]  # (n, m)
-    shared = _example_independent(d1, d2)
+    k, n, _, m = acc.tensor.shape
+    gram_a = _gram_a(a1, a2, False, plus_one, acc.tensor.dtype)[0]  # (n, m)
+    shared = shared_gram(d1, d2) if shared_delta else None
     if shared is not None:
         gram_d = shared.view(1, 1, k, k)
     else:
         gram_d = _plain_gram_d(d1, d2).permute(1, 3, 0, 2)
-    theta = torch.empty(n, m, k, k, dtype=acc.dtype)
-    return torch.addcmul(acc.permute(1, 3, 0, 2), gram_d, gram_a.view(n, m, 1, 1), out=theta)
+    theta = torch.empty(n, m, k, k, dtype=acc.tensor.dtype)
+    return torch.addcmul(acc.tensor.permute(1, 3, 0, 2), gram_d, gram_a.view(n, m, 1, 1), out=theta)
 
 
-def add_factored_diagonal(
-    acc: torch.Tensor, side: tuple[torch.Tensor, torch.Tensor], *, index: bool, plus_one: bool
-) -> None:
+def add_factored_diagonal(acc: Accumulator, side: FactorSide, *, index: bool, plus_one: bool) -> None:
     """acc (n, k, k) += the factored term of each example with itself."""
-    a, d = side
+    a, d = side.a, side.d.tensor
     n, k, g, t, dd = d.shape
     if index:
         gram_a = (a.unsqueeze(-1) == a.unsqueeze(-2)).to(d.dtype)  # (n, 1, T, T)
@@ -318,4 +328,4 @@ def add_factored_diagonal(
     dd_ = d.permute(0, 2, 1, 3, 4).reshape(n * g, k * t, dd)
     gram_d = torch.bmm(dd_, dd_.transpose(1, 2)).view(n, g, k, t, k, t)
     gram_d.mul_(gram_a.view(n, g, 1, t, 1, t))
-    acc.add_(gram_d.sum((1, 3, 5)))
+    acc.tensor.add_(gram_d.sum((1, 3, 5)))

@@ -1,0 +1,399 @@
+"""Structured derivatives: the NTK from per-layer structure, without building the Jacobian of covered weights.
+
+For a Linear layer y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/∂y, so the layer adds
+Θ_cd(x1, x2) += (δ1_c · δ2_d)(a1 · a2 + 1) (the +1 is the bias); with positions t, s sharing the weight
+(sequences, convolutions, repeated calls) Σ_{t,s} (δ1_c[t] · δ2_d[s])(a1[t] · a2[s]). The rules
+(``rules.py``) cover Linear (any leading dims), Conv1d/Conv2d, Embedding, and the affine parameters of
+LayerNorm, RMSNorm, GroupNorm and eval-mode BatchNorm; every other parameter falls back to the Jacobian path
+(per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
+See NOTE [covered parameters] in ``analysis.py`` and NOTE [probes] in ``capture.py``; a plain ``nn.Sequential``
+of Linear layers and activations is captured in closed form instead (NOTE [sequential chains] in ``chain.py``).
+
+A side of n examples holds, per factored weight, the factors A (n, G, T, da) and D (n, k, G, T, dd), and per
+other parameter its Jacobian (n, k, p), built directly from a and δ by the rule (J_W = Σ_t δ[t] ⊗ a[t] in one
+matmul) or by ``jacrev`` for the fallback. NOTE [factored or Jacobian]: per weight the cheaper of the two
+contractions is taken from its shapes: factored costs 2·G·T·S·(k²·dd + da + k²) per example pair, Jacobian
+2·k²·p per pair plus building J (2·k·G·T·dd·da per example, counted over ``NOMINAL_PARTNERS`` partners). An MLP
+layer (T = 1) is factored; a convolution over many positions usually takes the Jacobian form.
+
+NOTE [interleaved joint pass]: when one pass builds both sides (``joint_sides``), the autograd capture leaves each
+δ in (k, N + M, dd) memory. Concatenated examples make each side's δ a (k, N, dd) slice whose rows (c, i) are
+not evenly spaced, so every δ Gram would first copy both operands (4 copies of k·N·dd for an MLP's two hidden
+layers). With x1 and x2 interleaved (N = M) a side is every other example:
+row (c, i) of either side lies at (c·N + i)·2·dd, a matrix with leading dimension 2·dd that BLAS reads in place;
+inputs a likewise. Only plain factored terms (G = T = 1) are contracted that way; a side with rule Jacobians
+(example-major, which a slice with a step would make copy instead) or positions uses concatenation, and so does a
+sequential chain, whose δ lies example-major: each side a contiguous block of rows (i, c).
+
+Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. layer outputs), plus
+N·M·k²·Σ_l(dd_l·T_l·S_l + ...) for factored layers and N·M·k²·p for the others (÷k for TRACE and
+OUTPUT_DIAGONAL); for an MLP N·M·k²·Σ_l(out_l) + N·M·Σ_l(in_l) instead of N·M·k²·P. Memory per side
+n·k·Σ_l(T_l·out_l) + n·Σ_l(T_l·in_l) for factored layers, n·k·p for the rest; per block pair the δ Gram
+(n·k·T)·(m·k·S). Fastest where rules cover the parameters (MLPs, CNNs, transformers' Linear layers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.groups import ParameterGroups
+from ntk_service.kernels.math_attention import attention_scope
+from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.structured.analysis import analyze
+from ntk_service.kernels.structured.capture import capture
+from ntk_service.kernels.structured.contraction import (
+    Accumulator,
+    add_factored,
+    add_factored_diagonal,
+    add_jacobian,
+    add_jacobian_diagonal,
+    finish,
+    finish_with_factored,
+    fusable,
+    new_accumulator,
+    prefers_example_major,
+)
+from ntk_service.kernels.structured.descriptors import (
+    Capture,
+    Delta,
+    FactorSide,
+    JacobianSide,
+    Layout,
+    StructuredSide,
+)
+from ntk_service.kernels.structured.options import StructuredOptions
+from ntk_service.kernels.structured.plan import StructuredTerms
+from ntk_service.kernels.structured.recorder import is_batch_safe
+from ntk_service.kernels.types import NtkImplementation
+
+__all__ = ["BATCHED_CAPTURE_WEIGHT", "PER_EXAMPLE_CAPTURE_WEIGHT", "Structured", "structured_terms"]
+
+BATCHED_CAPTURE_WEIGHT = 1.05
+"""AUTO's relative cost of a structured FLOP with the batched (or closed-form) capture; NOTE [auto choice]."""
+
+PER_EXAMPLE_CAPTURE_WEIGHT = 0.8
+"""AUTO's relative cost of a structured FLOP when fallback parameters make the capture per example (vmap)."""
+
+
+def structured_terms(
+    problem: NtkProblem, example: torch.Tensor | None = None, options: StructuredOptions | None = None
+) -> StructuredTerms:
+    """The plan of ``problem`` under ``options`` (made once by ``analysis.analyze``, then kept on the problem).
+
+    Args:
+        problem: the prepared model.
+        example: (1, *input) one example for the analysis; default: zeros of the input shape.
+        options: the engine's options. Default: ``StructuredOptions()``.
+    """
+    return Structured(options).terms(problem, example)
+
+
+class Structured:
+    """The NtkAlgorithm of structured derivatives (see the module docstring).
+
+    Args:
+        options: the engine's fast paths and testing knobs, as data (``StructuredOptions``). Default: all on.
+    """
+
+    implementation = NtkImplementation.STRUCTURED
+    right_is_left = True
+
+    def __init__(self, options: StructuredOptions | None = None) -> None:
+        self.options = StructuredOptions() if options is None else options
+
+    def terms(self, problem: NtkProblem, example: torch.Tensor | None = None) -> StructuredTerms:
+        """The plan kept on ``problem`` for these options; analysed on first use (``analysis.analyze``)."""
+        kept = problem.analyses.get(self._key)
+        if not isinstance(kept, StructuredTerms):
+            kept = problem.analyses[self._key] = analyze(problem, self.options, example)
+        return kept
+
+    @property
+    def _key(self) -> tuple[str, StructuredOptions]:
+        return ("structured", self.options)
+
+    def left(self, problem: NtkProblem, x: torch.Tensor) -> StructuredSide:
+        terms = self.terms(problem, x[:1])
+        if terms.batch_safe is None and x.shape[0] >= 2 and self.options.batched_capture:
+            terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, x[:2]))
+        with attention_scope(problem.module):  # fallback jacrev under vmap: see math_attention.py
+            cap, terms = capture(problem, terms, self.options, x)
+        problem.analyses[self._key] = terms  # the same plan, or the new one the block taught
+        return _side(problem, terms, cap, self.options, x.shape[0])
+
+    right = left
+
+    def joint_sides(
+        self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor
+    ) -> tuple[StructuredSide, StructuredSide]:
+        """The sides of x1 and of x2 from one pass over both (views); interleaved when that spares copies (NOTE
+        [interleaved joint pass])."""
+        n = x1.shape[0]
+        terms = self.terms(problem, x1[:1])
+        if x2.shape[0] == n and self.options.interleave and _interleavable(terms, self.options):
+            side = self.left(problem, torch.stack([x1, x2], dim=1).flatten(0, 1))  # x1[0], x2[0], x1[1], ...
+            return side.sliced(0, None, 2), side.sliced(1, None, 2)
+        side = self.left(problem, torch.cat([x1, x2]))
+        return side.sliced(0, n), side.sliced(n, None)
+
+    def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:
+        n, o = left.examples, self.options
+        if left is right and mode is KernelMode.FULL and o.symmetric_split and n >= o.symmetric_split_min:
+            return finish(self._pair_symmetric(problem, left, n))
+        if mode is KernelMode.FULL:
+            return self._full_block(problem, left, right)
+        return finish(self._accumulate(problem, left, right, mode))
+
+    def _new_accumulator(
+        self, problem: NtkProblem, mode: KernelMode, sides: tuple[StructuredSide, ...], n: int, m: int, *, zero: bool
+    ) -> Accumulator:
+        """The one place a block's accumulator is made: its memory follows the sides' layouts (NOTE [accumulator
+        memory] in contraction.py)."""
+        layouts = [layout for side in sides for layout in side.layouts()]
+        example_major = self.options.example_major_accumulator and prefers_example_major(layouts)
+        return new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major, zero=zero)
+
+    def _accumulate(
+        self,
+        problem: NtkProblem,
+        left: StructuredSide,
+        right: StructuredSide,
+        mode: KernelMode,
+        *,
+        held: int | None = None,
+    ) -> Accumulator:
+        """The accumulator of a block: every term of the sides added into it, in one loop over the terms (the
+        factored term number ``held`` left out, for ``finish_with_factored``)."""
+        terms = self.terms(problem)
+        fresh = self.options.fresh_first_term
+        factored = [
+            (term, lf, rf)
+            for i, (term, lf, rf) in enumerate(zip(terms.factored, left.factored, right.factored, strict=True))
+            if i != held
+        ]
+        acc = self._new_accumulator(
+            problem, mode, (left, right), left.examples, right.examples, zero=not (factored and fresh)
+        )
+        for i, (term, lf, rf) in enumerate(factored):
+            add_factored(
+                acc,
+                lf,
+                rf,
+                index=term.index,
+                plus_one=term.bias is not None,
+                fresh=fresh and i == 0,
+                shared_delta=self.options.shared_delta,
+            )
+        for name, j1 in left.jacobians.items():
+            add_jacobian(acc, j1, right.jacobians[name])
+        return acc
+
+    def _full_block(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide) -> torch.Tensor:
+        """The FULL block (n, m, k, k), contiguous; its last plain factored term added in the pass that writes
+        that layout (``fused_finish``)."""
+        terms = self.terms(problem)
+        held = None
+        if self.options.fused_finish:
+            pairs = zip(left.factored, right.factored, strict=True)
+            held = next((i for i, (lf, rf) in enumerate(pairs) if fusable(lf, rf)), None)
+        acc = self._accumulate(problem, left, right, KernelMode.FULL, held=held)
+        if held is None:
+            return finish(acc).contiguous()
+        plus_one = terms.factored[held].bias is not None
+        return finish_with_factored(
+            acc, left.factored[held], right.factored[held], plus_one=plus_one, shared_delta=self.options.shared_delta
+        )
+
+    def _pair_symmetric(self, problem: NtkProblem, side: StructuredSide, n: int) -> Accumulator:
+        """FULL accumulator (k, n, k, n) of a side with itself from 3 of its 4 half-blocks: Θ(b, a) = Θ(a, b)ᵀ.
+
+        Saves a quarter of the Gram and Jacobian products when x2 is x1 (the block runner then symmetrizes).
+        """
+        h = n // 2
+        first, second = side.sliced(0, h), side.sliced(h, n)
+        acc = self._new_accumulator(problem, KernelMode.FULL, (side,), n, n, zero=False)
+        t = acc.tensor
+        t[:, :h, :, :h] = self._accumulate(problem, first, first, KernelMode.FULL).tensor
+        upper = self._accumulate(problem, first, second, KernelMode.FULL).tensor  # (k, h, k, n - h)
+        t[:, :h, :, h:] = upper
+        t[:, h:, :, :h] = upper.permute(2, 3, 0, 1)
+        t[:, h:, :, h:] = self._accumulate(problem, second, second, KernelMode.FULL).tensor
+        return acc
+
+    def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:
+        terms = self.terms(problem)
+        acc = new_accumulator(KernelMode.EXAMPLE_DIAGONAL, left.examples, 0, problem.k, problem.dtype)
+        for term, side in zip(terms.factored, left.factored, strict=True):
+            add_factored_diagonal(acc, side, index=term.index, plus_one=term.bias is not None)
+        for j in left.jacobians.values():
+            add_jacobian_diagonal(acc, j)
+        return acc.tensor
+
+    def pair_groups(
+        self,
+        problem: NtkProblem,
+        left: StructuredSide,
+        right: StructuredSide,
+        mode: KernelMode,
+        groups: ParameterGroups,
+    ) -> torch.Tensor:
+        """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
+        kernels] in groups.py); a group's first factored term is written, not added (``fresh_first_term``)."""
+        terms, of, o = self.terms(problem), groups.index, self.options
+        n, m = left.examples, right.examples
+        accs = [self._new_accumulator(problem, mode, (left, right), n, m, zero=False) for _ in groups.names]
+        written = [False] * len(accs)
+
+        def add(g: int, lf: FactorSide, rf: FactorSide, *, index: bool, plus_one: bool) -> None:
+            fresh = o.fresh_first_term and not written[g]
+            if not fresh and not written[g]:
+                accs[g].tensor.zero_()
+            add_factored(accs[g], lf, rf, index=index, plus_one=plus_one, fresh=fresh, shared_delta=o.shared_delta)
+            written[g] = True
+
+        for term, lf, rf in zip(terms.factored, left.factored, right.factored, strict=True):
+            bias = None if term.bias is None else of[term.bias]  # the folded bias's group
+            bias_apart = bias is not None and bias != of[term.name]
+            add(of[term.name], lf, rf, index=term.index, plus_one=bias is not None and not bias_apart)
+            if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A
+                add(bias, _no_inputs(lf), _no_inputs(rf), index=False, plus_one=True)
+        for g, acc in enumerate(accs):
+            if not written[g]:
+                acc.tensor.zero_()
+        for name, j1 in left.jacobians.items():
+            add_jacobian(accs[of[name]], j1, right.jacobians[name])
+        return torch.stack([finish(acc) for acc in accs])
+
+    def diagonal_groups(self, problem: NtkProblem, left: StructuredSide, groups: ParameterGroups) -> torch.Tensor:
+        """EXAMPLE_DIAGONAL per parameter group, (G, n, k, k)."""
+        terms, of = self.terms(problem), groups.index
+        accs = [
+            new_accumulator(KernelMode.EXAMPLE_DIAGONAL, left.examples, 0, problem.k, problem.dtype)
+            for _ in groups.names
+        ]
+        for term, side in zip(terms.factored, left.factored, strict=True):
+            bias = None if term.bias is None else of[term.bias]
+            bias_apart = bias is not None and bias != of[term.name]
+            plus_one = bias is not None and not bias_apart
+            add_factored_diagonal(accs[of[term.name]], side, index=term.index, plus_one=plus_one)
+            if bias is not None and bias_apart:
+                add_factored_diagonal(accs[bias], _no_inputs(side), index=False, plus_one=True)
+        for name, j in left.jacobians.items():
+            add_jacobian_diagonal(accs[of[name]], j)
+        return torch.stack([acc.tensor for acc in accs])
+
+    def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
+        terms = self.terms(problem)
+        plan, k, item = terms.plan, problem.k, problem.itemsize
+        kept = 0.0
+        for term in terms.factored:
+            g, t, da, dd = term.dims
+            kept += n * g * t * ((1 if term.index else da) + k * dd)
+        kept += sum(n * k * jt.numel for jt in terms.jacobian)
+        fallback = sum(n * k * problem.params[name].numel() for name in plan.fallback)
+        activations = sum(n * (math.prod(u.in_shape) + k * math.prod(u.out_shape)) for u in plan.uses)
+        # the forward's saved tensors and k cotangents of them at once, every layer's input and δ, the fallback
+        # Jacobian; then the factors (patches) and rule Jacobians are built from them. With fallback parameters
+        # the per-example jacrev also differentiates w.r.t. them: the engine's whole-model count applies.
+        saved = problem.saved_bytes if plan.fallback else plan.saved_bytes
+        transient = n * saved * (1 + k) + (activations + fallback) * item
+        return transient + 2 * kept * item, (kept + fallback) * item
+
+    def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        terms = self.terms(problem)
+        k, item = problem.k, problem.itemsize
+        if mode is KernelMode.EXAMPLE_DIAGONAL:
+            m, result = 1, n * k * k
+        else:
+            result = n * m * {KernelMode.FULL: k * k, KernelMode.TRACE: 1, KernelMode.OUTPUT_DIAGONAL: k}[mode]
+        largest = 0.0
+        for term in terms.factored:
+            g, t, _, _ = term.dims
+            grams = g * n * t * m * t
+            per_output = {KernelMode.FULL: k * k, KernelMode.TRACE: 1}.get(mode, k)
+            largest = max(largest, grams * (1 + per_output))
+        return (2 * result + largest) * item
+
+    def cost_weight(self, problem: NtkProblem) -> float:
+        """AUTO's cost of one estimated FLOP (NOTE [auto choice] in api.py): ``PER_EXAMPLE_CAPTURE_WEIGHT`` when
+        fallback parameters make the capture per example under vmap, else ``BATCHED_CAPTURE_WEIGHT``."""
+        return PER_EXAMPLE_CAPTURE_WEIGHT if self.terms(problem).fallback else BATCHED_CAPTURE_WEIGHT
+
+    def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
+        terms = self.terms(problem)
+        k = problem.k
+        p_fallback = sum(problem.params[name].numel() for name in terms.fallback)
+        sides_n = n if mode is KernelMode.EXAMPLE_DIAGONAL else n + m
+        fallback_share = p_fallback / max(problem.num_params, 1)
+        sides = sides_n * problem.forward_flops * (1 + k + 2 * k * fallback_share)
+        sides += sides_n * sum(jt.build_flops for jt in terms.jacobian)
+        pairs, outputs = {
+            KernelMode.FULL: (n * m, k * k),
+            KernelMode.TRACE: (n * m, k),
+            KernelMode.OUTPUT_DIAGONAL: (n * m, k),
+            KernelMode.EXAMPLE_DIAGONAL: (n, k * k),
+        }[mode]
+        contraction = 0.0
+        for term in terms.factored:
+            g, t, da, dd = term.dims
+            contraction += 2.0 * g * t * t * (outputs * dd + (1 if term.index else da) + outputs)
+        p_jacobian = sum(jt.numel for jt in terms.jacobian) + p_fallback
+        contraction += 2.0 * outputs * p_jacobian
+        return sides + pairs * contraction
+
+
+def _side(
+    problem: NtkProblem, terms: StructuredTerms, cap: Capture, options: StructuredOptions, n: int
+) -> StructuredSide:
+    """The side of a block from its capture: per factored term its factors, per other parameter its Jacobian."""
+    plan = terms.plan
+    factored = []
+    for term in terms.factored:
+        parts = []
+        for u in term.uses:
+            layer = plan.uses[u].layer
+            rule, module, delta = plan.rules[layer], plan.layers[layer], cap.deltas[u]
+            f = rule.factors(module, cap.inputs[u], delta.tensor)
+            kept = rule.keeps_delta(module)  # D a view of δ: its declared facts hold for D
+            parts.append((f.a, Delta(f.d, delta.layout, delta.shared) if kept else Delta(f.d, Layout.of(f.d))))
+        if len(parts) == 1:
+            factored.append(FactorSide(*parts[0]))
+            continue
+        d = torch.cat([p[1].tensor for p in parts], dim=3)
+        factored.append(FactorSide(torch.cat([p[0] for p in parts], dim=2), Delta(d, Layout.of(d))))
+    roles: dict[int, list[str]] = {}  # use -> the roles whose J it contributes to
+    owner: dict[tuple[int, str], str] = {}
+    for jterm in terms.jacobian:
+        for u, role in jterm.uses:
+            roles.setdefault(u, []).append(role)
+            owner[u, role] = jterm.name
+    jacobians: dict[str, torch.Tensor] = {}
+    for u, use_roles in roles.items():  # one rule call per use: a weight and its bias may share a pass
+        layer = plan.uses[u].layer
+        rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
+        a, d = cap.inputs[u], cap.deltas[u].tensor
+        js = rule.jacobians(module, tuple(use_roles), a, d, state, thin=options.thin_conv_jacobian)
+        for role, j in js.items():
+            name = owner[u, role]
+            jacobians[name] = j if name not in jacobians else jacobians[name] + j
+    for jterm in terms.jacobian:
+        if jterm.name not in jacobians:  # a layer the batch never called: its parameters have zero Jacobian
+            jacobians[jterm.name] = torch.zeros(n, problem.k, jterm.numel, dtype=problem.dtype)
+    jacobians.update(cap.fallback_jacobians)
+    # the layout of a Jacobian made by a rule's matmul or by jacrev: read once, here, where its descriptor is made
+    return StructuredSide(tuple(factored), {name: JacobianSide(j, Layout.of(j)) for name, j in jacobians.items()})
+
+
+def _no_inputs(side: FactorSide) -> FactorSide:
+    """A factored term's factors with A one zero input column, (n, G, T, 1): its G^A is 0, + 1 the bias's."""
+    return FactorSide(torch.zeros_like(side.a[..., :1]), side.d)
+
+
+def _interleavable(terms: StructuredTerms, options: StructuredOptions) -> bool:
+    """Whether every term of a side is a plain factored one (G = T = 1), whose every-other-example slices the
+    contraction reads in place, and δ comes from the autograd capture (NOTE [interleaved joint pass])."""
+    plain = not terms.jacobian and not terms.fallback and all(t.dims[:2] == (1, 1) for t in terms.factored)
+    return plain and not (options.chain and terms.plan.chain is not None)
