@@ -121,6 +121,26 @@ def test_binary_body_with_groups_in_the_query(live_server: LiveServer, registere
         assert_close_to_reference(theta, _expected(model, x1, x2, parameters[group], "trace"))
 
 
+def test_data_set_sides_with_groups(live_server: LiveServer, registered: Any) -> None:
+    """x2 from a stored data set (a keyed side in the shared side cache): a plain kernel and a grouped one reuse
+    the side, and the groups still match the reference."""
+    record, model = registered["groups-mlp"]
+    data = sample_inputs(record, 5, seed=11)
+    x1 = sample_inputs(record, 2, seed=12)
+    with live_server.client("write") as client:
+        upload = client.post("/v1/datasets", content=wire.encode_npy(data), headers={"Content-Type": wire.MEDIA_NPY})
+        assert upload.status_code == 201, upload.text
+        ref = {"dataset": upload.json()["id"], "start": 1, "stop": 4}
+        plain = client.post("/v1/models/groups-mlp/ntk", json={"x1": tensor_json(x1), "x2": ref, "mode": "trace"})
+        assert plain.status_code == 200, plain.text
+        body = {"x1": tensor_json(x1), "x2": ref, "mode": "trace", "groups": "modules"}
+        thetas, parameters, _ = _decode(client.post("/v1/models/groups-mlp/ntk", json=body))
+    for group, theta in thetas.items():
+        assert_close_to_reference(theta, _expected(model, x1, data[1:4], parameters[group], "trace"))
+    whole = wire.tensor_from_json(wire.json_loads(plain.content)["theta"], name="theta")
+    np.testing.assert_allclose(sum(thetas.values()), whole, rtol=1e-5, atol=1e-6 * float(np.abs(whole).max()))
+
+
 def _error(response: Any, status: int, error_type: str, fragment: str) -> None:
     assert response.status_code == status, response.text
     error = response.json()["error"]
