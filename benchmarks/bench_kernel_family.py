@@ -235,7 +235,7 @@ def _groups_row(name: str, model: nn.Module, x: torch.Tensor, mode: str, impl: s
     )
 
 
-def section_groups(repeats: int, n_mlp: int, n_cnn: int) -> None:
+def section_groups(repeats: int, n_mlp: int, n_cnn: int, implementations: list[str]) -> None:
     print("## compute_ntk_groups (3 groups, one pass) vs one compute_ntk per group vs one plain kernel, float32")
     print("| model | N | mode | implementation | single (s) | grouped (s) | per group (s) | grouped / single "
           "| per group / single |")  # fmt: skip
@@ -243,7 +243,7 @@ def section_groups(repeats: int, n_mlp: int, n_cnn: int) -> None:
     for name, model, n in (("mlp", make_mlp(), n_mlp), ("cnn", make_cnn(), n_cnn)):
         x = make_inputs(name, n)
         for mode in ("full", "trace"):
-            for impl in ("jacobian_contraction", "structured", "auto"):
+            for impl in implementations:
                 print(_groups_row(name, model, x, mode, impl, repeats), flush=True)
 
 
@@ -252,6 +252,9 @@ def main() -> None:
     parser.add_argument("--section", choices=["mc", "operator", "groups", "limit", "all"], default="all")
     parser.add_argument("--n-mlp", type=int, default=32, help="groups: examples for the MLP")
     parser.add_argument("--n-cnn", type=int, default=16, help="groups: examples for the CNN")
+    parser.add_argument(
+        "--group-implementations", nargs="+", default=["jacobian_contraction", "structured", "auto"], help="groups"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-mib", type=int, default=256)
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 1024])
@@ -264,7 +267,7 @@ def main() -> None:
     if args.section in ("operator", "all"):
         section_operator(args.budget_mib, args.sizes, args.repeats)
     if args.section in ("groups", "all"):
-        section_groups(args.repeats, args.n_mlp, args.n_cnn)
+        section_groups(args.repeats, args.n_mlp, args.n_cnn, args.group_implementations)
     if args.section in ("limit", "all"):
         section_limit(args.widths, args.samples)
 
