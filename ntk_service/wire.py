@@ -1,6 +1,6 @@
 """Tensor codecs for the wire: JSON objects, ``.npy`` bodies and safetensors bodies (numpy only).
 
-Three encodings of a tensor travel over HTTP (see DESIGN.md §4):
+Three encodings of a tensor travel over HTTP (docs/http-api.md, "Conventions"):
 
 * JSON ``{"shape": [2, 3], "dtype": "float32", "data": [flat, row-major]}`` for small payloads;
 * ``application/x-npy``: one array, as written by ``numpy.save`` (never pickled);
@@ -11,8 +11,8 @@ both sides of the wire agree on what a tensor is. Integer and boolean arrays bec
 becomes ``float32`` (both lossless); anything else (complex, strings, objects, structured records) is refused.
 
 Big tensors never go through pydantic: validating a (256, 256, 10, 10) kernel as ``list[float]`` costs ~1 s on
-top of the 0.9 s of orjson (DESIGN.md §6), so routes parse bodies with these functions and serialize with
-``json_dumps``.
+top of the 0.9 s of orjson (measured when the wire format was chosen), so routes parse bodies with these functions
+and serialize with ``json_dumps``.
 
 Decoders raise ``MalformedRequest`` (400) when the body cannot be parsed at all and ``InvalidInput`` (422)
 when it parses but its values are wrong; messages name the field, what was expected and what came.

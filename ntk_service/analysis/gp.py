@@ -102,7 +102,8 @@ def gp_inference(
 
     Raises:
         ShapeMismatch: kernels that are not square where they must be, or that do not match each other or y.
-        InvalidInput: a negative ridge, an unknown ridge_scale; NonFiniteInput: NaN in an input.
+        InvalidInput: a negative ridge, an unknown ridge_scale.
+        NonFiniteInput: NaN in an input.
 
     Cost: O((N·k)³) for the factorization, O(M·k·(N·k)²) for the covariance.
     """

@@ -110,7 +110,8 @@ class NtkOperator:
         a flat v) or (N,).
 
         Raises:
-            ShapeMismatch: v has another shape; NonFiniteInput: v holds NaN or inf.
+            ShapeMismatch: v has another shape.
+            NonFiniteInput: v holds NaN or inf.
         """
         return self._apply(v, self._rows, self._cols, "matvec")
 

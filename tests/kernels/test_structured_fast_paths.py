@@ -15,7 +15,6 @@ from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.functional import NtkProblem, eval_semantics, prepare_problem
 from ntk_service.kernels.planning import plan_blocks
 from ntk_service.kernels.structured import FAST_PATHS, Structured, StructuredOptions
-from ntk_service.kernels.structured import capture as structured_capture
 from tests.kernels.conftest import AUTOGRAD_CAPTURE, structured_ntk
 from tests.reference import assert_matches, reference_ntk
 
@@ -75,39 +74,24 @@ class _SequenceHead(nn.Module):
 
 
 HEADS = {
-    "mlp": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)), True),
-    "single linear": (lambda: nn.Linear(5, 3), True),
-    "in-place after the head": (_ScaledInPlace, False),
-    "residual after the head": (_Residual, False),
-    "head over positions": (_SequenceHead, False),
+    "mlp": lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)),
+    "single linear": lambda: nn.Linear(5, 3),
+    "in-place after the head": _ScaledInPlace,
+    "residual after the head": _Residual,
+    "head over positions": _SequenceHead,
 }
 
 
 @pytest.mark.parametrize("name", HEADS)
-def test_linear_head_starts_the_reverse_pass_only_where_the_output_is_the_heads(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """NOTE [linear head]: taken exactly when the model's output is a Linear's output (observed by a spy that
-    returns the real answer); the kernel is exact with the path on and off."""
-    taken: list[bool] = []
-    real = structured_capture._linear_head
-
-    def spy(*args: object) -> torch.Tensor | None:
-        head = real(*args)  # type: ignore[arg-type]
-        taken.append(head is not None)
-        return head
-
-    monkeypatch.setattr(structured_capture, "_linear_head", spy)
-    build, expected_taken = HEADS[name]
+def test_batched_capture_of_models_with_and_without_a_linear_head_matches_reference(name: str) -> None:
+    """The batched autograd capture where the output is a Linear's output, is modified after it, has a residual
+    after it, or is a head over positions: exact in every mode."""
+    build = HEADS[name]
     torch.manual_seed(0)
     model = build().double()
     width = 10 if name == "head over positions" else 5
     x1, x2 = torch.randn(6, width, dtype=torch.float64), torch.randn(4, width, dtype=torch.float64)
     _matches_reference_in_every_mode(model, x1, x2, AUTOGRAD_CAPTURE)
-    assert taken and all(t == expected_taken for t in taken)
-    taken.clear()
-    _matches_reference_in_every_mode(model, x1, x2, AUTOGRAD_CAPTURE.without("linear_head"))
-    assert not taken
 
 
 class _ViewModifiedInPlace(nn.Module):
@@ -124,31 +108,28 @@ class _ViewModifiedInPlace(nn.Module):
 
 
 OUTPUTS = {
-    "untouched": (lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), False),
-    "in-place relu": (lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3)), True),
-    "view modified in place": (_ViewModifiedInPlace, True),
+    "untouched": lambda: nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)),
+    "in-place relu": lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(inplace=True), nn.Linear(7, 3)),
+    "view modified in place": _ViewModifiedInPlace,
 }
 
 
-@pytest.mark.parametrize("outputs_as_probes", [True, False])
 @pytest.mark.parametrize("name", OUTPUTS)
-def test_outputs_are_their_own_probes_until_one_is_modified_in_place(name: str, outputs_as_probes: bool) -> None:
-    """NOTE [outputs as probes]: an in-place change of a covered output yields a new plan that adds probes (the
-    first plan stays as it was: plans are frozen); with the path off every plan adds probes. The kernel is exact."""
-    build, modified = OUTPUTS[name]
+def test_batched_capture_is_exact_when_outputs_are_modified_in_place(name: str) -> None:
+    """Covered outputs modified in place after their call (an in-place ReLU, a view of one scaled): the batched
+    capture differentiates at added probes, so the kernel is exact in every mode. The plan the first block made
+    batch safe is a new one: the analysed plan is left as it was."""
     torch.manual_seed(0)
-    model = build().double()
+    model = OUTPUTS[name]().double()
     x1, x2 = torch.randn(6, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
-    alg = Structured(StructuredOptions(chain=False, outputs_as_probes=outputs_as_probes))
+    alg = Structured(AUTOGRAD_CAPTURE)
     with eval_semantics(model) as module:
         problem, x1t, x2t = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
         first = alg.terms(problem)
-        assert first.probe_outputs is not outputs_as_probes
         for mode in KernelMode:
             assert_matches(_run(alg, problem, x1t, x2t, mode), reference_ntk(model, x1, x2, mode.value))
-        assert first.probe_outputs is not outputs_as_probes  # never mutated
-        assert alg.terms(problem).probe_outputs is (modified or not outputs_as_probes)
-        assert alg.terms(problem).batch_safe
+        assert first.batch_safe is None  # never mutated
+        assert alg.terms(problem).batch_safe is True
 
 
 def _run(alg: Structured, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor, mode: KernelMode) -> torch.Tensor:
@@ -169,36 +150,31 @@ class _ResidualMlp(nn.Module):
         return self.head(x + torch.relu(self.hidden(x)))
 
 
-JOINT = {  # model, per-example input shape, x2 examples, whether the joint pass interleaves x1 and x2
-    "mlp, N = M": (_ResidualMlp, (5,), 6, True),
-    "mlp, N != M": (_ResidualMlp, (5,), 4, False),
+JOINT = {  # model, per-example input shape, x2 examples
+    "mlp, N = M": (_ResidualMlp, (5,), 6),
+    "mlp, N != M": (_ResidualMlp, (5,), 4),
     "sequential chain (example-major δ), N = M": (
         lambda: nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3)),
         (5,),
         6,
-        False,
     ),
     "embedding, one token (ids), N = M": (
         lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(4, 3)),
         (1,),
         6,
-        True,
     ),
     "conv (rule Jacobians), N = M": (
         lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)),
         (2, 6, 6),
         6,
-        False,
     ),
 }
 
 
 @pytest.mark.parametrize("name", JOINT)
-def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_slices_in_place(
-    name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """NOTE [interleaved joint pass]: plain factored sides come from x1[0], x2[0], x1[1], ... (the inputs observed
-    by a spy that passes them on); the kernel is exact."""
+def test_joint_pass_takes_x1_and_x2_in_one_pass(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [joint pass]: both sides come from one pass over x1 then x2 (the inputs observed by a spy that passes
+    them on); the kernel is exact."""
     passes: list[torch.Tensor] = []
     real = Structured.left
 
@@ -207,7 +183,7 @@ def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_s
         return real(self, problem, x)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Structured, "left", spy)
-    build, shape, m, interleaved = JOINT[name]
+    build, shape, m = JOINT[name]
     torch.manual_seed(0)
     model = build().double()
     if name.startswith("embedding"):
@@ -220,10 +196,7 @@ def test_joint_pass_interleaves_x1_and_x2_only_where_the_contraction_reads_the_s
         expected = reference_ntk(model, x1, x2, mode.value)
         assert_matches(theta, expected)
         (x,) = passes  # one pass for both sides
-        if interleaved:
-            assert torch.equal(x[0::2], x1) and torch.equal(x[1::2], x2)
-        else:
-            assert torch.equal(x[:6], x1) and torch.equal(x[6:], x2)
+        assert torch.equal(x[:6], x1) and torch.equal(x[6:], x2)
 
 
 def _matches_reference_in_every_mode(
@@ -271,10 +244,10 @@ _SWITCHED_RUNS = (("full", True), ("full", False), ("trace", True))
 @pytest.mark.parametrize("path", FAST_PATHS)
 @pytest.mark.parametrize("name", SWITCHED)
 def test_every_fast_path_can_be_switched_off_and_the_kernel_stays_exact(name: str, path: str) -> None:
-    """Each switch of ``StructuredOptions`` off, the others on: FULL (x2 given; and x2 omitted with the
-    symmetric split reachable) and TRACE against the float64 reference."""
+    """Each switch of ``StructuredOptions`` off, the others on: FULL (x2 given and omitted) and TRACE against the
+    float64 reference."""
     model, x1, x2, expected = _switched_case(name)
-    options = StructuredOptions(symmetric_split_min=4).without(path)
+    options = StructuredOptions().without(path)
     for mode, given in _SWITCHED_RUNS:
         theta = structured_ntk(model, x1, x2 if given else None, KernelMode(mode), options=options)
         assert_matches(theta, expected[mode, given])
@@ -283,7 +256,7 @@ def test_every_fast_path_can_be_switched_off_and_the_kernel_stays_exact(name: st
 def test_options_name_only_known_fast_paths() -> None:
     with pytest.raises(ValueError, match="unknown fast paths"):
         StructuredOptions().without("warp_drive")
-    assert StructuredOptions().without("chain", "interleave") == StructuredOptions(chain=False, interleave=False)
+    assert StructuredOptions().without("chain", "fold_bias") == StructuredOptions(chain=False, fold_bias=False)
 
 
 def test_exported_members() -> None:
@@ -293,7 +266,6 @@ def test_exported_members() -> None:
         "FAST_PATHS",
         "NOMINAL_PARTNERS",
         "PER_EXAMPLE_CAPTURE_WEIGHT",
-        "SYMMETRIC_SPLIT_MIN",
         "Structured",
         "StructuredOptions",
         "StructuredTerms",

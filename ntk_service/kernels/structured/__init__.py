@@ -16,7 +16,7 @@ The package, in the order a block flows through it::
 Example::
 
     >>> from ntk_service.kernels.structured import Structured, StructuredOptions
-    >>> alg = Structured(options=StructuredOptions().without("linear_head"))  # one fast path off
+    >>> alg = Structured(options=StructuredOptions().without("chain"))  # one fast path off
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ntk_service.kernels.structured.algorithm import (
     structured_terms,
 )
 from ntk_service.kernels.structured.analysis import NOMINAL_PARTNERS
-from ntk_service.kernels.structured.options import FAST_PATHS, SYMMETRIC_SPLIT_MIN, StructuredOptions
+from ntk_service.kernels.structured.options import FAST_PATHS, StructuredOptions
 from ntk_service.kernels.structured.plan import StructuredTerms
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "FAST_PATHS",
     "NOMINAL_PARTNERS",
     "PER_EXAMPLE_CAPTURE_WEIGHT",
-    "SYMMETRIC_SPLIT_MIN",
     "Structured",
     "StructuredOptions",
     "StructuredTerms",

@@ -16,14 +16,8 @@ contractions is taken from its shapes: factored costs 2·G·T·S·(k²·dd + da 
 2·k²·p per pair plus building J (2·k·G·T·dd·da per example, counted over ``NOMINAL_PARTNERS`` partners). An MLP
 layer (T = 1) is factored; a convolution over many positions usually takes the Jacobian form.
 
-NOTE [interleaved joint pass]: when one pass builds both sides (``joint_sides``), the autograd capture leaves each
-δ in (k, N + M, dd) memory. Concatenated examples make each side's δ a (k, N, dd) slice whose rows (c, i) are
-not evenly spaced, so every δ Gram would first copy both operands (4 copies of k·N·dd for an MLP's two hidden
-layers). With x1 and x2 interleaved (N = M) a side is every other example:
-row (c, i) of either side lies at (c·N + i)·2·dd, a matrix with leading dimension 2·dd that BLAS reads in place;
-inputs a likewise. Only plain factored terms (G = T = 1) are contracted that way; a side with rule Jacobians
-(example-major, which a slice with a step would make copy instead) or positions uses concatenation, and so does a
-sequential chain, whose δ lies example-major: each side a contiguous block of rows (i, c).
+NOTE [joint pass]: when one pass builds both sides (``joint_sides``), x1 and x2 are concatenated and each side is
+a slice of that pass's side: a contiguous block of examples.
 
 Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. layer outputs), plus
 N·M·k²·Σ_l(dd_l·T_l·S_l + ...) for factored layers and N·M·k²·p for the others (÷k for TRACE and
@@ -129,32 +123,25 @@ class Structured:
     def joint_sides(
         self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor
     ) -> tuple[StructuredSide, StructuredSide]:
-        """The sides of x1 and of x2 from one pass over both (views); interleaved when that spares copies (NOTE
-        [interleaved joint pass])."""
+        """The sides of x1 and of x2 from one pass over both (views; NOTE [joint pass])."""
         n = x1.shape[0]
-        terms = self.terms(problem, x1[:1])
-        if x2.shape[0] == n and self.options.interleave and _interleavable(terms, self.options):
-            side = self.left(problem, torch.stack([x1, x2], dim=1).flatten(0, 1))  # x1[0], x2[0], x1[1], ...
-            return side.sliced(0, None, 2), side.sliced(1, None, 2)
         side = self.left(problem, torch.cat([x1, x2]))
         return side.sliced(0, n), side.sliced(n, None)
 
     def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:
-        n, o = left.examples, self.options
-        if left is right and mode is KernelMode.FULL and o.symmetric_split and n >= o.symmetric_split_min:
-            return finish(self._pair_symmetric(problem, left, n))
         if mode is KernelMode.FULL:
             return self._full_block(problem, left, right)
         return finish(self._accumulate(problem, left, right, mode))
 
     def _new_accumulator(
-        self, problem: NtkProblem, mode: KernelMode, sides: tuple[StructuredSide, ...], n: int, m: int, *, zero: bool
+        self, problem: NtkProblem, mode: KernelMode, left: StructuredSide, right: StructuredSide
     ) -> Accumulator:
-        """The one place a block's accumulator is made: its memory follows the sides' layouts (NOTE [accumulator
-        memory] in contraction.py)."""
-        layouts = [layout for side in sides for layout in side.layouts()]
+        """The one place a block's accumulator is made, zero: its memory follows the sides' layouts (NOTE
+        [accumulator memory] in contraction.py)."""
+        layouts = left.layouts() + right.layouts()
         example_major = self.options.example_major_accumulator and prefers_example_major(layouts)
-        return new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major, zero=zero)
+        n, m = left.examples, right.examples
+        return new_accumulator(mode, n, m, problem.k, problem.dtype, example_major=example_major)
 
     def _accumulate(
         self,
@@ -168,25 +155,15 @@ class Structured:
         """The accumulator of a block: every term of the sides added into it, in one loop over the terms (the
         factored term number ``held`` left out, for ``finish_with_factored``)."""
         terms = self.terms(problem)
-        fresh = self.options.fresh_first_term
         factored = [
             (term, lf, rf)
             for i, (term, lf, rf) in enumerate(zip(terms.factored, left.factored, right.factored, strict=True))
             if i != held
         ]
-        acc = self._new_accumulator(
-            problem, mode, (left, right), left.examples, right.examples, zero=not (factored and fresh)
-        )
-        for i, (term, lf, rf) in enumerate(factored):
-            add_factored(
-                acc,
-                lf,
-                rf,
-                index=term.index,
-                plus_one=term.bias is not None,
-                fresh=fresh and i == 0,
-                shared_delta=self.options.shared_delta,
-            )
+        acc = self._new_accumulator(problem, mode, left, right)
+        for term, lf, rf in factored:
+            plus_one = term.bias is not None
+            add_factored(acc, lf, rf, index=term.index, plus_one=plus_one, shared_delta=self.options.shared_delta)
         for name, j1 in left.jacobians.items():
             add_jacobian(acc, j1, right.jacobians[name])
         return acc
@@ -207,25 +184,9 @@ class Structured:
             acc, left.factored[held], right.factored[held], plus_one=plus_one, shared_delta=self.options.shared_delta
         )
 
-    def _pair_symmetric(self, problem: NtkProblem, side: StructuredSide, n: int) -> Accumulator:
-        """FULL accumulator (k, n, k, n) of a side with itself from 3 of its 4 half-blocks: Θ(b, a) = Θ(a, b)ᵀ.
-
-        Saves a quarter of the Gram and Jacobian products when x2 is x1 (the block runner then symmetrizes).
-        """
-        h = n // 2
-        first, second = side.sliced(0, h), side.sliced(h, n)
-        acc = self._new_accumulator(problem, KernelMode.FULL, (side,), n, n, zero=False)
-        t = acc.tensor
-        t[:, :h, :, :h] = self._accumulate(problem, first, first, KernelMode.FULL).tensor
-        upper = self._accumulate(problem, first, second, KernelMode.FULL).tensor  # (k, h, k, n - h)
-        t[:, :h, :, h:] = upper
-        t[:, h:, :, :h] = upper.permute(2, 3, 0, 1)
-        t[:, h:, :, h:] = self._accumulate(problem, second, second, KernelMode.FULL).tensor
-        return acc
-
     def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:
         terms = self.terms(problem)
-        acc = new_accumulator(KernelMode.EXAMPLE_DIAGONAL, left.examples, 0, problem.k, problem.dtype)
+        acc = self._new_accumulator(problem, KernelMode.EXAMPLE_DIAGONAL, left, left)
         for term, side in zip(terms.factored, left.factored, strict=True):
             add_factored_diagonal(acc, side, index=term.index, plus_one=term.bias is not None)
         for j in left.jacobians.values():
@@ -241,28 +202,18 @@ class Structured:
         groups: ParameterGroups,
     ) -> torch.Tensor:
         """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
-        kernels] in groups.py); a group's first factored term is written, not added (``fresh_first_term``)."""
-        terms, of, o = self.terms(problem), groups.index, self.options
-        n, m = left.examples, right.examples
-        accs = [self._new_accumulator(problem, mode, (left, right), n, m, zero=False) for _ in groups.names]
-        written = [False] * len(accs)
-
-        def add(g: int, lf: FactorSide, rf: FactorSide, *, index: bool, plus_one: bool) -> None:
-            fresh = o.fresh_first_term and not written[g]
-            if not fresh and not written[g]:
-                accs[g].tensor.zero_()
-            add_factored(accs[g], lf, rf, index=index, plus_one=plus_one, fresh=fresh, shared_delta=o.shared_delta)
-            written[g] = True
-
+        kernels] in groups.py)."""
+        terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
+        accs = [self._new_accumulator(problem, mode, left, right) for _ in groups.names]
         for term, lf, rf in zip(terms.factored, left.factored, right.factored, strict=True):
             bias = None if term.bias is None else of[term.bias]  # the folded bias's group
             bias_apart = bias is not None and bias != of[term.name]
-            add(of[term.name], lf, rf, index=term.index, plus_one=bias is not None and not bias_apart)
+            plus_one = bias is not None and not bias_apart
+            add_factored(accs[of[term.name]], lf, rf, index=term.index, plus_one=plus_one, shared_delta=shared)
             if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A
-                add(bias, _no_inputs(lf), _no_inputs(rf), index=False, plus_one=True)
-        for g, acc in enumerate(accs):
-            if not written[g]:
-                acc.tensor.zero_()
+                add_factored(
+                    accs[bias], _no_inputs(lf), _no_inputs(rf), index=False, plus_one=True, shared_delta=shared
+                )
         for name, j1 in left.jacobians.items():
             add_jacobian(accs[of[name]], j1, right.jacobians[name])
         return torch.stack([finish(acc) for acc in accs])
@@ -270,10 +221,7 @@ class Structured:
     def diagonal_groups(self, problem: NtkProblem, left: StructuredSide, groups: ParameterGroups) -> torch.Tensor:
         """EXAMPLE_DIAGONAL per parameter group, (G, n, k, k)."""
         terms, of = self.terms(problem), groups.index
-        accs = [
-            new_accumulator(KernelMode.EXAMPLE_DIAGONAL, left.examples, 0, problem.k, problem.dtype)
-            for _ in groups.names
-        ]
+        accs = [self._new_accumulator(problem, KernelMode.EXAMPLE_DIAGONAL, left, left) for _ in groups.names]
         for term, side in zip(terms.factored, left.factored, strict=True):
             bias = None if term.bias is None else of[term.bias]
             bias_apart = bias is not None and bias != of[term.name]
@@ -390,10 +338,3 @@ def _side(
 def _no_inputs(side: FactorSide) -> FactorSide:
     """A factored term's factors with A one zero input column, (n, G, T, 1): its G^A is 0, + 1 the bias's."""
     return FactorSide(torch.zeros_like(side.a[..., :1]), side.d)
-
-
-def _interleavable(terms: StructuredTerms, options: StructuredOptions) -> bool:
-    """Whether every term of a side is a plain factored one (G = T = 1), whose every-other-example slices the
-    contraction reads in place, and δ comes from the autograd capture (NOTE [interleaved joint pass])."""
-    plain = not terms.jacobian and not terms.fallback and all(t.dims[:2] == (1, 1) for t in terms.factored)
-    return plain and not (options.chain and terms.plan.chain is not None)

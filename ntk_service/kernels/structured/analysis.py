@@ -245,7 +245,6 @@ def choose_terms(problem: NtkProblem, plan: StructurePlan, options: StructuredOp
         tuple(factored),
         tuple(t for t in jacobian if t.name not in folded),
         channels_last=options.channels_last,
-        probe_outputs=not options.outputs_as_probes,
     )
 
 

@@ -19,58 +19,44 @@ per example        always                                                      v
 Shapes: x (n, *input); inputs[i] (n, *in_shape_i), δ_i (n, k, *out_shape_i) with the per-example leading 1 of
 the plan's shapes; fallback Jacobians (n, k, p).
 
-NOTE [probes]: δ comes from one reverse pass per example, vmapped over the output basis: each covered call's
-output gets a zero "probe" added by a forward hook, and ``jacrev`` w.r.t. the probes gives ∂f_c/∂(layer
-output) for all c at once; the layers' inputs come back as auxiliary outputs. Running per example under
-``vmap`` (rather than on the batch) keeps the example axis out of the layers' view, so a model that reshapes
-or transposes its batch internally still gets per-example a and δ. Parameters on the Jacobian path are
-differentiated in the same pass. When ``is_batch_safe`` shows (on two real examples) that every covered call
-sees the examples along dim 0 in order, and no parameter is on the Jacobian path, the same probes run on the
-batched forward with plain autograd instead (``autograd.grad(..., is_grads_batched=True)``): the same numbers
-with about half the overhead. Hooks are registered per call, removed in ``finally``, and act only for the
+NOTE [probes]: δ comes from one reverse pass per example, vmapped over the output basis: each covered call's output
+gets a zero "probe" added by a forward hook, and ``jacrev`` w.r.t. the probes gives ∂f_c/∂(layer output) for all c
+at once; the layers' inputs come back as auxiliary outputs. Running per example under ``vmap`` (rather than on the
+batch) keeps the example axis out of the layers' view, so a model that reshapes or transposes its batch internally
+still gets per-example a and δ. Parameters on the Jacobian path are differentiated in the same pass. When
+``is_batch_safe`` shows (on two real examples) that every covered call sees the examples along dim 0 in order, and
+no parameter is on the Jacobian path, the same probes run on the batched forward with plain autograd instead
+(``autograd.grad(..., is_grads_batched=True)``): the same numbers with less overhead
+(``StructuredOptions.batched_capture``). Hooks are registered per call, removed in ``finally``, and act only for the
 capture active in the current context (other threads using the same module see a no-op).
 
-NOTE [outputs as probes]: in the batched forward the layer outputs themselves are the points the reverse pass
-differentiates at (``autograd.grad`` w.r.t. a non-leaf tensor gives the cotangent flowing into it): no zero is
-added to each output (that would be one more elementwise pass over every layer output). That
-is exact while nothing modifies an output in place afterwards (``nn.ReLU(inplace=True)``, ``out[:, 0] += ...``):
-then the tensor's history is rebased and its gradient would be taken after the modification. Every output's
-version counter (shared with its views) is checked after the forward; if one moved, the plan switches to added
-probes (a new plan with ``StructuredTerms.probe_outputs``) and the capture reruns once.
-
-NOTE [channels-last capture]: a convolutional model's batched capture runs k plain reverse passes, and each pass
-is mostly the input gradients of its convolutions (transposed convolutions over n images). oneDNN computes
-those on NCHW tensors through internal reorders to and from its blocked layout, and on channels-last (NHWC)
-tensors directly, several times faster per pass. So
-a pre-hook gives every Conv2d its input in channels-last memory (so oneDNN's output is channels-last too) and
-the post hook hands on every Conv2d output but the last in that layout (same values: the model sees the same
-tensors, and the elementwise ops after it keep the layout), and ``ChannelsLastGrad`` hands the cotangent
-back to every convolution in that layout, so its backward, and the elementwise backward before it, see one
-layout. The last convolution's output stays NCHW: what follows it is usually a flatten or a pooling head,
-whose backward gives NCHW cotangents. A δ that comes back channels-last goes into memory (n, H, W, k, C)
-(``_delta_buffer``), which ``ConvRule`` reads in place. A model that ``.view``s an inner convolution's output
-cannot take channels-last strides: the first such failure yields a plan without that layout and the capture
-reruns in NCHW.
-
-The δ of an early convolution is the largest buffer of a side (n·k·C·H·W), fresh memory on every call:
-``_delta_buffer`` asks for huge pages for it (NOTE [huge pages] in allocator.py).
+NOTE [channels-last capture]: a convolutional model's batched capture runs k plain reverse passes, and each pass is
+mostly the input gradients of its convolutions (transposed convolutions over n images). oneDNN computes those on
+NCHW tensors through internal reorders to and from its blocked layout, and on channels-last (NHWC) tensors directly
+(``StructuredOptions.channels_last``). So a pre-hook gives every Conv2d its input in channels-last memory (so
+oneDNN's output is channels-last too) and the post hook hands on every Conv2d output but the last in that layout
+(same values: the model sees the same tensors, and the elementwise ops after it keep the layout), and
+``ChannelsLastGrad`` hands the cotangent back to every convolution in that layout, so its backward, and the
+elementwise backward before it, see one layout. The last convolution's output stays NCHW: what follows it is usually
+a flatten or a pooling head, whose backward gives NCHW cotangents. A δ that comes back channels-last goes into
+memory (n, H, W, k, C) (``_delta_buffer``), which ``ConvRule`` reads in place. A model that ``.view``s an inner
+convolution's output cannot take channels-last strides: the first such failure yields a plan without that layout and
+the capture reruns in NCHW.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.allocator import prefer_huge_pages
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
 from ntk_service.kernels.structured.options import StructuredOptions
-from ntk_service.kernels.structured.plan import StructuredTerms, StructurePlan
+from ntk_service.kernels.structured.plan import StructuredTerms
 from ntk_service.kernels.structured.recorder import Recorder, hooks, run_recorded
 from ntk_service.kernels.types import NamedTensors
 
@@ -113,7 +99,7 @@ def _batched_capture(recorder: Recorder, deltas: list[Delta]) -> Capture:
 
 
 class ChainCapture:
-    """NOTE [sequential chains]: the closed form of ``run_chain``, while no hook is registered."""
+    """The closed form of ``run_chain`` (NOTE [sequential chains]), while no hook is registered."""
 
     name = "chain"
 
@@ -151,24 +137,20 @@ class ConvPassesCapture:
         # NOTE [channels-last capture] was measured on oneDNN: the CPU only
         if options.channels_last and terms.channels_last and x.device.type == "cpu":
             try:
-                return _rerun_if_modified(problem, terms, x, self._once, options, channels_last=True)
+                return self._once(problem, terms, x, channels_last=True), terms
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError:  # e.g. the model views a convolution's output: .view needs NCHW strides
                 terms = terms.learned(channels_last=False)
-        return _rerun_if_modified(problem, terms, x, self._once, options, channels_last=False)
+        return self._once(problem, terms, x, channels_last=False), terms
 
     @staticmethod
-    def _once(
-        problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, options: StructuredOptions, channels_last: bool
-    ) -> Capture | None:
+    def _once(problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, *, channels_last: bool) -> Capture:
         n, k, plan = x.shape[0], problem.k, terms.plan
-        recorder = Recorder(plan, n, probe_outputs=terms.probe_outputs)
+        recorder = Recorder(plan, n)
         recorder.channels_last = channels_last
         with hooks(plan.layers, recorder.pre if channels_last else None, recorder.post), torch.enable_grad():
             out = run_recorded(problem, recorder, problem.params, x)  # (n, k)
-            if not terms.probe_outputs and recorder.outputs_modified():
-                return None
             buffers: list[torch.Tensor | None] = [None] * len(recorder.probes)
             basis = [False] * len(recorder.probes)  # so far every pass gave the cotangent itself: δ_c = e_c
             eye = torch.eye(k, dtype=problem.dtype)
@@ -183,7 +165,7 @@ class ConvPassesCapture:
                         basis[i] = True  # a layer whose output is the model's output
                         continue
                     if buffer is None:  # earlier passes gave zeros (no cotangent) or e_c (the basis)
-                        buffer = buffers[i] = _delta_buffer(g, k, huge_pages=options.huge_pages)
+                        buffer = buffers[i] = _delta_buffer(g, k)
                         if basis[i]:
                             buffer[:, :c].copy_(eye[:c].expand(n, c, k))
                         else:
@@ -203,8 +185,7 @@ class ConvPassesCapture:
 
 class BatchedCapture:
     """NOTE [probes]: one batched forward and one reverse pass batched over the output basis
-    (``autograd.grad(..., is_grads_batched=True)``); with a Linear head, from the head's input (NOTE [linear
-    head])."""
+    (``autograd.grad(..., is_grads_batched=True)``)."""
 
     name = "batched"
 
@@ -214,34 +195,12 @@ class BatchedCapture:
     def run(
         self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
     ) -> tuple[Capture, StructuredTerms]:
-        return _rerun_if_modified(problem, terms, x, self._once, options, channels_last=False)
-
-    @staticmethod
-    def _once(
-        problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, options: StructuredOptions, channels_last: bool
-    ) -> Capture | None:
         n, k, plan = x.shape[0], problem.k, terms.plan
         layout = _batched_layout(n, k)
-        recorder = Recorder(plan, n, probe_outputs=terms.probe_outputs)
+        recorder = Recorder(plan, n)
         with hooks(plan.layers, None, recorder.post), torch.enable_grad():
             out = run_recorded(problem, recorder, problem.params, x)  # (n, k)
-            if not terms.probe_outputs and recorder.outputs_modified():
-                return None
             eye = torch.eye(k, dtype=problem.dtype)
-            head = _linear_head(plan, recorder, out) if options.linear_head else None
-            if head is not None:  # NOTE [linear head]
-                weight = plan.states[plan.uses[-1].layer]["weight"]  # (k, in)
-                cotangent = weight.unsqueeze(1).expand(k, n, weight.shape[1])  # ∂f_c/∂a = W[c], every example
-                earlier = recorder.probes[:-1]
-                head_grads: tuple[torch.Tensor | None, ...] = (None,) * len(earlier)
-                if earlier and head.requires_grad:  # else no earlier call reaches the head's input: δ = 0
-                    head_grads = torch.autograd.grad(head, earlier, cotangent, is_grads_batched=True, allow_unused=True)
-                deltas = [
-                    _zeros(n, k, p) if g is None else Delta(g.transpose(0, 1), layout)
-                    for g, p in zip(head_grads, earlier, strict=True)
-                ]
-                identity = Delta(eye.unsqueeze(0).expand(n, k, k), Layout.EXAMPLE_MAJOR, shared=True)
-                return _batched_capture(recorder, [*deltas, identity])
             # a materialized basis: the batched matmul of a Linear output layer's backward then folds k into its
             # rows (one mm) instead of an expanded bmm
             basis = eye.unsqueeze(1).expand(k, n, k).contiguous()
@@ -250,7 +209,7 @@ class BatchedCapture:
             _zeros(n, k, p) if g is None else _output_basis(g, basis, eye, layout)
             for g, p in zip(grads, recorder.probes, strict=True)
         ]
-        return _batched_capture(recorder, deltas)
+        return _batched_capture(recorder, deltas), terms
 
 
 class PerExampleCapture:
@@ -306,58 +265,10 @@ def capture(
 
     Returns:
         The capture (inputs[i] (n, *in_shape), deltas[i] (n, k, *out_shape) for use i; fallback name -> (n, k, p))
-        and the plan (``terms``, or a new one when the capture learned a fact: NOTE [outputs as probes], NOTE
-        [channels-last capture]).
+        and the plan (``terms``, or a new one when the capture learned a fact: NOTE [channels-last capture]).
     """
     strategy = next(s for s in CAPTURES if s.applies(problem, terms, options))
     return strategy.run(problem, terms, options, x)
-
-
-_Once = Callable[[NtkProblem, StructuredTerms, torch.Tensor, StructuredOptions, bool], "Capture | None"]
-"""One batched capture attempt; None when the model modified a covered output in place (checked after the
-forward, before any reverse pass)."""
-
-
-def _rerun_if_modified(
-    problem: NtkProblem,
-    terms: StructuredTerms,
-    x: torch.Tensor,
-    once: _Once,
-    options: StructuredOptions,
-    *,
-    channels_last: bool,
-) -> tuple[Capture, StructuredTerms]:
-    """A batched capture by ``once``; if the model modified a covered output in place (NOTE [outputs as probes]),
-    again under a new plan that adds probes."""
-    capture = once(problem, terms, x, options, channels_last)
-    if capture is not None:
-        return capture, terms
-    terms = terms.learned(probe_outputs=True)
-    capture = once(problem, terms, x, options, channels_last)
-    assert capture is not None  # with added probes no output is its own probe
-    return capture, terms
-
-
-def _linear_head(plan: StructurePlan, recorder: Recorder, out: torch.Tensor) -> torch.Tensor | None:
-    """The input a (n, in) of the last covered call when the model's output (n, k) is exactly that call's output
-    and it is an ``nn.Linear`` with k outputs; else None.
-
-    NOTE [linear head]: then ∂f_c/∂a = W[c] for every example, so the reverse pass can start at a with those
-    rows (stride 0 over the examples) instead of at the output with the basis: it skips the head's batched
-    matmul, whose (k, n, in) result is the size of a hidden layer's δ, and the head's δ is the identity.
-    "Exactly": same memory, contiguous, and not modified in place after the call (its version counter).
-    """
-    if not recorder.outputs or len(recorder.outputs) != len(plan.uses) or not recorder.probes:
-        return None
-    probed, version = recorder.outputs[-1]
-    a = recorder.inputs[-1]
-    layer = plan.layers[plan.uses[-1].layer]
-    same = probed.data_ptr() == out.data_ptr() and probed.shape == out.shape and probed._version == version
-    if not (isinstance(layer, nn.Linear) and same and out.is_contiguous() and a.ndim == 2):
-        return None
-    if layer.out_features != out.shape[1] or "weight" not in plan.states[plan.uses[-1].layer]:
-        return None
-    return a
 
 
 def _output_basis(grad: torch.Tensor, basis: torch.Tensor, eye: torch.Tensor, layout: Layout) -> Delta:
@@ -374,20 +285,15 @@ def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
-def _delta_buffer(grad: torch.Tensor, k: int, *, huge_pages: bool) -> torch.Tensor:
+def _delta_buffer(grad: torch.Tensor, k: int) -> torch.Tensor:
     """Uninitialised δ (n, k, *grad.shape[1:]) for the k reverse passes of ``ConvPassesCapture``.
 
     A channels-last cotangent (n, C, H, W) gets memory (n, H, W, k, C): each example's δ is then an (H·W, k·C)
     matrix, so a convolution's weight Jacobian is one batched matmul with its patches and the bias a sum over
     the outer axes (NOTE [channels-last capture]); others get (n, k, ...).
     """
-    keep = prefer_huge_pages if huge_pages else _as_is
     n, *shape = grad.shape
     if grad.ndim == 4 and grad.is_contiguous(memory_format=torch.channels_last) and not grad.is_contiguous():
         c, h, w = shape
-        return keep(torch.empty((n, h, w, k, c), dtype=grad.dtype)).permute(0, 3, 4, 1, 2)
-    return keep(torch.empty((n, k, *shape), dtype=grad.dtype))
-
-
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
+        return torch.empty((n, h, w, k, c), dtype=grad.dtype).permute(0, 3, 4, 1, 2)
+    return torch.empty((n, k, *shape), dtype=grad.dtype)

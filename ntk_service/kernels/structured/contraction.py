@@ -1,6 +1,6 @@
 """Contractions of the structured NTK, one per mode, accumulated in place into one buffer per block.
 
-A factored term J_c = Σ_g Σ_t D_c[g,t] ⊗ A[g,t] (``structured_rules.Factors``) contributes
+A factored term J_c = Σ_g Σ_t D_c[g,t] ⊗ A[g,t] (``rules.Factors``) contributes
 
     Θ_cd(x1, x2) += Σ_g Σ_{t,s} G^D_cd[g; t, s] · G^A[g; t, s],   G^D = D1 D2ᵀ (Gram of the δ's), G^A = A1 A2ᵀ
 
@@ -12,16 +12,17 @@ Accumulator layouts: FULL (k, n, k, m), TRACE (n, m), OUTPUT_DIAGONAL (k, n, m),
 
 NOTE [accumulator memory]: the FULL accumulator is indexed (c, i, d, j) in every case, but its memory follows the
 δ's: the autograd capture leaves δ in (k, n, ·) memory, so the δ Grams come out with rows (c, i) and the memory is
-(k, n, k, m); the sequential chain (``structured_chain.py``) and rule Jacobians lie example-major, (n, k, ·), so
-the Grams come out with rows (i, c) and the memory is (n, k, m, k) (``prefers_example_major`` decides per block).
-Either way each Gram is written where it lies, and the one permuting pass that makes theta's (n, m, k, k) layout
-(``finish``, ``finish_with_factored``) is the costly part of a small kernel: from (n, k, m, k) memory it moves k-long
-runs within one example's rows; from (k, n, k, m) every element comes from another row (MLP 784-512-512-10,
-N = M = 256: 6.7 against 13.4 ms for that pass, of a ~110 ms kernel).
+(k, n, k, m); the sequential chain (``chain.py``) and rule Jacobians lie example-major, (n, k, ·), so the Grams
+come out with rows (i, c) and the memory is (n, k, m, k) (``prefers_example_major`` decides per block). Either way
+each Gram is written where it lies, and the one permuting pass that makes theta's (n, m, k, k) layout (``finish``,
+``finish_with_factored``) is the costly part of a small kernel: from (n, k, m, k) memory it moves k-long runs within
+one example's rows; from (k, n, k, m) every element comes from another row. The layouts are facts the sides
+declare (``descriptors.Layout``), and the accumulator's is recorded in ``Accumulator.example_major``: nothing here
+reads a stride to decide.
 
-NOTE [example-independent δ]: when δ of a weight is the same for every example (stride 0 over the examples, as
-the capture leaves it for a Linear layer whose output is the model's output: δ_c = e_c), G^D is one k×k matrix Δ
-and the term is Δ ⊗ G^A: an outer product instead of an (n·k)×(m·k) Gram.
+NOTE [example-independent δ]: when δ of a weight is the same for every example (declared ``Delta.shared``: the
+identity δ_c = e_c of a Linear layer whose output is the model's output, or the rows of W the chain hands below
+it), G^D is one k×k matrix Δ and the term is Δ ⊗ G^A: an outer product instead of an (n·k)×(m·k) Gram.
 """
 
 from __future__ import annotations
@@ -71,14 +72,13 @@ class Accumulator:
 
 
 def new_accumulator(
-    mode: KernelMode, n: int, m: int, k: int, dtype: torch.dtype, *, example_major: bool = False, zero: bool = True
+    mode: KernelMode, n: int, m: int, k: int, dtype: torch.dtype, *, example_major: bool = False
 ) -> Accumulator:
-    """An accumulator of the shape above, zero or (``zero=False``) uninitialized; FULL with ``example_major`` in
-    (n, k, m, k) memory (NOTE [accumulator memory])."""
-    make = torch.zeros if zero else torch.empty
+    """A zero accumulator of the shape above; FULL with ``example_major`` in (n, k, m, k) memory (NOTE
+    [accumulator memory])."""
     if mode is KernelMode.FULL and example_major:
-        return Accumulator(make((n, k, m, k), dtype=dtype).permute(1, 0, 3, 2), mode, True)
-    return Accumulator(make(accumulator_shape(mode, n, m, k), dtype=dtype), mode, False)
+        return Accumulator(torch.zeros((n, k, m, k), dtype=dtype).permute(1, 0, 3, 2), mode, True)
+    return Accumulator(torch.zeros(accumulator_shape(mode, n, m, k), dtype=dtype), mode, False)
 
 
 def prefers_example_major(layouts: list[Layout]) -> bool:
@@ -158,54 +158,36 @@ def shared_gram(d1: Delta, d2: Delta) -> torch.Tensor | None:
     return t1[0, :, 0, 0] @ t2[0, :, 0, 0].T
 
 
-def _plain_gram_d(d1: Delta, d2: Delta, out: Accumulator | None = None) -> torch.Tensor:
+def _plain_gram_d(d1: Delta, d2: Delta) -> torch.Tensor:
     """G^D of δ's with G = T = S = 1, d1 (n, k, 1, 1, dd): indexed (k, n, k, m), its rows in the order the δ's
-    lie in memory ((i, c) when both lie example-major, else (c, i): NOTE [accumulator memory]); written into
-    ``out`` (a FULL accumulator) when given, in place where its memory has that order."""
+    lie in memory ((i, c) when both lie example-major, else (c, i): NOTE [accumulator memory])."""
     t1, t2 = d1.tensor, d2.tensor
     (n, k), m, dd = t1.shape[:2], t2.shape[0], t1.shape[-1]
     if Layout.OUTPUT_MAJOR in (d1.layout, d2.layout):  # rows (c, i): (k, n, k, m) memory
         left, right = t1.permute(1, 0, 2, 3, 4).reshape(k * n, dd), t2.permute(1, 0, 2, 3, 4).reshape(k * m, dd)
-        memory_shape, to_memory, in_place = (k, n, k, m), (0, 1, 2, 3), out is not None and not out.example_major
-    else:  # rows (i, c): (n, k, m, k) memory
-        left, right = t1.reshape(n * k, dd), t2.reshape(m * k, dd)
-        memory_shape, to_memory = (n, k, m, k), (1, 0, 3, 2)  # its own inverse
-        in_place = out is not None and out.example_major
-    if out is not None and in_place:
-        torch.mm(left, right.T, out=out.tensor.permute(to_memory).view(n * k, m * k))
-        return out.tensor
-    gram = torch.mm(left, right.T).view(memory_shape).permute(to_memory)
-    return gram if out is None else out.tensor.copy_(gram)
+        return torch.mm(left, right.T).view(k, n, k, m)
+    left, right = t1.reshape(n * k, dd), t2.reshape(m * k, dd)  # rows (i, c): (n, k, m, k) memory
+    return torch.mm(left, right.T).view(n, k, m, k).permute(1, 0, 3, 2)
 
 
 def _add_example_major(
-    acc: Accumulator, d1: Delta, d2: Delta, shared: torch.Tensor | None, gram_a: torch.Tensor, *, fresh: bool
+    acc: Accumulator, d1: Delta, d2: Delta, shared: torch.Tensor | None, gram_a: torch.Tensor
 ) -> None:
-    """acc [+]= G^D ⊙ G^A of a plain or example-independent term, in an example-major FULL accumulator, whose
-    memory is (n, k, m, k). G^A (n, m) is repeated over d first, so every elementwise pass runs over m·k contiguous
+    """acc += G^D ⊙ G^A of a plain or example-independent term, in an example-major FULL accumulator, whose memory
+    is (n, k, m, k). G^A (n, m) is repeated over d first, so every elementwise pass runs over m·k contiguous
     elements (broadcasting it over (c, d) directly gives loops of k); an identity-like Δ touches only c = d."""
     memory = acc.tensor.permute(1, 0, 3, 2)
     n, k, m, _ = memory.shape
     if shared is not None and torch.equal(shared, torch.diag_embed(shared.diagonal())):
-        if fresh:
-            memory.zero_()
         memory.diagonal(dim1=1, dim2=3).addcmul_(gram_a.unsqueeze(-1), shared.diagonal())  # (n, m, k)
         return
     repeated = gram_a.unsqueeze(-1).expand(n, m, k).reshape(n, 1, m * k)
-    flat = memory.view(n, k, m * k)
     if shared is not None:
-        if fresh:
-            torch.mul(repeated.view(n, 1, m, k), shared.view(1, k, 1, k), out=memory)
-        else:
-            memory.addcmul_(repeated.view(n, 1, m, k), shared.view(1, k, 1, k))
-        return
-    if fresh:  # the Gram written into the accumulator, scaled in place while it is in cache
-        _plain_gram_d(d1, d2, out=acc)
-        flat.mul_(repeated)
+        memory.addcmul_(repeated.view(n, 1, m, k), shared.view(1, k, 1, k))
         return
     gram = _plain_gram_d(d1, d2).permute(1, 0, 3, 2)
     if Layout.OUTPUT_MAJOR not in (d1.layout, d2.layout):  # the Gram lies (n, k, m, k): one flat pass
-        flat.addcmul_(gram.reshape(n, k, m * k), repeated)
+        memory.view(n, k, m * k).addcmul_(gram.reshape(n, k, m * k), repeated)
     else:
         memory.addcmul_(gram, gram_a.view(n, 1, m, 1))
 
@@ -217,15 +199,12 @@ def add_factored(
     *,
     index: bool,
     plus_one: bool,
-    fresh: bool = False,
     shared_delta: bool = True,
 ) -> None:
     """acc += the factored term of (a1, d1) with (a2, d2) in the accumulator's mode (not EXAMPLE_DIAGONAL).
 
     a1 (n, G, T, da) or ids (n, 1, T); d1 (n, k, G, T, dd); likewise a2, d2 with m examples and S positions.
-    ``fresh``: acc is uninitialized (``torch.empty``) and this is its first term: written, not added, which
-    spares zeroing and re-reading the block's largest buffer. ``shared_delta``: take δ's declared shared by all
-    examples as one Δ (NOTE [example-independent δ]).
+    ``shared_delta``: take δ's declared shared by all examples as one Δ (NOTE [example-independent δ]).
     """
     a1, d1 = left
     a2, d2 = right
@@ -236,20 +215,11 @@ def add_factored(
     shared = shared_gram(d1, d2) if shared_delta else None
     if mode is KernelMode.FULL and (shared is not None or g == tt == s == 1):  # one (k, n, k, m) product
         if acc.example_major:
-            _add_example_major(acc, d1, d2, shared, gram_a.view(n, m), fresh=fresh)
-            return
-        if fresh and shared is None:  # the Gram written into acc, scaled in place while it is in cache
-            _plain_gram_d(d1, d2, out=acc)
-            t.mul_(gram_a.view(1, n, 1, m))
+            _add_example_major(acc, d1, d2, shared, gram_a.view(n, m))
             return
         gram_d = shared.view(k, 1, k, 1) if shared is not None else _plain_gram_d(d1, d2)
-        if fresh:
-            torch.mul(gram_d, gram_a.view(1, n, 1, m), out=t)
-        else:
-            t.addcmul_(gram_d, gram_a.view(1, n, 1, m))
+        t.addcmul_(gram_d, gram_a.view(1, n, 1, m))
         return
-    if fresh:
-        t.zero_()
     if shared is not None:  # G^A (n, m) times one k×k Δ
         if mode is KernelMode.TRACE:
             t.add_(gram_a.view(n, m) * shared.trace())

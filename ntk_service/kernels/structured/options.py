@@ -1,6 +1,6 @@
 """``StructuredOptions``: every fast path of the structured engine as one switch, passed as data.
 
-``Structured(options=StructuredOptions(linear_head=False))`` runs the same kernel without that shortcut: each
+``Structured(options=StructuredOptions(chain=False))`` runs the same kernel without that shortcut: each
 switch turns one fast path off and leaves a slower, equally exact way in its place, so a test can check a path
 against the float64 reference with the path on and off, and ``benchmarks/bench_fast_paths.py`` can A/B each in one
 process. The defaults are the engine's behaviour; docs/engine.md lists what each path buys.
@@ -18,10 +18,6 @@ Form = Literal["cheaper", "factored", "jacobian"]
 """How a weight with factors is contracted: the cheaper form by the cost model (NOTE [factored or Jacobian]), or
 every such weight forced into one form (a testing knob: both forms must give the reference kernel)."""
 
-SYMMETRIC_SPLIT_MIN = 128
-"""Smallest block for which a side paired with itself is contracted from 3 of its 4 half-blocks; below it the
-smaller products lose what the skipped quarter saves (measured with benchmarks/bench_fast_paths.py)."""
-
 
 @dataclass(frozen=True)
 class StructuredOptions:
@@ -32,45 +28,28 @@ class StructuredOptions:
         chain: capture a pure pipeline of Linear layers and activations in closed form (NOTE [sequential chains]).
         batched_capture: capture on the whole block with plain autograd when the model is batch safe (NOTE
             [probes]); off: per example under vmap.
-        outputs_as_probes: differentiate at the layer outputs themselves (NOTE [outputs as probes]); off: add a
-            zero probe to every covered output.
-        linear_head: start the reverse pass at a Linear head's input (NOTE [linear head]).
         conv_passes: capture a convolutional model by k plain reverse passes (NOTE [channels-last capture]); off:
             one reverse pass batched over the output basis, as for other models.
         channels_last: run those passes with channels-last convolutions (NOTE [channels-last capture]).
         shared_delta: contract a δ the capture declares shared by all examples as Δ ⊗ G^A (NOTE
             [example-independent δ]); off: as a general δ.
-        interleave: in the joint pass with N = M, interleave x1 and x2 (NOTE [interleaved joint pass]).
-        symmetric_split: contract a side with itself from 3 of its 4 half-blocks when it has at least
-            ``symmetric_split_min`` examples.
-        symmetric_split_min: see ``symmetric_split``. Default: ``SYMMETRIC_SPLIT_MIN``.
         fused_finish: add the last plain factored term of a FULL block in the pass that writes theta's layout.
-        fresh_first_term: write the first factored term into an uninitialized accumulator instead of adding it
-            to zeros.
         example_major_accumulator: lay a FULL accumulator out like its δ's (NOTE [accumulator memory]); off:
             always (k, n, k, m) memory.
         thin_conv_jacobian: build a thin-patch convolution's J transposed, its bias from the same matmul (rules).
         fold_bias: fold a bias into its weight's factored term (+1 in G^A); off: the bias as a Jacobian term.
-        huge_pages: ask for huge pages for the convolution passes' δ buffers (NOTE [huge pages]).
     """
 
     form: Form = "cheaper"
     chain: bool = True
     batched_capture: bool = True
-    outputs_as_probes: bool = True
-    linear_head: bool = True
     conv_passes: bool = True
     channels_last: bool = True
     shared_delta: bool = True
-    interleave: bool = True
-    symmetric_split: bool = True
-    symmetric_split_min: int = SYMMETRIC_SPLIT_MIN
     fused_finish: bool = True
-    fresh_first_term: bool = True
     example_major_accumulator: bool = True
     thin_conv_jacobian: bool = True
     fold_bias: bool = True
-    huge_pages: bool = True
 
     def without(self, *paths: str) -> StructuredOptions:
         """These options with the named fast paths (``FAST_PATHS``) switched off."""

@@ -1,8 +1,8 @@
 """The frozen plan of the structured engine: which layer calls the rules cover (``StructurePlan``), how each selected
 parameter is contracted (``FactoredTerm``, ``JacobianTerm``) and the facts learned on real blocks
-(``StructuredTerms``). Made by ``analysis.analyze`` and kept on the prepared problem; a failed assumption (a model
-that modifies an output in place, one that views a channels-last convolution output) yields a new plan through
-``StructuredTerms.learned``, never a change to the old one.
+(``StructuredTerms``). Made by ``analysis.analyze`` and kept on the prepared problem; a fact learned on a real block
+(the model is batch safe) or a failed assumption (the model views a channels-last convolution output) yields a new
+plan through ``StructuredTerms.learned``, never a change to the old one.
 
 Shapes are per example: a use's ``in_shape`` / ``out_shape`` are the layer call's input and output shapes with the
 leading 1 of the one-example probe; a factored term's dims are (G, T, da, dd) (groups, positions summed over its
@@ -94,8 +94,6 @@ class StructuredTerms:
             None until a block of >= 2 real examples decides it.
         channels_last: the batched capture of a convolutional model may run its Conv2d outputs channels-last
             (NOTE [channels-last capture]); False once that forward failed (a model viewing them).
-        probe_outputs: the batched capture adds a zero probe to every covered output instead of differentiating
-            at the output itself; True once the model modified a layer output in place (NOTE [outputs as probes]).
     """
 
     plan: StructurePlan
@@ -103,21 +101,17 @@ class StructuredTerms:
     jacobian: tuple[JacobianTerm, ...]
     batch_safe: bool | None = None
     channels_last: bool = True
-    probe_outputs: bool = False
 
     @property
     def fallback(self) -> tuple[str, ...]:
         return self.plan.fallback
 
-    def learned(
-        self, *, batch_safe: bool | None = None, channels_last: bool | None = None, probe_outputs: bool | None = None
-    ) -> StructuredTerms:
+    def learned(self, *, batch_safe: bool | None = None, channels_last: bool | None = None) -> StructuredTerms:
         """A new plan with these facts set (the others kept)."""
         return dataclasses.replace(
             self,
             batch_safe=self.batch_safe if batch_safe is None else batch_safe,
             channels_last=self.channels_last if channels_last is None else channels_last,
-            probe_outputs=self.probe_outputs if probe_outputs is None else probe_outputs,
         )
 
     def covered(self) -> list[tuple[str, str]]:

@@ -2,8 +2,8 @@
 points the reverse pass differentiates at (``Recorder``), and the batch-safety check (``is_batch_safe``).
 
 Per use i of the plan, a block of n examples gives the call's input a (n, *in_shape[1:]) in the batched forward
-(the capture puts the per-example 1 back) or (*in_shape) per example under vmap, and its probe: the output itself
-(NOTE [outputs as probes] in capture.py) or an added zero. Hooks act only for the recorder active in the current
+(the capture puts the per-example 1 back) or (*in_shape) per example under vmap, and its probe: a zero added to
+the call's output, which the reverse pass differentiates at. Hooks act only for the recorder active in the current
 context (``ACTIVE``): other threads using the same module see a no-op.
 """
 
@@ -58,16 +58,15 @@ class Recorder:
     """Hook state during a capture: collects the layers' inputs and the points to differentiate at.
 
     ``batch``: None when the forward runs per example under vmap (probes given and added); else the block size n
-    of a batched forward, where each covered output is its own probe (NOTE [outputs as probes]) or, with
-    ``probe_outputs``, gets an added zero probe (n, *out_shape[1:]) requiring grad.
+    of a batched forward, where each covered output gets an added zero probe requiring grad (one zero expanded to
+    the output's shape: the cotangent at the expanded view is full-size, and no buffer of zeros is written).
     """
 
-    def __init__(self, plan: StructurePlan, batch: int | None = None, *, probe_outputs: bool = False) -> None:
-        self.plan, self.batch, self.probe_outputs = plan, batch, probe_outputs
+    def __init__(self, plan: StructurePlan, batch: int | None = None) -> None:
+        self.plan, self.batch = plan, batch
         self.index = {id(m): i for i, m in enumerate(plan.layers)}
         self.probes: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
-        self.outputs: list[tuple[torch.Tensor, int]] = []  # batched: each call's (probed) output and its version
         self.record_only = False
         self.channels_last = False
         convs = [i for i, u in enumerate(plan.uses) if isinstance(plan.layers[u.layer], nn.Conv2d)]
@@ -104,23 +103,10 @@ class Recorder:
                 last = i == self.last_conv
                 output = output.contiguous(memory_format=torch.contiguous_format if last else torch.channels_last)
                 output = ChannelsLastGrad.apply(output)  # type: ignore[no-untyped-call]
-            if self.probe_outputs or not output.requires_grad:
-                # one zero expanded to the output's shape: the cotangent at the expanded view is full-size, and no
-                # buffer of zeros is written. (An output not requiring grad, e.g. the first layer's when no
-                # parameter requires grad, is not made a leaf: hooks others put on it, such as a FlopCounterMode
-                # running in another thread, cannot handle leaves inside autograd.grad.)
-                zero = torch.zeros((1,) * output.ndim, dtype=output.dtype, requires_grad=True)
-                self.probes.append(zero.expand(output.shape))
-                output = output + self.probes[i]
-            else:  # NOTE [outputs as probes]
-                self.probes.append(output)
-            self.outputs.append((output, output._version))
-            return output
+            zero = torch.zeros((1,) * output.ndim, dtype=output.dtype, requires_grad=True)
+            self.probes.append(zero.expand(output.shape))
+            return output + self.probes[i]
         return output + self.probes[i]
-
-    def outputs_modified(self) -> bool:
-        """Whether some covered output was modified in place after its call (NOTE [outputs as probes])."""
-        return any(t._version != version for t, version in self.outputs)
 
     def check_count(self) -> None:
         if len(self.inputs) != len(self.plan.uses):
