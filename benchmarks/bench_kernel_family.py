@@ -8,6 +8,9 @@ Sections (``--section``, default all):
   ``compute_ntk``, at an N where FULL fits the budget and at one where it does not (there ``compute_ntk`` refuses
   up front with its estimate). Each case runs in its own subprocess; peak memory is the growth of the peak RSS
   (VmHWM) over the RSS once the model and inputs exist.
+- ``groups``: ``compute_ntk_groups(groups="modules")`` (one pass, 3 groups) against one ``compute_ntk`` per group
+  (``params=`` the group's parameters) and against one plain kernel of all parameters, on the benchmark MLP and
+  CNN (benchmarks/_models.py), per implementation, medians of alternated rounds (target: grouped <= 1.2x single).
 - ``limit``: the Monte Carlo NTK and NNGP of a one-hidden-layer ReLU net in NTK parameterization against the
   closed-form arc-cosine kernels, relative Frobenius error by width and samples (the docs/kernel_family.md table).
 
@@ -33,8 +36,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._models import make_cnn, make_inputs, make_mlp  # noqa: E402
 from ntk_service.errors import MemoryEstimateExceeded  # noqa: E402
-from ntk_service.kernels import compute_ntk, monte_carlo_ntk, ntk_operator  # noqa: E402
+from ntk_service.kernels import compute_ntk, compute_ntk_groups, monte_carlo_ntk, ntk_operator  # noqa: E402
 
 
 def _median_time(fn: object, repeats: int) -> float:
@@ -202,9 +206,55 @@ def section_limit(widths: list[int], samples: list[int]) -> None:
         print(f"| {width} | " + " | ".join(cells) + " |")
 
 
+# --- groups -----------------------------------------------------------------------------------------------------
+def _groups_row(name: str, model: nn.Module, x: torch.Tensor, mode: str, impl: str, repeats: int) -> str:
+    """One table row: medians of alternated rounds of the plain kernel, the grouped pass, and one kernel per group."""
+    members = compute_ntk_groups(model, x[:2], groups="modules", mode="trace").parameters
+    runs = {
+        "single": lambda: compute_ntk(model, x, mode=mode, implementation=impl),
+        "grouped": lambda: compute_ntk_groups(model, x, groups="modules", mode=mode, implementation=impl),
+        "per_group": lambda: [
+            compute_ntk(model, x, mode=mode, implementation=impl, params=list(p)) for p in members.values()
+        ],
+    }
+    one, many = runs["single"](), runs["grouped"]()  # warm-up, and the groups add up to the kernel
+    err = float((many.total() - one.theta).abs().max())  # type: ignore[union-attr]
+    assert err <= 1e-4 * float(one.theta.abs().max()), err  # type: ignore[union-attr]
+    runs["per_group"]()
+    times: dict[str, list[float]] = {what: [] for what in runs}
+    for _ in range(repeats):  # alternated, so load changes hit all three alike
+        for what, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[what].append(time.perf_counter() - start)
+    t = {what: statistics.median(values) for what, values in times.items()}
+    ran = f"auto ({many.implementation.value})" if impl == "auto" else impl  # type: ignore[union-attr]
+    return (
+        f"| {name} | {x.shape[0]} | {mode} | {ran} | {t['single']:.3f} | {t['grouped']:.3f} | {t['per_group']:.3f} "
+        f"| {t['grouped'] / t['single']:.2f} | {t['per_group'] / t['single']:.2f} |"
+    )
+
+
+def section_groups(repeats: int, n_mlp: int, n_cnn: int, implementations: list[str]) -> None:
+    print("## compute_ntk_groups (3 groups, one pass) vs one compute_ntk per group vs one plain kernel, float32")
+    print("| model | N | mode | implementation | single (s) | grouped (s) | per group (s) | grouped / single "
+          "| per group / single |")  # fmt: skip
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|")
+    for name, model, n in (("mlp", make_mlp(), n_mlp), ("cnn", make_cnn(), n_cnn)):
+        x = make_inputs(name, n)
+        for mode in ("full", "trace"):
+            for impl in implementations:
+                print(_groups_row(name, model, x, mode, impl, repeats), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=["mc", "operator", "limit", "all"], default="all")
+    parser.add_argument("--section", choices=["mc", "operator", "groups", "limit", "all"], default="all")
+    parser.add_argument("--n-mlp", type=int, default=32, help="groups: examples for the MLP")
+    parser.add_argument("--n-cnn", type=int, default=16, help="groups: examples for the CNN")
+    parser.add_argument(
+        "--group-implementations", nargs="+", default=["jacobian_contraction", "structured", "auto"], help="groups"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-mib", type=int, default=256)
     parser.add_argument("--sizes", type=int, nargs="+", default=[128, 1024])
@@ -216,6 +266,8 @@ def main() -> None:
         section_mc(args.repeats)
     if args.section in ("operator", "all"):
         section_operator(args.budget_mib, args.sizes, args.repeats)
+    if args.section in ("groups", "all"):
+        section_groups(args.repeats, args.n_mlp, args.n_cnn, args.group_implementations)
     if args.section in ("limit", "all"):
         section_limit(args.widths, args.samples)
 

@@ -14,6 +14,7 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     │   ├── NoMatchingParameters          422
     │   ├── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
     │   ├── UnknownLayer                  422  a ``layer`` that is not a module of the model
+│   ├── OverlappingGroups             422  a parameter in two groups of ``compute_ntk_groups``
     │   ├── UnstableLearningRate          422  gradient descent above the stable limit (message gives it)
     │   └── UnknownDevice                 422  not 'cpu', 'cuda' or 'cuda:N', or a CUDA device that is absent
     ├── MalformedRequest                  400  the body cannot be parsed at all
@@ -65,6 +66,7 @@ __all__ = [
     "NotFound",
     "NtkServiceError",
     "OptionalDependencyMissing",
+    "OverlappingGroups",
     "PayloadTooLarge",
     "PermissionDenied",
     "ResourceLimit",
@@ -138,6 +140,12 @@ class UnknownLayer(InvalidInput):
     """A named layer (``compute_nngp(layer=...)``) is not a module of the model."""
 
     error_type = "unknown_layer"
+
+
+class OverlappingGroups(InvalidInput):
+    """A parameter is matched by two groups of ``compute_ntk_groups``: Σ_g Θ_g = Θ would count it twice."""
+
+    error_type = "overlapping_groups"
 
 
 class UnstableLearningRate(InvalidInput):

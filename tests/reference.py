@@ -53,6 +53,11 @@ def reference_ntk(
     FULL kernel summed over both output axes, divided by k)."""
     j1 = reference_jacobian(model, x1, params)
     j2 = j1 if x2 is None else reference_jacobian(model, x2, params)
+    return reference_kernel(j1, j2, mode)
+
+
+def reference_kernel(j1: torch.Tensor, j2: torch.Tensor, mode: str = "full") -> torch.Tensor:
+    """Θ for ``mode`` (as ``reference_ntk``) from Jacobians j1 (n, k, P) and j2 (m, k, P)."""
     full = torch.einsum("naf,mbf->nmab", j1, j2)
     if mode == "full":
         return full
@@ -65,6 +70,19 @@ def reference_ntk(
     if mode == "example_diagonal":
         return torch.einsum("naf,nbf->nab", j1, j1)
     raise ValueError(mode)
+
+
+def reference_columns(model: nn.Module, names: Sequence[str]) -> torch.Tensor:
+    """Indices into the P axis of ``reference_jacobian(model, x)`` (all parameters) of the parameters ``names``
+    (exact ``named_parameters()`` names; a tied weight under its first name): J restricted to them is
+    ``j[..., reference_columns(model, names)]``."""
+    cols: list[int] = []
+    start = 0
+    for name, p in model.named_parameters():
+        if name in names:
+            cols.extend(range(start, start + p.numel()))
+        start += p.numel()
+    return torch.tensor(cols, dtype=torch.int64)
 
 
 def assert_matches(theta: torch.Tensor, expected: torch.Tensor, rel: float = 1e-10) -> None:

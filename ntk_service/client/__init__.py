@@ -29,6 +29,7 @@ from ntk_service.client._client import (
     KernelSpectrum,
     LinearizedPrediction,
 )
+from ntk_service.client._groups import GroupKernels
 from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
 from ntk_service.client._module_spec import describe_module
 from ntk_service.client._results import RemoteResult
@@ -73,6 +74,7 @@ __all__ = [
     "DtypeName",
     "FamilyKernelName",
     "FlowName",
+    "GroupKernels",
     "HealthStatus",
     "ImplementationName",
     "JobDeletion",

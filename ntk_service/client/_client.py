@@ -34,6 +34,7 @@ from ntk_service.client._analysis import (
     LinearizedPrediction,
 )
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
+from ntk_service.client._groups import GroupsClient
 from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
 from ntk_service.client._module_spec import describe_module
@@ -88,7 +89,7 @@ class KernelResult:
     elapsed_ms: float
 
 
-class Client(KernelFamilyClient, JobsClient, AnalysisClient, ServiceClient):
+class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, ServiceClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).

@@ -2,11 +2,12 @@
 
 ``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes. Beside it (docs/kernel_family.md):
 ``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
-``ntk_operator`` (matrix-free Θ·v) and ``mode="pseudo"`` (the pseudo-NTK).
+``ntk_operator`` (matrix-free Θ·v), ``mode="pseudo"`` (the pseudo-NTK) and ``compute_ntk_groups`` (Θ per layer or
+parameter group).
 """
 
 from ntk_service.kernels.allocator import retain_freed_memory
-from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, warm_up
+from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, compute_ntk_groups, warm_up
 from ntk_service.kernels.device import (
     DEFAULT_DEVICE,
     device_memory_budget,
@@ -14,6 +15,7 @@ from ntk_service.kernels.device import (
     parse_device,
     place_module,
 )
+from ntk_service.kernels.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
@@ -30,15 +32,19 @@ __all__ = [
     "KernelMode",
     "MonteCarloResult",
     "NngpResult",
+    "NtkGroupsResult",
     "NtkImplementation",
     "NtkOperator",
     "NtkResult",
+    "ParameterGroups",
     "SideCache",
     "compute_nngp",
     "compute_ntk",
+    "compute_ntk_groups",
     "default_memory_budget",
     "device_memory_budget",
     "model_device",
+    "parameter_groups",
     "parse_device",
     "place_module",
     "monte_carlo_ntk",

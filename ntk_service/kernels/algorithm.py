@@ -74,3 +74,6 @@ class NtkAlgorithm(Protocol):
     # one-block kernel from one pass (``BlockPlan.joint_sides``). With it, optionally
     # ``joint_pays(problem, n, m) -> bool``: False where two passes are cheaper (default: always True).
     # Optional: ``cost_weight(problem) -> float``, AUTO's cost of one estimated FLOP (default: api._EFFICIENCY).
+    # Optional: ``pair_groups(problem, left, right, mode, groups) -> (G, *block)`` and ``diagonal_groups(problem,
+    # left, groups) -> (G, n, k, k)``: the block per parameter group (``groups.ParameterGroups``), each term added
+    # into its group's accumulator. Only algorithms with them serve ``compute_ntk_groups``.

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import glob
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -51,17 +52,18 @@ from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.device import device_memory_budget, model_device, parse_device, tf32_policy
 from ntk_service.kernels.functional import NtkProblem, check_model, select_parameters
+from ntk_service.kernels.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, plan_blocks
 from ntk_service.kernels.problem_pool import Prepared, prepared_problem
-from ntk_service.kernels.pseudo import SummedOutputs, pseudo_key, pseudo_params
+from ntk_service.kernels.pseudo import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.structured import Structured
 from ntk_service.kernels.types import NtkImplementation, NtkResult, parse_implementation
 
-__all__ = ["DEFAULT_IMPLEMENTATION", "compute_ntk", "warm_up"]
+__all__ = ["DEFAULT_IMPLEMENTATION", "compute_ntk", "compute_ntk_groups", "warm_up"]
 
 DEFAULT_IMPLEMENTATION = NtkImplementation.AUTO
 """AUTO: users get the cheapest implementation that fits without having to know the trade-offs."""
@@ -72,6 +74,9 @@ _ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
     NtkImplementation.STRUCTURED: Structured(),
 }
 """The dispatch table: one NtkAlgorithm per concrete implementation."""
+
+_GROUP_ALGORITHMS = {impl: alg for impl, alg in _ALGORITHMS.items() if hasattr(alg, "pair_groups")}
+"""The implementations that form per-parameter terms and so serve ``compute_ntk_groups`` (NOTE [group kernels])."""
 
 _EFFICIENCY: dict[NtkImplementation, float] = {
     NtkImplementation.JACOBIAN_CONTRACTION: 1.0,
@@ -107,17 +112,18 @@ def _choose(
     implementation: NtkImplementation,
     problem_args: tuple,  # type: ignore[type-arg]
     budget: int,
+    groups: int = 0,
 ) -> tuple[NtkAlgorithm, BlockPlan]:
     """The implementation and block plan for a call; reused from ``problem.choices`` when still the answer
-    (NOTE [auto choice])."""
+    (NOTE [auto choice]). ``groups``: the number of group kernels (``compute_ntk_groups``), 0 for one kernel."""
     problem, n, m, mode, symmetric = problem_args
-    key = (implementation, n, m, mode, symmetric)
+    key = (implementation, n, m, mode, symmetric) + ((groups,) if groups else ())
     kept = problem.choices.get(key)
     if kept is not None:
         alg, plan, planned_for, any_larger = kept
         if plan.estimate_bytes <= budget and (budget <= planned_for or any_larger):
             return alg, plan
-    alg, plan, any_larger = _plan_choice(implementation, problem_args, budget)
+    alg, plan, any_larger = _plan_choice(implementation, problem_args, budget, groups)
     if len(problem.choices) >= _CHOICES_PER_PROBLEM:
         problem.choices.clear()
     problem.choices[key] = (alg, plan, budget, any_larger)
@@ -128,24 +134,33 @@ def _plan_choice(
     implementation: NtkImplementation,
     problem_args: tuple,  # type: ignore[type-arg]
     budget: int,
+    groups: int = 0,
 ) -> tuple[NtkAlgorithm, BlockPlan, bool]:
     """The choice and whether any larger budget would make it too."""
     problem, n, m, mode, symmetric = problem_args
+    candidates = _ALGORITHMS if not groups else _GROUP_ALGORITHMS
+    kernels = max(groups, 1)
     if implementation is not NtkImplementation.AUTO:
         if implementation not in _ALGORITHMS:
             raise UnknownImplementation(
                 f"compute_ntk: implementation {implementation.value!r} is not available in this build; "
                 f"use one of {[i.value for i in _ALGORITHMS]} or 'auto'"
             )
-        alg = _ALGORITHMS[implementation]
-        plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)
+        if implementation not in candidates:
+            raise UnknownImplementation(
+                f"compute_ntk_groups: implementation {implementation.value!r} forms no per-parameter terms (it "
+                "never builds J), so it cannot split the kernel by group in one pass; use one of "
+                f"{[i.value for i in candidates]} or 'auto', or compute_ntk(params=...) once per group"
+            )
+        alg = candidates[implementation]
+        plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget, groups=kernels)
         return alg, plan, plan.first_choice
     best: tuple[float, NtkAlgorithm, BlockPlan] | None = None
     refusal: MemoryEstimateExceeded | None = None
-    costs = {impl: alg.flops(problem, n, m, mode) * _weight(impl, alg, problem) for impl, alg in _ALGORITHMS.items()}
-    for impl, alg in _ALGORITHMS.items():
+    costs = {impl: alg.flops(problem, n, m, mode) * _weight(impl, alg, problem) for impl, alg in candidates.items()}
+    for impl, alg in candidates.items():
         try:
-            plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget)
+            plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget, groups=kernels)
         except MemoryEstimateExceeded as exc:
             if refusal is None or (exc.estimate_bytes or 0) < (refusal.estimate_bytes or 0):
                 refusal = exc
@@ -228,6 +243,77 @@ def compute_ntk(
     return result if engine_mode is kernel_mode else dataclasses.replace(result, mode=kernel_mode)
 
 
+def compute_ntk_groups(
+    model: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None = None,
+    *,
+    groups: GroupSpec,
+    rest: bool = False,
+    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
+    implementation: NtkImplementation | str = DEFAULT_IMPLEMENTATION,
+    dtype: torch.dtype | str | None = None,
+    memory_budget_bytes: int | None = None,
+    side_cache: SideCache | None = None,
+    x1_key: Hashable | None = None,
+    x2_key: Hashable | None = None,
+    device: torch.device | str | None = None,
+    allow_tf32: bool = False,
+) -> NtkGroupsResult:
+    """The NTK split by parameter group, Θ_g = Σ_{p ∈ g} J_p(x1) J_p(x2)ᵀ, every group from one pass of the engine.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> res = compute_ntk_groups(model, torch.randn(5, 3), groups="modules", mode="trace")
+        >>> {name: tuple(t.shape) for name, t in res.thetas.items()}
+        {'0': (5, 5), '2': (5, 5)}
+
+    Args:
+        model, x1, x2, mode, implementation, dtype, memory_budget_bytes, side_cache, x1_key, x2_key, device,
+            allow_tf32: as for ``compute_ntk``; every mode, "pseudo" included.
+        groups (dict or str): ``{"name": ["glob", ...]}`` over ``named_parameters()`` names (a tied weight
+            answers to each of its names), or ``"modules"``: one group per module with parameters of its own,
+            named by its ``named_modules()`` name ("<root>" for the model's own). Groups must not overlap and
+            every glob must match a parameter.
+        rest (bool): collect the parameters no group lists as a group "rest". Default: False: they take no part,
+            as parameters outside ``compute_ntk(params=...)`` do.
+
+    Returns:
+        NtkGroupsResult: ``thetas`` group name -> Θ_g in the layout of ``compute_ntk``'s theta for the mode, and
+        ``stacked`` (G, *theta); Σ_g Θ_g equals ``compute_ntk`` over the grouped parameters to round-off.
+
+    Raises:
+        InvalidInput: as for ``compute_ntk``; NoMatchingParameters for a glob that matches nothing or an empty
+            group, OverlappingGroups for a parameter in two groups, UnknownImplementation for
+            "ntk_vector_products" (NOTE [group kernels] in groups.py).
+        MemoryEstimateExceeded: the G results and block buffers would not fit the budget (before allocating).
+    """
+    kernel_mode = parse_any_mode(mode, operation="compute_ntk_groups")
+    impl = parse_implementation(implementation)
+    check_model(model)
+    resolved = engine_groups = parameter_groups(model, groups, rest=rest)
+    dev = model_device(model) if device is None else parse_device(device)
+    budget = device_memory_budget(dev) if memory_budget_bytes is None else int(memory_budget_bytes)
+    if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel of Σ_a f_a / √k, whose parameters gain a prefix
+        model, engine_groups = SummedOutputs(model), resolved.prefixed(SUMMED_OUTPUTS_PREFIX)
+        x1_key, x2_key = pseudo_key(x1_key), pseudo_key(x2_key)
+    engine_mode = KernelMode.TRACE if kernel_mode is DerivedMode.PSEUDO else kernel_mode
+    params = [glob.escape(name) for name in engine_groups.selected()]  # exact names, as globs
+    with _on_device(dev, allow_tf32), prepared_problem(model, x1, x2, params=params, dtype=dtype, device=dev) as p:
+        result = _compute(p, engine_mode, impl, budget, side_cache, x1_key, x2_key, groups=engine_groups)
+    stacked = result.theta
+    return NtkGroupsResult(
+        thetas={name: stacked[g] for g, name in enumerate(resolved.names)},
+        stacked=stacked,
+        parameters=dict(zip(resolved.names, resolved.members, strict=True)),
+        mode=kernel_mode,
+        implementation=result.implementation,
+        estimate_bytes=result.estimate_bytes,
+        block_size=result.block_size,
+    )
+
+
 def _on_device(device: torch.device, allow_tf32: bool) -> contextlib.AbstractContextManager[object]:
     """Off the CPU: tensors the engine creates land on ``device``, under the TF32 policy (NOTE [device context])."""
     if device.type == "cpu":
@@ -246,12 +332,14 @@ def _compute(
     side_cache: SideCache | None,
     x1_key: Hashable | None,
     x2_key: Hashable | None,
+    groups: ParameterGroups | None = None,
 ) -> NtkResult:
+    """The kernel of a prepared call; with ``groups`` its theta is the stack (G, *theta) of the group kernels."""
     problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
     n = x1t.shape[0]
     symmetric = x2t is None or mode is KernelMode.EXAMPLE_DIAGONAL
     m = n if x2t is None else x2t.shape[0]
-    alg, plan = _choose(impl, (problem, n, m, mode, symmetric), budget)
+    alg, plan = _choose(impl, (problem, n, m, mode, symmetric), budget, 0 if groups is None else len(groups))
     theta = run_blocks(
         alg,
         problem,
@@ -262,6 +350,7 @@ def _compute(
         side_cache=side_cache,
         x1_key=x1_key,
         x2_key=x2_key,
+        groups=groups,
     )
     return NtkResult(
         theta=theta,

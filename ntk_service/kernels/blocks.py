@@ -16,6 +16,7 @@ import torch
 
 from ntk_service.kernels.algorithm import NtkAlgorithm, Side
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.planning import BlockPlan
 from ntk_service.kernels.side_cache import SideCache
@@ -23,13 +24,15 @@ from ntk_service.kernels.side_cache import SideCache
 __all__ = ["run_blocks"]
 
 
-def _swap_examples(block: torch.Tensor, mode: KernelMode) -> torch.Tensor:
-    """The block of Θ(x2, x1) from one of Θ(x1, x2): swap the example axes (and the output axes for FULL)."""
+def _swap_examples(block: torch.Tensor, mode: KernelMode, lead: int = 0) -> torch.Tensor:
+    """The block of Θ(x2, x1) from one of Θ(x1, x2): swap the example axes (and the output axes for FULL), after
+    ``lead`` leading axes (1 for a stack of group blocks)."""
+    first = tuple(range(lead))
     if mode is KernelMode.FULL:
-        return block.permute(1, 0, 3, 2)
+        return block.permute(*first, *(lead + i for i in (1, 0, 3, 2)))
     if mode is KernelMode.TRACE:
-        return block.transpose(0, 1)
-    return block.permute(1, 0, 2)
+        return block.transpose(lead, lead + 1)
+    return block.permute(*first, *(lead + i for i in (1, 0, 2)))
 
 
 class _Sides:
@@ -73,6 +76,7 @@ def run_blocks(
     side_cache: SideCache | None = None,
     x1_key: Hashable | None = None,
     x2_key: Hashable | None = None,
+    groups: ParameterGroups | None = None,
 ) -> torch.Tensor:
     """Compute theta for ``mode`` block by block.
 
@@ -84,9 +88,12 @@ def run_blocks(
         plan: block sizes from ``plan_blocks``.
         side_cache: optional LRU of sides across calls; used for a side only when its key is given.
         x1_key, x2_key: content keys of x1 and x2 for ``side_cache``.
+        groups: a partition of the problem's parameters: one kernel per group from the same sides, through the
+            algorithm's ``pair_groups`` / ``diagonal_groups``.
 
     Returns:
-        theta: (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k) OUTPUT_DIAGONAL.
+        theta: (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k) OUTPUT_DIAGONAL; with
+        ``groups`` (G, *that), one per group.
     """
     n = x1.shape[0]
     symmetric = x2 is None
@@ -95,7 +102,21 @@ def run_blocks(
     right_key = x1_key if symmetric else x2_key
     tag = (alg.implementation.value, tuple(problem.params), str(problem.dtype))
     sides = _Sides(alg, problem, side_cache, tag)
-    theta = torch.empty(result_shape(mode, n, m, problem.k), dtype=problem.dtype)
+    lead = 0 if groups is None else 1
+    head = (slice(None),) * lead  # the group axis of theta, when there is one
+    stack = () if groups is None else (len(groups),)
+    theta = torch.empty((*stack, *result_shape(mode, n, m, problem.k)), dtype=problem.dtype)
+
+    def pair(left: Side, right: Side) -> torch.Tensor:
+        if groups is None:
+            return alg.pair(problem, left, right, mode)
+        return alg.pair_groups(problem, left, right, mode, groups)  # type: ignore[attr-defined,no-any-return]
+
+    def diagonal(left: Side) -> torch.Tensor:
+        if groups is None:
+            return alg.diagonal(problem, left)
+        return alg.diagonal_groups(problem, left, groups)  # type: ignore[attr-defined,no-any-return]
+
     bn, bm = plan.block_n, plan.block_m
     if side_cache is not None and side_cache.max_bytes <= 0:
         side_cache = None  # a disabled cache: never consulted, never in the way of the joint pass
@@ -103,14 +124,14 @@ def run_blocks(
     if plan.joint_sides and x2 is not None and not cached:  # cached sides must not be views of a joint one
         with torch.no_grad():
             left, right = alg.joint_sides(problem, x1, x2)  # type: ignore[attr-defined]
-            return alg.pair(problem, left, right, mode).contiguous()
+            return pair(left, right).contiguous()
     with torch.no_grad():
         for i0 in range(0, n, bn):
             i1 = min(i0 + bn, n)
             keep_left = symmetric and alg.right_is_left and plan.keep_right_sides  # it is a later row's right side
             left = sides.get(x1, i0, i1, left=True, key=x1_key, keep=keep_left)
             if mode is KernelMode.EXAMPLE_DIAGONAL:
-                theta[i0:i1] = alg.diagonal(problem, left)
+                theta[(*head, slice(i0, i1))] = diagonal(left)
                 continue
             for j0 in range(i0 if symmetric else 0, m, bm):
                 j1 = min(j0 + bm, m)
@@ -118,10 +139,10 @@ def run_blocks(
                     right = left
                 else:
                     right = sides.get(xr, j0, j1, left=False, key=right_key, keep=plan.keep_right_sides)
-                block = alg.pair(problem, left, right, mode)
+                block = pair(left, right)
                 if symmetric and j0 == i0:
-                    block = (block + _swap_examples(block, mode)) / 2
-                theta[i0:i1, j0:j1] = block
+                    block = (block + _swap_examples(block, mode, lead)) / 2
+                theta[(*head, slice(i0, i1), slice(j0, j1))] = block
                 if symmetric and j0 != i0:
-                    theta[j0:j1, i0:i1] = _swap_examples(block, mode)
+                    theta[(*head, slice(j0, j1), slice(i0, i1))] = _swap_examples(block, mode, lead)
     return theta

@@ -26,11 +26,12 @@ from torch.func import jacrev, vmap
 
 from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
-__all__ = ["JacobianContraction", "jacobians"]
+__all__ = ["JacobianContraction", "contract_groups", "contract_groups_diagonal", "jacobians"]
 
 
 def jacobians(problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
@@ -85,6 +86,44 @@ def contract_diagonal(j1: NamedTensors) -> torch.Tensor:
     return out
 
 
+def contract_groups(j1: NamedTensors, j2: NamedTensors, mode: KernelMode, groups: ParameterGroups) -> torch.Tensor:
+    """``contract`` per parameter group: each parameter's product goes into its group's accumulator.
+
+    Returns:
+        (G, n, m, k, k) FULL, (G, n, m) TRACE, (G, n, m, k) OUTPUT_DIAGONAL, in the order of ``groups.names``.
+    """
+    first = next(iter(j1.values()))
+    n, k = first.shape[:2]
+    m = next(iter(j2.values())).shape[0]
+    of, count = groups.index, len(groups)
+    if mode is KernelMode.FULL:
+        out = first.new_zeros(count, n * k, m * k)
+        for name, a in j1.items():
+            out[of[name]].addmm_(a.reshape(n * k, -1), j2[name].reshape(m * k, -1).T)
+        return out.view(count, n, k, m, k).permute(0, 1, 3, 2, 4)
+    if mode is KernelMode.TRACE:
+        out = first.new_zeros(count, n, m)
+        for name, a in j1.items():
+            out[of[name]].addmm_(a.reshape(n, -1), j2[name].reshape(m, -1).T)
+        return out
+    if mode is KernelMode.OUTPUT_DIAGONAL:
+        out = first.new_zeros(count, k, n, m)
+        for name, a in j1.items():
+            out[of[name]].baddbmm_(a.transpose(0, 1), j2[name].permute(1, 2, 0))
+        return out.permute(0, 2, 3, 1)
+    raise ValueError(f"contract_groups: mode {mode} is contracted by contract_groups_diagonal")
+
+
+def contract_groups_diagonal(j1: NamedTensors, groups: ParameterGroups) -> torch.Tensor:
+    """EXAMPLE_DIAGONAL per parameter group from per-parameter Jacobians name -> (n, k, p): (G, n, k, k)."""
+    first = next(iter(j1.values()))
+    n, k = first.shape[:2]
+    out = first.new_zeros(len(groups), n, k, k)
+    for name, a in j1.items():
+        out[groups.index[name]].baddbmm_(a, a.transpose(1, 2))
+    return out
+
+
 class JacobianContraction:
     """The NtkAlgorithm of Jacobian contraction (see the module docstring)."""
 
@@ -111,6 +150,14 @@ class JacobianContraction:
 
     def diagonal(self, problem: NtkProblem, left: NamedTensors) -> torch.Tensor:
         return contract_diagonal(left)
+
+    def pair_groups(
+        self, problem: NtkProblem, left: NamedTensors, right: NamedTensors, mode: KernelMode, groups: ParameterGroups
+    ) -> torch.Tensor:
+        return contract_groups(left, right, mode, groups)
+
+    def diagonal_groups(self, problem: NtkProblem, left: NamedTensors, groups: ParameterGroups) -> torch.Tensor:
+        return contract_groups_diagonal(left, groups)
 
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
         kept = n * problem.k * problem.num_params * problem.itemsize

@@ -89,15 +89,25 @@ def _block_sizes(n: int, m: int) -> list[int]:
 
 
 def _estimate(
-    alg: NtkAlgorithm, problem: NtkProblem, n: int, m: int, bn: int, bm: int, mode: KernelMode, keep: bool
+    alg: NtkAlgorithm,
+    problem: NtkProblem,
+    n: int,
+    m: int,
+    bn: int,
+    bm: int,
+    mode: KernelMode,
+    keep: bool,
+    groups: int = 1,
 ) -> float:
-    result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
+    """Peak bytes of a plan; with ``groups`` kernels from the same sides, the result and every block
+    contraction's buffers are held once per group (the sides once)."""
+    result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize * groups
     left_peak, _ = alg.side_bytes(problem, bn, left=True)
     if mode is KernelMode.EXAMPLE_DIAGONAL:
-        return result + left_peak + alg.pair_bytes(problem, bn, bn, mode)
+        return result + left_peak + alg.pair_bytes(problem, bn, bn, mode) * groups
     right_peak, right_kept = alg.side_bytes(problem, bm, left=False)
     kept_total = right_kept * math.ceil(m / bm) if keep else 0.0
-    return result + left_peak + kept_total + right_peak + alg.pair_bytes(problem, bn, bm, mode)
+    return result + left_peak + kept_total + right_peak + alg.pair_bytes(problem, bn, bm, mode) * groups
 
 
 def plan_blocks(
@@ -109,6 +119,7 @@ def plan_blocks(
     *,
     symmetric: bool,
     budget_bytes: int,
+    groups: int = 1,
 ) -> BlockPlan:
     """The largest blocks whose estimated peak memory fits ``budget_bytes``.
 
@@ -119,6 +130,7 @@ def plan_blocks(
         mode: the kernel mode.
         symmetric: x2 is x1 (square blocks, only blocks on and above the diagonal).
         budget_bytes: the memory budget.
+        groups: the number of kernels computed from the same sides (``compute_ntk_groups``); 1 for one kernel.
 
     Returns:
         The BlockPlan.
@@ -129,9 +141,9 @@ def plan_blocks(
     joint = not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "joint_sides")
     joint = joint and getattr(alg, "joint_pays", lambda *_: True)(problem, n, m)
     if joint:
-        result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
+        result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize * groups
         joint_peak, _ = alg.side_bytes(problem, n + m, left=True)
-        estimate = result + joint_peak + alg.pair_bytes(problem, n, m, mode)
+        estimate = result + joint_peak + alg.pair_bytes(problem, n, m, mode) * groups
         if estimate <= budget_bytes:
             return BlockPlan(n, m, False, int(estimate), joint_sides=True, first_choice=True)
     smallest = math.inf
@@ -141,15 +153,16 @@ def plan_blocks(
         bm = bn if symmetric else min(size, m)
         single_pass = bn >= n  # every right side is used once: nothing to keep
         for keep in (False,) if single_pass else (True, False):
-            estimate = _estimate(alg, problem, n, m, bn, bm, mode, keep)
+            estimate = _estimate(alg, problem, n, m, bn, bm, mode, keep, groups)
             smallest = min(smallest, estimate)
             if estimate <= budget_bytes:
                 return BlockPlan(bn, bm, keep, int(estimate), first_choice=first)
             first = False
-    result_only = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize
+    result_only = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize * groups
+    per_group = f" and {groups} parameter groups" if groups > 1 else ""
     raise MemoryEstimateExceeded(
         f"compute_ntk: {alg.implementation.value} needs at least {format_bytes(smallest)} for mode "
-        f"{mode.value} with N={n}, M={m}, k={problem.k}, P={problem.num_params} (the result alone is "
+        f"{mode.value} with N={n}, M={m}, k={problem.k}, P={problem.num_params}{per_group} (the result alone is "
         f"{format_bytes(result_only)}), over the memory budget of {format_bytes(budget_bytes)}; use a cheaper "
         "mode (trace, output_diagonal), fewer examples, a parameter subset, or a batch job",
         estimate_bytes=int(smallest),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, ValidationError
 
 from ntk_service.errors import InvalidInput, MalformedRequest
 from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
@@ -33,8 +33,10 @@ __all__ = [
     "DatasetRef",
     "DatasetsPublic",
     "Globs",
+    "GroupName",
     "KernelOptions",
     "KernelPublic",
+    "KernelGroups",
     "KernelModeValue",
     "KernelRequest",
     "LayerName",
@@ -77,6 +79,22 @@ COUNT_DESCRIPTION = "How many items data holds."
 
 Globs = Annotated[list[Glob], Field(max_length=MAX_GLOBS)]
 """Glob patterns over parameter names (``fnmatch``), at most MAX_GLOBS."""
+
+GroupName = Annotated[str, Field(min_length=1, max_length=QUERY_MAX_LENGTH)]
+"""The name of a parameter group (``groups`` of a kernel request)."""
+
+
+def _groups_kind(value: Any) -> str:
+    """Which form of ``groups`` a value is meant as, so a bad one gets that form's error alone."""
+    return "modules" if isinstance(value, str) else "mapping"
+
+
+KernelGroups = Annotated[
+    Annotated[Literal["modules"], Tag("modules")]
+    | Annotated[dict[GroupName, Globs], Field(min_length=1, max_length=MAX_GLOBS), Tag("mapping")],
+    Discriminator(_groups_kind),
+]
+"""``groups`` of a kernel request: "modules", or 1 to MAX_GLOBS named groups of globs (``compute_ntk_groups``)."""
 
 LayerName = Annotated[str, Field(max_length=QUERY_MAX_LENGTH)]
 """A module name as ``named_modules()`` gives it, e.g. ``"layers.3.body.1"`` ("" is the model itself)."""
@@ -152,6 +170,12 @@ class KernelOptions(BaseModel):
     )
     dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
     version: int | None = Field(default=None, ge=1, le=INT64_MAX, description="Model version. Default: the latest.")
+    groups: KernelGroups | None = Field(
+        default=None,
+        description='Per-layer kernels: "modules" (one group per module with parameters) or {"name": [globs]}; '
+        "the answer has one kernel per group (JSON groups[], or a safetensors tensor per group). Not with params.",
+    )
+    rest: bool = Field(default=False, description="With groups: the parameters no group lists, as a group 'rest'.")
 
 
 class KernelRequest(KernelOptions):

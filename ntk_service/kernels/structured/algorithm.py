@@ -33,6 +33,7 @@ import math
 import torch
 
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured.analysis import analyze
@@ -192,6 +193,46 @@ class Structured:
             add_jacobian_diagonal(acc, j)
         return acc.tensor
 
+    def pair_groups(
+        self,
+        problem: NtkProblem,
+        left: StructuredSide,
+        right: StructuredSide,
+        mode: KernelMode,
+        groups: ParameterGroups,
+    ) -> torch.Tensor:
+        """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
+        kernels] in groups.py)."""
+        terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
+        accs = [self._new_accumulator(problem, mode, left, right) for _ in groups.names]
+        for term, lf, rf in zip(terms.factored, left.factored, right.factored, strict=True):
+            bias = None if term.bias is None else of[term.bias]  # the folded bias's group
+            bias_apart = bias is not None and bias != of[term.name]
+            plus_one = bias is not None and not bias_apart
+            add_factored(accs[of[term.name]], lf, rf, index=term.index, plus_one=plus_one, shared_delta=shared)
+            if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A
+                add_factored(
+                    accs[bias], _no_inputs(lf), _no_inputs(rf), index=False, plus_one=True, shared_delta=shared
+                )
+        for name, j1 in left.jacobians.items():
+            add_jacobian(accs[of[name]], j1, right.jacobians[name])
+        return torch.stack([finish(acc) for acc in accs])
+
+    def diagonal_groups(self, problem: NtkProblem, left: StructuredSide, groups: ParameterGroups) -> torch.Tensor:
+        """EXAMPLE_DIAGONAL per parameter group, (G, n, k, k)."""
+        terms, of = self.terms(problem), groups.index
+        accs = [self._new_accumulator(problem, KernelMode.EXAMPLE_DIAGONAL, left, left) for _ in groups.names]
+        for term, side in zip(terms.factored, left.factored, strict=True):
+            bias = None if term.bias is None else of[term.bias]
+            bias_apart = bias is not None and bias != of[term.name]
+            plus_one = bias is not None and not bias_apart
+            add_factored_diagonal(accs[of[term.name]], side, index=term.index, plus_one=plus_one)
+            if bias is not None and bias_apart:
+                add_factored_diagonal(accs[bias], _no_inputs(side), index=False, plus_one=True)
+        for name, j in left.jacobians.items():
+            add_jacobian_diagonal(accs[of[name]], j)
+        return torch.stack([acc.tensor for acc in accs])
+
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
         terms = self.terms(problem)
         plan, k, item = terms.plan, problem.k, problem.itemsize
@@ -292,3 +333,8 @@ def _side(
     jacobians.update(cap.fallback_jacobians)
     # the layout of a Jacobian made by a rule's matmul or by jacrev: read once, here, where its descriptor is made
     return StructuredSide(tuple(factored), {name: JacobianSide(j, Layout.of(j)) for name, j in jacobians.items()})
+
+
+def _no_inputs(side: FactorSide) -> FactorSide:
+    """A factored term's factors with A one zero input column, (n, G, T, 1): its G^A is 0, + 1 the bias's."""
+    return FactorSide(torch.zeros_like(side.a[..., :1]), side.d)

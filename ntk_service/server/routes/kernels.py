@@ -20,9 +20,18 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, format_bytes
-from ntk_service.kernels import NtkImplementation, NtkResult
+from ntk_service.kernels import NtkGroupsResult, NtkImplementation, NtkResult
 from ntk_service.kernels.modes import parse_any_mode, result_shape
 from ntk_service.server.deps import ReadAccess
+from ntk_service.server.group_kernels import (
+    GROUP_RESPONSE_TYPES,
+    MAX_GROUPS_QUERY_LENGTH,
+    KernelGroupsPublic,
+    check_group_options,
+    encode_groups,
+    parse_groups_query,
+    run_group_kernel,
+)
 from ntk_service.server.kernel_inputs import (
     MIN_JSON_BYTES_PER_VALUE,
     ComputeContextDep,
@@ -86,8 +95,8 @@ async def _read_request(
 
 @router.post(
     "/v1/models/{name}/ntk",
-    response_model=KernelPublic,
-    summary="Compute the empirical NTK of a model version on x1 (and x2)",
+    response_model=KernelPublic | KernelGroupsPublic,
+    summary="Compute the empirical NTK of a model version on x1 (and x2), or one per parameter group",
     responses={200: {"content": {wire.MEDIA_NPY: {}, wire.MEDIA_SAFETENSORS: {}}}},
     openapi_extra=openapi_body(
         KernelRequest,
@@ -111,13 +120,31 @@ async def compute_kernel(
     version: Annotated[
         int | None, Query(ge=1, le=INT64_MAX, description="Binary bodies only. Default: latest.")
     ] = None,
+    groups: Annotated[
+        str | None,
+        Query(
+            max_length=MAX_GROUPS_QUERY_LENGTH,
+            description='Binary bodies only: "modules" or a JSON object {"name": ["glob", ...]}.',
+        ),
+    ] = None,
+    rest: Annotated[bool | None, Query(description="Binary bodies only; with groups.")] = None,
 ) -> Response:
     operation = f"ntk of model {name!r}"
-    given = {"mode": mode, "implementation": implementation, "params": params, "dtype": dtype, "version": version}
+    given = {
+        "mode": mode,
+        "implementation": implementation,
+        "params": params,
+        "dtype": dtype,
+        "version": version,
+        "groups": parse_groups_query(groups, operation=operation),
+        "rest": rest,
+    }
     chosen = {key: value for key, value in given.items() if value is not None}
-    query = KernelOptions.model_validate(chosen) if chosen else None
+    query = validate_body(KernelOptions, chosen, operation=operation) if chosen else None
     x1_raw, x2_raw, options = await _read_request(request, query, operation=operation)
-    response_type = negotiate(request, RESPONSE_TYPES, operation=operation)
+    check_group_options(options, operation=operation)
+    offered = RESPONSE_TYPES if options.groups is None else GROUP_RESPONSE_TYPES
+    response_type = negotiate(request, offered, operation=operation)
 
     record, x1, x2 = await load_sides(ctx, name, options.version, x1_raw, x2_raw, operation=operation)
     settings = ctx.settings
@@ -126,13 +153,16 @@ async def compute_kernel(
         n = x1.array.shape[0]
         m = n if x2 is None else x2.array.shape[0]
         numel = math.prod(result_shape(parse_any_mode(options.mode), n, m, record.output_dim))
+        if isinstance(options.groups, dict):  # at least one kernel per group ("modules": known after the compute)
+            numel *= len(options.groups) + int(options.rest)
         if numel * MIN_JSON_BYTES_PER_VALUE > cap:
             raise json_too_large(f"at least {format_bytes(numel * MIN_JSON_BYTES_PER_VALUE)}", cap, operation=operation)
 
-    def run() -> tuple[Response, NtkResult, float]:
+    def run() -> tuple[Response, NtkResult | NtkGroupsResult, float]:
         # compute and encode in one worker-thread hop: each hop costs milliseconds on a loaded machine
         _, module = ctx.registry.load_module(record.name, record.version)
-        result, seconds = run_kernel(
+        compute = run_kernel if options.groups is None else run_group_kernel
+        result, seconds = compute(
             module,
             x1,
             x2,
@@ -151,6 +181,8 @@ async def compute_kernel(
             "version": record.version,
             "elapsed_ms": round(seconds * 1000, 3),
         }
+        if isinstance(result, NtkGroupsResult):
+            return encode_groups(result, response_type, meta, cap=cap, operation=operation), result, seconds
         return (
             encode_theta(result.theta.detach().cpu().numpy(), response_type, meta, cap=cap, operation=operation),
             result,

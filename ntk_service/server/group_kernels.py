@@ -1,0 +1,159 @@
+"""Per-layer kernels over HTTP: ``groups`` on ``POST /v1/models/{name}/ntk`` (``compute_ntk_groups``).
+
+A request with ``groups`` ("modules", or ``{"name": ["glob", ...]}``; in the query of a binary body, "modules" or
+that object as JSON text) answers one kernel per group:
+
+- JSON: ``{"groups": [{"name", "parameters", "theta"}, ...], "mode", "implementation", "model", "version",
+  "elapsed_ms"}``, the groups in the order of the request;
+- ``Accept: application/x-safetensors``: one tensor per group, named by the group, with the metadata as strings
+  (``groups``: the names in order, as a JSON list; ``parameters``: a JSON object of the names in each group).
+
+A grouped answer is several tensors, so ``application/x-npy`` is not offered (406 naming the two that are).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from ntk_service import wire
+from ntk_service.errors import InvalidInput, format_bytes
+from ntk_service.kernels import NtkGroupsResult, NtkImplementation, SideCache, compute_ntk_groups
+from ntk_service.registry import ModelRecord
+from ntk_service.server.kernel_inputs import KernelInput, run_model
+from ntk_service.server.media import json_too_large
+from ntk_service.server.schemas import KernelModeValue, KernelOptions, TensorJson
+
+__all__ = [
+    "GROUP_RESPONSE_TYPES",
+    "MAX_GROUPS_QUERY_LENGTH",
+    "GroupKernelPublic",
+    "KernelGroupsPublic",
+    "check_group_options",
+    "encode_groups",
+    "parse_groups_query",
+    "run_group_kernel",
+]
+
+GROUP_RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_SAFETENSORS)
+"""What a grouped kernel answer can be, JSON first."""
+
+MAX_GROUPS_QUERY_LENGTH = 16384
+"""Longest ``groups`` query value (a JSON object of groups and globs); longer groupings go in a JSON body."""
+
+_RESERVED_NAMES = frozenset({"__metadata__"})
+"""Names a safetensors body cannot give a tensor (its header's metadata entry)."""
+
+
+class GroupKernelPublic(BaseModel):
+    """One group's kernel in the JSON answer."""
+
+    name: str
+    parameters: list[str]
+    theta: TensorJson
+
+
+class KernelGroupsPublic(BaseModel):
+    """The JSON answer of a kernel request with ``groups``."""
+
+    groups: list[GroupKernelPublic]
+    mode: KernelModeValue
+    implementation: NtkImplementation
+    model: str
+    version: int
+    elapsed_ms: float
+
+
+def parse_groups_query(value: str | None, *, operation: str) -> Any:
+    """The ``groups`` query value of a binary-body request: "modules", or a JSON object text (None when absent)."""
+    if value is None or value == "modules":
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise InvalidInput(
+            f'{operation}: groups={value!r} in the query must be "modules" or a JSON object '
+            '{"name": ["glob", ...]}, e.g. groups={"head":["head.*"]} (URL-encoded)'
+        )
+    return parsed
+
+
+def check_group_options(options: KernelOptions, *, operation: str) -> None:
+    """Refuse what a grouped request cannot mean before any work: params beside groups, rest without groups, a
+    group name a safetensors answer cannot carry."""
+    if options.groups is not None and options.params is not None:
+        raise InvalidInput(f"{operation}: params and groups both select parameters; put the globs in groups")
+    if options.rest and options.groups is None:
+        raise InvalidInput(f"{operation}: rest=true needs groups")
+    if isinstance(options.groups, dict):
+        bad = sorted(_RESERVED_NAMES & set(options.groups))
+        if bad:
+            raise InvalidInput(f"{operation}: group name {bad[0]!r} is reserved by the safetensors format; rename it")
+
+
+def run_group_kernel(
+    module: torch.nn.Module,
+    x1: KernelInput,
+    x2: KernelInput | None,
+    options: KernelOptions,
+    *,
+    record: ModelRecord,
+    budget: int | None,
+    side_cache: SideCache | None,
+    operation: str,
+    device: str = "cpu",
+    allow_tf32: bool = False,
+) -> tuple[NtkGroupsResult, float]:
+    """``kernel_inputs.run_kernel`` for a request with ``groups``: ``compute_ntk_groups`` (blocking) and its wall
+    time in seconds."""
+    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
+    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
+        side_cache = None  # nothing to reuse: the engine may then take its joint pass
+    groups: Any = options.groups
+
+    def call() -> NtkGroupsResult:
+        return compute_ntk_groups(
+            module,
+            torch.from_numpy(x1.array),
+            None if x2 is None else torch.from_numpy(x2.array),
+            groups=groups,
+            rest=options.rest,
+            mode=options.mode,
+            implementation=options.implementation,
+            dtype=options.dtype,
+            memory_budget_bytes=budget,
+            side_cache=side_cache,
+            device=device,
+            allow_tf32=allow_tf32,
+            x1_key=x1.key,
+            x2_key=None if x2 is None else x2.key,
+        )
+
+    return run_model(call, record=record, operation=operation, device=device)
+
+
+def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:
+    """The group kernels as ``media``: safetensors (a tensor per group) or JSON (406 over ``cap`` bytes)."""
+    arrays = {name: theta.detach().cpu().numpy() for name, theta in result.thetas.items()}
+    parameters = {name: list(names) for name, names in result.parameters.items()}
+    if media == wire.MEDIA_SAFETENSORS:
+        metadata = {key: str(value) for key, value in meta.items()}
+        metadata["groups"] = json.dumps(list(arrays))
+        metadata["parameters"] = json.dumps(parameters)
+        return Response(wire.encode_safetensors(arrays, metadata), media_type=media)
+    entries = [
+        {"name": name, "parameters": parameters[name], "theta": wire.tensor_to_json(theta)}
+        for name, theta in arrays.items()
+    ]
+    body = wire.json_dumps({"groups": entries, **meta})
+    if len(body) > cap:
+        raise json_too_large(
+            format_bytes(len(body)), cap, operation=operation, hint=" (group kernels: safetensors, not npy)"
+        )
+    return Response(body, media_type=wire.MEDIA_JSON)
