@@ -227,6 +227,12 @@ def bench_case(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", choices=["real", "peer"], help="issue 18's case lists (see top)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        metavar="MODEL:N:MODE[:C1,C2]",
+        help="one case (repeatable, run in this order), optionally with its own contenders; replaces the lists",
+    )
     parser.add_argument("--models", nargs="+", default=["resnet", "transformer"], choices=sorted(MODELS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[32])
     parser.add_argument("--modes", nargs="+", default=["full", "trace"], choices=["full", "trace"])
@@ -248,7 +254,12 @@ def main() -> None:
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load {os.getloadavg()[0]:.1f}"
     )
     cases: list[tuple[list[str], tuple[str, int, str]]] = []
-    if args.cases:
+    if args.case:
+        for text in args.case:
+            name, n_text, mode, *chosen = text.split(":")
+            own = chosen[0].split(",") if chosen else args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
+            cases.append((own, (name, int(n_text), mode)))
+    elif args.cases:
         real = args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
         cases += [(real, case) for case in REAL_CASES] if "real" in args.cases else []
         cases += [(["auto", "nt_sd"], case) for case in PEER_CASES] if "peer" in args.cases else []
