@@ -1,6 +1,7 @@
 """The two benchmark models, in torch, seeded so every benchmark script builds the same weights.
 
 - ``make_mlp()``: 784-512-512-10, ReLU, biases. Input (N, 784), output (N, 10), P = 669,706.
+- ``make_mlp_wide()``: 784-2048-2048-10, the same otherwise. P = 5,824,522.
 - ``make_cnn()``: input (N, 3, 32, 32); conv 3x3 3->32, ReLU, conv 3x3 stride 2 32->32, ReLU, flatten,
   Linear 6272->10; no padding. Output (N, 10), P = 72,906.
 - ``make_resnet()``: a CIFAR-style ResNet on (N, 3, 32, 32): conv 3x3 3->16 + BN + ReLU, three basic blocks
@@ -33,6 +34,7 @@ INPUT_SEED = 1
 
 INPUT_SHAPES: dict[str, tuple[int, ...]] = {
     "mlp": (784,),
+    "mlp2048": (784,),
     "cnn": (3, 32, 32),
     "resnet": (3, 32, 32),
     "transformer": (32,),
@@ -51,12 +53,19 @@ def _seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
     return model.eval()
 
 
-def make_mlp(seed: int = MODEL_SEED) -> nn.Module:
-    """MLP 784-512-512-10 with ReLU and biases (torch's default init, seeded). Output (N, 10)."""
+def make_mlp(seed: int = MODEL_SEED, width: int = 512) -> nn.Module:
+    """MLP 784-width-width-10 with ReLU and biases (torch's default init, seeded). Output (N, 10)."""
     return _seeded(
-        lambda: nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)),
+        lambda: nn.Sequential(
+            nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+        ),
         seed,
     )
+
+
+def make_mlp_wide(seed: int = MODEL_SEED) -> nn.Module:
+    """MLP 784-2048-2048-10 (``make_mlp`` with width 2048)."""
+    return make_mlp(seed, width=2048)
 
 
 def make_cnn(seed: int = MODEL_SEED) -> nn.Module:
@@ -174,11 +183,12 @@ def make_transformer(seed: int = MODEL_SEED) -> nn.Module:
 
 MODELS: dict[str, Callable[[], nn.Module]] = {
     "mlp": make_mlp,
+    "mlp2048": make_mlp_wide,
     "cnn": make_cnn,
     "resnet": make_resnet,
     "transformer": make_transformer,
 }
-"""Benchmark model name -> builder; mlp and cnn match ``peer_neural_tangents.py --models``."""
+"""Benchmark model name -> builder; each matches ``peer_neural_tangents.py --models``."""
 
 
 def make_inputs(name: str, n: int, seed: int = INPUT_SEED) -> torch.Tensor:
@@ -194,26 +204,36 @@ def model_name(model: nn.Module) -> str:
     return "cnn" if any(isinstance(m, nn.Conv2d) for m in model.modules()) else "mlp"
 
 
-def export_weights_npz(model: nn.Module, x1: torch.Tensor, path: str | Path, x2: torch.Tensor | None = None) -> None:
+def export_weights_npz(
+    model: nn.Module, x1: torch.Tensor, path: str | Path, x2: torch.Tensor | None = None, name: str | None = None
+) -> None:
     """Write ``model``'s weights and the inputs for ``peer_neural_tangents.py --check``.
 
     Args:
-        model: one of the benchmark models (``make_mlp()``/``make_cnn()`` architecture, any weights).
-        x1: (N, *input) inputs, torch layout (NCHW for the CNN).
+        model: one of the benchmark models (any weights).
+        x1: (N, *input) inputs, torch layout (NCHW for images).
         path: the .npz file to write.
         x2: (M, *input) second inputs. Default: ``x1``.
+        name: the benchmark model's name (``MODELS``). Default: ``model_name(model)`` ('mlp' or 'cnn').
 
-    The file holds ``model`` ('mlp'|'cnn'), ``x1``, ``x2`` and, for the i-th Linear/Conv2d in forward order,
-    ``layer{i}_weight`` (torch layout: Linear (out, in), Conv2d (out, in, kh, kw)) and ``layer{i}_bias``.
+    The file holds ``model`` (the name), ``x1``, ``x2`` and, for 'mlp', 'mlp2048' and 'cnn', for the i-th
+    Linear/Conv2d in forward order, ``layer{i}_weight`` (torch layout: Linear (out, in), Conv2d (out, in, kh, kw))
+    and ``layer{i}_bias``; for 'resnet' and 'transformer' every parameter as ``param:<name>`` and every buffer as
+    ``buffer:<name>`` (torch names and layouts).
     """
     x2 = x1 if x2 is None else x2
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+    name = model_name(model) if name is None else name
     arrays: dict[str, np.ndarray] = {
-        "model": np.array(model_name(model)),
-        "x1": x1.detach().float().numpy(),
-        "x2": x2.detach().float().numpy(),
+        "model": np.array(name),
+        "x1": x1.detach().numpy() if name == "transformer" else x1.detach().float().numpy(),
+        "x2": x2.detach().numpy() if name == "transformer" else x2.detach().float().numpy(),
     }
-    for i, layer in enumerate(layers):
-        arrays[f"layer{i}_weight"] = layer.weight.detach().float().numpy()
-        arrays[f"layer{i}_bias"] = layer.bias.detach().float().numpy()
+    if name in ("resnet", "transformer"):
+        arrays |= {f"param:{key}": value.detach().float().numpy() for key, value in model.named_parameters()}
+        arrays |= {f"buffer:{key}": value.detach().float().numpy() for key, value in model.named_buffers()}
+    else:
+        layers = [m for m in model.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+        for i, layer in enumerate(layers):
+            arrays[f"layer{i}_weight"] = layer.weight.detach().float().numpy()
+            arrays[f"layer{i}_bias"] = layer.bias.detach().float().numpy()
     np.savez(path, **arrays)

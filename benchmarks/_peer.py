@@ -12,8 +12,10 @@ The peer needs jax 0.4.25 and numpy<2, which must not touch the project's ``.ven
 from __future__ import annotations
 
 import json
+import select
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,10 +53,16 @@ class PeerSession:
 
     with PeerSession() as peer:
         seconds = peer.time_once("mlp", 64, "structured_derivatives")  # first call compiles and warms up
+
+    ``memory_limit_bytes``: the peer is killed (``PeerUnavailableError``, ``out_of_memory`` set) once its resident
+    memory passes this, so a case that cannot run on a shared machine is reported instead of taking the machine's
+    memory; ``time_once(..., timeout=)`` likewise for time. A killed session cannot be used again.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, memory_limit_bytes: int | None = None) -> None:
         _require_venv()
+        self.memory_limit_bytes = memory_limit_bytes
+        self.last: dict[str, Any] = {}
         self._proc = subprocess.Popen(
             [str(PEER_PYTHON), str(PEER_SCRIPT), "--serve"],
             stdin=subprocess.PIPE,
@@ -63,18 +71,42 @@ class PeerSession:
             text=True,
         )
 
-    def time_once(self, model: str, n: int, implementation: str) -> float:
-        """Seconds of one run of the peer's full kernel (N = M = n)."""
+    def _rss_bytes(self) -> int:
+        try:
+            with open(f"/proc/{self._proc.pid}/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            return 0
+
+    def _kill(self, why: str) -> PeerUnavailableError:
+        self._proc.kill()
+        self._proc.wait(timeout=60)
+        return PeerUnavailableError(f"PeerSession: {why}")
+
+    def time_once(
+        self, model: str, n: int, implementation: str, mode: str = "full", timeout: float | None = None
+    ) -> float:
+        """Seconds of one run of the peer's kernel (N = M = n; mode 'full' or 'trace'); the peer's whole answer
+        (``compile_seconds`` on the first request of a case, ``vmhwm_kib``) is kept in ``last``."""
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._proc.stdin.write(f"{model} {n} {implementation}\n")
+        self._proc.stdin.write(f"{model} {n} {implementation} {mode}\n")
         self._proc.stdin.flush()
+        start = time.monotonic()
+        while not select.select([self._proc.stdout], [], [], 0.2)[0]:
+            if self.memory_limit_bytes is not None and self._rss_bytes() > self.memory_limit_bytes:
+                raise self._kill(f"out of memory: the peer passed {self.memory_limit_bytes / 2**30:.0f} GiB resident")
+            if timeout is not None and time.monotonic() - start > timeout:
+                raise self._kill(f"timed out: no answer within {timeout:.0f} s")
         line = self._proc.stdout.readline()
         if not line:
             stderr = self._proc.stderr.read() if self._proc.stderr else ""
             raise PeerUnavailableError(f"PeerSession: the peer exited; its stderr ends:\n{stderr[-3000:]}")
-        return float(json.loads(line)["seconds"])
+        self.last = json.loads(line)
+        return float(self.last["seconds"])
 
     def close(self) -> None:
+        if self._proc.poll() is not None:
+            return
         if self._proc.stdin is not None:
             self._proc.stdin.close()
         self._proc.wait(timeout=60)
@@ -140,20 +172,22 @@ def peer_kernel(
     x1: torch.Tensor,
     x2: torch.Tensor | None = None,
     implementations: Sequence[str] = PEER_IMPLEMENTATIONS,
+    name: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """neural-tangents' full kernel of a benchmark model on our weights and inputs.
 
     Args:
-        model: ``make_mlp()``/``make_cnn()`` architecture (any weights).
+        model: a benchmark model's architecture (any weights).
         x1: (N, *input) torch layout. x2: (M, *input). Default: ``x1``.
         implementations: which NT implementations to run. Default: all three.
+        name: the benchmark model's name (``_models.MODELS``). Default: 'cnn' if it has a Conv2d, else 'mlp'.
 
     Returns:
         implementation -> theta (N, M, k, k) float32.
     """
     with tempfile.TemporaryDirectory(prefix="ntk-peer-") as tmp:
         weights, out = Path(tmp) / "weights.npz", Path(tmp) / "theta.npz"
-        export_weights_npz(model, x1, weights, x2=x2)
+        export_weights_npz(model, x1, weights, x2=x2, name=name)
         _run(["--check", str(weights), "--out", str(out), "--implementations", *implementations], None)
         with np.load(out) as data:
             return {impl: torch.from_numpy(data[f"theta_{impl}"]) for impl in implementations}
@@ -166,6 +200,7 @@ def check_peer_kernel(
     theta: torch.Tensor,
     implementations: Sequence[str] = PEER_IMPLEMENTATIONS,
     rtol: float = CHECK_RTOL,
+    name: str | None = None,
 ) -> dict[str, float]:
     """Check that our full kernel ``theta`` (N, M, k, k) equals neural-tangents' on the same weights.
 
@@ -176,7 +211,7 @@ def check_peer_kernel(
         AssertionError: an implementation differs by more than ``rtol`` (relative to max|theta|).
     """
     errors = {}
-    for implementation, theta_nt in peer_kernel(model, x1, x2, implementations).items():
+    for implementation, theta_nt in peer_kernel(model, x1, x2, implementations, name).items():
         if theta_nt.shape != theta.shape:
             raise AssertionError(
                 f"check_peer_kernel: neural-tangents {implementation} gave shape {tuple(theta_nt.shape)}, "

@@ -1,32 +1,44 @@
-"""The ResNet and the transformer (benchmarks/_models.py) side by side: our ``auto``, ``structured`` and
-``jacobian_contraction`` against the torch.func tutorial's Jacobian contraction, FULL and TRACE, float32.
+"""Issue 18's side-by-side run: our ``auto`` (and optionally ``structured``, ``jacobian_contraction``) against the
+torch.func tutorial's Jacobian contraction and neural-tangents (structured derivatives ``nt_sd``, Jacobian
+contraction ``nt_jc``), FULL and TRACE, float32, on the ResNet and the transformer (``--cases real``, N = M = 32
+and 128) and on the MLP / CNN cases of the neural-tangents target (``--cases peer``).
 
-Time: every contender of a case runs once per round, in turn (round-robin), for many rounds in this one process,
-so all see the same moments of a shared machine; medians, and each contender's ratio to the tutorial. A 2048²
-float32 matmul joins the rounds as the machine's matmul rate at that moment (the "peak" the GFLOP/s compare with).
-GFLOP/s count the Jacobian-contraction work of the case, (N + M)·[FP]·(1 + 2k) + 2·N·M·k²·P (FULL; k·P for
-TRACE), with [FP] the forward FLOPs of one example counted by the engine, the same numerator for every contender.
+Time: every contender of a case runs once per round, in turn (ours and the peer's interleaved), for ``--rounds``
+rounds (more, up to ``--case-seconds``, for fast cases), all in this one process but the peer, which runs in
+``.peer-venv`` as a long-lived process (``_peer.PeerSession``, ``make peer-venv``) timing one jitted run per
+request, so all see the same moments of a shared machine; medians, and each contender's time relative to ours.
+A 2048² float32 matmul joins the rounds as the machine's matmul rate at that moment (the "peak" the GFLOP/s
+compare with). GFLOP/s count the Jacobian-contraction work of the case, (N + M)·[FP]·(1 + 2k) + 2·N·M·k²·P (FULL;
+k·P for TRACE), with [FP] the forward FLOPs of one example counted by the engine, the same numerator for every
+contender (a faster algorithm can pass 100 %).
 
-CPU s: the process's user + system time over the call (less sensitive to other processes than wall time).
-Memory: each contender once more in its own fresh process (``--memory``): the growth of the peak RSS over that
-one call, after the model and inputs are built.
+CPU s: the process's user + system time over the call (ours and the tutorial only). Memory (``--memory``): each
+contender once more in its own fresh process: the growth of VmHWM over one call, after the model and inputs are
+built (not ``ru_maxrss``: Linux carries a parent's peak over fork and exec); for the peer (†), the growth of VmHWM
+of its own process for that case and contender, over compiling and all the case's runs (compilation included).
+A peer case that passes ``--peer-memory-gib`` resident or ``--peer-timeout`` is killed and reported as not run.
 
-    .venv/bin/python benchmarks/bench_real_models.py                       # N = M = 32, 9 rounds, memory
-    .venv/bin/python benchmarks/bench_real_models.py --sizes 32 128 --rounds 5 --models resnet
-    .venv/bin/python benchmarks/bench_real_models.py --contenders auto tutorial --no-memory
+    .venv/bin/python benchmarks/bench_real_models.py --cases real peer       # the whole table (~30 min, shared)
+    .venv/bin/python benchmarks/bench_real_models.py --models resnet --sizes 32 --contenders auto tutorial
+    .venv/bin/python benchmarks/bench_real_models.py --cases peer --no-memory
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+# NOTE [OpenMP wait policy] in bench_structured.py: on a shared machine spin-waiting threads wait scheduler slices.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -34,17 +46,31 @@ sys.path.insert(0, str(ROOT.parent))
 
 import torch  # noqa: E402
 from _models import MODELS, make_inputs  # noqa: E402
+from _peer import PeerSession, PeerUnavailableError  # noqa: E402
 from torchfunc_tutorial import tutorial_ntk  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
+from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
 from ntk_service.kernels.problem_pool import prepared_problem  # noqa: E402
 
-CONTENDERS = ("auto", "structured", "jacobian_contraction", "tutorial")
+OURS = ("auto", "structured", "jacobian_contraction")
+PEERS = {"nt_sd": "structured_derivatives", "nt_jc": "jacobian_contraction"}
+CONTENDERS = (*OURS, "tutorial", *PEERS)
 MATMUL = 2048
+
+REAL_CASES = [(name, n, mode) for name in ("resnet", "transformer") for n in (32, 128) for mode in ("full", "trace")]
+PEER_CASES = [("mlp", 64, "full"), ("mlp", 64, "trace"), ("mlp", 256, "full"), ("mlp2048", 16, "full"),
+              ("cnn", 64, "full")]  # fmt: skip
+"""The neural-tangents target's cases (>= 1.5x its structured derivatives), run against ``nt_sd`` only."""
+
+NT_SD_TRANSFORMER = (
+    "neural-tangents' structured derivatives on the transformer compiled for 224 s and ran 26 s at N = M = 2 "
+    "(`peer_neural_tangents.py --models transformer --sizes 2`, 2026-12-01, shared machine), so it is not timed"
+)
 
 
 def _call(contender: str, model: torch.nn.Module, x1: torch.Tensor, x2: torch.Tensor, mode: str) -> str:
-    """Run one contender once; returns what ran (the implementation AUTO picked, or the contender)."""
+    """Run one of our contenders or the tutorial once; returns what ran (the implementation AUTO picked)."""
     if contender == "tutorial":
         tutorial_ntk(model, x1, x2, mode)
         return contender
@@ -67,93 +93,193 @@ def _high_water_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
-def _memory(name: str, n: int, mode: str, contender: str) -> float:
-    """Peak-RSS growth (MiB) of one call in a fresh process."""
+def _memory(name: str, n: int, mode: str, contender: str) -> str:
+    """Peak-RSS growth (MiB) of one call of ours or the tutorial in a fresh process, as table text."""
     code = "\n".join(
         [
-            f"import sys, json, resource; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT.parent)!r}]",
+            f"import sys, json; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT.parent)!r}]",
             "import torch; torch.set_num_threads(2)",
-            "from bench_real_models import _call",
+            "from bench_real_models import _call, _high_water_kib",
             "from _models import MODELS, make_inputs",
             f"model = MODELS[{name!r}](); x1, x2 = make_inputs({name!r}, {n}), make_inputs({name!r}, {n}, seed=2)",
-            "from bench_real_models import _high_water_kib",
             "base = _high_water_kib()",
             f"_call({contender!r}, model, x1, x2, {mode!r})",
             "print(json.dumps((_high_water_kib() - base) / 1024))",
         ]
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+    return f"{float(json.loads(out.stdout.strip().splitlines()[-1])):.0f}"
 
 
-def memory_case(name: str, n: int, mode: str, contenders: list[str]) -> None:
-    print(f"\n{name} N=M={n} {mode}: peak RSS growth of one call in a fresh process")
-    for c in contenders:
-        print(f"  {c:<28} {_memory(name, n, mode, c):7.0f} MiB")
+@dataclass
+class _Peer:
+    """One fresh peer process per contender and case (so its VmHWM is that case's), killed past the limits."""
+
+    memory_limit_bytes: int
+    timeout: float
+    sessions: dict[str, PeerSession] = field(default_factory=dict)
+    base_kib: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+
+    def time_once(self, contender: str, name: str, n: int, mode: str) -> float:
+        if contender in self.failed:
+            raise PeerUnavailableError(self.failed[contender])
+        session = self.sessions.get(contender)
+        if session is None:
+            session = self.sessions[contender] = PeerSession(memory_limit_bytes=self.memory_limit_bytes)
+        try:
+            seconds = session.time_once(name, n, PEERS[contender], mode, timeout=self.timeout)
+        except PeerUnavailableError as exc:
+            del self.sessions[contender]
+            self.failed[contender] = str(exc).splitlines()[0].removeprefix("PeerSession: ")
+            raise
+        if "base_kib" in session.last:
+            self.base_kib[contender] = session.last["base_kib"]
+            self.compile_seconds[contender] = session.last["compile_seconds"]
+        return seconds
+
+    def peak_mib(self, contender: str) -> float:
+        """VmHWM growth of the contender's process over this case (compiling included)."""
+        return (self.sessions[contender].last["vmhwm_kib"] - self.base_kib[contender]) / 1024
+
+    def end_case(self) -> None:
+        for session in self.sessions.values():
+            session.close()
+        self.sessions.clear()
+        self.base_kib.clear()
+        self.failed.clear()
+        self.compile_seconds.clear()
 
 
-def bench_case(name: str, n: int, mode: str, contenders: list[str], rounds: int, memory: bool) -> None:
+def bench_case(
+    name: str, n: int, mode: str, contenders: list[str], args: argparse.Namespace, peer: _Peer | None
+) -> None:
     model = MODELS[name]()
     x1, x2 = make_inputs(name, n), make_inputs(name, n, seed=2)
     flops = _work_flops(model, x1, x2, mode)
     a = torch.randn(MATMUL, MATMUL)
-    calls: dict[str, Callable[[], str]] = {c: (lambda c=c: _call(c, model, x1, x2, mode)) for c in contenders}
+    calls: dict[str, Callable[[], str]] = {}
+    for c in contenders:
+        if c in PEERS:
+            if peer is not None:
+                calls[c] = lambda c=c: str(peer.time_once(c, name, n, mode))  # type: ignore[union-attr]
+        else:
+            calls[c] = lambda c=c: _call(c, model, x1, x2, mode)
     calls["matmul"] = lambda: str(float((a @ a)[0, 0]))
-    ran = {c: call() for c, call in calls.items()}  # warm-up (and what AUTO picks)
+    ran: dict[str, str] = {}
+    for c, call in list(calls.items()):  # warm-up (the peer compiles; AUTO's pick)
+        try:
+            ran[c] = call()
+            if c in PEERS and peer is not None:
+                ran[c] = f"compile {peer.compile_seconds[c]:.0f} s"
+        except PeerUnavailableError as exc:
+            ran[c] = f"not run: {str(exc).splitlines()[0].removeprefix('PeerSession: ')}"
+            del calls[c]
     times: dict[str, list[float]] = {c: [] for c in calls}
     faults: dict[str, list[float]] = {c: [] for c in calls}
     cpu: dict[str, list[float]] = {c: [] for c in calls}
-    for _ in range(rounds):
+    start_case = time.perf_counter()
+    rounds = 0
+    while rounds < args.rounds or (time.perf_counter() - start_case < args.case_seconds and rounds < args.max_rounds):
         for c, call in calls.items():
             before = resource.getrusage(resource.RUSAGE_SELF)
             start = time.perf_counter()
-            call()
-            times[c].append(time.perf_counter() - start)
+            reported = call()
+            elapsed = time.perf_counter() - start
             after = resource.getrusage(resource.RUSAGE_SELF)
+            times[c].append(float(reported) if c in PEERS else elapsed)  # the peer times its own run
             faults[c].append(after.ru_minflt - before.ru_minflt)
             cpu[c].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        rounds += 1
     peak_rate = 2.0 * MATMUL**3 / statistics.median(times["matmul"])
-    tutorial = statistics.median(times["tutorial"]) if "tutorial" in times else None
+    reference = "auto" if "auto" in times else next(iter(times))
     print(
-        f"\n{name} N=M={n} {mode}: work {flops / 1e9:.1f} GFLOP, matmul rate now "
-        f"{peak_rate / 1e9:.0f} GFLOP/s ({MATMUL}², median of {rounds})"
+        f"\n{name} N=M={n} {mode}: work {flops / 1e9:.1f} GFLOP, matmul rate now {peak_rate / 1e9:.0f} GFLOP/s "
+        f"({MATMUL}², median of {rounds} rounds), load {os.getloadavg()[0]:.1f}",
+        flush=True,
     )
     print(
-        f"  {'contender':<28} {'median s':>9} {'tutorial/x':>10} {'GFLOP/s':>8} {'% peak':>7} {'CPU s':>6} "
-        f"{'faults':>8} {'MiB':>7}"
+        f"| contender | median s | x / {reference} | GFLOP/s | % of matmul | CPU s | faults | peak MiB |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     for c in contenders:
+        label = c if ran.get(c, c) == c else f"{c} ({ran[c]})"
+        if c not in times:
+            print(f"| {label} | - | - | - | - | - | - | - |", flush=True)
+            continue
         t = statistics.median(times[c])
-        ratio = f"{tutorial / t:10.2f}" if tutorial is not None else f"{'':>10}"
-        mib = f"{_memory(name, n, mode, c):7.0f}" if memory else f"{'':>7}"
-        label = c if ran[c] == c else f"{c} ({ran[c]})"
         rate = flops / t
+        ratio = statistics.median(times[reference]) and t / statistics.median(times[reference])
+        ours_cpu = c not in PEERS
+        if c in PEERS:
+            mib = f"{peer.peak_mib(c):.0f} †" if peer is not None else ""
+        else:
+            mib = _memory(name, n, mode, c) if args.memory else ""
         print(
-            f"  {label:<28} {t:9.3f} {ratio} {rate / 1e9:8.0f} {100 * rate / peak_rate:6.0f}% "
-            f"{statistics.median(cpu[c]):6.2f} {statistics.median(faults[c]):8.0f} {mib}"
+            f"| {label} | {t:.4g} | {ratio:.2f} | {rate / 1e9:.0f} | {100 * rate / peak_rate:.0f} % | "
+            f"{f'{statistics.median(cpu[c]):.2f}' if ours_cpu else '-'} | "
+            f"{f'{statistics.median(faults[c]):.0f}' if ours_cpu else '-'} | {mib} |",
+            flush=True,
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["resnet", "transformer"], choices=["resnet", "transformer"])
+    parser.add_argument("--cases", nargs="+", choices=["real", "peer"], help="issue 18's case lists (see top)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        metavar="MODEL:N:MODE[:C1,C2]",
+        help="one case (repeatable, run in this order), optionally with its own contenders; replaces the lists",
+    )
+    parser.add_argument("--models", nargs="+", default=["resnet", "transformer"], choices=sorted(MODELS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[32])
     parser.add_argument("--modes", nargs="+", default=["full", "trace"], choices=["full", "trace"])
-    parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, help="default: auto, tutorial, nt_sd, nt_jc")
+    parser.add_argument("--rounds", type=int, default=3, help="at least this many rounds per case")
+    parser.add_argument("--case-seconds", type=float, default=20.0, help="more rounds while a case is under this")
+    parser.add_argument("--max-rounds", type=int, default=40)
     parser.add_argument("--no-memory", dest="memory", action="store_false")
-    parser.add_argument("--memory-only", action="store_true", help="only the fresh-process peak memory")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--peer-memory-gib", type=float, default=10.0, help="kill a peer case past this RSS")
+    parser.add_argument("--peer-timeout", type=float, default=600.0, help="kill a peer case past this many s")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    retain_freed_memory()  # as the server does
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, round-robin in one process")
-    for name in args.models:
-        for n in args.sizes:
-            for mode in args.modes:
-                if args.memory_only:
-                    memory_case(name, n, mode, args.contenders)
-                else:
-                    bench_case(name, n, mode, args.contenders, args.rounds, args.memory)
+    retain_freed_memory()  # as the server does; the peer's glibc gets the same settings
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)
+    os.environ["MALLOC_TRIM_THRESHOLD_"] = str(TRIM_THRESHOLD_BYTES)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, round-robin in one process, "
+        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load {os.getloadavg()[0]:.1f}"
+    )
+    cases: list[tuple[list[str], tuple[str, int, str]]] = []
+    if args.case:
+        for text in args.case:
+            name, n_text, mode, *chosen = text.split(":")
+            own = chosen[0].split(",") if chosen else args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
+            cases.append((own, (name, int(n_text), mode)))
+    elif args.cases:
+        real = args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
+        cases += [(real, case) for case in REAL_CASES] if "real" in args.cases else []
+        cases += [(["auto", "nt_sd"], case) for case in PEER_CASES] if "peer" in args.cases else []
+    else:
+        contenders = args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
+        cases = [(contenders, (m, n, mode)) for m in args.models for n in args.sizes for mode in args.modes]
+    peer = _Peer(int(args.peer_memory_gib * 2**30), args.peer_timeout) if args.peer else None
+    for contenders, (name, n, mode) in cases:
+        # interleave ours and the peer's so every run follows one of the other library
+        order = [c for c in contenders if c not in PEERS]
+        for i, p in enumerate(c for c in contenders if c in PEERS):
+            order.insert(min(2 * i + 1, len(order)), p)
+        if name == "transformer" and "nt_sd" in order:
+            order.remove("nt_sd")
+            print(f"\n{name} N=M={n} {mode}: nt_sd not run: {NT_SD_TRANSFORMER}")
+        try:
+            bench_case(name, n, mode, order, args, peer)
+        finally:
+            if peer is not None:
+                peer.end_case()
 
 
 if __name__ == "__main__":

@@ -17,13 +17,24 @@ spares only the per-call overhead of the second; its buffers are twice as large,
 (N = M = 32, FULL; one process, alternating) the joint pass took 1.11 s, 0.33 s of it system time, and 136k page
 faults per call; two passes 0.74 s, 0.01 s and 1 fault, the torch.func tutorial 0.76 s. So the joint pass is
 taken only while its whole side fits under that threshold (``joint_pays``), where the saved overhead matters.
+
+NOTE [Jacobian chunks]: one ``vmap(jacrev)`` call holds the saved tensors of all its examples and k cotangents
+of each, ~3.6x the Jacobian itself on the benchmark ResNet (11 MiB against 3 MiB per example). Past the mmap
+threshold that transient is fresh memory on every call: on the ResNet at N = 128 a side took 5.07 CPU s and 896k
+page faults in one call, against 3.07 s and 131k faults in chunks of 35 (one process, alternating, eval
+BatchNorm affine in both), so a call takes at most ``CHUNK_BYTES`` of transient, written into the side's
+preallocated (n, k, p) tensors. Below ~32 examples a smaller chunk only adds per-call overhead (16 of 32: 1.13x
+the CPU time), hence the bound: the ResNet and transformer at N = 32 run in one call, as before.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.func import jacrev, vmap
 
+from ntk_service.kernels.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.groups import ParameterGroups
@@ -31,22 +42,53 @@ from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
-__all__ = ["JacobianContraction", "contract_groups", "contract_groups_diagonal", "jacobians"]
+__all__ = [
+    "CHUNK_BYTES",
+    "JacobianContraction",
+    "contract_groups",
+    "contract_groups_diagonal",
+    "jacobian_chunk",
+    "jacobians",
+]
+
+CHUNK_BYTES = 384 * 2**20
+"""Bound on one ``vmap(jacrev)`` call's transient (NOTE [Jacobian chunks])."""
 
 
-def jacobians(problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
+def jacobian_chunk(problem: NtkProblem) -> int:
+    """Examples per ``vmap(jacrev)`` call: its transient, saved tensors plus k cotangents of them per example,
+    kept under ``CHUNK_BYTES`` (NOTE [Jacobian chunks])."""
+    per_example = problem.saved_bytes * (1 + problem.k)
+    return max(1, int(CHUNK_BYTES // per_example)) if per_example > 0 else 1 << 30
+
+
+def jacobians(
+    problem: NtkProblem, x: torch.Tensor, *, chunk: int | None = None, affine_bn: bool = True
+) -> NamedTensors:
     """Per-example Jacobians of the selected parameters.
 
     Args:
         problem: the prepared model.
         x: (n, *input).
+        chunk: examples per ``vmap(jacrev)`` call. Default: ``jacobian_chunk(problem)``.
+        affine_bn: run eval BatchNorm as its affine map (``affine_batchnorm``). Default: True.
 
     Returns:
         name -> (n, k, p) with p = numel of that parameter.
     """
-    with math_attention():
-        jac = vmap(jacrev(problem.f_single), (None, 0))(problem.params, x)
-    return {name: j.reshape(x.shape[0], problem.k, -1) for name, j in jac.items()}
+    n, k = x.shape[0], problem.k
+    chunk = jacobian_chunk(problem) if chunk is None else chunk
+    scope = batchnorm_scope(problem.module) if affine_bn else contextlib.nullcontext()
+    build = vmap(jacrev(problem.f_single), (None, 0))
+    with math_attention(), scope:
+        if n <= chunk:
+            return {name: j.reshape(n, k, -1) for name, j in build(problem.params, x).items()}
+        chunk = -(-n // -(-n // chunk))  # as many calls, evened out: 128 in 4 x 32, not 3 x 35 + 23
+        out = {name: x.new_empty((n, k, p.numel()), dtype=p.dtype) for name, p in problem.params.items()}
+        for i0 in range(0, n, chunk):
+            for name, j in build(problem.params, x[i0 : i0 + chunk]).items():
+                out[name][i0 : i0 + chunk] = j.reshape(j.shape[0], k, -1)
+    return out
 
 
 def contract(j1: NamedTensors, j2: NamedTensors, mode: KernelMode) -> torch.Tensor:
@@ -161,8 +203,12 @@ class JacobianContraction:
 
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
         kept = n * problem.k * problem.num_params * problem.itemsize
-        # vmap(jacrev): the forward's saved tensors plus k cotangents of them at once, and the Jacobian itself.
-        transient = n * problem.saved_bytes * (1 + problem.k)
+        # One vmap(jacrev) call at a time (NOTE [Jacobian chunks]): its saved tensors plus k cotangents of them,
+        # and, when chunked, the chunk's own Jacobian before it is copied into the side.
+        chunk = min(n, jacobian_chunk(problem))
+        transient = chunk * problem.saved_bytes * (1 + problem.k)
+        if chunk < n:
+            transient += chunk * problem.k * problem.num_params * problem.itemsize
         return kept + transient, kept
 
     def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
