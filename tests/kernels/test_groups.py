@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import glob
 import re
 
 import pytest
@@ -25,6 +26,9 @@ from ntk_service.kernels import (
     compute_ntk_groups,
     parameter_groups,
 )
+from ntk_service.kernels.groups import GroupSpec
+from ntk_service.kernels.structured import StructuredOptions
+from tests.kernels.conftest import structured_ntk
 from tests.kernels.zoo import ZOO, TiedAutoencoder, ZooEntry
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel
 
@@ -241,3 +245,23 @@ def test_bad_groupings_are_refused_with_what_to_fix() -> None:
         compute_ntk_groups(model, torch.randn(2, 4), groups="modules", rest=True)
     with pytest.raises(InvalidInput, match="a group is called 'rest'"):
         compute_ntk_groups(model, torch.randn(2, 4), groups={"rest": ["0.*"]}, rest=True)
+
+
+@pytest.mark.parametrize("groups", ["modules", {"weights": ["*weight"], "biases": ["*bias"]}], ids=["modules", "split"])
+def test_structured_groups_with_and_without_the_fused_finish_match_the_reference(groups: GroupSpec) -> None:
+    """FULL groups fuse each group's last plain factored term into the pass that writes its block (a group of one
+    term, a bias apart from its weight, several terms); with ``fused_finish`` off every group is finished plainly."""
+    model, x1, x2 = _case("mlp_tanh")
+    resolved = parameter_groups(model, groups)
+    params = [glob.escape(name) for name in resolved.selected()]
+    for options in (StructuredOptions(), StructuredOptions().without("fused_finish")):
+        for with_x2 in (True, False):
+            thetas = structured_ntk(
+                model, x1, x2 if with_x2 else None, KernelMode.FULL, options=options, params=params, groups=resolved
+            )
+            assert thetas.shape[0] == len(resolved.names)
+            for group, theta in zip(resolved.names, thetas, strict=True):
+                expected = _group_reference(
+                    "mlp_tanh", dict(zip(resolved.names, resolved.members, strict=True))[group], "full", with_x2
+                )
+                assert_matches(theta, expected, 1e-10)

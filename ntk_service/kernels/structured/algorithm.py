@@ -202,21 +202,43 @@ class Structured:
         groups: ParameterGroups,
     ) -> torch.Tensor:
         """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
-        kernels] in groups.py)."""
+        kernels] in groups.py); in FULL each group's last plain factored term rides along in the pass that writes
+        its block (``fused_finish``, as ``pair`` does), so G groups cost G result-sized writes, not 2·G."""
         terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
-        accs = [self._new_accumulator(problem, mode, left, right) for _ in groups.names]
+        factored: list[list[tuple[FactorSide, FactorSide, bool, bool]]] = [[] for _ in groups.names]
         for term, lf, rf in zip(terms.factored, left.factored, right.factored, strict=True):
             bias = None if term.bias is None else of[term.bias]  # the folded bias's group
             bias_apart = bias is not None and bias != of[term.name]
-            plus_one = bias is not None and not bias_apart
-            add_factored(accs[of[term.name]], lf, rf, index=term.index, plus_one=plus_one, shared_delta=shared)
+            factored[of[term.name]].append((lf, rf, term.index, bias is not None and not bias_apart))
             if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A
-                add_factored(
-                    accs[bias], _no_inputs(lf), _no_inputs(rf), index=False, plus_one=True, shared_delta=shared
-                )
+                factored[bias].append((_no_inputs(lf), _no_inputs(rf), False, True))
+        jacobians: list[list[tuple[JacobianSide, JacobianSide]]] = [[] for _ in groups.names]
         for name, j1 in left.jacobians.items():
-            add_jacobian(accs[of[name]], j1, right.jacobians[name])
-        return torch.stack([finish(acc) for acc in accs])
+            jacobians[of[name]].append((j1, right.jacobians[name]))
+        fuse = mode is KernelMode.FULL and self.options.fused_finish
+        out = None  # FULL: the (G, n, m, k, k) result, each group's block written into it once
+        if mode is KernelMode.FULL:
+            out = torch.empty(
+                len(groups.names), left.examples, right.examples, problem.k, problem.k, dtype=problem.dtype
+            )
+        blocks = []
+        for g, (parts, js) in enumerate(zip(factored, jacobians, strict=True)):
+            held = next((p for p in reversed(parts) if fusable(p[0], p[1])), None) if fuse else None
+            rest = [p for p in parts if p is not held]
+            acc = None
+            if rest or js or held is None:
+                acc = self._new_accumulator(problem, mode, left, right)
+                for lf, rf, index, plus_one in rest:
+                    add_factored(acc, lf, rf, index=index, plus_one=plus_one, shared_delta=shared)
+                for j1, j2 in js:
+                    add_jacobian(acc, j1, j2)
+            if held is not None and out is not None:
+                finish_with_factored(acc, held[0], held[1], plus_one=held[3], shared_delta=shared, out=out[g])
+            elif acc is not None and out is not None:
+                out[g] = finish(acc)
+            elif acc is not None:
+                blocks.append(finish(acc))
+        return torch.stack(blocks) if out is None else out
 
     def diagonal_groups(self, problem: NtkProblem, left: StructuredSide, groups: ParameterGroups) -> torch.Tensor:
         """EXAMPLE_DIAGONAL per parameter group, (G, n, k, k)."""

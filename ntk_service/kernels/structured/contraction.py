@@ -268,20 +268,29 @@ def fusable(left: FactorSide, right: FactorSide) -> bool:
 
 
 def finish_with_factored(
-    acc: Accumulator, left: FactorSide, right: FactorSide, *, plus_one: bool, shared_delta: bool = True
+    acc: Accumulator | None,
+    left: FactorSide,
+    right: FactorSide,
+    *,
+    plus_one: bool,
+    shared_delta: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """theta (n, m, k, k), contiguous = FULL acc (k, n, k, m) + one more ``fusable`` factored term, in one pass
     that writes theta's layout (the permuting copy of the accumulator, with k-long inner runs, is the slow part of
-    a small block; the term rides along)."""
+    a small block; the term rides along). ``acc`` None: the term alone; ``out``: theta's memory (else new)."""
     (a1, d1), (a2, d2) = left, right
-    k, n, _, m = acc.tensor.shape
-    gram_a = _gram_a(a1, a2, False, plus_one, acc.tensor.dtype)[0]  # (n, m)
+    n, k = d1.tensor.shape[:2]
+    m = d2.tensor.shape[0]
+    gram_a = _gram_a(a1, a2, False, plus_one, d1.tensor.dtype)[0]  # (n, m)
     shared = shared_gram(d1, d2) if shared_delta else None
     if shared is not None:
         gram_d = shared.view(1, 1, k, k)
     else:
         gram_d = _plain_gram_d(d1, d2).permute(1, 3, 0, 2)
-    theta = torch.empty(n, m, k, k, dtype=acc.tensor.dtype)
+    theta = torch.empty(n, m, k, k, dtype=d1.tensor.dtype) if out is None else out
+    if acc is None:
+        return torch.mul(gram_d, gram_a.view(n, m, 1, 1), out=theta)
     return torch.addcmul(acc.tensor.permute(1, 3, 0, 2), gram_d, gram_a.view(n, m, 1, 1), out=theta)
 
 
