@@ -35,6 +35,15 @@ def _swap_examples(block: torch.Tensor, mode: KernelMode, lead: int = 0) -> torc
     return block.permute(*first, *(lead + i for i in (1, 0, 2)))
 
 
+def _symmetrize_into(out: torch.Tensor, block: torch.Tensor, mode: KernelMode, lead: int) -> None:
+    """out = (block + its example-swapped self) / 2, written in place (no temporary block, no copy), one group at
+    a time: exactly symmetric (a + b = b + a), and each group's strided read of its swapped self stays within one
+    block (a stack of G blocks swapped at once strides across all of them)."""
+    pairs = zip(block.unbind(0), out.unbind(0), strict=True) if lead else [(block, out)]
+    for b, o in pairs:
+        torch.add(b, _swap_examples(b, mode), out=o).div_(2)
+
+
 class _Sides:
     """Computes sides once per plan (and once per SideCache key across calls)."""
 
@@ -141,8 +150,9 @@ def run_blocks(
                     right = sides.get(xr, j0, j1, left=False, key=right_key, keep=plan.keep_right_sides)
                 block = pair(left, right)
                 if symmetric and j0 == i0:
-                    block = (block + _swap_examples(block, mode, lead)) / 2
-                theta[(*head, slice(i0, i1), slice(j0, j1))] = block
+                    _symmetrize_into(theta[(*head, slice(i0, i1), slice(j0, j1))], block, mode, lead)
+                else:
+                    theta[(*head, slice(i0, i1), slice(j0, j1))] = block
                 if symmetric and j0 != i0:
                     theta[(*head, slice(j0, j1), slice(i0, i1))] = _swap_examples(block, mode, lead)
     return theta
