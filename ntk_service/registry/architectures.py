@@ -111,7 +111,9 @@ class MlpConfig(_Config):
     family: Literal["mlp"] = Field(description="'mlp'.")
     input_dim: PositiveInt = Field(description="Features per example; inputs are float32 of shape (input_dim,).")
     hidden: list[PositiveInt] = Field(
-        max_length=MAX_LAYERS, description="Widths of the hidden layers, in order; [] gives a linear model."
+        max_length=MAX_LAYERS,
+        description="Widths of the hidden layers, in order; [] gives a linear model.",
+        examples=[[64, 64]],
     )
     output_dim: PositiveInt = Field(description="Outputs per example (k).")
     activation: Activation = Field(
@@ -143,7 +145,7 @@ class CnnConfig(_Config):
 
     family: Literal["cnn"] = Field(description="'cnn'.")
     input_shape: list[PositiveInt] = Field(
-        min_length=3, max_length=3, description="[C, H, W] of one example; inputs are float32."
+        min_length=3, max_length=3, description="[C, H, W] of one example; inputs are float32.", examples=[[3, 32, 32]]
     )
     channels: list[PositiveInt] = Field(
         min_length=1, max_length=MAX_LAYERS, description="Output channels of each conv layer, in order."
@@ -201,7 +203,10 @@ class SequentialConfig(_Config):
 
     family: Literal["sequential"] = Field(description="'sequential'.")
     input_shape: list[PositiveInt] = Field(
-        min_length=1, max_length=8, description="Shape of one example, without the batch dimension."
+        min_length=1,
+        max_length=8,
+        description="Shape of one example, without the batch dimension.",
+        examples=[[3, 32, 32], [16]],
     )
     input_dtype: Literal["float32", "int64"] = Field(
         default="float32", description="dtype of the inputs; int64 token ids must go into an Embedding first."
@@ -232,6 +237,7 @@ class FactoryConfig(_Config):
         max_length=200,
         pattern=r"^[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*$",
         description="'package.module:function', which the operator must list in NTK_MODEL_FACTORIES.",
+        examples=["mylab.models:make_resnet"],
     )
     kwargs: dict[str, JsonValue] = Field(default_factory=dict, description="JSON keyword arguments of the function.")
     input_shape: list[Annotated[int, Field(ge=1, le=MAX_WIDTH)]] = Field(
