@@ -17,7 +17,7 @@ import json
 from typing import Any
 
 import torch
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from ntk_service import wire
@@ -26,7 +26,7 @@ from ntk_service.kernels import NtkGroupsResult, NtkImplementation, SideCache, c
 from ntk_service.registry import ModelRecord
 from ntk_service.server.kernel_inputs import KernelInput, run_model
 from ntk_service.server.media import json_too_large
-from ntk_service.server.schemas import KernelModeValue, KernelOptions, TensorJson
+from ntk_service.server.schemas import ELAPSED_DESCRIPTION, KernelModeValue, KernelOptions, TensorJson
 
 __all__ = [
     "GROUP_RESPONSE_TYPES",
@@ -52,20 +52,23 @@ _RESERVED_NAMES = frozenset({"__metadata__"})
 class GroupKernelPublic(BaseModel):
     """One group's kernel in the JSON answer."""
 
-    name: str
-    parameters: list[str]
-    theta: TensorJson
+    name: str = Field(description='The group\'s name: a key of `groups`, a module path for "modules", or "rest".')
+    parameters: list[str] = Field(description="The parameters the group holds (`named_parameters()` names).")
+    theta: TensorJson = Field(
+        description="Θ_g(x1, x2) of the group's parameters alone, in the mode's layout (as `theta` of the plain "
+        "kernel answer); the groups sum to the kernel of all their parameters."
+    )
 
 
 class KernelGroupsPublic(BaseModel):
     """The JSON answer of a kernel request with ``groups``."""
 
-    groups: list[GroupKernelPublic]
-    mode: KernelModeValue
-    implementation: NtkImplementation
-    model: str
-    version: int
-    elapsed_ms: float
+    groups: list[GroupKernelPublic] = Field(description="One kernel per group, in the order the groups were given.")
+    mode: KernelModeValue = Field(description="The mode computed.")
+    implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
+    model: str = Field(description="The model's name.")
+    version: int = Field(description="The model version used.")
+    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
 def parse_groups_query(value: str | None, *, operation: str) -> Any:
