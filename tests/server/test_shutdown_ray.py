@@ -74,6 +74,12 @@ def ray_temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="known limitation (docs/jobs.md, issue 16): once the local Ray instance is fully up (its agents "
+    "started), Ray's SIGTERM handler in the server aborts it (exit -6) instead of the graceful exit; 6 of 6 runs "
+    "on 2026-12-01. Strict: remove this mark with the fix.",
+)
 def test_sigterm_with_ray_tasks_running_leaves_no_ray_process(
     start_server: Callable[..., LiveServer], tmp_path: Path, ray_temp_dir: Path
 ) -> None:
@@ -116,8 +122,10 @@ def test_sigterm_with_ray_tasks_running_leaves_no_ray_process(
         processes = _processes()
         ours = _descendants(server.process.pid, processes)
         ray_processes = {pid for pid, (_, command) in processes.items() if marker in command} | ours
-        if any("ray::" in processes[pid][1] for pid in ours if pid in processes):
-            break
+        commands = [processes[pid][1] for pid in ours if pid in processes]
+        agents = all(any(agent in c for c in commands) for agent in ("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
+        if agents and any("ray::" in c and "Agent" not in c for c in commands):
+            break  # the raylet's agents are up too: Ray is fully started, the case a user meets
         assert time.monotonic() < deadline, f"no Ray worker appeared: {[processes[p][1][:80] for p in ours]}"
         time.sleep(0.2)
     assert any(marker in processes[pid][1] for pid in ray_processes), "Ray did not use this test's RAY_TMPDIR"
@@ -139,7 +147,7 @@ def test_sigterm_with_ray_tasks_running_leaves_no_ray_process(
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert not left, f"Ray processes outlived the server: {left}"
+    assert not left, f"Ray processes outlived the server: {left}\n{server.log()[-4000:]}"
 
     store = JobStore(data_dir / "jobs" / "jobs.sqlite3")
     stopped = store.get_job(job["id"])
