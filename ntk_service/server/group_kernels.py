@@ -24,7 +24,7 @@ from ntk_service import wire
 from ntk_service.errors import InvalidInput, format_bytes
 from ntk_service.kernels import NtkGroupsResult, NtkImplementation, SideCache, compute_ntk_groups
 from ntk_service.registry import ModelRecord
-from ntk_service.server.kernel_inputs import KernelInput, run_model
+from ntk_service.server.kernel_inputs import KernelInput, engine_arguments, run_model
 from ntk_service.server.media import json_too_large
 from ntk_service.server.schemas import ELAPSED_DESCRIPTION, KernelModeValue, KernelOptions, TensorJson
 
@@ -115,28 +115,11 @@ def run_group_kernel(
 ) -> tuple[NtkGroupsResult, float]:
     """``kernel_inputs.run_kernel`` for a request with ``groups``: ``compute_ntk_groups`` (blocking) and its wall
     time in seconds."""
-    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
-    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
-        side_cache = None  # nothing to reuse: the engine may then take its joint pass
+    args = engine_arguments(x1, x2, options, budget=budget, side_cache=side_cache, device=device, allow_tf32=allow_tf32)
     groups: Any = options.groups
 
     def call() -> NtkGroupsResult:
-        return compute_ntk_groups(
-            module,
-            torch.from_numpy(x1.array),
-            None if x2 is None else torch.from_numpy(x2.array),
-            groups=groups,
-            rest=options.rest,
-            mode=options.mode,
-            implementation=options.implementation,
-            dtype=options.dtype,
-            memory_budget_bytes=budget,
-            side_cache=side_cache,
-            device=device,
-            allow_tf32=allow_tf32,
-            x1_key=x1.key,
-            x2_key=None if x2 is None else x2.key,
-        )
+        return compute_ntk_groups(module, groups=groups, rest=options.rest, **args)
 
     return run_model(call, record=record, operation=operation, device=device)
 

@@ -53,6 +53,7 @@ __all__ = [
     "answer_json",
     "check_budget",
     "check_input",
+    "engine_arguments",
     "from_dataset",
     "inline",
     "load_side",
@@ -271,6 +272,36 @@ def run_model(fn: Callable[[], T], *, record: ModelRecord, operation: str, devic
     return out, time.perf_counter() - start
 
 
+def engine_arguments(
+    x1: KernelInput,
+    x2: KernelInput | None,
+    options: KernelOptions,
+    *,
+    budget: int | None,
+    side_cache: SideCache | None,
+    device: str,
+    allow_tf32: bool,
+) -> dict[str, Any]:
+    """The arguments ``compute_ntk`` and ``compute_ntk_groups`` share, from a request's sides and options. The side
+    cache is passed only when a side is keyed, so two inline sides take the joint pass."""
+    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
+    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
+        side_cache = None  # nothing to reuse: the engine may then take its joint pass
+    return {
+        "x1": torch.from_numpy(x1.array),
+        "x2": None if x2 is None else torch.from_numpy(x2.array),
+        "mode": options.mode,
+        "implementation": options.implementation,
+        "dtype": options.dtype,
+        "memory_budget_bytes": budget,
+        "side_cache": side_cache,
+        "device": device,
+        "allow_tf32": allow_tf32,
+        "x1_key": x1.key,
+        "x2_key": None if x2 is None else x2.key,
+    }
+
+
 def run_kernel(
     module: torch.nn.Module,
     x1: KernelInput,
@@ -285,29 +316,11 @@ def run_kernel(
     allow_tf32: bool = False,
 ) -> tuple[NtkResult, float]:
     """The engine call :func:`~ntk_service.kernels.compute_ntk` (blocking: run it in a worker thread) and its wall
-    time in seconds. The side cache is passed only when a side is keyed, so two inline sides take the joint pass."""
-    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
-    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
-        side_cache = None  # nothing to reuse: the engine may then take its joint pass
-
-    def call() -> NtkResult:
-        return compute_ntk(
-            module,
-            torch.from_numpy(x1.array),
-            None if x2 is None else torch.from_numpy(x2.array),
-            mode=options.mode,
-            implementation=options.implementation,
-            params=options.params,
-            dtype=options.dtype,
-            memory_budget_bytes=budget,
-            side_cache=side_cache,
-            device=device,
-            allow_tf32=allow_tf32,
-            x1_key=x1.key,
-            x2_key=None if x2 is None else x2.key,
-        )
-
-    return run_model(call, record=record, operation=operation, device=device)
+    time in seconds (arguments: ``engine_arguments``)."""
+    args = engine_arguments(x1, x2, options, budget=budget, side_cache=side_cache, device=device, allow_tf32=allow_tf32)
+    return run_model(
+        lambda: compute_ntk(module, params=options.params, **args), record=record, operation=operation, device=device
+    )
 
 
 async def answer_json(
