@@ -74,12 +74,6 @@ def ray_temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation (docs/jobs.md, issue 16): once the local Ray instance is fully up (its agents "
-    "started), Ray's SIGTERM handler in the server aborts it (exit -6) instead of the graceful exit; 6 of 6 runs "
-    "on 2026-12-01. Strict: remove this mark with the fix.",
-)
 def test_sigterm_with_ray_tasks_running_leaves_no_ray_process(
     start_server: Callable[..., LiveServer], tmp_path: Path, ray_temp_dir: Path
 ) -> None:

@@ -26,6 +26,7 @@ import importlib
 import logging
 import os
 import signal
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -69,6 +70,14 @@ def import_ray() -> Any:
     Raises:
         OptionalDependencyMissing: ray is not installed; the message says how to install it.
     """
+    # NOTE [Ray's failure signal handler]: the Ray core worker of a driver installs absl's failure signal handler,
+    # for SIGTERM too: on SIGTERM it dumps a stack, forwards the signal to uvicorn's handler and arms an alarm that
+    # aborts the process (exit -6) 3 s later, in the middle of the graceful shutdown (test_shutdown_ray.py). Ray reads
+    # the switch once, when it is imported, so it is set for that import only (an operator's own setting wins); the
+    # raylet and the workers it starts keep Ray's default, and with it their crash stacks.
+    first_import = "ray" not in sys.modules and "RAY_DISABLE_FAILURE_SIGNAL_HANDLER" not in os.environ
+    if first_import:
+        os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
     try:
         return importlib.import_module("ray")
     except ImportError as exc:
@@ -76,6 +85,9 @@ def import_ray() -> Any:
             "jobs: the Ray executor (NTK_EXECUTOR=ray) needs Ray, which is not installed; "
             "install it with pip install 'ntk-service[ray]', or use NTK_EXECUTOR=local"
         ) from exc
+    finally:
+        if first_import:
+            del os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"]
 
 
 _worker_side_cache: SideCache | None = None
