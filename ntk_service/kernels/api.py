@@ -20,9 +20,10 @@ benchmarks/bench_real_models.py, alternating in one process): 1.05 for the batch
 passes run at a lower rate per FLOP than ``vmap(jacrev)`` on deep convolutional models (the ResNet: ~2.5 against
 ~9 GFLOP per CPU second) while its estimate is within 1 % of the Jacobian contraction's (every weight in Jacobian
 form), so the plain contraction wins there; every case where the batched capture won by measurement has an
-estimate ratio <= 0.91 (CNN trace N = 16) and keeps it. 0.8 for the per-example capture (fallback parameters,
-e.g. attention's packed projections): on the benchmark transformer it took 0.69-0.75 of the contraction's CPU
-time per estimated FLOP (N = M = 32, FULL and TRACE), so it is taken there (estimate ratio 1.005-1.16).
+estimate ratio <= 0.91 (CNN trace N = 16) and keeps it. 1.0 for the per-example capture (fallback parameters,
+e.g. attention's packed projections): it is ``vmap(jacrev)``'s work too, and on the benchmark transformer it took
+0.83-1.04 of the contraction's time per estimated FLOP (N = M = 8, 16, 32, FULL and TRACE) with estimates
+1.05-1.17 of the contraction's, so the contraction is taken there (it was 0.92-0.97 of structured's time).
 The weights are kept per device kind (``_EFFICIENCY_BY_DEVICE``); no GPU has measured any yet, so off the CPU every
 estimated FLOP weighs 1 (docs/gpu.md).
 The choice is kept with the problem per call shape (``NtkProblem.choices``) and reused while the budget gives the

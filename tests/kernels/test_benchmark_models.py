@@ -70,12 +70,13 @@ def test_benchmark_models_match_the_reference(name: str, implementation: NtkImpl
 
 @pytest.mark.parametrize(
     ("name", "winner"),
-    [("resnet", NtkImplementation.JACOBIAN_CONTRACTION), ("transformer", NtkImplementation.STRUCTURED)],
+    [("resnet", NtkImplementation.JACOBIAN_CONTRACTION), ("transformer", NtkImplementation.JACOBIAN_CONTRACTION)],
 )
 def test_auto_picks_the_measured_winner_on_the_benchmark_models(name: str, winner: NtkImplementation) -> None:
     """At N = M = 32, FULL and TRACE, AUTO's cost model picks what benchmarks/bench_real_models.py measured as
-    fastest of our implementations (docs/engine.md): the plain contraction on the ResNet, structured on the
-    transformer. Planning only: no kernel is computed."""
+    fastest of our implementations (docs/engine.md): the plain contraction on both (on the transformer
+    structured's per-example capture took 1.07-1.09x its time at N = M = 32: NOTE [auto choice] in api.py). Planning
+    only: no kernel is computed."""
     model = MODELS[name]()
     x = make_inputs(name, 4)
     with prepared_problem(model, x, x, params=None, dtype=None) as prepared:

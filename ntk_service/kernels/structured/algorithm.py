@@ -68,7 +68,7 @@ __all__ = ["BATCHED_CAPTURE_WEIGHT", "PER_EXAMPLE_CAPTURE_WEIGHT", "Structured",
 BATCHED_CAPTURE_WEIGHT = 1.05
 """AUTO's relative cost of a structured FLOP with the batched (or closed-form) capture; NOTE [auto choice]."""
 
-PER_EXAMPLE_CAPTURE_WEIGHT = 0.8
+PER_EXAMPLE_CAPTURE_WEIGHT = 1.0
 """AUTO's relative cost of a structured FLOP when fallback parameters make the capture per example (vmap)."""
 
 
