@@ -22,6 +22,7 @@ from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_
 from ntk_service.kernels.nngp import NngpResult, compute_nngp
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
+from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "NtkResult",
     "ParameterGroups",
     "SideCache",
+    "StructuredOptions",
     "compute_nngp",
     "compute_ntk",
     "compute_ntk_groups",

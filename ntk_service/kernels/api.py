@@ -61,7 +61,7 @@ from ntk_service.kernels.planning import BlockPlan, plan_blocks
 from ntk_service.kernels.problem_pool import Prepared, prepared_problem
 from ntk_service.kernels.pseudo import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
 from ntk_service.kernels.side_cache import SideCache
-from ntk_service.kernels.structured import Structured
+from ntk_service.kernels.structured import Structured, StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, NtkResult, parse_implementation
 
 __all__ = ["DEFAULT_IMPLEMENTATION", "compute_ntk", "compute_ntk_groups", "warm_up"]
@@ -78,6 +78,16 @@ _ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
 
 _GROUP_ALGORITHMS = {impl: alg for impl, alg in _ALGORITHMS.items() if hasattr(alg, "pair_groups")}
 """The implementations that form per-parameter terms and so serve ``compute_ntk_groups`` (NOTE [group kernels])."""
+
+
+def _algorithms(structured: StructuredOptions | None, groups: int) -> dict[NtkImplementation, NtkAlgorithm]:
+    """The dispatch table of a call: ``_ALGORITHMS`` (or ``_GROUP_ALGORITHMS``), structured with the caller's
+    options when given."""
+    table = _ALGORITHMS if not groups else _GROUP_ALGORITHMS
+    if structured is None or structured == StructuredOptions():
+        return table
+    return {**table, NtkImplementation.STRUCTURED: Structured(structured)}
+
 
 _EFFICIENCY: dict[NtkImplementation, float] = {
     NtkImplementation.JACOBIAN_CONTRACTION: 1.0,
@@ -114,17 +124,19 @@ def _choose(
     problem_args: tuple,  # type: ignore[type-arg]
     budget: int,
     groups: int = 0,
+    structured: StructuredOptions | None = None,
 ) -> tuple[NtkAlgorithm, BlockPlan]:
     """The implementation and block plan for a call; reused from ``problem.choices`` when still the answer
-    (NOTE [auto choice]). ``groups``: the number of group kernels (``compute_ntk_groups``), 0 for one kernel."""
+    (NOTE [auto choice]). ``groups``: the number of group kernels (``compute_ntk_groups``), 0 for one kernel;
+    ``structured``: the structured engine's options (None: the defaults)."""
     problem, n, m, mode, symmetric = problem_args
-    key = (implementation, n, m, mode, symmetric) + ((groups,) if groups else ())
+    key = (implementation, n, m, mode, symmetric, groups, structured)
     kept = problem.choices.get(key)
     if kept is not None:
         alg, plan, planned_for, any_larger = kept
         if plan.estimate_bytes <= budget and (budget <= planned_for or any_larger):
             return alg, plan
-    alg, plan, any_larger = _plan_choice(implementation, problem_args, budget, groups)
+    alg, plan, any_larger = _plan_choice(implementation, problem_args, budget, groups, structured)
     if len(problem.choices) >= _CHOICES_PER_PROBLEM:
         problem.choices.clear()
     problem.choices[key] = (alg, plan, budget, any_larger)
@@ -136,10 +148,11 @@ def _plan_choice(
     problem_args: tuple,  # type: ignore[type-arg]
     budget: int,
     groups: int = 0,
+    structured: StructuredOptions | None = None,
 ) -> tuple[NtkAlgorithm, BlockPlan, bool]:
     """The choice and whether any larger budget would make it too."""
     problem, n, m, mode, symmetric = problem_args
-    candidates = _ALGORITHMS if not groups else _GROUP_ALGORITHMS
+    candidates = _algorithms(structured, groups)
     kernels = max(groups, 1)
     if implementation is not NtkImplementation.AUTO:
         if implementation not in _ALGORITHMS:
@@ -190,6 +203,7 @@ def compute_ntk(
     x2_key: Hashable | None = None,
     device: torch.device | str | None = None,
     allow_tf32: bool = False,
+    structured_options: StructuredOptions | None = None,
 ) -> NtkResult:
     """Empirical NTK Θ(x1, x2) = J(x1) J(x2)ᵀ of ``model``, J = ∂f(x)/∂θ per example, shape (k, P).
 
@@ -217,6 +231,9 @@ def compute_ntk(
             and the plan fits that device's memory (NOTE [device budgets] in device.py). Default: the model's device.
         allow_tf32 (bool): let float32 matmuls and convolutions on CUDA use TF32 tensor cores (NOTE [TF32]).
             Default: False.
+        structured_options (StructuredOptions, optional): the structured engine's fast paths, e.g.
+            ``StructuredOptions().without("chain")`` to compute without one (each is exact either way; for
+            debugging and A/B timing). Default: None, every fast path on.
 
     Returns:
         NtkResult: ``theta`` (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k)
@@ -240,7 +257,7 @@ def compute_ntk(
         x1_key, x2_key = pseudo_key(x1_key), pseudo_key(x2_key)
     engine_mode = KernelMode.TRACE if kernel_mode is DerivedMode.PSEUDO else kernel_mode
     with _on_device(dev, allow_tf32), prepared_problem(model, x1, x2, params=params, dtype=dtype, device=dev) as p:
-        result = _compute(p, engine_mode, impl, budget, side_cache, x1_key, x2_key)
+        result = _compute(p, engine_mode, impl, budget, side_cache, x1_key, x2_key, structured=structured_options)
     return result if engine_mode is kernel_mode else dataclasses.replace(result, mode=kernel_mode)
 
 
@@ -260,6 +277,7 @@ def compute_ntk_groups(
     x2_key: Hashable | None = None,
     device: torch.device | str | None = None,
     allow_tf32: bool = False,
+    structured_options: StructuredOptions | None = None,
 ) -> NtkGroupsResult:
     """The NTK split by parameter group, Θ_g = Σ_{p ∈ g} J_p(x1) J_p(x2)ᵀ, every group from one pass of the engine.
 
@@ -272,7 +290,7 @@ def compute_ntk_groups(
 
     Args:
         model, x1, x2, mode, implementation, dtype, memory_budget_bytes, side_cache, x1_key, x2_key, device,
-            allow_tf32: as for ``compute_ntk``; every mode, "pseudo" included.
+            allow_tf32, structured_options: as for ``compute_ntk``; every mode, "pseudo" included.
         groups (dict or str): ``{"name": ["glob", ...]}`` over ``named_parameters()`` names (a tied weight
             answers to each of its names), or ``"modules"``: one group per module with parameters of its own,
             named by its ``named_modules()`` name ("<root>" for the model's own). Groups must not overlap and
@@ -302,7 +320,7 @@ def compute_ntk_groups(
     engine_mode = KernelMode.TRACE if kernel_mode is DerivedMode.PSEUDO else kernel_mode
     params = [glob.escape(name) for name in engine_groups.selected()]  # exact names, as globs
     with _on_device(dev, allow_tf32), prepared_problem(model, x1, x2, params=params, dtype=dtype, device=dev) as p:
-        result = _compute(p, engine_mode, impl, budget, side_cache, x1_key, x2_key, groups=engine_groups)
+        result = _compute(p, engine_mode, impl, budget, side_cache, x1_key, x2_key, engine_groups, structured_options)
     stacked = result.theta
     return NtkGroupsResult(
         thetas={name: stacked[g] for g, name in enumerate(resolved.names)},
@@ -334,13 +352,16 @@ def _compute(
     x1_key: Hashable | None,
     x2_key: Hashable | None,
     groups: ParameterGroups | None = None,
+    structured: StructuredOptions | None = None,
 ) -> NtkResult:
     """The kernel of a prepared call; with ``groups`` its theta is the stack (G, *theta) of the group kernels."""
     problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
     n = x1t.shape[0]
     symmetric = x2t is None or mode is KernelMode.EXAMPLE_DIAGONAL
     m = n if x2t is None else x2t.shape[0]
-    alg, plan = _choose(impl, (problem, n, m, mode, symmetric), budget, 0 if groups is None else len(groups))
+    alg, plan = _choose(
+        impl, (problem, n, m, mode, symmetric), budget, 0 if groups is None else len(groups), structured
+    )
     theta = run_blocks(
         alg,
         problem,

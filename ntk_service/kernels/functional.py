@@ -101,7 +101,7 @@ class NtkProblem:
     def f_batch(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
         """The model on a batch: x (n, *input) -> (n, k)."""
         out: torch.Tensor = functional_call(self.module, (params, self.frozen), (x,))
-        return out.reshape(x.shape[0], self.k)
+        return _as_outputs(out, x.shape[0], self.k)
 
     def f_own(self, x: torch.Tensor) -> torch.Tensor:
         """``f_batch(self.params, x)`` without ``functional_call``'s swapping, when ``owns_module``.
@@ -113,11 +113,17 @@ class NtkProblem:
         if not self.owns_module:
             return self.f_batch(self.params, x)
         out: torch.Tensor = self.module(x)
-        return out.reshape(x.shape[0], self.k)
+        return _as_outputs(out, x.shape[0], self.k)
 
     def f_single(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
         """The model on one example: x (*input) -> (k,). Use under ``vmap`` for batches."""
         return self.f_batch(params, x.unsqueeze(0)).squeeze(0)
+
+
+def _as_outputs(out: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The model's output as (n, k); the model's own tensor when it has that shape already (not a view of it), so
+    the structured capture can tell which layer's output the model returned (``Recorder.output_use``)."""
+    return out if out.shape == (n, k) else out.reshape(n, k)
 
 
 _MODULE_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.Lock] = weakref.WeakKeyDictionary()

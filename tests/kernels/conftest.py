@@ -6,12 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import KernelMode
-from ntk_service.kernels.blocks import run_blocks
-from ntk_service.kernels.functional import eval_semantics, prepare_problem
-from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.planning import plan_blocks
-from ntk_service.kernels.structured import Structured, StructuredOptions
+from ntk_service.kernels import KernelMode, compute_ntk
+from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.structured import contraction as structured_contraction
 
 AUTOGRAD_CAPTURE = StructuredOptions(chain=False)
@@ -28,19 +24,11 @@ def structured_ntk(
     options: StructuredOptions,
     params: list[str] | None = None,
     dtype: torch.dtype = torch.float64,
-    groups: ParameterGroups | None = None,
 ) -> torch.Tensor:
-    """The structured kernel under ``options``: compute_ntk's pipeline (eval semantics, a prepared problem, the
-    block plan and runner) with ``Structured(options)`` as the algorithm; with ``groups`` (G, *theta), one kernel
-    per group (``params`` must then select exactly the groups' parameters)."""
-    alg = Structured(options)
-    with eval_semantics(model) as module:
-        problem, x1t, x2t = prepare_problem(module, x1, x2, params=params, dtype=dtype)
-        symmetric = x2t is None or mode is KernelMode.EXAMPLE_DIAGONAL
-        m = x1t.shape[0] if x2t is None else x2t.shape[0]
-        g = 1 if groups is None else len(groups)
-        plan = plan_blocks(alg, problem, x1t.shape[0], m, mode, symmetric=symmetric, budget_bytes=2**30, groups=g)
-        return run_blocks(alg, problem, x1t, None if symmetric else x2t, mode, plan, groups=groups)
+    """The structured kernel under ``options``, by the public path (``compute_ntk(structured_options=...)``)."""
+    return compute_ntk(
+        model, x1, x2, mode=mode, implementation="structured", params=params, dtype=dtype, structured_options=options
+    ).theta
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import glob
 import re
 
 import pytest
@@ -28,7 +27,6 @@ from ntk_service.kernels import (
 )
 from ntk_service.kernels.groups import GroupSpec
 from ntk_service.kernels.structured import StructuredOptions
-from tests.kernels.conftest import structured_ntk
 from tests.kernels.zoo import ZOO, TiedAutoencoder, ZooEntry
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel
 
@@ -253,14 +251,19 @@ def test_structured_groups_with_and_without_the_fused_finish_match_the_reference
     term, a bias apart from its weight, several terms); with ``fused_finish`` off every group is finished plainly."""
     model, x1, x2 = _case("mlp_tanh")
     resolved = parameter_groups(model, groups)
-    params = [glob.escape(name) for name in resolved.selected()]
     for options in (StructuredOptions(), StructuredOptions().without("fused_finish")):
         for with_x2 in (True, False):
-            thetas = structured_ntk(
-                model, x1, x2 if with_x2 else None, KernelMode.FULL, options=options, params=params, groups=resolved
+            result = compute_ntk_groups(
+                model,
+                x1,
+                x2 if with_x2 else None,
+                groups=groups,
+                implementation="structured",
+                dtype=torch.float64,
+                structured_options=options,
             )
-            assert thetas.shape[0] == len(resolved.names)
-            for group, theta in zip(resolved.names, thetas, strict=True):
+            assert list(result.thetas) == list(resolved.names)
+            for group, theta in result.thetas.items():
                 expected = _group_reference(
                     "mlp_tanh", dict(zip(resolved.names, resolved.members, strict=True))[group], "full", with_x2
                 )

@@ -344,8 +344,10 @@ def _side(
     for u, use_roles in roles.items():  # one rule call per use: a weight and its bias may share a pass
         layer = plan.uses[u].layer
         rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
-        a, d = cap.inputs[u], cap.deltas[u].tensor
-        js = rule.jacobians(module, tuple(use_roles), a, d, state, thin=options.thin_conv_jacobian)
+        a, delta = cap.inputs[u], cap.deltas[u]
+        js = rule.jacobians(
+            module, tuple(use_roles), a, delta.tensor, state, layout=delta.layout, thin=options.thin_conv_jacobian
+        )
         for role, j in js.items():
             name = owner[u, role]
             jacobians[name] = j if name not in jacobians else jacobians[name] + j

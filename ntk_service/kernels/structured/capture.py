@@ -151,34 +151,25 @@ class ConvPassesCapture:
         recorder.channels_last = channels_last
         with hooks(plan.layers, recorder.pre if channels_last else None, recorder.post), torch.enable_grad():
             out = run_recorded(problem, recorder, problem.params, x)  # (n, k)
+            head = recorder.output_use(out)  # its δ is the basis: no pass needed
+            passes = [i for i in range(len(recorder.probes)) if i != head]
             buffers: list[torch.Tensor | None] = [None] * len(recorder.probes)
-            basis = [False] * len(recorder.probes)  # so far every pass gave the cotangent itself: δ_c = e_c
             eye = torch.eye(k, dtype=problem.dtype)
-            for c in range(k):
+            for c in range(k if passes else 0):
                 cotangent = eye[c].expand(n, k)
-                grads = torch.autograd.grad(out, recorder.probes, cotangent, retain_graph=c < k - 1, allow_unused=True)
-                for i, g in enumerate(grads):
+                probes = [recorder.probes[i] for i in passes]
+                grads = torch.autograd.grad(out, probes, cotangent, retain_graph=c < k - 1, allow_unused=True)
+                for i, g in zip(passes, grads, strict=True):
                     if g is None:
                         continue
                     buffer = buffers[i]
-                    if buffer is None and (c == 0 or basis[i]) and _is_same_view(g, cotangent):
-                        basis[i] = True  # a layer whose output is the model's output
-                        continue
-                    if buffer is None:  # earlier passes gave zeros (no cotangent) or e_c (the basis)
+                    if buffer is None:  # earlier passes gave no cotangent: zeros
                         buffer = buffers[i] = _delta_buffer(g, k)
-                        if basis[i]:
-                            buffer[:, :c].copy_(eye[:c].expand(n, c, k))
-                        else:
-                            buffer[:, :c].zero_()
-                        basis[i] = False
+                        buffer[:, :c].zero_()
                     buffer[:, c].copy_(g)
         deltas = [
-            Delta(eye.expand(n, k, k), Layout.EXAMPLE_MAJOR, shared=True)  # e_c for every example (stride 0)
-            if is_basis
-            else _zeros(n, k, p)
-            if b is None
-            else Delta(b, Layout.EXAMPLE_MAJOR)
-            for b, p, is_basis in zip(buffers, recorder.probes, basis, strict=True)
+            _basis(eye, n) if i == head else _zeros(n, k, p) if b is None else Delta(b, Layout.EXAMPLE_MAJOR)
+            for i, (b, p) in enumerate(zip(buffers, recorder.probes, strict=True))
         ]
         return _batched_capture(recorder, deltas)
 
@@ -200,14 +191,22 @@ class BatchedCapture:
         recorder = Recorder(plan, n)
         with hooks(plan.layers, None, recorder.post), torch.enable_grad():
             out = run_recorded(problem, recorder, problem.params, x)  # (n, k)
+            head = recorder.output_use(out)  # its δ is the basis: not asked of the reverse pass
+            passes = [i for i in range(len(recorder.probes)) if i != head]
             eye = torch.eye(k, dtype=problem.dtype)
             # a materialized basis: the batched matmul of a Linear output layer's backward then folds k into its
             # rows (one mm) instead of an expanded bmm
             basis = eye.unsqueeze(1).expand(k, n, k).contiguous()
-            grads = torch.autograd.grad(out, recorder.probes, basis, is_grads_batched=True, allow_unused=True)
+            probes = [recorder.probes[i] for i in passes]
+            found = torch.autograd.grad(out, probes, basis, is_grads_batched=True, allow_unused=True) if probes else ()
+            grads = dict(zip(passes, found, strict=True))
         deltas = [  # views of (k, n, ...) memory
-            _zeros(n, k, p) if g is None else _output_basis(g, basis, eye, layout)
-            for g, p in zip(grads, recorder.probes, strict=True)
+            _basis(eye, n)
+            if i == head
+            else _zeros(n, k, p)
+            if grads[i] is None
+            else Delta(grads[i].transpose(0, 1), layout)
+            for i, p in enumerate(recorder.probes)
         ]
         return _batched_capture(recorder, deltas), terms
 
@@ -271,18 +270,10 @@ def capture(
     return strategy.run(problem, terms, options, x)
 
 
-def _output_basis(grad: torch.Tensor, basis: torch.Tensor, eye: torch.Tensor, layout: Layout) -> Delta:
-    """A probe's δ (k, n, ...) as (n, k, ...); the basis itself (a layer whose output is the model's output) as the
-    identity expanded over the examples (stride 0), declared shared (NOTE [example-independent δ] in
-    contraction.py)."""
-    if grad.shape == basis.shape and grad.data_ptr() == basis.data_ptr():
-        return Delta(eye.unsqueeze(0).expand(basis.shape[1], *eye.shape), Layout.EXAMPLE_MAJOR, shared=True)
-    return Delta(grad.transpose(0, 1), layout)
-
-
-def _is_same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b are the same elements of the same memory."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+def _basis(eye: torch.Tensor, n: int) -> Delta:
+    """δ of the call whose output is the model's output: e_c for output c of every example, the identity expanded
+    over the examples (stride 0), declared shared (NOTE [example-independent δ] in contraction.py)."""
+    return Delta(eye.unsqueeze(0).expand(n, *eye.shape), Layout.EXAMPLE_MAJOR, shared=True)
 
 
 def _delta_buffer(grad: torch.Tensor, k: int) -> torch.Tensor:

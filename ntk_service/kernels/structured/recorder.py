@@ -10,6 +10,7 @@ context (``ACTIVE``): other threads using the same module see a no-op.
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -67,6 +68,7 @@ class Recorder:
         self.index = {id(m): i for i, m in enumerate(plan.layers)}
         self.probes: list[torch.Tensor] = []
         self.inputs: list[torch.Tensor] = []
+        self.returned: list[tuple[weakref.ref[torch.Tensor], int]] = []  # batched: each use's output, its version
         self.record_only = False
         self.channels_last = False
         convs = [i for i, u in enumerate(plan.uses) if isinstance(plan.layers[u.layer], nn.Conv2d)]
@@ -105,8 +107,19 @@ class Recorder:
                 output = ChannelsLastGrad.apply(output)  # type: ignore[no-untyped-call]
             zero = torch.zeros((1,) * output.ndim, dtype=output.dtype, requires_grad=True)
             self.probes.append(zero.expand(output.shape))
-            return output + self.probes[i]
+            probed = output + self.probes[i]
+            self.returned.append((weakref.ref(probed), probed._version))
+            return probed
         return output + self.probes[i]
+
+    def output_use(self, out: torch.Tensor) -> int | None:
+        """The use whose probed output the batched forward returned as ``out`` itself, unmodified (its version
+        unchanged: an in-place ``out *= 2`` after the layer is not the identity), or None. Its δ for output c is
+        e_c for every example, known without a reverse pass (NOTE [example-independent δ] in contraction.py)."""
+        for i, (ref, version) in enumerate(self.returned):
+            if ref() is out and out._version == version:
+                return i
+        return None
 
     def check_count(self) -> None:
         if len(self.inputs) != len(self.plan.uses):

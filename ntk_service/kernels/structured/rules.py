@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ntk_service.kernels.structured.descriptors import Layout
+
 __all__ = ["RULES", "Factors", "Rule", "factors_jacobian", "rule_for"]
 
 
@@ -113,11 +115,12 @@ class Rule:
         delta: torch.Tensor,
         state: dict[str, torch.Tensor],
         *,
+        layout: Layout = Layout.EXAMPLE_MAJOR,
         thin: bool = True,
     ) -> dict[str, torch.Tensor]:
         """J of each parameter in ``roles`` for one use, role -> (n, k, numel); a rule may share work between
-        them (one pass over δ for a weight and its bias). ``thin``: the rule's thin-operand form may be used
-        (``StructuredOptions.thin_conv_jacobian``)."""
+        them (one pass over δ for a weight and its bias). ``layout``: δ's memory order, as its capture declared it.
+        ``thin``: the rule's thin-operand form may be used (``StructuredOptions.thin_conv_jacobian``)."""
         return {role: self.jacobian(module, role, a, delta, state) for role in roles}
 
     def jacobian(
@@ -256,21 +259,22 @@ class ConvRule(Rule):
         delta: torch.Tensor,
         state: dict[str, torch.Tensor],
         *,
+        layout: Layout = Layout.EXAMPLE_MAJOR,
         thin: bool = True,
     ) -> dict[str, torch.Tensor]:
         """The weight's J and, with thin patches, the bias's J from the same matmul (a row of ones under the
         patches sums δ over positions: one read of the layer's largest δ instead of two); see ``jacobian``."""
-        if "weight" not in roles or not thin:
-            return {role: self._jacobian(module, role, a, delta, state, thin=thin) for role in roles}
-        thin_j = self._thin_jacobians(module, a, delta, with_bias="bias" in roles)
-        if thin_j is None:
-            return super().jacobians(module, roles, a, delta, state)
-        return {role: thin_j[role] for role in roles}
+        thin_j = None
+        if "weight" in roles and thin:
+            thin_j = self._thin_jacobians(module, a, delta, with_bias="bias" in roles)
+        if thin_j is not None:
+            return {role: thin_j[role] for role in roles}
+        return {role: self._jacobian(module, role, a, delta, state, layout=layout, thin=thin) for role in roles}
 
     def jacobian(
         self, module: nn.Module, role: str, a: torch.Tensor, delta: torch.Tensor, state: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        return self._jacobian(module, role, a, delta, state, thin=True)
+        return self._jacobian(module, role, a, delta, state, layout=Layout.EXAMPLE_MAJOR, thin=True)
 
     def _jacobian(
         self,
@@ -280,6 +284,7 @@ class ConvRule(Rule):
         delta: torch.Tensor,
         state: dict[str, torch.Tensor],
         *,
+        layout: Layout,
         thin: bool,
     ) -> torch.Tensor:
         sp = self._spatial(module)
@@ -296,7 +301,7 @@ class ConvRule(Rule):
         # in (k, n, ...) memory (vmapped capture) one bmm per output c reads it in place instead
         d = delta.reshape(n, k, module.out_channels, -1)
         patches_t = self._patches(module, a).transpose(1, 2)  # (n, L, q)
-        if d.stride(0) >= d.stride(1):
+        if layout is Layout.EXAMPLE_MAJOR:
             return torch.bmm(d.reshape(n, k * module.out_channels, -1), patches_t).view(n, k, -1)
         out = torch.empty(k, n, module.out_channels, patches_t.shape[-1], dtype=delta.dtype)
         for c in range(k):
