@@ -11,10 +11,14 @@ cache stays out of the way of inline inputs) and this process compute the same k
 - ``safetensors`` / ``npy``: the round trip (``npy`` sends x1 alone, x2 = x1, so it is a different kernel and
   compares with ``engine_sym``, the bare symmetric call);
 - ``tiny``: a 2-example kernel over HTTP, whose round trip minus its server-measured compute and its wire time
-  is the fixed per-request cost (HTTP on loopback, auth, the registry lookup, thread hops).
+  is the fixed per-request cost (HTTP on loopback, auth, the registry lookup, thread hops);
+- ``transfer``: the bytes of theta over the same HTTP stack without a kernel: a GET of the weights of a
+  one-hidden-layer "carrier" model registered with about theta's size (its time scaled to theta's bytes exactly),
+  so one fixed per-request cost and the socket and HTTP framing of that many bytes, both ways' Python included.
 
-The target (issue 18): the binary round trip within 1.15× of the library call plus the transfer. Medians over
-rounds; the machine is shared, so only the ratios of one run mean much.
+The target (issue 18): the binary round trip within 1.15× of the library call plus the transfer, i.e.
+round trip / (engine + wire + transfer). Medians over rounds; the machine is shared, so only the ratios of one run
+mean much.
 
     .venv/bin/python benchmarks/bench_http.py                 # 15 rounds
     .venv/bin/python benchmarks/bench_http.py --rounds 7 --n 128 --hidden 128 128 --input-dim 32
@@ -91,6 +95,9 @@ def run(server: LiveServer, architecture: dict[str, object], *, n: int, rounds: 
         return rng.standard_normal((rows, dim)).astype(np.float32)
 
     theta_bytes = n * n * 100 * 4
+    width = max(1, round(theta_bytes / 4 / (dim + 1 + 10)))  # 784-width-10: (dim + 1 + 10)·width + 10 floats
+    carrier = {"family": "mlp", "input_dim": dim, "hidden": [width], "output_dim": 10, "activation": "relu"}
+    assert client.post("/v1/models", json={"name": "carrier", "architecture": carrier}).status_code == 201
 
     def engine() -> dict[str, float]:
         x1, x2 = torch.from_numpy(fresh(n)), torch.from_numpy(fresh(n))
@@ -122,6 +129,11 @@ def run(server: LiveServer, architecture: dict[str, object], *, n: int, rounds: 
 
         return call
 
+    def transfer_over_http() -> dict[str, float]:
+        start = time.perf_counter()
+        body = client.get("/v1/models/carrier/versions/1/weights").content
+        return {"total": (time.perf_counter() - start) * theta_bytes / len(body)}
+
     variants: dict[str, Callable[[], dict[str, float]]] = {
         "engine": engine,
         "safetensors": over_http("safetensors", n),
@@ -129,6 +141,7 @@ def run(server: LiveServer, architecture: dict[str, object], *, n: int, rounds: 
         "engine_sym": engine_sym,
         "npy": over_http("npy", n),
         "tiny": over_http("safetensors", 2),
+        "transfer": transfer_over_http,
     }
     for call in variants.values():  # warm-up
         call()
@@ -146,7 +159,7 @@ def run(server: LiveServer, architecture: dict[str, object], *, n: int, rounds: 
         f"MLP {dim}-{hidden}-10, N = M = {n}, full mode, theta {theta_bytes / 1e6:.1f} MB float32, x1 and x2 inline, "
         f"median of {rounds} alternating rounds, torch threads {torch.get_num_threads()}, server side cache on"
     )
-    engine_s, wire_s, http_s = med("engine"), med("wire"), med("safetensors")
+    engine_s, wire_s, http_s, transfer_s = med("engine"), med("wire"), med("safetensors"), med("transfer")
     fixed = statistics.median(t["total"] - t["server_compute"] - t["wire"] for t in times["tiny"])
     print(f"{'variant':<34} {'median ms':>10}")
     rows = [
@@ -158,11 +171,14 @@ def run(server: LiveServer, architecture: dict[str, object], *, n: int, rounds: 
         (".npy round trip (x1 only)", med("npy")),
         ("tiny (N = M = 2) round trip", med("tiny")),
         ("fixed per-request cost", fixed),
+        ("transfer: theta's bytes over HTTP", transfer_s),
     ]
     for label, seconds in rows:
         print(f"{label:<34} {seconds * 1000:>10.2f}")
-    print(f"round trip / (engine + wire):       {http_s / (engine_s + wire_s):.3f}   (target <= 1.15)")
-    print(f"round trip / (engine + wire + fixed): {http_s / (engine_s + wire_s + fixed):.3f}")
+    ratio = http_s / (engine_s + wire_s + transfer_s)
+    print(f"round trip / (engine + wire + transfer): {ratio:.3f}   (target <= 1.15)")
+    print(f"round trip / (engine + wire):            {http_s / (engine_s + wire_s):.3f}")
+    print(f"round trip / (engine + wire + fixed):    {http_s / (engine_s + wire_s + fixed):.3f}")
     print(f"server compute / engine:            {med('safetensors', 'server_compute') / engine_s:.3f}")
     print(f".npy round trip / engine_sym:       {med('npy') / med('engine_sym'):.3f}")
 
