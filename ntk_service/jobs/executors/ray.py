@@ -209,6 +209,7 @@ class RayExecutor(Executor):
         self._ray: Any = None
         self._owns_ray = False
         self._before_ray: set[int] = set()  # this process's children before it started a local Ray
+        self._ray_pids: set[int] = set()  # the local Ray's processes seen so far (close reaps them)
 
     def memory_budget(self) -> int | None:
         """The host budget for CPU tasks; None for GPU tasks, so each plans for the GPU it is given (the driver
@@ -232,14 +233,25 @@ class RayExecutor(Executor):
         ``ray.shutdown()`` stops the GCS and the raylet, but the raylet's agents (``ray::DashboardAgent``,
         ``ray::RuntimeEnvAgent``) only notice their parent is gone and exit up to a minute later, after this
         process may have ended (``tests/server/test_shutdown_ray.py`` saw them outlive the server). So the local
-        instance's processes are noted first (this process's descendants that were not there before ``ray.init``
-        and run Ray's code) and any still alive ``_REAP_GRACE_S`` after the shutdown get SIGTERM, then SIGKILL.
+        instance's processes are noted (``_note_local_ray``) and any still alive ``_REAP_GRACE_S`` after the
+        shutdown get SIGTERM, then SIGKILL.
         """
         if self._ray is not None and self._owns_ray:
-            started = {pid for pid in _descendants(os.getpid()) - self._before_ray if "ray" in _command(pid)}
+            self._note_local_ray()
+            raylets = {pid for pid in self._ray_pids if "raylet" in _command(pid)}
             self._ray.shutdown()
-            _reap(started, grace_s=_REAP_GRACE_S)
-        self._ray, self._owns_ray = None, False
+            ours = {pid for pid in self._ray_pids if "ray" in _command(pid)}  # not reused by another program since
+            _reap(ours | _children_of_raylets(raylets), grace_s=_REAP_GRACE_S)
+        self._ray, self._owns_ray, self._ray_pids = None, False, set()
+
+    def _note_local_ray(self) -> None:
+        """Add the local Ray's processes (this process's descendants that were not there before ``ray.init`` and
+        run Ray's code) to those ``close`` reaps. Noted while jobs run as well as at the end: an agent whose raylet
+        exits first is re-parented away and would not be found as a descendant then (1 of 4 runs of
+        ``tests/server/test_shutdown_ray.py`` in the full suite left both agents behind that way)."""
+        if self._owns_ray:
+            found = _descendants(os.getpid()) - self._before_ray
+            self._ray_pids |= {pid for pid in found if "ray" in _command(pid)}
 
     def _window(self, ray: Any) -> int:
         if self.max_in_flight is not None:
@@ -285,6 +297,7 @@ class RayExecutor(Executor):
             if not in_flight:
                 break
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=_WAIT_S)
+            self._note_local_ray()
             for ref in ready:
                 tile = in_flight.pop(ref)
                 try:
@@ -312,6 +325,22 @@ def _descendants(root: int) -> set[int]:
         for child in children.get(todo.pop(), set()) - found:
             found.add(child)
             todo.append(child)
+    return found
+
+
+def _children_of_raylets(raylets: set[int]) -> set[int]:
+    """Live Ray processes started by one of ``raylets`` (their ``RAY_RAYLET_PID``), wherever they were re-parented."""
+    if not raylets:
+        return set()
+    marks = {f"RAY_RAYLET_PID={pid}".encode() for pid in raylets}
+    found = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environment = set((entry / "environ").read_bytes().split(b"\0"))
+            if marks & environment and _command(int(entry.name)).startswith("ray::"):
+                found.add(int(entry.name))
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
     return found
 
 
