@@ -13,7 +13,7 @@ from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
 from ntk_service.kernels.api import _ALGORITHMS
 from ntk_service.kernels.functional import private_copy
-from tests.kernels.zoo import ZOO, ZooEntry
+from tests.kernels.zoo import ZOO, ZooEntry, zoo_case
 from tests.reference import assert_matches, reference_ntk
 
 IMPLEMENTATIONS = [*_ALGORITHMS, NtkImplementation.AUTO]
@@ -21,17 +21,8 @@ MODES = list(KernelMode)
 
 
 @functools.cache
-def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    entry = next(e for e in ZOO if e.name == name)
-    torch.manual_seed(0)
-    model = entry.build()
-    x1, x2 = entry.inputs(torch.Generator().manual_seed(1))
-    return model, x1, x2
-
-
-@functools.cache
 def _reference(name: str, mode: KernelMode, with_x2: bool, subset: bool) -> torch.Tensor:
-    model, x1, x2 = _case(name)
+    model, x1, x2 = zoo_case(name)
     entry = next(e for e in ZOO if e.name == name)
     return reference_ntk(model, x1, x2 if with_x2 else None, mode.value, entry.subset if subset else None)
 
@@ -40,7 +31,7 @@ def _reference(name: str, mode: KernelMode, with_x2: bool, subset: bool) -> torc
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_float64_matches_reference(entry: ZooEntry, implementation: NtkImplementation, mode: KernelMode) -> None:
-    model, x1, x2 = _case(entry.name)
+    model, x1, x2 = zoo_case(entry.name)
     for with_x2 in (True, False):
         for subset in (False, True):
             result = compute_ntk(
@@ -62,7 +53,7 @@ def test_float64_matches_reference(entry: ZooEntry, implementation: NtkImplement
 @pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS, ids=str)
 def test_float32_matches_reference(entry: ZooEntry, implementation: NtkImplementation) -> None:
-    model, x1, x2 = _case(entry.name)
+    model, x1, x2 = zoo_case(entry.name)
     result = compute_ntk(model, x1, x2, mode="full", implementation=implementation)
     assert result.theta.dtype == torch.float32
     assert_matches(result.theta, _reference(entry.name, KernelMode.FULL, True, False), 1e-4)
@@ -70,7 +61,7 @@ def test_float32_matches_reference(entry: ZooEntry, implementation: NtkImplement
 
 @pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
 def test_same_inputs_give_exactly_symmetric_psd_kernel(entry: ZooEntry) -> None:
-    model, x1, _ = _case(entry.name)
+    model, x1, _ = zoo_case(entry.name)
     for implementation in _ALGORITHMS:
         theta = compute_ntk(model, x1, implementation=implementation, dtype=torch.float64).theta
         n, _, k, _ = theta.shape

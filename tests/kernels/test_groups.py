@@ -27,7 +27,7 @@ from ntk_service.kernels import (
 )
 from ntk_service.kernels.groups import GroupSpec
 from ntk_service.kernels.structured import StructuredOptions
-from tests.kernels.zoo import ZOO, TiedAutoencoder, ZooEntry
+from tests.kernels.zoo import ZOO, TiedAutoencoder, ZooEntry, zoo_case
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel
 
 GROUP_IMPLEMENTATIONS = [NtkImplementation.JACOBIAN_CONTRACTION, NtkImplementation.STRUCTURED]
@@ -35,24 +35,15 @@ MODES: list[KernelMode | DerivedMode] = [*KernelMode, DerivedMode.PSEUDO]
 
 
 @functools.cache
-def _case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    entry = next(e for e in ZOO if e.name == name)
-    torch.manual_seed(0)
-    model = entry.build()
-    x1, x2 = entry.inputs(torch.Generator().manual_seed(1))
-    return model, x1, x2
-
-
-@functools.cache
 def _jacobians(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference J (n, k, P) of x1 and of x2 over all parameters."""
-    model, x1, x2 = _case(name)
+    model, x1, x2 = zoo_case(name)
     return reference_jacobian(model, x1), reference_jacobian(model, x2)
 
 
 def _group_reference(name: str, names: tuple[str, ...], mode: str, with_x2: bool) -> torch.Tensor:
     """The reference kernel of the parameters ``names`` only: J restricted to their columns."""
-    model, _, _ = _case(name)
+    model, _, _ = zoo_case(name)
     cols = reference_columns(model, names)
     j1, j2 = _jacobians(name)
     j1 = j1[..., cols]
@@ -71,7 +62,7 @@ _ZOO_PARAMS = [pytest.param(e, id=e.name, marks=[pytest.mark.slow] if e.name in 
 @pytest.mark.parametrize("entry", _ZOO_PARAMS)
 @pytest.mark.parametrize("implementation", GROUP_IMPLEMENTATIONS, ids=str)
 def test_group_kernels_match_the_restricted_reference(entry: ZooEntry, implementation: NtkImplementation) -> None:
-    model, x1, x2 = _case(entry.name)
+    model, x1, x2 = zoo_case(entry.name)
     for groups, rest in GROUPINGS:
         for mode in MODES:
             for with_x2 in (True, False) if groups == "modules" else (True,):  # the bias split: either way alike
@@ -108,7 +99,7 @@ def _swap(theta: torch.Tensor, mode: KernelMode | DerivedMode) -> torch.Tensor:
 
 @pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
 def test_auto_and_float32_group_kernels(entry: ZooEntry) -> None:
-    model, x1, x2 = _case(entry.name)
+    model, x1, x2 = zoo_case(entry.name)
     result = compute_ntk_groups(model, x1, x2, groups="modules", mode="full")
     assert result.implementation in GROUP_IMPLEMENTATIONS
     for group, theta in result.thetas.items():
@@ -118,7 +109,7 @@ def test_auto_and_float32_group_kernels(entry: ZooEntry) -> None:
 
 def test_groups_equal_compute_ntk_over_their_parameters() -> None:
     """A grouping that leaves parameters out: the groups add up to compute_ntk over the listed ones only."""
-    model, x1, x2 = _case("mlp_tanh")
+    model, x1, x2 = zoo_case("mlp_tanh")
     res = compute_ntk_groups(model, x1, x2, groups={"first": ["0.*"], "last": ["4.weight"]}, dtype=torch.float64)
     assert res.parameters == {"first": ("0.weight", "0.bias"), "last": ("4.weight",)}
     subset = compute_ntk(model, x1, x2, params=["0.*", "4.weight"], dtype=torch.float64).theta
@@ -127,7 +118,7 @@ def test_groups_equal_compute_ntk_over_their_parameters() -> None:
 
 
 def test_module_grouping_names_every_module_with_parameters() -> None:
-    mlp = parameter_groups(_case("mlp_relu")[0], "modules")
+    mlp = parameter_groups(zoo_case("mlp_relu")[0], "modules")
     assert dict(zip(mlp.names, mlp.members, strict=True)) == {
         "0": ("0.weight", "0.bias"),
         "2": ("2.weight", "2.bias"),
@@ -161,7 +152,7 @@ def test_module_grouping_names_every_module_with_parameters() -> None:
 
 
 def test_tied_weight_answers_to_each_of_its_names() -> None:
-    model, x1, x2 = _case("tied")
+    model, x1, x2 = zoo_case("tied")
     res = compute_ntk_groups(model, x1, x2, groups={"dec": ["decoder.weight"]}, dtype=torch.float64)
     assert res.parameters == {"dec": ("encoder.weight",)}
     assert_matches(res.thetas["dec"], _group_reference("tied", ("encoder.weight",), "full", True), 1e-10)
@@ -217,13 +208,13 @@ def test_memory_estimate_scales_with_the_groups() -> None:
 
 
 def test_vector_products_are_refused_and_auto_avoids_them() -> None:
-    model, x1, _ = _case("mlp_relu")
+    model, x1, _ = zoo_case("mlp_relu")
     with pytest.raises(UnknownImplementation, match="cannot split the kernel by group in one pass"):
         compute_ntk_groups(model, x1, groups="modules", implementation="ntk_vector_products")
 
 
 def test_bad_groupings_are_refused_with_what_to_fix() -> None:
-    model = _case("mlp_relu")[0]
+    model = zoo_case("mlp_relu")[0]
     cases: list[tuple[object, type[Exception], str]] = [
         ({"a": ["0.*"], "b": ["0.bias"]}, OverlappingGroups, "parameter '0.bias' is in both group 'a' and group 'b'"),
         ({"a": ["0.*"], "b": ["nope.*"]}, NoMatchingParameters, "glob 'nope.*' of group 'b' matches no parameter"),
@@ -249,7 +240,7 @@ def test_bad_groupings_are_refused_with_what_to_fix() -> None:
 def test_structured_groups_with_and_without_the_fused_finish_match_the_reference(groups: GroupSpec) -> None:
     """FULL groups fuse each group's last plain factored term into the pass that writes its block (a group of one
     term, a bias apart from its weight, several terms); with ``fused_finish`` off every group is finished plainly."""
-    model, x1, x2 = _case("mlp_tanh")
+    model, x1, x2 = zoo_case("mlp_tanh")
     resolved = parameter_groups(model, groups)
     for options in (StructuredOptions(), StructuredOptions().without("fused_finish")):
         for with_x2 in (True, False):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -97,3 +98,13 @@ ZOO = [
     ZooEntry("k1", lambda: nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)), _floats(3), ["2.bias"]),
     ZooEntry("seq_output", SequenceOutput, _floats(2, 3), ["out.*"]),
 ]
+
+
+@functools.cache
+def zoo_case(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The zoo entry's model (seed 0) and inputs x1, x2 (seed 1), built once per test session; never mutated."""
+    entry = next(e for e in ZOO if e.name == name)
+    torch.manual_seed(0)
+    model = entry.build()
+    x1, x2 = entry.inputs(torch.Generator().manual_seed(1))
+    return model, x1, x2

@@ -12,6 +12,7 @@ from torch import nn
 
 from ntk_service import wire
 from ntk_service.registry import build_model
+from tests.conftest import SLOW_FACTORY
 
 TINY_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mlp": {"family": "mlp", "input_dim": 4, "hidden": [8], "output_dim": 3, "activation": "tanh"},
@@ -110,3 +111,35 @@ def assert_close_to_reference(theta: np.ndarray, reference: torch.Tensor) -> Non
     assert theta.shape == expected.shape
     scale = max(1.0, float(np.abs(expected).max()))
     np.testing.assert_allclose(theta, expected, rtol=1e-4, atol=1e-5 * scale)
+
+
+SLOW_JOB_INPUTS = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+"""The 8 examples (8, 4) of ``submit_slow_job``'s data set."""
+
+
+def submit_slow_job(client: httpx.Client, *, delay_s: float) -> dict[str, Any]:
+    """Register model "slow" (``tests.server.slow_factory``: each forward call sleeps ``delay_s``) and submit a
+    TRACE job over ``SLOW_JOB_INPUTS`` in tiles of 2 (10 tiles) with the Jacobian contraction; the 202's job record."""
+    arch = {
+        "family": "factory",
+        "factory": SLOW_FACTORY,
+        "kwargs": {"in_dim": 4, "out_dim": 2, "delay_s": delay_s},
+        "input_shape": [4],
+    }
+    assert client.post("/v1/models", json={"name": "slow", "architecture": arch}).status_code == 201
+    media = {"Content-Type": wire.MEDIA_NPY}
+    dataset = client.post("/v1/datasets", content=wire.encode_npy(SLOW_JOB_INPUTS), headers=media)
+    assert dataset.status_code == 201, dataset.text
+    submitted = client.post(
+        "/v1/jobs",
+        json={
+            "model": "slow",
+            "x1": {"dataset": dataset.json()["id"]},
+            "mode": "trace",
+            "tile_size": 2,
+            "implementation": "jacobian_contraction",
+        },
+    )
+    assert submitted.status_code == 202, submitted.text
+    job: dict[str, Any] = submitted.json()
+    return job

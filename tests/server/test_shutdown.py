@@ -12,17 +12,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import safetensors.torch
 import torch
 
 from ntk_service import wire
 from ntk_service.jobs import JobStore
-from tests.conftest import SLOW_FACTORY, LiveServer
+from tests.conftest import LiveServer
 from tests.reference import reference_ntk
 from tests.server import slow_factory
-from tests.server.support import assert_close_to_reference, tensor_json
+from tests.server.support import SLOW_JOB_INPUTS, assert_close_to_reference, submit_slow_job, tensor_json
 
 DELAY_S = 0.3
 """Each forward call of the slow model sleeps this long: a kernel takes about a second, a tile a few tenths."""
@@ -59,27 +58,10 @@ def test_sigterm_finishes_requests_ends_streams_and_resumes_jobs(
 ) -> None:
     data_dir = tmp_path / "data"
     server = start_server(data_dir=data_dir, shutdown_timeout_s=str(SHUTDOWN_TIMEOUT_S), compute_concurrency="2")
-    arch = {
-        "family": "factory",
-        "factory": SLOW_FACTORY,
-        "kwargs": {"in_dim": 4, "out_dim": 2, "delay_s": DELAY_S},
-        "input_shape": [4],
-    }
-    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    x = SLOW_JOB_INPUTS
     body = {"x1": tensor_json(x[:2]), "implementation": "jacobian_contraction", "mode": "trace"}
     with server.client("write") as client:
-        assert client.post("/v1/models", json={"name": "slow", "architecture": arch}).status_code == 201
-        dataset = client.post("/v1/datasets", content=wire.encode_npy(x), headers={"Content-Type": wire.MEDIA_NPY})
-        job = client.post(
-            "/v1/jobs",
-            json={
-                "model": "slow",
-                "x1": {"dataset": dataset.json()["id"]},
-                "mode": "trace",
-                "tile_size": 2,
-                "implementation": "jacobian_contraction",
-            },
-        ).json()
+        job = submit_slow_job(client, delay_s=DELAY_S)
         deadline = time.monotonic() + 60
         while client.get(f"/v1/jobs/{job['id']}").json()["status"] != "running":
             assert time.monotonic() < deadline, "the job never started"

@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from ntk_service import wire
 from ntk_service.jobs import JobStore
-from tests.conftest import REPO_ROOT, SLOW_FACTORY, LiveServer
+from tests.conftest import REPO_ROOT, LiveServer
+from tests.server.support import submit_slow_job
 
 pytest.importorskip("ray", reason="the Ray executor needs the ntk-service[ray] extra")
 
@@ -81,28 +80,8 @@ def test_sigterm_with_ray_tasks_running_leaves_no_ray_process(
     server = start_server(
         data_dir=data_dir, executor="ray", shutdown_timeout_s=str(SHUTDOWN_TIMEOUT_S), log_level="info"
     )
-    arch = {
-        "family": "factory",
-        "factory": SLOW_FACTORY,
-        "kwargs": {"in_dim": 4, "out_dim": 2, "delay_s": DELAY_S},
-        "input_shape": [4],
-    }
-    x = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
     with server.client("write") as client:
-        assert client.post("/v1/models", json={"name": "slow", "architecture": arch}).status_code == 201
-        dataset = client.post("/v1/datasets", content=wire.encode_npy(x), headers={"Content-Type": wire.MEDIA_NPY})
-        submitted = client.post(
-            "/v1/jobs",
-            json={
-                "model": "slow",
-                "x1": {"dataset": dataset.json()["id"]},
-                "mode": "trace",
-                "tile_size": 2,
-                "implementation": "jacobian_contraction",
-            },
-        )
-        assert submitted.status_code == 202, submitted.text
-        job = submitted.json()
+        job = submit_slow_job(client, delay_s=DELAY_S)
         assert job["executor"] == "ray", job
         deadline = time.monotonic() + 120  # Ray starts first
         while (record := client.get(f"/v1/jobs/{job['id']}").json())["status"] != "running":

@@ -246,9 +246,8 @@ class RayExecutor(Executor):
 
     def _note_local_ray(self) -> None:
         """Add the local Ray's processes (this process's descendants that were not there before ``ray.init`` and
-        run Ray's code) to those ``close`` reaps. Noted while jobs run as well as at the end: an agent whose raylet
-        exits first is re-parented away and would not be found as a descendant then (1 of 4 runs of
-        ``tests/server/test_shutdown_ray.py`` in the full suite left both agents behind that way)."""
+        run Ray's code) to those ``close`` reaps. Noted while jobs run as well as at the end, so a process that is
+        re-parented before ``close`` (its raylet gone first) is still known then."""
         if self._owns_ray:
             found = _descendants(os.getpid()) - self._before_ray
             self._ray_pids |= {pid for pid in found if "ray" in _command(pid)}
