@@ -20,6 +20,7 @@ from ntk_service.analysis.alignment import Variant, alignment
 from ntk_service.analysis.distance import kernel_distance, relative_change
 from ntk_service.analysis.gp import GpPosterior, gp_inference
 from ntk_service.analysis.layout import as_matrix
+from ntk_service.analysis.linearize import TaylorExpansion, linearize, taylor_expand
 from ntk_service.analysis.linearized import (
     Flow,
     LinearizedPredictions,
@@ -41,15 +42,18 @@ __all__ = [
     "Method",
     "RidgeScale",
     "Spectrum",
+    "TaylorExpansion",
     "Variant",
     "alignment",
     "as_matrix",
     "gp_inference",
     "kernel_distance",
+    "linearize",
     "linearized_predictions",
     "loss_scale",
     "max_learning_rate",
     "relative_change",
     "spectrum",
     "stored_kernel_operator",
+    "taylor_expand",
 ]
