@@ -37,6 +37,7 @@ __all__ = [
     "DEFAULT_RTOL",
     "MAX_DESCENT_WORK",
     "CrossEntropyDynamics",
+    "check_cross_entropy_plan",
     "class_indices",
     "cross_entropy_dynamics",
 ]
@@ -110,6 +111,37 @@ def class_indices(y: Any, *, n: int | None, k: int | None, name: str, operation:
     return array.astype(np.int64)
 
 
+def check_cross_entropy_plan(
+    times: np.ndarray | list[float], flow: str, *, n: int, m: int, k: int, full: bool, operation: str
+) -> None:
+    """Refuse, before any kernel is computed, what the cross-entropy dynamics cannot do or would take too long.
+
+    Args:
+        times: the times or step counts asked for. flow: "gradient_descent" | "gradient_flow".
+        n, m, k: training examples, test examples, classes. full: a FULL kernel (else TRACE).
+
+    Raises:
+        InvalidInput: ``inf`` among the times (no t = ∞ limit). ResourceLimit: gradient descent whose cost
+        (steps · (N+M)·k · N·k multiply-adds for FULL, steps · (N+M)·N·k for TRACE) exceeds MAX_DESCENT_WORK.
+    """
+    array = np.asarray(times, dtype=np.float64)
+    if np.any(np.isinf(array)):
+        raise InvalidInput(
+            f"{operation}: loss='cross_entropy' has no t = inf limit (the logits grow without bound on "
+            "separable data); give finite times"
+        )
+    if flow != "gradient_descent" or array.size == 0:
+        return
+    last = int(array.max())
+    work = last * (n + m) * n * k * (k if full else 1)
+    if work > MAX_DESCENT_WORK:
+        raise ResourceLimit(
+            f"{operation}: {last} steps of gradient descent cost ~{work:.3g} multiply-adds, above the limit "
+            f"{MAX_DESCENT_WORK:.3g}; ask for fewer steps, or use flow='gradient_flow' (its time t counts steps "
+            "of size learning_rate, and its cost does not grow with t)"
+        )
+
+
 def _softmax_gradient(logits: np.ndarray, onehot: np.ndarray) -> np.ndarray:
     """∇_f of nn.CrossEntropyLoss() (mean over N): (softmax(f) − onehot(y)) / N, shape (N, k)."""
     shifted = logits - logits.max(axis=1, keepdims=True)
@@ -156,11 +188,6 @@ def cross_entropy_dynamics(
     Cost: one eigvalsh, O((N·k)³); gradient descent (N+M)·k·N·k per step; gradient flow the same per solver
     evaluation (a few hundred for logits of order ten).
     """
-    if np.any(np.isinf(times)):
-        raise InvalidInput(
-            f"{_OPERATION}: loss='cross_entropy' has no t = inf limit (the logits grow without bound on "
-            "separable data); give finite times"
-        )
     k_out = _width(f0_train, f0_test, n_classes)
     kernel = to_kernel_matrix(
         k_train_train,
@@ -186,9 +213,10 @@ def cross_entropy_dynamics(
     lambda_min, lambda_max = float(eigenvalues[0]), float(eigenvalues[-1])
     test_matrix, f0_star = _test_side(k_test_train, f0_test, kernel.mode, n=n, k=k, mode=mode)
     full = kernel.mode is KernelMode.FULL
+    m = 0 if f0_star is None else f0_star.shape[0]
+    check_cross_entropy_plan(times, flow, n=n, m=m, k=k, full=full, operation=_OPERATION)
     # One stacked operator [Θ; Θ*]: FULL ((N+M)·k, N·k) on vec(∇), TRACE (N+M, N) on the (N, k) gradient.
     stacked = matrix if test_matrix is None else np.vstack([matrix, test_matrix])
-    m = 0 if f0_star is None else f0_star.shape[0]
     onehot = np.eye(k)[labels]
     start = f0 if f0_star is None else np.vstack([f0, f0_star])
 
@@ -199,7 +227,7 @@ def cross_entropy_dynamics(
         return -learning_rate * moved.reshape(n + m, k)
 
     if flow == "gradient_descent":
-        outputs, path = _descend(velocity, start, times, work_per_step=stacked.size * (1 if full else k))
+        outputs, path = _descend(velocity, start, times)
         rtol_used: float | None = None
         atol_used: float | None = None
     else:
@@ -250,16 +278,10 @@ def _test_side(
     return test.matrix, f0_star
 
 
-def _descend(velocity: Any, start: np.ndarray, times: np.ndarray, *, work_per_step: int) -> tuple[np.ndarray, str]:
+def _descend(velocity: Any, start: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, str]:
     """The exact iterate f_{s+1} = f_s + velocity(f_s), recorded at the asked step counts."""
     steps = times.astype(np.int64)
     last = int(steps.max())
-    if last * work_per_step > MAX_DESCENT_WORK:
-        raise ResourceLimit(
-            f"{_OPERATION}: {last} steps of gradient descent cost ~{last * work_per_step:.3g} multiply-adds, above "
-            f"the limit {MAX_DESCENT_WORK:.3g}; ask for fewer steps, or use flow='gradient_flow' (its time t "
-            "counts steps of size learning_rate, and its cost does not grow with t)"
-        )
     wanted: dict[int, list[int]] = {}
     for i, s in enumerate(steps):
         wanted.setdefault(int(s), []).append(i)
