@@ -147,7 +147,8 @@ def _softmax_gradient(logits: np.ndarray, onehot: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=1, keepdims=True)
     p = np.exp(shifted)
     p /= p.sum(axis=1, keepdims=True)
-    return (p - onehot) / logits.shape[0]
+    out: np.ndarray = (p - onehot) / logits.shape[0]
+    return out
 
 
 def cross_entropy_dynamics(
@@ -224,7 +225,8 @@ def cross_entropy_dynamics(
         """d(outputs)/dt for (N+M, k) outputs: −η [Θ; Θ*] ∇_f L(f_train)."""
         grad = _softmax_gradient(state[:n], onehot)
         moved = stacked @ grad.reshape(n * k) if full else stacked @ grad
-        return -learning_rate * moved.reshape(n + m, k)
+        out: np.ndarray = -learning_rate * moved.reshape(n + m, k)
+        return out
 
     if flow == "gradient_descent":
         outputs, path = _descend(velocity, start, times)

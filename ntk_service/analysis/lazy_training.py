@@ -190,7 +190,7 @@ def compare_training(
             rows = batches[s]
             for side, opt in sides:
                 opt.zero_grad()
-                loss(side(x_train[rows]), y_train[rows]).backward()
+                loss(side(x_train[rows]), y_train[rows]).backward()  # type: ignore[no-untyped-call]
                 opt.step()
     return TrainingComparison(
         steps=np.arange(steps + 1),

@@ -116,8 +116,8 @@ class TaylorExpansion(nn.Module):
         holders[path] = holder
         return holder
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TaylorExpansion:  # type: ignore[override]
-        super()._apply(fn, recurse)
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TaylorExpansion:
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         for store in (self._lin_theta0, self._lin_frozen, self._lin_buffers):
             for name, tensor in store.items():
                 store[name] = fn(tensor)
@@ -160,7 +160,7 @@ class TaylorExpansion(nn.Module):
 
 def _one_more_term(series: _Fn, delta: dict[str, torch.Tensor]) -> _Fn:
     def deeper(primals: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        values, tangents = jvp(series, (primals,), (delta,))
+        values, tangents = jvp(series, (primals,), (delta,))[:2]
         return (*values, tangents[-1])
 
     return deeper
