@@ -215,14 +215,15 @@ def plot_lazy_training(
 
     Three panels against the step: (1) the RMS gap f_network − f_linearized on train (solid) and test (dashed),
     on a log scale; (2) the training loss of the network (solid) and the linearization (dotted); (3) the kernel
-    distance 1 − cos(Θ_0, Θ_s) at the kernel steps. One colour per comparison (e.g. per width).
+    distance 1 − cos(Θ_0, Θ_s) at the kernel steps, on a log scale (step 0, where it is 0, is not drawn). One
+    colour per comparison (e.g. per width).
 
     Args:
         comparisons: one ``TrainingComparison`` (``analysis.compare_training``) or a list of them.
         labels: one per comparison. Default: "run 1", ...
         title: the figure title. Default: "network vs its linearization".
-        relative: divide the gaps by ``train_moved`` (how far the network's train outputs moved), so runs of
-            different output scale compare. Default: False.
+        relative: divide each gap by how far the network's outputs moved on that set (``train_moved``,
+            ``test_moved``), so runs of different output scale compare. Default: False.
 
     Returns:
         The figure (three axes).
@@ -238,22 +239,29 @@ def plot_lazy_training(
     for i, item in enumerate(items):
         color, label = f"C{i % 10}", labels[i] if labels is not None else f"run {i + 1}"
         steps = np.asarray(item.steps, dtype=np.float64)
-        scale = np.asarray(item.train_moved, dtype=np.float64) if relative else np.ones_like(steps)
+        ones = np.ones_like(steps)
+        scale = np.asarray(item.train_moved, dtype=np.float64) if relative else ones
+        test_moved = getattr(item, "test_moved", None)
+        test_scale = np.asarray(test_moved, dtype=np.float64) if relative and test_moved is not None else ones
         with np.errstate(divide="ignore", invalid="ignore"):
             train = np.asarray(item.train_gap, dtype=np.float64) / scale
-            test = None if item.test_gap is None else np.asarray(item.test_gap, dtype=np.float64) / scale
+            test = None if item.test_gap is None else np.asarray(item.test_gap, dtype=np.float64) / test_scale
         keep = steps > 0  # the gap is exactly 0 at step 0: nothing to draw on a log axis
         gap_ax.plot(steps[keep], train[keep], color=color, label=f"{label} train")
         if test is not None:
             gap_ax.plot(steps[keep], test[keep], color=color, linestyle="--", label=f"{label} test")
         loss_ax.plot(steps, item.network_loss, color=color, label=f"{label} network")
         loss_ax.plot(steps, item.linearized_loss, color=color, linestyle=":", label=f"{label} linearized")
-        kernel_ax.plot(item.kernel_steps, item.kernel_distance, color=color, marker="o", markersize=4, label=label)
+        distance = np.asarray(item.kernel_distance, dtype=np.float64)
+        shown = distance > 0  # Θ_0 against itself is exactly 0: nothing to draw on a log axis
+        kernel_steps = np.asarray(item.kernel_steps)[shown]
+        kernel_ax.plot(kernel_steps, distance[shown], color=color, marker="o", markersize=4, label=label)
     gap_ax.set_yscale("log")
     gap_ax.set_ylabel("gap / RMS movement" if relative else "RMS gap ‖f − f_lin‖")
     gap_ax.set_title("network − linearization")
     loss_ax.set_ylabel("training loss")
     loss_ax.set_title("loss (dotted: linearized)")
+    kernel_ax.set_yscale("log")
     kernel_ax.set_ylabel("1 − cos(Θ_0, Θ_s)")
     kernel_ax.set_title(f"kernel distance ({items[0].kernel_mode})" if hasattr(items[0], "kernel_mode") else "")
     for ax in (gap_ax, loss_ax, kernel_ax):

@@ -47,7 +47,8 @@ class TrainingComparison:
         steps: (S+1,) 0…S; entry s is before the (s+1)-th optimizer step.
         train_gap, test_gap: (S+1,) RMS over entries of f_network − f_linearized on x_train (N·k entries) and
             x_test (None without x_test).
-        train_moved: (S+1,) RMS of f_network − f_network(step 0) on x_train: the scale the gap compares with.
+        train_moved, test_moved: (S+1,) RMS of f_network − f_network(step 0) on x_train / x_test (None without
+            it): the scale each gap compares with.
         network_loss, linearized_loss: (S+1,) the loss of each on the whole training set.
         kernel_steps: (K,) steps where the network's kernel was computed (on x_train, ``kernel_mode``).
         kernel_distance: (K,) 1 − cos(Θ_0, Θ_s) (Fort et al. 2020). kernel_relative_change: (K,)
@@ -59,6 +60,7 @@ class TrainingComparison:
     train_gap: np.ndarray
     test_gap: np.ndarray | None
     train_moved: np.ndarray
+    test_moved: np.ndarray | None
     network_loss: np.ndarray
     linearized_loss: np.ndarray
     kernel_steps: np.ndarray
@@ -167,11 +169,12 @@ def compare_training(
     make = optimizer or _sgd
     sides = [(network, make([p for p in network.parameters() if p.requires_grad])), (linear, make(linear.parameters()))]
     theta0 = compute_ntk(network, x_train, mode=kernel_mode, params=params).theta if wanted else None
-    records: dict[str, list[float]] = {k: [] for k in ("train", "test", "moved", "net_loss", "lin_loss")}
+    records: dict[str, list[float]] = {k: [] for k in ("train", "test", "moved", "test_moved", "net_loss", "lin_loss")}
     distances: list[float] = []
     changes: list[float] = []
     with torch.no_grad():
         start = network(x_train)
+        start_test = None if x_test is None else network(x_test)
     batches = _batches(x_train.shape[0], batch, steps, seed)
     for s in range(steps + 1):
         with torch.no_grad():
@@ -180,8 +183,10 @@ def compare_training(
             records["moved"].append(_rms(f_net, start))
             records["net_loss"].append(float(loss(f_net, y_train)))
             records["lin_loss"].append(float(loss(f_lin, y_train)))
-            if x_test is not None:
-                records["test"].append(_rms(network(x_test), linear(x_test)))
+            if x_test is not None and start_test is not None:
+                g_net = network(x_test)
+                records["test"].append(_rms(g_net, linear(x_test)))
+                records["test_moved"].append(_rms(g_net, start_test))
         if s in wanted and theta0 is not None:
             theta = theta0 if s == 0 else compute_ntk(network, x_train, mode=kernel_mode, params=params).theta
             distances.append(kernel_distance(theta0, theta))
@@ -197,6 +202,7 @@ def compare_training(
         train_gap=np.array(records["train"]),
         test_gap=np.array(records["test"]) if x_test is not None else None,
         train_moved=np.array(records["moved"]),
+        test_moved=np.array(records["test_moved"]) if x_test is not None else None,
         network_loss=np.array(records["net_loss"]),
         linearized_loss=np.array(records["lin_loss"]),
         kernel_steps=np.array(wanted, dtype=np.int64),

@@ -86,8 +86,10 @@ def test_both_sides_match_hand_written_training_loops() -> None:
     np.testing.assert_allclose(out.network_loss, net_losses, rtol=1e-12)
     np.testing.assert_allclose(out.linearized_loss, lin_losses, rtol=1e-10)
     np.testing.assert_allclose(out.train_gap, gaps, rtol=1e-8, atol=1e-14)
-    assert out.test_gap is not None
+    assert out.test_gap is not None and out.test_moved is not None
     np.testing.assert_allclose(out.test_gap, test_gaps, rtol=1e-8, atol=1e-14)
+    moved = [float((f_net[s][1] - f_net[0][1]).pow(2).mean().sqrt()) for s in range(steps + 1)]
+    np.testing.assert_allclose(out.test_moved, moved, rtol=1e-12, atol=1e-15)
     assert out.train_gap[0] == 0.0 and out.train_gap[-1] > 1e-3  # a narrow net leaves its linearization
     assert out.kernel_distance[0] == 0.0 and out.kernel_distance[-1] > 0
     for p, q in zip(model.parameters(), p0.values(), strict=True):  # the caller's model did not train
