@@ -49,8 +49,8 @@ DEFAULT_ATOL = 1e-12
 """solve_ivp's absolute tolerance on logits of order one."""
 
 MAX_DESCENT_WORK = 10**11
-"""Multiply-adds a gradient-descent request may cost (steps · (N+M)·k · N·k): ~10 minutes on two cores at the
-machine's float64 matmul-vector rate; beyond that, use flow='gradient_flow' (its cost does not grow with t)."""
+"""Multiply-adds a gradient-descent request (steps · (N+M)·k · N·k) or a gradient-flow solve (evaluations · the
+same) may cost: ~10 minutes on two cores at the machine's float64 matrix-vector rate."""
 
 _OPERATION = "linearized_predictions"
 
@@ -138,7 +138,7 @@ def check_cross_entropy_plan(
         raise ResourceLimit(
             f"{operation}: {last} steps of gradient descent cost ~{work:.3g} multiply-adds, above the limit "
             f"{MAX_DESCENT_WORK:.3g}; ask for fewer steps, or use flow='gradient_flow' (its time t counts steps "
-            "of size learning_rate, and its cost does not grow with t)"
+            "of size learning_rate, and its cost grows only slowly with t)"
         )
 
 
@@ -233,7 +233,10 @@ def cross_entropy_dynamics(
         rtol_used: float | None = None
         atol_used: float | None = None
     else:
-        outputs, path = _integrate(velocity, start, times, rtol=rtol, atol=atol)
+        work = (n + m) * n * k * (k if full else 1)  # multiply-adds of one evaluation
+        outputs, path = _integrate(
+            velocity, start, times, rtol=rtol, atol=atol, max_evaluations=max(1, MAX_DESCENT_WORK // work)
+        )
         rtol_used, atol_used = rtol, atol
     return CrossEntropyDynamics(
         times=times,
@@ -297,25 +300,47 @@ def _descend(velocity: Any, start: np.ndarray, times: np.ndarray) -> tuple[np.nd
     return outputs, f"gradient_descent: {last} exact function-space steps"
 
 
+class _TooManyEvaluations(Exception):
+    """Raised inside solve_ivp's right-hand side to stop a run past its work limit."""
+
+
 def _integrate(
-    velocity: Any, start: np.ndarray, times: np.ndarray, *, rtol: float, atol: float
+    velocity: Any, start: np.ndarray, times: np.ndarray, *, rtol: float, atol: float, max_evaluations: int
 ) -> tuple[np.ndarray, str]:
-    """solve_ivp (DOP853) of d(outputs)/dt = velocity, evaluated at the asked times."""
+    """solve_ivp (DOP853) of d(outputs)/dt = velocity, evaluated at the asked times.
+
+    Its cost grows only like log t on separable data (the flow slows as the logits grow; ~1,100 evaluations to
+    t = 10⁶ at N = 20, k = 3), but an explicit solver's step is bounded by the flow's stiffness, so a run is
+    stopped after ``max_evaluations`` (MAX_DESCENT_WORK's worth) rather than left to run for hours.
+
+    Raises:
+        ResourceLimit: the solver needed more than ``max_evaluations`` evaluations.
+    """
+    count = [0]
+
+    def rhs(_t: float, flat: np.ndarray) -> np.ndarray:
+        count[0] += 1
+        if count[0] > max_evaluations:
+            raise _TooManyEvaluations
+        out: np.ndarray = velocity(flat.reshape(start.shape)).reshape(-1)
+        return out
+
     order = np.unique(times)
     outputs = np.empty((times.size, *start.shape))
     horizon = float(order[-1])
     if horizon == 0.0:
         outputs[:] = start
         return outputs, "gradient_flow: t = 0 only"
-    solution = solve_ivp(
-        lambda _t, flat: velocity(flat.reshape(start.shape)).reshape(-1),
-        (0.0, horizon),
-        start.reshape(-1),
-        method="DOP853",
-        t_eval=order,
-        rtol=rtol,
-        atol=atol,
-    )
+    try:
+        solution = solve_ivp(
+            rhs, (0.0, horizon), start.reshape(-1), method="DOP853", t_eval=order, rtol=rtol, atol=atol
+        )
+    except _TooManyEvaluations:
+        raise ResourceLimit(
+            f"{_OPERATION}: the ODE solver of the cross-entropy flow needed more than {max_evaluations} evaluations "
+            f"(~{MAX_DESCENT_WORK:.3g} multiply-adds) to reach t = {horizon:g}; ask for smaller times or a smaller "
+            "learning_rate"
+        ) from None
     if not solution.success:  # pragma: no cover - DOP853 on this smooth, non-stiff flow has not failed here
         raise InvalidInput(f"{_OPERATION}: the ODE solver failed ({solution.message}); try smaller times")
     by_time = {float(t): solution.y[:, j].reshape(start.shape) for j, t in enumerate(solution.t)}

@@ -186,3 +186,17 @@ def test_bad_inputs_are_refused(features: Features) -> None:
         call(times=[10**12])
     with pytest.raises(InvalidInput, match="step counts and must be integers"):
         call(times=[1.5])
+
+
+def test_a_flow_past_its_work_limit_is_stopped_with_a_resource_limit() -> None:
+    from ntk_service.analysis.cross_entropy import _integrate
+
+    def velocity(state: np.ndarray) -> np.ndarray:
+        return -state
+
+    out, path = _integrate(velocity, np.ones((2, 2)), np.array([0.0, 1.0]), rtol=1e-10, atol=1e-12,
+                           max_evaluations=10_000)  # fmt: skip
+    np.testing.assert_allclose(out[1], np.exp(-1.0) * np.ones((2, 2)), rtol=1e-9)  # e^{-t}, by hand
+    assert "evaluations" in path
+    with pytest.raises(ResourceLimit, match="needed more than 10 evaluations"):
+        _integrate(velocity, np.ones((2, 2)), np.array([5.0]), rtol=1e-10, atol=1e-12, max_evaluations=10)
