@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp
 
-from ntk_service.errors import InvalidInput, UnsupportedModel
+from ntk_service.errors import InvalidInput, NoMatchingParameters, UnsupportedModel
 from ntk_service.kernels.functional import eval_semantics, private_copy, select_parameters
 
 __all__ = ["TaylorExpansion", "linearize", "taylor_expand"]
@@ -64,7 +64,11 @@ class TaylorExpansion(nn.Module):
             raise UnsupportedModel(f"{operation}: model must be a torch.nn.Module, got {type(model).__name__}")
         base = private_copy(model)
         named = dict(model.named_parameters())
-        trainable = [name for name in select_parameters(model, params) if named[name].requires_grad]
+        try:
+            selected = select_parameters(model, params)
+        except NoMatchingParameters as exc:  # the engine's message names compute_ntk: name this call instead
+            raise NoMatchingParameters(str(exc).replace("compute_ntk:", f"{operation}:", 1)) from exc
+        trainable = [name for name in selected if named[name].requires_grad]
         if not trainable:
             raise InvalidInput(
                 f"{operation}: no trainable parameter to expand in; every selected parameter has requires_grad=False "

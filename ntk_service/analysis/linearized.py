@@ -69,7 +69,9 @@ def loss_scale(loss: Loss | str, n_entries: int) -> float:
             f"{_OPERATION}: loss 'cross_entropy' has no constant scale c (its gradient in f is softmax(f) − onehot, "
             "not c · (f − y)); linearized_predictions(..., loss='cross_entropy') reports its step bound"
         )
-    raise InvalidInput(f"{_OPERATION}: unknown loss {loss!r}; expected 'mse' (MSELoss()), 'sum' or 'half_mse'")
+    raise InvalidInput(
+        f"{_OPERATION}: unknown loss {loss!r}; expected 'mse' (MSELoss()), 'sum', 'half_mse' or 'cross_entropy'"
+    )
 
 
 @dataclass(frozen=True)

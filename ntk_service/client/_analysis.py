@@ -220,7 +220,8 @@ class AnalysisClient(BaseClient):
 
         Raises:
             ShapeMismatch (y_train's shape), InvalidInput (times < 0, ...), UnstableLearningRate (gradient descent
-            above the limit: the message gives it), MemoryEstimateExceeded, ModelNotFound.
+            above the limit: the message gives it), MemoryEstimateExceeded, ModelNotFound; for cross-entropy,
+            InvalidInput (labels not integers in [0, k), inf times) and ResourceLimit (a run over the work limit).
         """
         body: dict[str, Any] = {
             "x_train": _side(x_train, "x_train"),
