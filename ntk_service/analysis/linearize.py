@@ -26,6 +26,7 @@ NOTE [nested jvp]
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ from torch.func import functional_call, jvp
 
 from ntk_service.errors import InvalidInput, NoMatchingParameters, UnsupportedModel
 from ntk_service.kernels.functional import eval_semantics, private_copy, select_parameters
+from ntk_service.kernels.math_attention import attention_scope
 
 __all__ = ["TaylorExpansion", "linearize", "taylor_expand"]
 
@@ -151,11 +153,10 @@ class TaylorExpansion(nn.Module):
 
     def forward(self, x: Any) -> torch.Tensor:
         """The expansion's output at the batch ``x`` (the model's output shape)."""
-        if self._lin_copyable:
+        base = self._lin_base[0]
+        # fused attention kernels have no forward-mode AD: attention runs on its math path (math_attention.py)
+        with attention_scope(base), contextlib.nullcontext() if self._lin_copyable else eval_semantics(base):
             terms = self._series(x)(self._lin_theta0)
-        else:
-            with eval_semantics(self._lin_base[0]):
-                terms = self._series(x)(self._lin_theta0)
         out = terms[0]
         for j, term in enumerate(terms[1:], start=1):
             out = out + term / math.factorial(j)
@@ -176,7 +177,8 @@ def linearize(model: nn.Module, params: Sequence[str] | None = None) -> TaylorEx
     Args:
         model (nn.Module): the network; θ0 = its current parameters, copied (later changes to the model do not
             move the expansion). It runs in eval semantics: dropout off, BatchNorm on its running statistics
-            (the buffers, copied too), even where the model is in train mode.
+            (the buffers, copied too), even where the model is in train mode. Attention modules run on their math
+            path (fused attention kernels have no forward-mode AD; ``kernels/math_attention.py``).
         params (list of str | None): glob patterns of the parameters that move (e.g. ``["2.*"]``); the others,
             and every parameter with ``requires_grad=False``, stay at θ0 and are not parameters of the result.
             Default: None (all trainable parameters).

@@ -189,3 +189,17 @@ def test_double_moves_theta0_and_buffers() -> None:
         want = model.double()(x)
     assert flin(x).dtype == torch.float64
     torch.testing.assert_close(flin(x), want, rtol=0, atol=1e-6)
+
+
+def test_attention_runs_on_its_math_path_under_forward_ad() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.Sequential(layer, nn.Flatten(), nn.Linear(8 * 3, 2)).double().eval()  # eval: the fused fast path
+    x = torch.randn(4, 3, 8, dtype=torch.float64)
+    flin = linearize(model)
+    d = _random_step(flin, 0.05)
+    _move(flin, d)
+    j = reference_jacobian(model, x)
+    with torch.no_grad():
+        want = model(x) + torch.einsum("nkp,p->nk", j, _flat(d))
+    torch.testing.assert_close(flin(x), want, rtol=0, atol=1e-12)
