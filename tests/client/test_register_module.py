@@ -1,5 +1,6 @@
 """End to end against the real server: a user's own ResNet and transformer, built as ``nn.Sequential`` and trained
-a few steps, registered with ``register_module``, a second checkpoint uploaded; the kernels of both versions over
+a few steps (the nested ResNet with stages as nn.Sequential, names like ``1.0.body.0.weight``), registered with
+``register_module``, a second checkpoint uploaded; the kernels of both versions over
 HTTP equal ``compute_ntk`` on the user's local modules and the float64 reference loop."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests.registry.sequential_models import (
     RESNET_INPUT,
     TRANSFORMER_LEN,
     TRANSFORMER_VOCAB,
+    nested_resnet,
     small_resnet,
     small_transformer,
     train_steps,
@@ -28,7 +30,7 @@ from tests.registry.sequential_models import (
 
 def _inputs(which: str, n: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    if which == "resnet":
+    if which != "transformer":
         return torch.randn(n, *RESNET_INPUT, generator=generator)
     return torch.randint(0, TRANSFORMER_VOCAB, (n, TRANSFORMER_LEN), generator=generator)
 
@@ -37,11 +39,11 @@ def _inputs(which: str, n: int, seed: int) -> torch.Tensor:
 # The user's own nn.TransformerEncoderLayer calls scaled_dot_product_attention, which torch runs under vmap with a
 # "performance drop" warning (no batching rule); the server's copy computes the attention explicitly.
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
-@pytest.mark.parametrize("which", ["resnet", "transformer"])
+@pytest.mark.parametrize("which", ["resnet", "nested_resnet", "transformer"])
 def test_register_module_versions_and_kernels(live_server: LiveServer, which: str) -> None:
     torch.manual_seed(0)
-    model = small_resnet() if which == "resnet" else small_transformer()
-    shape, dtype = (RESNET_INPUT, "float32") if which == "resnet" else ((TRANSFORMER_LEN,), "int64")
+    model = {"resnet": small_resnet, "nested_resnet": nested_resnet, "transformer": small_transformer}[which]()
+    shape, dtype = (RESNET_INPUT, "float32") if which != "transformer" else ((TRANSFORMER_LEN,), "int64")
     train_x = _inputs(which, 8, seed=1)
     train_steps(model, train_x, 2, seed=1)
     epoch0 = copy.deepcopy(model)
