@@ -21,8 +21,10 @@ archive's ``guards_code``. So this module never calls ``torch.export.load`` and 
    (op_allowlist.py); every symbolic-size string against a grammar of symbols, integers and arithmetic (no names
    but symbols and the sympy functions torch writes, no dots, quotes, brackets or ``__``); every tree spec
    against plain containers; the signature to parameters, buffers, tensor constants and one tensor input, one
-   tensor output and no mutation, custom object or effect token; ``guards_code`` is emptied (the service checks
-   input shapes itself);
+   tensor output and no mutation, custom object or effect token; every parameter, buffer and submodule name a dotted
+   identifier and every forward argument an identifier (torch.fx pastes them unescaped into the source it execs);
+   ``guards_code`` is emptied (the service checks input shapes itself) and node metadata (stack traces, which fx
+   writes into that source as comments) is dropped;
 5. only then torch's own deserializer (``ExportedProgramDeserializer().deserialize``) on the validated JSON, with
    the tensors from step 3 and no sample inputs, under a lock (it keeps a process-wide "current deserializer").
 """
@@ -30,6 +32,7 @@ archive's ``guards_code``. So this module never calls ``torch.export.load`` and 
 from __future__ import annotations
 
 import json
+import keyword
 import math
 import re
 import threading
@@ -87,6 +90,10 @@ _TREESPEC_TYPES = frozenset(
     {None, "builtins.tuple", "builtins.list", "builtins.dict", "collections.OrderedDict"}
     | {"torch.fx.immutable_collections.immutable_list", "torch.fx.immutable_collections.immutable_dict"}
 )
+_FQN = re.compile(r"^[A-Za-z0-9_]{1,200}(\.[A-Za-z0-9_]{1,200}){0,64}$")
+_NAME_KEYS = ("parameter_name", "buffer_name", "tensor_constant_name", "custom_obj_name", "fqn")
+"""Keys whose strings torch.fx pastes into the Python source it generates and execs (``getattr(self, "<name>")``,
+``def forward(self, <arg names>)``), unescaped."""
 _INPUT_KINDS = frozenset({"parameter", "buffer", "tensor_constant", "user_input"})
 _DESERIALIZE_LOCK = threading.Lock()
 
@@ -245,6 +252,37 @@ def _check_expressions(program: Any, operation: str) -> None:
             )
 
 
+def _check_names(program: Any, names: list[str], operation: str) -> None:
+    """Attribute paths and argument names must be plain identifiers: fx would paste them into code it execs."""
+    for key in _NAME_KEYS:
+        names.extend(name for name in _strings(program, key) if not (key == "fqn" and name == ""))
+    for name in names:
+        if not isinstance(name, str) or not _FQN.match(name):
+            raise InvalidInput(
+                f"{operation}: the program names a parameter, buffer or submodule {str(name)[:80]!r}; names must "
+                "be dotted identifiers (letters, digits, _), as a module's named_parameters() gives them"
+            )
+    for arg_names in _strings(program, "forward_arg_names"):
+        if not isinstance(arg_names, list) or not all(
+            isinstance(a, str) and a.isidentifier() and not keyword.iskeyword(a) for a in arg_names
+        ):
+            raise InvalidInput(
+                f"{operation}: the program's forward arguments are {str(arg_names)[:80]}; they must be identifiers"
+            )
+
+
+def _strip_metadata(program: Any) -> None:
+    """Empty every node's metadata (stack traces, module stacks: fx writes stack traces into the code it
+    generates) and the graph's custom metadata; nothing the kernels need lives there."""
+    for item in _strings(program, "nodes"):
+        for node in item if isinstance(item, list) else ():
+            if isinstance(node, dict):
+                node["metadata"] = {}
+    graph_module = program.get("graph_module")
+    if isinstance(graph_module, dict):
+        graph_module["metadata"] = {}
+
+
 def _check_treespecs(program: Any, operation: str) -> None:
     for key in ("in_spec", "out_spec"):
         for spec in _strings(program, key):
@@ -348,10 +386,12 @@ def load_exported(
     targets = check_graph_ops(graph_module, operation=operation)
     _check_expressions(program, operation)
     _check_treespecs(program, operation)
+    _strip_metadata(program)
     user_input = _check_signature(graph_module, operation)
     input_shape, input_dtype = _input_meta(graph_module, user_input, operation)
     state_dict, params = _tensors(entries, "weights")
     constants, _ = _tensors(entries, "constants")
+    _check_names(program, [*state_dict, *constants], operation)
     if max_params is not None:
         count = sum(state_dict[name].numel() for name in params)
         if count > max_params:

@@ -269,3 +269,28 @@ def test_batchnorm_in_training_mode_is_refused() -> None:
 
 def test_an_archive_of_two_programs_or_another_format_is_refused(archive: bytes) -> None:
     assert "expected a torch.export.save archive" in _refused(rewrite(archive, {"archive_format": b"zip"}))
+
+
+def test_names_that_torch_fx_would_paste_into_code_are_refused(archive: bytes) -> None:
+    # fx writes getattr(self, "<name>") into the forward it generates and execs: a quote would end the string
+    evil = 'fc.w"), __import__("os").getcwd(), getattr(self, "w'
+
+    def config(tree: Any) -> None:
+        tree["config"][evil] = tree["config"].pop("fc.weight")
+
+    def signature(program: Any) -> None:
+        for spec in program["graph_module"]["signature"]["input_specs"]:
+            if spec.get("parameter", {}).get("parameter_name") == "fc.weight":
+                spec["parameter"]["parameter_name"] = evil
+
+    hostile = rewrite(
+        archive, edit_json={"models/model.json": signature, "data/weights/model_weights_config.json": config}
+    )
+    message = _refused(hostile)
+    assert f"the program names a parameter, buffer or submodule {evil!r}; names must be dotted identifiers" in message
+
+    def arguments(program: Any) -> None:  # fx writes def forward(self, <forward_arg_names>)
+        program["graph_module"]["module_call_graph"][0]["signature"]["forward_arg_names"] = ["x=print('hi')"]
+
+    message = _refused(rewrite(archive, edit_json={"models/model.json": arguments}))
+    assert "the program's forward arguments are [\"x=print('hi')\"]; they must be identifiers" in message
