@@ -17,7 +17,7 @@ from typing import Any
 
 from ntk_service.errors import InvalidInput
 
-__all__ = ["SUPPORTED_TYPES", "describe_module"]
+__all__ = ["SUPPORTED_TYPES", "describe_module", "is_describable"]
 
 Reader = Callable[[Any, str], dict[str, Any]]
 
@@ -232,6 +232,30 @@ def _layer(module: Any, where: str) -> dict[str, Any]:
         raise _refuse(where, "has its own forward set on the instance, so it is not the stock layer")
     kind, read = entry
     return {"type": kind, **read(module, where)}
+
+
+def is_describable(module: Any) -> bool:
+    """Whether ``module`` is an ``nn.Sequential`` that ``describe_module`` can read: at every depth only the exact
+    classes it knows, children named by position, no forward set on an instance. Anything else is exported."""
+    return _class_path(module) == _SEQUENTIAL and _describable(module)
+
+
+def _describable(module: Any) -> bool:
+    path = _class_path(module)
+    if path not in _READERS or "forward" in vars(module):
+        return False
+    if path == _SEQUENTIAL:
+        return _describable_children(module)
+    if path == "ntk_service.layers.Residual":
+        return _describable_children(module.body) and (
+            module.shortcut is None or _describable_children(module.shortcut)
+        )
+    return True
+
+
+def _describable_children(container: Any) -> bool:
+    children = list(container.named_children())
+    return all(key == str(i) and _describable(child) for i, (key, child) in enumerate(children))
 
 
 def describe_module(module: Any, *, input_shape: Sequence[int], input_dtype: str = "float32") -> dict[str, Any]:

@@ -49,7 +49,10 @@ from ntk_service.errors import InvalidInput, UnsupportedModel
 from ntk_service.registry.archive import ArchiveEntries, ArchiveLimits, read_archive
 from ntk_service.registry.op_allowlist import check_graph_ops
 
-__all__ = ["ExportedProgram", "load_exported"]
+__all__ = ["EXPORTED_FAMILY", "ExportedProgram", "exported_architecture", "load_exported", "probe_output_dim"]
+
+EXPORTED_FAMILY = "exported"
+"""The ``family`` of a model registered as a torch.export program; its architecture names the stored archive."""
 
 MAX_GRAPH_JSON_BYTES = 64 << 20
 """Largest graph JSON (models/model.json): a ResNet-50's is about 1 MB; this bounds json and the deserializer."""
@@ -109,7 +112,7 @@ class ExportedProgram:
         constants: name -> tensor of the constants config (non-persistent buffers, lifted tensor constants).
         targets: the operators the graph calls.
         input_shape: one example's shape (the user input's sizes without the batch dimension; dynamic ones None).
-        input_dtype: "float32", "float64" or "int64".
+        input_dtype: "float32" or "int64".
     """
 
     module: nn.Module
@@ -340,11 +343,11 @@ def _input_meta(graph_module: Mapping[str, Any], name: Any, operation: str) -> t
     if not isinstance(meta, Mapping) or not isinstance(meta.get("sizes"), list) or not meta["sizes"]:
         raise UnsupportedModel(f"{operation}: the program's input has no shape with a batch dimension")
     sizes = [s.get("as_int") if isinstance(s, Mapping) else None for s in meta["sizes"]]
-    dtype = {7: "float32", 8: "float64", 5: "int64"}.get(meta.get("dtype"))  # type: ignore[arg-type]
+    dtype = {7: "float32", 5: "int64"}.get(meta.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise UnsupportedModel(
             f"{operation}: the program's input has dtype code {meta.get('dtype')!r}; "
-            "export with a float32, float64 or int64 example"
+            "export with a float32 example (the service's dtype; kernels in float64 cast it) or int64 token ids"
         )
     return tuple(sizes[1:]), dtype
 
@@ -428,3 +431,44 @@ def _deserialize(
             f"({torch.__version__})"
         ) from exc
     return module
+
+
+def probe_output_dim(program: ExportedProgram, *, operation: str) -> int:
+    """Outputs per example k = prod(out) of a loaded program, from one forward pass on a batch of two zero examples.
+
+    Raises:
+        InvalidInput: a dynamic dimension other than the batch, a failing forward pass, or no (2, ...) floating
+            output.
+    """
+    if any(n is None for n in program.input_shape):
+        raise InvalidInput(
+            f"{operation}: the program's input {program.input_shape} has dynamic sizes besides the batch "
+            "dimension; export with dynamic_shapes marking only dimension 0 (Client.register_module does)"
+        )
+    dtype = {"float32": torch.float32, "int64": torch.int64}[program.input_dtype]
+    x = torch.zeros((2, *(int(n or 0) for n in program.input_shape)), dtype=dtype)
+    try:
+        with torch.no_grad():
+            out = program.module(x)
+    except Exception as exc:  # the program is the client's: its failure is the client's error
+        raise InvalidInput(
+            f"{operation}: the program fails on a batch of shape {tuple(x.shape)}: {type(exc).__name__}: {exc}; "
+            "export it with a dynamic batch dimension (dynamic_shapes={0: torch.export.Dim('batch')})"
+        ) from exc
+    ok = isinstance(out, torch.Tensor) and out.ndim >= 1 and out.shape[0] == 2 and out.is_floating_point()
+    if not ok or out[0].numel() == 0:
+        got = type(out).__name__ + (f" {tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else "")
+        raise InvalidInput(f"{operation}: the program must map (N, *input) to a floating (N, *out), got {got}")
+    return int(out[0].numel())
+
+
+def exported_architecture(program: ExportedProgram, sha256: str) -> dict[str, Any]:
+    """The stored architecture of an exported model: the archive's sha256 (the program is fixed per model), its
+    input and the operators it calls."""
+    return {
+        "family": EXPORTED_FAMILY,
+        "program_sha256": sha256,
+        "input_shape": [int(n) for n in program.input_shape],  # type: ignore[arg-type]
+        "input_dtype": program.input_dtype,
+        "operators": sorted(program.targets),
+    }

@@ -534,7 +534,7 @@ def check_layer_tree(layers: object, *, path: str = "layers", nesting: int = 0, 
         count[0] += 1
         if count[0] > MAX_SEQUENTIAL_LAYERS:
             raise ValueError(f"more than {MAX_SEQUENTIAL_LAYERS} layers (nested ones included), the limit")
-        branches = _BRANCHES.get(kind, ())
+        branches = _BRANCHES.get(str(kind), ())
         if branches and nesting + 1 > MAX_NESTING:
             raise ValueError(
                 f"layer {where} ({kind}) is nested {nesting + 1} deep, more than the limit of {MAX_NESTING}; "

@@ -83,15 +83,17 @@ def test_register_module_versions_and_kernels(live_server: LiveServer, which: st
         assert (thetas[0] - thetas[1]).abs().max() > 1e-3 * thetas[0].abs().max()
 
 
-def test_register_module_refuses_what_the_family_cannot_express(live_server: LiveServer) -> None:
+def test_register_module_exports_what_the_family_cannot_express(live_server: LiveServer) -> None:
     class Twice(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return 2 * x
 
     model = nn.Sequential(nn.Linear(3, 3), Twice())
+    name = f"twice-{uuid.uuid4().hex[:6]}"
     with Client(live_server.url, api_key=live_server.write_key) as client:
-        with pytest.raises(InvalidInput, match=r"the module at 1 is a .*Twice, which the 'sequential' architecture"):
-            client.register_module("never", model, input_shape=(3,))
+        record = client.register_module(name, model, input_shape=(3,))  # a module of its own: exported
+        assert record["architecture"]["family"] == "exported"
+        assert record["architecture"]["operators"] == ["torch.ops.aten.linear.default", "torch.ops.aten.mul.Tensor"]
         # A spec the server refuses comes back with its message: the layer and the shapes.
         with pytest.raises(InvalidInput, match=r"layer layers\.0 \(Linear\) fails on its input of shape \(1, 4\)"):
             client.register_module("never", model[:1], input_shape=(4,))
