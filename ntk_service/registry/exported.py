@@ -113,6 +113,7 @@ class ExportedProgram:
         targets: the operators the graph calls.
         input_shape: one example's shape (the user input's sizes without the batch dimension; dynamic ones None).
         input_dtype: "float32" or "int64".
+        vocab_size: int64 inputs only: the rows of the smallest embedding that reads the input (ids must be below).
     """
 
     module: nn.Module
@@ -121,6 +122,7 @@ class ExportedProgram:
     targets: frozenset[str]
     input_shape: tuple[int | None, ...]
     input_dtype: str
+    vocab_size: int | None = None
 
 
 def _json(entries: ArchiveEntries, name: str, limit: int) -> Any:
@@ -401,8 +403,35 @@ def load_exported(
             raise InvalidInput(
                 f"{operation}: the program has {count:,} parameters, more than the server's limit of {max_params:,}"
             )
+    vocab_size = _vocabulary(graph_module, user_input, state_dict, operation) if input_dtype == "int64" else None
     module = _deserialize(dict(program), state_dict, constants, params, operation)
-    return ExportedProgram(module, state_dict, constants, frozenset(targets), input_shape, input_dtype)
+    return ExportedProgram(module, state_dict, constants, frozenset(targets), input_shape, input_dtype, vocab_size)
+
+
+def _vocabulary(
+    graph_module: Mapping[str, Any], user_input: Any, state_dict: dict[str, torch.Tensor], operation: str
+) -> int:
+    """The rows of the smallest ``aten.embedding`` weight whose indices are the user input: the ids the model takes
+    (the service checks them before computing, so an id out of range is a 422, not an error inside the graph)."""
+    specs = graph_module["signature"]["input_specs"]
+    weight_of = {
+        spec["parameter"]["arg"]["name"]: spec["parameter"]["parameter_name"] for spec in specs if "parameter" in spec
+    }
+    rows = []
+    for node in graph_module["graph"]["nodes"]:
+        if not str(node.get("target", "")).startswith("torch.ops.aten.embedding."):
+            continue
+        arguments = {a.get("name"): a.get("arg", {}) for a in node.get("inputs", []) if isinstance(a, Mapping)}
+        indices = arguments.get("indices", {}).get("as_tensor", {}).get("name")
+        weight = weight_of.get(arguments.get("weight", {}).get("as_tensor", {}).get("name"))
+        if indices == user_input.get("name") and weight in state_dict:
+            rows.append(int(state_dict[weight].shape[0]))
+    if not rows:
+        raise UnsupportedModel(
+            f"{operation}: the program takes int64 token ids but no embedding reads them directly, so the service "
+            "cannot check the ids' range; feed the ids into an nn.Embedding first"
+        )
+    return min(rows)
 
 
 def _deserialize(
@@ -471,4 +500,5 @@ def exported_architecture(program: ExportedProgram, sha256: str) -> dict[str, An
         "input_shape": [int(n) for n in program.input_shape],  # type: ignore[arg-type]
         "input_dtype": program.input_dtype,
         "operators": sorted(program.targets),
+        **({} if program.vocab_size is None else {"vocab_size": program.vocab_size}),
     }
