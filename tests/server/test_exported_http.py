@@ -82,6 +82,19 @@ def test_every_implementation_and_parameter_globs_by_the_original_names(live_ser
         for mode in ("trace", "example_diagonal"):
             theta = client.ntk(name, x1, dtype="float64", mode=mode, as_torch=True)
             assert_matches(theta, reference_ntk(module, x1, mode=mode))
+        # groups by the original names, and "modules": one group per module of the program (its attribute paths)
+        groups = client.ntk_groups(name, x1, x2, groups={"gate": ["gate"]}, rest=True, dtype="float64", as_torch=True)
+        assert_matches(groups.thetas["gate"], reference_ntk(module, x1, x2, params=["gate"]))
+        rest = [n for n, _ in module.named_parameters() if n != "gate"]
+        assert_matches(groups.thetas["rest"], reference_ntk(module, x1, x2, params=rest))
+        per_module = client.ntk_groups(name, x1, x2, dtype="float64", as_torch=True)
+        assert {"blocks.0", "head"} <= set(per_module.thetas)
+        # a batch job over a data set: tiles through the same registry and engine
+        dataset = client.upload_dataset(_batch(example, 5, 8).numpy())
+        job = client.submit_job(name, dataset["id"], mode="trace", dtype="float64", tile_size=2)
+        assert client.wait(job, progress=False)["status"] == "succeeded"
+        expected = reference_ntk(module, _batch(example, 5, 8), mode="trace")
+        assert_matches(torch.from_numpy(client.job_result(job["id"])), expected)
 
         # checkpoints are checked against the program's signature: every wrong name and shape named
         state = dict(module.state_dict())
