@@ -19,7 +19,14 @@ from ntk_service.registry.archive import ArchiveLimits
 from ntk_service.registry.exported import load_exported
 from ntk_service.registry.op_allowlist import ALLOWED_ATEN_OPS
 from tests.reference import assert_matches, reference_ntk
-from tests.registry.archives import export_archive, mkdir_payload, nodes, rewrite, torch_load_runs_it
+from tests.registry.archives import (
+    export_archive,
+    mkdir_payload,
+    nodes,
+    patch_declared_size,
+    rewrite,
+    torch_load_runs_it,
+)
 from tests.registry.exported_models import CASES, case
 
 IMPLEMENTATIONS = ("structured", "jacobian_contraction", "ntk_vector_products", "auto")
@@ -211,6 +218,13 @@ def test_declared_sizes_that_do_not_match_the_bytes_are_refused(archive: bytes) 
     assert "its payload has 24" in message
     message = _refused(rewrite(archive, {"data/weights/weight_0": bytes(7)}))
     assert "weight 'fc.weight': its payload has 7 bytes, not a multiple of the 4-byte float32" in message
+
+    # the zip's own header lying about an entry's size: fewer bytes declared than stored fail the CRC, more are
+    # not there
+    message = _refused(patch_declared_size(archive, "data/weights/weight_0", 8))
+    assert "entry archive/data/weights/weight_0 of the archive is corrupt" in message
+    message = _refused(patch_declared_size(archive, "data/weights/weight_0", 4000))
+    assert "entry archive/data/weights/weight_0 declares 4000 bytes but holds 24" in message
 
     def pickled_dtype(config: Any) -> None:
         config["config"]["fc.weight"]["tensor_meta"]["dtype"] = 10  # complex64

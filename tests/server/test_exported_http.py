@@ -160,11 +160,21 @@ def test_hostile_archives_are_refused_nothing_runs_and_the_server_keeps_serving(
     def bigger(config: Any) -> None:
         config["config"]["fc.weight"]["tensor_meta"]["sizes"][0] = {"as_int": 200}
 
+    def pickled_constant(config: Any) -> None:  # a lifted tensor constant torch would torch.load
+        entry = {"path_name": "tensor_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+        config["config"]["lifted_tensor_0"] = entry
+
     weights = "data/weights/model_weights_config.json"
     pickled_weight = rewrite(archive, {"data/weights/weight_0": mkdir_payload(marker)}, edit_json={weights: pickled})
     torch_load_runs_it(pickled_weight, marker)  # the control: torch's own loader runs it
+    constants = "data/constants/model_constants_config.json"
+    pickled_const = rewrite(
+        archive, edit_json={constants: pickled_constant}, add={"archive/data/constants/tensor_0": mkdir_payload(marker)}
+    )
+    torch_load_runs_it(pickled_const, marker)
     cases = [
         (pickled_weight, 422, "weight 'fc.weight' is marked use_pickle"),
+        (pickled_const, 422, "constant 'lifted_tensor_0' is marked use_pickle"),
         (
             rewrite(archive, add={"archive/../../escape": b"x"}),
             422,
