@@ -5,13 +5,15 @@
     >>> record.version, record.num_params  # (1, 58)
     >>> record, module = registry.load_module("mlp-a")  # eval mode; (N, 4) -> (N, 2)
 
-Layout: ``registry.sqlite3`` (see database.py) and ``weights/<sha256>.safetensors``, content-addressed, so versions
-with identical weights share one file. Crash safety: NOTE [crash safety] in files.py.
+Layout: ``registry.sqlite3`` (see database.py), ``weights/<sha256>.safetensors``, content-addressed, so versions
+with identical weights share one file, and ``programs/<sha256>.pt2``, the torch.export archives of ``exported``
+models (read only by exported.py's checked loader). Crash safety: NOTE [crash safety] in files.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -25,8 +27,10 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkServiceError
 from ntk_service.registry.architectures import parse_architecture
+from ntk_service.registry.archive import ArchiveLimits
 from ntk_service.registry.cache import ModuleCache
 from ntk_service.registry.database import DATABASE_FILENAME, Database
+from ntk_service.registry.exported import EXPORTED_FAMILY, exported_architecture, load_exported, probe_output_dim
 from ntk_service.registry.files import FileStore
 from ntk_service.registry.records import ModelRecord, ParameterInfo
 from ntk_service.registry.weights import (
@@ -35,7 +39,7 @@ from ntk_service.registry.weights import (
     parse_safetensors,
     serialize,
 )
-from ntk_service.registry.zoo import ModelSpec, build_model, build_skeleton, build_uninitialized
+from ntk_service.registry.zoo import MAX_PARAMS, ModelSpec, build_model, build_skeleton, build_uninitialized
 
 __all__ = ["MAX_LABEL_LENGTH", "MODEL_NAME_PATTERN", "ModelRegistry"]
 
@@ -96,6 +100,13 @@ def _parameter_infos(module: nn.Module) -> tuple[ParameterInfo, ...]:
     return tuple(ParameterInfo(n, tuple(p.shape)) for n, p in module.named_parameters())
 
 
+def _program_sha(architecture_json: str) -> str | None:
+    """The archive an exported model's architecture names (None for other families)."""
+    architecture = json.loads(architecture_json)
+    is_exported = isinstance(architecture, dict) and architecture.get("family") == EXPORTED_FAMILY
+    return str(architecture["program_sha256"]) if is_exported else None
+
+
 def _listing(items: list[str]) -> str:
     if not items:
         return "none"
@@ -130,6 +141,7 @@ class ModelRegistry:
         self.allowed_factories = frozenset(allowed_factories)
         self._db = Database(self.data_dir / DATABASE_FILENAME)
         self._files = FileStore(self.data_dir / "weights", ".safetensors")
+        self._programs = FileStore(self.data_dir / "programs", ".pt2")
         self.device = torch.device(device)
         self._cache = ModuleCache(module_cache_size, place=lambda module: module.to(self.device))
         self._sweep()
@@ -198,6 +210,42 @@ class ModelRegistry:
         normalized = config.model_dump(mode="json")
         return self._create(name, normalized, module.eval(), spec, stored, seed=None, label=label, op=op)
 
+    def register_program(self, name: str, archive: bytes, *, label: str | None = None) -> ModelRecord:
+        """Create a model from a ``torch.export.save`` archive; version 1 holds the weights it was exported with.
+
+        The archive is loaded by ``load_exported`` (nothing in it is unpickled or executed; NOTE [archive threat
+        model] in exported.py) and stored as ``programs/<sha256>.pt2``: the program is fixed per model, later
+        versions are weights (``add_version``) checked against its signature.
+
+        Args:
+            name (str): as ``register``.
+            archive (bytes): the archive; one ExportedProgram whose only input is (N, *input_shape), N dynamic.
+            label (str | None): a label for version 1. Default: none.
+
+        Returns:
+            The ModelRecord of version 1 (seed None, architecture family "exported").
+
+        Raises:
+            InvalidInput, UnsupportedModel, MalformedRequest, PayloadTooLarge: as ``load_exported``; a program
+                over MAX_PARAMS parameters or whose forward fails on (2, *input_shape).
+            NameConflict: a model of this name exists.
+        """
+        op = f"register {name!r}" if isinstance(name, str) else "register"
+        self._check_name(name, op)
+        label = _check_label(label, op)
+        self._check_free(name, op)
+        program = load_exported(archive, operation=op, limits=ArchiveLimits(), max_params=MAX_PARAMS)
+        spec = ModelSpec(
+            tuple(int(n) for n in program.input_shape),  # type: ignore[arg-type]
+            program.input_dtype,  # type: ignore[arg-type]
+            probe_output_dim(program, operation=op),
+        )
+        sha = hashlib.sha256(archive).hexdigest()
+        module = program.module.eval()
+        tensors = canonical_tensors(module, operation=op)
+        normalized = exported_architecture(program, sha)
+        return self._create(name, normalized, module, spec, tensors, seed=None, label=label, op=op, program=archive)
+
     def _create(
         self,
         name: str,
@@ -209,10 +257,14 @@ class ModelRegistry:
         seed: int | None,
         label: str | None,
         op: str,
+        program: bytes | None = None,
     ) -> ModelRecord:
-        """Store version 1: the weights file, the model row and the version row, committed together."""
+        """Store version 1: the weights file (and an exported model's archive), the model row and the version row,
+        committed together: files are published inside the write transaction, as NOTE [crash safety] requires."""
         data, sha = serialize(tensors)
         tmp = self._files.write_temp(lambda f: f.write(data))
+        program_sha = str(normalized["program_sha256"]) if program is not None else None
+        program_tmp = self._programs.write_temp(lambda f: f.write(program)) if program is not None else None
         record = ModelRecord(
             name=name,
             version=1,
@@ -227,19 +279,27 @@ class ModelRegistry:
             created_at=_now(),
             label=label,
         )
-        with self._files.temp_cleanup(tmp):
-            try:
-                with self._db.write() as conn:
-                    self._check_free(name, op)
-                    self._files.publish(tmp, sha)
-                    conn.execute(
-                        "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
-                        (name, json.dumps(normalized), record.created_at.isoformat()),
-                    )
-                    self._insert_version_row(conn, record)
-            except BaseException:
-                self._collect_garbage({sha})
-                raise
+        try:
+            with self._files.temp_cleanup(tmp):
+                try:
+                    with self._db.write() as conn:
+                        self._check_free(name, op)
+                        self._files.publish(tmp, sha)
+                        if program_tmp is not None and program_sha is not None:
+                            self._programs.publish(program_tmp, program_sha)
+                        conn.execute(
+                            "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
+                            (name, json.dumps(normalized), record.created_at.isoformat()),
+                        )
+                        self._insert_version_row(conn, record)
+                except BaseException:
+                    self._collect_garbage({sha})
+                    if program_sha is not None:
+                        self._collect_programs({program_sha})
+                    raise
+        finally:
+            if program_tmp is not None:
+                program_tmp.unlink(missing_ok=True)  # gone once published
         self._cache.put(record.cache_key, module)
         logger.info("registered model %r (%s, %d params, sha256 %s)", name, spec, record.num_params, sha[:12])
         return record
@@ -305,10 +365,14 @@ class ModelRegistry:
         """
         with self._db.write() as conn:
             shas = {r[0] for r in conn.execute("SELECT weights_sha256 FROM model_versions WHERE name = ?", (name,))}
+            programs = {
+                _program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models WHERE name = ?", (name,))
+            }
             if conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
                 raise ModelNotFound(self._not_found_message(f"delete {name!r}", name))
         self._cache.drop(lambda key: isinstance(key, tuple) and key[0] == name)
         self._collect_garbage(shas)
+        self._collect_programs({sha for sha in programs if sha is not None})
         logger.info("deleted model %r", name)
 
     # ---------------------------------------------------------------- reads
@@ -401,6 +465,14 @@ class ModelRegistry:
         return path
 
     def _skeleton(self, record: ModelRecord, op: str) -> nn.Module:
+        if record.architecture.get("family") == EXPORTED_FAMILY:
+            path = self._programs.path(str(record.architecture["program_sha256"]))
+            if not path.is_file():
+                raise NtkServiceError(
+                    f"model {record.name!r}: its program file {path} is missing; the data directory was changed "
+                    "outside ntk-service (restore it from a backup, or delete the model)"
+                )
+            return load_exported(path.read_bytes(), operation=op).module.eval()
         config = parse_architecture(record.architecture, operation=op)
         return build_skeleton(config, allowed_factories=self.allowed_factories, operation=op)
 
@@ -459,11 +531,23 @@ class ModelRegistry:
         except Exception:  # best effort: the startup sweep removes what is left (NOTE [crash safety])
             logger.warning("could not remove unreferenced weight files %s", sorted(shas), exc_info=True)
 
+    def _collect_programs(self, shas: set[str]) -> None:
+        """Remove the program archives among ``shas`` that no model references (best effort, as for weights)."""
+        try:
+            with self._db.write() as conn:
+                referenced = {_program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models")}
+                for sha in shas - referenced:
+                    self._programs.remove(sha)
+        except Exception:  # the startup sweep removes what is left
+            logger.warning("could not remove unreferenced program files %s", sorted(shas), exc_info=True)
+
     def _sweep(self) -> None:
         """Startup: remove weight files without a row and stale temp files (NOTE [crash safety] in files.py)."""
         with self._db.write() as conn:
             referenced = {r[0] for r in conn.execute("SELECT DISTINCT weights_sha256 FROM model_versions")}
             removed, missing = self._files.sweep(referenced)
+            programs = {_program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models")}
+            self._programs.sweep({sha for sha in programs if sha is not None})
         if removed:
             logger.info("removed %d weight files that no model version references", len(removed))
         if missing:

@@ -123,9 +123,9 @@ def from_dataset(ref: DatasetRef, record: ModelRecord, datasets: DatasetStore) -
 
 def _vocabulary(architecture: dict[str, Any]) -> int | None:
     """How many token ids the model's input embedding takes: a transformer's ``vocab_size``, or the
-    ``num_embeddings`` of the Embedding an int64 ``sequential`` model starts with; None when not known (float
-    inputs, factory models)."""
-    if architecture.get("family") == "transformer":
+    ``num_embeddings`` of the Embedding an int64 ``sequential`` model starts with, an int64 ``exported`` model's
+    ``vocab_size`` (its embedding's rows); None when not known (float inputs, factory models)."""
+    if architecture.get("family") in ("transformer", "exported") and "vocab_size" in architecture:
         return int(architecture["vocab_size"])
     layers = architecture.get("layers") if architecture.get("family") == "sequential" else None
     if architecture.get("input_dtype") == "int64" and layers and layers[0].get("type") == "Embedding":
