@@ -56,6 +56,7 @@ from ntk_service.kernels.functional import NtkProblem, check_model
 from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode, result_shape
 from ntk_service.kernels.nngp import compute_nngp, feature_kernel, features, find_layer, kernel_shape
+from ntk_service.kernels.options import NtkOptions
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem_pool import prepared_problem
 from ntk_service.kernels.types import NamedTensors
@@ -387,8 +388,8 @@ class _Alone:
     def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """The model's kernel and its planned peak bytes."""
         if self.kind is KernelKind.NTK:
-            options = {"params": self.params, "dtype": self.dtype, "memory_budget_bytes": self.budget}
-            result = compute_ntk(model, x1, x2, mode=self.mode, **options)  # type: ignore[arg-type]
+            options = NtkOptions(dtype=self.dtype, memory_budget_bytes=self.budget)
+            result = compute_ntk(model, x1, x2, mode=self.mode, params=self.params, options=options)
             return result.theta, result.estimate_bytes
         nngp = compute_nngp(
             model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
