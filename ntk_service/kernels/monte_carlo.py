@@ -394,7 +394,7 @@ class _Alone:
         nngp = compute_nngp(
             model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
         )
-        return nngp.kernel, nngp.estimate_bytes
+        return nngp.theta, nngp.estimate_bytes
 
 
 def _parse_kind(kernel: KernelKind | str) -> KernelKind:

@@ -156,7 +156,7 @@ async def nngp(
             "version": record.version,
             "elapsed_ms": round(seconds * 1000, 3),
         }
-        kernel = result.kernel.detach().cpu().numpy()
+        kernel = result.theta.detach().cpu().numpy()
         return _encode({"kernel": kernel}, media, meta, cap=settings.max_json_response_bytes, operation=operation)
 
     return await ctx.limiter.run(run, operation=operation)
