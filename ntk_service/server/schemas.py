@@ -326,6 +326,9 @@ class MonteCarloOptions(BaseModel):
     layer: LayerName | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
     params: Globs | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
     dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
+    version: VersionInt | None = Field(
+        default=None, description="The model version whose architecture is built. Default: the latest."
+    )
 
 
 class MonteCarloRequest(MonteCarloOptions):
@@ -343,6 +346,7 @@ class MonteCarloPublic(BaseModel):
     mode: KernelModeValue = Field(description="The mode computed.")
     models_per_chunk: int = Field(description="Networks evaluated as one batched call.")
     model: str = Field(description="The model whose architecture was built.")
+    version: int = Field(description="The model version whose architecture was built.")
     elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
