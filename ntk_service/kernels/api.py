@@ -36,10 +36,11 @@ from ntk_service.kernels.allocator import retain_freed_memory
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.choice import ALGORITHMS, choose
 from ntk_service.kernels.device import device_memory_budget, model_device, parse_device, tf32_policy
-from ntk_service.kernels.functional import check_model, select_parameters
 from ntk_service.kernels.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, resolve_options
+from ntk_service.kernels.parameter_selection import select_parameters
+from ntk_service.kernels.private_module import check_model
 from ntk_service.kernels.problem_pool import prepared_problem
 from ntk_service.kernels.pseudo import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
 from ntk_service.kernels.side_cache import SideCache

@@ -32,10 +32,10 @@ import math
 
 import torch
 
-from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.analysis import analyze
 from ntk_service.kernels.structured.capture import capture
 from ntk_service.kernels.structured.contraction import (
