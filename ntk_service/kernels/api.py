@@ -38,7 +38,7 @@ from ntk_service.kernels.choice import ALGORITHMS, choose
 from ntk_service.kernels.device import device_memory_budget, model_device, parse_device, tf32_policy
 from ntk_service.kernels.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
-from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, resolve_options
+from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.parameter_selection import select_parameters
 from ntk_service.kernels.private_module import check_model
 from ntk_service.kernels.problem_pool import prepared_problem
@@ -103,16 +103,8 @@ def compute_ntk(
         MemoryEstimateExceeded: even the smallest blocks would not fit the budget (before allocating).
     """
     kernel_mode = parse_any_mode(mode)
-    opts = resolve_options(
-        options,
-        operation="compute_ntk",
-        implementation=implementation,
-        dtype=dtype,
-        memory_budget_bytes=memory_budget_bytes,
-        device=device,
-        allow_tf32=allow_tf32,
-        structured_options=structured_options,
-    )
+    loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
+    opts = resolve_options(options, loose, operation="compute_ntk")
     device_of = model
     if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel (k = 1) of Σ_a f_a / √k: see pseudo.py
         check_model(model)
@@ -175,16 +167,8 @@ def compute_ntk_groups(
         MemoryEstimateExceeded: the G results and block buffers would not fit the budget (before allocating).
     """
     kernel_mode = parse_any_mode(mode, operation="compute_ntk_groups")
-    opts = resolve_options(
-        options,
-        operation="compute_ntk_groups",
-        implementation=implementation,
-        dtype=dtype,
-        memory_budget_bytes=memory_budget_bytes,
-        device=device,
-        allow_tf32=allow_tf32,
-        structured_options=structured_options,
-    )
+    loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
+    opts = resolve_options(options, loose, operation="compute_ntk_groups")
     check_model(model)
     resolved = engine_groups = parameter_groups(model, groups, rest=rest)
     device_of = model

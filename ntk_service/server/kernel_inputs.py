@@ -13,6 +13,7 @@ x2 takes the engine's joint pass (one forward and reverse pass over both sides) 
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -401,32 +402,16 @@ def run_kernel(
         side_cache = None  # nothing to reuse: the engine may then take its joint pass
     t1, t2 = torch.from_numpy(x1.array), None if x2 is None else torch.from_numpy(x2.array)
     x2_key = None if x2 is None else x2.key
-    wire_options, groups = call.options, call.options.groups
+    wire_options = call.options
+    engine: Callable[..., NtkResult | NtkGroupsResult] = (
+        functools.partial(compute_ntk, params=wire_options.params)
+        if wire_options.groups is None
+        else functools.partial(compute_ntk_groups, groups=wire_options.groups, rest=wire_options.rest)
+    )
 
     def compute() -> NtkResult | NtkGroupsResult:
-        if groups is None:
-            return compute_ntk(
-                module,
-                t1,
-                t2,
-                mode=call.mode,
-                params=wire_options.params,
-                options=options,
-                side_cache=side_cache,
-                x1_key=x1.key,
-                x2_key=x2_key,
-            )
-        return compute_ntk_groups(
-            module,
-            t1,
-            t2,
-            groups=groups,
-            rest=wire_options.rest,
-            mode=call.mode,
-            options=options,
-            side_cache=side_cache,
-            x1_key=x1.key,
-            x2_key=x2_key,
+        return engine(
+            module, t1, t2, mode=call.mode, options=options, side_cache=side_cache, x1_key=x1.key, x2_key=x2_key
         )
 
     device = "cpu" if options.device is None else str(options.device)
