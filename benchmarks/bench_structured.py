@@ -46,9 +46,10 @@ from _peer import PeerSession, PeerUnavailableError  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
 from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
-from ntk_service.kernels.api import _ALGORITHMS  # noqa: E402
-from ntk_service.kernels.functional import eval_semantics, prepare_problem  # noqa: E402
+from ntk_service.kernels.choice import ALGORITHMS  # noqa: E402
 from ntk_service.kernels.modes import KernelMode  # noqa: E402
+from ntk_service.kernels.preparation import prepare_problem  # noqa: E402
+from ntk_service.kernels.private_module import eval_semantics  # noqa: E402
 
 THREADS = 2
 """Intra-op threads for our side: the machine's cores (the peer's XLA uses all cores too)."""
@@ -151,7 +152,7 @@ def _mlp(width: int) -> nn.Module:
 def _estimated_seconds(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, implementation: str) -> float:
     if implementation == "auto":
         return 0.0
-    alg = next(a for i, a in _ALGORITHMS.items() if i.value == implementation)
+    alg = next(a for i, a in ALGORITHMS.items() if i.value == implementation)
     with eval_semantics(model):
         problem, _, _ = prepare_problem(model, x1, x2, params=None, dtype=None)
         return alg.flops(problem, x1.shape[0], x2.shape[0], KernelMode.FULL) / ASSUMED_FLOPS

@@ -1,11 +1,11 @@
 """The one exception tree of ntk-service (no torch, no fastapi: the client imports it too).
 
 Every error carries a snake_case ``error_type`` (the ``type`` field of the wire error body) and the HTTP status it
-maps to. The server translates these once, in ``server/errors.py``; the client maps an error body back to the same
-class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
+maps to. The server translates these once, in ``server/error_responses.py``; the client maps an error body back to
+the same class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
 
     NtkServiceError
-    ├── InvalidInput                      422  the values are wrong (shapes, NaN, unknown names)
+    ├── InvalidInput                      422  the values are wrong (shapes, NaN, unknown names); a ValueError
     │   ├── ShapeMismatch                 422
     │   ├── NonFiniteInput                422
     │   ├── EmptyBatch                    422
@@ -14,7 +14,7 @@ class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
     │   ├── NoMatchingParameters          422
     │   ├── UnsupportedModel              422  BatchNorm in train mode, examples that interact, ...
     │   ├── UnknownLayer                  422  a ``layer`` that is not a module of the model
-│   ├── OverlappingGroups             422  a parameter in two groups of ``compute_ntk_groups``
+    │   ├── OverlappingGroups             422  a parameter in two groups of ``compute_ntk_groups``
     │   ├── UnstableLearningRate          422  gradient descent above the stable limit (message gives it)
     │   └── UnknownDevice                 422  not 'cpu', 'cuda' or 'cuda:N', or a CUDA device that is absent
     ├── MalformedRequest                  400  the body cannot be parsed at all
@@ -99,8 +99,12 @@ class NtkServiceError(Exception):
         return f"{type(self).__name__}({self.message!r})"
 
 
-class InvalidInput(NtkServiceError):
-    """The request is well formed but its values are wrong."""
+class InvalidInput(NtkServiceError, ValueError):
+    """The request is well formed but its values are wrong.
+
+    Also a ``ValueError``, what torch.func and neural-tangents raise for bad arguments, so a caller's
+    ``except ValueError`` catches it and every subclass (ShapeMismatch, UnknownMode, ...).
+    """
 
     error_type = "invalid_input"
     http_status = 422

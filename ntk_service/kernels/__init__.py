@@ -20,6 +20,7 @@ from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
 from ntk_service.kernels.nngp import NngpResult, compute_nngp
+from ntk_service.kernels.options import NtkOptions
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
 from ntk_service.kernels.structured import StructuredOptions
@@ -35,6 +36,7 @@ __all__ = [
     "NngpResult",
     "NtkGroupsResult",
     "NtkImplementation",
+    "NtkOptions",
     "NtkOperator",
     "NtkResult",
     "ParameterGroups",

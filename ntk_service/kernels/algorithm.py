@@ -12,8 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NtkImplementation
 
 __all__ = ["NtkAlgorithm", "Side", "side_nbytes"]

@@ -52,11 +52,13 @@ from torch.func import functional_call, jacrev, stack_module_state, vmap
 
 from ntk_service.errors import InvalidInput, UnsupportedModel
 from ntk_service.kernels.api import compute_ntk
-from ntk_service.kernels.functional import NtkProblem, check_model
 from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode, result_shape
 from ntk_service.kernels.nngp import compute_nngp, feature_kernel, features, find_layer, kernel_shape
+from ntk_service.kernels.options import NtkOptions
 from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.private_module import check_model
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.problem_pool import prepared_problem
 from ntk_service.kernels.types import NamedTensors
 
@@ -387,13 +389,13 @@ class _Alone:
     def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple[torch.Tensor, int]:
         """The model's kernel and its planned peak bytes."""
         if self.kind is KernelKind.NTK:
-            options = {"params": self.params, "dtype": self.dtype, "memory_budget_bytes": self.budget}
-            result = compute_ntk(model, x1, x2, mode=self.mode, **options)  # type: ignore[arg-type]
+            options = NtkOptions(dtype=self.dtype, memory_budget_bytes=self.budget)
+            result = compute_ntk(model, x1, x2, mode=self.mode, params=self.params, options=options)
             return result.theta, result.estimate_bytes
         nngp = compute_nngp(
             model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
         )
-        return nngp.kernel, nngp.estimate_bytes
+        return nngp.theta, nngp.estimate_bytes
 
 
 def _parse_kind(kernel: KernelKind | str) -> KernelKind:

@@ -30,24 +30,25 @@ Example::
 
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     >>> x1, x2 = torch.randn(5, 3), torch.randn(4, 3)
-    >>> compute_nngp(model, x1, x2).kernel.shape                        # (N, M, k, k)
+    >>> compute_nngp(model, x1, x2).theta.shape                         # (N, M, k, k)
     torch.Size([5, 4, 2, 2])
-    >>> compute_nngp(model, x1, layer="1", mode="trace").kernel.shape   # (N, N): Φ Φᵀ of the Tanh's output
+    >>> compute_nngp(model, x1, layer="1", mode="trace").theta.shape    # (N, N): Φ Φᵀ of the Tanh's output
     torch.Size([5, 5])
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ntk_service.errors import MemoryEstimateExceeded, UnknownLayer, UnsupportedModel, format_bytes
-from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.problem_pool import prepared_problem
 
 __all__ = ["NngpResult", "compute_nngp", "feature_kernel", "features", "find_layer"]
@@ -58,19 +59,30 @@ class NngpResult:
     """What ``compute_nngp`` returns.
 
     Attributes:
-        kernel: (N, M, d, d) FULL, (N, M) TRACE, (N, d, d) EXAMPLE_DIAGONAL, (N, M, d) OUTPUT_DIAGONAL, (N, M)
-            PSEUDO.
+        theta: (N, M, d, d) FULL, (N, M) TRACE, (N, d, d) EXAMPLE_DIAGONAL, (N, M, d) OUTPUT_DIAGONAL, (N, M)
+            PSEUDO: the kernel block, named as ``NtkResult.theta``.
         mode: the mode computed.
         layer: the module whose output gave the features, or None for the model's outputs.
         features: d, the features per example (k for the outputs).
         estimate_bytes: the planned peak memory, result included.
     """
 
-    kernel: torch.Tensor
+    theta: torch.Tensor
     mode: KernelMode | DerivedMode
     layer: str | None
     features: int
     estimate_bytes: int
+
+    @property
+    def kernel(self) -> torch.Tensor:
+        """Deprecated: ``theta``, this attribute's old name (kept for one release; warns DeprecationWarning)."""
+        warnings.warn(
+            "NngpResult.kernel is deprecated and will be removed in the next release; use NngpResult.theta "
+            "(the name NtkResult uses)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.theta
 
 
 def find_layer(module: nn.Module, layer: str, *, operation: str) -> nn.Module:
@@ -226,4 +238,4 @@ def compute_nngp(
         f2 = None if symmetric or x2t is None else features(problem, x2t, layer, chunk=chunk, operation=operation)
         kernel = feature_kernel(f1, f2, kernel_mode)
     estimate = fixed + min(chunk, max(n, m)) * activations
-    return NngpResult(kernel=kernel, mode=kernel_mode, layer=layer, features=d, estimate_bytes=int(estimate))
+    return NngpResult(theta=kernel, mode=kernel_mode, layer=layer, features=d, estimate_bytes=int(estimate))

@@ -28,7 +28,7 @@ from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
 from ntk_service.server.docs import install_docs
-from ntk_service.server.errors import install_error_handlers
+from ntk_service.server.error_responses import install_error_handlers
 from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
 from ntk_service.server.openapi import install_openapi, operation_id

@@ -8,7 +8,10 @@ whose request times out.
 
 NOTE [threads]: torch's intra-op pool is process-wide; ``configure_torch_threads`` sizes it so that
 threads × concurrent computations ≈ cores (measured: two 2-thread computations on 2 cores run slower than one
-after the other).
+after the other). numpy's BLAS (OpenBLAS, the analyses' eigh / solves) keeps a pool of its own, one thread per
+core by default, whose idle workers busy-wait for the next call: beside torch's threads they took cores a
+computation needed. The same call caps that pool at the same share through threadpoolctl (the one portable
+handle on it: OpenBLAS reads its environment variables only at load, before settings exist).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TypeVar
 import anyio
 import anyio.to_thread
 import torch
+from threadpoolctl import threadpool_limits
 
 from ntk_service.errors import Busy
 from ntk_service.server.metrics import Metrics
@@ -37,8 +41,10 @@ _EWMA_WEIGHT = 0.3
 
 
 def configure_torch_threads(threads: int) -> None:
-    """Set torch's intra-op thread count (process-wide) for ``threads`` threads per computation."""
+    """Set torch's intra-op thread count and numpy's BLAS threads (both process-wide) to ``threads`` per
+    computation (NOTE [threads])."""
     torch.set_num_threads(max(1, threads))
+    threadpool_limits(limits=max(1, threads), user_api="blas")  # kept: not used as a context manager
 
 
 class ComputeLimiter:

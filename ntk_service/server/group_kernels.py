@@ -16,15 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import torch
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, format_bytes
-from ntk_service.kernels import NtkGroupsResult, NtkImplementation, SideCache, compute_ntk_groups
-from ntk_service.registry import ModelRecord
-from ntk_service.server.kernel_inputs import KernelInput, engine_arguments, run_model
+from ntk_service.kernels import NtkGroupsResult, NtkImplementation
 from ntk_service.server.media import json_too_large
 from ntk_service.server.schemas import ELAPSED_DESCRIPTION, KernelModeValue, KernelOptions, TensorJson
 
@@ -36,7 +33,6 @@ __all__ = [
     "check_group_options",
     "encode_groups",
     "parse_groups_query",
-    "run_group_kernel",
 ]
 
 GROUP_RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_SAFETENSORS)
@@ -98,30 +94,6 @@ def check_group_options(options: KernelOptions, *, operation: str) -> None:
         bad = sorted(_RESERVED_NAMES & set(options.groups))
         if bad:
             raise InvalidInput(f"{operation}: group name {bad[0]!r} is reserved by the safetensors format; rename it")
-
-
-def run_group_kernel(
-    module: torch.nn.Module,
-    x1: KernelInput,
-    x2: KernelInput | None,
-    options: KernelOptions,
-    *,
-    record: ModelRecord,
-    budget: int | None,
-    side_cache: SideCache | None,
-    operation: str,
-    device: str = "cpu",
-    allow_tf32: bool = False,
-) -> tuple[NtkGroupsResult, float]:
-    """``kernel_inputs.run_kernel`` for a request with ``groups``: ``compute_ntk_groups`` (blocking) and its wall
-    time in seconds."""
-    args = engine_arguments(x1, x2, options, budget=budget, side_cache=side_cache, device=device, allow_tf32=allow_tf32)
-    groups: Any = options.groups
-
-    def call() -> NtkGroupsResult:
-        return compute_ntk_groups(module, groups=groups, rest=options.rest, **args)
-
-    return run_model(call, record=record, operation=operation, device=device)
 
 
 def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:

@@ -13,7 +13,9 @@ x2 takes the engine's joint pass (one forward and reverse pass over both sides) 
 
 from __future__ import annotations
 
+import functools
 import time
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
@@ -36,11 +38,28 @@ from ntk_service.errors import (
     ShapeMismatch,
     format_bytes,
 )
-from ntk_service.kernels import NtkResult, SideCache, compute_ntk, default_memory_budget
+from ntk_service.kernels import (
+    NtkGroupsResult,
+    NtkOptions,
+    NtkResult,
+    SideCache,
+    compute_ntk,
+    compute_ntk_groups,
+    default_memory_budget,
+)
+from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ComputeDep, DatasetsDep, MetricsDep, RegistryDep, SettingsDep, SideCacheDep
-from ntk_service.server.media import json_response, parse_off_loop, read_json
+from ntk_service.server.media import (
+    BINARY_TENSOR_TYPES,
+    content_type,
+    json_response,
+    parse_off_loop,
+    read_json,
+    read_tensors,
+    take_tensor,
+)
 from ntk_service.server.metrics import Metrics
 from ntk_service.server.schemas import DatasetRef, KernelOptions, validate_body
 
@@ -48,18 +67,20 @@ __all__ = [
     "MIN_JSON_BYTES_PER_VALUE",
     "ComputeContext",
     "ComputeContextDep",
+    "KernelCall",
     "KernelInput",
-    "Side",
+    "SideSource",
     "answer_json",
     "check_budget",
     "check_input",
-    "engine_arguments",
+    "engine_options",
     "from_dataset",
     "inline",
     "load_side",
     "load_sides",
     "parse_side",
     "parse_sides",
+    "read_kernel_request",
     "read_object",
     "run_kernel",
     "run_model",
@@ -71,8 +92,22 @@ MIN_JSON_BYTES_PER_VALUE = 4
 """The shortest a float can be in JSON data ("0.0,"): an answer whose value count times this exceeds the JSON cap
 is refused before computing; otherwise the encoded length decides."""
 
-Side = np.ndarray | DatasetRef
-"""One side as the request gave it: an inline array (N, *input) or rows of a stored data set."""
+SideSource = np.ndarray | DatasetRef
+"""Where one side of a request comes from: an inline array (N, *input) or rows of a stored data set. (The
+engine's ``kernels.algorithm.Side`` is another thing: what an implementation keeps from a block of examples.)"""
+
+
+def __getattr__(name: str) -> Any:
+    """``Side``, this module's old name of :data:`SideSource`, kept for one release with a DeprecationWarning."""
+    if name == "Side":
+        warnings.warn(
+            "ntk_service.server.kernel_inputs.Side is deprecated; use SideSource (kernels.algorithm.Side is the "
+            "engine's per-block intermediates, an unrelated type)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return SideSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -175,7 +210,7 @@ def check_input(array: np.ndarray, record: ModelRecord, *, side: str, operation:
             )
 
 
-def parse_side(raw: Any, *, side: str, operation: str) -> Side:
+def parse_side(raw: Any, *, side: str, operation: str) -> SideSource:
     """A JSON side: ``{"dataset": id, "start", "stop"}`` is a :class:`DatasetRef`, anything else a wire tensor."""
     if isinstance(raw, dict) and "dataset" in raw:
         return validate_body(DatasetRef, raw, operation=f"{operation}: {side}")
@@ -184,11 +219,11 @@ def parse_side(raw: Any, *, side: str, operation: str) -> Side:
 
 async def parse_sides(
     request: Request, x1: Any, x2: Any, *, operation: str, extra: dict[str, Any] | None = None
-) -> tuple[Side, Side | None, dict[str, np.ndarray]]:
+) -> tuple[SideSource, SideSource | None, dict[str, np.ndarray]]:
     """x1, x2 (None: absent) and the ``extra`` JSON tensors of a JSON body, parsed off the loop when it is large."""
     fields = extra or {}
 
-    def parse() -> tuple[Side, Side | None, dict[str, np.ndarray]]:
+    def parse() -> tuple[SideSource, SideSource | None, dict[str, np.ndarray]]:
         first = parse_side(x1, side="x1", operation=operation)
         second = None if x2 is None else parse_side(x2, side="x2", operation=operation)
         return first, second, {key: wire.tensor_from_json(value, name=key) for key, value in fields.items()}
@@ -196,7 +231,9 @@ async def parse_sides(
     return await parse_off_loop(parse, size=len(await request.body()))  # the body is cached by now
 
 
-def load_side(raw: Side, record: ModelRecord, datasets: DatasetStore, *, side: str, operation: str) -> KernelInput:
+def load_side(
+    raw: SideSource, record: ModelRecord, datasets: DatasetStore, *, side: str, operation: str
+) -> KernelInput:
     """The side loaded (data set rows read) and checked against the model (:func:`check_input`); blocking."""
     item = from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else inline(raw)
     check_input(item.array, record, side=side, operation=operation)
@@ -204,7 +241,7 @@ def load_side(raw: Side, record: ModelRecord, datasets: DatasetStore, *, side: s
 
 
 async def load_sides(
-    ctx: ComputeContext, name: str, version: int | None, x1: Side, x2: Side | None, *, operation: str
+    ctx: ComputeContext, name: str, version: int | None, x1: SideSource, x2: SideSource | None, *, operation: str
 ) -> tuple[ModelRecord, KernelInput, KernelInput | None]:
     """The model record (latest when ``version`` is None) and both sides loaded and checked, in a worker thread."""
 
@@ -272,55 +309,113 @@ def run_model(fn: Callable[[], T], *, record: ModelRecord, operation: str, devic
     return out, time.perf_counter() - start
 
 
-def engine_arguments(
-    x1: KernelInput,
-    x2: KernelInput | None,
-    options: KernelOptions,
-    *,
-    budget: int | None,
-    side_cache: SideCache | None,
-    device: str,
-    allow_tf32: bool,
-) -> dict[str, Any]:
-    """The arguments ``compute_ntk`` and ``compute_ntk_groups`` share, from a request's sides and options. The side
-    cache is passed only when a side is keyed, so two inline sides take the joint pass."""
-    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
-    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
-        side_cache = None  # nothing to reuse: the engine may then take its joint pass
-    return {
-        "x1": torch.from_numpy(x1.array),
-        "x2": None if x2 is None else torch.from_numpy(x2.array),
-        "mode": options.mode,
-        "implementation": options.implementation,
-        "dtype": options.dtype,
-        "memory_budget_bytes": budget,
-        "side_cache": side_cache,
-        "device": device,
-        "allow_tf32": allow_tf32,
-        "x1_key": x1.key,
-        "x2_key": None if x2 is None else x2.key,
-    }
+@dataclass(frozen=True)
+class KernelCall:
+    """A kernel request (``POST /v1/models/{name}/ntk``) read once by :func:`read_kernel_request`.
+
+    Attributes:
+        x1, x2: where the sides come from (x2 None: x2 = x1), not loaded yet.
+        options: the request's wire options (mode, implementation, params, dtype, version, groups, rest).
+        mode: ``options.mode`` as the engine's enum, parsed here once.
+    """
+
+    x1: SideSource
+    x2: SideSource | None
+    options: KernelOptions
+    mode: KernelMode | DerivedMode
+
+
+async def read_kernel_request(request: Request, query: dict[str, Any], *, operation: str) -> KernelCall:
+    """The sides, the options and the mode of a kernel request, each parsed exactly once: from a JSON body, or
+    from a binary body (.npy: x1; safetensors: x1 and optional x2) plus the options in ``query``.
+
+    Args:
+        query (dict): the options given as query parameters (name -> value; only those given).
+
+    Raises:
+        UnsupportedMediaType, MalformedRequest: not JSON / a tensor body, or a body that does not parse.
+        InvalidInput: options in the query beside a JSON body, a JSON body without x1, unexpected tensors in a
+            binary body, or an option of the wrong value (e.g. ``"mode: Input should be 'full', ..."``).
+    """
+    if content_type(request) in BINARY_TENSOR_TYPES:
+        tensors = await read_tensors(request, operation=operation, npy_name="x1")
+        x1: SideSource = take_tensor(tensors, "x1", operation=operation)
+        x2: SideSource | None = tensors.pop("x2", None)
+        if tensors:
+            raise InvalidInput(f"{operation}: unexpected tensors {sorted(tensors)} in the body; send only x1 and x2")
+        options = validate_body(KernelOptions, query, operation=operation)
+    else:
+        data = await read_object(request, operation=operation, expected=" with x1 (and x2, mode, ...)")
+        if query:
+            raise InvalidInput(
+                f"{operation}: with a JSON body, put mode/implementation/params/dtype/version in the body, "
+                "not in the query string (query options are for binary bodies)"
+            )
+        if "x1" not in data:
+            raise InvalidInput(f'{operation}: the body needs x1 (a tensor or {{"dataset": id, "start", "stop"}})')
+        x1_raw, x2_raw = data.pop("x1"), data.pop("x2", None)
+        options = validate_body(KernelOptions, data, operation=operation)
+        x1, x2, _ = await parse_sides(request, x1_raw, x2_raw, operation=operation)
+    return KernelCall(x1, x2, options, parse_any_mode(options.mode, operation=operation))
+
+
+def engine_options(options: KernelOptions, settings: Settings) -> NtkOptions:
+    """The engine's options of a request, built once: the request's implementation and dtype, the server's memory
+    budget (None: the device's default), device and TF32 policy.
+
+    Raises:
+        UnknownDevice: the settings name a device this machine lacks (the app checks it at startup).
+    """
+    return NtkOptions(
+        implementation=options.implementation,
+        dtype=options.dtype,
+        memory_budget_bytes=settings.memory_budget_bytes,
+        device=settings.device,
+        allow_tf32=settings.allow_tf32,
+    )
 
 
 def run_kernel(
     module: torch.nn.Module,
     x1: KernelInput,
     x2: KernelInput | None,
-    options: KernelOptions,
+    call: KernelCall,
     *,
     record: ModelRecord,
-    budget: int | None,
+    options: NtkOptions,
     side_cache: SideCache | None,
     operation: str,
-    device: str = "cpu",
-    allow_tf32: bool = False,
-) -> tuple[NtkResult, float]:
-    """The engine call :func:`~ntk_service.kernels.compute_ntk` (blocking: run it in a worker thread) and its wall
-    time in seconds (arguments: ``engine_arguments``)."""
-    args = engine_arguments(x1, x2, options, budget=budget, side_cache=side_cache, device=device, allow_tf32=allow_tf32)
-    return run_model(
-        lambda: compute_ntk(module, params=options.params, **args), record=record, operation=operation, device=device
+) -> tuple[NtkResult | NtkGroupsResult, float]:
+    """The engine call of a kernel request (blocking: run it in a worker thread) and its wall time in seconds:
+    ``compute_ntk``, or ``compute_ntk_groups`` when the request has ``groups``. The side cache is passed only when
+    a side is keyed, so two inline sides take the engine's joint pass.
+
+    Returns:
+        (NtkResult or NtkGroupsResult, float): the result (an ``NtkGroupsResult`` exactly when ``groups`` was
+        given) and the seconds it took.
+
+    Raises:
+        as :func:`run_model`.
+    """
+    keyed = x1.key is not None or (x2 is not None and x2.key is not None)
+    if not keyed or side_cache is None or side_cache.max_bytes <= 0:
+        side_cache = None  # nothing to reuse: the engine may then take its joint pass
+    t1, t2 = torch.from_numpy(x1.array), None if x2 is None else torch.from_numpy(x2.array)
+    x2_key = None if x2 is None else x2.key
+    wire_options = call.options
+    engine: Callable[..., NtkResult | NtkGroupsResult] = (
+        functools.partial(compute_ntk, params=wire_options.params)
+        if wire_options.groups is None
+        else functools.partial(compute_ntk_groups, groups=wire_options.groups, rest=wire_options.rest)
     )
+
+    def compute() -> NtkResult | NtkGroupsResult:
+        return engine(
+            module, t1, t2, mode=call.mode, options=options, side_cache=side_cache, x1_key=x1.key, x2_key=x2_key
+        )
+
+    device = "cpu" if options.device is None else str(options.device)
+    return run_model(compute, record=record, operation=operation, device=device)
 
 
 async def answer_json(

@@ -102,16 +102,13 @@ class Metrics:
         self.registry.register(_JobsCollector(manager))
 
     def watch_job_disk(self, read: Callable[[], tuple[int, int | None, int]]) -> None:
-        """Export the job results' disk use: ``read()`` gives (used, configured budget or None, available) bytes."""
-        for index, (name, doc) in enumerate(
-            (
-                ("ntk_job_results_bytes", "Bytes the stored job results take (finished or not)."),
-                ("ntk_job_disk_budget_bytes", "The configured disk budget of job results (-1: 90% of free space)."),
-                ("ntk_job_disk_available_bytes", "Bytes a new job result may still take."),
-            )
-        ):
-            gauge = Gauge(name, doc, registry=self.registry)
-            gauge.set_function(lambda i=index: _or_minus_one(read()[i]))  # type: ignore[misc]
+        """Export the job results' disk use: ``read()`` gives (used, configured budget or None, available) bytes.
+
+        ``read()`` walks the job store and stats the results folder: it is called once per scrape, from the render
+        (which runs in a worker thread, routes/health.py), never on the event loop, and its three numbers come
+        from that one reading.
+        """
+        self.registry.register(_JobDiskCollector(read))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""
@@ -131,6 +128,29 @@ class _SideCacheCollector(Collector):
         yield CounterMetricFamily("ntk_side_cache_hits", "Side-cache lookups that reused a stored side.", cache.hits)
         yield CounterMetricFamily("ntk_side_cache_misses", "Side-cache lookups that computed the side.", cache.misses)
         yield GaugeMetricFamily("ntk_side_cache_bytes", "Bytes held by the side cache.", cache.nbytes)
+
+
+class _JobDiskCollector(Collector):
+    """The three disk gauges of ``Metrics.watch_job_disk`` from one ``read()`` per scrape."""
+
+    _GAUGES = (
+        ("ntk_job_results_bytes", "Bytes the stored job results take (finished or not)."),
+        ("ntk_job_disk_budget_bytes", "The configured disk budget of job results (-1: 90% of free space)."),
+        ("ntk_job_disk_available_bytes", "Bytes a new job result may still take."),
+    )
+
+    def __init__(self, read: Callable[[], tuple[int, int | None, int]]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterator[Any]:
+        # Without describe the registry would call collect (a disk walk) at registration to learn the names.
+        for name, doc in self._GAUGES:
+            yield GaugeMetricFamily(name, doc)
+
+    def collect(self) -> Iterator[Any]:
+        values = self._read()
+        for (name, doc), value in zip(self._GAUGES, values, strict=True):
+            yield GaugeMetricFamily(name, doc, _or_minus_one(value))
 
 
 class _JobsCollector(Collector):

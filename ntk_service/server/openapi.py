@@ -32,6 +32,7 @@ from ntk_service.server.deps import AUTH_DEPENDENCIES, COMPUTE_DEPENDENCIES
 
 __all__ = [
     "ERROR_DESCRIPTIONS",
+    "ERROR_EXAMPLES",
     "ErrorBody",
     "ErrorDetail",
     "api_routes",
@@ -57,6 +58,24 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     503: "The server is starting or stopping: retry after `Retry-After` seconds.",
 }
 """What each error status means, as OpenAPI response descriptions."""
+
+ERROR_EXAMPLES: dict[int, tuple[str, str]] = {
+    400: ("malformed_request", "ntk of model 'mnist-mlp': the body is not valid JSON (Expecting value)"),
+    401: ("unauthenticated", "GET /v1/models: no API key; send Authorization: Bearer <key>"),
+    403: ("permission_denied", "POST /v1/models: this key has scope 'read'; the route needs a 'write' key"),
+    404: ("model_not_found", "get model: model 'mnist-mlp' not found; list models with GET /v1/models"),
+    406: ("not_acceptable", "ntk of model 'mnist-mlp': the response would be 80.0 MiB, over the JSON limit"),
+    409: ("name_conflict", "register model: a model named 'mnist-mlp' exists; pick another name"),
+    413: ("memory_estimate_exceeded", "compute_ntk: needs about 12.0 GiB, over the memory budget of 4.0 GiB"),
+    415: ("unsupported_media_type", "ntk of model 'mnist-mlp': Content-Type text/plain is not application/json"),
+    422: ("invalid_input", "ntk of model 'mnist-mlp': mode: Input should be 'full', 'trace', ..."),
+    429: ("busy", "ntk of model 'mnist-mlp': 2 computations running and 8 waiting; retry after 3 s"),
+    500: ("internal_error", "POST /v1/models/mnist-mlp/ntk: internal error; the server log has details"),
+    501: ("optional_dependency_missing", "jobs: the Ray executor needs ray; pip install 'ntk-service[ray]'"),
+    503: ("service_unavailable", "readyz: the server is starting or stopping; retry shortly"),
+}
+"""One example error body per status (type, message), so ReDoc shows each status its own sample instead of the
+schema's one example under every status."""
 
 _RETRY_AFTER = {
     "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer", "minimum": 1}}
@@ -172,6 +191,9 @@ def _fix_operation(route: Any, operation: dict[str, Any]) -> None:
             "description": declared.get("description") or ERROR_DESCRIPTIONS.get(status, "Error."),
             "content": {_JSON: {"schema": _ERROR_REF}},
         }
+        if status in ERROR_EXAMPLES:
+            error_type, message = ERROR_EXAMPLES[status]
+            entry["content"][_JSON]["example"] = {"error": {"type": error_type, "message": message}}
         if status in _HEADERS:
             entry["headers"] = _HEADERS[status]
         responses[str(status)] = entry

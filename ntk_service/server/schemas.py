@@ -15,7 +15,7 @@ from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.architectures import ArchitectureSpec
 from ntk_service.registry.store import MAX_LABEL_LENGTH
-from ntk_service.server.errors import format_validation_errors
+from ntk_service.server.error_responses import format_validation_errors
 from ntk_service.server.params import (
     ID_MAX_LENGTH,
     INT64_MAX,
@@ -326,6 +326,9 @@ class MonteCarloOptions(BaseModel):
     layer: LayerName | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
     params: Globs | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
     dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
+    version: VersionInt | None = Field(
+        default=None, description="The model version whose architecture is built. Default: the latest."
+    )
 
 
 class MonteCarloRequest(MonteCarloOptions):
@@ -343,6 +346,7 @@ class MonteCarloPublic(BaseModel):
     mode: KernelModeValue = Field(description="The mode computed.")
     models_per_chunk: int = Field(description="Networks evaluated as one batched call.")
     model: str = Field(description="The model whose architecture was built.")
+    version: int = Field(description="The model version whose architecture was built.")
     elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from benchmarks._models import MODELS, ResNet, TransformerClassifier, make_inputs, randomize_batchnorm
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
-from ntk_service.kernels.api import _ALGORITHMS, _plan_choice
+from ntk_service.kernels.choice import ALGORITHMS, plan_choice
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.problem_pool import prepared_problem
 from tests.reference import assert_matches, reference_ntk
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:There is a performance drop because we have not yet implemented the batching rule:UserWarning"
 )
 
-IMPLEMENTATIONS = [*_ALGORITHMS, NtkImplementation.AUTO]
+IMPLEMENTATIONS = [*ALGORITHMS, NtkImplementation.AUTO]
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,7 @@ def test_auto_picks_the_measured_winner_on_the_benchmark_models(name: str, winne
     x = make_inputs(name, 4)
     with prepared_problem(model, x, x, params=None, dtype=None) as prepared:
         for mode in (KernelMode.FULL, KernelMode.TRACE):
-            alg, _, _ = _plan_choice(NtkImplementation.AUTO, (prepared.problem, 32, 32, mode, False), 2**34)
+            alg, _, _ = plan_choice(NtkImplementation.AUTO, (prepared.problem, 32, 32, mode, False), 2**34)
             assert alg.implementation is winner, mode
 
 

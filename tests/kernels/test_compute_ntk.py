@@ -11,12 +11,12 @@ from torch import nn
 
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
-from ntk_service.kernels.api import _ALGORITHMS
-from ntk_service.kernels.functional import private_copy
+from ntk_service.kernels.choice import ALGORITHMS
+from ntk_service.kernels.private_module import private_copy
 from tests.kernels.zoo import ZOO, ZooEntry, zoo_case
 from tests.reference import assert_matches, reference_ntk
 
-IMPLEMENTATIONS = [*_ALGORITHMS, NtkImplementation.AUTO]
+IMPLEMENTATIONS = [*ALGORITHMS, NtkImplementation.AUTO]
 MODES = list(KernelMode)
 
 
@@ -62,7 +62,7 @@ def test_float32_matches_reference(entry: ZooEntry, implementation: NtkImplement
 @pytest.mark.parametrize("entry", ZOO, ids=lambda e: e.name)
 def test_same_inputs_give_exactly_symmetric_psd_kernel(entry: ZooEntry) -> None:
     model, x1, _ = zoo_case(entry.name)
-    for implementation in _ALGORITHMS:
+    for implementation in ALGORITHMS:
         theta = compute_ntk(model, x1, implementation=implementation, dtype=torch.float64).theta
         n, _, k, _ = theta.shape
         gram = theta.permute(0, 2, 1, 3).reshape(n * k, n * k)
@@ -72,7 +72,7 @@ def test_same_inputs_give_exactly_symmetric_psd_kernel(entry: ZooEntry) -> None:
         assert torch.equal(trace, trace.T)
 
 
-@pytest.mark.parametrize("implementation", list(_ALGORITHMS), ids=str)
+@pytest.mark.parametrize("implementation", list(ALGORITHMS), ids=str)
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_blocked_computation_matches_reference(implementation: NtkImplementation, mode: KernelMode) -> None:
     """Budgets that force blocks give the same kernel (ragged blocks, kept right sides, mirrored halves)."""

@@ -49,10 +49,10 @@ def test_output_nngp_is_the_outer_product_of_outputs_in_every_mode(mode: KernelM
     for other, f_other in ((x2, f2), (None, f1)):
         result = compute_nngp(model, x1, other, mode=mode, dtype=torch.float64)
         assert result.mode is mode and result.features == 3 and result.layer is None
-        assert_matches(result.kernel, _by_hand(f1, f_other, mode.value), 1e-13)
+        assert_matches(result.theta, _by_hand(f1, f_other, mode.value), 1e-13)
         if other is None and mode in (KernelMode.TRACE, KernelMode.FULL, DerivedMode.PSEUDO):
-            swapped = result.kernel.permute(1, 0, 3, 2) if mode is KernelMode.FULL else result.kernel.T
-            assert torch.equal(result.kernel, swapped)
+            swapped = result.theta.permute(1, 0, 3, 2) if mode is KernelMode.FULL else result.theta.T
+            assert torch.equal(result.theta, swapped)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
@@ -65,7 +65,7 @@ def test_conv_layer_features_are_flattened_per_example(mode: KernelMode | Derive
     for other, f_other in ((x2, f2), (None, f1)):
         result = compute_nngp(model, x1, other, layer="1", mode=mode)
         assert result.features == 12
-        assert_matches(result.kernel, _by_hand(f1, f_other, mode.value), 1e-13)
+        assert_matches(result.theta, _by_hand(f1, f_other, mode.value), 1e-13)
 
 
 def test_ntk_block_of_a_linear_readout_weight_is_the_conjugate_kernel_times_identity() -> None:
@@ -73,7 +73,7 @@ def test_ntk_block_of_a_linear_readout_weight_is_the_conjugate_kernel_times_iden
     x1, x2 = torch.randn(5, 4), torch.randn(3, 4)
     eye = torch.eye(3, dtype=torch.float64)
     for other in (x2, None):
-        phi_phi = compute_nngp(model, x1, other, layer="3", mode="trace", dtype=torch.float64).kernel  # (N, M)
+        phi_phi = compute_nngp(model, x1, other, layer="3", mode="trace", dtype=torch.float64).theta  # (N, M)
         weight_block = reference_ntk(model, x1, other, "full", params=["4.weight"])  # (N, M, k, k)
         assert_matches(weight_block, phi_phi[:, :, None, None] * eye, 1e-12)
         bias_block = reference_ntk(model, x1, other, "full", params=["4.bias"])
@@ -96,3 +96,17 @@ def test_bad_layers_modes_and_budgets_are_refused_clearly() -> None:
     twice = nn.Sequential(shared, nn.Tanh(), shared)
     with pytest.raises(UnsupportedModel, match="layer '0' ran 2 times"):
         compute_nngp(twice, x, layer="0")
+
+
+def test_kernel_is_a_deprecated_alias_of_theta() -> None:
+    """``NngpResult.theta`` is the kernel (the name ``NtkResult`` uses); ``.kernel`` still answers for one release,
+    with a DeprecationWarning that names the new attribute."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    result = compute_nngp(model, x, mode="trace")
+    f = model(x)
+    assert_matches(result.theta, f @ f.T, 1e-13)
+    with pytest.warns(DeprecationWarning, match=r"NngpResult.kernel is deprecated .* use NngpResult.theta"):
+        alias = result.kernel
+    assert alias is result.theta

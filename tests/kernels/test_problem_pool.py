@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import api, compute_ntk, problem_pool
-from ntk_service.kernels.api import _ALGORITHMS
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels import choice, compute_ntk, problem_pool
+from ntk_service.kernels.choice import ALGORITHMS
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import plan_blocks
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NtkImplementation
 from tests.reference import assert_matches, reference_ntk
 
@@ -134,7 +134,7 @@ def test_one_block_kernels_build_both_sides_in_one_pass() -> None:
     result = compute_ntk(model, x1, x2, implementation="structured")
     with problem_pool.prepared_problem(model, x1, x2, params=None, dtype=None) as prepared:
         problem = prepared.problem
-        alg = _ALGORITHMS[NtkImplementation.STRUCTURED]
+        alg = ALGORITHMS[NtkImplementation.STRUCTURED]
         plan = plan_blocks(alg, problem, 6, 5, KernelMode.FULL, symmetric=False, budget_bytes=2**30)
         tight = plan_blocks(alg, problem, 6, 5, KernelMode.FULL, symmetric=False, budget_bytes=plan.estimate_bytes - 1)
     assert plan.joint_sides and (plan.block_n, plan.block_m) == (6, 5)
@@ -147,16 +147,16 @@ def test_kept_choices_are_the_plans_a_fresh_problem_would_make(monkeypatch: pyte
     """NOTE [auto choice]: a kept problem reuses its plan for a call shape only while the budget gives the same
     answer; every call's plan equals the one a never-seen model (a fresh problem) gets, and repeats plan nothing."""
     planned: list[int] = []
-    real = api.plan_blocks
+    real = choice.plan_blocks
 
     def spy(*args: object, **kwargs: object) -> object:
         planned.append(1)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(api, "plan_blocks", spy)
+    monkeypatch.setattr(choice, "plan_blocks", spy)
     model, x1, x2 = _mlp(), torch.randn(16, 3, dtype=torch.float64), torch.randn(12, 3, dtype=torch.float64)
     with problem_pool.prepared_problem(copy.deepcopy(model), x1, x2, params=None, dtype=None) as prepared:
-        alg = _ALGORITHMS[NtkImplementation.STRUCTURED]
+        alg = ALGORITHMS[NtkImplementation.STRUCTURED]
         joint = plan_blocks(alg, prepared.problem, 16, 12, KernelMode.FULL, symmetric=False, budget_bytes=2**30)
         tight = plan_blocks(
             alg, prepared.problem, 16, 12, KernelMode.FULL, symmetric=False, budget_bytes=joint.estimate_bytes - 1

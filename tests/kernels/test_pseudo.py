@@ -8,7 +8,7 @@ from torch import nn
 
 from ntk_service.errors import NoMatchingParameters, UnknownMode
 from ntk_service.kernels import DerivedMode, NtkImplementation, SideCache, compute_ntk
-from ntk_service.kernels.api import _ALGORITHMS
+from ntk_service.kernels.choice import ALGORITHMS
 from tests.kernels.zoo import ZOO, ZooEntry
 from tests.reference import assert_matches, reference_jacobian, reference_ntk
 
@@ -25,7 +25,7 @@ def test_pseudo_matches_the_reference_full_kernel_summed_over_outputs(entry: Zoo
             expected = full.sum(dim=(2, 3)) / full.shape[2]  # written out here, independent of reference's mode
             # every implementation on the whole model; the subsets (the same wrapper, other globs) by AUTO alone
             for implementation in (
-                (*_ALGORITHMS, NtkImplementation.AUTO) if subset is None else (NtkImplementation.AUTO,)
+                (*ALGORITHMS, NtkImplementation.AUTO) if subset is None else (NtkImplementation.AUTO,)
             ):
                 result = compute_ntk(
                     model, x1, other, mode="pseudo", implementation=implementation, params=subset, dtype=torch.float64

@@ -3,6 +3,9 @@ capacity gets 429 with Retry-After instead of waiting. The server runs open (no 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +13,7 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 
-from tests.conftest import SLOW_FACTORY, LiveServer
+from tests.conftest import REPO_ROOT, SLOW_FACTORY, LiveServer
 from tests.server.support import tensor_json
 
 DELAY_S = 0.4
@@ -71,3 +74,23 @@ def test_health_answers_during_a_kernel_and_overload_gets_429(start_server: Call
     assert results["slow"].status_code == 200, results["slow"].text
     assert results["slow"].json()["theta"]["shape"] == [2, 2, 2, 2]
     assert "no API keys configured" in server.log()  # the open server said so at startup
+
+
+def test_configure_torch_threads_caps_numpys_blas_pool_too() -> None:
+    """NOTE [threads]: the threads of one computation are torch's and numpy's BLAS's alike. Process-wide, so it
+    is checked in a fresh interpreter (threadpoolctl reads the pools the process has loaded)."""
+    script = (
+        "import json, numpy, torch, threadpoolctl\n"
+        "from ntk_service.server.compute import configure_torch_threads\n"
+        "before = [p['num_threads'] for p in threadpoolctl.threadpool_info() if p['user_api'] == 'blas']\n"
+        "configure_torch_threads(1)\n"
+        "after = [p['num_threads'] for p in threadpoolctl.threadpool_info() if p['user_api'] == 'blas']\n"
+        "print(json.dumps({'before': before, 'after': after, 'torch': torch.get_num_threads()}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["after"], "numpy loaded no BLAS threadpoolctl can see: the check proves nothing"
+    assert seen["after"] == [1] * len(seen["after"]) and seen["torch"] == 1, seen

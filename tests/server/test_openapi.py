@@ -39,7 +39,8 @@ def test_every_error_response_is_the_error_body(document: dict[str, Any]) -> Non
         errors = {code: r for code, r in op["responses"].items() if int(code) >= 400}
         assert "500" in errors, (method, path)
         for code, response in errors.items():
-            assert response["content"] == {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+            assert set(response["content"]) == {"application/json"}, (method, path, code)
+            assert response["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorBody"}
             assert response["description"], (method, path, code)
 
 
@@ -233,3 +234,50 @@ def test_the_check_rejects_a_wrong_body(document: dict[str, Any]) -> None:
         _check(document, bad)
     with pytest.raises(AssertionError, match="undocumented status"):
         _check(document, httpx.Response(418, json={}, request=request))
+
+
+def _error_types() -> set[str]:
+    from ntk_service import errors
+
+    found, todo = set(), [errors.NtkServiceError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.error_type)
+        todo.extend(cls.__subclasses__())
+    return found | {"internal_error"}  # the 500 of an unexpected exception (server/error_responses.py)
+
+
+def test_each_error_status_has_its_own_sample(document: dict[str, Any]) -> None:
+    """ReDoc shows a response's media example: each status has one of its own, with a real error type, instead
+    of the schema's one example (model_not_found) under every status."""
+    known = _error_types()
+    for method, path, operation in _operations(document):
+        for status, response in operation["responses"].items():
+            if not status.startswith(("4", "5")):
+                continue
+            example = response["content"]["application/json"].get("example")
+            assert example is not None, f"{method} {path} {status} has no example"
+            jsonschema.validate(
+                example, {**document["components"]["schemas"]["ErrorBody"], "components": document["components"]}
+            )
+            assert example["error"]["type"] in known, (method, path, status, example)
+    samples = {
+        status: response["content"]["application/json"]["example"]["error"]["type"]
+        for _, _, op in _operations(document)
+        for status, response in op["responses"].items()
+        if status in ("404", "500")
+    }
+    assert samples == {"404": "model_not_found", "500": "internal_error"}
+
+
+@pytest.mark.parametrize(("path", "fields"), [("/healthz", {"status"}), ("/readyz", {"status", "device"})])
+def test_health_answers_are_documented_with_samples(
+    document: dict[str, Any], live_server: LiveServer, path: str, fields: set[str]
+) -> None:
+    schema = document["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+    ref = schema["$ref"].rsplit("/", 1)[-1]
+    component = document["components"]["schemas"][ref]
+    assert set(component["properties"]) == fields
+    assert all(component["properties"][name].get("examples") for name in fields)
+    answer = httpx.get(f"{live_server.url}{path}", timeout=10).json()
+    jsonschema.validate(answer, {**component, "components": document["components"]})

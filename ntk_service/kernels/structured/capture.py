@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
 from ntk_service.kernels.structured.options import StructuredOptions

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ntk_service.errors import UnsupportedModel
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.plan import StructurePlan
 from ntk_service.kernels.types import NamedTensors
 

@@ -22,6 +22,8 @@ from ntk_service import analysis, wire
 from ntk_service.analysis.cross_entropy import check_cross_entropy_plan, class_indices
 from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
+from ntk_service.kernels import NtkResult
+from ntk_service.kernels.modes import parse_any_mode
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.analysis_schemas import (
     AnalysisKernelOptions,
@@ -40,9 +42,11 @@ from ntk_service.server.kernel_inputs import (
     MIN_JSON_BYTES_PER_VALUE,
     ComputeContext,
     ComputeContextDep,
+    KernelCall,
     KernelInput,
     answer_json,
     check_budget,
+    engine_options,
     load_side,
     parse_side,
     read_object,
@@ -98,17 +102,14 @@ def _theta(
     record: ModelRecord,
     operation: str,
 ) -> np.ndarray:
-    """Θ(x1, x2) of ``record`` in float64 through the engine path of ``/ntk`` (side cache, memory budget)."""
+    """Θ(x1, x2) of ``record`` in float64 through the engine path of ``/ntk`` (side cache, memory budget), on the
+    CPU without TF32 (the analyses' float64 linear algebra runs there)."""
+    call = KernelCall(x1.array, None if x2 is None else x2.array, options, parse_any_mode(options.mode))
+    engine = engine_options(options, ctx.settings).replace(device="cpu", allow_tf32=False)
     result, _ = run_kernel(
-        module,
-        x1,
-        x2,
-        options,
-        record=record,
-        budget=ctx.settings.memory_budget_bytes,
-        side_cache=ctx.side_cache,
-        operation=operation,
+        module, x1, x2, call, record=record, options=engine, side_cache=ctx.side_cache, operation=operation
     )
+    assert isinstance(result, NtkResult)  # no groups in an analysis
     return np.asarray(result.theta.detach().cpu().numpy(), dtype=np.float64)
 
 

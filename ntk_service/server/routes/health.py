@@ -19,7 +19,7 @@ from ntk_service.server.deps import MetricsDep, ReadAccess, SettingsDep
 from ntk_service.server.media import json_response
 from ntk_service.server.metrics import CONTENT_TYPE_LATEST
 
-__all__ = ["InfoLimits", "InfoPublic", "router"]
+__all__ = ["HealthPublic", "InfoLimits", "InfoPublic", "ReadyPublic", "router"]
 
 router = APIRouter(tags=["health"])
 
@@ -51,13 +51,27 @@ class InfoPublic(BaseModel):
     limits: InfoLimits
 
 
-@router.get("/healthz", summary="Liveness: the process answers")
+class HealthPublic(BaseModel):
+    """``GET /healthz``: the process answers."""
+
+    status: Literal["ok"] = Field(description='Always "ok" (no answer at all means not alive).', examples=["ok"])
+
+
+class ReadyPublic(BaseModel):
+    """``GET /readyz``: registry and data sets are open."""
+
+    status: Literal["ready"] = Field(description='"ready" (503 with an error body until then).', examples=["ready"])
+    device: str = Field(description="Where kernels are computed.", examples=[DEVICE])
+
+
+@router.get("/healthz", response_model=HealthPublic, summary="Liveness: the process answers")
 async def healthz() -> Response:
     return json_response({"status": "ok"})
 
 
 @router.get(
     "/readyz",
+    response_model=ReadyPublic,
     responses={503: {}},
     summary="Readiness: registry and data sets are open (503 until then); names the compute device",
 )

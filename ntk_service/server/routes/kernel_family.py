@@ -14,7 +14,6 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 from fastapi import APIRouter, Request
-from pydantic import BaseModel
 from starlette.responses import Response
 
 from ntk_service import wire
@@ -55,7 +54,7 @@ router = APIRouter(tags=["kernels"])
 RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_SAFETENSORS)
 """What these routes answer, JSON first (the default without ``Accept``)."""
 
-OptionsT = TypeVar("OptionsT", bound=BaseModel)
+OptionsT = TypeVar("OptionsT", bound=NngpOptions | MonteCarloOptions | MatvecOptions)
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ async def _begin(
         request, raw["x1"], raw.get("x2"), operation=operation, extra={key: raw[key] for key in extra}
     )
     media = negotiate(request, RESPONSE_TYPES, operation=operation)
-    record, first, second = await load_sides(ctx, name, getattr(options, "version", None), x1, x2, operation=operation)
+    record, first, second = await load_sides(ctx, name, options.version, x1, x2, operation=operation)
     return _Call(record, first, second, tensors, options, media)
 
 
@@ -156,7 +155,7 @@ async def nngp(
             "version": record.version,
             "elapsed_ms": round(seconds * 1000, 3),
         }
-        kernel = result.kernel.detach().cpu().numpy()
+        kernel = result.theta.detach().cpu().numpy()
         return _encode({"kernel": kernel}, media, meta, cap=settings.max_json_response_bytes, operation=operation)
 
     return await ctx.limiter.run(run, operation=operation)
@@ -205,6 +204,7 @@ async def monte_carlo(
             "mode": result.mode.value,
             "models_per_chunk": result.models_per_chunk,
             "model": record.name,
+            "version": record.version,
             "elapsed_ms": round(seconds * 1000, 3),
         }
         tensors = {

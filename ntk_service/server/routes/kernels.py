@@ -19,9 +19,9 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import InvalidInput, format_bytes
-from ntk_service.kernels import NtkGroupsResult, NtkImplementation, NtkResult
-from ntk_service.kernels.modes import parse_any_mode, result_shape
+from ntk_service.errors import format_bytes
+from ntk_service.kernels import NtkGroupsResult, NtkImplementation
+from ntk_service.kernels.modes import result_shape
 from ntk_service.server.deps import ReadAccess
 from ntk_service.server.group_kernels import (
     GROUP_RESPONSE_TYPES,
@@ -30,35 +30,18 @@ from ntk_service.server.group_kernels import (
     check_group_options,
     encode_groups,
     parse_groups_query,
-    run_group_kernel,
 )
 from ntk_service.server.kernel_inputs import (
     MIN_JSON_BYTES_PER_VALUE,
     ComputeContextDep,
-    Side,
+    engine_options,
     load_sides,
-    parse_sides,
-    read_object,
+    read_kernel_request,
     run_kernel,
 )
-from ntk_service.server.media import (
-    BINARY_TENSOR_TYPES,
-    content_type,
-    encode_theta,
-    json_too_large,
-    negotiate,
-    read_tensors,
-    take_tensor,
-)
+from ntk_service.server.media import encode_theta, json_too_large, negotiate
 from ntk_service.server.params import INT64_MAX, MAX_GLOBS, Glob, NamePath
-from ntk_service.server.schemas import (
-    KernelModeValue,
-    KernelOptions,
-    KernelPublic,
-    KernelRequest,
-    openapi_body,
-    validate_body,
-)
+from ntk_service.server.schemas import KernelModeValue, KernelPublic, KernelRequest, openapi_body
 
 __all__ = ["router"]
 
@@ -66,31 +49,6 @@ router = APIRouter(tags=["kernels"])
 
 RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
 """What a kernel response can be, JSON first (the default without ``Accept``)."""
-
-
-async def _read_request(
-    request: Request, query: KernelOptions | None, *, operation: str
-) -> tuple[Side, Side | None, KernelOptions]:
-    """x1, x2 and the options, from a JSON body or from a binary body plus the query."""
-    if content_type(request) in BINARY_TENSOR_TYPES:
-        tensors = await read_tensors(request, operation=operation, npy_name="x1")
-        x1: Side = take_tensor(tensors, "x1", operation=operation)
-        x2: Side | None = tensors.pop("x2", None)
-        if tensors:
-            raise InvalidInput(f"{operation}: unexpected tensors {sorted(tensors)} in the body; send only x1 and x2")
-        return x1, x2, query or KernelOptions()
-    data = await read_object(request, operation=operation, expected=" with x1 (and x2, mode, ...)")
-    if query is not None:
-        raise InvalidInput(
-            f"{operation}: with a JSON body, put mode/implementation/params/dtype/version in the body, "
-            "not in the query string (query options are for binary bodies)"
-        )
-    if "x1" not in data:
-        raise InvalidInput(f'{operation}: the body needs x1 (a tensor or {{"dataset": id, "start", "stop"}})')
-    x1_raw, x2_raw = data.pop("x1"), data.pop("x2", None)
-    options = validate_body(KernelOptions, data, operation=operation)
-    x1, x2, _ = await parse_sides(request, x1_raw, x2_raw, operation=operation)
-    return x1, x2, options
 
 
 @router.post(
@@ -139,40 +97,31 @@ async def compute_kernel(
         "groups": parse_groups_query(groups, operation=operation),
         "rest": rest,
     }
-    chosen = {key: value for key, value in given.items() if value is not None}
-    query = validate_body(KernelOptions, chosen, operation=operation) if chosen else None
-    x1_raw, x2_raw, options = await _read_request(request, query, operation=operation)
+    query = {key: value for key, value in given.items() if value is not None}
+    call = await read_kernel_request(request, query, operation=operation)
+    options = call.options
     check_group_options(options, operation=operation)
     offered = RESPONSE_TYPES if options.groups is None else GROUP_RESPONSE_TYPES
     response_type = negotiate(request, offered, operation=operation)
 
-    record, x1, x2 = await load_sides(ctx, name, options.version, x1_raw, x2_raw, operation=operation)
+    record, x1, x2 = await load_sides(ctx, name, options.version, call.x1, call.x2, operation=operation)
     settings = ctx.settings
     cap = settings.max_json_response_bytes
     if response_type == wire.MEDIA_JSON:
         n = x1.array.shape[0]
         m = n if x2 is None else x2.array.shape[0]
-        numel = math.prod(result_shape(parse_any_mode(options.mode), n, m, record.output_dim))
+        numel = math.prod(result_shape(call.mode, n, m, record.output_dim))
         if isinstance(options.groups, dict):  # at least one kernel per group ("modules": known after the compute)
             numel *= len(options.groups) + int(options.rest)
         if numel * MIN_JSON_BYTES_PER_VALUE > cap:
             raise json_too_large(f"at least {format_bytes(numel * MIN_JSON_BYTES_PER_VALUE)}", cap, operation=operation)
+    engine = engine_options(options, settings)  # the registry keeps the module on settings.device
 
-    def run() -> tuple[Response, NtkResult | NtkGroupsResult, float]:
+    def run() -> tuple[Response, NtkImplementation, str, float]:
         # compute and encode in one worker-thread hop: each hop costs milliseconds on a loaded machine
         _, module = ctx.registry.load_module(record.name, record.version)
-        compute = run_kernel if options.groups is None else run_group_kernel
-        result, seconds = compute(
-            module,
-            x1,
-            x2,
-            options,
-            record=record,
-            budget=settings.memory_budget_bytes,
-            side_cache=ctx.side_cache,
-            operation=operation,
-            device=settings.device,  # the registry keeps the module there (one copy per version)
-            allow_tf32=settings.allow_tf32,
+        result, seconds = run_kernel(
+            module, x1, x2, call, record=record, options=engine, side_cache=ctx.side_cache, operation=operation
         )
         meta = {
             "mode": result.mode.value,
@@ -182,13 +131,12 @@ async def compute_kernel(
             "elapsed_ms": round(seconds * 1000, 3),
         }
         if isinstance(result, NtkGroupsResult):
-            return encode_groups(result, response_type, meta, cap=cap, operation=operation), result, seconds
-        return (
-            encode_theta(result.theta.detach().cpu().numpy(), response_type, meta, cap=cap, operation=operation),
-            result,
-            seconds,
-        )
+            response = encode_groups(result, response_type, meta, cap=cap, operation=operation)
+        else:
+            theta = result.theta.detach().cpu().numpy()
+            response = encode_theta(theta, response_type, meta, cap=cap, operation=operation)
+        return response, result.implementation, result.mode.value, seconds
 
-    response, result, seconds = await ctx.limiter.run(run, operation=operation)
-    ctx.metrics.compute_seconds.labels(result.implementation.value, result.mode.value).observe(seconds)
+    response, implementation_ran, mode_ran, seconds = await ctx.limiter.run(run, operation=operation)
+    ctx.metrics.compute_seconds.labels(implementation_ran.value, mode_ran).observe(seconds)
     return response

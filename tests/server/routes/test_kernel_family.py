@@ -105,6 +105,27 @@ def test_monte_carlo_mean_is_the_average_over_the_architecture_built_per_seed(
     assert meta["n_samples"] == 3 and meta["kernel"] == "ntk"
 
 
+def test_monte_carlo_takes_a_version_as_the_other_routes_do(live_server: LiveServer, registered: Any) -> None:
+    """``version`` names the version whose architecture is built (as /ntk and /nngp name the one computed on); the
+    answer says which, and a version that does not exist is a 404 before anything is built."""
+    record, _ = registered
+    x1 = sample_inputs(record, 2, seed=15)
+    body = {"x1": tensor_json(x1), "seeds": [3, 4], "mode": "trace", "dtype": "float64"}
+    with live_server.client("read") as client:
+        (mean, _), meta = _decode(
+            client.post(f"/v1/models/{NAME}/monte_carlo", json={**body, "version": 1}), "mean", "stderr"
+        )
+        (latest, _), latest_meta = _decode(client.post(f"/v1/models/{NAME}/monte_carlo", json=body), "mean", "stderr")
+        missing = client.post(f"/v1/models/{NAME}/monte_carlo", json={**body, "version": 99})
+    models = [build_model(record["architecture"], s)[0] for s in (3, 4)]
+    expected = torch.stack([reference_ntk(m, torch.from_numpy(x1), None, "trace") for m in models]).mean(0)
+    np.testing.assert_allclose(mean, expected.numpy(), rtol=1e-6)
+    assert meta["version"] == 1 and latest_meta["version"] == record["version"]
+    np.testing.assert_allclose(latest, mean, rtol=1e-12)  # one architecture for every version of a model
+    assert missing.status_code == 404, missing.text
+    assert missing.json()["error"]["type"] == "model_not_found"
+
+
 def test_operator_matvec_matches_the_reference_kernel_times_v(live_server: LiveServer, registered: Any) -> None:
     record, model = registered
     x1, x2 = sample_inputs(record, 4, seed=6), sample_inputs(record, 3, seed=7)

@@ -23,7 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.chain import sequential_chain
 from ntk_service.kernels.structured.options import StructuredOptions
 from ntk_service.kernels.structured.plan import FactoredTerm, JacobianTerm, StructuredTerms, StructurePlan, Use

@@ -1,0 +1,87 @@
+"""From an ``nn.Module`` and its inputs to an ``NtkProblem``: ``prepare_problem`` validates the inputs
+(``inputs.py``), selects the parameters (``parameter_selection.py``), casts them to the compute dtype and probes the
+model once (``probe.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from ntk_service.kernels.inputs import validate_inputs
+from ntk_service.kernels.parameter_selection import select_parameters
+from ntk_service.kernels.probe import PROBE_EXAMPLES, probe_model
+from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.types import NamedTensors
+
+__all__ = ["build_problem", "prepare_problem"]
+
+
+def prepare_problem(
+    module: nn.Module,
+    x1: object,
+    x2: object | None,
+    *,
+    params: Sequence[str] | None,
+    dtype: torch.dtype | str | None,
+) -> tuple[NtkProblem, torch.Tensor, torch.Tensor | None]:
+    """Validate inputs and build the NtkProblem, for the module yielded by ``eval_semantics``.
+
+    Args:
+        module: the model; a batch (N, *input) maps to (N, *out).
+        x1: (N, *input) float or integer tensor (or anything ``torch.as_tensor`` takes).
+        x2: (M, *input) or None.
+        params: glob patterns over parameter names, or None for all.
+        dtype: compute dtype (float32/float64, or their names); None = the model's floating dtype.
+
+    Returns:
+        (problem, x1, x2): x1 (N, *input) and x2 (M, *input) or None, cast to the compute dtype when floating.
+
+    Raises:
+        ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel.
+    """
+    compute_dtype, x1t, x2t = validate_inputs(module, x1, x2, dtype)
+    return build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t
+
+
+def build_problem(
+    module: nn.Module,
+    x1: torch.Tensor,
+    x2: torch.Tensor | None,
+    *,
+    params: Sequence[str] | None,
+    dtype: torch.dtype,
+) -> NtkProblem:
+    """Select and cast the parameters and probe the model on the first examples of x1 (then x2).
+
+    Args:
+        module: the model (a private copy, see NOTE [private module]).
+        x1, x2: validated inputs (``validate_inputs``).
+        params: glob patterns over parameter names, or None for all.
+        dtype: the compute dtype.
+    """
+    selected = select_parameters(module, params)
+    all_params = dict(module.named_parameters())
+    problem = NtkProblem(
+        module=module,
+        params=_cast_named(((n, all_params[n]) for n in selected), dtype),
+        frozen={
+            **_cast_named(((n, p) for n, p in all_params.items() if n not in set(selected)), dtype),
+            **_cast_named(module.named_buffers(), dtype),
+        },
+        out_shape=(),
+        input_shape=tuple(x1.shape[1:]),
+        dtype=dtype,
+        forward_flops=0.0,
+        saved_bytes=0.0,
+    )
+    probe = x1[:PROBE_EXAMPLES]
+    if x2 is not None and probe.shape[0] < PROBE_EXAMPLES:
+        probe = torch.cat([probe, x2[: PROBE_EXAMPLES - probe.shape[0]]])
+    probe_model(problem, probe)
+    return problem
+
+
+def _cast_named(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> NamedTensors:
+    return {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()) for name, t in tensors}
