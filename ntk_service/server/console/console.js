@@ -1,0 +1,322 @@
+// The console's controller: who is calling (whoami), the three tables, live job progress over the event stream,
+// and a finished job's detail with its spectrum and a corner of Θ.
+
+import * as api from "./api.js";
+import * as fmt from "./format.js";
+import * as plots from "./plots.js";
+import * as views from "./views.js";
+
+const MAX_STREAMS = 3;
+// Browsers open about 6 HTTP/1.1 connections per server: at most 3 event streams, so the page's own requests
+// always find a free one; other unfinished jobs are updated by the periodic refresh.
+const REFRESH_MS = 10_000;
+const HEATMAP_SIDE = 48; // rows (and columns) of the drawn matrix at most: 48 examples of a trace kernel, 48/k of a full one
+
+const state = {
+  access: { scope: null, open: false, canWrite: false, keyId: null },
+  jobs: new Map(),
+  watchers: new Map(),
+  detail: null,
+  urls: [],
+};
+
+const $ = (id) => document.getElementById(id);
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const handlers = { details: showDetail, cancel: cancelJob, remove: deleteJob, download: downloadResult };
+
+function showMessage(text, kind = "error") {
+  const box = $("message");
+  box.textContent = text;
+  box.className = `message message-${kind}`;
+  box.setAttribute("role", kind === "error" ? "alert" : "status");
+  box.hidden = !text;
+}
+
+function explain(error, what) {
+  if (error instanceof api.ApiError && error.status === 401) {
+    askForKey(api.getKey() ? `The key was refused: ${error.message}` : "This server needs an API key.");
+  } else if (error instanceof api.ApiError && error.status === 403) {
+    showMessage(`${what}: refused, this key may only read (${error.message})`);
+  } else {
+    showMessage(`${what}: ${error.message}`);
+  }
+}
+
+function askForKey(hint) {
+  state.access = { scope: null, open: false, canWrite: false, keyId: null };
+  renderAccess();
+  $("key-hint").textContent = hint;
+  $("key-form").hidden = false;
+  $("key-input").focus();
+}
+
+function renderAccess() {
+  const { scope, open, keyId } = state.access;
+  let text = "no access: enter a key";
+  if (open) text = "open server (no keys configured): full access";
+  else if (scope === "write") text = `write key ${keyId}: full access`;
+  else if (scope === "read") text = `read key ${keyId}: viewing only, cancel and delete are disabled`;
+  $("access-status").textContent = text;
+  $("access-status").dataset.scope = open ? "open" : scope || "none";
+  $("key-change").textContent = api.getKey() ? "Change key" : "Enter key";
+  $("key-forget").hidden = !api.getKey();
+}
+
+async function checkAccess() {
+  try {
+    const who = await api.getJson("v1/whoami");
+    state.access = { scope: who.scope, open: who.open, canWrite: who.scope === "write", keyId: who.key_id };
+    renderAccess();
+    return true;
+  } catch (error) {
+    explain(error, "checking access");
+    return false;
+  }
+}
+
+async function loadInfo() {
+  const info = await api.getJson("v1/info");
+  $("server-info").textContent = `v${info.version} · torch ${info.torch} · ${info.device} · ${info.executor} executor`;
+}
+
+async function loadModels() {
+  const models = (await api.getJson("v1/models")).data;
+  const versions = new Map(
+    await Promise.all(
+      models.map(async (m) => [m.name, (await api.getJson(`v1/models/${encodeURIComponent(m.name)}/versions`)).data]),
+    ),
+  );
+  const total = [...versions.values()].reduce((n, v) => n + v.length, 0);
+  $("models-count").textContent = `${models.length} model(s), ${total} version(s)`;
+  $("models-body").replaceChildren(views.modelsTable(models, versions));
+}
+
+async function loadDatasets() {
+  const datasets = (await api.getJson("v1/datasets")).data;
+  $("datasets-count").textContent = `${datasets.length} data set(s)`;
+  $("datasets-body").replaceChildren(views.datasetsTable(datasets));
+}
+
+function countJobs() {
+  const all = [...state.jobs.values()];
+  const active = all.filter((j) => !views.FINISHED.has(j.status)).length;
+  $("jobs-count").textContent = `${all.length} job(s), ${active} queued or running`;
+}
+
+async function loadJobs() {
+  const jobs = (await api.getJson("v1/jobs")).data;
+  const sameRows = jobs.length === state.jobs.size && jobs.every((j) => state.jobs.has(j.id));
+  if (sameRows && document.querySelector("#jobs-body tbody")) {
+    jobs.forEach(updateJob); // only changed rows are rebuilt: focus and a half-confirmed delete survive
+  } else {
+    state.jobs = new Map(jobs.map((j) => [j.id, j]));
+    $("jobs-body").replaceChildren(views.jobsTable(jobs, state.access, handlers));
+  }
+  countJobs();
+  watchUnfinished();
+}
+
+function updateJob(job) {
+  const before = state.jobs.get(job.id);
+  state.jobs.set(job.id, job);
+  const row = document.querySelector(`tr[data-job="${CSS.escape(job.id)}"]`);
+  const changed =
+    !before || before.status !== job.status || before.tiles_done !== job.tiles_done || before.eta_s !== job.eta_s;
+  if (row && changed) {
+    const focused = row.contains(document.activeElement) ? document.activeElement.dataset.action : null;
+    const fresh = views.jobRow(job, state.access, handlers);
+    row.replaceWith(fresh);
+    if (focused) fresh.querySelector(`[data-action="${focused}"]`)?.focus();
+  }
+  countJobs();
+  if (state.detail === job.id && changed) renderDetail(job);
+}
+
+function watchUnfinished() {
+  for (const job of state.jobs.values()) {
+    if (state.watchers.size >= MAX_STREAMS) break;
+    if (!views.FINISHED.has(job.status) && !state.watchers.has(job.id)) watch(job.id);
+  }
+}
+
+async function watch(id) {
+  const controller = new AbortController();
+  state.watchers.set(id, controller);
+  try {
+    for (let attempt = 0; ; attempt++) {
+      try {
+        for await (const { event, data } of api.events(`v1/jobs/${encodeURIComponent(id)}/events`, controller.signal)) {
+          attempt = 0;
+          updateJob(data);
+          if (event === "end") return;
+        }
+      } catch (error) {
+        if (controller.signal.aborted) return;
+        if (error instanceof api.ApiError && ![429, 503].includes(error.status)) {
+          if (error.status === 401) explain(error, "watching a job");
+          return; // 404: the job was deleted
+        }
+      }
+      // the stream ended before the job did (a restart, a proxy's timeout): reconnect, backing off
+      await sleep(Math.min(10_000, 500 * 2 ** attempt));
+    }
+  } finally {
+    state.watchers.delete(id);
+    watchUnfinished();
+  }
+}
+
+function revokeUrls() {
+  state.urls.forEach((url) => URL.revokeObjectURL(url));
+  state.urls = [];
+}
+
+function showDetail(id) {
+  const job = state.jobs.get(id);
+  if (!job) return;
+  state.detail = id;
+  $("job-detail").hidden = false;
+  renderDetail(job);
+  $("job-detail").scrollIntoView({ block: "start" });
+  $("job-detail-title").focus();
+}
+
+function closeDetail() {
+  const id = state.detail;
+  state.detail = null;
+  revokeUrls();
+  $("job-detail").hidden = true;
+  if (id) document.querySelector(`tr[data-job="${CSS.escape(id)}"] [data-action="details"]`)?.focus();
+}
+
+function renderDetail(job) {
+  revokeUrls();
+  $("job-detail-title").textContent = `Job ${job.id}`;
+  $("job-detail-body").replaceChildren(...views.jobDetail(job, handlers));
+  if (job.status === "succeeded" && !job.result_deleted_at) {
+    drawSpectrum(job);
+    drawHeatmap(job);
+  }
+}
+
+function publish(id, job, blob, alt, caption) {
+  if (state.detail !== job.id) return; // another job was opened meanwhile
+  const url = URL.createObjectURL(blob);
+  state.urls.push(url);
+  views.figure(id, url, alt, caption);
+}
+
+async function drawSpectrum(job) {
+  if (!["full", "trace"].includes(job.mode)) {
+    views.figureError("spectrum-figure", `A spectrum needs a full or trace kernel; this job stored ${job.mode}.`);
+    return;
+  }
+  try {
+    const s = await api.postJson(`v1/jobs/${encodeURIComponent(job.id)}/spectrum`, { top: 20 });
+    const values = s.eigenvalues.data;
+    const blob = await plots.spectrum(values, `spectrum of Θ (${s.method}, ${values.length} of ${s.n} eigenvalues)`);
+    const condition = s.condition_number === null ? "" : `, condition number ${s.condition_number.toPrecision(3)}`;
+    publish("spectrum-figure", job, blob, `Eigenvalues of the kernel of job ${job.id}, descending, log scale`,
+      `Top eigenvalues of Θ: λ_max = ${s.lambda_max.toPrecision(4)}${condition}.`); // prettier-ignore
+  } catch (error) {
+    views.figureError("spectrum-figure", `spectrum: ${error.message}`);
+  }
+}
+
+async function drawHeatmap(job) {
+  if (!["full", "trace"].includes(job.mode)) {
+    views.figureError("heatmap-figure", `A heatmap needs a full or trace kernel; this job stored ${job.mode}.`);
+    return;
+  }
+  const [n, m] = job.result_shape;
+  const k = job.mode === "full" ? job.result_shape[2] : 1;
+  const rows = Math.min(n, Math.max(1, Math.floor(HEATMAP_SIDE / k)));
+  const cols = Math.min(m, Math.max(1, Math.floor(HEATMAP_SIDE / k)));
+  try {
+    const response = await api.request("GET", `v1/jobs/${encodeURIComponent(job.id)}/result?rows=0:${rows}&cols=0:${cols}`);
+    const theta = (await response.json()).theta;
+    const blob = await plots.heatmap(theta, `Θ rows 0:${rows}, columns 0:${cols}`);
+    const layout = k > 1 ? `, drawn as the (${rows}·${k}) × (${cols}·${k}) matrix with row n·k + a` : "";
+    publish("heatmap-figure", job, blob, `Heatmap of the corner rows 0 to ${rows}, columns 0 to ${cols} of Θ`,
+      `The corner [0:${rows}, 0:${cols}] of the ${n} × ${m} kernel${layout}; blue negative, red positive.`); // prettier-ignore
+  } catch (error) {
+    views.figureError("heatmap-figure", `heatmap: ${error.message}`);
+  }
+}
+
+async function cancelJob(id) {
+  try {
+    updateJob(await api.remove(`v1/jobs/${encodeURIComponent(id)}?cancel_only=true`));
+    showMessage(`Job ${id}: cancel requested (running tiles finish first).`, "info");
+  } catch (error) {
+    explain(error, `cancel job ${id}`);
+  }
+}
+
+async function deleteJob(id) {
+  try {
+    const deleted = await api.remove(`v1/jobs/${encodeURIComponent(id)}`);
+    if (state.detail === id) closeDetail();
+    showMessage(`Job ${id}: deleted, ${fmt.bytes(deleted.freed_bytes)} freed.`, "info");
+    await loadJobs();
+  } catch (error) {
+    explain(error, `delete job ${id}`);
+  }
+}
+
+async function downloadResult(job, kind) {
+  const media = kind === "npy" ? "application/x-npy" : "application/x-safetensors";
+  try {
+    showMessage(`Downloading the result of job ${job.id}…`, "info");
+    const size = await api.download(`v1/jobs/${encodeURIComponent(job.id)}/result`, media, `${job.id}.${kind}`);
+    showMessage(`Downloaded ${job.id}.${kind} (${fmt.bytes(size)}).`, "info");
+  } catch (error) {
+    explain(error, `download job ${job.id}`);
+  }
+}
+
+async function loadAll() {
+  showMessage("");
+  if (!(await checkAccess())) return;
+  $("key-form").hidden = true;
+  const results = await Promise.allSettled([loadInfo(), loadModels(), loadDatasets(), loadJobs()]);
+  const failed = results.find((r) => r.status === "rejected");
+  if (failed) explain(failed.reason, "loading");
+  document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);
+}
+
+function stopWatching() {
+  state.watchers.forEach((controller) => controller.abort());
+}
+
+function start() {
+  $("key-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const key = $("key-input").value.trim();
+    $("key-input").value = "";
+    if (!key) return;
+    api.setKey(key);
+    stopWatching();
+    loadAll();
+  });
+  $("key-cancel").addEventListener("click", () => ($("key-form").hidden = true));
+  $("key-change").addEventListener("click", () => askForKey("Enter an API key from the operator."));
+  $("key-forget").addEventListener("click", () => {
+    api.clearKey();
+    stopWatching();
+    loadAll();
+  });
+  $("refresh").addEventListener("click", loadAll);
+  $("job-detail-close").addEventListener("click", closeDetail);
+  document.addEventListener("keydown", (event) => {
+    if (event.key !== "Escape") return;
+    if (!$("key-form").hidden) $("key-form").hidden = true;
+    else if (state.detail) closeDetail();
+  });
+  setInterval(() => {
+    if (!document.hidden && state.access.scope) loadJobs().catch((error) => explain(error, "refreshing jobs"));
+  }, REFRESH_MS);
+  loadAll();
+}
+
+start();
