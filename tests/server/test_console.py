@@ -38,6 +38,16 @@ DELAY_S = 1.0
 
 LOADED = "document.body.dataset.loaded"
 
+SEQUENTIAL = {
+    "family": "sequential",
+    "input_shape": [4],
+    "layers": [
+        {"type": "Linear", "in_features": 4, "out_features": 8},
+        {"type": "Tanh"},
+        {"type": "Linear", "in_features": 8, "out_features": 3},
+    ],
+}
+
 
 def _wait_for_status(client: httpx.Client, job_id: str, status: str, timeout_s: float = 60.0) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
@@ -65,9 +75,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
 
 @pytest.fixture(scope="module")
 def seeded(server: LiveServer) -> dict[str, Any]:
-    """Two models (mlp-a with versions 1 and 2, labelled; cnn-b), a data set, a finished FULL job on mlp-a v2 and a
-    finished TRACE job to delete."""
-    mlp, cnn = TINY_ARCHITECTURES["mlp"], TINY_ARCHITECTURES["cnn"]
+    """Two models (mlp-a with versions 1 and 2, labelled; seq-b, a sequential one), a data set, a finished FULL job
+    on mlp-a v2 and a finished TRACE job to delete."""
+    mlp = TINY_ARCHITECTURES["mlp"]
     with server.client() as client:
         body = {"name": "mlp-a", "architecture": mlp, "seed": 0, "label": "init"}
         assert client.post("/v1/models", json=body).status_code == 201
@@ -80,7 +90,9 @@ def seeded(server: LiveServer) -> dict[str, Any]:
             headers={"Content-Type": wire.MEDIA_SAFETENSORS},
         )
         assert upload.status_code == 201, upload.text
-        assert client.post("/v1/models", json={"name": "cnn-b", "architecture": cnn, "seed": 2}).status_code == 201
+        assert (
+            client.post("/v1/models", json={"name": "seq-b", "architecture": SEQUENTIAL, "seed": 2}).status_code == 201
+        )
         x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
         dataset = client.post(
             "/v1/datasets",
@@ -184,12 +196,15 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
     page.wait_until("document.querySelectorAll('#jobs tbody tr').length === 4", what="four jobs listed")
 
     # what is registered: both models, mlp-a's two versions with their labels, P, the architecture; the data set
-    assert sorted(_texts(page, "#models tbody th")) == ["cnn-b", "mlp-a", "slow"]
+    assert sorted(_texts(page, "#models tbody th")) == ["mlp-a", "seq-b", "slow"]
     versions = _texts(page, 'tr[data-model="mlp-a"] ul.versions li')
     assert len(versions) == 2 and "v1" in versions[0] and "init" in versions[0] and "epoch 3" in versions[1]
     mlp_row = _texts(page, 'tr[data-model="mlp-a"] td')
     assert "67" in mlp_row and any(cell.startswith("mlp: input_dim 4") for cell in mlp_row), mlp_row
-    assert any("Conv" in c or c.startswith("cnn:") for c in _texts(page, 'tr[data-model="cnn-b"] td.arch span'))
+    assert _texts(page, 'tr[data-model="seq-b"] td.arch > span') == ["sequential: Linear 4→8 → Tanh → Linear 8→3"]
+    assert _texts(page, 'tr[data-model="slow"] td.arch > span')[0].startswith(
+        "factory tests.server.slow_factory:build("
+    )
     dataset_row = _texts(page, f'tr[data-dataset="{seeded["dataset"]["id"]}"] td')
     assert dataset_row[:3] == ["probe inputs", "(8, 4)", "float32"], dataset_row
     assert _row_status(page, seeded["full"]["id"]) == "succeeded"
@@ -283,7 +298,7 @@ def test_console_with_a_read_key_changes_nothing(server: LiveServer, seeded: dic
     _enter_key(page, server.read_key)
     assert page.evaluate("document.getElementById('access-status').dataset.scope") == "read"
     page.wait_until("!!document.querySelector('#jobs tbody tr')", what="jobs listed")
-    assert set(_texts(page, "#models tbody th")) >= {"mlp-a", "cnn-b"}
+    assert set(_texts(page, "#models tbody th")) >= {"mlp-a", "seq-b"}
     assert _row_status(page, seeded["full"]["id"]) == "succeeded"
     buttons = page.evaluate(
         "[...document.querySelectorAll('[data-action=cancel], [data-action=delete]')].map((b) => b.disabled)"

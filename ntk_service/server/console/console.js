@@ -18,6 +18,7 @@ const state = {
   watchers: new Map(),
   detail: null,
   urls: [],
+  names: new Map(), // data set id -> name, for the jobs' Rows column
 };
 
 const $ = (id) => document.getElementById(id);
@@ -93,8 +94,13 @@ async function loadModels() {
 
 async function loadDatasets() {
   const datasets = (await api.getJson("v1/datasets")).data;
+  state.names = new Map(datasets.filter((d) => d.name).map((d) => [d.id, d.name]));
   $("datasets-count").textContent = `${datasets.length} data set(s)`;
   $("datasets-body").replaceChildren(views.datasetsTable(datasets));
+}
+
+function context() {
+  return { access: state.access, handlers, names: state.names };
 }
 
 function countJobs() {
@@ -110,7 +116,7 @@ async function loadJobs() {
     jobs.forEach(updateJob); // only changed rows are rebuilt: focus and a half-confirmed delete survive
   } else {
     state.jobs = new Map(jobs.map((j) => [j.id, j]));
-    $("jobs-body").replaceChildren(views.jobsTable(jobs, state.access, handlers));
+    $("jobs-body").replaceChildren(views.jobsTable(jobs, context()));
   }
   countJobs();
   watchUnfinished();
@@ -124,7 +130,7 @@ function updateJob(job) {
     !before || before.status !== job.status || before.tiles_done !== job.tiles_done || before.eta_s !== job.eta_s;
   if (row && changed) {
     const focused = row.contains(document.activeElement) ? document.activeElement.dataset.action : null;
-    const fresh = views.jobRow(job, state.access, handlers);
+    const fresh = views.jobRow(job, context());
     row.replaceWith(fresh);
     if (focused) fresh.querySelector(`[data-action="${focused}"]`)?.focus();
   }
@@ -235,7 +241,7 @@ async function drawHeatmap(job) {
   try {
     const response = await api.request("GET", `v1/jobs/${encodeURIComponent(job.id)}/result?rows=0:${rows}&cols=0:${cols}`);
     const theta = (await response.json()).theta;
-    const blob = await plots.heatmap(theta, `Θ rows 0:${rows}, columns 0:${cols}`);
+    const blob = await plots.heatmap(theta, `Θ[0:${rows}, 0:${cols}]`);
     const layout = k > 1 ? `, drawn as the (${rows}·${k}) × (${cols}·${k}) matrix with row n·k + a` : "";
     publish("heatmap-figure", job, blob, `Heatmap of the corner rows 0 to ${rows}, columns 0 to ${cols} of Θ`,
       `The corner [0:${rows}, 0:${cols}] of the ${n} × ${m} kernel${layout}; blue negative, red positive.`); // prettier-ignore
@@ -279,7 +285,8 @@ async function loadAll() {
   showMessage("");
   if (!(await checkAccess())) return;
   $("key-form").hidden = true;
-  const results = await Promise.allSettled([loadInfo(), loadModels(), loadDatasets(), loadJobs()]);
+  // data sets before jobs: the jobs table names their data sets
+  const results = await Promise.allSettled([loadInfo(), loadModels(), loadDatasets().finally(loadJobs)]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) explain(failed.reason, "loading");
   document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);

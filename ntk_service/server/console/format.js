@@ -59,11 +59,20 @@ function layer(spec) {
 export function architecture(arch) {
   const family = arch.family || "?";
   if (Array.isArray(arch.layers)) return `${family}: ${arch.layers.map(layer).join(" → ")}`;
+  if (family === "factory") {
+    const kwargs = Object.entries(arch.kwargs || {}).map(([k, v]) => `${k}=${value(v)}`);
+    return `factory ${arch.factory}(${kwargs.join(", ")})`;
+  }
   const settings = Object.entries(arch)
     .filter(([k, v]) => k !== "family" && v !== null && typeof v !== "object")
     .concat(Object.entries(arch).filter(([k, v]) => k !== "family" && Array.isArray(v)))
     .map(([k, v]) => `${k} ${value(v)}`);
   return settings.length ? `${family}: ${settings.join(", ")}` : family;
+}
+
+// Ids are 24 to 32 hex digits: the first 8 tell jobs apart in a table (the full id is in the title and detail).
+export function shortId(id) {
+  return id.length > 12 ? `${id.slice(0, id.startsWith("ds_") ? 11 : 8)}…` : id;
 }
 
 export function rows(side) {

@@ -59,7 +59,7 @@ export function heatmap(theta, title) {
   const cell = Math.max(2, Math.min(24, Math.floor(360 / Math.max(m.rows, m.cols))));
   const left = 48;
   const top = 34;
-  const width = left + m.cols * cell + 110;
+  const width = Math.max(320, left + m.cols * cell + 110);
   const height = top + m.rows * cell + 40;
   const [c, ctx] = canvas(width, height);
   let bound = 0;
@@ -72,10 +72,19 @@ export function heatmap(theta, title) {
     }
   }
   ctx.fillStyle = INK;
-  ctx.fillText(title, left, 20);
-  ctx.fillText("row", 8, top + 12);
-  ctx.fillText(`0 … ${m.rows - 1}`, 8, top + 28);
-  ctx.fillText(`column 0 … ${m.cols - 1}`, left, top + m.rows * cell + 24);
+  ctx.fillText(`${title} as the ${m.rows} × ${m.cols} matrix`, left, 20);
+  // axes: first and last index at the ends, the name in the middle
+  const right = left + m.cols * cell;
+  const bottom = top + m.rows * cell;
+  ctx.textAlign = "right";
+  ctx.fillText("0", left - 6, top + 10);
+  ctx.fillText(String(m.rows - 1), left - 6, bottom);
+  ctx.fillText("row", left - 6, (top + bottom) / 2 + 4);
+  ctx.textAlign = "center";
+  ctx.fillText("0", left + cell / 2, bottom + 16);
+  ctx.fillText(String(m.cols - 1), right - cell / 2, bottom + 16);
+  ctx.fillText("column", (left + right) / 2, bottom + 16);
+  ctx.textAlign = "left";
   // colour bar
   const barX = left + m.cols * cell + 20;
   const barH = Math.max(80, m.rows * cell);

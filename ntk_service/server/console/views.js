@@ -51,7 +51,7 @@ export function modelsTable(models, versions) {
     el(
       "tr",
       { "data-model": m.name },
-      el("th", { scope: "row" }, m.name),
+      el("th", { scope: "row", class: "nowrap" }, m.name),
       el("td", {}, el("ul", { class: "versions" }, (versions.get(m.name) || [m]).map(version))),
       el("td", { class: "num" }, fmt.count(m.num_params)),
       el("td", {}, `${fmt.shape(m.input_shape)} ${m.input_dtype}`),
@@ -108,7 +108,7 @@ function progressCell(job) {
   ];
 }
 
-function actions(job, access, handlers) {
+function actions(job, { access, handlers }) {
   const denied = access.canWrite ? null : "needs a write key";
   const buttons = [
     el("button", { type: "button", "data-action": "details", onclick: () => handlers.details(job.id) }, "Details"),
@@ -146,28 +146,36 @@ function actions(job, access, handlers) {
   return buttons;
 }
 
-export function jobRow(job, access, handlers) {
+// A side of a job by its data set's name (or a short id; the full id is the tooltip) and its rows.
+function side(data, names) {
+  const name = names.get(data.dataset) || fmt.shortId(data.dataset);
+  return el("span", { title: data.dataset }, `${name} [${data.start}:${data.stop}]`);
+}
+
+// ctx: {access, handlers, names} (names: data set id -> name, for the Rows column)
+export function jobRow(job, ctx) {
+  const x2 = job.x2 ? [el("br"), "× ", side(job.x2, ctx.names)] : [el("span", { class: "muted" }, " (x2 = x1)")];
   return el(
     "tr",
     { "data-job": job.id, "data-status": job.status },
-    el("th", { scope: "row" }, el("code", {}, job.id)),
-    el("td", {}, `${job.model} v${job.version}`),
-    el("td", {}, fmt.rows(job.x1), job.x2 ? el("br") : null, job.x2 ? fmt.rows(job.x2) : el("span", { class: "muted" }, " (x2 = x1)")),
+    el("th", { scope: "row" }, el("code", { title: job.id }, fmt.shortId(job.id))),
+    el("td", { class: "nowrap" }, `${job.model} v${job.version}`),
+    el("td", {}, side(job.x1, ctx.names), x2),
     el("td", {}, job.mode, el("br"), el("span", { class: "muted" }, job.implementation_used.join(", ") || job.implementation)),
     el("td", { class: "status-cell" }, statusBadge(job), job.error ? el("div", { class: "error-text" }, job.error) : null),
     el("td", { class: "progress-cell" }, progressCell(job)),
     el("td", { class: "eta-cell num" }, FINISHED.has(job.status) ? "—" : fmt.duration(job.eta_s)),
     el("td", { class: "when" }, fmt.when(job.created_at)),
-    el("td", { class: "actions" }, actions(job, access, handlers)),
+    el("td", { class: "actions" }, actions(job, ctx)),
   );
 }
 
-export function jobsTable(jobs, access, handlers) {
+export function jobsTable(jobs, ctx) {
   if (!jobs.length) return empty("No jobs yet (POST /v1/jobs, or ntk-service jobs submit).");
   return table(
     "Batch jobs, newest first",
     ["Job", "Model", "Rows", "Mode", "Status", "Progress", "ETA", "Submitted", "Actions"],
-    jobs.map((job) => jobRow(job, access, handlers)),
+    jobs.map((job) => jobRow(job, ctx)),
   );
 }
 
