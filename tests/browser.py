@@ -138,6 +138,15 @@ class Page:
                 raise TimeoutError(f"not {what or expression} after {timeout_s} s; page log: {self.log}")
             time.sleep(0.2)
 
+    def press(self, key: str, *, shift: bool = False) -> None:
+        """A key press as the keyboard makes it (``"Tab"``, ``"Enter"``, ``"Escape"``), to the focused element."""
+        codes = {"Tab": 9, "Enter": 13, "Escape": 27}
+        event = {"key": key, "code": key, "windowsVirtualKeyCode": codes[key], "modifiers": 8 if shift else 0}
+        if key == "Enter":
+            event["text"] = "\r"
+        self.send("Input.dispatchKeyEvent", {"type": "keyDown", **event})
+        self.send("Input.dispatchKeyEvent", {"type": "keyUp", **event})
+
     def screenshot(self, path: Path, *, full_page: bool = False) -> Path:
         """Write a PNG of the viewport (or the whole page)."""
         answer = self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": full_page})

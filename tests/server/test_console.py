@@ -14,6 +14,7 @@ import re
 import shutil
 import tempfile
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from ntk_service import wire
 from ntk_service.registry import build_model
 from ntk_service.server.routes.console import ASSETS
 from tests.browser import Browser, Page, require_chromium
-from tests.conftest import LiveServer, start_live_server
+from tests.conftest import REPO_ROOT, LiveServer, start_live_server
 from tests.server.support import TINY_ARCHITECTURES, submit_slow_job
 
 SCREENSHOT_DIR = Path(tempfile.gettempdir()) / "ntk-service-console"
@@ -178,11 +179,22 @@ def test_console_page_is_static_and_locked_down(server: LiveServer) -> None:
         unknown = client.get("/console/secrets.txt")
         assert unknown.status_code == 404 and "console.js" in unknown.json()["error"]["message"]
         assert client.get("/v1/whoami").status_code == 401
+        assert client.post("/").status_code == 405
         assert "/" not in client.get("/openapi.json").json()["paths"]
     for key, scope in (("read", "read"), ("write", "write")):
         with server.client(key) as client:
             who = client.get("/v1/whoami").json()
             assert who["scope"] == scope and who["open"] is False and len(who["key_id"]) == 8
+
+
+def test_every_console_file_is_package_data() -> None:
+    # a wheel install ships exactly what [tool.setuptools.package-data] matches: every file the console serves
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["ntk_service"]
+    package = REPO_ROOT / "ntk_service"
+    shipped = {path.name for pattern in globs for path in package.glob(pattern) if path.parent.name == "console"}
+    on_disk = {path.name for path in (package / "server" / "console").iterdir()}
+    assert shipped == on_disk == set(ASSETS) | {"index.html"}
 
 
 def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], browser: Browser, tmp_path: Path) -> None:
@@ -211,6 +223,14 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
 
     # live progress: the slow job is unfinished now and succeeds without a reload, over the event stream
     assert _row_status(page, slow["id"]) in ("queued", "running"), "the slow job ended before the page loaded"
+    page.wait_until(
+        f"(() => {{ const row = document.querySelector('tr[data-job=\"{slow['id']}\"]');"
+        " return row.dataset.status === 'succeeded' || row.querySelector('.eta-cell').textContent.endsWith(' s'); })()",
+        timeout_s=120,
+        what="the slow job's ETA shown",
+    )
+    page.evaluate("document.getElementById('jobs').scrollIntoView(); true")
+    running_shot = page.screenshot(tmp_path / "console-running.png")
     page.wait_until(
         f"document.querySelector('tr[data-job=\"{slow['id']}\"]').dataset.status === 'succeeded'",
         timeout_s=120,
@@ -271,10 +291,23 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
     page.evaluate("window.scrollTo(0, 0); true")
     shot = page.screenshot(tmp_path / "console.png")
     full = page.screenshot(tmp_path / "console-full.png", full_page=True)
-    for path in (shot, full):
+    for path in (shot, full, running_shot):
         shutil.copy(path, SCREENSHOT_DIR / path.name)
         assert path.stat().st_size > 20_000
-    print(f"\nconsole screenshots: {SCREENSHOT_DIR / shot.name}, {SCREENSHOT_DIR / full.name}")
+    print(f"\nconsole screenshots: {', '.join(str(SCREENSHOT_DIR / p.name) for p in (shot, full, running_shot))}")
+
+    # the keyboard: Escape closes the detail and focus returns to its row's Details button; Enter opens it again
+    page.press("Escape")
+    assert page.evaluate("document.getElementById('job-detail').hidden") is True
+    focused = f"document.activeElement.closest('tr')?.dataset.job === '{full_id}'"
+    assert page.evaluate(f"{focused} && document.activeElement.dataset.action === 'details'")
+    page.press("Enter")
+    page.wait_until("!document.getElementById('job-detail').hidden", what="the detail reopened with Enter")
+    assert page.evaluate("document.activeElement.id") == "job-detail-title"
+
+    # the key lives in this tab's sessionStorage only
+    assert page.evaluate("sessionStorage.getItem('ntk-console-key')") == server.write_key
+    assert page.evaluate("localStorage.length") == 0 and server.write_key not in page.evaluate("document.cookie")
 
     # delete (write key), in two steps: the row goes, and so does the job
     trace_id = seeded["trace"]["id"]
@@ -333,5 +366,10 @@ def test_console_on_an_open_server_needs_no_key(
     assert page.evaluate("document.getElementById('key-form').hidden") is True
     assert page.evaluate("document.getElementById('access-status').dataset.scope") == "open"
     assert _texts(page, "#models tbody th") == ["m"]
+    # Tab on a fresh page reaches the skip link first, then the navigation
+    page.press("Tab")
+    assert page.evaluate("document.activeElement.className") == "skip-link"
+    page.press("Tab")
+    assert page.evaluate("document.activeElement.getAttribute('href')") == "#models"
     _check_requests_stayed_home(page, server, keys=())
     assert not [r for r in page.requests if _authorization(r) is not None]
