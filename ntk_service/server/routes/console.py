@@ -15,12 +15,12 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from ntk_service.errors import NotFound
-from ntk_service.server.auth import OPEN_PRINCIPAL
+from ntk_service.server.auth import KeyRing
 from ntk_service.server.deps import ReadAccess
 from ntk_service.server.media import json_response
 
@@ -97,6 +97,7 @@ async def console_asset(asset: AssetParam) -> Response:
 
 
 @router.get("/v1/whoami", response_model=WhoAmIPublic, summary="The caller's scope (read or write)")
-async def whoami(principal: ReadAccess) -> Response:
-    body = WhoAmIPublic(scope=principal.scope, open=principal is OPEN_PRINCIPAL, key_id=principal.key_id)
+async def whoami(request: Request, principal: ReadAccess) -> Response:
+    keyring: KeyRing = request.app.state.keyring
+    body = WhoAmIPublic(scope=principal.scope, open=keyring.is_open, key_id=principal.key_id)
     return json_response(body.model_dump(mode="json"))
