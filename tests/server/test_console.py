@@ -296,6 +296,14 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
         assert path.stat().st_size > 20_000
     print(f"\nconsole screenshots: {', '.join(str(SCREENSHOT_DIR / p.name) for p in (shot, full, running_shot))}")
 
+    # labels: every control and picture has a name a screen reader can say
+    unnamed = page.evaluate(
+        "[...document.querySelectorAll('button, input, img, progress')].filter((e) =>"
+        " e.tagName === 'IMG' ? !e.alt : e.tagName === 'INPUT' ? !e.labels.length"
+        " : !(e.getAttribute('aria-label') || e.textContent.trim())).map((e) => e.outerHTML)"
+    )
+    assert unnamed == [], unnamed
+
     # the keyboard: Escape closes the detail and focus returns to its row's Details button; Enter opens it again
     page.press("Escape")
     assert page.evaluate("document.getElementById('job-detail').hidden") is True

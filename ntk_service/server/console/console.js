@@ -222,8 +222,9 @@ async function drawSpectrum(job) {
     const values = s.eigenvalues.data;
     const blob = await plots.spectrum(values, `spectrum of Θ (${s.method}, ${values.length} of ${s.n} eigenvalues)`);
     const condition = s.condition_number === null ? "" : `, condition number ${s.condition_number.toPrecision(3)}`;
-    publish("spectrum-figure", job, blob, `Eigenvalues of the kernel of job ${job.id}, descending, log scale`,
-      `Top eigenvalues of Θ: λ_max = ${s.lambda_max.toPrecision(4)}${condition}.`); // prettier-ignore
+    const alt = `Eigenvalues of the kernel of job ${job.id}, descending, log scale`;
+    const caption = `Top eigenvalues of Θ: λ_max = ${s.lambda_max.toPrecision(4)}${condition}.`;
+    publish("spectrum-figure", job, blob, alt, caption);
   } catch (error) {
     views.figureError("spectrum-figure", `spectrum: ${error.message}`);
   }
@@ -243,8 +244,9 @@ async function drawHeatmap(job) {
     const theta = (await response.json()).theta;
     const blob = await plots.heatmap(theta, `Θ[0:${rows}, 0:${cols}]`);
     const layout = k > 1 ? `, drawn as the (${rows}·${k}) × (${cols}·${k}) matrix with row n·k + a` : "";
-    publish("heatmap-figure", job, blob, `Heatmap of the corner rows 0 to ${rows}, columns 0 to ${cols} of Θ`,
-      `The corner [0:${rows}, 0:${cols}] of the ${n} × ${m} kernel${layout}; blue negative, red positive.`); // prettier-ignore
+    const alt = `Heatmap of the corner rows 0 to ${rows}, columns 0 to ${cols} of Θ`;
+    const caption = `The corner [0:${rows}, 0:${cols}] of the ${n} × ${m} kernel${layout}; blue negative, red positive.`;
+    publish("heatmap-figure", job, blob, alt, caption);
   } catch (error) {
     views.figureError("heatmap-figure", `heatmap: ${error.message}`);
   }

@@ -110,39 +110,33 @@ function progressCell(job) {
 
 function actions(job, { access, handlers }) {
   const denied = access.canWrite ? null : "needs a write key";
-  const buttons = [
-    el("button", { type: "button", "data-action": "details", onclick: () => handlers.details(job.id) }, "Details"),
-  ];
+  const short = fmt.shortId(job.id);
+  const button = (action, text, extra = {}) =>
+    el("button", { type: "button", "data-action": action, "aria-label": `${text} (job ${short})`, ...extra }, text);
+  const buttons = [button("details", "Details", { onclick: () => handlers.details(job.id) })];
   if (!FINISHED.has(job.status)) {
     buttons.push(
-      el(
-        "button",
-        { type: "button", "data-action": "cancel", disabled: !access.canWrite, title: denied,
-          onclick: () => handlers.cancel(job.id) }, // prettier-ignore
-        "Cancel",
-      ),
+      button("cancel", "Cancel", { disabled: !access.canWrite, title: denied, onclick: () => handlers.cancel(job.id) }),
     );
-  } else {
-    const button = el(
-      "button",
-      { type: "button", class: "danger", "data-action": "delete", disabled: !access.canWrite, title: denied },
-      "Delete",
-    );
-    // Two steps instead of window.confirm(): the same keys work, and nothing blocks the page.
-    button.addEventListener("click", () => {
-      if (button.dataset.armed) {
-        handlers.remove(job.id);
-        return;
-      }
-      button.dataset.armed = "1";
-      button.textContent = "Confirm delete";
-      setTimeout(() => {
-        delete button.dataset.armed;
-        button.textContent = "Delete";
-      }, 5000);
-    });
-    buttons.push(button);
+    return buttons;
   }
+  const remove = button("delete", "Delete", { class: "danger", disabled: !access.canWrite, title: denied });
+  // Two steps instead of window.confirm(): the same keys work, and nothing blocks the page.
+  remove.addEventListener("click", () => {
+    if (remove.dataset.armed) {
+      handlers.remove(job.id);
+      return;
+    }
+    remove.dataset.armed = "1";
+    remove.textContent = "Confirm delete";
+    remove.setAttribute("aria-label", `Confirm delete (job ${short})`);
+    setTimeout(() => {
+      delete remove.dataset.armed;
+      remove.textContent = "Delete";
+      remove.setAttribute("aria-label", `Delete (job ${short})`);
+    }, 5000);
+  });
+  buttons.push(remove);
   return buttons;
 }
 
