@@ -229,7 +229,6 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
         timeout_s=120,
         what="the slow job's ETA shown",
     )
-    page.evaluate("document.getElementById('jobs').scrollIntoView(); true")
     running_shot = page.screenshot(tmp_path / "console-running.png")
     page.wait_until(
         f"document.querySelector('tr[data-job=\"{slow['id']}\"]').dataset.status === 'succeeded'",
@@ -378,6 +377,6 @@ def test_console_on_an_open_server_needs_no_key(
     page.press("Tab")
     assert page.evaluate("document.activeElement.className") == "skip-link"
     page.press("Tab")
-    assert page.evaluate("document.activeElement.getAttribute('href')") == "#models"
+    assert page.evaluate("document.activeElement.getAttribute('href')") == "#jobs"
     _check_requests_stayed_home(page, server, keys=())
     assert not [r for r in page.requests if _authorization(r) is not None]

@@ -25,8 +25,12 @@ const $ = (id) => document.getElementById(id);
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 const handlers = { details: showDetail, cancel: cancelJob, remove: deleteJob, download: downloadResult };
 
+let messageTimer = null;
+
 function showMessage(text, kind = "error") {
   const box = $("message");
+  clearTimeout(messageTimer);
+  if (kind === "info" && text) messageTimer = setTimeout(() => (box.hidden = true), 8000); // errors stay
   box.textContent = text;
   box.className = `message message-${kind}`;
   box.setAttribute("role", kind === "error" ? "alert" : "status");
@@ -198,7 +202,7 @@ function closeDetail() {
 function renderDetail(job) {
   revokeUrls();
   $("job-detail-title").textContent = `Job ${job.id}`;
-  $("job-detail-body").replaceChildren(...views.jobDetail(job, handlers));
+  $("job-detail-body").replaceChildren(...views.jobDetail(job, context()));
   if (job.status === "succeeded" && !job.result_deleted_at) {
     drawSpectrum(job);
     drawHeatmap(job);

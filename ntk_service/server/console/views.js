@@ -173,12 +173,17 @@ export function jobsTable(jobs, ctx) {
   );
 }
 
-export function jobDetail(job, handlers) {
+function named(data, names) {
+  const name = names.get(data.dataset);
+  return name ? `${name} (${fmt.rows(data)})` : fmt.rows(data);
+}
+
+export function jobDetail(job, { handlers, names }) {
   const facts = [
     ["Status", statusBadge(job)],
     ["Model", `${job.model} v${job.version}`],
-    ["x1", fmt.rows(job.x1)],
-    ["x2", job.x2 ? fmt.rows(job.x2) : "x1 (symmetric)"],
+    ["x1", named(job.x1, names)],
+    ["x2", job.x2 ? named(job.x2, names) : "x1 (symmetric)"],
     ["Mode / dtype", `${job.mode} / ${job.dtype}`],
     ["Implementation", job.implementation_used.join(", ") || job.implementation],
     ["Result", `${fmt.shape(job.result_shape)}, ${fmt.bytes(job.estimate_bytes)}`],
