@@ -34,8 +34,8 @@ from tests.server.support import TINY_ARCHITECTURES, submit_slow_job
 SCREENSHOT_DIR = Path(tempfile.gettempdir()) / "ntk-service-console"
 """Where the screenshots are copied for a person to look at (console.png: a laptop screen; console-full.png)."""
 
-DELAY_S = 1.0
-"""The slow model's sleep per forward call: its 10-tile job runs for several seconds after the page has loaded."""
+DELAY_S = 0.75
+"""The slow model's sleep per forward call: its 10-tile job runs for ~12 s (idle), most of it after the page has loaded."""
 
 LOADED = "document.body.dataset.loaded"
 
@@ -197,6 +197,7 @@ def test_every_console_file_is_package_data() -> None:
     assert shipped == on_disk == set(ASSETS) | {"index.html"}
 
 
+@pytest.mark.slow
 def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], browser: Browser, tmp_path: Path) -> None:
     with server.client() as client:
         slow = submit_slow_job(client, delay_s=DELAY_S)  # finishes while the page is open
@@ -332,6 +333,7 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
     assert without_key == [f"{server.url}/v1/whoami"], without_key  # the first look, before the prompt
 
 
+@pytest.mark.slow
 def test_console_with_a_read_key_changes_nothing(server: LiveServer, seeded: dict[str, Any], browser: Browser) -> None:
     page = browser.new_page()
     page.navigate(f"{server.url}/")
@@ -358,6 +360,7 @@ def test_console_with_a_read_key_changes_nothing(server: LiveServer, seeded: dic
     _check_requests_stayed_home(page, server, keys=(server.write_key, server.read_key))
 
 
+@pytest.mark.slow
 def test_console_on_an_open_server_needs_no_key(
     start_server: Callable[..., LiveServer], browser: Browser, tmp_path: Path
 ) -> None:
