@@ -6,10 +6,13 @@ import * as fmt from "./format.js";
 import * as plots from "./plots.js";
 import * as views from "./views.js";
 
-const MAX_STREAMS = 3;
 // Browsers open about 6 HTTP/1.1 connections per server: at most 3 event streams, so the page's own requests
 // always find a free one; other unfinished jobs are updated by the periodic refresh.
+const MAX_STREAMS = 3;
 const REFRESH_MS = 10_000;
+// A kernel matrix up to this side gets its spectrum when the detail opens; a larger one only on request, since
+// Lanczos reads the whole stored kernel (several passes) and holds a compute slot meanwhile.
+const AUTO_SPECTRUM_SIDE = 4096;
 const HEATMAP_SIDE = 48; // rows (and columns) of the drawn matrix at most: 48 examples of a trace kernel, 48/k of a full one
 
 const state = {
@@ -216,11 +219,22 @@ function publish(id, job, blob, alt, caption) {
   views.figure(id, url, alt, caption);
 }
 
-async function drawSpectrum(job) {
+function drawSpectrum(job) {
   if (!["full", "trace"].includes(job.mode)) {
     views.figureError("spectrum-figure", `A spectrum needs a full or trace kernel; this job stored ${job.mode}.`);
     return;
   }
+  const side = job.result_shape[0] * (job.mode === "full" ? job.result_shape[2] : 1);
+  if (side <= AUTO_SPECTRUM_SIDE) {
+    computeSpectrum(job);
+    return;
+  }
+  const text = `Compute the spectrum (top 20 of the ${side} × ${side} kernel: reads the whole stored kernel)`;
+  views.figureAction("spectrum-figure", text, () => computeSpectrum(job));
+}
+
+async function computeSpectrum(job) {
+  views.figureNote("spectrum-figure", "computing the spectrum…");
   try {
     const s = await api.postJson(`v1/jobs/${encodeURIComponent(job.id)}/spectrum`, { top: 20 });
     const values = s.eigenvalues.data;

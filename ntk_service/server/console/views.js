@@ -233,3 +233,13 @@ export function figureError(id, message) {
   const target = document.getElementById(id);
   if (target) target.replaceChildren(el("p", { class: "error-text" }, message));
 }
+
+export function figureNote(id, text) {
+  const target = document.getElementById(id);
+  if (target) target.replaceChildren(el("p", { class: "muted" }, text));
+}
+
+export function figureAction(id, text, onclick) {
+  const target = document.getElementById(id);
+  if (target) target.replaceChildren(el("button", { type: "button", "data-action": "spectrum", onclick }, text));
+}
