@@ -35,7 +35,7 @@ SCREENSHOT_DIR = Path(tempfile.gettempdir()) / "ntk-service-console"
 """Where the screenshots are copied for a person to look at (console.png: a laptop screen; console-full.png)."""
 
 DELAY_S = 0.75
-"""The slow model's sleep per forward call: its 10-tile job runs for ~12 s (idle), most of it after the page has loaded."""
+"""The slow model's sleep per forward call: its 10-tile job runs ~12 s (idle), most of it after the page loaded."""
 
 LOADED = "document.body.dataset.loaded"
 
@@ -176,6 +176,7 @@ def test_console_page_is_static_and_locked_down(server: LiveServer) -> None:
         assert imports <= set(ASSETS), imports - set(ASSETS)
         missing = client.get("/console/..%2Fconfig.py")
         assert missing.status_code == 404
+        assert client.get("/console/index.html").status_code == 404  # the page is only at /
         unknown = client.get("/console/secrets.txt")
         assert unknown.status_code == 404 and "console.js" in unknown.json()["error"]["message"]
         assert client.get("/v1/whoami").status_code == 401

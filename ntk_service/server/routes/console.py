@@ -65,6 +65,10 @@ _PAGE = "index.html"
 AssetParam = Annotated[str, Path(max_length=64, description="One of the console's files, e.g. console.js.")]
 
 
+def _unknown(name: str) -> NotFound:
+    return NotFound(f"console: no asset {name!r}; the console serves {', '.join(sorted(ASSETS))} under /console/")
+
+
 def console_file(name: str) -> bytes:
     """The bytes of one of the console's packaged files (``index.html`` or a name in ``ASSETS``).
 
@@ -72,7 +76,7 @@ def console_file(name: str) -> bytes:
         NotFound: ``name`` is not one of them.
     """
     if name != _PAGE and name not in ASSETS:
-        raise NotFound(f"console: no asset {name!r}; the console serves {', '.join(sorted(ASSETS))}")
+        raise _unknown(name)
     return (files("ntk_service.server") / "console" / name).read_bytes()
 
 
@@ -91,8 +95,8 @@ async def console_page() -> Response:
 
 @router.get("/console/{asset}", include_in_schema=False)
 async def console_asset(asset: AssetParam) -> Response:
-    if asset not in ASSETS:
-        raise NotFound(f"console: no asset {asset!r}; the console serves {', '.join(sorted(ASSETS))}")
+    if asset not in ASSETS:  # the page itself is only at /
+        raise _unknown(asset)
     return Response(console_file(asset), media_type=ASSETS[asset], headers=_SECURITY_HEADERS)
 
 
