@@ -384,3 +384,35 @@ def test_console_on_an_open_server_needs_no_key(
     assert page.evaluate("document.activeElement.getAttribute('href')") == "#jobs"
     _check_requests_stayed_home(page, server, keys=())
     assert not [r for r in page.requests if _authorization(r) is not None]
+
+
+@pytest.mark.slow
+def test_console_follows_a_job_across_a_server_restart(browser: Browser, tmp_path: Path) -> None:
+    # the event stream ends when the server stops; the page reconnects to the restarted server (same URL) and sees
+    # the resumed job finish, without a reload
+    first = start_live_server(tmp_path / "data")
+    try:
+        with first.client() as client:
+            slow = submit_slow_job(client, delay_s=DELAY_S)
+        page = browser.new_page()
+        page.navigate(f"{first.url}/")
+        _enter_key(page, first.write_key)
+        page.wait_until(f"!!document.querySelector('tr[data-job=\"{slow['id']}\"]')", what="the slow job listed")
+        assert _row_status(page, slow["id"]) in ("queued", "running"), "the slow job ended before the page loaded"
+    finally:
+        first.stop()  # running tiles finish and are recorded; the rest resume at the next start
+    port = int(first.url.rsplit(":", 1)[1])
+    second = start_live_server(tmp_path / "data", port=port)
+    try:
+        page.wait_until(
+            f"document.querySelector('tr[data-job=\"{slow['id']}\"]').dataset.status === 'succeeded'",
+            timeout_s=120,
+            what="the resumed job shown as succeeded",
+        )
+        assert page.navigations == 1
+        assert _texts(page, f'tr[data-job="{slow["id"]}"] .tiles') == ["10 / 10 tiles"]
+        streams = [r for r in page.requests if r["url"].endswith(f"/v1/jobs/{slow['id']}/events")]
+        assert len(streams) >= 2, "the page did not reconnect its event stream"
+        _check_requests_stayed_home(page, second, keys=(second.write_key, second.read_key))
+    finally:
+        second.stop()

@@ -34,6 +34,7 @@ function showMessage(text, kind = "error") {
   const box = $("message");
   clearTimeout(messageTimer);
   if (kind === "info" && text) messageTimer = setTimeout(() => (box.hidden = true), 8000); // errors stay
+  delete box.dataset.what;
   box.textContent = text;
   box.className = `message message-${kind}`;
   box.setAttribute("role", kind === "error" ? "alert" : "status");
@@ -312,6 +313,19 @@ async function loadAll() {
   document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);
 }
 
+// The periodic refresh: its failure (the server restarting) is shown until a later refresh succeeds.
+async function refresh() {
+  if (document.hidden || !state.access.scope) return;
+  const what = "refreshing jobs";
+  try {
+    await loadJobs();
+    if ($("message").dataset.what === what) showMessage("");
+  } catch (error) {
+    explain(error, what);
+    $("message").dataset.what = what;
+  }
+}
+
 function stopWatching() {
   state.watchers.forEach((controller) => controller.abort());
 }
@@ -340,9 +354,7 @@ function start() {
     if (!$("key-form").hidden) $("key-form").hidden = true;
     else if (state.detail) closeDetail();
   });
-  setInterval(() => {
-    if (!document.hidden && state.access.scope) loadJobs().catch((error) => explain(error, "refreshing jobs"));
-  }, REFRESH_MS);
+  setInterval(refresh, REFRESH_MS);
   loadAll();
 }
 
