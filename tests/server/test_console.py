@@ -39,6 +39,7 @@ DELAY_S = 0.75
 
 LOADED = "document.body.dataset.loaded"
 
+
 SEQUENTIAL = {
     "family": "sequential",
     "input_shape": [4],
@@ -139,6 +140,15 @@ def _row_status(page: Page, job_id: str) -> str | None:
 def _authorization(request: dict[str, Any]) -> str | None:
     """The request's Authorization header (fetch() sends header names in lower case)."""
     return next((v for k, v in request["headers"].items() if k.lower() == "authorization"), None)
+
+
+def _wait_for_stream(page: Page, job_id: str, timeout_s: float = 30.0) -> None:
+    """Until the page has asked for the job's event stream (the request seen by the browser's network domain)."""
+    deadline = time.monotonic() + timeout_s
+    while not any(r["url"].endswith(f"/v1/jobs/{job_id}/events") for r in page.requests):
+        assert time.monotonic() < deadline, f"no event stream for job {job_id} after {timeout_s} s"
+        page.evaluate("1")  # reads the events that arrived meanwhile
+        time.sleep(0.1)
 
 
 def _check_requests_stayed_home(page: Page, server: LiveServer, *, keys: tuple[str, ...]) -> None:
@@ -399,6 +409,15 @@ def test_console_follows_a_job_across_a_server_restart(browser: Browser, tmp_pat
         _enter_key(page, first.write_key)
         page.wait_until(f"!!document.querySelector('tr[data-job=\"{slow['id']}\"]')", what="the slow job listed")
         assert _row_status(page, slow["id"]) in ("queued", "running"), "the slow job ended before the page loaded"
+        # Forget key: the streams stop and the prompt comes back (no retry storm of 401s); a key resumes them
+        _wait_for_stream(page, slow["id"])
+        page.evaluate("document.getElementById('key-forget').click(); true")
+        page.wait_until("!document.getElementById('key-form').hidden", what="the prompt after forgetting the key")
+        before = len(page.requests)
+        time.sleep(2.0)
+        page.evaluate("1")  # drain the events of those 2 s
+        assert len(page.requests) - before <= 2, [r["url"] for r in page.requests[before:]]
+        _enter_key(page, first.write_key)
     finally:
         first.stop()  # running tiles finish and are recorded; the rest resume at the next start
     port = int(first.url.rsplit(":", 1)[1])
@@ -412,7 +431,7 @@ def test_console_follows_a_job_across_a_server_restart(browser: Browser, tmp_pat
         assert page.navigations == 1
         assert _texts(page, f'tr[data-job="{slow["id"]}"] .tiles') == ["10 / 10 tiles"]
         streams = [r for r in page.requests if r["url"].endswith(f"/v1/jobs/{slow['id']}/events")]
-        assert len(streams) >= 2, "the page did not reconnect its event stream"
+        assert len(streams) >= 3, "the page did not open its event stream again (key, restart)"
         _check_requests_stayed_home(page, second, keys=(second.write_key, second.read_key))
     finally:
         second.stop()

@@ -22,6 +22,7 @@ const state = {
   detail: null,
   urls: [],
   names: new Map(), // data set id -> name, for the jobs' Rows column
+  unwatchable: new Set(), // jobs whose stream answered a final error (deleted, ...): followed by the refresh only
 };
 
 const $ = (id) => document.getElementById(id);
@@ -147,9 +148,11 @@ function updateJob(job) {
 }
 
 function watchUnfinished() {
+  if (!state.access.scope) return; // no valid key: the prompt is up, nothing to stream
   for (const job of state.jobs.values()) {
     if (state.watchers.size >= MAX_STREAMS) break;
-    if (!views.FINISHED.has(job.status) && !state.watchers.has(job.id)) watch(job.id);
+    const watchable = !views.FINISHED.has(job.status) && !state.unwatchable.has(job.id);
+    if (watchable && !state.watchers.has(job.id)) watch(job.id);
   }
 }
 
@@ -167,8 +170,10 @@ async function watch(id) {
       } catch (error) {
         if (controller.signal.aborted) return;
         if (error instanceof api.ApiError && ![429, 503].includes(error.status)) {
+          // 401: the key went (the prompt stops all streams); 404: the job was deleted; others: not retried
+          state.unwatchable.add(id);
           if (error.status === 401) explain(error, "watching a job");
-          return; // 404: the job was deleted
+          return;
         }
       }
       // the stream ended before the job did (a restart, a proxy's timeout): reconnect, backing off
@@ -176,7 +181,7 @@ async function watch(id) {
     }
   } finally {
     state.watchers.delete(id);
-    watchUnfinished();
+    if (!controller.signal.aborted) watchUnfinished(); // an abort comes with a reload that restarts the streams
   }
 }
 
@@ -328,6 +333,7 @@ async function refresh() {
 
 function stopWatching() {
   state.watchers.forEach((controller) => controller.abort());
+  state.unwatchable.clear(); // a new key may see them
 }
 
 function start() {
