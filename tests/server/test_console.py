@@ -117,12 +117,14 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
 
 
 def _enter_key(page: Page, key: str) -> None:
+    """Type ``key`` into the prompt and submit it; returns once the page has loaded everything with it."""
     page.wait_until("!document.getElementById('key-form').hidden", what="the key prompt shown")
+    loads = page.evaluate(f"Number({LOADED} || 0)")
     page.evaluate(
         f"document.getElementById('key-input').value = {json.dumps(key)};"
         "document.getElementById('key-form').requestSubmit(); true"
     )
-    page.wait_until(LOADED, what="the console loaded after the key")
+    page.wait_until(f"Number({LOADED} || 0) > {loads}", what="the console loaded after the key")
 
 
 def _texts(page: Page, selector: str) -> list[str]:
