@@ -35,6 +35,7 @@ from ntk_service.server.openapi import install_openapi, operation_id
 from ntk_service.server.routes import (
     analysis,
     architectures,
+    console,
     datasets,
     health,
     job_analysis,
@@ -174,6 +175,7 @@ def create_app(settings: Settings) -> FastAPI:
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
+    routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)
     # FastAPI wraps included routers lazily; keep the plain routes for the 405 handler's Allow header.
