@@ -32,12 +32,12 @@ from ntk_service.kernels.device import parse_device
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
-__all__ = ["DEFAULT_IMPLEMENTATION", "LOOSE_KEYWORDS", "NtkOptions", "Shorthands", "resolve_options"]
+__all__ = ["DEFAULT_IMPLEMENTATION", "DTYPES", "LOOSE_KEYWORDS", "NtkOptions", "Shorthands", "resolve_options"]
 
 DEFAULT_IMPLEMENTATION = NtkImplementation.AUTO
 """AUTO: users get the cheapest implementation that fits without having to know the trade-offs."""
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 """The compute dtypes by wire name: the engine computes in float32 or float64 only."""
 
 LOOSE_KEYWORDS: dict[str, str] = {
@@ -118,10 +118,10 @@ class NtkOptions:
 
 def _parse_dtype(dtype: object) -> torch.dtype | None:
     """None, or float32 / float64 as a ``torch.dtype``; raises InvalidInput otherwise."""
-    if dtype is None or dtype in (torch.float32, torch.float64):
-        return dtype  # type: ignore[return-value]
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float64)):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
     raise InvalidInput(f"NtkOptions: dtype {dtype!r} is not supported; expected 'float32' or 'float64' (or None)")
 
 

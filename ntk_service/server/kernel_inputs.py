@@ -48,6 +48,7 @@ from ntk_service.kernels import (
     default_memory_budget,
 )
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
+from ntk_service.kernels.options import DTYPES
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ComputeDep, DatasetsDep, MetricsDep, RegistryDep, SettingsDep, SideCacheDep
@@ -368,9 +369,9 @@ def engine_options(options: KernelOptions, settings: Settings) -> NtkOptions:
     """
     return NtkOptions(
         implementation=options.implementation,
-        dtype=options.dtype,
+        dtype=None if options.dtype is None else DTYPES[options.dtype],
         memory_budget_bytes=settings.memory_budget_bytes,
-        device=settings.device,
+        device=torch.device(settings.device),  # checked to exist by NtkOptions (and at startup)
         allow_tf32=settings.allow_tf32,
     )
 
