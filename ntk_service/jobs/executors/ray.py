@@ -144,9 +144,10 @@ class PanelWorker:
         self.use_gpu, self.allow_tf32, self.side_cache_bytes = use_gpu, allow_tf32, side_cache_bytes
         self._job: tuple[str, nn.Module, Any, Any, JobWork, SideCache, torch.device] | None = None
 
-    def ready(self) -> int:
-        """The actor's pid, once it is constructed (the driver waits for this before sending panels)."""
-        return os.getpid()
+    def ready(self) -> str:
+        """The id of the actor's node, once it is constructed (the driver waits for this before sending panels,
+        and watches that node: NOTE [panel workers])."""
+        return str(import_ray().get_runtime_context().get_node_id())
 
     def run(self, refs: list[Any], panel: Panel, tile_ids: tuple[int, ...]) -> PanelOutcome:
         """Compute ``panel`` and write the chunks of ``tile_ids``.
@@ -232,6 +233,7 @@ class RayExecutor(Executor):
         self._ray: Any = None
         self._owns_ray = False
         self._pool: list[Any] = []  # live actors, NOTE [panel workers]
+        self._nodes: dict[Any, str] = {}  # actor -> the id of its node
         self._before_ray: set[int] = set()  # this process's children before it started a local Ray
         self._ray_pids: set[int] = set()  # the local Ray's processes seen so far (close reaps them)
 
@@ -267,7 +269,7 @@ class RayExecutor(Executor):
                     self._ray.kill(actor)
                 except Exception:  # noqa: BLE001 - an actor already gone (its node lost) needs no kill
                     logger.debug("jobs: a Ray panel worker was already gone at close")
-        self._pool = []
+        self._pool, self._nodes = [], {}
         if self._ray is not None and self._owns_ray:
             self._note_local_ray()
             raylets = {pid for pid in self._ray_pids if "raylet" in _command(pid)}
@@ -307,8 +309,26 @@ class RayExecutor(Executor):
                 remote.remote(threads, self.num_gpus > 0, self.allow_tf32, self.side_cache_bytes)
                 for _ in range(self._pool_size(ray))
             ]
-            ray.get([actor.ready.remote() for actor in self._pool])
+            self._nodes = dict(zip(self._pool, ray.get([actor.ready.remote() for actor in self._pool]), strict=True))
         return self._pool
+
+    def _forget(self, actor: Any) -> None:
+        if actor in self._pool:
+            self._pool.remove(actor)
+        self._nodes.pop(actor, None)
+
+    def _drop_lost(self, ray: Any) -> list[Any]:
+        """Remove the actors whose node is gone from the pool and return them. Ray would restart them, but only
+        where resources are free, and their calls would wait for that, possibly for ever."""
+        alive = {str(node["NodeID"]) for node in ray.nodes() if node.get("Alive")}
+        lost = [actor for actor in self._pool if self._nodes.get(actor) not in alive]
+        for actor in lost:
+            self._forget(actor)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                logger.debug("jobs: a lost Ray panel worker could not be killed (gone already)")
+        return lost
 
     def run(
         self,
@@ -348,6 +368,7 @@ class _Dispatch:
         self.load: dict[Any, int] = {}
         self.band_actor: dict[int, Any] = {}
         self.retry: list[tuple[Panel, tuple[int, ...]]] = []
+        self.next_node_check = time.monotonic() + _WAIT_S
 
     def _window(self, actors: int) -> int:
         limit = self.executor.max_in_flight
@@ -392,6 +413,17 @@ class _Dispatch:
             self.executor._note_local_ray()
             for ref in ready:
                 self._collect(ref)
+            if time.monotonic() >= self.next_node_check:
+                self.next_node_check = time.monotonic() + _WAIT_S
+                self._requeue(self.executor._drop_lost(ray))
+
+    def _requeue(self, lost: list[Any]) -> None:
+        """Put the panels out on ``lost`` actors back in the queue: they run again on the actors that remain."""
+        for ref, (panel, tile_ids, actor) in list(self.in_flight.items()):
+            if actor in lost:
+                logger.warning("jobs: the node of a Ray panel worker was lost; panel %d runs again", panel.id)
+                del self.in_flight[ref]
+                self.retry.append((panel, tile_ids))
 
     def _collect(self, ref: Any) -> None:
         ray = self.ray
@@ -403,8 +435,8 @@ class _Dispatch:
             # The actor is gone for good (its node was lost, or it died more often than max_retries): its panel
             # runs again on the actors that remain; its chunks, if partly written, are rewritten before recorded.
             logger.warning("jobs: a Ray panel worker was lost; panel %d runs again elsewhere", panel.id)
-            if actor in self.executor._pool:
-                self.executor._pool.remove(actor)
+            self.executor._forget(actor)
+            self._requeue([actor])
             self.retry.append((panel, tile_ids))
             return
         except Exception as exc:
