@@ -1,22 +1,24 @@
 """JobManager: submit, run, watch, cancel and resume batch kernel jobs.
 
-One runner thread takes queued jobs in order and hands each job's remaining tiles to the executor (local or Ray);
-the executor reports every written tile back, and the manager records it in SQLite. Everything a job needs to
-resume (its resolved spec, its tiles' states) is on disk, so a server killed with SIGKILL loses nothing but the
-tiles that were being computed at that instant.
+One runner thread takes queued jobs in order and hands each job's remaining panels (``jobs/panels.py``) to the
+executor (local or Ray); the executor reports every written panel back, and the manager records its tiles in
+SQLite in one transaction. Everything a job needs to resume (its resolved spec, its tiles' states) is on disk, so a
+server killed with SIGKILL loses nothing but the panels that were being computed at that instant.
 
     >>> manager = JobManager(data_dir=tmp, models=registry, datasets=datasets, executor=LocalExecutor())
     >>> manager.start()                                                           # resumes unfinished jobs
-    >>> job = manager.submit(model="mlp", x1_dataset="ds_…", mode="trace")      # queued, tiles planned
+    >>> job = manager.submit(model="mlp", x1_dataset="ds_…", mode="trace")      # queued, tiles and panels planned
     >>> manager.wait_for_change(job.id, seen=0, timeout=1.0)                     # progress events
     >>> manager.read_result(job.id, rows=(0, 128), cols=None).shape               # (128, N) once succeeded
 
 NOTE [resume]
-    A tile moves pending → running (``claim``: its attempt is counted) → done (after its chunk is written). When the
-    server dies, tiles left ``running`` are the ones being computed at that instant; at the next start they go back
-    to pending and run again (their chunk, if written, is overwritten with the same bits). Done tiles are never
-    recomputed. Every tile is computed with the same arguments and the memory budget fixed at submission, so the
-    resumed result is bitwise equal to an uninterrupted run.
+    A panel's tiles move pending → running (``claim_tiles``, one transaction: their attempts are counted) → done
+    (``mark_tiles_done``, one transaction, after all of the panel's chunks are written). When the server dies,
+    tiles left ``running`` are those of the panels being computed at that instant; at the next start they go back
+    to pending, and each panel holding a tile that is not done runs again, writing only those tiles (a chunk written
+    but not recorded is overwritten with the same bits). Done tiles are never recomputed or rewritten. Every panel
+    is computed with the same arguments, the panel size and the memory budget fixed at submission, so the resumed
+    result is bitwise equal to an uninterrupted run.
 """
 
 from __future__ import annotations

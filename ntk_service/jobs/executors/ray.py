@@ -14,9 +14,11 @@
 - A call computes its panel, writes its chunks to the job's Zarr array (the path must be on a filesystem every
   worker sees) and returns the outcome; the server records the panel's tiles when the call returns, never before.
 - Fault tolerance: a dead actor process (an OOM kill) is restarted by Ray and its call retried
-  (``max_retries``); a call whose actor is gone for good (its node was lost) puts the panel back in the queue for
-  the actors that remain, so a lost node's panels run again elsewhere. A chunk written by a call that did not
-  return is rewritten by the re-run, and only then recorded.
+  (``max_retries``). The driver watches the actors' nodes once a second: an actor whose node is gone is dropped
+  (Ray would restart it only where resources are free, and its calls would wait for that) and its panels go back
+  in the queue for the actors that remain, as do those of an actor that died more often than ``max_retries``. A
+  chunk written by a call that did not return is rewritten by the re-run, and only then recorded. (Re-runs by Ray
+  or after a lost node are not counted as attempts in SQLite: the server claimed the panel once.)
 - At most ``max_in_flight`` calls are out at once (two per actor by default), so cancellation stops the job within
   that many panels.
 - ``num_gpus`` per actor (``NTK_RAY_NUM_GPUS``, fractions share a GPU) reserves a GPU and the actor computes on the
