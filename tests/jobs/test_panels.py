@@ -17,10 +17,12 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor, plan_panels, plan_tiles
+from ntk_service.jobs.executors.base import JobWork, compute_panel
 from ntk_service.jobs.manager import plan_of
 from ntk_service.jobs.panels import panel_tiles_for
+from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.store import JobStore
-from ntk_service.kernels import KernelMode
+from ntk_service.kernels import KernelMode, SideCache
 from ntk_service.results import compute_ntk_tiled
 from tests.jobs.conftest import JobsEnv, wait_finished
 from tests.jobs.test_store import _record as store_record
@@ -197,3 +199,24 @@ def test_a_partly_recorded_panel_is_recomputed_and_only_its_unrecorded_tiles_are
     assert rewritten == expected  # recorded tiles of the same panels kept their files
     np.testing.assert_array_equal(resumed, whole)
     np.testing.assert_allclose(resumed, reference_ntk(model, x, mode="full").numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_a_bands_side_is_built_once_for_all_its_panels() -> None:
+    model, x = _model(), torch.from_numpy(np.random.default_rng(0).standard_normal((12, 4)))
+    plan = plan_tiles(n=12, m=None, tile_size=2, mode=KernelMode.TRACE)
+    spec = JobSpec(
+        model="m", version=1, weights_sha256="w", x1_dataset="ds", x2_dataset=None, x1_sha256="x", x2_sha256=None,
+        n=12, m=12, k=3, mode="trace", implementation="jacobian_contraction", dtype="float64", params=None,
+        tile_size=2, memory_budget_bytes=2**26, panel_tiles=2,
+    )  # fmt: skip
+    work = JobWork(job_id="j", spec=spec, plan=plan, result_path=Path("unused"))
+    band = [p for p in work.panels() if p.band == 0]
+    assert [(p.cols, p.is_diagonal) for p in band] == [((0, 4), True), ((4, 8), False), ((8, 12), False)]
+    cache = SideCache(max_bytes=2**26)
+    dense = reference_ntk(model, x, mode="trace").numpy()
+    for panel in band:
+        theta, _ = compute_panel(model, x, None, work, panel, side_cache=cache)
+        np.testing.assert_allclose(theta, dense[0:4, panel.cols[0] : panel.cols[1]], rtol=1e-10, atol=1e-12)
+    # The band's side: built by the diagonal panel (a miss), taken from the cache by the two others (two hits);
+    # each run's side is built once (two misses).
+    assert (cache.hits, cache.misses) == (2, 3)
