@@ -60,7 +60,13 @@ from ntk_service.jobs.disk import (
     tree_bytes,
 )
 from ntk_service.jobs.executors.base import Executor, JobWork, PanelOutcome
-from ntk_service.jobs.panels import DEFAULT_PANEL_SECONDS, Panel, estimate_panel_flops, panel_tiles_for
+from ntk_service.jobs.panels import (
+    DEFAULT_PANEL_SECONDS,
+    PANELS_PER_WORKER,
+    Panel,
+    estimate_panel_flops,
+    panel_tiles_for,
+)
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
@@ -408,7 +414,7 @@ class JobManager:
         budget: int | None,
     ) -> int:
         """Panel side from the cost model: the engine's FLOP estimate within ``panel_seconds``, the panel's result
-        within a quarter of the memory budget (see ``jobs/panels.py``)."""
+        within a quarter of the memory budget, ``PANELS_PER_WORKER`` panels per worker (see ``jobs/panels.py``)."""
         mode = plan.mode
 
         def flops_of(rows: int, cols: int) -> float:
@@ -430,6 +436,7 @@ class JobManager:
             flops_of=flops_of,
             memory_budget_bytes=budget,
             target_s=self.panel_seconds,
+            min_panels=PANELS_PER_WORKER * self.executor.parallelism(),
         )
 
     def _create(self, spec: JobSpec, plan: TilePlan, estimate: int) -> JobRecord:

@@ -14,7 +14,7 @@ writes, a compute-slot handoff, a ledger write per tile) is paid once per panel 
 
 Panel size comes from the cost model (``panel_tiles_for``): the engine's own FLOP estimate of a panel, over a
 nominal FLOP rate, kept under a target of a few seconds of work, with the panel's result within a quarter of the
-memory budget. It is fixed in the job's spec at submission: a resumed job cuts the same panels, so it computes the
+memory budget and at least ``PANELS_PER_WORKER`` panels per worker of the executor. It is fixed in the job's spec at submission: a resumed job cuts the same panels, so it computes the
 same bits.
 
     >>> plan = plan_tiles(n=10, m=None, tile_size=2, mode=KernelMode.TRACE)        # 5 row blocks, 15 tiles
@@ -45,11 +45,17 @@ from ntk_service.kernels.types import NtkImplementation
 __all__ = [
     "DEFAULT_PANEL_SECONDS",
     "NOMINAL_FLOP_RATE",
+    "PANELS_PER_WORKER",
     "Panel",
     "estimate_panel_flops",
+    "panel_count",
     "panel_tiles_for",
     "plan_panels",
 ]
+
+PANELS_PER_WORKER = 4
+"""The fewest panels per worker (thread or Ray actor) a job is cut into, where its size allows: with fewer, the
+last, largest panels leave workers idle at the end of a job."""
 
 DEFAULT_PANEL_SECONDS = 4.0
 """Target work per panel: long enough that claiming, recording and the compute-slot handoff (tens of ms under load)
@@ -167,9 +173,11 @@ def panel_tiles_for(
     memory_budget_bytes: int | None,
     target_s: float = DEFAULT_PANEL_SECONDS,
     flop_rate: float = NOMINAL_FLOP_RATE,
+    min_panels: int = 1,
 ) -> int:
-    """The largest panel side (in tiles) whose estimated work stays within ``target_s`` and whose result takes at
-    most a quarter of the memory budget (the engine plans its sides and contractions in the rest).
+    """The largest panel side (in tiles) whose estimated work stays within ``target_s``, whose result takes at
+    most a quarter of the memory budget (the engine plans its sides and contractions in the rest), and that cuts
+    the job into at least ``min_panels`` panels (so every worker has work until near the end).
 
     Args:
         plan: the job's tiles. k: outputs per example. itemsize: bytes per stored value.
@@ -177,6 +185,7 @@ def panel_tiles_for(
         memory_budget_bytes: the job's memory budget (None: no memory bound).
         target_s: seconds of work per panel. Default: ``DEFAULT_PANEL_SECONDS``.
         flop_rate: FLOP/s assumed. Default: ``NOMINAL_FLOP_RATE``.
+        min_panels: the fewest panels wanted (``PANELS_PER_WORKER`` per worker of the executor). Default: 1.
 
     Returns:
         panel_tiles ≥ 1 (1 when even one tile exceeds the target: a panel is never smaller than a tile).
@@ -191,7 +200,19 @@ def panel_tiles_for(
             break
         if flops_of(examples, max(cols, 1)) / flop_rate > target_s:
             break
+        if panel_count(plan, side) < min_panels:
+            break
         best = side
         if examples >= max(plan.n, plan.m):
             break
     return best
+
+
+def panel_count(plan: TilePlan, panel_tiles: int) -> int:
+    """How many panels ``plan_panels(plan, panel_tiles=panel_tiles)`` makes (without making them)."""
+    bands = math.ceil(math.ceil(plan.n / plan.tile_size) / panel_tiles)
+    if plan.mode is KernelMode.EXAMPLE_DIAGONAL:
+        return bands
+    if plan.symmetric:
+        return bands * (bands + 1) // 2
+    return bands * math.ceil(math.ceil(plan.m / plan.tile_size) / panel_tiles)

@@ -37,7 +37,13 @@ from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.jobs.executors.base import Executor, JobWork, PanelOutcome
 from ntk_service.jobs.executors.local import LocalExecutor
 from ntk_service.jobs.executors.ray import RayExecutor
-from ntk_service.jobs.panels import DEFAULT_PANEL_SECONDS, Panel, estimate_panel_flops, panel_tiles_for
+from ntk_service.jobs.panels import (
+    DEFAULT_PANEL_SECONDS,
+    PANELS_PER_WORKER,
+    Panel,
+    estimate_panel_flops,
+    panel_tiles_for,
+)
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
@@ -141,7 +147,7 @@ def compute_ntk_tiled(
         panel_tiles (int | None): tiles per panel side, the work unit (``jobs/panels.py``): one ``compute_ntk``
             call per panel, its tiles written together. Default: the stored one when resuming, else the cost
             model's (``DEFAULT_PANEL_SECONDS`` of estimated work, the panel's result within a quarter of the memory
-            budget).
+            budget, ``PANELS_PER_WORKER`` panels per worker of the executor).
         resume (bool): continue a result already at ``out`` (it must be of the same computation, see NOTE
             [tiled resume]); False starts over and overwrites ``out``, which must then be a result of
             ``compute_ntk_tiled``, an empty folder or absent (never another folder). Default: True.
@@ -206,7 +212,7 @@ def compute_ntk_tiled(
     if panel_tiles is None and existing is not None:
         panel_tiles = int((existing.attributes.get("spec") or {}).get("panel_tiles", 1))
     if panel_tiles is None:
-        panel_tiles = _panel_tiles(model, t1[:1], plan, k, impl, params, dtype, memory_budget_bytes)
+        panel_tiles = _panel_tiles(runner, model, t1[:1], plan, k, impl, params, dtype, memory_budget_bytes)
     elif panel_tiles < 1:
         raise InvalidInput(f"compute_ntk_tiled: panel_tiles must be ≥ 1, got {panel_tiles}; omit it for the default")
     spec = JobSpec(
@@ -261,6 +267,7 @@ def compute_ntk_tiled(
 
 
 def _panel_tiles(
+    runner: Executor,
     model: nn.Module,
     example: torch.Tensor,
     plan: TilePlan,
@@ -284,7 +291,13 @@ def _panel_tiles(
 
     itemsize = 4 if dtype == "float32" else 8
     return panel_tiles_for(
-        plan, k=k, itemsize=itemsize, flops_of=flops_of, memory_budget_bytes=budget, target_s=DEFAULT_PANEL_SECONDS
+        plan,
+        k=k,
+        itemsize=itemsize,
+        flops_of=flops_of,
+        memory_budget_bytes=budget,
+        target_s=DEFAULT_PANEL_SECONDS,
+        min_panels=PANELS_PER_WORKER * runner.parallelism(),
     )
 
 

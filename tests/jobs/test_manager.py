@@ -175,11 +175,12 @@ def test_resume_computes_only_missing_tiles_and_matches_an_uninterrupted_run(
 
 def test_two_workers_give_the_same_bits(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
     one = make_manager()
-    a = one.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full", tile_size=2)
+    options = {"x2_dataset": jobs_env.x2_id, "mode": "full", "tile_size": 2, "panel_tiles": 2}  # the same panels
+    a = one.submit(model="tiny", x1_dataset=jobs_env.x1_id, **options)
     wait_finished(one, a.id)
     one.stop()
     two = make_manager(LocalExecutor(workers=2))
-    b = two.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full", tile_size=2)
+    b = two.submit(model="tiny", x1_dataset=jobs_env.x1_id, **options)
     assert wait_finished(two, b.id).status is JobStatus.SUCCEEDED
     np.testing.assert_array_equal(two.read_result(a.id), two.read_result(b.id))
 

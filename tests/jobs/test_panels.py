@@ -19,7 +19,7 @@ from ntk_service.errors import InvalidInput
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor, plan_panels, plan_tiles
 from ntk_service.jobs.executors.base import JobWork, compute_panel
 from ntk_service.jobs.manager import plan_of
-from ntk_service.jobs.panels import panel_tiles_for
+from ntk_service.jobs.panels import panel_count, panel_tiles_for
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.store import JobStore
 from ntk_service.kernels import KernelMode, SideCache
@@ -43,7 +43,7 @@ def test_every_tile_is_in_exactly_one_panel_inside_its_bounds(
     panels = plan_panels(plan, panel_tiles=panel_tiles)
     ids = [t.id for p in panels for t in p.tiles]
     assert sorted(ids) == sorted(t.id for t in plan.tiles) and len(ids) == len(set(ids))
-    assert [p.id for p in panels] == list(range(len(panels)))
+    assert [p.id for p in panels] == list(range(len(panels))) and len(panels) == panel_count(plan, panel_tiles)
     for panel in panels:
         assert len(panel.tiles) <= panel_tiles**2
         assert {t.i // panel_tiles for t in panel.tiles} == {panel.band}
@@ -83,6 +83,9 @@ def test_panel_size_is_the_largest_within_the_target_and_a_quarter_of_the_budget
     # Work that does not fit one tile still runs a tile per panel; work far below the target takes the whole job.
     assert panel_tiles_for(plan, k=1, itemsize=4, flops_of=lambda r, c: 1e30, memory_budget_bytes=None) == 1
     assert panel_tiles_for(plan, k=1, itemsize=4, flops_of=lambda r, c: 1.0, memory_budget_bytes=None) == 16
+    # At least 8 panels (two workers): 16 row blocks in bands of s make b(b+1)/2 panels, b = ceil(16 / s) ≥ 4: s ≤ 5.
+    cheap = {"k": 1, "itemsize": 4, "flops_of": lambda r, c: 1.0, "memory_budget_bytes": None}
+    assert panel_tiles_for(plan, **cheap, min_panels=8) == 5  # type: ignore[arg-type]
 
 
 def test_claim_and_record_are_one_transaction_each(tmp_path: Path) -> None:
@@ -153,9 +156,10 @@ def test_a_job_in_panels_equals_the_reference_and_resumes_panel_by_panel(
 
 
 def test_the_cost_model_sizes_panels_at_submission(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
-    quick = make_manager()  # a tiny model: the whole job is far below the 4 s target, one panel side
+    quick = make_manager()  # a tiny model: far below the 4 s target, so the panel count decides
     job = quick.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=2)
-    assert job.spec.panel_tiles == 6  # 11 examples: 6 row blocks of 2
+    # 11 examples, 6 row blocks of 2, one worker: at least 4 panels; bands of 2 blocks make 3 · 4 / 2 = 6, of 3 only 3.
+    assert job.spec.panel_tiles == 2
     assert wait_finished(quick, job.id).status is JobStatus.SUCCEEDED
     quick.stop()
     strict = make_manager(panel_seconds=1e-12)  # no panel fits: a tile per panel

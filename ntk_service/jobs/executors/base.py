@@ -241,5 +241,9 @@ class Executor(ABC):
         of ``device`` (None lets each tile plan for the device it gets)."""
         return device_memory_budget(self.device)
 
+    def parallelism(self) -> int:
+        """Panels this executor computes at once (the panel planner cuts a job into several per worker)."""
+        return 1
+
     def close(self) -> None:  # noqa: B027 - optional hook, most executors hold nothing
         """Release what the executor holds (threads, a Ray connection)."""

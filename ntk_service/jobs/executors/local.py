@@ -85,6 +85,10 @@ class LocalExecutor(Executor):
         self.device = parse_device(device, operation="LocalExecutor")
         self.allow_tf32 = allow_tf32
 
+    def parallelism(self) -> int:
+        """The worker threads."""
+        return self.workers
+
     def run(
         self,
         work: JobWork,

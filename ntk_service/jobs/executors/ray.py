@@ -36,7 +36,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +252,7 @@ class RayExecutor(Executor):
                 self._before_ray = _descendants(os.getpid())
                 ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING)
                 self._owns_ray = True
+                self._note_local_ray()
             self._ray = ray
         return self._ray
 
@@ -288,6 +289,15 @@ class RayExecutor(Executor):
             found = _descendants(os.getpid()) - self._before_ray
             self._ray_pids |= {pid for pid in found if "ray" in _command(pid)}
 
+    def parallelism(self) -> int:
+        """The actors: those running, else the ``actors`` setting, else the cluster's when connected, else this
+        host's CPUs over ``num_cpus`` (a guess before the first job connects)."""
+        if self._pool:
+            return len(self._pool)
+        if self.actors is not None or self._ray is not None:
+            return self._pool_size(self._ray)
+        return max(1, int((os.cpu_count() or 1) / max(self.num_cpus, 0.001)))
+
     def _pool_size(self, ray: Any) -> int:
         if self.actors is not None:
             return self.actors
@@ -296,9 +306,9 @@ class RayExecutor(Executor):
             return max(1, int(float(resources.get("GPU", 0)) / self.num_gpus))
         return max(1, int(float(resources.get("CPU", 1)) / max(self.num_cpus, 0.001)))
 
-    def _ensure_pool(self, ray: Any) -> list[Any]:
-        """The live actors, created (and waited for) when there are none: on the first job, or after every actor
-        was lost."""
+    def _ensure_pool(self, ray: Any, should_stop: Callable[[], bool]) -> list[Any]:
+        """The live actors, created (and waited for, until ``should_stop``) when there are none: on the first job,
+        or after every actor was lost. Empty when told to stop before any was ready."""
         if not self._pool:
             remote = ray.remote(PanelWorker).options(
                 num_cpus=self.num_cpus,
@@ -311,7 +321,19 @@ class RayExecutor(Executor):
                 remote.remote(threads, self.num_gpus > 0, self.allow_tf32, self.side_cache_bytes)
                 for _ in range(self._pool_size(ray))
             ]
-            self._nodes = dict(zip(self._pool, ray.get([actor.ready.remote() for actor in self._pool]), strict=True))
+            waiting = {actor.ready.remote(): actor for actor in self._pool}
+            while waiting:
+                # Starting actors takes seconds on a busy machine: the local Ray's processes are noted meanwhile
+                # (``close`` reaps them) and a shutdown does not wait for the actors to come up.
+                ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=_WAIT_S)
+                self._note_local_ray()
+                for ref, node in zip(ready, ray.get(ready), strict=True):
+                    self._nodes[waiting.pop(ref)] = node
+                if waiting and should_stop():
+                    for actor in waiting.values():  # the next job starts its own; these would count as lost
+                        self._forget(actor)
+                        ray.kill(actor)
+                    return []
         return self._pool
 
     def _forget(self, actor: Any) -> None:
@@ -396,7 +418,9 @@ class _Dispatch:
         ray, callbacks = self.ray, self.callbacks
         pending = list(reversed(panels))
         while pending or self.in_flight or self.retry:
-            pool = self.executor._ensure_pool(ray)
+            pool = self.executor._ensure_pool(ray, callbacks.should_stop)
+            if not pool:
+                break  # told to stop while the actors started: nothing was sent
             window = self._window(len(pool))
             while self.retry and len(self.in_flight) < window:
                 self._send(*self.retry.pop(), pool)
