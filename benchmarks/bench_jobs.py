@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
 import socket
 import sqlite3
 import subprocess
@@ -229,9 +230,8 @@ def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, int, int, int
 
 
 def _bytes_per_task(model: nn.Module, x: torch.Tensor, tile_size: int) -> tuple[int, int, int]:
-    """(before, after, once per actor per job) bytes of one Ray task's arguments, pickled as Ray pickles them."""
-    import ray.cloudpickle as cloudpickle
-
+    """(before, after, once per actor per job) bytes of one Ray task's arguments, pickled (Ray's cloudpickle gives
+    the same sizes for these importable classes)."""
     from ntk_service.jobs.executors.base import JobWork
     from ntk_service.jobs.records import JobSpec
 
@@ -243,14 +243,14 @@ def _bytes_per_task(model: nn.Module, x: torch.Tensor, tile_size: int) -> tuple[
         tile_size=tile_size, memory_budget_bytes=2**33, panel_tiles=8,
     )  # fmt: skip
     work = JobWork(job_id="0" * 32, spec=spec, plan=plan, result_path=Path("/shared/result.zarr"))
-    model_bytes = len(cloudpickle.dumps(model))
+    model_bytes = len(pickle.dumps(model))
     # Before: a task per tile carried the JobWork and the Tile inline, and deserialized x1 (a torch tensor in the
     # object store: a copy per task) and the model (a copy per task).
-    before = len(cloudpickle.dumps((work, plan.tiles[1]))) + x.numel() * x.element_size() + model_bytes
+    before = len(pickle.dumps((work, plan.tiles[1]))) + x.numel() * x.element_size() + model_bytes
     panel = plan_panels(plan, panel_tiles=8)[1]
     refs = ["0" * 32 + ":0", b"r" * 28, b"r" * 28, None, b"r" * 28]  # an ObjectRef pickles to its 28-byte id
-    after = len(cloudpickle.dumps((refs, panel, tuple(t.id for t in panel.tiles))))
-    once = model_bytes + len(cloudpickle.dumps(work)) + x.numel() * x.element_size()
+    after = len(pickle.dumps((refs, panel, tuple(t.id for t in panel.tiles))))
+    once = model_bytes + len(pickle.dumps(work)) + x.numel() * x.element_size()
     return before, after, once
 
 

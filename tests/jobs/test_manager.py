@@ -175,7 +175,7 @@ def test_resume_computes_only_missing_tiles_and_matches_an_uninterrupted_run(
 
 def test_two_workers_give_the_same_bits(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
     one = make_manager()
-    options = {"x2_dataset": jobs_env.x2_id, "mode": "full", "tile_size": 2, "panel_tiles": 2}  # the same panels
+    options: dict[str, Any] = {"x2_dataset": jobs_env.x2_id, "mode": "full", "tile_size": 2, "panel_tiles": 2}
     a = one.submit(model="tiny", x1_dataset=jobs_env.x1_id, **options)
     wait_finished(one, a.id)
     one.stop()

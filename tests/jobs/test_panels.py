@@ -131,7 +131,13 @@ def test_a_job_in_panels_equals_the_reference_and_resumes_panel_by_panel(
 ) -> None:
     gate = _StopAfter(free=1)
     first = make_manager(LocalExecutor(run_compute=gate))
-    options = {"model": "tiny", "x1_dataset": jobs_env.x1_id, "mode": "full", "dtype": "float64", "tile_size": 2}
+    options: dict[str, Any] = {
+        "model": "tiny",
+        "x1_dataset": jobs_env.x1_id,
+        "mode": "full",
+        "dtype": "float64",
+        "tile_size": 2,
+    }
     job = first.submit(**options, panel_tiles=2)  # 6 row blocks: 21 tiles in 6 panels
     panels = plan_panels(plan_of(job.spec), panel_tiles=2)
     assert job.spec.panel_tiles == 2 and len(panels) == 6
