@@ -331,15 +331,19 @@ class RayExecutor(Executor):
                     self._nodes[waiting.pop(ref)] = node
                 if waiting and should_stop():
                     for actor in waiting.values():  # the next job starts its own; these would count as lost
-                        self._forget(actor)
-                        ray.kill(actor)
+                        self._discard(ray, actor)
                     return []
         return self._pool
 
-    def _forget(self, actor: Any) -> None:
+    def _discard(self, ray: Any, actor: Any) -> None:
+        """Drop an actor from the pool and kill it for good (it holds a CPU, and close only kills the pool's)."""
         if actor in self._pool:
             self._pool.remove(actor)
         self._nodes.pop(actor, None)
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone with its node
+            logger.debug("jobs: a lost Ray panel worker could not be killed (gone already)")
 
     def _drop_lost(self, ray: Any) -> list[Any]:
         """Remove the actors whose node is gone from the pool and return them. Ray would restart them, but only
@@ -347,11 +351,7 @@ class RayExecutor(Executor):
         alive = {str(node["NodeID"]) for node in ray.nodes() if node.get("Alive")}
         lost = [actor for actor in self._pool if self._nodes.get(actor) not in alive]
         for actor in lost:
-            self._forget(actor)
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone with its node
-                logger.debug("jobs: a lost Ray panel worker could not be killed (gone already)")
+            self._discard(ray, actor)
         return lost
 
     def run(
@@ -399,12 +399,13 @@ class _Dispatch:
         return max(1, limit) if limit is not None else _CALLS_PER_ACTOR * actors
 
     def _actor_for(self, panel: Panel, pool: list[Any]) -> Any:
+        # The band's actor while it has room, else the least loaded one (which becomes the band's actor when the
+        # band has none yet, or its actor was lost).
         owner = self.band_actor.get(panel.band)
-        if owner is not None and owner in pool and self.load.get(owner, 0) < _CALLS_PER_ACTOR:
+        if owner in pool and self.load.get(owner, 0) < _CALLS_PER_ACTOR:
             return owner
         actor = min(pool, key=lambda a: self.load.get(a, 0))
-        self.band_actor.setdefault(panel.band, actor)
-        if self.band_actor[panel.band] not in pool:
+        if owner not in pool:
             self.band_actor[panel.band] = actor
         return actor
 
@@ -461,7 +462,7 @@ class _Dispatch:
             # The actor is gone for good (its node was lost, or it died more often than max_retries): its panel
             # runs again on the actors that remain; its chunks, if partly written, are rewritten before recorded.
             logger.warning("jobs: a Ray panel worker was lost; panel %d runs again elsewhere", panel.id)
-            self.executor._forget(actor)
+            self.executor._discard(ray, actor)
             self._requeue([actor])
             self.retry.append((panel, tile_ids))
             return
