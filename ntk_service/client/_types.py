@@ -147,6 +147,7 @@ class JobInfo(TypedDict):
     dtype: DtypeName
     params: list[str] | None
     tile_size: int
+    panel_tiles: int
     tiles_done: int
     tiles_total: int
     progress: float
