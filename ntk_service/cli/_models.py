@@ -113,9 +113,10 @@ def register_program(
     if wants_json(ctx, json_output):
         print_json(record)
     else:
-        operators = record.get("architecture", {}).get("operators") or []
+        operators = record.get("architecture", {}).get("operators")
+        count = len(operators) if isinstance(operators, list) else "?"
         typer.echo(
-            f"registered {record['name']} version {record['version']} (exported, {len(operators)} operators): "
+            f"registered {record['name']} version {record['version']} (exported, {count} operators): "
             f"{record.get('num_params')} parameters, input {record.get('input_shape')} "
             f"{record.get('input_dtype', '')}, {record.get('output_dim')} outputs"
         )
