@@ -252,7 +252,7 @@ class ModelRegistry:
                             "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
                             (name, json.dumps(normalized), record.created_at.isoformat()),
                         )
-                        insert_version_row(conn, record)
+                        self._insert_version_row(conn, record)
                 except BaseException:
                     self._collect_garbage({sha})
                     if program_sha is not None:
@@ -310,7 +310,7 @@ class ModelRegistry:
                         latest, version=int(row[0]) + 1, seed=None, weights_sha256=sha, created_at=_now(), label=label
                     )
                     self._files.publish(tmp, sha)
-                    insert_version_row(conn, record)
+                    self._insert_version_row(conn, record)
             except BaseException:
                 self._collect_garbage({sha})
                 raise
@@ -430,6 +430,10 @@ class ModelRegistry:
             return self._programs.module(record, operation=op)
         config = parse_architecture(record.architecture, operation=op)
         return build_skeleton(config, allowed_factories=self.allowed_factories, operation=op)
+
+    def _insert_version_row(self, conn: Any, record: ModelRecord) -> None:
+        """Every version row is written here (version_rows.py), the one seam a failed commit is tested through."""
+        insert_version_row(conn, record)
 
     @staticmethod
     def _check_name(name: object, op: str) -> None:
