@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -130,6 +131,12 @@ def test_the_kernel_family_on_an_exported_model_equals_products_written_out(live
         w = torch.randn(3, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
         back = client.matvec(name, x1, x2, v=w, mode="trace", transpose=True, dtype="float64", as_torch=True)
         assert_matches(back, torch.einsum("nm,n->m", full.diagonal(dim1=2, dim2=3).sum(-1), w))
+
+        # an analysis route on the program: the top of Θ(x1, x1)'s spectrum (float32 on the server) = numpy's eigvalsh
+        spectrum = client.spectrum(name, x1, top=4, method="eigh")
+        matrix = reference_ntk(module, x1).permute(0, 2, 1, 3).reshape(9, 9).numpy()
+        expected = np.linalg.eigvalsh(matrix)[::-1][:4]
+        np.testing.assert_allclose(spectrum.eigenvalues, expected, rtol=1e-4, atol=1e-5 * expected[0])
 
         # what a program cannot give is refused with what to do instead: no initializer, no called submodules
         with pytest.raises(UnsupportedModel) as info:
