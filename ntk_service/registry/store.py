@@ -224,7 +224,7 @@ class ModelRegistry:
         committed together: files are published inside the write transaction, as NOTE [crash safety] requires."""
         data, sha = serialize(tensors)
         tmp = self._files.write_temp(lambda f: f.write(data))
-        program_sha = str(normalized["program_sha256"]) if program is not None else None
+        archive_sha = str(normalized["program_sha256"]) if program is not None else None
         program_tmp = self._programs.write_temp(program) if program is not None else None
         record = ModelRecord(
             name=name,
@@ -246,8 +246,8 @@ class ModelRegistry:
                     with self._db.write() as conn:
                         self._check_free(name, op)
                         self._files.publish(tmp, sha)
-                        if program_tmp is not None and program_sha is not None:
-                            self._programs.publish(program_tmp, program_sha)
+                        if program_tmp is not None and archive_sha is not None:
+                            self._programs.publish(program_tmp, archive_sha)
                         conn.execute(
                             "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
                             (name, json.dumps(normalized), record.created_at.isoformat()),
@@ -255,8 +255,8 @@ class ModelRegistry:
                         self._insert_version_row(conn, record)
                 except BaseException:
                     self._collect_garbage({sha})
-                    if program_sha is not None:
-                        self._collect_programs({program_sha})
+                    if archive_sha is not None:
+                        self._collect_programs({archive_sha})
                     raise
         finally:
             if program_tmp is not None:
