@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -48,7 +50,7 @@ from ntk_service.client._types import (
     KernelModeName,
     ModelInfo,
 )
-from ntk_service.errors import NtkServiceError
+from ntk_service.errors import InvalidInput, NtkServiceError
 
 __all__ = [
     "Client",
@@ -178,11 +180,7 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
         """
         if not is_describable(module):
             data = export_module(module, input_shape=input_shape, input_dtype=input_dtype)
-            body, content_type = multipart_body({"name": name, "label": label}, {"program": ("model.pt2", data)})
-            response = self._request(
-                "POST", "/v1/models/exported", content=body, content_type=content_type, accept=wire.MEDIA_JSON
-            )
-            return cast(ModelInfo, dict(_decode_json(response)))
+            return self.register_program(name, data, label=label)
         architecture = describe_module(module, input_shape=input_shape, input_dtype=input_dtype)
         content = _encode_weights(module.state_dict(), {"architecture": json.dumps(architecture)})
         response = self._request(
@@ -192,6 +190,46 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
             content_type=wire.MEDIA_SAFETENSORS,
             accept=wire.MEDIA_JSON,
             params={"name": name, "label": label},
+        )
+        return cast(ModelInfo, dict(_decode_json(response)))
+
+    def register_program(
+        self, name: str, program: bytes | str | PathLike[str], *, label: str | None = None
+    ) -> ModelInfo:
+        """Register a saved ``torch.export`` program, with the weights it was exported with as version 1 (write scope).
+
+        What ``register_module`` uploads for a module the ``sequential`` family cannot describe, for an archive you
+        wrote yourself: ``torch.export.save(torch.export.export(model.eval(), (x,), dynamic_shapes=({0:
+        torch.export.Dim("batch")},)), "model.pt2")``. It goes to ``POST /v1/models/exported`` (multipart, fields
+        ``name``, ``program`` and ``label``); the server loads it without unpickling anything.
+
+        Args:
+            name (str): the model's unique name.
+            program (bytes | str | PathLike): the archive's bytes, or the path of the ``.pt2`` file.
+            label (str | None): a label for version 1, e.g. "epoch 0". Default: none.
+
+        Returns:
+            The model record of version 1 (``architecture["family"]``: "exported").
+
+        Raises:
+            InvalidInput: the file cannot be read, or the server refuses the archive (not a zip, a pickled entry,
+                sizes that do not match the bytes, more than one input or output, ...: the message says which).
+            UnsupportedModel: the graph calls an operator outside the server's allow-list (named).
+            NameConflict: the name is taken. PayloadTooLarge: the archive is over the server's limits.
+        """
+        if isinstance(program, bytes | bytearray):
+            data = bytes(program)
+        else:
+            try:
+                data = Path(program).read_bytes()
+            except OSError as exc:
+                raise InvalidInput(
+                    f"register_program: cannot read the program file {str(program)!r} ({exc.strerror or exc}); "
+                    "expected the path of an archive written by torch.export.save"
+                ) from exc
+        body, content_type = multipart_body({"name": name, "label": label}, {"program": ("model.pt2", data)})
+        response = self._request(
+            "POST", "/v1/models/exported", content=body, content_type=content_type, accept=wire.MEDIA_JSON
         )
         return cast(ModelInfo, dict(_decode_json(response)))
 

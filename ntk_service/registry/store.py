@@ -7,13 +7,13 @@
 
 Layout: ``registry.sqlite3`` (see database.py), ``weights/<sha256>.safetensors``, content-addressed, so versions
 with identical weights share one file, and ``programs/<sha256>.pt2``, the torch.export archives of ``exported``
-models (read only by exported.py's checked loader). Crash safety: NOTE [crash safety] in files.py.
+models (programs.py; read only by exported.py's checked loader). Rows <-> records: version_rows.py. Crash safety:
+NOTE [crash safety] in files.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import re
@@ -27,19 +27,19 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkServiceError
 from ntk_service.registry.architectures import parse_architecture
-from ntk_service.registry.archive import ArchiveLimits
 from ntk_service.registry.cache import ModuleCache
 from ntk_service.registry.database import DATABASE_FILENAME, Database
-from ntk_service.registry.exported import EXPORTED_FAMILY, exported_architecture, load_exported, probe_output_dim
 from ntk_service.registry.files import FileStore
+from ntk_service.registry.programs import ProgramStore, is_exported, load_program, program_sha
 from ntk_service.registry.records import ModelRecord, ParameterInfo
+from ntk_service.registry.version_rows import SELECT_VERSION, insert_version_row, record_from_row
 from ntk_service.registry.weights import (
     canonical_tensors,
     load_tensors,
     parse_safetensors,
     serialize,
 )
-from ntk_service.registry.zoo import MAX_PARAMS, ModelSpec, build_model, build_skeleton, build_uninitialized
+from ntk_service.registry.zoo import ModelSpec, build_model, build_skeleton, build_uninitialized
 
 __all__ = ["MAX_LABEL_LENGTH", "MODEL_NAME_PATTERN", "ModelRegistry"]
 
@@ -68,43 +68,12 @@ def _check_label(label: object, op: str) -> str | None:
     return label
 
 
-_SELECT_VERSION = """
-SELECT v.name, v.version, m.architecture, v.seed, v.num_params, v.input_shape, v.input_dtype, v.output_dim,
-       v.parameters, v.weights_sha256, v.created_at, v.label
-FROM model_versions v JOIN models m ON m.name = v.name
-"""
-
-
 def _now() -> datetime:
     return datetime.now(UTC)
 
 
-def _record_from_row(row: Any) -> ModelRecord:
-    return ModelRecord(
-        name=row[0],
-        version=row[1],
-        architecture=json.loads(row[2]),
-        seed=row[3],
-        num_params=row[4],
-        input_shape=tuple(json.loads(row[5])),
-        input_dtype=row[6],
-        output_dim=row[7],
-        parameters=tuple(ParameterInfo(n, tuple(s)) for n, s in json.loads(row[8])),
-        weights_sha256=row[9],
-        created_at=datetime.fromisoformat(row[10]),
-        label=row[11],
-    )
-
-
 def _parameter_infos(module: nn.Module) -> tuple[ParameterInfo, ...]:
     return tuple(ParameterInfo(n, tuple(p.shape)) for n, p in module.named_parameters())
-
-
-def _program_sha(architecture_json: str) -> str | None:
-    """The archive an exported model's architecture names (None for other families)."""
-    architecture = json.loads(architecture_json)
-    is_exported = isinstance(architecture, dict) and architecture.get("family") == EXPORTED_FAMILY
-    return str(architecture["program_sha256"]) if is_exported else None
 
 
 def _listing(items: list[str]) -> str:
@@ -141,7 +110,7 @@ class ModelRegistry:
         self.allowed_factories = frozenset(allowed_factories)
         self._db = Database(self.data_dir / DATABASE_FILENAME)
         self._files = FileStore(self.data_dir / "weights", ".safetensors")
-        self._programs = FileStore(self.data_dir / "programs", ".pt2")
+        self._programs = ProgramStore(self.data_dir)
         self.device = torch.device(device)
         self._cache = ModuleCache(module_cache_size, place=lambda module: module.to(self.device))
         self._sweep()
@@ -234,16 +203,8 @@ class ModelRegistry:
         self._check_name(name, op)
         label = _check_label(label, op)
         self._check_free(name, op)
-        program = load_exported(archive, operation=op, limits=ArchiveLimits(), max_params=MAX_PARAMS)
-        spec = ModelSpec(
-            tuple(int(n) for n in program.input_shape),  # type: ignore[arg-type]
-            program.input_dtype,  # type: ignore[arg-type]
-            probe_output_dim(program, operation=op),
-        )
-        sha = hashlib.sha256(archive).hexdigest()
-        module = program.module.eval()
+        module, spec, normalized = load_program(archive, operation=op)
         tensors = canonical_tensors(module, operation=op)
-        normalized = exported_architecture(program, sha)
         return self._create(name, normalized, module, spec, tensors, seed=None, label=label, op=op, program=archive)
 
     def _create(
@@ -263,8 +224,8 @@ class ModelRegistry:
         committed together: files are published inside the write transaction, as NOTE [crash safety] requires."""
         data, sha = serialize(tensors)
         tmp = self._files.write_temp(lambda f: f.write(data))
-        program_sha = str(normalized["program_sha256"]) if program is not None else None
-        program_tmp = self._programs.write_temp(lambda f: f.write(program)) if program is not None else None
+        archive_sha = str(normalized["program_sha256"]) if program is not None else None
+        program_tmp = self._programs.write_temp(program) if program is not None else None
         record = ModelRecord(
             name=name,
             version=1,
@@ -285,8 +246,8 @@ class ModelRegistry:
                     with self._db.write() as conn:
                         self._check_free(name, op)
                         self._files.publish(tmp, sha)
-                        if program_tmp is not None and program_sha is not None:
-                            self._programs.publish(program_tmp, program_sha)
+                        if program_tmp is not None and archive_sha is not None:
+                            self._programs.publish(program_tmp, archive_sha)
                         conn.execute(
                             "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
                             (name, json.dumps(normalized), record.created_at.isoformat()),
@@ -294,8 +255,8 @@ class ModelRegistry:
                         self._insert_version_row(conn, record)
                 except BaseException:
                     self._collect_garbage({sha})
-                    if program_sha is not None:
-                        self._collect_programs({program_sha})
+                    if archive_sha is not None:
+                        self._collect_programs({archive_sha})
                     raise
         finally:
             if program_tmp is not None:
@@ -366,7 +327,7 @@ class ModelRegistry:
         with self._db.write() as conn:
             shas = {r[0] for r in conn.execute("SELECT weights_sha256 FROM model_versions WHERE name = ?", (name,))}
             programs = {
-                _program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models WHERE name = ?", (name,))
+                program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models WHERE name = ?", (name,))
             }
             if conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
                 raise ModelNotFound(self._not_found_message(f"delete {name!r}", name))
@@ -385,11 +346,11 @@ class ModelRegistry:
         """
         op = f"get {name!r}"
         if version is None:
-            rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version DESC LIMIT 1", (name,))
+            rows = self._db.query(SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version DESC LIMIT 1", (name,))
         else:
-            rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? AND v.version = ?", (name, version))
+            rows = self._db.query(SELECT_VERSION + " WHERE v.name = ? AND v.version = ?", (name, version))
         if rows:
-            return _record_from_row(rows[0])
+            return record_from_row(rows[0])
         raise ModelNotFound(self._not_found_message(op, name, version))
 
     def versions(self, name: str) -> list[ModelRecord]:
@@ -398,18 +359,18 @@ class ModelRegistry:
         Raises:
             ModelNotFound: no such model.
         """
-        rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version", (name,))
+        rows = self._db.query(SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version", (name,))
         if not rows:
             raise ModelNotFound(self._not_found_message(f"versions {name!r}", name))
-        return [_record_from_row(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
     def list(self) -> list[ModelRecord]:
         """The latest version of every model, by name."""
         rows = self._db.query(
-            _SELECT_VERSION
+            SELECT_VERSION
             + " WHERE v.version = (SELECT MAX(version) FROM model_versions w WHERE w.name = v.name) ORDER BY v.name"
         )
-        return [_record_from_row(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
     def weights_path(self, name: str, version: int) -> Path:
         """The stored safetensors file of a version (immutable; for streaming responses).
@@ -465,35 +426,14 @@ class ModelRegistry:
         return path
 
     def _skeleton(self, record: ModelRecord, op: str) -> nn.Module:
-        if record.architecture.get("family") == EXPORTED_FAMILY:
-            path = self._programs.path(str(record.architecture["program_sha256"]))
-            if not path.is_file():
-                raise NtkServiceError(
-                    f"model {record.name!r}: its program file {path} is missing; the data directory was changed "
-                    "outside ntk-service (restore it from a backup, or delete the model)"
-                )
-            return load_exported(path.read_bytes(), operation=op).module.eval()
+        if is_exported(record.architecture):
+            return self._programs.module(record, operation=op)
         config = parse_architecture(record.architecture, operation=op)
         return build_skeleton(config, allowed_factories=self.allowed_factories, operation=op)
 
     def _insert_version_row(self, conn: Any, record: ModelRecord) -> None:
-        conn.execute(
-            "INSERT INTO model_versions (name, version, seed, num_params, input_shape, input_dtype, output_dim, "
-            "parameters, weights_sha256, created_at, label) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                record.name,
-                record.version,
-                record.seed,
-                record.num_params,
-                json.dumps(list(record.input_shape)),
-                record.input_dtype,
-                record.output_dim,
-                json.dumps([[p.name, list(p.shape)] for p in record.parameters]),
-                record.weights_sha256,
-                record.created_at.isoformat(),
-                record.label,
-            ),
-        )
+        """Every version row is written here (version_rows.py), the one seam a failed commit is tested through."""
+        insert_version_row(conn, record)
 
     @staticmethod
     def _check_name(name: object, op: str) -> None:
@@ -535,9 +475,7 @@ class ModelRegistry:
         """Remove the program archives among ``shas`` that no model references (best effort, as for weights)."""
         try:
             with self._db.write() as conn:
-                referenced = {_program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models")}
-                for sha in shas - referenced:
-                    self._programs.remove(sha)
+                self._programs.collect(conn, shas)
         except Exception:  # the startup sweep removes what is left
             logger.warning("could not remove unreferenced program files %s", sorted(shas), exc_info=True)
 
@@ -546,8 +484,7 @@ class ModelRegistry:
         with self._db.write() as conn:
             referenced = {r[0] for r in conn.execute("SELECT DISTINCT weights_sha256 FROM model_versions")}
             removed, missing = self._files.sweep(referenced)
-            programs = {_program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models")}
-            self._programs.sweep({sha for sha in programs if sha is not None})
+            self._programs.sweep(conn)
         if removed:
             logger.info("removed %d weight files that no model version references", len(removed))
         if missing:

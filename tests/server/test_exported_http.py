@@ -11,13 +11,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from ntk_service.client import Client
 from ntk_service.client._export import multipart_body
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, UnsupportedModel
 from ntk_service.kernels.api import compute_ntk
 from tests.conftest import LiveServer
 from tests.reference import assert_matches, reference_ntk
@@ -104,6 +105,47 @@ def test_every_implementation_and_parameter_globs_by_the_original_names(live_ser
             client.upload_weights(name, state)
         assert "missing tensors: gate" in info.value.message
         assert "blocks.0.weight (expected [5, 5] float32, got [2, 2] float32)" in info.value.message
+
+
+@pytest.mark.slow
+def test_the_kernel_family_on_an_exported_model_equals_products_written_out(live_server: LiveServer) -> None:
+    module, example = case("residual_mlp")  # LayerNorm, GELU, residuals: k = 3 outputs
+    name = f"exp-family-{uuid.uuid4().hex[:6]}"
+    x1, x2 = _batch(example, 3, 11), _batch(example, 2, 12)
+    with torch.no_grad():  # the NNGP's features are the outputs: f(x1) f(x2)ᵀ by hand, in float64
+        f1, f2 = copy.deepcopy(module).double()(x1.double()), copy.deepcopy(module).double()(x2.double())
+    full = reference_ntk(module, x1, x2)
+    with Client(live_server.url, api_key=live_server.write_key) as client:
+        assert client.register_module(name, module, input_shape=(4,))["architecture"]["family"] == "exported"
+        nngp = client.nngp_result(name, x1, x2, dtype="float64", as_torch=True)
+        assert (nngp.features, nngp.layer, nngp.version) == (3, None, 1)
+        assert_matches(nngp.kernel, f1[:, None, :, None] * f2[None, :, None, :])
+        assert_matches(client.nngp(name, x1, x2, mode="trace", dtype="float64", as_torch=True), f1 @ f2.T)
+
+        # the pseudo-NTK (the full kernel summed over both output axes, over k) and the operator's products
+        pseudo = client.ntk(name, x1, x2, mode="pseudo", dtype="float64", as_torch=True)
+        assert_matches(pseudo, reference_ntk(module, x1, x2, mode="pseudo"))
+        v = torch.randn(2, 3, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+        product = client.matvec(name, x1, x2, v=v, dtype="float64", as_torch=True)
+        assert_matches(product, torch.einsum("nmab,mb->na", full, v))
+        w = torch.randn(3, generator=torch.Generator().manual_seed(14), dtype=torch.float64)
+        back = client.matvec(name, x1, x2, v=w, mode="trace", transpose=True, dtype="float64", as_torch=True)
+        assert_matches(back, torch.einsum("nm,n->m", full.diagonal(dim1=2, dim2=3).sum(-1), w))
+
+        # an analysis route on the program: the top of Θ(x1, x1)'s spectrum (float32 on the server) = numpy's eigvalsh
+        spectrum = client.spectrum(name, x1, top=4, method="eigh")
+        matrix = reference_ntk(module, x1).permute(0, 2, 1, 3).reshape(9, 9).numpy()
+        expected = np.linalg.eigvalsh(matrix)[::-1][:4]
+        np.testing.assert_allclose(spectrum.eigenvalues, expected, rtol=1e-4, atol=1e-5 * expected[0])
+
+        # what a program cannot give is refused with what to do instead: no initializer, no called submodules
+        with pytest.raises(UnsupportedModel) as info:
+            client.monte_carlo(name, x1, seeds=[0, 1], dtype="float64")
+        assert info.value.http_status == 422
+        assert "holds weights but no initializer" in info.value.message
+        with pytest.raises(UnsupportedModel) as info:
+            client.nngp(name, x1, layer="blocks.0")
+        assert "layer 'blocks.0'" in info.value.message and "never its submodules" in info.value.message
 
 
 def test_an_export_failure_reaches_the_user_with_torchs_message_and_what_to_do(live_server: LiveServer) -> None:
@@ -225,3 +267,19 @@ def test_the_upload_route_refuses_a_form_without_its_fields(live_server: LiveSer
         assert response.status_code == 415
     with live_server.client("read") as http:  # registering needs the write scope
         assert http.post("/v1/models/exported", content=body, headers={"Content-Type": content_type}).status_code == 403
+
+
+def test_register_program_takes_a_saved_file_and_names_one_it_cannot_read(
+    live_server: LiveServer, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    path = tmp_path / "small.pt2"
+    path.write_bytes(export_archive(_Small(), torch.randn(2, 3)))
+    name = f"program-file-{uuid.uuid4().hex[:6]}"
+    with Client(live_server.url, api_key=live_server.write_key) as client:
+        record = client.register_program(name, path, label="epoch 0")
+        assert (record["architecture"]["family"], record["label"], record["num_params"]) == ("exported", "epoch 0", 8)
+        with pytest.raises(InvalidInput) as info:
+            client.register_program("never-registered", tmp_path)  # a directory, not an archive
+        assert info.value.message.startswith(f"register_program: cannot read the program file {str(tmp_path)!r}")
+        assert "never-registered" not in {m["name"] for m in client.list_models()}
