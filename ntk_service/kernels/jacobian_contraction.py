@@ -20,16 +20,21 @@ taken only while its whole side fits under that threshold (``joint_pays``), wher
 
 NOTE [Jacobian chunks]: one ``vmap(jacrev)`` call holds the saved tensors of all its examples and k cotangents
 of each, ~3.6x the Jacobian itself on the benchmark ResNet (11 MiB against 3 MiB per example), so there a call takes
-at most ``CHUNK_BYTES`` of transient (35 examples): on the ResNet at N = 128 a side took 5.07 CPU s and 896k page
-faults in one call, against 3.07 s and 131k faults in chunks of 35 (one process, alternating, glibc's default
-mmap threshold). Each chunk's Jacobians are kept as ``vmap(jacrev)`` returned them (``JacobianChunks``) and
-contracted chunk pair by chunk pair into slices of one accumulator: copying them into one (n, k, p) tensor per
-parameter wrote the whole side twice and held a chunk's Jacobians twice (the transformer at N = M = 64, TRACE:
-1.02M page faults and 2.06 s of system time per call against the tutorial's 534k and 0.89 s; without the copy
-428k and 0.65 s against 493k and 0.86 s, one process, alternating, contended). Where the transient is smaller
-than the Jacobian (the transformer: 6 MiB against 17 MiB per example) chunking saves under half the side's peak
-and costs calls: in chunks of 32 the transformer's N = 64 TRACE kernel took 1.81 user s against 1.58 in one call
-(the tutorial 1.59; chunks of 16: 2.25), so such a side is one call, the tutorial's exact work.
+at most ``CHUNK_BYTES`` of transient (71 examples). The bound was 384 MiB (35 examples) when every large buffer
+was a fresh mapping (NOTE [large buffers] in allocator.py): on the ResNet at N = 128 a side took 5.07 CPU s and
+896k page faults in one call, against 3.07 s and 131k faults in chunks of 35. With large buffers reused, a call's
+overhead is what chunks cost: the ResNet's N = 128 TRACE kernel took 3.63 user s in 4 calls of 32 per side,
+3.35 in 2 of 64, 3.16 in one call, the tutorial (one call, BatchNorm's own kernel) 3.55 (one process,
+alternating, contended); 2 of 64 keep the side's peak at ~1.1 GB against ~1.8 GB in one call. Each chunk's
+Jacobians are kept as ``vmap(jacrev)`` returned them (``JacobianChunks``) and contracted chunk pair by chunk
+pair into slices of one accumulator: copying them into one (n, k, p) tensor per parameter wrote the whole side
+twice and held a chunk's Jacobians twice (the transformer at N = M = 64, TRACE: 1.02M page faults and 2.06 s of
+system time per call against the tutorial's 534k and 0.89 s; without the copy 428k and 0.65 s against 493k and
+0.86 s, one process, alternating, contended). Where the transient is smaller than the Jacobian (the
+transformer: 6 MiB against 17 MiB per example) chunking saves under half the side's peak and costs calls: in
+chunks of 32 the transformer's N = 64 TRACE kernel took 1.81 user s against 1.58 in one call (the tutorial 1.59;
+chunks of 16: 2.25), so such a side is one call, the tutorial's exact work. A tighter budget is met by smaller
+blocks (``plan_blocks``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ __all__ = [
     "CHUNK_BYTES",
     "JacobianChunks",
     "JacobianContraction",
+    "Jacobians",
     "contract_groups",
     "contract_groups_diagonal",
     "jacobian_chunk",
@@ -59,7 +65,7 @@ __all__ = [
     "split_chunks",
 ]
 
-CHUNK_BYTES = 384 * 2**20
+CHUNK_BYTES = 768 * 2**20
 """Bound on one ``vmap(jacrev)`` call's transient (NOTE [Jacobian chunks])."""
 
 
@@ -149,22 +155,33 @@ def split_chunks(side: JacobianChunks, n: int) -> tuple[JacobianChunks, Jacobian
     return tuple(head), tuple(tail)
 
 
+Jacobians = NamedTensors | JacobianChunks
+"""What the contractions take: one name -> (n, k, p) mapping (``jacobians``), or a side's chunks of them."""
+
+
+def _chunked(side: Jacobians) -> JacobianChunks:
+    """A side as its chunks: a single mapping is one chunk."""
+    return (side,) if isinstance(side, dict) else side
+
+
 def _shape(side: JacobianChunks) -> tuple[int, int]:
     """(examples, k) of a side."""
     first = next(iter(side[0].values()))
     return _offsets(side)[-1][1], first.shape[1]
 
 
-def contract(j1: JacobianChunks, j2: JacobianChunks, mode: KernelMode) -> torch.Tensor:
+def contract(j1: Jacobians, j2: Jacobians, mode: KernelMode) -> torch.Tensor:
     """Contract the Jacobians of two sides, chunk pair by chunk pair into one accumulator, for ``mode``.
 
     Args:
-        j1: chunks name -> (c, k, p) of n examples. j2: chunks name -> (c, k, p) of m examples.
+        j1: the Jacobians of n examples, name -> (n, k, p) or chunks of them (``JacobianChunks``).
+        j2: the Jacobians of m examples, likewise.
         mode: FULL, TRACE or OUTPUT_DIAGONAL.
 
     Returns:
         (n, m, k, k) FULL, (n, m) TRACE, (n, m, k) OUTPUT_DIAGONAL.
     """
+    j1, j2 = _chunked(j1), _chunked(j2)
     n, k = _shape(j1)
     m = _shape(j2)[0]
     first = next(iter(j1[0].values()))
@@ -195,8 +212,9 @@ def contract(j1: JacobianChunks, j2: JacobianChunks, mode: KernelMode) -> torch.
     raise ValueError(f"contract: mode {mode} is contracted by contract_diagonal")
 
 
-def contract_diagonal(j1: JacobianChunks) -> torch.Tensor:
+def contract_diagonal(j1: Jacobians) -> torch.Tensor:
     """EXAMPLE_DIAGONAL from the chunks name -> (c, k, p) of a side of n examples: (n, k, k)."""
+    j1 = _chunked(j1)
     n, k = _shape(j1)
     out = next(iter(j1[0].values())).new_zeros(n, k, k)
     for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
@@ -211,6 +229,7 @@ def contract_groups(j1: JacobianChunks, j2: JacobianChunks, mode: KernelMode, gr
     Returns:
         (G, n, m, k, k) FULL, (G, n, m) TRACE, (G, n, m, k) OUTPUT_DIAGONAL, in the order of ``groups.names``.
     """
+    j1, j2 = _chunked(j1), _chunked(j2)
     n, k = _shape(j1)
     m = _shape(j2)[0]
     first = next(iter(j1[0].values()))
@@ -241,8 +260,9 @@ def contract_groups(j1: JacobianChunks, j2: JacobianChunks, mode: KernelMode, gr
     raise ValueError(f"contract_groups: mode {mode} is contracted by contract_groups_diagonal")
 
 
-def contract_groups_diagonal(j1: JacobianChunks, groups: ParameterGroups) -> torch.Tensor:
+def contract_groups_diagonal(j1: Jacobians, groups: ParameterGroups) -> torch.Tensor:
     """EXAMPLE_DIAGONAL per parameter group from the chunks name -> (c, k, p) of a side: (G, n, k, k)."""
+    j1 = _chunked(j1)
     n, k = _shape(j1)
     out = next(iter(j1[0].values())).new_zeros(len(groups), n, k, k)
     for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
