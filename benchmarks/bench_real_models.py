@@ -254,7 +254,8 @@ def bench_case(
             mib = f"{peer.peak_mib(c):.0f} †" if peer is not None else ""
         else:
             mib = _memory(name, n, mode, c, args.reuse_large_buffers) if args.memory and c in args.memory_of else ""
-        row[c] = (t, statistics.median(system[c]), statistics.median(faults[c]), mib, rate / peak_rate)
+        per_call = (statistics.median(system[c]), statistics.median(faults[c]), mib, rate / peak_rate)
+        row[c] = (t, *per_call, statistics.median(cpu[c]))
         print(
             f"| {label} | {t:.4g} | {ratio:.2f} | {rate / 1e9:.0f} | {100 * rate / peak_rate:.0f} % | "
             f"{f'{statistics.median(cpu[c]):.2f}' if ours_cpu else '-'} | "
@@ -294,17 +295,21 @@ def _summary(rows: list[dict[str, object]]) -> None:
     rows = [r for r in rows if "auto" in r and "tutorial" in r]
     if not rows:
         return
-    print("\nsummary: tutorial s / auto s (> 1: auto faster), per call medians; peak MiB auto / tutorial")
     print(
-        "| case | auto ran | tutorial / auto | auto s (sys s, faults) | tutorial s (sys s, faults) "
+        "\nsummary: tutorial s / auto s (> 1: auto faster) by wall time and by CPU s (user + system, the steadier "
+        "figure on a shared machine), per call medians; peak MiB auto / tutorial"
+    )
+    print(
+        "| case | auto ran | tutorial / auto | by CPU s | auto s (sys s, faults) | tutorial s (sys s, faults) "
         "| auto % of matmul | peak MiB auto / tutorial |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         a, t = r["auto"], r["tutorial"]
         assert isinstance(a, tuple) and isinstance(t, tuple)
         print(
-            f"| {r['case']} | {r['ran']} | **{t[0] / a[0]:.2f}** | {a[0]:.4g} ({a[1]:.2f}, {a[2]:.0f}) | "
+            f"| {r['case']} | {r['ran']} | **{t[0] / a[0]:.2f}** | {t[5] / a[5]:.2f} | "
+            f"{a[0]:.4g} ({a[1]:.2f}, {a[2]:.0f}) | "
             f"{t[0]:.4g} ({t[1]:.2f}, {t[2]:.0f}) | {100 * a[4]:.0f} % | {a[3] or '-'} / {t[3] or '-'} |",
             flush=True,
         )
