@@ -28,7 +28,8 @@ are built (not ``ru_maxrss``: Linux carries a parent's peak over fork and exec);
 VmHWM of its own process for that case and contender, over compiling and all the case's runs (compilation included).
 A peer case that passes ``--peer-memory-gib`` resident or ``--peer-timeout`` is killed and reported as not run.
 
-    .venv/bin/python benchmarks/bench_real_models.py --cases grid --rounds 2 --case-seconds 0  # issue 31's grid
+    .venv/bin/python benchmarks/bench_real_models.py --cases grid --no-peer --rounds 2 --case-seconds 0  # issue 31
+    .venv/bin/python benchmarks/bench_real_models.py --cases grid --no-peer --rounds 2 --models transformer
     .venv/bin/python benchmarks/bench_real_models.py --cases real peer       # the whole table (~30 min, shared)
     .venv/bin/python benchmarks/bench_real_models.py --models resnet --sizes 32 --contenders auto tutorial
     .venv/bin/python benchmarks/bench_real_models.py --cases peer --no-memory
@@ -366,7 +367,8 @@ def main() -> None:
             cases.append((own, (name, int(n_text), mode)))
     elif args.cases:
         real = args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
-        cases += [(args.contenders or GRID_CONTENDERS, case) for case in GRID_CASES] if "grid" in args.cases else []
+        grid = [case for case in GRID_CASES if case[0] in args.models]  # --models splits the grid in two runs
+        cases += [(args.contenders or GRID_CONTENDERS, case) for case in grid] if "grid" in args.cases else []
         cases += [(real, case) for case in REAL_CASES] if "real" in args.cases else []
         cases += [(["auto", "nt_sd"], case) for case in PEER_CASES] if "peer" in args.cases else []
     else:
