@@ -354,6 +354,7 @@ def main() -> None:
         reuse_large_buffers()
         os.environ["MALLOC_MMAP_MAX_"] = "0"
         os.environ["MALLOC_TRIM_THRESHOLD_"] = str(2**62)  # never trim, as reuse_large_buffers
+        os.environ["MALLOC_ARENA_MAX"] = "1"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, round-robin in one process, "
         f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, large buffers "
