@@ -63,7 +63,7 @@ from torchfunc_tutorial import tutorial_ntk  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
 from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, reuse_large_buffers  # noqa: E402
-from ntk_service.kernels.api import _algorithms, _weight  # noqa: E402  (AUTO's cost model, for the calibration)
+from ntk_service.kernels.choice import _algorithms, _weight  # noqa: E402  (AUTO's cost model, for the calibration)
 from ntk_service.kernels.problem_pool import prepared_problem  # noqa: E402
 
 OURS = ("auto", "structured", "jacobian_contraction")
