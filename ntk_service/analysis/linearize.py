@@ -36,8 +36,9 @@ from torch import nn
 from torch.func import functional_call, jvp
 
 from ntk_service.errors import InvalidInput, NoMatchingParameters, UnsupportedModel
-from ntk_service.kernels.functional import eval_semantics, private_copy, select_parameters
 from ntk_service.kernels.math_attention import attention_scope
+from ntk_service.kernels.parameter_selection import select_parameters
+from ntk_service.kernels.private_module import eval_semantics, private_copy
 
 __all__ = ["TaylorExpansion", "linearize", "taylor_expand"]
 
