@@ -144,6 +144,12 @@ class Settings(BaseSettings):
         description="A streamed .npy job result is read and sent in pieces of at most this many bytes.",
     )
     side_cache_bytes: int = Field(DEFAULT_SIDE_CACHE_BYTES, ge=0, description="LRU of per-side intermediates.")
+    reuse_large_buffers: bool = Field(
+        True,
+        description="Keep the large buffers of a CPU kernel for the next one (malloc's heap, no fresh mappings: "
+        "no page faults per call) instead of returning them to the OS; the process then holds about its largest "
+        "kernel's peak. false: memory goes back after each kernel.",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     executor: Literal["local", "ray"] = Field(
         "local", description="Where job tiles run: in this process, or on Ray (needs ntk-service[ray])."

@@ -22,7 +22,9 @@ tutorial, 428k and 0.65 s for our Jacobian contraction (one process, alternating
 free that leaves more trims all of it (320k and 184k faults). Tried and dropped: transparent huge pages for torch's
 large buffers (``THP_MEM_ALLOC_ENABLE=1``): 10k-17k faults, but 1.76 s of system time for the tutorial, as the
 huge pages are still zeroed on every call; the ``madvise`` helper for them had no caller and is gone. The memory
-kept is reused by any later allocation of the process, and ``release_freed_memory`` returns it to the OS.
+kept is reused by any later allocation of the process, and ``release_freed_memory`` returns it to the OS. The
+kept memory counts as used in MemAvailable, so ``default_memory_budget`` adds ``free_heap_bytes`` back: a call's
+budget is what the process could allocate, kept buffers included.
 Threads: a thread's own malloc arena cannot grow past 64 MiB and maps larger buffers fresh whatever
 ``M_MMAP_MAX`` says, so with mmap off alone a kernel in a worker thread (the server's) still faulted ~200k pages
 per call (the transformer at N = M = 32, TRACE; 4 calls in the main thread: 393k, 1.3k, 8, 4 faults; then 4 in a
@@ -41,6 +43,7 @@ import threading
 __all__ = [
     "MMAP_THRESHOLD_BYTES",
     "TRIM_THRESHOLD_BYTES",
+    "free_heap_bytes",
     "release_freed_memory",
     "retain_freed_memory",
     "reuse_large_buffers",
@@ -122,8 +125,59 @@ def release_freed_memory() -> bool:
     Returns:
         True when some memory was returned; False when none was, or off glibc, where there is nothing to do.
     """
+    global _released_free_bytes
     trim = getattr(_libc(), "malloc_trim", None)
     if trim is None:
         return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return bool(trim(0))
+    with _lock:
+        released = bool(trim(0))
+        _released_free_bytes = _fordblks()
+    return released
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h, glibc >= 2.33): ten size_t counters."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def free_heap_bytes() -> int:
+    """Bytes malloc keeps free, and resident, for this process: memory that MemAvailable counts as used but the
+    next allocation of this process reuses. The memory budget adds it back (NOTE [large buffers]), so keeping
+    buffers (``reuse_large_buffers``) never shrinks the budget of a later call.
+
+    Counted as malloc's free bytes (``mallinfo2().fordblks``) beyond those it held right after the last
+    ``release_freed_memory``, whose pages went back to the OS although malloc still lists them: a lower bound
+    (a released chunk reused and freed again is resident but not counted), never an overestimate.
+
+    Returns:
+        The bytes; 0 off glibc (or before 2.33), where nothing is kept this way.
+    """
+    return max(0, _fordblks() - _released_free_bytes)
+
+
+_released_free_bytes = 0
+"""``mallinfo2().fordblks`` right after the last ``release_freed_memory`` (0 before any): free, not resident."""
+
+
+def _fordblks() -> int:
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
+        return 0
+    mallinfo2.argtypes, mallinfo2.restype = [], _Mallinfo2
+    return int(mallinfo2().fordblks)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ntk_service.errors import MemoryEstimateExceeded, format_bytes
 from ntk_service.kernels.algorithm import NtkAlgorithm
+from ntk_service.kernels.allocator import free_heap_bytes
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.problem import NtkProblem
 
@@ -36,14 +37,15 @@ _budget_reading: tuple[float, int] = (-math.inf, 0)  # (time.monotonic() of the 
 
 
 def default_memory_budget() -> int:
-    """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory; read at most every
-    ``BUDGET_REFRESH_SECONDS``."""
+    """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory, plus the memory malloc keeps
+    free for this process (``allocator.free_heap_bytes``); read at most every ``BUDGET_REFRESH_SECONDS``."""
     global _budget_reading
     now = time.monotonic()
     read_at, budget = _budget_reading
     if now - read_at < BUDGET_REFRESH_SECONDS:
         return budget
-    budget = int(_available_bytes() * DEFAULT_MEMORY_FRACTION)
+    # memory malloc keeps free for this process is reusable by it, though MemAvailable counts it as used
+    budget = int((_available_bytes() + free_heap_bytes()) * DEFAULT_MEMORY_FRACTION)
     _budget_reading = (now, budget)
     return budget
 

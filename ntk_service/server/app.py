@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from ntk_service import __version__
 from ntk_service.config import LOOPBACK_HOSTS, Settings
 from ntk_service.errors import UnknownDevice
-from ntk_service.kernels import SideCache, parse_device, warm_up
+from ntk_service.kernels import SideCache, parse_device, reuse_large_buffers, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
@@ -93,6 +93,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: Settings = app.state.settings
     app.state.drain.bind()
     configure_torch_threads(settings.torch_threads())
+    if settings.reuse_large_buffers and app.state.device.type == "cpu":
+        # before any worker thread allocates: every thread then shares the heap that keeps them (NOTE [large buffers])
+        reuse_large_buffers()
 
     def open_stores() -> tuple[ModelRegistry, DatasetStore]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)

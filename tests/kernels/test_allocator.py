@@ -55,6 +55,42 @@ def test_large_buffers_are_reused_across_calls_and_released_on_request() -> None
     # At most one of the five buffers fresh: glibc's heap settles within a few calls (in a worker thread one call
     # in a few runs still got fresh pages), where fresh mappings fault all five every time.
     assert reused["faults"] * 4 < fresh["faults"], f"{reused['faults']} faults reused vs {fresh['faults']} fresh"
-    assert in_thread["faults"] * 4 < fresh["faults"], f"{in_thread['faults']} faults in a worker thread"
+    # In a worker thread up to two of the five still came fresh (20 runs idle: 0, 1 or 2 buffers' worth, 8/5/7
+    # times), never more: the bound is under half of what fresh mappings fault.
+    assert in_thread["faults"] * 2 < fresh["faults"], f"{in_thread['faults']} faults in a worker thread"
     assert reused["released"]
     assert reused["kept_kib"] - reused["after_kib"] > 48 * 1024, f"released too little: {reused}"
+
+
+_BUDGET_PROGRAM = """
+import json, torch
+from ntk_service.kernels import allocator, planning
+assert allocator.reuse_large_buffers()
+before = allocator.free_heap_bytes()
+torch.ones(64 * 2**20)  # 256 MiB from the heap, freed at once and kept there
+kept = allocator.free_heap_bytes()
+available = planning._available_bytes()
+budget = planning.default_memory_budget()
+allocator.release_freed_memory()
+print(json.dumps({"before": before, "kept": kept, "available": available, "budget": budget,
+                  "after": allocator.free_heap_bytes()}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
+def test_memory_the_heap_keeps_counts_in_the_budget() -> None:
+    """A kept 256 MiB buffer is free for this process though MemAvailable counts it used: free_heap_bytes sees it,
+    the default budget adds it back (half of MemAvailable + kept, read in the same instant), and once released it is
+    no longer counted (MemAvailable has it again)."""
+    out = subprocess.run([sys.executable, "-c", _BUDGET_PROGRAM], capture_output=True, text=True, check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["kept"] - r["before"] >= 255 * 2**20, r
+    expected = (r["available"] + r["kept"]) * planning_fraction()
+    assert abs(r["budget"] - expected) < 64 * 2**20, r  # MemAvailable may move a little between the two reads
+    assert r["after"] == 0, r  # released: back with the OS, no longer counted
+
+
+def planning_fraction() -> float:
+    from ntk_service.kernels.planning import DEFAULT_MEMORY_FRACTION
+
+    return DEFAULT_MEMORY_FRACTION
