@@ -90,6 +90,8 @@ def _as_operator(kernel: Any) -> Any:
     """A LinearOperator for operator-like inputs; None for arrays (handled densely)."""
     if isinstance(kernel, scipy.sparse.linalg.LinearOperator):
         return kernel
+    if hasattr(kernel, "as_linear_operator"):  # an NtkOperator: its own SciPy view (torch in, numpy out)
+        return kernel.as_linear_operator()
     if hasattr(kernel, "matvec") and hasattr(kernel, "shape") and not hasattr(kernel, "__array__"):
         return scipy.sparse.linalg.aslinearoperator(kernel)
     return None

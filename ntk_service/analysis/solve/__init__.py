@@ -5,7 +5,14 @@
 reaches them through ``kernel_operator`` (NOTE [operator layout] in ``operators.py``).
 """
 
-from ntk_service.analysis.solve.cg import DEFAULT_RTOL, CgOptions, Preconditioner, SolveResult, conjugate_gradients
+from ntk_service.analysis.solve.cg import (
+    DEFAULT_MAX_ITERATIONS,
+    DEFAULT_RTOL,
+    CgOptions,
+    Preconditioner,
+    SolveResult,
+    conjugate_gradients,
+)
 from ntk_service.analysis.solve.lanczos import LanczosResult, lanczos_functions
 from ntk_service.analysis.solve.operators import KernelOperator, check_ridge, is_operator, kernel_operator
 from ntk_service.analysis.solve.preconditioners import (
@@ -17,6 +24,7 @@ from ntk_service.analysis.solve.preconditioners import (
 
 __all__ = [
     "DEFAULT_LANDMARKS",
+    "DEFAULT_MAX_ITERATIONS",
     "DEFAULT_RTOL",
     "CgOptions",
     "KernelOperator",

@@ -24,11 +24,21 @@ from ntk_service.analysis.solve.operators import KernelOperator, check_ridge
 from ntk_service.analysis.solve.preconditioners import LandmarkMethod, nystrom_preconditioner
 from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
 
-__all__ = ["DEFAULT_RTOL", "CgOptions", "Preconditioner", "SolveResult", "conjugate_gradients"]
+__all__ = [
+    "DEFAULT_MAX_ITERATIONS",
+    "DEFAULT_RTOL",
+    "CgOptions",
+    "Preconditioner",
+    "SolveResult",
+    "conjugate_gradients",
+]
 
 DEFAULT_RTOL = 1e-8
 """Relative residual at which a column stops: float64 predictions then agree with a dense solve to about
 rtol × cond(A + λI)^(1/2) (measured in tests/analysis/test_solvers.py and benchmarks/bench_solvers.py)."""
+
+DEFAULT_MAX_ITERATIONS = 2000
+"""The default cap on CG iterations (each is one product per moving column)."""
 
 _RESTARTS = 3
 """Warm restarts when the recomputed residual is above rtol although the recursive one was below (NOTE [cg])."""
@@ -51,7 +61,8 @@ class CgOptions:
 
     Attributes:
         rtol: stop at ‖b − A x‖ / ‖b‖ ≤ rtol per column. Default: ``DEFAULT_RTOL``.
-        max_iterations: per solve. Default: None, meaning min(n, 1000).
+        max_iterations: per solve. Default: None, meaning min(10·n, ``DEFAULT_MAX_ITERATIONS``) (rounding makes
+            CG need more than the n steps of exact arithmetic on an ill-conditioned kernel).
         preconditioner: "nystrom" (NOTE [nystrom preconditioner]), "none", or a built ``Preconditioner``.
             Default: "nystrom".
         landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
@@ -158,7 +169,7 @@ def conjugate_gradients(
     if not (np.all(np.isfinite(b)) and np.all(np.isfinite(x))):
         raise NonFiniteInput(f"{_OPERATION}: the right-hand side or x0 holds NaN or inf")
     start = time.perf_counter()
-    max_iterations = min(n, 1000) if options.max_iterations is None else options.max_iterations
+    max_iterations = min(10 * n, DEFAULT_MAX_ITERATIONS) if options.max_iterations is None else options.max_iterations
     pre, products = _build_preconditioner(op, lam, options)
     bnorm = np.linalg.norm(b, axis=0)
     bnorm_safe = np.where(bnorm > 0, bnorm, 1.0)

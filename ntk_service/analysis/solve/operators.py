@@ -136,8 +136,9 @@ def kernel_operator(
     for side, expected, got in (("rows", rows, result.n), ("columns", cols, result.m)):
         if expected is not None and got != expected:
             raise ShapeMismatch(
-                f"{operation}: {name} (shape {result.shape}, {result.mode.value}) has {got} examples on its {side}, "
-                f"expected {expected}; pass the kernel of the matching sets (targets have {k} columns)"
+                f"{operation}: {name} (shape {result.shape}, read as {result.mode.value}) has {got} examples on its "
+                f"{side}, the targets and the other kernel need {expected} (targets have {k} columns); pass the kernel "
+                "of the matching sets"
             )
     return result
 
