@@ -2,8 +2,8 @@
 
 ``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes. Beside it (docs/kernel_family.md):
 ``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
-``ntk_operator`` (matrix-free Θ·v), ``mode="pseudo"`` (the pseudo-NTK) and ``compute_ntk_groups`` (Θ per layer or
-parameter group).
+``ntk_operator`` (matrix-free Θ·v), ``ntk_features`` (sketched features), ``mode="pseudo"`` (the pseudo-NTK) and
+``compute_ntk_groups`` (Θ per layer or parameter group).
 """
 
 from ntk_service.kernels.allocator import retain_freed_memory
@@ -15,6 +15,7 @@ from ntk_service.kernels.device import (
     parse_device,
     place_module,
 )
+from ntk_service.kernels.features import MAX_FEATURE_DIM, feature_kernel, ntk_features
 from ntk_service.kernels.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT_DEVICE",
     "DEFAULT_IMPLEMENTATION",
     "DerivedMode",
+    "MAX_FEATURE_DIM",
     "KernelKind",
     "KernelMode",
     "MonteCarloResult",
@@ -45,11 +47,13 @@ __all__ = [
     "compute_ntk_groups",
     "default_memory_budget",
     "device_memory_budget",
+    "feature_kernel",
     "model_device",
     "parameter_groups",
     "parse_device",
     "place_module",
     "monte_carlo_ntk",
+    "ntk_features",
     "ntk_operator",
     "retain_freed_memory",
     "warm_up",
