@@ -2,7 +2,8 @@
 
 ``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes. Beside it (docs/kernel_family.md):
 ``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
-``ntk_operator`` (matrix-free Θ·v), ``ntk_features`` (sketched features), ``mode="pseudo"`` (the pseudo-NTK) and
+``ntk_operator`` and ``dataset_operator`` (matrix-free Θ·v, in memory or over a data set read in chunks),
+``ntk_features`` (sketched features), ``mode="pseudo"`` (the pseudo-NTK) and
 ``compute_ntk_groups`` (Θ per layer or parameter group).
 """
 
@@ -23,6 +24,7 @@ from ntk_service.kernels.monte_carlo import KernelKind, MonteCarloResult, monte_
 from ntk_service.kernels.nngp import NngpResult, compute_nngp
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
+from ntk_service.kernels.streaming_operator import dataset_operator
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
@@ -45,6 +47,7 @@ __all__ = [
     "compute_nngp",
     "compute_ntk",
     "compute_ntk_groups",
+    "dataset_operator",
     "default_memory_budget",
     "device_memory_budget",
     "feature_kernel",
