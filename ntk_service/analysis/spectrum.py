@@ -228,7 +228,15 @@ def _extremes(kernel: Any, *, top: int | None, bottom: int, eigenvectors: bool, 
         )
     values, vectors = [], []
     for which, count in (("LA", top or 1), ("SA", bottom)):
-        found, basis = scipy.sparse.linalg.eigsh(operator, k=count, which=which, return_eigenvectors=True)
+        try:
+            found, basis = scipy.sparse.linalg.eigsh(operator, k=count, which=which, return_eigenvectors=True)
+        except scipy.sparse.linalg.ArpackNoConvergence as exc:
+            raise InvalidInput(
+                f"{_OPERATION}: Lanczos did not converge to the {'top' if which == 'LA' else 'bottom'} {count} "
+                f"eigenvalue(s) of this n = {n} kernel ({len(exc.eigenvalues)} converged); the smallest eigenvalues "
+                "of a kernel are clustered and converge slowly: ask for fewer, add a ridge, or use method='eigh' on "
+                "a dense kernel"
+            ) from exc
         order = np.argsort(found)[::-1]
         values.append(found[order])
         vectors.append(basis[:, order])
