@@ -98,7 +98,9 @@ def section_dense(ns: list[int], mode: str, ridge: float, landmarks: int, rtol: 
                   f"{solve.products:>8} {per:>10.4f} {diff:>9.2e} {cg_s / dense_s:>9.2f}  {label}{note}")  # fmt: skip
 
 
-def section_scale(n: int, ridge: float, landmarks: int, rtol: float, estimate_n: int, max_iterations: int) -> None:
+def section_scale(
+    n: int, ridge: float, landmarks: int, rtol: float, estimate_n: int, max_iterations: int, preconditioner: str
+) -> None:
     model = make_mlp()
     x = make_inputs("mlp", n + 1000)
     x_train, x_test = x[:n], x[n:]
@@ -109,7 +111,12 @@ def section_scale(n: int, ridge: float, landmarks: int, rtol: float, estimate_n:
     # λ relative to the mean diagonal, from 64 examples' exact diagonal (the operator does not know it)
     diag = compute_ntk(model, x_train[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
     lam = ridge * float(diag)
-    options = CgOptions(rtol=rtol, landmarks=landmarks, max_iterations=max_iterations)
+    options = CgOptions(
+        rtol=rtol,
+        landmarks=landmarks,
+        max_iterations=max_iterations,
+        preconditioner=preconditioner,  # type: ignore[arg-type]
+    )
     post = gp_inference(train_op, y, cross_op, ridge=lam, cg=options)
     wall = time.perf_counter() - start
     solve = post.solve
@@ -119,7 +126,7 @@ def section_scale(n: int, ridge: float, landmarks: int, rtol: float, estimate_n:
     print(f"FULL kernel ridge by operator CG, MLP 784-512-512-10, N = {n} (kernel never formed: "
           f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32)")  # fmt: skip
     print(f"  wall {wall:.1f} s, iterations {solve.iterations}, products {solve.products} "
-          f"(Nyström {landmarks}), {per:.3f} s/product, residual {solve.residual.max():.2e}, "
+          f"({solve.preconditioner}), {per:.3f} s/product, residual {solve.residual.max():.2e}, "
           f"converged {solve.converged} ({solve.stop_reason}), peak {_peak_mib():.0f} MiB, "
           f"test accuracy {accuracy:.3f}")  # fmt: skip
     scale = estimate_n / n
@@ -169,6 +176,7 @@ def main() -> None:
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
     parser.add_argument("--ridge", type=float, default=1e-3, help="λ relative to the mean diagonal entry")
     parser.add_argument("--landmarks", type=int, default=100)
+    parser.add_argument("--preconditioner", default="none", choices=["none", "nystrom"], help="for --section scale")
     parser.add_argument("--rtol", type=float, default=1e-8)
     parser.add_argument("--scale-n", type=int, default=2000)
     parser.add_argument("--scale-rtol", type=float, default=1e-5)
@@ -183,7 +191,15 @@ def main() -> None:
     if "dense" in args.section:
         section_dense(args.n, args.mode, args.ridge, args.landmarks, args.rtol)
     if "scale" in args.section:
-        section_scale(args.scale_n, args.ridge, args.landmarks, args.scale_rtol, args.estimate_n, args.max_iterations)
+        section_scale(
+            args.scale_n,
+            args.ridge,
+            args.landmarks,
+            args.scale_rtol,
+            args.estimate_n,
+            args.max_iterations,
+            args.preconditioner,
+        )
     if "features" in args.section:
         section_features(args.features_n, args.dims, args.seeds)
 

@@ -24,6 +24,7 @@ NOTE [sketch error]
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Sequence
 
 import torch
@@ -157,7 +158,7 @@ def ntk_features(
                 f"{_OPERATION}: the model uses an operation without forward-mode AD ({reason}); sketched features "
                 "need jvp. Compute the exact kernel with compute_ntk(implementation='jacobian_contraction') instead"
             ) from exc
-    return phi.detach() / d**0.5
+    return phi.detach() / math.sqrt(d)
 
 
 def feature_kernel(

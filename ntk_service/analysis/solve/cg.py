@@ -10,6 +10,16 @@ NOTE [cg]
     restarts from x (a warm start) up to ``_RESTARTS`` times. ``converged`` is that true residual against rtol:
     a solve that runs out of iterations, or meets pᵀ(A + λI)p ≤ 0 (an operator that is not positive definite),
     says so in its result and in ``stop_reason``; nothing is dropped silently.
+
+NOTE [cg default]
+    No preconditioner by default, because on the benchmark MLP 784-512-512-10 (FULL, ridge 1e-3 × the mean
+    diagonal, benchmarks/bench_solvers.py, contended machine) the Nyström preconditioner did not pay: at N = 300
+    it cut CG from 45 to 35 iterations but cost 30 landmark products (66 products in all against 46), and at
+    N = 2000 it cut 79 iterations to 36 for 50 landmarks (87 products against 80). An MLP's NTK has a few
+    outlying top eigenvalues (about k class-mean directions) that plain CG resolves in about one iteration each,
+    and a bulk that m ≪ n landmarks do not reach. Nyström pays where plain CG needs many more iterations than m
+    (a spectrum that decays steadily, e.g. tests/analysis/test_solvers.py's, where it halves them): pass
+    ``CgOptions(preconditioner="nystrom")`` there, and check ``SolveResult.products`` both ways.
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ class CgOptions:
         max_iterations: per solve. Default: None, meaning min(10·n, ``DEFAULT_MAX_ITERATIONS``) (rounding makes
             CG need more than the n steps of exact arithmetic on an ill-conditioned kernel).
         preconditioner: "nystrom" (NOTE [nystrom preconditioner]), "none", or a built ``Preconditioner``.
-            Default: "nystrom".
+            Default: "none" (NOTE [cg default]).
         landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
         landmark_method: "uniform" or "pivoted_cholesky". seed: the uniform landmarks' generator.
         diagonal: (n,) the kernel's diagonal, for "pivoted_cholesky" on an operator.
@@ -72,7 +82,7 @@ class CgOptions:
 
     rtol: float = DEFAULT_RTOL
     max_iterations: int | None = None
-    preconditioner: Literal["nystrom", "none"] | Preconditioner = "nystrom"
+    preconditioner: Literal["nystrom", "none"] | Preconditioner = "none"
     landmarks: int | None = None
     landmark_method: LandmarkMethod = "uniform"
     seed: int = 0
