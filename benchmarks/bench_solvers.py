@@ -137,7 +137,7 @@ def section_scale(
           f"≈ {est * K * K / 3600:.1f} h for the same iteration count")  # fmt: skip
 
 
-def section_features(n: int, dims: list[int], seeds: int) -> None:
+def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
     model = make_mlp()
     x = make_inputs("mlp", n + 50)
     x_train, x_test = x[:n], x[n:]
@@ -146,11 +146,11 @@ def section_features(n: int, dims: list[int], seeds: int) -> None:
     exact = compute_ntk(model, x_train, mode="full", dtype="float64").theta
     exact_test = compute_ntk(model, x_test, x_train, mode="full", dtype="float64").theta
     exact_s = time.perf_counter() - start
-    lam = 1e-3 * float(exact.diagonal(dim1=2, dim2=3).mean())
+    lam = ridge * float(exact.diagonal(dim1=2, dim2=3).mean())
     exact_mean = gp_inference(exact, y, exact_test, ridge=lam).mean
     truth = _labels(x_test)
     print(f"features vs exact FULL kernel, MLP 784-512-512-10, N = {n} (+50 test), exact kernels {exact_s:.1f} s, "
-          f"GP ridge 1e-3 × mean diagonal; exact GP test MSE {np.mean((exact_mean - truth) ** 2):.4f}")  # fmt: skip
+          f"GP ridge {ridge:g} × mean diagonal; exact GP test MSE {np.mean((exact_mean - truth) ** 2):.4f}")  # fmt: skip
     print(f"{'D':>6} {'rel err':>9} {'×√D':>7} {'GP mean diff':>13} {'GP MSE':>8} {'s/call':>8}")
     norm = float(exact.norm())
     for d in dims:
@@ -185,6 +185,7 @@ def main() -> None:
     parser.add_argument("--features-n", type=int, default=100)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -201,7 +202,7 @@ def main() -> None:
             args.preconditioner,
         )
     if "features" in args.section:
-        section_features(args.features_n, args.dims, args.seeds)
+        section_features(args.features_n, args.dims, args.seeds, args.features_ridge)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def test_nystrom_cuts_iterations_on_a_decaying_spectrum() -> None:
             op,
             b,
             ridge=1e-2,
-            options=CgOptions(rtol=1e-10, landmarks=60, landmark_method=method),  # type: ignore[arg-type]
+            options=CgOptions(rtol=1e-10, preconditioner="nystrom", landmarks=60, landmark_method=method),  # type: ignore[arg-type]
         )
         assert pre.converged and plain.converged
         # theory: √κ falls from √(100 / 0.02) to about √(λ₆₁ / 0.02) ≈ √315, i.e. 4x; measured 2.2-2.4x
