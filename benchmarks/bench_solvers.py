@@ -150,7 +150,8 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
     exact_mean = gp_inference(exact, y, exact_test, ridge=lam).mean
     truth = _labels(x_test)
     print(f"features vs exact FULL kernel, MLP 784-512-512-10, N = {n} (+50 test), exact kernels {exact_s:.1f} s, "
-          f"GP ridge {ridge:g} × mean diagonal; exact GP test MSE {np.mean((exact_mean - truth) ** 2):.4f}")  # fmt: skip
+          f"GP ridge {ridge:g} × mean diagonal; exact GP test MSE "
+          f"{np.mean((exact_mean - truth) ** 2):.4f}")  # fmt: skip
     print(f"{'D':>6} {'rel err':>9} {'×√D':>7} {'GP mean diff':>13} {'GP MSE':>8} {'s/call':>8}")
     norm = float(exact.norm())
     for d in dims:
