@@ -16,6 +16,7 @@ from ntk_service.analysis import gp_inference, linearized_predictions, max_learn
 from ntk_service.analysis.solve import CgOptions, conjugate_gradients, kernel_operator, nystrom_preconditioner
 from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
 from ntk_service.kernels import ntk_operator
+from tests.analysis.conftest import Features
 from tests.reference import reference_ntk
 
 K = 3
@@ -214,3 +215,19 @@ def test_bad_input_is_refused_with_what_to_fix() -> None:
         conjugate_gradients(kernel_operator(np.eye(3), k=1, name="a", operation="t"), np.array([1.0, np.nan, 0.0]))
     with pytest.raises(InvalidInput, match="n_outputs"):
         max_learning_rate(scipy.sparse.linalg.aslinearoperator(np.eye(4)))
+
+
+def test_cg_on_dense_kernels_equals_the_numpy_solve(features: Features) -> None:
+    """solver="cg" also takes the dense arrays compute_ntk returns (the Jacobian-feature kernels of conftest)."""
+    y = np.random.default_rng(4).standard_normal((7, 3))
+    expected = features.test_matrix @ np.linalg.solve(features.matrix + 0.05 * np.eye(21), y.reshape(-1))
+    post = gp_inference(features.theta, y, features.theta_test, ridge=0.05, solver="cg", cg=CgOptions(rtol=1e-12))
+    assert post.solve is not None and post.solve.converged and post.solve.passes == 0
+    assert _rel(post.mean.reshape(-1), expected) <= 1e-9
+    relative = gp_inference(features.theta, y, features.theta_test, ridge=0.1, ridge_scale="relative", solver="cg")
+    lam = 0.1 * float(np.mean(np.diag(features.matrix)))
+    expected = features.test_matrix @ np.linalg.solve(features.matrix + lam * np.eye(21), y.reshape(-1))
+    assert relative.ridge == pytest.approx(lam) and _rel(relative.mean.reshape(-1), expected) <= 1e-6
+    s = spectrum(features.theta, top=1, bottom=2)
+    dense = np.linalg.eigvalsh(features.matrix)
+    np.testing.assert_allclose(s.eigenvalues, [dense[-1], dense[1], dense[0]], rtol=1e-7, atol=1e-12)
