@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
     parser.add_argument("--ridge", type=float, default=1e-3, help="λ relative to the mean diagonal entry")
     parser.add_argument("--landmarks", type=int, default=100)
-    parser.add_argument("--preconditioner", default="none", choices=["none", "nystrom"], help="for --section scale")
+    parser.add_argument("--preconditioner", default="auto", choices=["auto", "none", "nystrom"], help="--section scale")
     parser.add_argument("--rtol", type=float, default=1e-8)
     parser.add_argument("--scale-n", type=int, default=2000)
     parser.add_argument("--scale-rtol", type=float, default=1e-5)

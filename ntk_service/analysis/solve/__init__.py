@@ -6,6 +6,7 @@ reaches them through ``kernel_operator`` (NOTE [operator layout] in ``operators.
 """
 
 from ntk_service.analysis.solve.cg import (
+    AUTO_NYSTROM_MIN_SIZE,
     DEFAULT_MAX_ITERATIONS,
     DEFAULT_RTOL,
     CgOptions,
@@ -23,6 +24,7 @@ from ntk_service.analysis.solve.preconditioners import (
 )
 
 __all__ = [
+    "AUTO_NYSTROM_MIN_SIZE",
     "DEFAULT_LANDMARKS",
     "DEFAULT_MAX_ITERATIONS",
     "DEFAULT_RTOL",

@@ -12,14 +12,23 @@ NOTE [cg]
     says so in its result and in ``stop_reason``; nothing is dropped silently.
 
 NOTE [cg default]
-    No preconditioner by default, because on the benchmark MLP 784-512-512-10 (FULL, ridge 1e-3 × the mean
-    diagonal, benchmarks/bench_solvers.py, contended machine) the Nyström preconditioner did not pay: at N = 300
-    it cut CG from 45 to 35 iterations but cost 30 landmark products (66 products in all against 46), and at
-    N = 2000 it cut 79 iterations to 36 for 50 landmarks (87 products against 80). An MLP's NTK has a few
-    outlying top eigenvalues (about k class-mean directions) that plain CG resolves in about one iteration each,
-    and a bulk that m ≪ n landmarks do not reach. Nyström pays where plain CG needs many more iterations than m
-    (a spectrum that decays steadily, e.g. tests/analysis/test_solvers.py's, where it halves them): pass
-    ``CgOptions(preconditioner="nystrom")`` there, and check ``SolveResult.products`` both ways.
+    ``preconditioner="auto"`` (the default) is no preconditioner below n = ``AUTO_NYSTROM_MIN_SIZE`` rows and the
+    Nyström preconditioner with m = ``DEFAULT_LANDMARKS`` from there on, from this A/B on the benchmark MLP
+    784-512-512-10 (FULL, ridge 1e-3 × the mean diagonal, benchmarks/bench_solvers.py, contended machine), in
+    products (the cost; a preconditioner's m landmarks are m products; the first two rows float64 at rtol 1e-8,
+    the last two float32 products at rtol 1e-5):
+
+    ============ ============================ ==================================
+    n = N·k      no preconditioner            Nyström
+    ============ ============================ ==================================
+    3,000        45 iterations, 46 products   m = 30: 35 iterations, 66 products
+    10,000       74 iterations, 75 products   m = 50: 47 iterations, 98 products
+    20,000       79 iterations, 80 products   m = 50: 36 iterations, 87 products
+    100,000      230 iterations, 232 products m = 100: 99 iterations, 200 products
+    ============ ============================ ==================================
+
+    An MLP's NTK has a few outlying top eigenvalues that plain CG resolves in about one iteration each; the
+    iterations of the bulk grow with N (≈ N^0.66 here), and once they are well above m the landmarks pay.
 """
 
 from __future__ import annotations
@@ -50,6 +59,10 @@ rtol × cond(A + λI)^(1/2) (measured in tests/analysis/test_solvers.py and benc
 DEFAULT_MAX_ITERATIONS = 2000
 """The default cap on CG iterations (each is one product per moving column)."""
 
+AUTO_NYSTROM_MIN_SIZE = 50_000
+"""Rows n from which ``preconditioner="auto"`` builds a Nyström preconditioner (NOTE [cg default]): it did not pay
+at n = 20,000 and paid at n = 100,000 on the benchmark MLP."""
+
 _RESTARTS = 3
 """Warm restarts when the recomputed residual is above rtol although the recursive one was below (NOTE [cg])."""
 
@@ -73,8 +86,8 @@ class CgOptions:
         rtol: stop at ‖b − A x‖ / ‖b‖ ≤ rtol per column. Default: ``DEFAULT_RTOL``.
         max_iterations: per solve. Default: None, meaning min(10·n, ``DEFAULT_MAX_ITERATIONS``) (rounding makes
             CG need more than the n steps of exact arithmetic on an ill-conditioned kernel).
-        preconditioner: "nystrom" (NOTE [nystrom preconditioner]), "none", or a built ``Preconditioner``.
-            Default: "none" (NOTE [cg default]).
+        preconditioner: "auto" (NOTE [cg default]), "nystrom" (NOTE [nystrom preconditioner]), "none", or a
+            built ``Preconditioner``. Default: "auto".
         landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
         landmark_method: "uniform" or "pivoted_cholesky". seed: the uniform landmarks' generator.
         diagonal: (n,) the kernel's diagonal, for "pivoted_cholesky" on an operator.
@@ -82,7 +95,7 @@ class CgOptions:
 
     rtol: float = DEFAULT_RTOL
     max_iterations: int | None = None
-    preconditioner: Literal["nystrom", "none"] | Preconditioner = "none"
+    preconditioner: Literal["auto", "nystrom", "none"] | Preconditioner = "auto"
     landmarks: int | None = None
     landmark_method: LandmarkMethod = "uniform"
     seed: int = 0
@@ -115,6 +128,8 @@ class SolveResult:
 
 def _build_preconditioner(op: KernelOperator, ridge: float, options: CgOptions) -> tuple[Any, int]:
     choice = options.preconditioner
+    if choice == "auto":
+        choice = "nystrom" if op.rows >= AUTO_NYSTROM_MIN_SIZE else "none"
     if choice == "none":
         return None, 0
     if choice == "nystrom":
@@ -129,7 +144,8 @@ def _build_preconditioner(op: KernelOperator, ridge: float, options: CgOptions) 
         return pre, pre.products
     if isinstance(choice, str) or not hasattr(choice, "apply"):
         raise InvalidInput(
-            f"{_OPERATION}: unknown preconditioner {choice!r}; expected 'nystrom', 'none' or an object with apply()"
+            f"{_OPERATION}: unknown preconditioner {choice!r}; expected 'auto', 'nystrom', 'none' or an object with "
+            "apply()"
         )
     return choice, 0
 

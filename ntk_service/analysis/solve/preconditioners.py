@@ -11,8 +11,8 @@ NOTE [nystrom preconditioner]
 
     ``DEFAULT_LANDMARKS`` = 100 columns: building costs m products, i.e. about m CG iterations, so m should be
     well below the iterations it saves; at m = 100 the factorization is O(n·m²) flops and n·m floats of memory
-    (800 MB at n = 10⁶), and benchmarks/bench_solvers.py prints iterations with and without it. CG runs without
-    it by default (NOTE [cg default] in ``cg.py``: on an MLP's NTK it did not pay).
+    (800 MB at n = 10⁶), and benchmarks/bench_solvers.py prints iterations with and without it. CG builds it by
+    default only from n = 50,000 rows (NOTE [cg default] in ``cg.py``: below that, on an MLP's NTK, it did not pay).
 
     Landmarks are "uniform" (m indices drawn without replacement from a seeded generator: what an operator
     allows, since its diagonal is unknown), "pivoted_cholesky" (greedy on the largest remaining diagonal, as
