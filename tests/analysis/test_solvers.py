@@ -231,3 +231,14 @@ def test_cg_on_dense_kernels_equals_the_numpy_solve(features: Features) -> None:
     s = spectrum(features.theta, top=1, bottom=2)
     dense = np.linalg.eigvalsh(features.matrix)
     np.testing.assert_allclose(s.eigenvalues, [dense[-1], dense[1], dense[0]], rtol=1e-7, atol=1e-12)
+
+
+def test_auto_builds_the_preconditioner_only_from_its_size_threshold() -> None:
+    from ntk_service.analysis.solve import AUTO_NYSTROM_MIN_SIZE
+
+    for n, expected in ((AUTO_NYSTROM_MIN_SIZE - 1, "none"), (AUTO_NYSTROM_MIN_SIZE, "nystrom(uniform, m=100")):
+        d = np.linspace(1.0, 2.0, n)
+        diagonal = scipy.sparse.linalg.LinearOperator((n, n), matvec=lambda v, d=d: d * v.reshape(-1), dtype=float)
+        result = conjugate_gradients(kernel_operator(diagonal, k=1, name="a", operation="t"), np.ones(n))
+        assert result.converged and result.preconditioner.startswith(expected)
+        np.testing.assert_allclose(result.solution[:, 0], 1.0 / d, rtol=1e-7)
