@@ -54,7 +54,14 @@ def test_lazy_exports_are_the_client_classes() -> None:
 
 @pytest.mark.parametrize(
     "module_name",
-    ["ntk_service.analysis", "ntk_service.client", "ntk_service.wire", "ntk_service.cli", "ntk_service.layers"],
+    [
+        "ntk_service.analysis",
+        "ntk_service.analysis.solve",
+        "ntk_service.client",
+        "ntk_service.wire",
+        "ntk_service.cli",
+        "ntk_service.layers",
+    ],
 )
 def test_module_all_lists_its_public_names(module_name: str) -> None:
     module = importlib.import_module(module_name)

@@ -2,9 +2,9 @@
 
 float64 numpy/scipy linear algebra on the kernels ``compute_ntk`` returns (numpy or torch, FULL (N, M, k, k) or
 TRACE (N, M), the mode inferred from the rank), or on operators and stored kernels where only products or
-tiles are needed. No HTTP, no SQL. The conventions that decide whether numbers match (layout, the TRACE reading,
-losses and time scales, ridge, non-positive modes) are NOTEs in ``layout``, ``linearized``, ``ridge``, ``eigen``
-and ``gp``, and docs/analysis.md.
+tiles are needed (``solve``: preconditioned CG, Nyström, Lanczos). No HTTP, no SQL. The conventions that decide
+whether numbers match (layout, the TRACE reading, losses and time scales, ridge, non-positive modes) are NOTEs in
+``layout``, ``linearized``, ``ridge``, ``eigen`` and ``gp``, and docs/analysis.md.
 
     >>> theta = compute_ntk(model, x_train).theta                        # (N, N, k, k)  # doctest: +SKIP
     >>> as_matrix(theta).shape                                          # (N·k, N·k), row n·k + a
@@ -34,10 +34,12 @@ from ntk_service.analysis.linearized import (
     max_learning_rate,
 )
 from ntk_service.analysis.ridge import RidgeScale
+from ntk_service.analysis.solve import CgOptions, SolveResult
 from ntk_service.analysis.spectrum import Method, Spectrum, spectrum, stored_kernel_operator
 from ntk_service.analysis.tiles import KernelTile
 
 __all__ = [
+    "CgOptions",
     "Flow",
     "GpPosterior",
     "KernelTile",
@@ -45,6 +47,7 @@ __all__ = [
     "Loss",
     "Method",
     "RidgeScale",
+    "SolveResult",
     "Spectrum",
     "TaylorExpansion",
     "TrainingComparison",

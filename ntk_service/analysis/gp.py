@@ -21,9 +21,11 @@ import numpy as np
 import scipy.linalg
 
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
-from ntk_service.analysis.layout import add_to_diagonal, to_kernel_matrix, to_targets
+from ntk_service.analysis.layout import add_to_diagonal, to_float64, to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
-from ntk_service.errors import ShapeMismatch
+from ntk_service.analysis.solve import CgOptions, SolveResult, conjugate_gradients, is_operator, kernel_operator
+from ntk_service.analysis.solve.operators import check_ridge
+from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
 
 __all__ = ["GpPosterior", "gp_inference"]
@@ -44,7 +46,10 @@ class GpPosterior:
         covariance: (M·k, M·k) example-major (row m·k + a) for FULL; (M, M) shared by all outputs for TRACE;
             None without ``k_test_test``.
         ridge: the λ added (after ``ridge_scale``). jitter: the extra diagonal a retried Cholesky needed (0 if
-            none). solver: "cholesky", "cholesky+jitter" or "eigen pseudo-inverse". lambda_min: of Θ + λI.
+            none). solver: "cholesky", "cholesky+jitter", "eigen pseudo-inverse", "cg" or "cg (not converged:
+            ...)". lambda_min: of Θ + λI; NaN after CG (it is not computed).
+        solve: the CG solve (weights α = ``solve.solution``, iterations, residual, ``converged``, time); None for
+            the direct paths.
     """
 
     mean: np.ndarray
@@ -53,6 +58,7 @@ class GpPosterior:
     jitter: float
     solver: str
     lambda_min: float
+    solve: SolveResult | None = None
 
 
 def _solver(matrix: np.ndarray, rcond: float | None) -> tuple[Any, float, str, float]:
@@ -84,6 +90,9 @@ def gp_inference(
     ridge_scale: RidgeScale | str = "absolute",
     mode: KernelMode | str | None = None,
     rcond: float | None = DEFAULT_RCOND,
+    solver: str = "auto",
+    cg: CgOptions | None = None,
+    warm_start: Any = None,
 ) -> GpPosterior:
     """Posterior mean (and covariance) of the NTK-GP / kernel ridge regression.
 
@@ -96,17 +105,33 @@ def gp_inference(
         ridge_scale (str): "absolute" (λI) or "relative" (λ · mean diagonal entry of Θ as used). Default: absolute.
         mode: checked against the shapes. Default: inferred.
         rcond: for the pseudo-inverse fallback. Default: n·eps.
+        solver (str): "direct" (NOTE [gp solve]), "cg" (preconditioned CG, NOTE [cg] in ``solve/cg.py``; mean
+            only) or "auto" (CG when k_train_train is an operator, else direct). The kernels may then be
+            ``NtkOperator``s or any objects with ``shape`` and ``matvec`` (NOTE [operator layout]). Default: auto.
+        cg (CgOptions): rtol, iterations, preconditioner for CG. Default: CgOptions().
+        warm_start: (N·k, 1) FULL or (N, k) TRACE, a previous ``solve.solution``, for CG. Default: None.
 
     Returns:
         GpPosterior: mean (M, k); covariance (M·k, M·k) FULL or (M, M) TRACE, or None; and the solve's path.
 
     Raises:
         ShapeMismatch: kernels that are not square where they must be, or that do not match each other or y.
-        InvalidInput: a negative ridge, an unknown ridge_scale.
+        InvalidInput: a negative or NaN ridge, an unknown ridge_scale or solver; with CG: k_test_test (not
+            supported), ridge_scale="relative" on an operator (its diagonal is unknown).
         NonFiniteInput: NaN in an input.
 
-    Cost: O((N·k)³) for the factorization, O(M·k·(N·k)²) for the covariance.
+    Cost: O((N·k)³) for the factorization, O(M·k·(N·k)²) for the covariance. CG: (iterations + landmarks + 1)
+    products per target column (FULL has one column of N·k; TRACE k columns of N, each product k passes) plus
+    one product with k_test_train.
     """
+    if solver not in ("auto", "direct", "cg"):
+        raise InvalidInput(f"{_OPERATION}: unknown solver {solver!r}; expected 'auto', 'direct' or 'cg'")
+    if solver == "cg" or (solver == "auto" and is_operator(k_train_train)):
+        return _gp_by_cg(
+            k_train_train, y_train, k_test_train, k_test_test, ridge, ridge_scale, mode, cg or CgOptions(), warm_start
+        )
+    if is_operator(k_train_train) or is_operator(k_test_train):
+        raise InvalidInput(f"{_OPERATION}: solver='direct' needs dense kernels; use solver='cg' for operators")
     y_raw = np.asarray(y_train.detach().cpu() if hasattr(y_train, "detach") else y_train)
     k_hint = y_raw.shape[1] if y_raw.ndim == 2 else 1
     train = to_kernel_matrix(
@@ -152,3 +177,46 @@ def gp_inference(
         covariance = test.matrix - cross.matrix @ solve(cross.matrix.T)
         covariance = (covariance + covariance.T) / 2
     return GpPosterior(mean=mean, covariance=covariance, ridge=lam, jitter=jitter, solver=solver, lambda_min=lambda_min)
+
+
+def _gp_by_cg(
+    k_train_train: Any,
+    y_train: Any,
+    k_test_train: Any,
+    k_test_test: Any,
+    ridge: float,
+    ridge_scale: str,
+    mode: KernelMode | str | None,
+    options: CgOptions,
+    warm_start: Any,
+) -> GpPosterior:
+    """The posterior mean by CG on (Θ + λI) α = y, then Θ* α (NOTE [cg], NOTE [operator layout])."""
+    if k_test_test is not None:
+        raise InvalidInput(
+            f"{_OPERATION}: solver='cg' computes the posterior mean only; drop k_test_test, or use solver='direct' "
+            "on dense kernels for the covariance"
+        )
+    check_ridge(ridge, operation=_OPERATION)
+    y = to_float64(y_train, name="y_train", operation=_OPERATION)
+    y = y[:, None] if y.ndim == 1 else y
+    if y.ndim != 2:
+        raise ShapeMismatch(f"{_OPERATION}: y_train has shape {y.shape}; expected (N, k) or (N,)")
+    n, k = y.shape
+    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
+    cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
+    if ridge_scale == "relative" and train.matrix is None:
+        raise InvalidInput(
+            f"{_OPERATION}: ridge_scale='relative' needs the kernel's mean diagonal entry, which an operator does not "
+            "know; pass an absolute ridge (e.g. ridge = 1e-3 × mean of compute_ntk(mode='example_diagonal'))"
+        )
+    diagonal = train.matrix if train.matrix is not None else np.zeros((1, 1))
+    lam = ridge_value(diagonal, ridge, ridge_scale, operation=_OPERATION)
+    full = train.mode is KernelMode.FULL
+    rhs = y.reshape(-1, 1) if full else y
+    result = conjugate_gradients(train, rhs, ridge=lam, options=options, x0=warm_start)
+    mean = cross.apply(result.solution).reshape(cross.n, k)
+    worst = float(result.residual.max()) if result.residual.size else 0.0
+    solver = "cg" if result.converged else f"cg (not converged: {result.stop_reason}, residual {worst:.3g})"
+    return GpPosterior(
+        mean=mean, covariance=None, ridge=lam, jitter=0.0, solver=solver, lambda_min=float("nan"), solve=result
+    )

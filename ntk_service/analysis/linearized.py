@@ -35,8 +35,10 @@ import numpy as np
 
 from ntk_service.analysis.cross_entropy import cross_entropy_dynamics
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
-from ntk_service.analysis.layout import to_kernel_matrix, to_targets
+from ntk_service.analysis.layout import to_float64, to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
+from ntk_service.analysis.solve import CgOptions, KernelOperator, is_operator, kernel_operator
+from ntk_service.analysis.solve.krylov import krylov_predictions, operator_lambda_max
 from ntk_service.errors import InvalidInput, ShapeMismatch, UnstableLearningRate
 from ntk_service.kernels.modes import KernelMode
 
@@ -88,6 +90,8 @@ class LinearizedPredictions:
         max_learning_rate: the largest stable step of gradient descent for this loss (cross-entropy: the
             descent-lemma bound 4N / λmax, not a refusal threshold).
         rtol, atol: the ODE solver's tolerances where one ran (cross-entropy gradient flow), else None.
+        solves: on an operator, the CG (t = ∞) and Lanczos (finite t) runs, each with ``converged`` and its cost;
+            empty for the dense path. converged: every one of them converged (True for the dense path).
     """
 
     times: np.ndarray
@@ -101,6 +105,11 @@ class LinearizedPredictions:
     max_learning_rate: float
     rtol: float | None = None
     atol: float | None = None
+    solves: tuple[Any, ...] = ()
+
+    @property
+    def converged(self) -> bool:
+        return all(bool(s.converged) for s in self.solves)
 
 
 def _stable_limit(lambda_max: float, c: float) -> float:
@@ -125,9 +134,23 @@ def max_learning_rate(
     Returns:
         The limit η*; ``inf`` for a kernel with no positive eigenvalue.
 
+    On an operator (an ``NtkOperator``, or any object with ``shape`` and ``matvec``, NOTE [operator layout]) λmax
+    comes from Lanczos (``eigsh``, a few dozen products); an ``NtkOperator`` knows its k, any other operator needs
+    n_outputs.
+
     Raises:
         ShapeMismatch: a non-square kernel. InvalidInput: an unknown loss, a TRACE kernel without n_outputs.
     """
+    if is_operator(k_train_train):
+        k_op = n_outputs if n_outputs is not None else getattr(k_train_train, "k", None)
+        if k_op is None:
+            raise InvalidInput(
+                "max_learning_rate: an operator does not say how many outputs per example it has; pass n_outputs=k"
+            )
+        op = kernel_operator(k_train_train, k=int(k_op), name="k_train_train", operation="max_learning_rate", mode=mode)
+        if op.rows != op.cols:
+            raise ShapeMismatch(f"max_learning_rate: the operator has shape {op.shape}; it must be square")
+        return _stable_limit(operator_lambda_max(op), loss_scale(loss, op.n * int(k_op)))
     kernel = to_kernel_matrix(
         k_train_train,
         name="k_train_train",
@@ -200,6 +223,7 @@ def linearized_predictions(
     flow: Flow | str = "gradient_flow",
     mode: KernelMode | str | None = None,
     rcond: float | None = DEFAULT_RCOND,
+    cg: CgOptions | None = None,
 ) -> LinearizedPredictions:
     """Train and test outputs of the linearized network trained on (x_train, y_train) from f0, at each time.
 
@@ -223,6 +247,9 @@ def linearized_predictions(
         flow (str): "gradient_flow" (closed form) or "gradient_descent" (exact iterate). Default: gradient_flow.
         mode: checked against the shapes. Default: inferred from the rank.
         rcond (float | None): modes with λ ≤ rcond · max|λ| are frozen. Default: N·k·eps.
+        cg (CgOptions): for an operator k_train_train (an ``NtkOperator`` or any object with ``shape`` and
+            ``matvec``): t = ∞ by CG, finite t by Lanczos (NOTE [krylov predictions]); ``cg.rtol`` and
+            ``cg.max_iterations`` apply to both. Default: CgOptions().
 
     Returns:
         LinearizedPredictions: train (T, N, k), test (T, M, k) or None, and the kernel facts used.
@@ -244,6 +271,11 @@ def linearized_predictions(
         raise InvalidInput(f"{_OPERATION}: learning_rate must be a positive number, got {learning_rate}")
     time_array = _check_times(times, flow)
     if loss == "cross_entropy":  # not quadratic: function-space dynamics (NOTE [cross-entropy dynamics])
+        if is_operator(k_train_train) or is_operator(k_test_train):
+            raise InvalidInput(
+                f"{_OPERATION}: loss='cross_entropy' needs dense kernels (N, N, k, k) or (N, N); an operator is "
+                "solved for loss='mse' only: pass the dense kernel"
+            )
         run = cross_entropy_dynamics(
             k_train_train, y_train, times=time_array, learning_rate=learning_rate, flow=flow,
             k_test_train=k_test_train, f0_train=f0_train, f0_test=f0_test, ridge=ridge, ridge_scale=ridge_scale,
@@ -253,6 +285,11 @@ def linearized_predictions(
             times=run.times, train=run.train, test=run.test, lambda_min=run.lambda_min, lambda_max=run.lambda_max,
             frozen_modes=0, tol=0.0, path=run.path, max_learning_rate=run.max_learning_rate, rtol=run.rtol,
             atol=run.atol,
+        )  # fmt: skip
+    if is_operator(k_train_train):  # Krylov methods on an operator (NOTE [krylov predictions] in solve/krylov.py)
+        return _predictions_on_operator(
+            k_train_train, y_train, time_array, learning_rate, loss, k_test_train, f0_train, f0_test, ridge,
+            ridge_scale, flow, mode, rcond, cg or CgOptions(),
         )  # fmt: skip
     y_raw = np.asarray(y_train.detach().cpu() if hasattr(y_train, "detach") else y_train)
     k_hint = y_raw.shape[1] if y_raw.ndim == 2 else 1
@@ -338,3 +375,70 @@ def _test_matrix(
             f"{n} and k = {k}; pass Θ(x_test, x_train) of shape (M, {n}{f', {k}, {k}' * (test.k is not None)})"
         )
     return test.matrix, test.n
+
+
+def _predictions_on_operator(
+    k_train_train: Any,
+    y_train: Any,
+    time_array: np.ndarray,
+    learning_rate: float,
+    loss: Loss | str,
+    k_test_train: Any,
+    f0_train: Any,
+    f0_test: Any,
+    ridge: float,
+    ridge_scale: RidgeScale | str,
+    flow: str,
+    mode: KernelMode | str | None,
+    rcond: float | None,
+    options: CgOptions,
+) -> LinearizedPredictions:
+    """``linearized_predictions`` on an operator (NOTE [krylov predictions])."""
+    y = to_float64(y_train, name="y_train", operation=_OPERATION)
+    y = y[:, None] if y.ndim == 1 else y
+    if y.ndim != 2:
+        raise ShapeMismatch(f"{_OPERATION}: y_train has shape {y.shape}; expected (N, k) or (N,)")
+    n, k = y.shape
+    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
+    if ridge_scale != "absolute":
+        raise InvalidInput(
+            f"{_OPERATION}: ridge_scale={ridge_scale!r} on an operator: its diagonal is unknown; pass an absolute ridge"
+        )
+    lam = ridge_value(np.zeros((1, 1)), ridge, "absolute", operation=_OPERATION)
+    f0 = np.zeros_like(y) if f0_train is None else to_targets(f0_train, n=n, k=k, name="f0_train", operation=_OPERATION)
+    cross: KernelOperator | None = None
+    f0_star = None
+    if k_test_train is not None:
+        cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
+        f0_star = (
+            np.zeros((cross.n, k))
+            if f0_test is None
+            else to_targets(f0_test, n=cross.n, k=k, name="f0_test", operation=_OPERATION)
+        )
+    elif f0_test is not None:
+        raise InvalidInput(f"{_OPERATION}: f0_test was given without k_test_train; pass both or neither")
+    c = loss_scale(loss, n * k)
+    lambda_max = operator_lambda_max(train, ridge=lam)
+    limit = _stable_limit(lambda_max, c)
+    if flow == "gradient_descent" and learning_rate > limit:
+        raise UnstableLearningRate(
+            f"{_OPERATION}: learning_rate {learning_rate:g} is above the stable limit {limit:.6g} of gradient "
+            f"descent for loss {loss!r} on this kernel (λmax ≈ {lambda_max:.6g} by Lanczos); the linearized model "
+            f"diverges. Use learning_rate < {limit:.6g}, or flow='gradient_flow'"
+        )
+    out = krylov_predictions(
+        train, cross, y, f0, f0_star, time_array, rate=learning_rate * c, ridge=lam, flow=flow, rcond=rcond,
+        options=options, factors=_mode_factors,
+    )  # fmt: skip
+    return LinearizedPredictions(
+        times=time_array,
+        train=out.train,
+        test=out.test,
+        lambda_min=float("nan"),
+        lambda_max=lambda_max,
+        frozen_modes=0,
+        tol=float("nan"),
+        path=out.path,
+        max_learning_rate=limit,
+        solves=out.solves,
+    )

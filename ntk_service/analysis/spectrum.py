@@ -90,6 +90,8 @@ def _as_operator(kernel: Any) -> Any:
     """A LinearOperator for operator-like inputs; None for arrays (handled densely)."""
     if isinstance(kernel, scipy.sparse.linalg.LinearOperator):
         return kernel
+    if hasattr(kernel, "as_linear_operator"):  # an NtkOperator: its own SciPy view (torch in, numpy out)
+        return kernel.as_linear_operator()
     if hasattr(kernel, "matvec") and hasattr(kernel, "shape") and not hasattr(kernel, "__array__"):
         return scipy.sparse.linalg.aslinearoperator(kernel)
     return None
@@ -118,6 +120,7 @@ def spectrum(
     method: Method | str = "auto",
     eigenvectors: bool = False,
     mode: str | None = None,
+    bottom: int | None = None,
 ) -> Spectrum:
     """Eigenvalues (descending, signed) of a symmetric kernel, its condition number and effective ranks.
 
@@ -129,6 +132,10 @@ def spectrum(
             given and n > ``DENSE_MAX_SIZE``, or the kernel is an operator). Default: "auto".
         eigenvectors (bool): also return the eigenvectors (n, r). Default: False.
         mode: checked against the shape of an array kernel. Default: inferred.
+        bottom (int | None): also the ``bottom`` smallest eigenvalues, by Lanczos (``eigsh``, which="SA"),
+            appended after the top ones (descending); λmax then comes from ``top`` or one more Lanczos run,
+            ``lambda_min`` is the smallest found and ``condition_number`` λmax / λmin. Small eigenvalues of a kernel
+            converge slowly: expect many more products than for the top. Default: None.
 
     Returns:
         Spectrum (see its attributes); ranks that need what a partial spectrum or an operator lacks are None.
@@ -146,6 +153,8 @@ def spectrum(
         raise InvalidInput(f"{_OPERATION}: unknown method {method!r}; expected 'auto', 'eigh' or 'lanczos'")
     if top is not None and top < 1:
         raise InvalidInput(f"{_OPERATION}: top must be ≥ 1 (or None for all eigenvalues), got {top}")
+    if bottom is not None:
+        return _extremes(kernel, top=top, bottom=bottom, eigenvectors=eigenvectors, mode=mode)
     operator = _as_operator(kernel)
     matrix = None
     if operator is None:
@@ -200,6 +209,54 @@ def spectrum(
         stable_rank=None if trace is None or values[0] <= 0 else trace / float(values[0]),
         numerical_rank=numerical_rank,
         _trace=trace,
+    )
+
+
+def _extremes(kernel: Any, *, top: int | None, bottom: int, eigenvectors: bool, mode: str | None) -> Spectrum:
+    """The top and bottom eigenvalues by Lanczos (``spectrum(bottom=...)``)."""
+    operator = _as_operator(kernel)
+    if operator is None:
+        matrix = to_kernel_matrix(kernel, name="kernel", operation=_OPERATION, mode=mode, square=True, symmetrize=True)
+        operator = scipy.sparse.linalg.aslinearoperator(matrix.matrix)
+    if len(operator.shape) != 2 or operator.shape[0] != operator.shape[1]:
+        raise ShapeMismatch(f"{_OPERATION}: the operator has shape {operator.shape}; it must be square (n, n)")
+    n = int(operator.shape[0])
+    if bottom < 1 or (top or 0) + bottom >= n:
+        raise InvalidInput(
+            f"{_OPERATION}: Lanczos computes a few extreme eigenvalues of an n = {n} kernel: give 1 ≤ bottom and "
+            f"top + bottom < {n} (got top={top}, bottom={bottom}); use method='eigh' on a dense kernel for all of them"
+        )
+    values, vectors = [], []
+    for which, count in (("LA", top or 1), ("SA", bottom)):
+        try:
+            found, basis = scipy.sparse.linalg.eigsh(operator, k=count, which=which, return_eigenvectors=True)
+        except scipy.sparse.linalg.ArpackNoConvergence as exc:
+            raise InvalidInput(
+                f"{_OPERATION}: Lanczos did not converge to the {'top' if which == 'LA' else 'bottom'} {count} "
+                f"eigenvalue(s) of this n = {n} kernel ({len(exc.eigenvalues)} converged); the smallest eigenvalues "
+                "of a kernel are clustered and converge slowly: ask for fewer, add a ridge, or use method='eigh' on "
+                "a dense kernel"
+            ) from exc
+        order = np.argsort(found)[::-1]
+        values.append(found[order])
+        vectors.append(basis[:, order])
+    top_values = values[0] if top else values[0][:0]
+    top_vectors = vectors[0] if top else vectors[0][:, :0]
+    all_values = np.concatenate([top_values, values[1]]).astype(np.float64)
+    lam_max, lam_min = float(values[0][0]), float(values[1][-1])
+    tiny = lam_max <= 0 or lam_min <= n * float(np.finfo(np.float64).eps) * lam_max
+    return Spectrum(
+        eigenvalues=all_values,
+        eigenvectors=np.concatenate([top_vectors, vectors[1]], axis=1) if eigenvectors else None,
+        n=n,
+        method="lanczos",
+        lambda_max=lam_max,
+        lambda_min=lam_min,
+        condition_number=math.inf if tiny else lam_max / lam_min,
+        entropy=None,
+        participation_ratio=None,
+        stable_rank=None,
+        numerical_rank=None,
     )
 
 

@@ -2,8 +2,9 @@
 
 ``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes. Beside it (docs/kernel_family.md):
 ``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
-``ntk_operator`` (matrix-free Θ·v), ``mode="pseudo"`` (the pseudo-NTK) and ``compute_ntk_groups`` (Θ per layer or
-parameter group).
+``ntk_operator`` and ``dataset_operator`` (matrix-free Θ·v, in memory or over a data set read in chunks),
+``ntk_features`` (sketched features), ``mode="pseudo"`` (the pseudo-NTK) and
+``compute_ntk_groups`` (Θ per layer or parameter group).
 """
 
 from ntk_service.kernels.allocator import release_freed_memory, retain_freed_memory, reuse_large_buffers
@@ -15,6 +16,7 @@ from ntk_service.kernels.device import (
     parse_device,
     place_module,
 )
+from ntk_service.kernels.features import MAX_FEATURE_DIM, feature_kernel, ntk_features
 from ntk_service.kernels.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
@@ -23,6 +25,7 @@ from ntk_service.kernels.nngp import NngpResult, compute_nngp
 from ntk_service.kernels.options import NtkOptions
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.side_cache import SideCache
+from ntk_service.kernels.streaming_operator import dataset_operator
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
@@ -30,6 +33,7 @@ __all__ = [
     "DEFAULT_DEVICE",
     "DEFAULT_IMPLEMENTATION",
     "DerivedMode",
+    "MAX_FEATURE_DIM",
     "KernelKind",
     "KernelMode",
     "MonteCarloResult",
@@ -45,13 +49,16 @@ __all__ = [
     "compute_nngp",
     "compute_ntk",
     "compute_ntk_groups",
+    "dataset_operator",
     "default_memory_budget",
     "device_memory_budget",
+    "feature_kernel",
     "model_device",
     "parameter_groups",
     "parse_device",
     "place_module",
     "monte_carlo_ntk",
+    "ntk_features",
     "ntk_operator",
     "release_freed_memory",
     "retain_freed_memory",

@@ -1,0 +1,210 @@
+"""Solvers on the matrix-free operator and sketched features, against the dense kernel where it fits.
+
+Sections (``--section``, default ``dense features``; ``scale`` only when asked):
+
+- ``dense``: kernel ridge / GP mean on the benchmark MLP 784-512-512-10 (benchmarks/_models.py), dense
+  (``compute_ntk`` + Cholesky) against preconditioned CG on ``ntk_operator`` (Nyström, m landmarks), side by side
+  at each N: wall times, CG iterations, products and time per product, and the relative difference of the test
+  predictions. The issue's sizes are N = 2000-8000 (``--n 2000 4000 8000 --mode trace``; FULL dense only fits to
+  N ≈ 2000: its (N·k)² float64 matrix is 3.2 GB there).
+- ``scale``: FULL kernel ridge on N MNIST-sized inputs (784 features, k = 10, a random teacher's one-hot labels)
+  by preconditioned operator CG, the kernel never formed (it would be N²k² floats: 4 TB at N = 100,000 in
+  float32... 8 TB in float64). Reports wall time, iterations, time per product, peak memory (VmHWM), and from the
+  measured per-product time an estimate for ``--estimate-n`` (default 100,000) and for the TRACE solve there
+  (k passes per product and k target columns: k² passes per iteration against 1).
+- ``features``: ``ntk_features`` error against the exact FULL kernel by D on an N-subset, and the GP test mean with
+  the feature kernel against the exact kernel's.
+
+    .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
+    .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
+    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --landmarks 50   # the goal run
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import scipy.linalg  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks._models import make_inputs, make_mlp  # noqa: E402
+from ntk_service.analysis import CgOptions, gp_inference  # noqa: E402
+from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_operator  # noqa: E402
+
+K = 10
+
+
+def _peak_mib() -> float:
+    """This process's own peak RSS (VmHWM; ru_maxrss would carry a parent's peak, DESIGN §6)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _labels(x: torch.Tensor, seed: int = 5) -> np.ndarray:
+    """One-hot labels of a fixed random linear teacher (a learnable rule, like class labels)."""
+    teacher = torch.randn(x.shape[1], K, generator=torch.Generator().manual_seed(seed))
+    classes = (x @ teacher).argmax(1)
+    return np.eye(K)[classes.numpy()] - 0.1  # centred one-hot
+
+
+def _matrix(theta: torch.Tensor, mode: str) -> np.ndarray:
+    if mode == "trace":
+        return theta.double().numpy() / K  # read as (trace / k) ⊗ I_k (NOTE [layout])
+    n, m = theta.shape[:2]
+    return theta.double().permute(0, 2, 1, 3).reshape(n * K, m * K).numpy()
+
+
+def section_dense(ns: list[int], mode: str, ridge: float, landmarks: int, rtol: float) -> None:
+    model = make_mlp()
+    print(f"dense vs CG, MLP 784-512-512-10, {mode}, ridge {ridge} (relative to the mean diagonal), rtol {rtol}")
+    print(f"{'N':>6} {'dense s':>9} {'(kernel':>8} {'chol)':>7} {'CG s':>8} {'iters':>6} {'products':>8} "
+          f"{'s/product':>10} {'rel diff':>9} {'CG/dense':>9}")  # fmt: skip
+    for n in ns:
+        x = make_inputs("mlp", n + 200)
+        x_train, x_test = x[:n], x[n:]
+        y = _labels(x_train)
+        start = time.perf_counter()
+        a = _matrix(compute_ntk(model, x_train, mode=mode, dtype="float64").theta, mode)
+        c = _matrix(compute_ntk(model, x_test, x_train, mode=mode, dtype="float64").theta, mode)
+        kernel_s = time.perf_counter() - start
+        lam = ridge * float(np.mean(np.diag(a)))
+        start = time.perf_counter()
+        factor = scipy.linalg.cho_factor(a + lam * np.eye(a.shape[0]), lower=True)
+        dense = c @ scipy.linalg.cho_solve(factor, y.reshape(-1) if mode == "full" else y)
+        chol_s = time.perf_counter() - start
+        train_op = ntk_operator(model, x_train, mode=mode, dtype="float64")
+        cross_op = ntk_operator(model, x_test, x_train, mode=mode, dtype="float64")
+        for label, pre in ((f"nystrom m={landmarks}", "nystrom"), ("no preconditioner", "none")):  # the A/B
+            start = time.perf_counter()
+            options = CgOptions(rtol=rtol, landmarks=landmarks, preconditioner=pre)  # type: ignore[arg-type]
+            post = gp_inference(train_op, y, cross_op, ridge=lam, cg=options)
+            cg_s = time.perf_counter() - start
+            solve = post.solve
+            assert solve is not None
+            diff = float(np.linalg.norm(post.mean.reshape(-1) - dense.reshape(-1)) / np.linalg.norm(dense))
+            per = cg_s / max(solve.products, 1)
+            note = "" if solve.converged else f"  NOT CONVERGED ({solve.stop_reason})"
+            dense_s = kernel_s + chol_s
+            print(f"{n:>6} {dense_s:>9.2f} {kernel_s:>8.2f} {chol_s:>7.2f} {cg_s:>8.2f} {solve.iterations:>6} "
+                  f"{solve.products:>8} {per:>10.4f} {diff:>9.2e} {cg_s / dense_s:>9.2f}  {label}{note}")  # fmt: skip
+
+
+def section_scale(
+    n: int, ridge: float, landmarks: int, rtol: float, estimate_n: int, max_iterations: int, preconditioner: str
+) -> None:
+    model = make_mlp()
+    x = make_inputs("mlp", n + 1000)
+    x_train, x_test = x[:n], x[n:]
+    y = _labels(x_train)
+    start = time.perf_counter()
+    train_op = ntk_operator(model, x_train)  # float32 products, float64 CG (NOTE [cg])
+    cross_op = ntk_operator(model, x_test, x_train)
+    # λ relative to the mean diagonal, from 64 examples' exact diagonal (the operator does not know it)
+    diag = compute_ntk(model, x_train[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
+    lam = ridge * float(diag)
+    options = CgOptions(
+        rtol=rtol,
+        landmarks=landmarks,
+        max_iterations=max_iterations,
+        preconditioner=preconditioner,  # type: ignore[arg-type]
+    )
+    post = gp_inference(train_op, y, cross_op, ridge=lam, cg=options)
+    wall = time.perf_counter() - start
+    solve = post.solve
+    assert solve is not None
+    per = solve.time_s / max(solve.products, 1)
+    accuracy = float(np.mean(post.mean.argmax(1) == _labels(x_test).argmax(1)))
+    print(f"FULL kernel ridge by operator CG, MLP 784-512-512-10, N = {n} (kernel never formed: "
+          f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32)")  # fmt: skip
+    print(f"  wall {wall:.1f} s, iterations {solve.iterations}, products {solve.products} "
+          f"({solve.preconditioner}), {per:.3f} s/product, residual {solve.residual.max():.2e}, "
+          f"converged {solve.converged} ({solve.stop_reason}), peak {_peak_mib():.0f} MiB, "
+          f"test accuracy {accuracy:.3f}")  # fmt: skip
+    scale = estimate_n / n
+    est = solve.products * per * scale
+    print(f"  estimate at N = {estimate_n}: {per * scale:.2f} s/product (linear in N) × {solve.products} products "
+          f"(this run's count; iterations grow with N at a fixed ridge) = {est / 60:.1f} min; TRACE there: "
+          f"{K}× the passes per product and {K} target columns = {K * K}× per iteration: "
+          f"≈ {est * K * K / 3600:.1f} h for the same iteration count")  # fmt: skip
+
+
+def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
+    model = make_mlp()
+    x = make_inputs("mlp", n + 50)
+    x_train, x_test = x[:n], x[n:]
+    y = _labels(x_train)
+    start = time.perf_counter()
+    exact = compute_ntk(model, x_train, mode="full", dtype="float64").theta
+    exact_test = compute_ntk(model, x_test, x_train, mode="full", dtype="float64").theta
+    exact_s = time.perf_counter() - start
+    lam = ridge * float(exact.diagonal(dim1=2, dim2=3).mean())
+    exact_mean = gp_inference(exact, y, exact_test, ridge=lam).mean
+    truth = _labels(x_test)
+    print(f"features vs exact FULL kernel, MLP 784-512-512-10, N = {n} (+50 test), exact kernels {exact_s:.1f} s, "
+          f"GP ridge {ridge:g} × mean diagonal; exact GP test MSE "
+          f"{np.mean((exact_mean - truth) ** 2):.4f}")  # fmt: skip
+    print(f"{'D':>6} {'rel err':>9} {'×√D':>7} {'GP mean diff':>13} {'GP MSE':>8} {'s/call':>8}")
+    norm = float(exact.norm())
+    for d in dims:
+        errs, diffs, mses, secs = [], [], [], []
+        for s in range(seeds):
+            start = time.perf_counter()
+            phi = ntk_features(model, torch.cat([x_train, x_test]), dim=d, seed=s, dtype="float64")
+            secs.append(time.perf_counter() - start)
+            phi_train, phi_test = phi[:n], phi[n:]
+            errs.append(float((feature_kernel(phi_train) - exact).norm()) / norm)
+            mean = gp_inference(feature_kernel(phi_train), y, feature_kernel(phi_test, phi_train), ridge=lam).mean
+            diffs.append(float(np.linalg.norm(mean - exact_mean) / np.linalg.norm(exact_mean)))
+            mses.append(float(np.mean((mean - truth) ** 2)))
+        err = float(np.mean(errs))
+        print(f"{d:>6} {err:>9.4f} {err * d**0.5:>7.2f} {np.mean(diffs):>13.4f} {np.mean(mses):>8.4f} "
+              f"{np.median(secs):>8.2f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=["dense", "scale", "features"])
+    parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
+    parser.add_argument("--mode", default="full", choices=["full", "trace"])
+    parser.add_argument("--ridge", type=float, default=1e-3, help="λ relative to the mean diagonal entry")
+    parser.add_argument("--landmarks", type=int, default=100)
+    parser.add_argument("--preconditioner", default="auto", choices=["auto", "none", "nystrom"], help="--section scale")
+    parser.add_argument("--rtol", type=float, default=1e-8)
+    parser.add_argument("--scale-n", type=int, default=2000)
+    parser.add_argument("--scale-rtol", type=float, default=1e-5)
+    parser.add_argument("--max-iterations", type=int, default=1000)
+    parser.add_argument("--estimate-n", type=int, default=100_000)
+    parser.add_argument("--features-n", type=int, default=100)
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if "dense" in args.section:
+        section_dense(args.n, args.mode, args.ridge, args.landmarks, args.rtol)
+    if "scale" in args.section:
+        section_scale(
+            args.scale_n,
+            args.ridge,
+            args.landmarks,
+            args.scale_rtol,
+            args.estimate_n,
+            args.max_iterations,
+            args.preconditioner,
+        )
+    if "features" in args.section:
+        section_features(args.features_n, args.dims, args.seeds, args.features_ridge)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Solvers on kernels seen through products: preconditioned CG, Nyström preconditioners, Lanczos functions.
+
+``gp_inference(solver="cg")``, ``linearized_predictions`` and ``max_learning_rate`` on operators, and
+``spectrum(bottom=...)``, are built on these; they are public for a solve the analyses do not cover. Every kernel
+reaches them through ``kernel_operator`` (NOTE [operator layout] in ``operators.py``).
+"""
+
+from ntk_service.analysis.solve.cg import (
+    AUTO_NYSTROM_MIN_SIZE,
+    DEFAULT_MAX_ITERATIONS,
+    DEFAULT_RTOL,
+    CgOptions,
+    Preconditioner,
+    SolveResult,
+    conjugate_gradients,
+)
+from ntk_service.analysis.solve.lanczos import LanczosResult, lanczos_functions
+from ntk_service.analysis.solve.operators import KernelOperator, check_ridge, is_operator, kernel_operator
+from ntk_service.analysis.solve.preconditioners import (
+    DEFAULT_LANDMARKS,
+    LandmarkMethod,
+    NystromPreconditioner,
+    nystrom_preconditioner,
+)
+
+__all__ = [
+    "AUTO_NYSTROM_MIN_SIZE",
+    "DEFAULT_LANDMARKS",
+    "DEFAULT_MAX_ITERATIONS",
+    "DEFAULT_RTOL",
+    "CgOptions",
+    "KernelOperator",
+    "LandmarkMethod",
+    "LanczosResult",
+    "NystromPreconditioner",
+    "Preconditioner",
+    "SolveResult",
+    "check_ridge",
+    "conjugate_gradients",
+    "is_operator",
+    "kernel_operator",
+    "lanczos_functions",
+    "nystrom_preconditioner",
+]

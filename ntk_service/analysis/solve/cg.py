@@ -1,0 +1,265 @@
+"""Preconditioned conjugate gradients on a kernel seen through products: (A + λI) X = B, B (n, r).
+
+NOTE [cg]
+    The r right-hand sides (the k target columns of a TRACE kernel, or one FULL column) run as one block: every
+    iteration applies the operator once to the block of columns still moving (one product per column, so a
+    converged column costs nothing more), with each column's own CG scalars (the "batched" form; O'Leary's block CG
+    shares one Krylov space across columns and is left for later). Vectors, scalars and sums are float64 whatever
+    the operator computes in. A column stops when its recursive residual ‖r‖ / ‖b‖ ≤ rtol; then the true residual
+    ‖b − (A + λI) x‖ / ‖b‖ is recomputed with one more product, and if rounding has pulled it above rtol, CG
+    restarts from x (a warm start) up to ``_RESTARTS`` times. ``converged`` is that true residual against rtol:
+    a solve that runs out of iterations, or meets pᵀ(A + λI)p ≤ 0 (an operator that is not positive definite),
+    says so in its result and in ``stop_reason``; nothing is dropped silently.
+
+NOTE [cg default]
+    ``preconditioner="auto"`` (the default) is no preconditioner below n = ``AUTO_NYSTROM_MIN_SIZE`` rows and the
+    Nyström preconditioner with m = ``DEFAULT_LANDMARKS`` from there on, from this A/B on the benchmark MLP
+    784-512-512-10 (FULL, ridge 1e-3 × the mean diagonal, benchmarks/bench_solvers.py, contended machine), in
+    products (the cost; a preconditioner's m landmarks are m products; the first two rows float64 at rtol 1e-8,
+    the last two float32 products at rtol 1e-5):
+
+    ============ ============================ ==================================
+    n = N·k      no preconditioner            Nyström
+    ============ ============================ ==================================
+    3,000        45 iterations, 46 products   m = 30: 35 iterations, 66 products
+    10,000       74 iterations, 75 products   m = 50: 47 iterations, 98 products
+    20,000       79 iterations, 80 products   m = 50: 36 iterations, 87 products
+    100,000      230 iterations, 232 products m = 100: 99 iterations, 200 products
+    ============ ============================ ==================================
+
+    An MLP's NTK has a few outlying top eigenvalues that plain CG resolves in about one iteration each; the
+    iterations of the bulk grow with N (≈ N^0.66 here), and once they are well above m the landmarks pay.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from ntk_service.analysis.solve.operators import KernelOperator, check_ridge
+from ntk_service.analysis.solve.preconditioners import LandmarkMethod, nystrom_preconditioner
+from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
+
+__all__ = [
+    "DEFAULT_MAX_ITERATIONS",
+    "DEFAULT_RTOL",
+    "CgOptions",
+    "Preconditioner",
+    "SolveResult",
+    "conjugate_gradients",
+]
+
+DEFAULT_RTOL = 1e-8
+"""Relative residual at which a column stops: float64 predictions then agree with a dense solve to about
+rtol × cond(A + λI)^(1/2) (measured in tests/analysis/test_solvers.py and benchmarks/bench_solvers.py)."""
+
+DEFAULT_MAX_ITERATIONS = 2000
+"""The default cap on CG iterations (each is one product per moving column)."""
+
+AUTO_NYSTROM_MIN_SIZE = 50_000
+"""Rows n from which ``preconditioner="auto"`` builds a Nyström preconditioner (NOTE [cg default]): it did not pay
+at n = 20,000 and paid at n = 100,000 on the benchmark MLP."""
+
+_RESTARTS = 3
+"""Warm restarts when the recomputed residual is above rtol although the recursive one was below (NOTE [cg])."""
+
+_OPERATION = "conjugate_gradients"
+
+
+class Preconditioner(Protocol):
+    """What CG asks of a preconditioner: P⁻¹ R for a block R (n, r), and a name for the result."""
+
+    @property
+    def name(self) -> str: ...
+
+    def apply(self, r: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class CgOptions:
+    """How to solve with CG (the ``cg=`` options of ``gp_inference`` and ``linearized_predictions``).
+
+    Attributes:
+        rtol: stop at ‖b − A x‖ / ‖b‖ ≤ rtol per column. Default: ``DEFAULT_RTOL``.
+        max_iterations: per solve. Default: None, meaning min(10·n, ``DEFAULT_MAX_ITERATIONS``) (rounding makes
+            CG need more than the n steps of exact arithmetic on an ill-conditioned kernel).
+        preconditioner: "auto" (NOTE [cg default]), "nystrom" (NOTE [nystrom preconditioner]), "none", or a
+            built ``Preconditioner``. Default: "auto".
+        landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
+        landmark_method: "uniform" or "pivoted_cholesky". seed: the uniform landmarks' generator.
+        diagonal: (n,) the kernel's diagonal, for "pivoted_cholesky" on an operator.
+    """
+
+    rtol: float = DEFAULT_RTOL
+    max_iterations: int | None = None
+    preconditioner: Literal["auto", "nystrom", "none"] | Preconditioner = "auto"
+    landmarks: int | None = None
+    landmark_method: LandmarkMethod = "uniform"
+    seed: int = 0
+    diagonal: Any = None
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """What a CG solve did.
+
+    Attributes:
+        solution: X (n, r). residual: (r,) the true relative residual ‖b − (A + λI) x‖ / ‖b‖ of each column.
+        converged: every column reached rtol. stop_reason: "converged", "max_iterations" or "breakdown: ...".
+        iterations: CG iterations (all restarts). products: operator products (columns), the preconditioner's
+            included. passes: VJP + JVP passes over the data those products cost (0 for a dense kernel).
+        rtol: the target. time_s: wall time, the preconditioner's build included. preconditioner: its name.
+    """
+
+    solution: np.ndarray
+    residual: np.ndarray
+    converged: bool
+    stop_reason: str
+    iterations: int
+    products: int
+    passes: int
+    rtol: float
+    time_s: float
+    preconditioner: str
+
+
+def _build_preconditioner(op: KernelOperator, ridge: float, options: CgOptions) -> tuple[Any, int]:
+    choice = options.preconditioner
+    if choice == "auto":
+        choice = "nystrom" if op.rows >= AUTO_NYSTROM_MIN_SIZE else "none"
+    if choice == "none":
+        return None, 0
+    if choice == "nystrom":
+        pre = nystrom_preconditioner(
+            op,
+            ridge=ridge,
+            landmarks=options.landmarks,
+            method=options.landmark_method,
+            seed=options.seed,
+            diagonal=options.diagonal,
+        )
+        return pre, pre.products
+    if isinstance(choice, str) or not hasattr(choice, "apply"):
+        raise InvalidInput(
+            f"{_OPERATION}: unknown preconditioner {choice!r}; expected 'auto', 'nystrom', 'none' or an object with "
+            "apply()"
+        )
+    return choice, 0
+
+
+def conjugate_gradients(
+    op: KernelOperator,
+    rhs: Any,
+    *,
+    ridge: float = 0.0,
+    options: CgOptions | None = None,
+    x0: Any = None,
+) -> SolveResult:
+    """Solve (A + λI) X = B by preconditioned CG (NOTE [cg]).
+
+    Args:
+        op: a square kernel (``kernel_operator``), symmetric positive semi-definite.
+        rhs: B (n,) or (n, r). ridge: λ ≥ 0. options: ``CgOptions``. Default: CgOptions().
+        x0: a warm start (n,) or (n, r), e.g. a previous ``SolveResult.solution``. Default: zeros.
+
+    Returns:
+        SolveResult: solution (n, r) (always 2-D), residuals, ``converged`` and the cost.
+
+    Raises:
+        ShapeMismatch: B or x0 not matching the operator. InvalidInput: a negative or NaN ridge, rtol ≤ 0,
+        max_iterations < 0. NonFiniteInput: NaN in B or x0.
+    """
+    options = options or CgOptions()
+    lam = check_ridge(ridge, operation=_OPERATION)
+    if not (options.rtol > 0 and np.isfinite(options.rtol)):
+        raise InvalidInput(f"{_OPERATION}: rtol must be a positive number, got {options.rtol}")
+    if options.max_iterations is not None and options.max_iterations < 0:
+        raise InvalidInput(f"{_OPERATION}: max_iterations must be ≥ 0, got {options.max_iterations}")
+    n = op.rows
+    if op.rows != op.cols:
+        raise ShapeMismatch(f"{_OPERATION}: the kernel has shape {op.shape}; CG needs a square one")
+    b = np.asarray(rhs, dtype=np.float64)
+    b = b[:, None] if b.ndim == 1 else b
+    if b.ndim != 2 or b.shape[0] != n:
+        raise ShapeMismatch(
+            f"{_OPERATION}: the right-hand side has shape {np.shape(rhs)}; expected ({n},) or ({n}, r) for a kernel "
+            f"of shape {op.shape}"
+        )
+    x = np.zeros_like(b) if x0 is None else np.array(x0, dtype=np.float64)
+    x = x[:, None] if x.ndim == 1 else x
+    if x.shape != b.shape:
+        raise ShapeMismatch(f"{_OPERATION}: x0 has shape {np.shape(x0)}; expected {b.shape} like the right-hand side")
+    if not (np.all(np.isfinite(b)) and np.all(np.isfinite(x))):
+        raise NonFiniteInput(f"{_OPERATION}: the right-hand side or x0 holds NaN or inf")
+    start = time.perf_counter()
+    max_iterations = min(10 * n, DEFAULT_MAX_ITERATIONS) if options.max_iterations is None else options.max_iterations
+    pre, products = _build_preconditioner(op, lam, options)
+    bnorm = np.linalg.norm(b, axis=0)
+    bnorm_safe = np.where(bnorm > 0, bnorm, 1.0)
+
+    def product(v: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        nonlocal products
+        products += cols.size
+        out = np.zeros_like(v)
+        if cols.size:
+            out[:, cols] = op.apply(v[:, cols]) + lam * v[:, cols]
+        return out
+
+    everything = np.arange(b.shape[1])
+    iterations, stop_reason = 0, "max_iterations"
+    moving = everything[bnorm > 0]
+    x[:, bnorm == 0] = 0.0
+    r = b - product(x, moving) if np.any(x[:, moving]) else b.copy()
+    residual = np.linalg.norm(r, axis=0) / bnorm_safe
+    for _ in range(_RESTARTS + 1):
+        active = moving[residual[moving] > options.rtol]
+        if active.size == 0:
+            stop_reason = "converged"
+            break
+        z = r if pre is None else pre.apply(r)
+        p = z.copy()
+        rz = np.sum(r * z, axis=0)
+        while active.size and iterations < max_iterations:
+            ap = product(p, active)
+            pap = np.sum(p[:, active] * ap[:, active], axis=0)
+            if np.any(pap <= 0):
+                stop_reason = "breakdown: pᵀ(A + λI)p ≤ 0, the kernel (plus ridge) is not positive definite"
+                break
+            alpha = rz[active] / pap
+            x[:, active] += alpha * p[:, active]
+            r[:, active] -= alpha * ap[:, active]
+            iterations += 1
+            residual[active] = np.linalg.norm(r[:, active], axis=0) / bnorm_safe[active]
+            active = active[residual[active] > options.rtol]
+            if active.size == 0:
+                break
+            z_active = r[:, active] if pre is None else pre.apply(r[:, active])
+            rz_new = np.sum(r[:, active] * z_active, axis=0)
+            p[:, active] = z_active + (rz_new / rz[active]) * p[:, active]
+            rz[active] = rz_new
+        # the true residual (NOTE [cg]): one more product per moving column
+        r = b - product(x, moving)
+        residual = np.linalg.norm(r, axis=0) / bnorm_safe
+        residual[bnorm == 0] = 0.0
+        if stop_reason.startswith("breakdown") or iterations >= max_iterations:
+            break
+    converged = bool(np.all(residual <= options.rtol))
+    if converged:
+        stop_reason = "converged"
+    elif stop_reason == "converged":  # restarts exhausted with rounding above rtol
+        stop_reason = "max_iterations"
+    return SolveResult(
+        solution=x,
+        residual=residual,
+        converged=converged,
+        stop_reason=stop_reason,
+        iterations=iterations,
+        products=products,
+        passes=products * op.passes_per_product,
+        rtol=float(options.rtol),
+        time_s=time.perf_counter() - start,
+        preconditioner="none" if pre is None else str(pre.name),
+    )

@@ -1,0 +1,191 @@
+"""``ntk_features``: sketched NTK features Φ (N, k, D) with E[Φ(x1) Φ(x2)ᵀ] = Θ(x1, x2), never building J.
+
+Φ(x) = J(x) R / √D for a Gaussian R (P, D), R_pd ~ N(0, 1) i.i.d.: E[R Rᵀ] = D·I, so E[Φ1 Φ2ᵀ] = J1 Jᵀ2 = Θ for
+every pair of inputs, FULL per output pair, and TRACE by summing Φ1[:, a] · Φ2[:, a] over the outputs a
+(``feature_kernel``). Each column J r_d is one forward-mode product (``jvp`` with tangent r_d), vmapped over a
+block of columns: time D·N·[FP] (forward mode), memory one block of tangents (``_BLOCK``·P floats) plus one
+chunk of forward-mode activations; J is never formed.
+
+NOTE [sketch determinism]
+    R is generated per parameter tensor and per block of ``_BLOCK`` columns, from a ``torch.Generator`` seeded
+    with blake2b(seed, parameter name, block index): the same (seed, D, params) gives the same Φ in every process,
+    on every chunking of the examples and every memory budget, and the first D columns of a larger D are the
+    D-column sketch (Φ grows by appending columns). Generation is in float64 on the CPU, then cast.
+
+NOTE [sketch error]
+    For a Gaussian sketch each entry of Φ1 Φ2ᵀ is unbiased with variance (Θ_ij² + Θ_ii Θ_jj) / D (Wick's
+    theorem), so E‖Φ Φᵀ − Θ‖²_F = (‖Θ‖²_F + (tr Θ)²) / D: the relative error falls like 1/√D with a constant of
+    about √(1 + (tr Θ)² / ‖Θ‖²_F); tests/kernels/test_features.py checks both the rate and that constant.
+
+    >>> phi = ntk_features(model, x, dim=1024, seed=0)          # (N, k, 1024)  # doctest: +SKIP
+    >>> feature_kernel(phi).shape, feature_kernel(phi, mode="trace").shape      # (N, N, k, k), (N, N)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.func import jvp, vmap
+
+from ntk_service.errors import (
+    InvalidInput,
+    MemoryEstimateExceeded,
+    ShapeMismatch,
+    UnknownMode,
+    UnsupportedModel,
+    format_bytes,
+)
+from ntk_service.kernels.functional import NtkProblem, build_problem, check_model, private_copy, validate_inputs
+from ntk_service.kernels.math_attention import math_attention
+from ntk_service.kernels.modes import KernelMode, parse_any_mode
+from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
+from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.types import NamedTensors
+
+__all__ = ["MAX_FEATURE_DIM", "feature_kernel", "ntk_features"]
+
+MAX_FEATURE_DIM = 65_536
+"""The largest D accepted: past it a sketch costs more forward-mode passes than most exact kernels of the same
+inputs (D passes against N·k for the Jacobian), so a larger D is a mistake more often than a need."""
+
+_BLOCK = 32
+"""Columns of R generated, and pushed through one vmapped jvp, together (NOTE [sketch determinism])."""
+
+_OPERATION = "ntk_features"
+
+
+def _block_seed(seed: int, name: str, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}\x00{name}\x00{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _tangents(problem: NtkProblem, seed: int, block: int) -> NamedTensors:
+    """R's columns block·_BLOCK ... (block+1)·_BLOCK − 1 as tangents: name -> (_BLOCK, *param_shape)."""
+    out = {}
+    for name, p in problem.params.items():
+        g = torch.Generator().manual_seed(_block_seed(seed, name, block))
+        out[name] = torch.randn((_BLOCK, *p.shape), generator=g, dtype=torch.float64).to(problem.dtype)
+    return out
+
+
+def _check_dim(dim: object) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_FEATURE_DIM:
+        raise InvalidInput(
+            f"{_OPERATION}: dim must be an integer in [1, {MAX_FEATURE_DIM}], got {dim!r}; the error falls like "
+            "1/√dim (NOTE [sketch error]), so a few thousand columns usually suffice"
+        )
+    return dim
+
+
+def ntk_features(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    dim: int,
+    seed: int = 0,
+    params: Sequence[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    memory_budget_bytes: int | None = None,
+) -> torch.Tensor:
+    """Sketched NTK features Φ = J R / √D of the examples x (module docstring).
+
+    Args:
+        model (nn.Module): maps (N, *input) to (N, *out); run in eval semantics on a private copy.
+        x (Tensor): (N, *input).
+        dim (int): D, the sketch size, in [1, ``MAX_FEATURE_DIM``].
+        seed (int): picks R (NOTE [sketch determinism]). Default: 0.
+        params (list of str, optional): a parameter subset (globs): features of that subset's kernel. Default: all.
+        dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
+        memory_budget_bytes (int, optional): peak memory. Default: ``default_memory_budget()``.
+
+    Returns:
+        Tensor (N, k, D): E[Φ(x1)[n] Φ(x2)[m]ᵀ] = Θ(x1, x2)[n, m] (FULL, (k, k)) for features of x1 and x2
+        computed with the same seed, dim and params; ``feature_kernel`` forms the kernel.
+
+    Raises:
+        InvalidInput: dim outside [1, MAX_FEATURE_DIM] or not an integer.
+        MemoryEstimateExceeded: Φ, one block of tangents and one example's forward-mode activations exceed the
+            budget (the message gives the estimate).
+        ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``;
+            UnsupportedModel also for an operation without forward-mode AD.
+    """
+    d = _check_dim(dim)
+    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    check_model(model)
+    compute_dtype, xt, _ = validate_inputs(model, x, None, dtype)
+    private = private_copy(model)
+    if private is None:
+        raise UnsupportedModel(f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed); use compute_ntk")
+    problem = build_problem(private, xt, None, params=params, dtype=compute_dtype)
+    n, k, item = xt.shape[0], problem.k, problem.itemsize
+    # Φ itself; one block of tangents (and its float64 draw); per example: primal and tangent activations and
+    # outputs for every column of the block at once
+    fixed = n * k * d * item + _BLOCK * problem.num_params * (item + 8)
+    per_example = _BLOCK * (2 * problem.saved_bytes + 2 * k * item)
+    chunk = int((budget - fixed) // per_example) if budget > fixed else 0
+    if chunk < 1:
+        needed = int(fixed + per_example)
+        raise MemoryEstimateExceeded(
+            f"{_OPERATION}: features of N={n} examples with k={k}, D={d} (P={problem.num_params}) need at least "
+            f"{format_bytes(needed)}, over the memory budget of {format_bytes(budget)}; use a smaller dim, fewer "
+            "examples per call (Φ of a data set can be computed in row chunks: rows do not interact), or a larger "
+            "budget",
+            estimate_bytes=needed,
+            budget_bytes=budget,
+        )
+    phi = torch.empty(n, k, d, dtype=compute_dtype)
+
+    def columns(tangent: NamedTensors, xb: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = jvp(lambda p: problem.f_batch(p, xb), (problem.params,), (tangent,))[1]
+        return out  # (n_chunk, k)
+
+    with _FORWARD_AD_LOCK, math_attention():  # jvp's dual levels are process-global (ntk_vector_products.py)
+        try:
+            for block in range((d + _BLOCK - 1) // _BLOCK):
+                start, stop = block * _BLOCK, min(d, (block + 1) * _BLOCK)
+                tangents = {name: t[: stop - start] for name, t in _tangents(problem, seed, block).items()}
+                for i in range(0, n, chunk):
+                    xb = xt[i : i + chunk]
+                    # (cols, n_chunk, k) -> (n_chunk, k, cols)
+                    phi[i : i + chunk, :, start:stop] = vmap(columns, in_dims=(0, None))(tangents, xb).permute(1, 2, 0)
+        except NotImplementedError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UnsupportedModel(
+                f"{_OPERATION}: the model uses an operation without forward-mode AD ({reason}); sketched features "
+                "need jvp. Compute the exact kernel with compute_ntk(implementation='jacobian_contraction') instead"
+            ) from exc
+    return phi.detach() / math.sqrt(d)
+
+
+def feature_kernel(
+    phi1: torch.Tensor, phi2: torch.Tensor | None = None, *, mode: KernelMode | str = KernelMode.FULL
+) -> torch.Tensor:
+    """The kernel of sketched features: Φ1 Φ2ᵀ per output pair.
+
+    Args:
+        phi1 (Tensor): (N, k, D) from ``ntk_features``. phi2 (Tensor, optional): (M, k, D) with the same seed, dim
+            and params. Default: None (phi2 = phi1).
+        mode (str): "full" (N, M, k, k) or "trace" (N, M), the plain sum over outputs. Default: "full".
+
+    Returns:
+        Tensor (N, M, k, k) or (N, M), an unbiased estimate of Θ(x1, x2) in that mode.
+
+    Raises:
+        ShapeMismatch: features that are not (N, k, D) or do not match. UnknownMode: another mode.
+    """
+    other = phi1 if phi2 is None else phi2
+    kernel_mode = parse_any_mode(mode, operation="feature_kernel")
+    if phi1.ndim != 3 or other.ndim != 3 or phi1.shape[1:] != other.shape[1:]:
+        raise ShapeMismatch(
+            f"feature_kernel: features have shapes {tuple(phi1.shape)} and {tuple(other.shape)}; expected (N, k, D) "
+            "and (M, k, D) from ntk_features with the same dim and model"
+        )
+    if kernel_mode is KernelMode.FULL:
+        return torch.einsum("nad,mbd->nmab", phi1, other)
+    if kernel_mode is KernelMode.TRACE:
+        return torch.einsum("nad,mad->nm", phi1, other)
+    raise UnknownMode(f"feature_kernel: mode {kernel_mode.value!r} is not supported; expected 'full' or 'trace'")
