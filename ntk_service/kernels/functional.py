@@ -32,6 +32,25 @@ from ntk_service.errors import (
     ShapeMismatch,
     UnsupportedModel,
 )
+from ntk_service.kernels.inputs import (
+    Batch,
+    IdTables,
+    as_batch,
+    batch_size,
+    call_module,
+    check_ids,
+    check_sides,
+    concat,
+    embedding_feeds,
+    is_batch,
+    is_data_dependent,
+    leaves,
+    one_example,
+    template,
+    take,
+    unsqueeze,
+)
+from ntk_service.kernels.outputs import OutputPath, select_output
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = [
@@ -61,7 +80,7 @@ class NtkProblem:
         params: the selected parameters, detached, by name (tied weights appear once).
         frozen: every other parameter and buffer, detached, by name (constants of f).
         out_shape: per-example output shape; k = prod(out_shape).
-        input_shape: per-example input shape.
+        input_shape: per-example input shape; () for a tuple or mapping of inputs (``inputs.py``).
         dtype: the compute dtype (float32 or float64).
         forward_flops: FLOPs of one example's forward pass, counted by ``FlopCounterMode``.
         saved_bytes: bytes autograd saves for backward in one example's forward pass.
@@ -71,6 +90,14 @@ class NtkProblem:
             problem so a kept problem (``problem_pool``) plans once per shape.
         analyses: an implementation's one-off analysis of the model, kept with the problem by a key of its own
             (the structured engine's frozen plan per options: ``structured.Structured.terms``).
+        output: which tensor of forward's return value is f (``outputs.py``); None: forward returns it.
+        per_example_loop: ``vmap`` over examples is refused by the model (data-dependent control flow, e.g. a
+            Hugging Face attention mask's ``padding_mask.all()``), so the Jacobians are built one example at a time
+            (NOTE [per-example loop]).
+        id_tables: integer leaf name -> the nn.Embedding it feeds and its size, seen by the probe: every
+            example's ids are checked against it on every call (``inputs.check_ids``).
+        template: for a tuple or mapping of inputs, one example of their shapes and dtypes, for analyses made
+            before any data (``inputs.template``; the structured plan); None for a tensor (``input_shape``).
     """
 
     module: nn.Module
@@ -84,6 +111,10 @@ class NtkProblem:
     owns_module: bool = False
     choices: dict[Hashable, Any] = field(default_factory=dict)
     analyses: dict[Hashable, Any] = field(default_factory=dict)
+    output: OutputPath | None = None
+    per_example_loop: bool = False
+    id_tables: IdTables = field(default_factory=dict)
+    template: Batch | None = None
 
     @property
     def k(self) -> int:
@@ -98,10 +129,13 @@ class NtkProblem:
     def itemsize(self) -> int:
         return torch.finfo(self.dtype).bits // 8
 
-    def f_batch(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
-        """The model on a batch: x (n, *input) -> (n, k)."""
-        out: torch.Tensor = functional_call(self.module, (params, self.frozen), (x,))
-        return _as_outputs(out, x.shape[0], self.k)
+    def f_batch(self, params: NamedTensors, x: Batch) -> torch.Tensor:
+        """The model on a batch: x (n, *input) (or a tuple/mapping of such leaves) -> (n, k)."""
+        if isinstance(x, torch.Tensor) and self.output is None:
+            out: torch.Tensor = functional_call(self.module, (params, self.frozen), (x,))
+        else:
+            out = select_output(call_module(self.module, (params, self.frozen), x), self.output)
+        return _as_outputs(out, batch_size(x), self.k)
 
     def f_own(self, x: torch.Tensor) -> torch.Tensor:
         """``f_batch(self.params, x)`` without ``functional_call``'s swapping, when ``owns_module``.
@@ -112,12 +146,15 @@ class NtkProblem:
         """
         if not self.owns_module:
             return self.f_batch(self.params, x)
-        out: torch.Tensor = self.module(x)
-        return _as_outputs(out, x.shape[0], self.k)
+        if isinstance(x, torch.Tensor):
+            raw: object = self.module(x)
+        else:
+            raw = self.module(*x) if isinstance(x, tuple) else self.module(**x)
+        return _as_outputs(select_output(raw, self.output), batch_size(x), self.k)
 
-    def f_single(self, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
+    def f_single(self, params: NamedTensors, x: Batch) -> torch.Tensor:
         """The model on one example: x (*input) -> (k,). Use under ``vmap`` for batches."""
-        return self.f_batch(params, x.unsqueeze(0)).squeeze(0)
+        return self.f_batch(params, unsqueeze(x)).squeeze(0)
 
 
 def _as_outputs(out: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -256,7 +293,7 @@ def _cast_named(tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype)
     return {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()) for name, t in tensors}
 
 
-def _counted_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[object, float, float]:
+def _counted_forward(problem: NtkProblem, x: Batch) -> tuple[object, float, float]:
     """The model on the batch x, with its FLOPs and the bytes autograd saves for backward, per example.
 
     Returns:
@@ -275,17 +312,26 @@ def _counted_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[object, floa
     params = {name: p.detach().requires_grad_(True) for name, p in problem.params.items()}
     counter = FlopCounterMode(display=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-        out = functional_call(problem.module, (params, problem.frozen), (x,))
-    n = x.shape[0]
+        out = call_module(problem.module, (params, problem.frozen), x)
+        if is_batch(x) or problem.output is not None:
+            out = select_output(out, problem.output)
+    n = batch_size(x)
     out = out.detach() if isinstance(out, torch.Tensor) else out
     return out, counter.get_total_flops() / n, saved / n
 
 
-def _probe(problem: NtkProblem, x: torch.Tensor) -> None:
-    """Run the model on a few examples: output shape, examples independent, FLOPs and saved bytes counted."""
+def _probe(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch]] = ()) -> None:
+    """Run the model on a few examples: output shape, examples independent, FLOPs and saved bytes counted.
+    ``sides``: the whole batches (name, x) whose ids a failed probe checks, to name the leaf and example."""
+    if is_batch(x):
+        _probe_batch(problem, x, sides)
+        return
+    assert isinstance(x, torch.Tensor)
     n = x.shape[0]
     try:
         batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
+    except InvalidInput:
+        raise
     except Exception as exc:  # the model's own error, e.g. a shape mismatch inside a layer
         sizes = sorted({m.num_embeddings for m in problem.module.modules() if isinstance(m, nn.Embedding)})
         if isinstance(exc, IndexError) and sizes and not x.is_floating_point():  # ids outside an Embedding's table
@@ -307,14 +353,59 @@ def _probe(problem: NtkProblem, x: torch.Tensor) -> None:
             "with one output row per example"
         )
     problem.out_shape = tuple(batched.shape[1:])
+    _check_independent(problem, x, batched, n)
+
+
+def _probe_batch(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch]]) -> None:
+    """``_probe`` for a tuple or mapping of inputs: also learns which integer leaf feeds which nn.Embedding
+    (``problem.id_tables``), refusing a float leaf that feeds one."""
+    n = batch_size(x)
+    with embedding_feeds(problem.module, x) as feeds:
+        try:
+            batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
+        except InvalidInput:
+            raise
+        except Exception as exc:  # the model's own error, e.g. a missing argument or a shape mismatch in a layer
+            feeds.check_floats()
+            for side, whole in sides:
+                check_ids(feeds.tables, whole, side)
+            shown = ", ".join(f"{name or 'x'}: {tuple(t.shape[1:])} {t.dtype}" for name, t in leaves(x))
+            if isinstance(exc, TypeError) and ("argument" in str(exc)):  # a missing or unexpected name
+                raise InvalidInput(
+                    f"compute_ntk: the model's forward does not take the inputs {shown} ({exc}); pass exactly the "
+                    "arguments its forward takes, by position (a tuple) or by name (a mapping)"
+                ) from exc
+            raise ShapeMismatch(
+                f"compute_ntk: the model failed on inputs {shown} (per-example shapes): {type(exc).__name__}: "
+                f"{exc}. Check the input names, shapes and dtypes the model's forward expects"
+            ) from exc
+    feeds.check_floats()
+    problem.id_tables = feeds.tables
+    if not isinstance(batched, torch.Tensor) or batched.ndim < 1 or batched.shape[0] != n:
+        got = tuple(batched.shape) if isinstance(batched, torch.Tensor) else type(batched).__name__
+        raise UnsupportedModel(
+            f"compute_ntk: for a batch of {n} examples the output {problem.output and problem.output.text!r} is "
+            f"{got}; expected a tensor (N, *out) with one output row per example"
+        )
+    problem.out_shape = tuple(batched.shape[1:])
+    _check_independent(problem, x, batched, n)
+
+
+def _check_independent(problem: NtkProblem, x: Batch, batched: torch.Tensor, n: int) -> None:
+    """The model one example at a time (``vmap``, or the per-example loop where vmap refuses the model's
+    data-dependent control flow: NOTE [per-example loop]) agrees with the batch."""
     try:
         with torch.no_grad():
             single = vmap(problem.f_single, (None, 0))(problem.params, x)
     except Exception as exc:
-        raise UnsupportedModel(
-            f"compute_ntk: the model cannot be evaluated one example at a time under torch.func.vmap: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+        if not is_data_dependent(exc):
+            raise UnsupportedModel(
+                f"compute_ntk: the model cannot be evaluated one example at a time under torch.func.vmap: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        with torch.no_grad():
+            single = torch.stack([problem.f_single(problem.params, one_example(x, i)) for i in range(n)])
+        problem.per_example_loop = True
     batched = batched.reshape(n, -1)
     scale = float(batched.abs().max()) + 1e-30
     tol = (1e-4 if problem.dtype == torch.float32 else 1e-9) * scale
@@ -332,7 +423,8 @@ def prepare_problem(
     *,
     params: Sequence[str] | None,
     dtype: torch.dtype | str | None,
-) -> tuple[NtkProblem, torch.Tensor, torch.Tensor | None]:
+    output: OutputPath | None = None,
+) -> tuple[NtkProblem, Batch, Batch | None]:
     """Validate inputs and build the NtkProblem, for the module yielded by ``eval_semantics``.
 
     Args:
@@ -341,6 +433,7 @@ def prepare_problem(
         x2: (M, *input) or None.
         params: glob patterns over parameter names, or None for all.
         dtype: compute dtype (float32/float64, or their names); None = the model's floating dtype.
+        output: which tensor of forward's return value is f (``outputs.parse_output``). Default: None.
 
     Returns:
         (problem, x1, x2): x1 (N, *input) and x2 (M, *input) or None, cast to the compute dtype when floating.
@@ -349,15 +442,21 @@ def prepare_problem(
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel.
     """
     compute_dtype, x1t, x2t = validate_inputs(module, x1, x2, dtype)
-    return build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t
+    return build_problem(module, x1t, x2t, params=params, dtype=compute_dtype, output=output), x1t, x2t
 
 
 def validate_inputs(
     module: nn.Module, x1: object, x2: object | None, dtype: torch.dtype | str | None
-) -> tuple[torch.dtype, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.dtype, Batch, Batch | None]:
     """The compute dtype and the inputs as tensors: x1 (N, *input), x2 (M, *input) or None (see
-    ``prepare_problem``)."""
+    ``prepare_problem``); a tuple or mapping of inputs as a ``Batch`` of such leaves (``inputs.as_batch``)."""
     compute_dtype = _resolve_dtype(module, dtype)
+    if is_batch(x1) or is_batch(x2):
+        b1 = as_batch(x1, "x1", compute_dtype) if is_batch(x1) else _as_input(x1, "x1", compute_dtype)
+        if x2 is None:
+            return compute_dtype, b1, None
+        b2 = as_batch(x2, "x2", compute_dtype) if is_batch(x2) else _as_input(x2, "x2", compute_dtype)
+        return compute_dtype, b1, check_sides(b1, b2)
     x1t = _as_input(x1, "x1", compute_dtype)
     x2t = None if x2 is None else _as_input(x2, "x2", compute_dtype)
     if x2t is not None:
@@ -375,11 +474,12 @@ def validate_inputs(
 
 def build_problem(
     module: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     *,
     params: Sequence[str] | None,
     dtype: torch.dtype,
+    output: OutputPath | None = None,
 ) -> NtkProblem:
     """Select and cast the parameters and probe the model on the first examples of x1 (then x2).
 
@@ -388,6 +488,7 @@ def build_problem(
         x1, x2: validated inputs (``validate_inputs``).
         params: glob patterns over parameter names, or None for all.
         dtype: the compute dtype.
+        output: which tensor of forward's return value is f (``outputs.parse_output``). Default: None.
     """
     selected = select_parameters(module, params)
     all_params = dict(module.named_parameters())
@@ -399,15 +500,20 @@ def build_problem(
             **_cast_named(module.named_buffers(), dtype),
         },
         out_shape=(),
-        input_shape=tuple(x1.shape[1:]),
+        input_shape=tuple(x1.shape[1:]) if isinstance(x1, torch.Tensor) else (),
         dtype=dtype,
         forward_flops=0.0,
         saved_bytes=0.0,
+        output=output,
+        template=None if isinstance(x1, torch.Tensor) else template(x1),
     )
-    probe = x1[:PROBE_EXAMPLES]
-    if x2 is not None and probe.shape[0] < PROBE_EXAMPLES:
-        probe = torch.cat([probe, x2[: PROBE_EXAMPLES - probe.shape[0]]])
-    _probe(problem, probe)
+    probe = take(x1, 0, PROBE_EXAMPLES)
+    if x2 is not None and batch_size(probe) < PROBE_EXAMPLES:
+        probe = concat(probe, take(x2, 0, PROBE_EXAMPLES - batch_size(probe)))
+    sides = [("x1", x1)] if x2 is None else [("x1", x1), ("x2", x2)]
+    _probe(problem, probe, sides)
+    for side, whole in sides:
+        check_ids(problem.id_tables, whole, side)
     return problem
 
 

@@ -25,11 +25,20 @@ page faults in one call, against 3.07 s and 131k faults in chunks of 35 (one pro
 BatchNorm affine in both), so a call takes at most ``CHUNK_BYTES`` of transient, written into the side's
 preallocated (n, k, p) tensors. Below ~32 examples a smaller chunk only adds per-call overhead (16 of 32: 1.13x
 the CPU time), hence the bound: the ResNet and transformer at N = 32 run in one call, as before.
+
+NOTE [per-example loop]: a model whose forward branches on values (Hugging Face BERT's attention mask:
+``if padding_mask.all(): ...``) is refused by ``vmap`` as data-dependent control flow. The probe
+(``functional._check_independent``) then evaluates it one example at a time and, when that works, declares
+``NtkProblem.per_example_loop``: the Jacobians are built by one ``jacrev`` per example (the same numbers, n calls
+instead of one batched call), AUTO takes this implementation, and the result says so (``NtkResult.per_example_loop``).
+The implementations that must batch examples through ``vmap`` (NTK-vector products, the structured capture) refuse
+such a problem up front with a message naming this one.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.func import jacrev, vmap
@@ -38,6 +47,7 @@ from ntk_service.kernels.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.groups import ParameterGroups
+from ntk_service.kernels.inputs import Batch, batch_size, concat, one_example, take
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
@@ -76,19 +86,30 @@ def jacobians(
     Returns:
         name -> (n, k, p) with p = numel of that parameter.
     """
-    n, k = x.shape[0], problem.k
+    n, k = batch_size(x), problem.k
     chunk = jacobian_chunk(problem) if chunk is None else chunk
     scope = batchnorm_scope(problem.module) if affine_bn else contextlib.nullcontext()
-    build = vmap(jacrev(problem.f_single), (None, 0))
+    build = vmap(jacrev(problem.f_single), (None, 0)) if not problem.per_example_loop else _looped(problem)
     with math_attention(), scope:
         if n <= chunk:
             return {name: j.reshape(n, k, -1) for name, j in build(problem.params, x).items()}
         chunk = -(-n // -(-n // chunk))  # as many calls, evened out: 128 in 4 x 32, not 3 x 35 + 23
-        out = {name: x.new_empty((n, k, p.numel()), dtype=p.dtype) for name, p in problem.params.items()}
+        out = {name: p.new_empty((n, k, p.numel())) for name, p in problem.params.items()}
         for i0 in range(0, n, chunk):
-            for name, j in build(problem.params, x[i0 : i0 + chunk]).items():
+            for name, j in build(problem.params, take(x, i0, i0 + chunk)).items():
                 out[name][i0 : i0 + chunk] = j.reshape(j.shape[0], k, -1)
     return out
+
+
+def _looped(problem: NtkProblem) -> Callable[[NamedTensors, Batch], NamedTensors]:
+    """``vmap(jacrev(f_single))`` as a loop of one ``jacrev`` per example (NOTE [per-example loop])."""
+    one = jacrev(problem.f_single)
+
+    def build(params: NamedTensors, x: Batch) -> NamedTensors:
+        rows = [one(params, one_example(x, i)) for i in range(batch_size(x))]
+        return {name: torch.stack([row[name] for row in rows]) for name in params}
+
+    return build
 
 
 def contract(j1: NamedTensors, j2: NamedTensors, mode: KernelMode) -> torch.Tensor:
@@ -177,8 +198,8 @@ class JacobianContraction:
 
     def joint_sides(self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor) -> tuple[NamedTensors, NamedTensors]:
         """The Jacobians of x1 and of x2 from one pass over both (views)."""
-        n = x1.shape[0]
-        side = self.left(problem, torch.cat([x1, x2]))
+        n = batch_size(x1)
+        side = self.left(problem, concat(x1, x2))
         return {name: j[:n] for name, j in side.items()}, {name: j[n:] for name, j in side.items()}
 
     right = left

@@ -22,6 +22,7 @@ from torch.func import jvp, vmap
 
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.inputs import batch_size
 from ntk_service.kernels.jacobian_contraction import jacobians
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
@@ -61,7 +62,7 @@ VjpRows = tuple[torch.Tensor, NamedTensors]
 def _rows(problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
     """u_{i,c} = J(x_i)ᵀ e_c for every example and output: name -> (n, k, *param_shape)."""
     flat = jacobians(problem, x)
-    return {name: j.reshape(x.shape[0], problem.k, *problem.params[name].shape) for name, j in flat.items()}
+    return {name: j.reshape(batch_size(x), problem.k, *problem.params[name].shape) for name, j in flat.items()}
 
 
 def _jvp_at(problem: NtkProblem, x: torch.Tensor, tangent: NamedTensors) -> torch.Tensor:
@@ -84,7 +85,7 @@ class NtkVectorProducts:
 
     def pair(self, problem: NtkProblem, left: VjpRows, right: torch.Tensor, mode: KernelMode) -> torch.Tensor:
         x1, rows = left
-        n, k, m = x1.shape[0], problem.k, right.shape[0]
+        n, k, m = batch_size(x1), problem.k, batch_size(right)
         flat_rows = {name: r.reshape(n * k, *r.shape[2:]) for name, r in rows.items()}
         basis = torch.eye(k, dtype=problem.dtype).repeat(n, 1)  # (n·k, k): e_c for row (i, c)
 

@@ -34,6 +34,7 @@ import torch
 
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.groups import ParameterGroups
+from ntk_service.kernels.inputs import batch_size, concat, take
 from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured.analysis import analyze
@@ -110,13 +111,13 @@ class Structured:
         return ("structured", self.options)
 
     def left(self, problem: NtkProblem, x: torch.Tensor) -> StructuredSide:
-        terms = self.terms(problem, x[:1])
-        if terms.batch_safe is None and x.shape[0] >= 2 and self.options.batched_capture:
-            terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, x[:2]))
+        terms = self.terms(problem, take(x, 0, 1))
+        if terms.batch_safe is None and batch_size(x) >= 2 and self.options.batched_capture:
+            terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, take(x, 0, 2)))
         with attention_scope(problem.module):  # fallback jacrev under vmap: see math_attention.py
             cap, terms = capture(problem, terms, self.options, x)
         problem.analyses[self._key] = terms  # the same plan, or the new one the block taught
-        return _side(problem, terms, cap, self.options, x.shape[0])
+        return _side(problem, terms, cap, self.options, batch_size(x))
 
     right = left
 
@@ -124,8 +125,8 @@ class Structured:
         self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor
     ) -> tuple[StructuredSide, StructuredSide]:
         """The sides of x1 and of x2 from one pass over both (views; NOTE [joint pass])."""
-        n = x1.shape[0]
-        side = self.left(problem, torch.cat([x1, x2]))
+        n = batch_size(x1)
+        side = self.left(problem, concat(x1, x2))
         return side.sliced(0, n), side.sliced(n, None)
 
     def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:

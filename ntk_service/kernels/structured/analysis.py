@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.inputs import take
 from ntk_service.kernels.structured.chain import sequential_chain
 from ntk_service.kernels.structured.options import StructuredOptions
 from ntk_service.kernels.structured.plan import FactoredTerm, JacobianTerm, StructuredTerms, StructurePlan, Use
@@ -171,7 +172,7 @@ def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
         chain=None,
     )
     chain = None
-    if not fallback:
+    if not fallback and isinstance(example, torch.Tensor):  # a chain takes one tensor, never a tuple or mapping
         chain = sequential_chain(problem, example[:1], [kept_layers[u.layer] for u in uses])
     return dataclasses.replace(plan, saved_bytes=_saved_activation_bytes(problem, plan, example), chain=chain)
 
@@ -193,7 +194,7 @@ def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: t
     try:
         with hooks(plan.layers, None, recorder.post), torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                problem.f_batch(problem.params, example[:1])
+                problem.f_batch(problem.params, take(example, 0, 1))
     finally:
         ACTIVE.reset(token)
     return float(saved)
@@ -265,6 +266,8 @@ def analyze(problem: NtkProblem, options: StructuredOptions, example: torch.Tens
             the plan's starting facts).
         example: (1, *input) one example; default: zeros of the input shape (float, else int64 token ids).
     """
+    if example is None and problem.template is not None:  # a tuple or mapping of inputs (kernels/inputs.py)
+        example = problem.template
     if example is None:
         example = torch.zeros((1, *problem.input_shape), dtype=problem.dtype)
         try:

@@ -53,6 +53,7 @@ from torch import nn
 from torch.func import jacrev, vmap
 
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.inputs import batch_size
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
 from ntk_service.kernels.structured.options import StructuredOptions
@@ -135,7 +136,7 @@ class ConvPassesCapture:
         self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
     ) -> tuple[Capture, StructuredTerms]:
         # NOTE [channels-last capture] was measured on oneDNN: the CPU only
-        if options.channels_last and terms.channels_last and x.device.type == "cpu":
+        if options.channels_last and terms.channels_last and isinstance(x, torch.Tensor) and x.device.type == "cpu":
             try:
                 return self._once(problem, terms, x, channels_last=True), terms
             except torch.OutOfMemoryError:
@@ -146,7 +147,7 @@ class ConvPassesCapture:
 
     @staticmethod
     def _once(problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, *, channels_last: bool) -> Capture:
-        n, k, plan = x.shape[0], problem.k, terms.plan
+        n, k, plan = batch_size(x), problem.k, terms.plan
         recorder = Recorder(plan, n)
         recorder.channels_last = channels_last
         with hooks(plan.layers, recorder.pre if channels_last else None, recorder.post), torch.enable_grad():
@@ -186,7 +187,7 @@ class BatchedCapture:
     def run(
         self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
     ) -> tuple[Capture, StructuredTerms]:
-        n, k, plan = x.shape[0], problem.k, terms.plan
+        n, k, plan = batch_size(x), problem.k, terms.plan
         layout = _batched_layout(n, k)
         recorder = Recorder(plan, n)
         with hooks(plan.layers, None, recorder.post), torch.enable_grad():
@@ -222,7 +223,7 @@ class PerExampleCapture:
     def run(
         self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
     ) -> tuple[Capture, StructuredTerms]:
-        n, k, plan = x.shape[0], problem.k, terms.plan
+        n, k, plan = batch_size(x), problem.k, terms.plan
         recorder = Recorder(plan)
         probes = tuple(torch.zeros(u.out_shape, dtype=problem.dtype) for u in plan.uses)
         fallback = {name: problem.params[name] for name in plan.fallback}

@@ -19,6 +19,7 @@ from torch import nn
 
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.inputs import batch_size, take
 from ntk_service.kernels.structured.plan import StructurePlan
 from ntk_service.kernels.types import NamedTensors
 
@@ -151,11 +152,11 @@ def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> 
     Args:
         x: (2, *input), two different examples.
     """
-    if plan.fallback or x.shape[0] < 2:
+    if plan.fallback or batch_size(x) < 2:
         return False
     runs = []
-    for batch in (x[:1], x[:2]):
-        recorder = Recorder(plan, batch.shape[0])
+    for batch in (take(x, 0, 1), take(x, 0, 2)):
+        recorder = Recorder(plan, batch_size(batch))
         recorder.record_only = True
         with hooks(plan.layers, None, recorder.post), torch.no_grad():
             try:
