@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-
 Inputs = torch.Tensor | tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
 
 

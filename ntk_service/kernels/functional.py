@@ -46,8 +46,8 @@ from ntk_service.kernels.inputs import (
     is_data_dependent,
     leaves,
     one_example,
-    template,
     take,
+    template,
     unsqueeze,
 )
 from ntk_service.kernels.outputs import OutputPath, select_output
