@@ -50,6 +50,7 @@ from ntk_service.kernels.inputs import (
     template,
     unsqueeze,
 )
+from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.outputs import OutputPath, select_output
 from ntk_service.kernels.types import NamedTensors
 
@@ -98,6 +99,9 @@ class NtkProblem:
             example's ids are checked against it on every call (``inputs.check_ids``).
         template: for a tuple or mapping of inputs, one example of their shapes and dtypes, for analyses made
             before any data (``inputs.template``; the structured plan); None for a tensor (``input_shape``).
+        calls_attention: the probe saw the model call ``F.scaled_dot_product_attention`` (or MultiheadAttention's
+            functional form) itself, without an attention module (Hugging Face models): run it on the math path
+            wherever examples are vmapped (``math_attention.attention_scope``).
     """
 
     module: nn.Module
@@ -115,6 +119,7 @@ class NtkProblem:
     per_example_loop: bool = False
     id_tables: IdTables = field(default_factory=dict)
     template: Batch | None = None
+    calls_attention: bool = False
 
     @property
     def k(self) -> int:
@@ -394,8 +399,9 @@ def _probe_batch(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch
 def _check_independent(problem: NtkProblem, x: Batch, batched: torch.Tensor, n: int) -> None:
     """The model one example at a time (``vmap``, or the per-example loop where vmap refuses the model's
     data-dependent control flow: NOTE [per-example loop]) agrees with the batch."""
-    try:
-        with torch.no_grad():
+    attention = math_attention()
+    try:  # attention on its math path, as the implementations run it (the CPU flash kernel has no batching rule)
+        with torch.no_grad(), attention:
             single = vmap(problem.f_single, (None, 0))(problem.params, x)
     except Exception as exc:
         if not is_data_dependent(exc):
@@ -406,6 +412,7 @@ def _check_independent(problem: NtkProblem, x: Batch, batched: torch.Tensor, n: 
         with torch.no_grad():
             single = torch.stack([problem.f_single(problem.params, one_example(x, i)) for i in range(n)])
         problem.per_example_loop = True
+    problem.calls_attention = attention.rerouted
     batched = batched.reshape(n, -1)
     scale = float(batched.abs().max()) + 1e-30
     tol = (1e-4 if problem.dtype == torch.float32 else 1e-9) * scale

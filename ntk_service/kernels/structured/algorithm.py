@@ -114,7 +114,9 @@ class Structured:
         terms = self.terms(problem, take(x, 0, 1))
         if terms.batch_safe is None and batch_size(x) >= 2 and self.options.batched_capture:
             terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, take(x, 0, 2)))
-        with attention_scope(problem.module):  # fallback jacrev under vmap: see math_attention.py
+        with attention_scope(
+            problem.module, problem.calls_attention
+        ):  # fallback jacrev under vmap: see math_attention.py
             cap, terms = capture(problem, terms, self.options, x)
         problem.analyses[self._key] = terms  # the same plan, or the new one the block taught
         return _side(problem, terms, cap, self.options, batch_size(x))
