@@ -9,7 +9,15 @@ import torch
 from torch import nn
 
 from ntk_service.errors import InvalidInput, ShapeMismatch, UnsupportedModel
-from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
+from ntk_service.kernels import (
+    KernelMode,
+    NtkImplementation,
+    compute_nngp,
+    compute_ntk,
+    compute_ntk_groups,
+    monte_carlo_ntk,
+    ntk_operator,
+)
 from ntk_service.kernels.choice import ALGORITHMS
 from ntk_service.kernels.outputs import parse_output, select_output
 from tests.reference import assert_matches, reference_ntk
@@ -251,3 +259,49 @@ def test_data_dependent_control_flow_takes_the_per_example_loop() -> None:
     for implementation in ("ntk_vector_products", "structured"):
         with pytest.raises(UnsupportedModel, match="data-dependent control flow.*jacobian_contraction"):
             compute_ntk(model, x1, x2, implementation=implementation, dtype=torch.float64)
+
+
+# ---- the rest of the library takes the same inputs and output=
+
+
+def test_groups_with_mapping_inputs(token_case: tuple) -> None:
+    model, x1, x2 = token_case
+    for implementation in ("jacobian_contraction", "structured", "auto"):
+        result = compute_ntk_groups(
+            model, x1, x2, groups="modules", output="logits[:, 0]", implementation=implementation, dtype=torch.float64
+        )
+        assert set(result.thetas) == {"emb", "lin", "side"}
+        for name, theta in result.thetas.items():
+            assert_matches(theta, reference_ntk(model, x1, x2, params=[f"{name}.*"], output=_logits_at_0), 1e-10)
+
+
+@pytest.mark.parametrize("mode", ["full", "trace"])
+def test_nngp_with_mapping_inputs(token_case: tuple, mode: str) -> None:
+    model, x1, x2 = token_case
+    result = compute_nngp(model, x1, x2, output="logits[:, 0]", mode=mode, dtype=torch.float64)
+    with torch.no_grad():  # the outputs' outer products, by hand
+        f1, f2 = (model(**x)["logits"][:, 0].double() for x in (x1, x2))
+    full = torch.einsum("na,mb->nmab", f1, f2)
+    expected = full if mode == "full" else full.diagonal(dim1=2, dim2=3).sum(-1)
+    assert_matches(result.theta, expected, 1e-12)
+
+
+def test_monte_carlo_with_mapping_inputs(token_case: tuple) -> None:
+    _, x1, x2 = token_case
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return TokenModel().double()
+
+    result = monte_carlo_ntk(build, x1, x2, seeds=[3, 4], output="logits[:, 0]", mode="trace", dtype=torch.float64)
+    expected = sum(reference_ntk(build(s), x1, x2, "trace", output=_logits_at_0) for s in (3, 4)) / 2
+    assert_matches(result.mean, expected, 1e-10)
+
+
+def test_operator_with_mapping_inputs(token_case: tuple) -> None:
+    model, x1, x2 = token_case
+    op = ntk_operator(model, x1, x2, output="logits[:, 0]", dtype=torch.float64)
+    full = reference_ntk(model, x1, x2, output=_logits_at_0)  # (N, M, k, k)
+    dense = full.permute(0, 2, 1, 3).reshape(5 * 3, 3 * 3)
+    v = torch.randn(3, 3, dtype=torch.float64)
+    assert_matches(op.matvec(v), (dense @ v.reshape(-1)).reshape(5, 3), 1e-10)
