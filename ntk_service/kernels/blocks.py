@@ -17,7 +17,7 @@ import torch
 from ntk_service.kernels.algorithm import NtkAlgorithm, Side
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.inputs import batch_size, take
+from ntk_service.kernels.inputs import Batch, batch_size, take
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.planning import BlockPlan
 from ntk_service.kernels.side_cache import SideCache
@@ -58,7 +58,7 @@ class _Sides:
         self.alg, self.problem, self.cache, self.cache_tag = alg, problem, cache, cache_tag
         self.kept: dict[tuple[bool, int, int, int], Side] = {}
 
-    def get(self, x: torch.Tensor, start: int, stop: int, *, left: bool, key: Hashable | None, keep: bool) -> Side:
+    def get(self, x: Batch, start: int, stop: int, *, left: bool, key: Hashable | None, keep: bool) -> Side:
         role = left or self.alg.right_is_left  # right sides equal to left sides share entries
         local = (role, start, stop, id(x))  # ...of the same tensor only: x2's blocks are not x1's
         if local in self.kept:
@@ -78,8 +78,8 @@ class _Sides:
 def run_blocks(
     alg: NtkAlgorithm,
     problem: NtkProblem,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     mode: KernelMode,
     plan: BlockPlan,
     *,

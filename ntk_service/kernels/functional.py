@@ -142,7 +142,7 @@ class NtkProblem:
             out = select_output(call_module(self.module, (params, self.frozen), x), self.output)
         return _as_outputs(out, batch_size(x), self.k)
 
-    def f_own(self, x: torch.Tensor) -> torch.Tensor:
+    def f_own(self, x: Batch) -> torch.Tensor:
         """``f_batch(self.params, x)`` without ``functional_call``'s swapping, when ``owns_module``.
 
         The module's own parameters take part (they require grad): fine for differentiating w.r.t. anything else

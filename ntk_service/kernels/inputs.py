@@ -225,9 +225,9 @@ def check_sides(x1: Batch, x2: Batch, operation: str = "compute_ntk") -> Batch:
                 f"give x2 exactly the names of x1 ({sorted(x1)})"
             )
         x2 = {name: x2[name] for name in x1}  # x1's order
-    elif isinstance(x1, tuple) and len(x1) != len(x2):  # type: ignore[arg-type]
+    elif isinstance(x1, tuple) and isinstance(x2, tuple) and len(x1) != len(x2):
         raise InvalidInput(
-            f"{operation}: x1 has {len(x1)} positional inputs, x2 has {len(x2)}; give both sides the same inputs"  # type: ignore[arg-type]
+            f"{operation}: x1 has {len(x1)} positional inputs, x2 has {len(x2)}; give both sides the same inputs"
         )
     for (name, a), (_, b) in zip(leaves(x1), leaves(x2), strict=True):
         if a.shape[1:] != b.shape[1:]:

@@ -72,9 +72,7 @@ def jacobian_chunk(problem: NtkProblem) -> int:
     return max(1, int(CHUNK_BYTES // per_example)) if per_example > 0 else 1 << 30
 
 
-def jacobians(
-    problem: NtkProblem, x: torch.Tensor, *, chunk: int | None = None, affine_bn: bool = True
-) -> NamedTensors:
+def jacobians(problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True) -> NamedTensors:
     """Per-example Jacobians of the selected parameters.
 
     Args:
@@ -193,10 +191,10 @@ class JacobianContraction:
     implementation = NtkImplementation.JACOBIAN_CONTRACTION
     right_is_left = True
 
-    def left(self, problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
+    def left(self, problem: NtkProblem, x: Batch) -> NamedTensors:
         return jacobians(problem, x)
 
-    def joint_sides(self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor) -> tuple[NamedTensors, NamedTensors]:
+    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[NamedTensors, NamedTensors]:
         """The Jacobians of x1 and of x2 from one pass over both (views)."""
         n = batch_size(x1)
         side = self.left(problem, concat(x1, x2))

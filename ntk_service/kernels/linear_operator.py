@@ -69,7 +69,7 @@ _OPERATION = "ntk_operator"
 class _Sides:
     """What both orientations of one operator share: the problem, the inputs, the chunk size and a lock."""
 
-    def __init__(self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor, chunk: int, estimate: int) -> None:
+    def __init__(self, problem: NtkProblem, x1: Batch, x2: Batch, chunk: int, estimate: int) -> None:
         self.problem = problem
         self.x1, self.x2 = x1, x2
         self.chunk = chunk
@@ -189,7 +189,7 @@ class NtkOperator:
             elif self.mode is DerivedMode.PSEUDO:
                 out = self._product(rows, cols, t[:, None].expand(-1, k)).sum(1) / k
             else:  # TRACE: Σ_a J_a(rows) J_a(cols)ᵀ v, one output at a time (memory O(P))
-                out = torch.zeros(rows.shape[0], dtype=self.dtype)
+                out = torch.zeros(batch_size(rows), dtype=self.dtype)
                 for a in range(k):
                     cot = torch.zeros(batch_size(cols), k, dtype=self.dtype)
                     cot[:, a] = t

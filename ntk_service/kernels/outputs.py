@@ -27,6 +27,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import EllipsisType
+from typing import TypeAlias
 
 import torch
 
@@ -34,7 +36,7 @@ from ntk_service.errors import InvalidInput
 
 __all__ = ["OutputPath", "parse_output", "select_output"]
 
-Index = int | slice | type(Ellipsis)
+Index: TypeAlias = int | slice | EllipsisType
 
 _TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<int>-?\d+)|(?P<dots>\.\.\.)|(?P<punct>[\[\].,:]))")
 

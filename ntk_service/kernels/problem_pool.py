@@ -203,7 +203,7 @@ def prepared_problem(
             yield Prepared(copied, x1t, x2t)
             return
     signature: Hashable = (
-        *input_signature(x1t),
+        input_signature(x1t),
         compute_dtype,
         None if params is None else tuple(params) if not isinstance(params, str) else params,
         output,

@@ -34,7 +34,7 @@ import torch
 
 from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.inputs import batch_size, concat, take
+from ntk_service.kernels.inputs import Batch, batch_size, concat, take
 from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.structured.analysis import analyze
@@ -74,7 +74,7 @@ PER_EXAMPLE_CAPTURE_WEIGHT = 1.0
 
 
 def structured_terms(
-    problem: NtkProblem, example: torch.Tensor | None = None, options: StructuredOptions | None = None
+    problem: NtkProblem, example: Batch | None = None, options: StructuredOptions | None = None
 ) -> StructuredTerms:
     """The plan of ``problem`` under ``options`` (made once by ``analysis.analyze``, then kept on the problem).
 
@@ -99,7 +99,7 @@ class Structured:
     def __init__(self, options: StructuredOptions | None = None) -> None:
         self.options = StructuredOptions() if options is None else options
 
-    def terms(self, problem: NtkProblem, example: torch.Tensor | None = None) -> StructuredTerms:
+    def terms(self, problem: NtkProblem, example: Batch | None = None) -> StructuredTerms:
         """The plan kept on ``problem`` for these options; analysed on first use (``analysis.analyze``)."""
         kept = problem.analyses.get(self._key)
         if not isinstance(kept, StructuredTerms):
@@ -110,7 +110,7 @@ class Structured:
     def _key(self) -> tuple[str, StructuredOptions]:
         return ("structured", self.options)
 
-    def left(self, problem: NtkProblem, x: torch.Tensor) -> StructuredSide:
+    def left(self, problem: NtkProblem, x: Batch) -> StructuredSide:
         terms = self.terms(problem, take(x, 0, 1))
         if terms.batch_safe is None and batch_size(x) >= 2 and self.options.batched_capture:
             terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, take(x, 0, 2)))
@@ -123,9 +123,7 @@ class Structured:
 
     right = left
 
-    def joint_sides(
-        self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor
-    ) -> tuple[StructuredSide, StructuredSide]:
+    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[StructuredSide, StructuredSide]:
         """The sides of x1 and of x2 from one pass over both (views; NOTE [joint pass])."""
         n = batch_size(x1)
         side = self.left(problem, concat(x1, x2))

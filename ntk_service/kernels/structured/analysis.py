@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ntk_service.kernels.functional import NtkProblem
-from ntk_service.kernels.inputs import take
+from ntk_service.kernels.inputs import Batch, take
 from ntk_service.kernels.structured.chain import sequential_chain
 from ntk_service.kernels.structured.options import StructuredOptions
 from ntk_service.kernels.structured.plan import FactoredTerm, JacobianTerm, StructuredTerms, StructurePlan, Use
@@ -103,7 +103,7 @@ def _module_state(problem: NtkProblem, module: nn.Module, prefixes: dict[int, st
     return {n: tensors[prefix + n] for n in names if prefix + n in tensors}
 
 
-def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
+def plan_structure(problem: NtkProblem, example: Batch) -> StructurePlan:
     """Find the rule layers, run one example to record their uses, and assign every selected parameter.
 
     Args:
@@ -177,7 +177,7 @@ def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
     return dataclasses.replace(plan, saved_bytes=_saved_activation_bytes(problem, plan, example), chain=chain)
 
 
-def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: torch.Tensor) -> float:
+def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: Batch) -> float:
     """Bytes autograd saves for the probes' backward on one example, parameters and buffers excluded."""
     shared = {t.untyped_storage().data_ptr() for t in (*problem.params.values(), *problem.frozen.values())}
     saved = 0
@@ -257,7 +257,7 @@ def _foldable_bias(plan: StructurePlan, weight: str, uses_of: dict[str, tuple[in
     return None
 
 
-def analyze(problem: NtkProblem, options: StructuredOptions, example: torch.Tensor | None = None) -> StructuredTerms:
+def analyze(problem: NtkProblem, options: StructuredOptions, example: Batch | None = None) -> StructuredTerms:
     """The one analysis pass: the structure of ``problem`` and its term choice, as a frozen plan.
 
     Args:

@@ -53,7 +53,7 @@ from torch import nn
 from torch.func import jacrev, vmap
 
 from ntk_service.kernels.functional import NtkProblem
-from ntk_service.kernels.inputs import batch_size
+from ntk_service.kernels.inputs import Batch, batch_size
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
 from ntk_service.kernels.structured.options import StructuredOptions
@@ -74,7 +74,7 @@ class CaptureStrategy(Protocol):
         ...
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
         """The capture of x (n, *input) and the plan it ran under (``terms`` or a new one it learned)."""
         ...
@@ -109,9 +109,9 @@ class ChainCapture:
         return options.chain and chain is not None and chain.is_runnable()
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
-        assert terms.plan.chain is not None
+        assert terms.plan.chain is not None and isinstance(x, torch.Tensor)  # chains take one tensor (analysis.py)
         inputs, deltas = run_chain(terms.plan.chain, x, len(terms.plan.uses))
         return Capture(inputs=inputs, deltas=deltas, fallback_jacobians={}), terms
 
@@ -133,7 +133,7 @@ class ConvPassesCapture:
         return _batch_safe(terms, options) and options.conv_passes and convs
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
         # NOTE [channels-last capture] was measured on oneDNN: the CPU only
         if options.channels_last and terms.channels_last and isinstance(x, torch.Tensor) and x.device.type == "cpu":
@@ -146,7 +146,7 @@ class ConvPassesCapture:
         return self._once(problem, terms, x, channels_last=False), terms
 
     @staticmethod
-    def _once(problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, *, channels_last: bool) -> Capture:
+    def _once(problem: NtkProblem, terms: StructuredTerms, x: Batch, *, channels_last: bool) -> Capture:
         n, k, plan = batch_size(x), problem.k, terms.plan
         recorder = Recorder(plan, n)
         recorder.channels_last = channels_last
@@ -185,7 +185,7 @@ class BatchedCapture:
         return _batch_safe(terms, options)
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
         n, k, plan = batch_size(x), problem.k, terms.plan
         layout = _batched_layout(n, k)
@@ -221,7 +221,7 @@ class PerExampleCapture:
         return True
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
         n, k, plan = batch_size(x), problem.k, terms.plan
         recorder = Recorder(plan)
@@ -253,7 +253,7 @@ CAPTURES: tuple[CaptureStrategy, ...] = (ChainCapture(), ConvPassesCapture(), Ba
 
 
 def capture(
-    problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+    problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
 ) -> tuple[Capture, StructuredTerms]:
     """The block's capture by the first strategy of ``CAPTURES`` that applies, and the plan it ran under.
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.functional import NtkProblem
-from ntk_service.kernels.inputs import batch_size, take
+from ntk_service.kernels.inputs import Batch, batch_size, take
 from ntk_service.kernels.structured.plan import StructurePlan
 from ntk_service.kernels.types import NamedTensors
 
@@ -130,7 +130,7 @@ class Recorder:
             )
 
 
-def run_recorded(problem: NtkProblem, recorder: Recorder, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
+def run_recorded(problem: NtkProblem, recorder: Recorder, params: NamedTensors, x: Batch) -> torch.Tensor:
     """The model's output (n, k) on x (n, *input) (or (k,) on one example under vmap), ``recorder`` active."""
     token = ACTIVE.set(recorder)
     try:
@@ -144,7 +144,7 @@ def run_recorded(problem: NtkProblem, recorder: Recorder, params: NamedTensors, 
     return out
 
 
-def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> bool:
+def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: Batch) -> bool:
     """Whether every covered call sees the examples along dim 0, in order, so a batched forward can replace the
     per-example one (NOTE [probes]): the inputs of a 2-example run have dim 0 of size 2 where one example gives
     1, and their first row equals the 1-example run's.
