@@ -26,6 +26,7 @@ from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
+from ntk_service.kernels.inputs import take
 
 __all__ = ["Executor", "JobWork", "TileCallbacks", "TileOutcome", "compute_tile", "run_tile"]
 
@@ -106,12 +107,13 @@ def compute_tile(
     other = x1 if x2 is None else x2
     other_sha = spec.x1_sha256 if spec.x2_sha256 is None else spec.x2_sha256
     other_start = spec.x1_start if spec.x2_sha256 is None else spec.x2_start
-    right = None if tile.is_diagonal else other[c0:c1]
+    right = None if tile.is_diagonal else take(other, c0, c1)
     result = compute_ntk(
         model,
-        x1[r0:r1],
+        take(x1, r0, r1),
         right,
         mode=spec.mode,
+        output=spec.output,
         implementation=spec.implementation,
         params=spec.params,
         dtype=spec.dtype,
