@@ -168,12 +168,14 @@ def compute_ntk_tiled(
         raise InvalidInput(f"compute_ntk_tiled: dtype {dtype!r} is not supported; use 'float32' or 'float64'")
     t1 = _as_inputs(x1, "x1")
     t2 = None if x2 is None else _as_inputs(x2, "x2")
-    if t2 is not None and not isinstance(t1, torch.Tensor):
-        t2 = check_sides(t1, t2, operation="compute_ntk_tiled")
-    elif t2 is not None and (not isinstance(t2, torch.Tensor) or tuple(t2.shape[1:]) != tuple(t1.shape[1:])):
-        got = tuple(t2.shape[1:]) if isinstance(t2, torch.Tensor) else type(t2).__name__
+    if t2 is None:
+        pass
+    elif not isinstance(t1, torch.Tensor) or not isinstance(t2, torch.Tensor):
+        t2 = check_sides(t1, t2, operation="compute_ntk_tiled")  # names, shapes and kinds of a tuple or mapping
+    elif tuple(t2.shape[1:]) != tuple(t1.shape[1:]):
         raise ShapeMismatch(
-            f"compute_ntk_tiled: x2 has examples of shape {got}, x1 has {tuple(t1.shape[1:])}; both sides must match"
+            f"compute_ntk_tiled: x2 has examples of shape {tuple(t2.shape[1:])}, x1 has {tuple(t1.shape[1:])}; "
+            "both sides must match"
         )
     m = None if t2 is None else batch_size(t2)
     plan = plan_tiles(n=batch_size(t1), m=m, tile_size=tile_size, mode=kernel_mode)

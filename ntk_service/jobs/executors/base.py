@@ -26,7 +26,7 @@ from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
-from ntk_service.kernels.inputs import take
+from ntk_service.kernels.inputs import Batch, take
 
 __all__ = ["Executor", "JobWork", "TileCallbacks", "TileOutcome", "compute_tile", "run_tile"]
 
@@ -75,8 +75,8 @@ class TileCallbacks(Protocol):
 
 def compute_tile(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     work: JobWork,
     tile: Tile,
     *,
@@ -130,8 +130,8 @@ def compute_tile(
 
 def run_tile(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     work: JobWork,
     tile: Tile,
     *,
@@ -169,8 +169,8 @@ class Executor(ABC):
         self,
         work: JobWork,
         model: nn.Module,
-        x1: torch.Tensor,
-        x2: torch.Tensor | None,
+        x1: Batch,
+        x2: Batch | None,
         tiles: Sequence[Tile],
         callbacks: TileCallbacks,
     ) -> None:

@@ -28,6 +28,7 @@ from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, Ti
 from ntk_service.jobs.planner import Tile
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, parse_device
+from ntk_service.kernels.inputs import Batch
 
 __all__ = ["DEFAULT_JOB_SIDE_CACHE_BYTES", "LocalExecutor", "RunCompute"]
 
@@ -82,8 +83,8 @@ class LocalExecutor(Executor):
         self,
         work: JobWork,
         model: nn.Module,
-        x1: torch.Tensor,
-        x2: torch.Tensor | None,
+        x1: Batch,
+        x2: Batch | None,
         tiles: Sequence[Tile],
         callbacks: TileCallbacks,
     ) -> None:

@@ -48,6 +48,7 @@ from ntk_service.kernels import (
     place_module,
     retain_freed_memory,
 )
+from ntk_service.kernels.inputs import Batch
 
 __all__ = ["DEFAULT_MAX_RETRIES", "RayExecutor", "assigned_device", "import_ray"]
 
@@ -151,8 +152,8 @@ def assigned_device(gpu_ids: Sequence[int | str], visible_devices: str | None) -
 
 def _tile_task(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     work: JobWork,
     tile: Tile,
     threads: int,
@@ -262,8 +263,8 @@ class RayExecutor(Executor):
         self,
         work: JobWork,
         model: nn.Module,
-        x1: torch.Tensor,
-        x2: torch.Tensor | None,
+        x1: Batch,
+        x2: Batch | None,
         tiles: Sequence[Tile],
         callbacks: TileCallbacks,
     ) -> None:
