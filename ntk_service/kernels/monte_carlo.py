@@ -349,6 +349,8 @@ def monte_carlo_ntk(
     chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
     if _plain_tensors(first):  # the skeleton would lend every seed the first model's (NOTE [batched ensemble])
         chunk = 0
+    if problem.per_example_loop:  # the ensemble vmaps over examples, which the model refuses: each on its own
+        chunk = 0
     acc = _Accumulator()
     if chunk < 1:  # one model's Jacobians do not fit, or plain tensors: each kernel on its own
         alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1), output)

@@ -305,3 +305,16 @@ def test_operator_with_mapping_inputs(token_case: tuple) -> None:
     dense = full.permute(0, 2, 1, 3).reshape(5 * 3, 3 * 3)
     v = torch.randn(3, 3, dtype=torch.float64)
     assert_matches(op.matvec(v), (dense @ v.reshape(-1)).reshape(5, 3), 1e-10)
+
+
+def test_monte_carlo_of_a_model_that_branches_on_values() -> None:
+    x1 = _token_inputs(3, 7)
+    del x1["extra"]
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return BranchesOnValues().double()
+
+    result = monte_carlo_ntk(build, x1, seeds=[1, 2], mode="trace", dtype=torch.float64)
+    expected = sum(reference_ntk(build(s), x1, mode="trace") for s in (1, 2)) / 2
+    assert_matches(result.mean, expected, 1e-10)
