@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 # OpenMP threads sleep instead of spinning while they wait: on a shared host spinning made kernels up to 10x
 # slower (benchmarks/bench_structured.py, NOTE [OpenMP wait policy]); on an idle one it is within noise.
+# numpy's BLAS threads are capped by the server itself (NOTE [threads] in server/compute.py). Ctrl-C (or SIGTERM)
+# shuts the server down gracefully and it exits 0, so make reports no error (NOTE [exit status] in cli/_serve.py).
 serve: $(STAMP)
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(VENV)/bin/ntk-service serve
 

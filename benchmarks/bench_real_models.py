@@ -1,7 +1,8 @@
-"""Issue 18's side-by-side run: our ``auto`` (and optionally ``structured``, ``jacobian_contraction``) against the
-torch.func tutorial's Jacobian contraction and neural-tangents (structured derivatives ``nt_sd``, Jacobian
-contraction ``nt_jc``), FULL and TRACE, float32, on the ResNet and the transformer (``--cases real``, N = M = 32
-and 128) and on the MLP / CNN cases of the neural-tangents target (``--cases peer``).
+"""Issues 18 and 31's side-by-side run: our ``auto`` (and optionally ``structured``, ``jacobian_contraction``)
+against the torch.func tutorial's Jacobian contraction and neural-tangents (structured derivatives ``nt_sd``,
+Jacobian contraction ``nt_jc``), FULL and TRACE, float32, on the ResNet and the transformer (``--cases grid``:
+N = M = 16, 32, 64, 128 against the tutorial, with ``structured`` for AUTO's calibration; ``--cases real``:
+N = M = 32 and 128 with the peers) and on the MLP / CNN cases of the neural-tangents target (``--cases peer``).
 
 Time: every contender of a case runs once per round, in turn (ours and the peer's interleaved), for ``--rounds``
 rounds (more, up to ``--case-seconds``, for fast cases), all in this one process but the peer, which runs in
@@ -12,12 +13,23 @@ compare with). GFLOP/s count the Jacobian-contraction work of the case, (N + M)�
 k·P for TRACE), with [FP] the forward FLOPs of one example counted by the engine, the same numerator for every
 contender (a faster algorithm can pass 100 %).
 
-CPU s: the process's user + system time over the call (ours and the tutorial only). Memory (``--memory``): each
-contender once more in its own fresh process: the growth of VmHWM over one call, after the model and inputs are
-built (not ``ru_maxrss``: Linux carries a parent's peak over fork and exec); for the peer (†), the growth of VmHWM
-of its own process for that case and contender, over compiling and all the case's runs (compilation included).
+CPU s: the process's user + system time over the call, sys s the system part, faults the minor page faults
+(ours and the tutorial only; medians per call). Allocator: the process keeps freed memory for the next call
+(``retain_freed_memory``, as the server) and by default large buffers too (``reuse_large_buffers``, NOTE [large
+buffers] in allocator.py; ``--no-reuse-large-buffers`` for glibc's fresh mappings), the same for every contender.
+Calibration: per case, each of our implementations' estimated FLOPs, AUTO's weight per FLOP and the weighted
+cost, beside the measured seconds per estimated TFLOP and the weight that time implies relative to the Jacobian
+contraction (``auto`` counts as the implementation it ran); AUTO's choice is right where the cheapest weighted
+cost is the fastest implementation. At the end, a summary line per case: the tutorial's time over AUTO's.
+
+Memory (``--memory``, of ``--memory-of``: auto and the tutorial by default): each contender once more in its own
+fresh process, with this run's allocator settings: the growth of VmHWM over one call, after the model and inputs
+are built (not ``ru_maxrss``: Linux carries a parent's peak over fork and exec); for the peer (†), the growth of
+VmHWM of its own process for that case and contender, over compiling and all the case's runs (compilation included).
 A peer case that passes ``--peer-memory-gib`` resident or ``--peer-timeout`` is killed and reported as not run.
 
+    .venv/bin/python benchmarks/bench_real_models.py --cases grid --no-peer --rounds 2 --case-seconds 0  # issue 31
+    .venv/bin/python benchmarks/bench_real_models.py --cases grid --no-peer --rounds 2 --models transformer
     .venv/bin/python benchmarks/bench_real_models.py --cases real peer       # the whole table (~30 min, shared)
     .venv/bin/python benchmarks/bench_real_models.py --models resnet --sizes 32 --contenders auto tutorial
     .venv/bin/python benchmarks/bench_real_models.py --cases peer --no-memory
@@ -50,7 +62,8 @@ from _peer import PeerSession, PeerUnavailableError  # noqa: E402
 from torchfunc_tutorial import tutorial_ntk  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
-from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
+from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, reuse_large_buffers  # noqa: E402
+from ntk_service.kernels.choice import _algorithms, _weight  # noqa: E402  (AUTO's cost model, for the calibration)
 from ntk_service.kernels.problem_pool import prepared_problem  # noqa: E402
 
 OURS = ("auto", "structured", "jacobian_contraction")
@@ -59,6 +72,11 @@ CONTENDERS = (*OURS, "tutorial", *PEERS)
 MATMUL = 2048
 
 REAL_CASES = [(name, n, mode) for name in ("resnet", "transformer") for n in (32, 128) for mode in ("full", "trace")]
+GRID_CASES = [
+    (name, n, mode) for name in ("resnet", "transformer") for n in (16, 32, 64, 128) for mode in ("full", "trace")
+]
+GRID_CONTENDERS = ["auto", "tutorial", "structured"]
+"""Issue 31's grid: AUTO against the tutorial on every cell, structured timed for AUTO's calibration."""
 PEER_CASES = [("mlp", 64, "full"), ("mlp", 64, "trace"), ("mlp", 256, "full"), ("mlp2048", 16, "full"),
               ("cnn", 64, "full")]  # fmt: skip
 """The neural-tangents target's cases (>= 1.5x its structured derivatives), run against ``nt_sd`` only."""
@@ -77,6 +95,21 @@ def _call(contender: str, model: torch.nn.Module, x1: torch.Tensor, x2: torch.Te
     return compute_ntk(model, x1, x2, mode=mode, implementation=contender).implementation.value
 
 
+def _calibration(
+    model: torch.nn.Module, x1: torch.Tensor, x2: torch.Tensor, mode: str
+) -> dict[str, tuple[float, float]]:
+    """Implementation -> (estimated FLOPs, AUTO's weight per FLOP) of the case, as AUTO's choice sees them."""
+    from ntk_service.kernels.modes import KernelMode
+
+    with prepared_problem(model, x1[:1], None, params=None, dtype=None) as prepared:
+        problem = prepared.problem
+        n, m = x1.shape[0], x2.shape[0]
+        return {
+            impl.value: (alg.flops(problem, n, m, KernelMode(mode)), _weight(impl, alg, problem))
+            for impl, alg in _algorithms(None, 0).items()
+        }
+
+
 def _work_flops(model: torch.nn.Module, x1: torch.Tensor, x2: torch.Tensor, mode: str) -> float:
     with prepared_problem(model, x1[:1], None, params=None, dtype=None) as prepared:
         problem = prepared.problem
@@ -93,12 +126,14 @@ def _high_water_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
-def _memory(name: str, n: int, mode: str, contender: str) -> str:
+def _memory(name: str, n: int, mode: str, contender: str, reuse: bool) -> str:
     """Peak-RSS growth (MiB) of one call of ours or the tutorial in a fresh process, as table text."""
     code = "\n".join(
         [
             f"import sys, json; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT.parent)!r}]",
             "import torch; torch.set_num_threads(2)",
+            "from ntk_service.kernels.allocator import retain_freed_memory, reuse_large_buffers",
+            f"{'reuse_large_buffers' if reuse else 'retain_freed_memory'}()",
             "from bench_real_models import _call, _high_water_kib",
             "from _models import MODELS, make_inputs",
             f"model = MODELS[{name!r}](); x1, x2 = make_inputs({name!r}, {n}), make_inputs({name!r}, {n}, seed=2)",
@@ -154,7 +189,8 @@ class _Peer:
 
 def bench_case(
     name: str, n: int, mode: str, contenders: list[str], args: argparse.Namespace, peer: _Peer | None
-) -> None:
+) -> dict[str, object]:
+    """Time one case, print its table and AUTO's calibration; returns the summary row (``_summary``)."""
     model = MODELS[name]()
     x1, x2 = make_inputs(name, n), make_inputs(name, n, seed=2)
     flops = _work_flops(model, x1, x2, mode)
@@ -179,6 +215,7 @@ def bench_case(
     times: dict[str, list[float]] = {c: [] for c in calls}
     faults: dict[str, list[float]] = {c: [] for c in calls}
     cpu: dict[str, list[float]] = {c: [] for c in calls}
+    system: dict[str, list[float]] = {c: [] for c in calls}
     start_case = time.perf_counter()
     rounds = 0
     while rounds < args.rounds or (time.perf_counter() - start_case < args.case_seconds and rounds < args.max_rounds):
@@ -191,6 +228,7 @@ def bench_case(
             times[c].append(float(reported) if c in PEERS else elapsed)  # the peer times its own run
             faults[c].append(after.ru_minflt - before.ru_minflt)
             cpu[c].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+            system[c].append(after.ru_stime - before.ru_stime)
         rounds += 1
     peak_rate = 2.0 * MATMUL**3 / statistics.median(times["matmul"])
     reference = "auto" if "auto" in times else next(iter(times))
@@ -200,13 +238,14 @@ def bench_case(
         flush=True,
     )
     print(
-        f"| contender | median s | x / {reference} | GFLOP/s | % of matmul | CPU s | faults | peak MiB |\n"
-        "|---|---|---|---|---|---|---|---|"
+        f"| contender | median s | x / {reference} | GFLOP/s | % of matmul | CPU s | sys s | faults | peak MiB |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
+    row: dict[str, object] = {"case": f"{name} N={n} {mode.upper()}", "matmul": peak_rate, "ran": ran.get("auto")}
     for c in contenders:
         label = c if ran.get(c, c) == c else f"{c} ({ran[c]})"
         if c not in times:
-            print(f"| {label} | - | - | - | - | - | - | - |", flush=True)
+            print(f"| {label} | - | - | - | - | - | - | - | - |", flush=True)
             continue
         t = statistics.median(times[c])
         rate = flops / t
@@ -215,18 +254,71 @@ def bench_case(
         if c in PEERS:
             mib = f"{peer.peak_mib(c):.0f} †" if peer is not None else ""
         else:
-            mib = _memory(name, n, mode, c) if args.memory else ""
+            mib = _memory(name, n, mode, c, args.reuse_large_buffers) if args.memory and c in args.memory_of else ""
+        per_call = (statistics.median(system[c]), statistics.median(faults[c]), mib, rate / peak_rate)
+        row[c] = (t, *per_call, statistics.median(cpu[c]))
         print(
             f"| {label} | {t:.4g} | {ratio:.2f} | {rate / 1e9:.0f} | {100 * rate / peak_rate:.0f} % | "
             f"{f'{statistics.median(cpu[c]):.2f}' if ours_cpu else '-'} | "
+            f"{f'{statistics.median(system[c]):.2f}' if ours_cpu else '-'} | "
             f"{f'{statistics.median(faults[c]):.0f}' if ours_cpu else '-'} | {mib} |",
+            flush=True,
+        )
+    _print_calibration(_calibration(model, x1, x2, mode), times, ran)
+    return row
+
+
+def _print_calibration(
+    estimates: dict[str, tuple[float, float]], times: dict[str, list[float]], ran: dict[str, str]
+) -> None:
+    """AUTO's estimate of each implementation beside its measured time per estimated FLOP (NOTE [auto choice])."""
+    measured = {c: statistics.median(v) for c, v in times.items() if c in OURS and c != "auto"}
+    if "auto" in times:
+        measured.setdefault(ran["auto"], statistics.median(times["auto"]))
+    jc = "jacobian_contraction"
+    base = measured[jc] / estimates[jc][0] if jc in measured else None
+    print("calibration (AUTO's cost model against this run):")
+    print("| implementation | est. GFLOP | weight | weighted cost | measured s | s per est. TFLOP | implied weight |")
+    print("|---|---|---|---|---|---|---|")
+    for impl, (est, weight) in sorted(estimates.items(), key=lambda kv: kv[1][0] * kv[1][1]):
+        t = measured.get(impl)
+        per = f"{1e12 * t / est:.2f}" if t is not None else "-"
+        implied = f"{(t / est) / base:.2f}" if t is not None and base else "-"
+        print(
+            f"| {impl} | {est / 1e9:.1f} | {weight:.2f} | {est * weight / 1e9:.1f} | "
+            f"{f'{t:.4g}' if t is not None else '-'} | {per} | {implied} |",
+            flush=True,
+        )
+
+
+def _summary(rows: list[dict[str, object]]) -> None:
+    """One line per case: AUTO against the tutorial (the issue's table), system time and faults beside wall."""
+    rows = [r for r in rows if "auto" in r and "tutorial" in r]
+    if not rows:
+        return
+    print(
+        "\nsummary: tutorial s / auto s (> 1: auto faster) by wall time and by CPU s (user + system, the steadier "
+        "figure on a shared machine), per call medians; peak MiB auto / tutorial"
+    )
+    print(
+        "| case | auto ran | tutorial / auto | by CPU s | auto s (sys s, faults) | tutorial s (sys s, faults) "
+        "| auto % of matmul | peak MiB auto / tutorial |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        a, t = r["auto"], r["tutorial"]
+        assert isinstance(a, tuple) and isinstance(t, tuple)
+        print(
+            f"| {r['case']} | {r['ran']} | **{t[0] / a[0]:.2f}** | {t[5] / a[5]:.2f} | "
+            f"{a[0]:.4g} ({a[1]:.2f}, {a[2]:.0f}) | "
+            f"{t[0]:.4g} ({t[1]:.2f}, {t[2]:.0f}) | {100 * a[4]:.0f} % | {a[3] or '-'} / {t[3] or '-'} |",
             flush=True,
         )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", choices=["real", "peer"], help="issue 18's case lists (see top)")
+    parser.add_argument("--cases", nargs="+", choices=["grid", "real", "peer"], help="case lists (see top)")
     parser.add_argument(
         "--case",
         action="append",
@@ -241,7 +333,16 @@ def main() -> None:
     parser.add_argument("--case-seconds", type=float, default=20.0, help="more rounds while a case is under this")
     parser.add_argument("--max-rounds", type=int, default=40)
     parser.add_argument("--no-memory", dest="memory", action="store_false")
+    parser.add_argument(
+        "--memory-of", nargs="+", default=["auto", "tutorial"], choices=CONTENDERS, help="whose peak to measure"
+    )
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument(
+        "--reuse-large-buffers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep large freed buffers for the next call (allocator.reuse_large_buffers), for every contender",
+    )
     parser.add_argument("--peer-memory-gib", type=float, default=10.0, help="kill a peer case past this RSS")
     parser.add_argument("--peer-timeout", type=float, default=600.0, help="kill a peer case past this many s")
     args = parser.parse_args()
@@ -249,9 +350,15 @@ def main() -> None:
     retain_freed_memory()  # as the server does; the peer's glibc gets the same settings
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)
     os.environ["MALLOC_TRIM_THRESHOLD_"] = str(TRIM_THRESHOLD_BYTES)
+    if args.reuse_large_buffers:
+        reuse_large_buffers()
+        os.environ["MALLOC_MMAP_MAX_"] = "0"
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(2**62)  # never trim, as reuse_large_buffers
+        os.environ["MALLOC_ARENA_MAX"] = "1"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, round-robin in one process, "
-        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, load {os.getloadavg()[0]:.1f}"
+        f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, large buffers "
+        f"{'reused' if args.reuse_large_buffers else 'mapped fresh'}, load {os.getloadavg()[0]:.1f}"
     )
     cases: list[tuple[list[str], tuple[str, int, str]]] = []
     if args.case:
@@ -261,12 +368,15 @@ def main() -> None:
             cases.append((own, (name, int(n_text), mode)))
     elif args.cases:
         real = args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
+        grid = [case for case in GRID_CASES if case[0] in args.models]  # --models splits the grid in two runs
+        cases += [(args.contenders or GRID_CONTENDERS, case) for case in grid] if "grid" in args.cases else []
         cases += [(real, case) for case in REAL_CASES] if "real" in args.cases else []
         cases += [(["auto", "nt_sd"], case) for case in PEER_CASES] if "peer" in args.cases else []
     else:
         contenders = args.contenders or ["auto", "tutorial", "nt_sd", "nt_jc"]
         cases = [(contenders, (m, n, mode)) for m in args.models for n in args.sizes for mode in args.modes]
     peer = _Peer(int(args.peer_memory_gib * 2**30), args.peer_timeout) if args.peer else None
+    rows: list[dict[str, object]] = []
     for contenders, (name, n, mode) in cases:
         # interleave ours and the peer's so every run follows one of the other library
         order = [c for c in contenders if c not in PEERS]
@@ -276,10 +386,11 @@ def main() -> None:
             order.remove("nt_sd")
             print(f"\n{name} N=M={n} {mode}: nt_sd not run: {NT_SD_TRANSFORMER}")
         try:
-            bench_case(name, n, mode, order, args, peer)
+            rows.append(bench_case(name, n, mode, order, args, peer))
         finally:
             if peer is not None:
                 peer.end_case()
+    _summary(rows)
 
 
 if __name__ == "__main__":

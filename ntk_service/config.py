@@ -160,6 +160,12 @@ class Settings(BaseSettings):
     job_tile_size: int = Field(
         256, ge=1, description="Examples per tile side when a job names none (a 256² FULL tile, k=10: 26 MB)."
     )
+    job_panel_seconds: float = Field(
+        4.0, gt=0, le=3600, description="Work a job's panel (its unit of work) targets, by the cost model's estimate."
+    )
+    job_side_cache_bytes: int | None = Field(
+        None, ge=0, description="Side cache per running job (per Ray actor). Default: a quarter of the memory budget."
+    )
     job_disk_budget_bytes: int | None = Field(
         None, gt=0, description="Disk all stored job results may take (413 above). Default: 90% of the free space."
     )

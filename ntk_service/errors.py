@@ -1,8 +1,8 @@
 """The one exception tree of ntk-service (no torch, no fastapi: the client imports it too).
 
 Every error carries a snake_case ``error_type`` (the ``type`` field of the wire error body) and the HTTP status it
-maps to. The server translates these once, in ``server/errors.py``; the client maps an error body back to the same
-class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
+maps to. The server translates these once, in ``server/error_responses.py``; the client maps an error body back to
+the same class, so ``except MemoryEstimateExceeded`` works on both sides of the wire.
 
     NtkServiceError
     ├── InvalidInput                      422  the values are wrong (shapes, NaN, unknown names); a ValueError

@@ -7,6 +7,7 @@ backend), so it works in servers, scripts and notebooks alike; ``save_figure`` w
     >>> fig = plot_kernel(theta)                     # (N, N, k, k) -> the (N·k, N·k) matrix   # doctest: +SKIP
     >>> save_figure(plot_spectrum(spectrum(theta).eigenvalues), "spectrum.png")             # doctest: +SKIP
     >>> save_figure(plot_training(pred.times, pred.test, given_times, given_test), "curves.png")  # doctest: +SKIP
+    >>> save_figure(plot_lazy_training([cmp16, cmp256], labels=["w=16", "w=256"]), "lazy.png")   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ntk_service.errors import InvalidInput, NonFiniteInput, OptionalDependencyM
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["DEFAULT_MAX_CURVES", "plot_kernel", "plot_spectrum", "plot_training", "save_figure"]
+__all__ = ["DEFAULT_MAX_CURVES", "plot_kernel", "plot_lazy_training", "plot_spectrum", "plot_training", "save_figure"]
 
 DEFAULT_MAX_CURVES = 6
 """Training curves drawn by default (examples × outputs, in order): more lines than this stop being readable."""
@@ -187,6 +188,87 @@ def plot_training(
     ax.set_title(heading + (" (dotted: t = ∞)" if np.any(np.isinf(t)) else ""))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over the curves
+    return fig
+
+
+_COMPARISON_FIELDS = ("steps", "train_gap", "test_gap", "network_loss", "linearized_loss", "kernel_steps")
+
+
+def _comparisons(comparisons: Any) -> list[Any]:
+    items = list(comparisons) if isinstance(comparisons, (list, tuple)) else [comparisons]
+    for item in items:
+        missing = [name for name in _COMPARISON_FIELDS if not hasattr(item, name)]
+        if missing:
+            raise InvalidInput(
+                f"plot_lazy_training: expected analysis.compare_training results, got {type(item).__name__} "
+                f"without {', '.join(missing)}"
+            )
+    if not items:
+        raise InvalidInput("plot_lazy_training: no comparison to draw; pass compare_training's result(s)")
+    return items
+
+
+def plot_lazy_training(
+    comparisons: Any, *, labels: Sequence[str] | None = None, title: str | None = None, relative: bool = False
+) -> Figure:
+    """The lazy-training diagnostic: the network-vs-linearization gap, both losses, and the kernel's motion.
+
+    Three panels against the step: (1) the RMS gap f_network − f_linearized on train (solid) and test (dashed),
+    on a log scale; (2) the training loss of the network (solid) and the linearization (dotted); (3) the kernel
+    distance 1 − cos(Θ_0, Θ_s) at the kernel steps, on a log scale (step 0, where it is 0, is not drawn). One
+    colour per comparison (e.g. per width).
+
+    Args:
+        comparisons: one ``TrainingComparison`` (``analysis.compare_training``) or a list of them.
+        labels: one per comparison. Default: "run 1", ...
+        title: the figure title. Default: "network vs its linearization".
+        relative: divide each gap by how far the network's outputs moved on that set (``train_moved``,
+            ``test_moved``), so runs of different output scale compare. Default: False.
+
+    Returns:
+        The figure (three axes).
+
+    Raises:
+        InvalidInput: no comparison, an object without compare_training's fields, labels of the wrong count.
+    """
+    items = _comparisons(comparisons)
+    if labels is not None and len(labels) != len(items):
+        raise InvalidInput(f"plot_lazy_training: {len(labels)} labels for {len(items)} comparisons")
+    fig = _figure(12.0, 4.0)
+    gap_ax, loss_ax, kernel_ax = fig.subplots(1, 3)
+    for i, item in enumerate(items):
+        color, label = f"C{i % 10}", labels[i] if labels is not None else f"run {i + 1}"
+        steps = np.asarray(item.steps, dtype=np.float64)
+        ones = np.ones_like(steps)
+        scale = np.asarray(item.train_moved, dtype=np.float64) if relative else ones
+        test_moved = getattr(item, "test_moved", None)
+        test_scale = np.asarray(test_moved, dtype=np.float64) if relative and test_moved is not None else ones
+        with np.errstate(divide="ignore", invalid="ignore"):
+            train = np.asarray(item.train_gap, dtype=np.float64) / scale
+            test = None if item.test_gap is None else np.asarray(item.test_gap, dtype=np.float64) / test_scale
+        keep = steps > 0  # the gap is exactly 0 at step 0: nothing to draw on a log axis
+        gap_ax.plot(steps[keep], train[keep], color=color, label=f"{label} train")
+        if test is not None:
+            gap_ax.plot(steps[keep], test[keep], color=color, linestyle="--", label=f"{label} test")
+        loss_ax.plot(steps, item.network_loss, color=color, label=f"{label} network")
+        loss_ax.plot(steps, item.linearized_loss, color=color, linestyle=":", label=f"{label} linearized")
+        distance = np.asarray(item.kernel_distance, dtype=np.float64)
+        shown = distance > 0  # Θ_0 against itself is exactly 0: nothing to draw on a log axis
+        kernel_steps = np.asarray(item.kernel_steps)[shown]
+        kernel_ax.plot(kernel_steps, distance[shown], color=color, marker="o", markersize=4, label=label)
+    gap_ax.set_yscale("log")
+    gap_ax.set_ylabel("gap / RMS movement" if relative else "RMS gap ‖f − f_lin‖")
+    gap_ax.set_title("network − linearization")
+    loss_ax.set_ylabel("training loss")
+    loss_ax.set_title("loss (dotted: linearized)")
+    kernel_ax.set_yscale("log")
+    kernel_ax.set_ylabel("1 − cos(Θ_0, Θ_s)")
+    kernel_ax.set_title(f"kernel distance ({items[0].kernel_mode})" if hasattr(items[0], "kernel_mode") else "")
+    for ax in (gap_ax, loss_ax, kernel_ax):
+        ax.set_xlabel("step")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title or "network vs its linearization")
     return fig
 
 

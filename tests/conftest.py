@@ -67,21 +67,22 @@ class LiveServer:
                 self.process.wait(timeout=10)
 
 
-def start_live_server(data_dir: Path, *, keys: bool = True, **settings: str) -> LiveServer:
+def start_live_server(data_dir: Path, *, keys: bool = True, port: int | None = None, **settings: str) -> LiveServer:
     """Start a server on a free port and wait until ``/readyz`` answers 200.
 
     Args:
         data_dir: the server's ``NTK_DATA_DIR`` (created if missing).
         keys: configure ``read-key:read,write-key:write``; False runs an open server.
+        port: the port, e.g. a stopped server's to restart it at the same URL. Default: a free one.
         **settings: more settings by field name, e.g. ``max_queue="0"`` becomes ``NTK_MAX_QUEUE=0``.
     """
-    return wait_until_ready(launch_live_server(data_dir, keys=keys, **settings))
+    return wait_until_ready(launch_live_server(data_dir, keys=keys, port=port, **settings))
 
 
-def launch_live_server(data_dir: Path, *, keys: bool = True, **settings: str) -> LiveServer:
+def launch_live_server(data_dir: Path, *, keys: bool = True, port: int | None = None, **settings: str) -> LiveServer:
     """``start_live_server`` without the wait: the process starts while the caller does other work; call
     ``wait_until_ready`` before using it."""
-    port = _free_port()
+    port = port or _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NTK_")}
     env.update(
         NTK_HOST="127.0.0.1",

@@ -7,12 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-from tests.conftest import REPO_ROOT, LiveServer, _free_port
+from tests.cli.support import launch_serve
+from tests.conftest import REPO_ROOT, LiveServer
 
 
 def _module(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -38,29 +36,10 @@ def test_python_m_ntk_service_is_the_cli(live_server: LiveServer) -> None:
 
 
 def test_ctrl_c_stops_serve_gracefully_with_exit_status_0(tmp_path: Path) -> None:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NTK_")}
-    env.update(NTK_API_KEYS="main-key:write", NTK_LOG_LEVEL="info")
     log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "ntk_service", "serve", "--port", str(port), "--data-dir", str(tmp_path / "data")],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    command = [sys.executable, "-m", "ntk_service"]
+    process, _ = launch_serve(command, tmp_path / "data", log_path, NTK_API_KEYS="main-key:write", NTK_LOG_LEVEL="info")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, log_path.read_text(errors="replace")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "python -m ntk_service serve did not become ready"
-            time.sleep(0.2)
         process.send_signal(signal.SIGINT)
         returncode = process.wait(timeout=60)
     finally:

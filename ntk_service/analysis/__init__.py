@@ -12,6 +12,9 @@ and ``gp``, and docs/analysis.md.
     >>> out.train.shape                                                 # (3, N, k)
     >>> spectrum(theta, top=20).eigenvalues                             # (20,) descending
     >>> alignment(theta, labels, variant="centered")                    # float
+    >>> flin = linearize(model)                # an nn.Module: f0 + J(θ − θ0), train θ with any optimizer
+    >>> cmp = compare_training(model, x, labels, loss=nn.CrossEntropyLoss(), steps=100)
+    >>> cmp.train_gap.shape                                             # (101,)
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from ntk_service.analysis.alignment import Variant, alignment
 from ntk_service.analysis.distance import kernel_distance, relative_change
 from ntk_service.analysis.gp import GpPosterior, gp_inference
 from ntk_service.analysis.layout import as_matrix
+from ntk_service.analysis.lazy_training import TrainingComparison, compare_training
+from ntk_service.analysis.linearize import TaylorExpansion, linearize, taylor_expand
 from ntk_service.analysis.linearized import (
     Flow,
     LinearizedPredictions,
@@ -41,15 +46,20 @@ __all__ = [
     "Method",
     "RidgeScale",
     "Spectrum",
+    "TaylorExpansion",
+    "TrainingComparison",
     "Variant",
     "alignment",
     "as_matrix",
+    "compare_training",
     "gp_inference",
     "kernel_distance",
+    "linearize",
     "linearized_predictions",
     "loss_scale",
     "max_learning_rate",
     "relative_change",
     "spectrum",
     "stored_kernel_operator",
+    "taylor_expand",
 ]

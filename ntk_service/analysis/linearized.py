@@ -13,6 +13,9 @@ NOTE [losses and time scales]
     "half_mse" ½ · mean over all N·k           1 / (N·k)    η (``predict.gradient_descent_mse``)
     ========== =============================== ============ ==============================================
 
+    ``loss="cross_entropy"`` (``nn.CrossEntropyLoss()`` on class indices) is not quadratic: its dynamics are
+    integrated in function space instead (NOTE [cross-entropy dynamics] in ``cross_entropy.py``).
+
     N·k counts every entry even for a TRACE kernel (neural-tangents' |y| does too). With r0 = f0 − y and
     Θ = V diag(λ) Vᵀ, gradient flow gives f_train(t) = y + V e^{−ηcλt} Vᵀ r0 and
     f_test(t) = f0* − Θ* V diag((1 − e^{−ηcλt}) / λ) Vᵀ r0; gradient descent after s steps replaces e^{−ηcλt} by
@@ -30,6 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ntk_service.analysis.cross_entropy import cross_entropy_dynamics
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
 from ntk_service.analysis.layout import to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
@@ -38,8 +42,9 @@ from ntk_service.kernels.modes import KernelMode
 
 __all__ = ["Flow", "LinearizedPredictions", "Loss", "linearized_predictions", "loss_scale", "max_learning_rate"]
 
-Loss = Literal["mse", "sum", "half_mse"]
-"""The training loss's reduction, named as PyTorch names it (NOTE [losses and time scales])."""
+Loss = Literal["mse", "sum", "half_mse", "cross_entropy"]
+"""The training loss, named as PyTorch names its reduction (NOTE [losses and time scales]); "cross_entropy" is
+``nn.CrossEntropyLoss()`` on class indices (NOTE [cross-entropy dynamics])."""
 
 Flow = Literal["gradient_flow", "gradient_descent"]
 """Continuous-time closed form, or the exact discrete iterate for integer step counts."""
@@ -59,7 +64,14 @@ def loss_scale(loss: Loss | str, n_entries: int) -> float:
         return 2.0
     if loss == "half_mse":
         return 1.0 / n_entries
-    raise InvalidInput(f"{_OPERATION}: unknown loss {loss!r}; expected 'mse' (MSELoss()), 'sum' or 'half_mse'")
+    if loss == "cross_entropy":
+        raise InvalidInput(
+            f"{_OPERATION}: loss 'cross_entropy' has no constant scale c (its gradient in f is softmax(f) − onehot, "
+            "not c · (f − y)); linearized_predictions(..., loss='cross_entropy') reports its step bound"
+        )
+    raise InvalidInput(
+        f"{_OPERATION}: unknown loss {loss!r}; expected 'mse' (MSELoss()), 'sum', 'half_mse' or 'cross_entropy'"
+    )
 
 
 @dataclass(frozen=True)
@@ -73,7 +85,9 @@ class LinearizedPredictions:
         lambda_min, lambda_max: extreme eigenvalues of the training kernel as used (after ridge; TRACE / k).
         frozen_modes: modes with λ ≤ tol that did not move (NOTE [non-positive modes]).
         tol: that threshold. path: how it was computed, e.g. "gradient_flow: eigh; t=inf: eigen pseudo-inverse".
-        max_learning_rate: the largest stable step of gradient descent for this loss.
+        max_learning_rate: the largest stable step of gradient descent for this loss (cross-entropy: the
+            descent-lemma bound 4N / λmax, not a refusal threshold).
+        rtol, atol: the ODE solver's tolerances where one ran (cross-entropy gradient flow), else None.
     """
 
     times: np.ndarray
@@ -85,6 +99,8 @@ class LinearizedPredictions:
     tol: float
     path: str
     max_learning_rate: float
+    rtol: float | None = None
+    atol: float | None = None
 
 
 def _stable_limit(lambda_max: float, c: float) -> float:
@@ -192,11 +208,13 @@ def linearized_predictions(
 
     Args:
         k_train_train: Θ(x_train, x_train), (N, N, k, k) FULL or (N, N) TRACE, numpy or torch.
-        y_train: (N, k) targets (or (N,) for k = 1).
+        y_train: (N, k) targets (or (N,) for k = 1); for loss="cross_entropy", (N,) integer class indices.
         times (sequence of float): times of gradient flow, or step counts (integers) of gradient descent;
             ``math.inf`` gives the converged limit.
         learning_rate (float): η > 0 of the optimizer on ``loss``.
-        loss (str): "mse" (``MSELoss()``), "sum" (``MSELoss(reduction="sum")``) or "half_mse". Default: "mse".
+        loss (str): "mse" (``MSELoss()``), "sum" (``MSELoss(reduction="sum")``), "half_mse", or
+            "cross_entropy" (``CrossEntropyLoss()``; no t = ∞; a TRACE kernel needs f0_train (N, k) for k).
+            Default: "mse".
         k_test_train: Θ(x_test, x_train), (M, N, k, k) or (M, N). Default: None (no test outputs).
         f0_train: (N, k) outputs at initialization. Default: zeros.
         f0_test: (M, k) outputs at initialization. Default: zeros.
@@ -225,6 +243,17 @@ def linearized_predictions(
     if not math.isfinite(learning_rate) or learning_rate <= 0:
         raise InvalidInput(f"{_OPERATION}: learning_rate must be a positive number, got {learning_rate}")
     time_array = _check_times(times, flow)
+    if loss == "cross_entropy":  # not quadratic: function-space dynamics (NOTE [cross-entropy dynamics])
+        run = cross_entropy_dynamics(
+            k_train_train, y_train, times=time_array, learning_rate=learning_rate, flow=flow,
+            k_test_train=k_test_train, f0_train=f0_train, f0_test=f0_test, ridge=ridge, ridge_scale=ridge_scale,
+            mode=mode,
+        )  # fmt: skip
+        return LinearizedPredictions(
+            times=run.times, train=run.train, test=run.test, lambda_min=run.lambda_min, lambda_max=run.lambda_max,
+            frozen_modes=0, tol=0.0, path=run.path, max_learning_rate=run.max_learning_rate, rtol=run.rtol,
+            atol=run.atol,
+        )  # fmt: skip
     y_raw = np.asarray(y_train.detach().cpu() if hasattr(y_train, "detach") else y_train)
     k_hint = y_raw.shape[1] if y_raw.ndim == 2 else 1
     kernel = to_kernel_matrix(

@@ -44,6 +44,7 @@ class Loss(StrEnum):
     MSE = "mse"  # MSELoss()
     SUM = "sum"  # MSELoss(reduction="sum")
     HALF_MSE = "half_mse"  # ½·mean (neural-tangents' convention)
+    CROSS_ENTROPY = "cross_entropy"  # CrossEntropyLoss() on integer class indices
 
 
 class Flow(StrEnum):
@@ -92,11 +93,18 @@ def predict(
     ctx: typer.Context,
     model: NameArg,
     x_train: Annotated[str, typer.Option("--x-train", help="(N, *input) .npy or dataset:<id>[a:b].")],
-    y_train: Annotated[Path, typer.Option("--y-train", help="(N, k) targets, .npy.", dir_okay=False)],
+    y_train: Annotated[
+        Path,
+        typer.Option(
+            "--y-train", help="(N, k) targets, or (N,) integer labels for cross_entropy, .npy.", dir_okay=False
+        ),
+    ],
     times: Annotated[str, typer.Option(help="Comma-separated times or steps; inf allowed, e.g. 0,10,inf.")],
     learning_rate: Annotated[float, typer.Option("--learning-rate", help="η of the optimizer on the loss.")],
     x_test: Annotated[str | None, typer.Option("--x-test", help="(M, *input) .npy or dataset:<id>[a:b].")] = None,
-    loss: Annotated[Loss, typer.Option(help="mse = MSELoss(), sum, half_mse = ½·mean.")] = Loss.MSE,
+    loss: Annotated[
+        Loss, typer.Option(help="mse = MSELoss(), sum, half_mse = ½·mean, cross_entropy = CrossEntropyLoss().")
+    ] = Loss.MSE,
     flow: Annotated[Flow, typer.Option(help="Closed-form flow, or exact gradient descent (integer steps).")] = (
         Flow.GRADIENT_FLOW
     ),
@@ -144,6 +152,8 @@ def predict(
         "frozen_modes": result.frozen_modes,
         "max_learning_rate": result.max_learning_rate,
         "path": result.path,
+        "rtol": result.rtol,
+        "atol": result.atol,
         "kernel_ms": result.kernel_ms,
         "analysis_ms": result.analysis_ms,
         "output": None if output is None else str(output),

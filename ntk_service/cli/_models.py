@@ -1,4 +1,5 @@
-"""``ntk-service models register|list|show|delete|architectures|upload-weights|versions|download-weights``."""
+"""``ntk-service models register|register-program|list|show|delete|architectures|upload-weights|versions|
+download-weights``."""
 
 from __future__ import annotations
 
@@ -84,6 +85,40 @@ def register(
         typer.echo(
             f"registered {record['name']} version {record['version']}: {record.get('num_params')} parameters, "
             f"input {record.get('input_shape')} {record.get('input_dtype', '')}, {record.get('output_dim')} outputs"
+        )
+
+
+@models_app.command("register-program")
+def register_program(
+    ctx: typer.Context,
+    name: NameArg,
+    program: Annotated[
+        Path,
+        typer.Argument(
+            help="A torch.export archive (.pt2) written by torch.export.save, the batch dimension dynamic.",
+            exists=True,
+            dir_okay=False,
+            readable=True,
+            show_default=False,
+        ),
+    ],
+    label: LabelOption = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Register a torch.export program with the weights it was saved with as version 1 (needs a write key).
+
+    The server loads it without unpickling anything; further checkpoints are `models upload-weights` of the
+    module's state_dict() saved as .safetensors."""
+    record = state_of(ctx).client().register_program(name, program.read_bytes(), label=label)
+    if wants_json(ctx, json_output):
+        print_json(record)
+    else:
+        operators = record.get("architecture", {}).get("operators")
+        count = len(operators) if isinstance(operators, list) else "?"
+        typer.echo(
+            f"registered {record['name']} version {record['version']} (exported, {count} operators): "
+            f"{record.get('num_params')} parameters, input {record.get('input_shape')} "
+            f"{record.get('input_dtype', '')}, {record.get('output_dim')} outputs"
         )
 
 

@@ -50,8 +50,10 @@ class LinearizedPrediction:
         times: (T,) times or step counts (``inf`` allowed). train: (T, N, k). test: (T, M, k) or None.
         f0_train: (N, k) and f0_test: (M, k) or None, the network's own outputs (float64).
         lambda_min, lambda_max: of the training kernel as used. frozen_modes: modes with λ ≤ tol that did not move.
-        path: how it was computed. max_learning_rate: the stable limit of gradient descent for the loss.
+        path: how it was computed. max_learning_rate: the stable limit of gradient descent for the loss
+            (cross-entropy: the descent-lemma bound 4N / λmax).
         kernel_ms, analysis_ms: server time computing the kernels (and f0) and the analysis.
+        rtol, atol: the ODE solver's tolerances where one ran (cross-entropy gradient flow), else None.
     """
 
     times: np.ndarray
@@ -68,6 +70,8 @@ class LinearizedPrediction:
     version: int
     kernel_ms: float
     analysis_ms: float
+    rtol: float | None = None
+    atol: float | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +161,14 @@ def _side(value: Any, name: str) -> Any:
     return wire.tensor_to_json(np.asarray(value))
 
 
+def _targets(y: Any, loss: str) -> np.ndarray:
+    """y_train as sent: float64 targets, or for cross-entropy the labels' own dtype (integers travel as int64;
+    anything else reaches the server as it is and is refused there with the reason)."""
+    if hasattr(y, "detach") and hasattr(y, "cpu"):
+        y = y.detach().cpu().numpy()
+    return np.asarray(y) if loss == "cross_entropy" else np.asarray(y, dtype=np.float64)
+
+
 def _tensor(body: Mapping[str, Any], key: str) -> np.ndarray:
     return wire.tensor_from_json(body[key], name=key)
 
@@ -194,9 +206,12 @@ class AnalysisClient(BaseClient):
         """``POST /v1/models/{model}/predict``: the linearized network trained on (x_train, y_train).
 
         Args:
-            x_train: (N, *input) array or data set slice. y_train: (N, k) targets. x_test: (M, *input) or None.
-            times: times of gradient flow, or integer step counts of gradient descent; ``math.inf`` allowed.
-            learning_rate: η of the optimizer on ``loss``. loss: "mse" (``MSELoss()``) | "sum" | "half_mse".
+            x_train: (N, *input) array or data set slice. y_train: (N, k) targets, or (N,) integer class
+                indices for loss="cross_entropy". x_test: (M, *input) or None.
+            times: times of gradient flow, or integer step counts of gradient descent; ``math.inf`` allowed
+                (not for cross-entropy).
+            learning_rate: η of the optimizer on ``loss``. loss: "mse" (``MSELoss()``) | "sum" | "half_mse" |
+                "cross_entropy" (``CrossEntropyLoss()``).
             flow: "gradient_flow" | "gradient_descent". ridge, ridge_scale: λ and "absolute" | "relative".
             mode: "full" | "trace" (trace / k ⊗ I_k). implementation, params, version: as for ``ntk``.
 
@@ -205,11 +220,12 @@ class AnalysisClient(BaseClient):
 
         Raises:
             ShapeMismatch (y_train's shape), InvalidInput (times < 0, ...), UnstableLearningRate (gradient descent
-            above the limit: the message gives it), MemoryEstimateExceeded, ModelNotFound.
+            above the limit: the message gives it), MemoryEstimateExceeded, ModelNotFound; for cross-entropy,
+            InvalidInput (labels not integers in [0, k), inf times) and ResourceLimit (a run over the work limit).
         """
         body: dict[str, Any] = {
             "x_train": _side(x_train, "x_train"),
-            "y_train": wire.tensor_to_json(np.asarray(y_train, dtype=np.float64)),
+            "y_train": wire.tensor_to_json(_targets(y_train, loss)),
             "times": [_json_time(t) for t in times],
             "learning_rate": learning_rate,
             "loss": loss,
@@ -236,6 +252,8 @@ class AnalysisClient(BaseClient):
             version=int(out["version"]),
             kernel_ms=float(out["kernel_ms"]),
             analysis_ms=float(out["analysis_ms"]),
+            rtol=None if out.get("rtol") is None else float(out["rtol"]),
+            atol=None if out.get("atol") is None else float(out["atol"]),
         )
 
     def spectrum(

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
 from typing import Any, cast
 from urllib.parse import quote
 
@@ -34,10 +36,11 @@ from ntk_service.client._analysis import (
     LinearizedPrediction,
 )
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
+from ntk_service.client._export import export_module, multipart_body
 from ntk_service.client._groups import GroupsClient
 from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
-from ntk_service.client._module_spec import describe_module
+from ntk_service.client._module_spec import describe_module, is_describable
 from ntk_service.client._service import ServiceClient
 from ntk_service.client._types import (
     DatasetInfo,
@@ -47,7 +50,7 @@ from ntk_service.client._types import (
     KernelModeName,
     ModelInfo,
 )
-from ntk_service.errors import NtkServiceError
+from ntk_service.errors import InvalidInput, NtkServiceError
 
 __all__ = [
     "Client",
@@ -144,32 +147,40 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
         input_dtype: str = "float32",
         label: str | None = None,
     ) -> ModelInfo:
-        """Register your own ``nn.Sequential`` with its current weights as version 1 (write scope).
+        """Register your own model with its current weights as version 1 (write scope).
 
-        The ``sequential`` architecture spec is read from the module (``describe_module``); its ``state_dict()``
-        (parameters and buffers, e.g. BatchNorm running statistics) is uploaded with it in one request, so the
-        server's model has the same parameter names and, in eval mode, the same function. Nothing is pickled.
+        An ``nn.Sequential`` of the layers the ``sequential`` family allows (nested ``nn.Sequential`` and
+        ``Residual`` included) is sent as its architecture spec (``describe_module``) plus its ``state_dict()`` in
+        one safetensors request. Any other ``nn.Module`` (a class with its own forward: loops over a ModuleList,
+        gates, attention) is exported here with ``torch.export.export(module.eval(), (x,),
+        dynamic_shapes=<batch dynamic>)``, written with ``torch.export.save`` and uploaded to
+        ``POST /v1/models/exported``; the server loads it without unpickling anything. Either way the server's
+        model has the same parameter names, so ``upload_weights(name, module.state_dict())`` adds checkpoints.
 
         Args:
             name (str): the model's unique name.
-            module (nn.Sequential): built from torch.nn layers the server allows (``GET /v1/architectures``) and
-                ``ntk_service.layers`` (Residual, MeanPool, PositionEmbedding, NtkLinear, ...); float32 weights.
+            module (nn.Module): the model, mapping (N, *input_shape) to a float tensor (N, *out); float32 weights.
             input_shape (Sequence[int]): one example's shape, without the batch dimension.
             input_dtype (str): "float32", or "int64" for token ids. Default: "float32".
             label (str | None): a label for version 1, e.g. "epoch 0". Default: none.
 
         Returns:
-            The model record of version 1.
+            The model record of version 1 (``architecture["family"]``: "sequential" or "exported").
 
         Raises:
-            InvalidInput: the first module the architecture does not support (named by its path, with what to do),
-                or a spec the server refuses (the layer and the shapes named). NameConflict: the name is taken.
+            InvalidInput: an unsupported setting of a supported layer (named by its path), torch.export failing on
+                the forward (torch's message and what to do), or a spec the server refuses. UnsupportedModel: the
+                exported graph calls an operator outside the server's allow-list (named). NameConflict: the name
+                is taken.
 
         Example::
 
             >>> record = client.register_module("resnet", model, input_shape=(3, 32, 32), label="epoch 0")
             >>> client.upload_weights("resnet", model.state_dict(), label="epoch 1")  # version 2
         """
+        if not is_describable(module):
+            data = export_module(module, input_shape=input_shape, input_dtype=input_dtype)
+            return self.register_program(name, data, label=label)
         architecture = describe_module(module, input_shape=input_shape, input_dtype=input_dtype)
         content = _encode_weights(module.state_dict(), {"architecture": json.dumps(architecture)})
         response = self._request(
@@ -179,6 +190,46 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
             content_type=wire.MEDIA_SAFETENSORS,
             accept=wire.MEDIA_JSON,
             params={"name": name, "label": label},
+        )
+        return cast(ModelInfo, dict(_decode_json(response)))
+
+    def register_program(
+        self, name: str, program: bytes | str | PathLike[str], *, label: str | None = None
+    ) -> ModelInfo:
+        """Register a saved ``torch.export`` program, with the weights it was exported with as version 1 (write scope).
+
+        What ``register_module`` uploads for a module the ``sequential`` family cannot describe, for an archive you
+        wrote yourself: ``torch.export.save(torch.export.export(model.eval(), (x,), dynamic_shapes=({0:
+        torch.export.Dim("batch")},)), "model.pt2")``. It goes to ``POST /v1/models/exported`` (multipart, fields
+        ``name``, ``program`` and ``label``); the server loads it without unpickling anything.
+
+        Args:
+            name (str): the model's unique name.
+            program (bytes | str | PathLike): the archive's bytes, or the path of the ``.pt2`` file.
+            label (str | None): a label for version 1, e.g. "epoch 0". Default: none.
+
+        Returns:
+            The model record of version 1 (``architecture["family"]``: "exported").
+
+        Raises:
+            InvalidInput: the file cannot be read, or the server refuses the archive (not a zip, a pickled entry,
+                sizes that do not match the bytes, more than one input or output, ...: the message says which).
+            UnsupportedModel: the graph calls an operator outside the server's allow-list (named).
+            NameConflict: the name is taken. PayloadTooLarge: the archive is over the server's limits.
+        """
+        if isinstance(program, bytes | bytearray):
+            data = bytes(program)
+        else:
+            try:
+                data = Path(program).read_bytes()
+            except OSError as exc:
+                raise InvalidInput(
+                    f"register_program: cannot read the program file {str(program)!r} ({exc.strerror or exc}); "
+                    "expected the path of an archive written by torch.export.save"
+                ) from exc
+        body, content_type = multipart_body({"name": name, "label": label}, {"program": ("model.pt2", data)})
+        response = self._request(
+            "POST", "/v1/models/exported", content=body, content_type=content_type, accept=wire.MEDIA_JSON
         )
         return cast(ModelInfo, dict(_decode_json(response)))
 

@@ -109,6 +109,7 @@ class JobsClient(BaseClient):
         params: Sequence[str] | None = None,
         version: int | None = None,
         tile_size: int | None = None,
+        panel_tiles: int | None = None,
     ) -> JobInfo:
         """Submit a batch kernel job over whole data sets (write scope).
 
@@ -121,6 +122,8 @@ class JobsClient(BaseClient):
             mode, implementation, dtype, params, version: as for ``ntk``. Default: "full", "auto", "float32",
                 all parameters, the latest version.
             tile_size (int | None): examples per tile side. Default: the server's (NTK_JOB_TILE_SIZE).
+            panel_tiles (int | None): tiles per panel side, the unit of work (docs/jobs.md). Default: the server's
+                cost model (NTK_JOB_PANEL_SECONDS of work per panel).
 
         Returns:
             The job record (``id``, ``status``, ``tiles_total``, ``result_shape``, ...).
@@ -138,6 +141,7 @@ class JobsClient(BaseClient):
             "dtype": dtype,
             "params": None if params is None else list(params),
             "tile_size": tile_size,
+            "panel_tiles": panel_tiles,
         }
         return cast(
             JobInfo, dict(self._send_json("POST", "/v1/jobs", {k: v for k, v in body.items() if v is not None}))

@@ -17,7 +17,7 @@ from typing import Any
 
 from ntk_service.errors import InvalidInput
 
-__all__ = ["SUPPORTED_TYPES", "describe_module"]
+__all__ = ["SUPPORTED_TYPES", "describe_module", "is_describable"]
 
 Reader = Callable[[Any, str], dict[str, Any]]
 
@@ -146,6 +146,10 @@ def _residual(m: Any, where: str) -> dict[str, Any]:
     return {"body": _layers(m.body, f"{where}.body"), "shortcut": shortcut}
 
 
+def _sequential(m: Any, where: str) -> dict[str, Any]:
+    return {"layers": _layers(m, where)}
+
+
 def _attrs(*names: str) -> Reader:
     def reader(m: Any, where: str) -> dict[str, Any]:
         return {name: _list(getattr(m, name)) for name in names}
@@ -182,6 +186,7 @@ _READERS: dict[str, tuple[str, Reader]] = {
     "ntk_service.layers.NtkConv1d": ("Conv1d", _ntk(_conv)),
     "ntk_service.layers.NtkConv2d": ("Conv2d", _ntk(_conv)),
     "ntk_service.layers.Residual": ("Residual", _residual),
+    _SEQUENTIAL: ("Sequential", _sequential),
     "ntk_service.layers.MeanPool": ("MeanPool", _attrs("dim")),
     "ntk_service.layers.PositionEmbedding": (
         "PositionEmbedding",
@@ -200,7 +205,17 @@ def _class_path(module: Any) -> str:
 
 
 def _layers(sequential: Any, path: str) -> list[dict[str, Any]]:
-    return [_layer(child, f"{path}.{key}" if path else str(key)) for key, child in sequential.named_children()]
+    layers = []
+    for i, (key, child) in enumerate(sequential.named_children()):
+        where = f"{path}.{key}" if path else str(key)
+        if key != str(i):  # nn.Sequential(OrderedDict(...)): a spec is a list, so its layers are named 0, 1, ...
+            raise _refuse(
+                where,
+                f"is named {key!r}, not {str(i)!r}: the 'sequential' architecture names layers by their position, "
+                "so its weights would not upload under your names; build the nn.Sequential from a list of layers",
+            )
+        layers.append(_layer(child, where))
+    return layers
 
 
 def _layer(module: Any, where: str) -> dict[str, Any]:
@@ -208,8 +223,6 @@ def _layer(module: Any, where: str) -> dict[str, Any]:
     entry = _READERS.get(path)
     if entry is None:
         hint = (
-            "; put its layers in the outer nn.Sequential, or in a Residual body" if path == _SEQUENTIAL else ""
-        ) or (
             f"; supported: torch.nn {', '.join(SUPPORTED_TYPES)} (ntk_service.layers for Residual, MeanPool, "
             "PositionEmbedding and the Ntk* layers). Rebuild it from those, or ask the server's operator for a "
             "factory that builds it (family 'factory'; GET /v1/architectures lists those allowed)"
@@ -221,12 +234,36 @@ def _layer(module: Any, where: str) -> dict[str, Any]:
     return {"type": kind, **read(module, where)}
 
 
+def is_describable(module: Any) -> bool:
+    """Whether ``module`` is an ``nn.Sequential`` that ``describe_module`` can read: at every depth only the exact
+    classes it knows, children named by position, no forward set on an instance. Anything else is exported."""
+    return _class_path(module) == _SEQUENTIAL and _describable(module)
+
+
+def _describable(module: Any) -> bool:
+    path = _class_path(module)
+    if path not in _READERS or "forward" in vars(module):
+        return False
+    if path == _SEQUENTIAL:
+        return _describable_children(module)
+    if path == "ntk_service.layers.Residual":
+        return _describable_children(module.body) and (
+            module.shortcut is None or _describable_children(module.shortcut)
+        )
+    return True
+
+
+def _describable_children(container: Any) -> bool:
+    children = list(container.named_children())
+    return all(key == str(i) and _describable(child) for i, (key, child) in enumerate(children))
+
+
 def describe_module(module: Any, *, input_shape: Sequence[int], input_dtype: str = "float32") -> dict[str, Any]:
     """The ``sequential`` architecture spec that rebuilds ``module`` with the same parameter and buffer names.
 
     Args:
-        module (nn.Sequential): the model, made of supported layers (``SUPPORTED_TYPES``), nesting only through
-            ``ntk_service.layers.Residual``.
+        module (nn.Sequential): the model, made of supported layers (``SUPPORTED_TYPES``), nesting through
+            ``ntk_service.layers.Residual`` and ``nn.Sequential`` (at most 4 deep); names are kept (``3.0.weight``).
         input_shape (Sequence[int]): one example's shape, without the batch dimension.
         input_dtype (str): "float32", or "int64" for token ids. Default: "float32".
 

@@ -59,9 +59,9 @@ OperatorModeName = Literal["full", "trace", "pseudo"]
 FamilyKernelName = Literal["ntk", "nngp"]
 """Which kernel ``monte_carlo`` averages."""
 
-LossName = Literal["mse", "sum", "half_mse"]
+LossName = Literal["mse", "sum", "half_mse", "cross_entropy"]
 """The training loss of ``predict``: "mse" is torch's ``MSELoss()``, "sum" ``MSELoss(reduction="sum")``, "half_mse"
-half of "mse"."""
+half of "mse", "cross_entropy" ``CrossEntropyLoss()`` on integer class indices."""
 
 FlowName = Literal["gradient_flow", "gradient_descent"]
 """Continuous-time gradient flow (times) or gradient descent (integer step counts)."""
@@ -147,6 +147,7 @@ class JobInfo(TypedDict):
     dtype: DtypeName
     params: list[str] | None
     tile_size: int
+    panel_tiles: int
     tiles_done: int
     tiles_total: int
     progress: float

@@ -1,22 +1,24 @@
 """JobManager: submit, run, watch, cancel and resume batch kernel jobs.
 
-One runner thread takes queued jobs in order and hands each job's remaining tiles to the executor (local or Ray);
-the executor reports every written tile back, and the manager records it in SQLite. Everything a job needs to
-resume (its resolved spec, its tiles' states) is on disk, so a server killed with SIGKILL loses nothing but the
-tiles that were being computed at that instant.
+One runner thread takes queued jobs in order and hands each job's remaining panels (``jobs/panels.py``) to the
+executor (local or Ray); the executor reports every written panel back, and the manager records its tiles in
+SQLite in one transaction. Everything a job needs to resume (its resolved spec, its tiles' states) is on disk, so a
+server killed with SIGKILL loses nothing but the panels that were being computed at that instant.
 
     >>> manager = JobManager(data_dir=tmp, models=registry, datasets=datasets, executor=LocalExecutor())
     >>> manager.start()                                                           # resumes unfinished jobs
-    >>> job = manager.submit(model="mlp", x1_dataset="ds_…", mode="trace")      # queued, tiles planned
+    >>> job = manager.submit(model="mlp", x1_dataset="ds_…", mode="trace")      # queued, tiles and panels planned
     >>> manager.wait_for_change(job.id, seen=0, timeout=1.0)                     # progress events
     >>> manager.read_result(job.id, rows=(0, 128), cols=None).shape               # (128, N) once succeeded
 
 NOTE [resume]
-    A tile moves pending → running (``claim``: its attempt is counted) → done (after its chunk is written). When the
-    server dies, tiles left ``running`` are the ones being computed at that instant; at the next start they go back
-    to pending and run again (their chunk, if written, is overwritten with the same bits). Done tiles are never
-    recomputed. Every tile is computed with the same arguments and the memory budget fixed at submission, so the
-    resumed result is bitwise equal to an uninterrupted run.
+    A panel's tiles move pending → running (``claim_tiles``, one transaction: their attempts are counted) → done
+    (``mark_tiles_done``, one transaction, after all of the panel's chunks are written). When the server dies,
+    tiles left ``running`` are those of the panels being computed at that instant; at the next start they go back
+    to pending, and each panel holding a tile that is not done runs again, writing only those tiles (a chunk written
+    but not recorded is overwritten with the same bits). Done tiles are never recomputed or rewritten. Every panel
+    is computed with the same arguments, the panel size and the memory budget fixed at submission, so the resumed
+    result is bitwise equal to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -57,14 +59,21 @@ from ntk_service.jobs.disk import (
     sweep_deletions,
     tree_bytes,
 )
-from ntk_service.jobs.executors.base import Executor, JobWork, TileOutcome
+from ntk_service.jobs.executors.base import Executor, JobWork, PanelOutcome
+from ntk_service.jobs.panels import (
+    DEFAULT_PANEL_SECONDS,
+    PANELS_PER_WORKER,
+    Panel,
+    estimate_panel_flops,
+    panel_tiles_for,
+)
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
 from ntk_service.jobs.store import JobStore
 from ntk_service.kernels import compute_ntk
 from ntk_service.kernels.modes import KernelMode, parse_mode
-from ntk_service.kernels.types import parse_implementation
+from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
 __all__ = ["DISK_FREE_FRACTION", "DatasetSource", "Deletion", "DiskUsage", "JobManager", "ModelSource", "plan_of"]
 
@@ -122,25 +131,46 @@ class _Run:
     tiles_done: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """A job's data sets as resolved at submission: ids, row ranges (``(start, stop)``) and content hashes."""
+
+    x1_dataset: str
+    x2_dataset: str | None
+    x1_rows: tuple[int, int]
+    x2_rows: tuple[int, int] | None
+    x1_sha256: str
+    x2_sha256: str | None
+
+    @property
+    def n(self) -> int:
+        return self.x1_rows[1] - self.x1_rows[0]
+
+    @property
+    def m(self) -> int | None:
+        return None if self.x2_rows is None else self.x2_rows[1] - self.x2_rows[0]
+
+
 class _Callbacks:
-    """The TileCallbacks of one job run."""
+    """The PanelCallbacks of one job run: a panel is claimed in one transaction and recorded in one."""
 
     def __init__(self, manager: JobManager, job_id: str, implementations: set[str]) -> None:
         self.manager, self.job_id, self.implementations = manager, job_id, implementations
 
-    def claim(self, tile: Tile) -> bool:
-        return self.manager.store.claim_tile(self.job_id, tile.id)
+    def claim(self, panel: Panel) -> tuple[Tile, ...]:
+        claimed = set(self.manager.store.claim_tiles(self.job_id, [t.id for t in panel.tiles]))
+        return tuple(t for t in panel.tiles if t.id in claimed)
 
-    def done(self, outcome: TileOutcome) -> None:
+    def done(self, outcome: PanelOutcome) -> None:
         manager = self.manager
-        manager.store.mark_tile_done(self.job_id, outcome.tile_id, elapsed_s=outcome.elapsed_s)
+        manager.store.mark_tiles_done(self.job_id, outcome.tile_ids, elapsed_s=outcome.elapsed_s)
         if outcome.implementation not in self.implementations:
             self.implementations.add(outcome.implementation)
             manager.store.set_implementation_used(self.job_id, ",".join(sorted(self.implementations)))
         with manager._lock:
             run = manager._runs.get(self.job_id)
             if run is not None:
-                run.tiles_done += 1
+                run.tiles_done += len(outcome.tile_ids)
         manager._bump(self.job_id)
 
     def should_stop(self) -> bool:
@@ -163,6 +193,8 @@ class JobManager:
         results_dir: where the result groups go, ``<results_dir>/<job id>/result.zarr``; on a Ray cluster a
             filesystem every worker mounts at the same path (the SQLite file stays in ``<data_dir>/jobs``: WAL
             needs a local disk). Default: ``<data_dir>/jobs``.
+        panel_seconds: the work a panel targets when a job names no ``panel_tiles`` (``NTK_JOB_PANEL_SECONDS``).
+            Default: ``DEFAULT_PANEL_SECONDS``.
     """
 
     def __init__(
@@ -176,7 +208,11 @@ class JobManager:
         disk_budget_bytes: int | None = None,
         memory_budget_bytes: int | None = None,
         results_dir: Path | None = None,
+        panel_seconds: float = DEFAULT_PANEL_SECONDS,
     ) -> None:
+        if panel_seconds <= 0:
+            raise ValueError(f"JobManager: panel_seconds must be > 0, got {panel_seconds}")
+        self.panel_seconds = panel_seconds
         self.jobs_dir = Path(data_dir) / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.store = JobStore(self.jobs_dir / "jobs.sqlite3")
@@ -275,6 +311,7 @@ class JobManager:
         tile_size: int | None = None,
         x1_rows: tuple[int, int] | None = None,
         x2_rows: tuple[int, int] | None = None,
+        panel_tiles: int | None = None,
     ) -> JobRecord:
         """Validate, plan and queue a job.
 
@@ -283,8 +320,10 @@ class JobManager:
             x1_dataset: data set id of x1 (N examples). x2_dataset: data set id of x2 (M examples); None = x1
                 (symmetric job: only tiles on and above the diagonal are computed).
             mode, implementation, dtype, params: as for ``compute_ntk``. Default: "full", "auto", "float32", all.
-            tile_size: examples per tile side. Default: the manager's ``default_tile_size``.
+            tile_size: examples per tile side (the storage chunk). Default: the manager's ``default_tile_size``.
             x1_rows, x2_rows: ``(start, stop)`` rows of the data sets to use. Default: all rows.
+            panel_tiles: tiles per panel side (the work unit, ``jobs/panels.py``). Default: the cost model's, for
+                the manager's ``panel_seconds``.
 
         Returns:
             The queued JobRecord.
@@ -299,42 +338,27 @@ class JobManager:
         impl = parse_implementation(implementation)
         if dtype not in _DTYPES:
             raise InvalidInput(f"jobs: dtype {dtype!r} is not supported; use 'float32' or 'float64'")
-        tile = self.default_tile_size if tile_size is None else tile_size
+        if panel_tiles is not None and panel_tiles < 1:
+            raise InvalidInput(f"jobs: panel_tiles must be ≥ 1, got {panel_tiles}; omit it for the cost model's")
         record, module = self.models.load_module(model, version)
-        ds1 = self.datasets.get(x1_dataset)
-        ds2 = None if x2_dataset is None else self.datasets.get(x2_dataset)
-        if ds2 is not None and tuple(ds2.shape[1:]) != tuple(ds1.shape[1:]):
-            raise ShapeMismatch(
-                f"jobs: x2 data set {x2_dataset!r} has examples of shape {tuple(ds2.shape[1:])}, x1 data set "
-                f"{x1_dataset!r} has {tuple(ds1.shape[1:])}; both sides must match"
-            )
-        r1 = _rows(x1_rows, int(ds1.shape[0]), "x1")
-        r2 = None if ds2 is None else _rows(x2_rows, int(ds2.shape[0]), "x2")
-        if ds2 is None and x2_rows is not None:
-            raise InvalidInput("jobs: x2 rows given without an x2 data set; name x2's data set too, or omit x2 rows")
-        plan = plan_tiles(n=r1[1] - r1[0], m=None if r2 is None else r2[1] - r2[0], tile_size=tile, mode=kernel_mode)
+        inputs = self._resolve_inputs(x1_dataset, x2_dataset, x1_rows, x2_rows)
+        tile = self.default_tile_size if tile_size is None else tile_size
+        plan = plan_tiles(n=inputs.n, m=inputs.m, tile_size=tile, mode=kernel_mode)
         budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else self.executor.memory_budget()
-        self._probe(
-            module,
-            (x1_dataset, r1[0]),
-            None if r2 is None else (str(x2_dataset), r2[0]),
-            kernel_mode,
-            impl.value,
-            dtype,
-            params,
-            budget,
-        )
+        example = self._probe(module, inputs, kernel_mode, impl.value, dtype, params, budget)
         k = int(record.output_dim)
         estimate = plan.stored_bytes(k, _DTYPES[dtype])
         self._check_disk(estimate, plan)
+        if panel_tiles is None:
+            panel_tiles = self._panel_tiles(module, example, plan, k, impl, params, dtype, budget)
         spec = JobSpec(
             model=record.name,
             version=int(record.version),
             weights_sha256=str(record.weights_sha256),
             x1_dataset=x1_dataset,
             x2_dataset=x2_dataset,
-            x1_sha256=str(ds1.sha256),
-            x2_sha256=None if ds2 is None else str(ds2.sha256),
+            x1_sha256=inputs.x1_sha256,
+            x2_sha256=inputs.x2_sha256,
             n=plan.n,
             m=plan.m,
             k=k,
@@ -342,11 +366,81 @@ class JobManager:
             implementation=impl.value,
             dtype=dtype,
             params=None if params is None else list(params),
-            tile_size=tile,
+            tile_size=plan.tile_size,
             memory_budget_bytes=budget,
-            x1_start=r1[0],
-            x2_start=0 if r2 is None else r2[0],
+            x1_start=inputs.x1_rows[0],
+            x2_start=0 if inputs.x2_rows is None else inputs.x2_rows[0],
+            panel_tiles=panel_tiles,
         )
+        return self._create(spec, plan, estimate)
+
+    def _resolve_inputs(
+        self,
+        x1_dataset: str,
+        x2_dataset: str | None,
+        x1_rows: tuple[int, int] | None,
+        x2_rows: tuple[int, int] | None,
+    ) -> _Inputs:
+        """Look up the data sets, check that their examples match and resolve the row ranges."""
+        ds1 = self.datasets.get(x1_dataset)
+        ds2 = None if x2_dataset is None else self.datasets.get(x2_dataset)
+        if ds2 is not None and tuple(ds2.shape[1:]) != tuple(ds1.shape[1:]):
+            raise ShapeMismatch(
+                f"jobs: x2 data set {x2_dataset!r} has examples of shape {tuple(ds2.shape[1:])}, x1 data set "
+                f"{x1_dataset!r} has {tuple(ds1.shape[1:])}; both sides must match"
+            )
+        if ds2 is None and x2_rows is not None:
+            raise InvalidInput("jobs: x2 rows given without an x2 data set; name x2's data set too, or omit x2 rows")
+        r1 = _rows(x1_rows, int(ds1.shape[0]), "x1")
+        r2 = None if ds2 is None else _rows(x2_rows, int(ds2.shape[0]), "x2")
+        return _Inputs(
+            x1_dataset=x1_dataset,
+            x2_dataset=x2_dataset,
+            x1_rows=r1,
+            x2_rows=r2,
+            x1_sha256=str(ds1.sha256),
+            x2_sha256=None if ds2 is None else str(ds2.sha256),
+        )
+
+    def _panel_tiles(
+        self,
+        module: nn.Module,
+        example: torch.Tensor,
+        plan: TilePlan,
+        k: int,
+        implementation: NtkImplementation,
+        params: list[str] | None,
+        dtype: str,
+        budget: int | None,
+    ) -> int:
+        """Panel side from the cost model: the engine's FLOP estimate within ``panel_seconds``, the panel's result
+        within a quarter of the memory budget, ``PANELS_PER_WORKER`` panels per worker (see ``jobs/panels.py``)."""
+        mode = plan.mode
+
+        def flops_of(rows: int, cols: int) -> float:
+            return estimate_panel_flops(
+                module,
+                example,
+                rows=rows,
+                cols=cols,
+                mode=mode,
+                implementation=implementation,
+                params=params,
+                dtype=dtype,
+            )
+
+        return panel_tiles_for(
+            plan,
+            k=k,
+            itemsize=_DTYPES[dtype],
+            flops_of=flops_of,
+            memory_budget_bytes=budget,
+            target_s=self.panel_seconds,
+            min_panels=PANELS_PER_WORKER * self.executor.parallelism(),
+        )
+
+    def _create(self, spec: JobSpec, plan: TilePlan, estimate: int) -> JobRecord:
+        """Store a planned job (its result array, then its SQLite rows) and queue it."""
         job = JobRecord(
             id=uuid.uuid4().hex,
             spec=spec,
@@ -359,17 +453,22 @@ class JobManager:
             error=None,
             implementation_used=None,
             executor=self.executor.name,
-            result_shape=list(plan.result_shape(k)),
+            result_shape=list(plan.result_shape(spec.k)),
             estimate_bytes=estimate,
         )
         job_dir = self.results_dir / job.id
         job_dir.mkdir(parents=True)
         # The array first: a crash before the SQLite row leaves an orphan directory, never a job without its array.
         attributes = {"job_id": job.id, **spec.result_attributes()}
-        ResultArray.create(job_dir / RESULT_GROUP_NAME, plan=plan, k=k, dtype=dtype, attributes=attributes)
+        ResultArray.create(job_dir / RESULT_GROUP_NAME, plan=plan, k=spec.k, dtype=spec.dtype, attributes=attributes)
         self.store.create_job(job, tile_ids=[t.id for t in plan.tiles])
         logger.info(
-            "jobs: queued %s (%s, %d tiles, %s)", job.id, kernel_mode.value, job.tiles_total, format_bytes(estimate)
+            "jobs: queued %s (%s, %d tiles in panels of %d², %s)",
+            job.id,
+            spec.mode,
+            job.tiles_total,
+            spec.panel_tiles,
+            format_bytes(estimate),
         )
         self._bump(job.id)
         self._queue.put(job.id)
@@ -378,21 +477,20 @@ class JobManager:
     def _probe(
         self,
         module: nn.Module,
-        x1_side: tuple[str, int],
-        x2_side: tuple[str, int] | None,
+        inputs: _Inputs,
         mode: KernelMode,
         implementation: str,
         dtype: str,
         params: list[str] | None,
         budget: int | None,
-    ) -> None:
-        # One example per side: finds wrong shapes, dtypes, parameter globs and unsupported models in milliseconds,
-        # so the client gets a 422 now instead of a failed job later.
-        x1_dataset, x1_start = x1_side
-        x1 = self._tensor(x1_dataset, x1_start, x1_start + 1)
-        x2 = None if x2_side is None else self._tensor(x2_side[0], x2_side[1], x2_side[1] + 1)
-        if mode is KernelMode.EXAMPLE_DIAGONAL:
-            x2 = None
+    ) -> torch.Tensor:
+        """One example per side: finds wrong shapes, dtypes, parameter globs and unsupported models in milliseconds,
+        so the client gets a 422 now instead of a failed job later. Returns x1's first example (1, *input)."""
+        x1_start = inputs.x1_rows[0]
+        x1 = self._tensor(inputs.x1_dataset, x1_start, x1_start + 1)
+        x2 = None
+        if inputs.x2_rows is not None and mode is not KernelMode.EXAMPLE_DIAGONAL:
+            x2 = self._tensor(str(inputs.x2_dataset), inputs.x2_rows[0], inputs.x2_rows[0] + 1)
         try:
             compute_ntk(
                 module,
@@ -409,9 +507,10 @@ class JobManager:
         except (RuntimeError, ValueError, IndexError, TypeError) as exc:
             # The model's own forward pass fails on these examples (wrong feature count, token ids, ...).
             raise InvalidInput(
-                f"jobs: the model fails on the first example of data set {x1_dataset!r}: {exc}; "
+                f"jobs: the model fails on the first example of data set {inputs.x1_dataset!r}: {exc}; "
                 "check that the data set matches the model's input shape and dtype"
             ) from exc
+        return x1
 
     def _result_path(self, job_id: str) -> Path:
         return self.results_dir / job_id / RESULT_GROUP_NAME
@@ -630,14 +729,14 @@ class JobManager:
         try:
             plan = plan_of(spec)
             pending = set(self.store.pending_tile_ids(job_id))
-            tiles = [t for t in plan.tiles if t.id in pending]
+            work = JobWork(job_id=job_id, spec=spec, plan=plan, result_path=self._result_path(job_id))
+            panels = [p for p in work.panels() if any(t.id in pending for t in p.tiles)]
             _, module = self.models.load_module(spec.model, spec.version)
             x1 = self._tensor(spec.x1_dataset, spec.x1_start, spec.x1_start + spec.n)
             x2_stop = spec.x2_start + spec.m
             x2 = None if spec.x2_dataset is None else self._tensor(spec.x2_dataset, spec.x2_start, x2_stop)
-            work = JobWork(job_id=job_id, spec=spec, plan=plan, result_path=self._result_path(job_id))
             used = set((record.implementation_used or "").split(",")) - {""}
-            self.executor.run(work, module, x1, x2, tiles, _Callbacks(self, job_id, used))
+            self.executor.run(work, module, x1, x2, panels, _Callbacks(self, job_id, used))
         except Exception as exc:  # noqa: BLE001 - any failure of a tile fails the job with its message
             message = exc.message if isinstance(exc, NtkServiceError) else f"{type(exc).__name__}: {exc}"
             if not self._stopping.is_set():

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -333,16 +334,26 @@ class ResultArray:
             theta: its block: (R, C, k, k) FULL, (R, C) TRACE, (R, C, k) OUTPUT_DIAGONAL, (R, k, k)
                 EXAMPLE_DIAGONAL, with R = tile.n_rows, C = tile.n_cols.
         """
+        self.write_tiles([(tile, theta)])
+
+    def write_tiles(self, blocks: Sequence[tuple[Tile, np.ndarray]]) -> None:
+        """Write a panel's tiles: every chunk first, then their ledger entries (a crash in between leaves chunks
+        that no ledger entry claims: they are computed again, never skipped).
+
+        Args:
+            blocks: ``(tile, theta)`` pairs, each as for ``write_tile``.
+        """
         mode = self.plan.mode
-        if tile.is_diagonal:
-            theta = symmetrize_tile(theta, mode)
-        r0, r1 = tile.rows
-        if mode is KernelMode.EXAMPLE_DIAGONAL:
-            self._array[r0:r1] = theta
-        else:
-            c0, c1 = tile.cols
-            self._array[r0:r1, c0:c1] = theta
-        self._ledger[tile.id] = 1  # only after the chunk: a crash in between redoes the tile, never skips it
+        for tile, theta in blocks:
+            block = symmetrize_tile(theta, mode) if tile.is_diagonal else theta
+            r0, r1 = tile.rows
+            if mode is KernelMode.EXAMPLE_DIAGONAL:
+                self._array[r0:r1] = block
+            else:
+                c0, c1 = tile.cols
+                self._array[r0:r1, c0:c1] = block
+        for tile, _ in blocks:
+            self._ledger[tile.id] = 1
 
     def done_tile_ids(self) -> set[int]:
         """Ids of the tiles whose chunk is written, from the ledger."""

@@ -213,6 +213,43 @@ class JobStore:
             )
             return cur.rowcount == 1
 
+    def claim_tiles(self, job_id: str, tile_ids: Sequence[int]) -> list[int]:
+        """Claim a panel's tiles in one transaction: mark those not done running and count their attempt.
+
+        Args:
+            job_id: the job. tile_ids: the panel's tile ids.
+
+        Returns:
+            The ids claimed (those not done), in the order given; empty when the whole panel is done.
+        """
+        if not tile_ids:
+            return []
+        marks = ",".join("?" * len(tile_ids))
+        with self._write() as conn:
+            rows = conn.execute(
+                f"UPDATE tiles SET state = 'running', attempts = attempts + 1"
+                f" WHERE job_id = ? AND tile_id IN ({marks}) AND state != 'done' RETURNING tile_id",
+                (job_id, *tile_ids),
+            ).fetchall()
+        claimed = {r[0] for r in rows}
+        return [t for t in tile_ids if t in claimed]
+
+    def mark_tiles_done(self, job_id: str, tile_ids: Sequence[int], *, elapsed_s: float) -> None:
+        """Record a panel's tiles as done in one transaction; call only after all their chunks are written.
+
+        Args:
+            job_id: the job. tile_ids: the tiles written. elapsed_s: the panel's compute seconds, shared out
+                evenly over its tiles (so ``tile_seconds`` still sums to the compute time).
+        """
+        if not tile_ids:
+            return
+        share, now = elapsed_s / len(tile_ids), time.time()
+        with self._write() as conn:
+            conn.executemany(
+                "UPDATE tiles SET state = 'done', elapsed_s = ?, finished_at = ? WHERE job_id = ? AND tile_id = ?",
+                [(share, now, job_id, t) for t in tile_ids],
+            )
+
     def mark_tile_done(self, job_id: str, tile_id: int, *, elapsed_s: float) -> None:
         """Record a tile as done; call only after its chunk is written."""
         with self._write() as conn:

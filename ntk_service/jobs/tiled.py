@@ -1,9 +1,11 @@
 """``compute_ntk_tiled``: a job's tiled, resumable kernel without a server, for a workstation or a SLURM node.
 
-It runs on the same parts as the server's jobs, not a copy of them: ``plan_tiles`` cuts the kernel, the executor
-(``LocalExecutor`` or ``RayExecutor``) claims, computes and writes each tile with ``run_tile``, and ``ResultArray``
-stores it in the same result group (``result.zarr``) the server writes. Only the bookkeeping differs: there is no
-SQLite here, the result's own tile ledger (``tiles/done``, written right after each chunk) says which tiles are done.
+It runs on the same parts as the server's jobs, not a copy of them: ``plan_tiles`` cuts the kernel into tiles (the
+chunks readers get), ``plan_panels`` groups them into panels (the work units, sized by the cost model), the executor
+(``LocalExecutor`` or ``RayExecutor``) computes each panel and writes its tiles with ``run_panel``, and
+``ResultArray`` stores them in the same result group (``result.zarr``) the server writes. Only the bookkeeping
+differs: there is no SQLite here, the result's own tile ledger (``tiles/done``, written right after a panel's
+chunks) says which tiles are done.
 
     >>> view = compute_ntk_tiled(model, x, out="kernel.zarr", mode="trace", tile_size=512)   # doctest: +SKIP
     >>> view.shape                                                                          # doctest: +SKIP
@@ -11,11 +13,12 @@ SQLite here, the result's own tile ledger (``tiles/done``, written right after e
 
 NOTE [tiled resume]
     Interrupted (Ctrl-C, ``kill -9``, a SLURM time limit) and called again with the same ``out``, it computes only
-    the tiles the ledger does not have; a tile cut off mid-write is computed again (its chunk, if written, is
-    replaced with the same bits). The arguments that decide the bits (the model's weights, the data, mode,
-    implementation, dtype, parameter globs, tile size and the memory budget, which fixes the engine's chunking) are
-    stored with the result at the first call; a later call must agree with them (the stored memory budget is reused
-    when none is given), so the resumed result is bitwise equal to an uninterrupted run with the same torch threads.
+    the panels holding tiles the ledger does not have, and writes only those tiles; a panel cut off mid-write is
+    computed again (its chunks, if written, are replaced with the same bits). The arguments that decide the bits (the
+    model's weights, the data, mode, implementation, dtype, parameter globs, tile size, panel size and the memory
+    budget, which fixes the engine's chunking) are stored with the result at the first call; a later call must agree
+    with them (the stored memory budget and panel size are reused when none is given), so the resumed result is
+    bitwise equal to an uninterrupted run with the same torch threads.
 """
 
 from __future__ import annotations
@@ -32,18 +35,25 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ntk_service.errors import InvalidInput, ShapeMismatch
-from ntk_service.jobs.executors.base import Executor, JobWork, TileOutcome
+from ntk_service.jobs.executors.base import Executor, JobWork, PanelOutcome
 from ntk_service.jobs.executors.local import LocalExecutor
 from ntk_service.jobs.executors.ray import RayExecutor
-from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, plan_tiles
+from ntk_service.jobs.panels import (
+    DEFAULT_PANEL_SECONDS,
+    PANELS_PER_WORKER,
+    Panel,
+    estimate_panel_flops,
+    panel_tiles_for,
+)
+from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
 from ntk_service.jobs.view import ResultView, open_result
 from ntk_service.kernels import compute_ntk, model_device, parse_device, place_module
-from ntk_service.kernels.inputs import Batch, batch_size, check_sides, leaves, take
+from ntk_service.kernels.batch import Batch, batch_size, check_sides, leaves, take
 from ntk_service.kernels.modes import KernelMode, parse_mode
 from ntk_service.kernels.outputs import parse_output, select_output
-from ntk_service.kernels.types import parse_implementation
+from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
 __all__ = ["compute_ntk_tiled", "module_sha256", "tensor_sha256"]
 
@@ -71,18 +81,19 @@ def tensor_sha256(x: torch.Tensor) -> str:
 
 
 class _LedgerCallbacks:
-    """TileCallbacks without a server: every pending tile is claimed, a done tile advances the progress bar."""
+    """PanelCallbacks without a server: a panel's tiles the ledger lacks are claimed, a done panel advances the
+    progress bar by its tiles."""
 
-    def __init__(self, bar: Any) -> None:
-        self.bar = bar
+    def __init__(self, bar: Any, done: set[int]) -> None:
+        self.bar, self.done_ids = bar, done
         self.implementations: set[str] = set()
 
-    def claim(self, tile: Tile) -> bool:
-        return True
+    def claim(self, panel: Panel) -> tuple[Tile, ...]:
+        return tuple(t for t in panel.tiles if t.id not in self.done_ids)
 
-    def done(self, outcome: TileOutcome) -> None:
+    def done(self, outcome: PanelOutcome) -> None:
         self.implementations.add(outcome.implementation)
-        self.bar.update(1)
+        self.bar.update(len(outcome.tile_ids))
 
     def should_stop(self) -> bool:
         return False  # Ctrl-C raises KeyboardInterrupt in the tile itself; written tiles stay written
@@ -118,6 +129,7 @@ def compute_ntk_tiled(
     dtype: str = "float32",
     params: list[str] | None = None,
     memory_budget_bytes: int | None = None,
+    panel_tiles: int | None = None,
     resume: bool = True,
     executor: str | Executor = "local",
     progress: bool = True,
@@ -138,6 +150,10 @@ def compute_ntk_tiled(
             parameters, None (forward returns a tensor).
         memory_budget_bytes (int | None): the engine's budget per tile. Default: the stored one when resuming,
             else the engine's default now (stored, so a resumed run chunks the same way).
+        panel_tiles (int | None): tiles per panel side, the work unit (``jobs/panels.py``): one ``compute_ntk``
+            call per panel, its tiles written together. Default: the stored one when resuming, else the cost
+            model's (``DEFAULT_PANEL_SECONDS`` of estimated work, the panel's result within a quarter of the memory
+            budget, ``PANELS_PER_WORKER`` panels per worker of the executor).
         resume (bool): continue a result already at ``out`` (it must be of the same computation, see NOTE
             [tiled resume]); False starts over and overwrites ``out``, which must then be a result of
             ``compute_ntk_tiled``, an empty folder or absent (never another folder). Default: True.
@@ -204,6 +220,14 @@ def compute_ntk_tiled(
     )
     # TRACE sums the outputs away; k (for the metadata) then comes from one forward pass of one example.
     k = _outputs(model, t1, output) if kernel_mode is KernelMode.TRACE else int(probe.theta.shape[-1])
+    if panel_tiles is None and existing is not None:
+        panel_tiles = int((existing.attributes.get("spec") or {}).get("panel_tiles", 1))
+    if panel_tiles is None:
+        panel_tiles = _panel_tiles(
+            runner, model, take(t1, 0, 1), plan, k, impl, params, dtype, memory_budget_bytes, output
+        )
+    elif panel_tiles < 1:
+        raise InvalidInput(f"compute_ntk_tiled: panel_tiles must be ≥ 1, got {panel_tiles}; omit it for the default")
     spec = JobSpec(
         model=type(model).__qualname__,
         version=0,
@@ -222,6 +246,7 @@ def compute_ntk_tiled(
         tile_size=tile_size,
         memory_budget_bytes=memory_budget_bytes,
         output=output,
+        panel_tiles=panel_tiles,
     )
     if existing is not None:
         _check_same(existing, spec, path)
@@ -230,6 +255,8 @@ def compute_ntk_tiled(
         array = ResultArray.create(path, plan=plan, k=k, dtype=dtype, attributes=spec.result_attributes())
     done = array.done_tile_ids()
     tiles = [t for t in plan.tiles if t.id not in done]
+    work = JobWork(job_id=path.name, spec=spec, plan=plan, result_path=path)
+    panels = [p for p in work.panels() if any(t.id not in done for t in p.tiles)]
     bar = tqdm(
         total=len(plan.tiles),
         initial=len(plan.tiles) - len(tiles),
@@ -239,11 +266,10 @@ def compute_ntk_tiled(
         disable=None if progress else True,  # None: tqdm disables itself when stderr is not a terminal
         smoothing=0.1,
     )
-    callbacks = _LedgerCallbacks(bar)
+    callbacks = _LedgerCallbacks(bar, done)
     try:
-        if tiles:
-            work = JobWork(job_id=path.name, spec=spec, plan=plan, result_path=path)
-            runner.run(work, model, t1, t2, tiles, callbacks)
+        if panels:
+            runner.run(work, model, t1, t2, panels, callbacks)
     finally:
         bar.close()
         if owned:
@@ -252,6 +278,43 @@ def compute_ntk_tiled(
     if callbacks.implementations:
         array.update_attributes({"implementation_used": used})
     return open_result(path)
+
+
+def _panel_tiles(
+    runner: Executor,
+    model: nn.Module,
+    example: Batch,
+    plan: TilePlan,
+    k: int,
+    implementation: NtkImplementation,
+    params: list[str] | None,
+    dtype: str,
+    budget: int | None,
+    output: str | None,
+) -> int:
+    def flops_of(rows: int, cols: int) -> float:
+        return estimate_panel_flops(
+            model,
+            example,
+            rows=rows,
+            cols=cols,
+            mode=plan.mode,
+            implementation=implementation,
+            params=params,
+            dtype=dtype,
+            output=output,
+        )
+
+    itemsize = 4 if dtype == "float32" else 8
+    return panel_tiles_for(
+        plan,
+        k=k,
+        itemsize=itemsize,
+        flops_of=flops_of,
+        memory_budget_bytes=budget,
+        target_s=DEFAULT_PANEL_SECONDS,
+        min_panels=PANELS_PER_WORKER * runner.parallelism(),
+    )
 
 
 def _outputs(model: nn.Module, x1: Batch, output: str | None) -> int:
@@ -326,6 +389,7 @@ def _existing(path: Path) -> ResultArray | None:
 
 def _check_same(array: ResultArray, spec: JobSpec, path: Path) -> None:
     stored: dict[str, Any] = dict(array.attributes.get("spec") or {})
+    stored.setdefault("panel_tiles", 1)  # a result from before panels: a panel per tile
     wanted = spec.to_dict()
     differ = sorted(key for key in wanted if stored.get(key) != wanted[key])
     if differ:

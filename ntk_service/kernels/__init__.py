@@ -6,7 +6,7 @@
 parameter group).
 """
 
-from ntk_service.kernels.allocator import retain_freed_memory
+from ntk_service.kernels.allocator import release_freed_memory, retain_freed_memory, reuse_large_buffers
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, compute_ntk_groups, warm_up
 from ntk_service.kernels.device import (
     DEFAULT_DEVICE,
@@ -53,6 +53,8 @@ __all__ = [
     "place_module",
     "monte_carlo_ntk",
     "ntk_operator",
+    "release_freed_memory",
     "retain_freed_memory",
+    "reuse_large_buffers",
     "warm_up",
 ]

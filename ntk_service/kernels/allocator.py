@@ -1,5 +1,6 @@
 """Process memory tuning for kernels (Linux/glibc): keep freed memory in the process instead of handing it back
-to the OS after every kernel, and back large fresh buffers with transparent huge pages.
+to the OS after every kernel, for buffers of a few MB (``retain_freed_memory``) and, on request, for the large
+ones too (``reuse_large_buffers``), and give it back on request (``release_freed_memory``).
 
 NOTE [allocator]: a kernel allocates and frees buffers of a few MB (δ's, Grams, theta blocks). With glibc's
 default malloc a buffer that size is mmap'ed or carved from a heap top that is trimmed after every free, so the
@@ -10,6 +11,23 @@ per call, and median times per call of 12.1 -> 11.7, 16.4 -> 15.7 and 19.1 -> 15
 of processes (default, retained) on the noisy shared machine. The cost: up to 256 MiB of freed memory may stay
 in the process, reused by the next kernel. The server calls this at start (``kernels.warm_up``), Ray workers
 before their first tile; a notebook may call it once. Elsewhere (musl, macOS) it does nothing.
+
+NOTE [large buffers]: past the mmap threshold (32 MiB, glibc's ceiling for it) every buffer is a fresh mapping
+that faults a page per 4 KiB on first touch and is unmapped at free: the Jacobians of a real model's side are such
+buffers (the transformer's are 17 MiB per example), so each call pays them again, in the tutorial's code as in
+ours: on the benchmark transformer at N = M = 64, TRACE, 493k faults and 0.86 s of system time per call for the
+tutorial, 428k and 0.65 s for our Jacobian contraction (one process, alternating, contended). With mmap off
+(``M_MMAP_MAX`` 0) and no trimming at free, the heap keeps the freed buffers and the next call reuses them: 2 and
+7 faults, 0.10 and 0.01 s. Keeping only 256 MiB at the heap top (this module's trim threshold) is not enough: a
+free that leaves more trims all of it (320k and 184k faults). Tried and dropped: transparent huge pages for torch's
+large buffers (``THP_MEM_ALLOC_ENABLE=1``): 10k-17k faults, but 1.76 s of system time for the tutorial, as the
+huge pages are still zeroed on every call; the ``madvise`` helper for them had no caller and is gone. The memory
+kept is reused by any later allocation of the process, and ``release_freed_memory`` returns it to the OS.
+Threads: a thread's own malloc arena cannot grow past 64 MiB and maps larger buffers fresh whatever
+``M_MMAP_MAX`` says, so with mmap off alone a kernel in a worker thread (the server's) still faulted ~200k pages
+per call (the transformer at N = M = 32, TRACE; 4 calls in the main thread: 393k, 1.3k, 8, 4 faults; then 4 in a
+new thread: 262k, 195k, 179k, 220k). ``M_ARENA_MAX`` 1 puts every thread on the main heap: 12.8k, 3, 2, 4 in the
+thread. The cost is one lock for all threads' mallocs, cheap for kernels, which allocate few large buffers.
 """
 
 from __future__ import annotations
@@ -19,16 +37,13 @@ import ctypes.util
 import functools
 import sys
 import threading
-from collections.abc import Callable
-
-import torch
 
 __all__ = [
-    "HUGE_PAGE_BYTES",
     "MMAP_THRESHOLD_BYTES",
     "TRIM_THRESHOLD_BYTES",
-    "prefer_huge_pages",
+    "release_freed_memory",
     "retain_freed_memory",
+    "reuse_large_buffers",
 ]
 
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
@@ -75,37 +90,40 @@ def _mallopt(option: int, value: int) -> bool:
     return bool(mallopt(option, value))
 
 
-HUGE_PAGE_BYTES = 2 * 1024 * 1024
-"""x86-64 transparent huge page size; buffers spanning at least two of them are advised to use them."""
-
-_MADV_HUGEPAGE = 14  # linux/mman.h
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
 
 
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise, or None off Linux/glibc."""
-    madvise = getattr(_libc(), "madvise", None)
-    if madvise is None:
-        return None
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return madvise  # type: ignore[no-any-return]
+def reuse_large_buffers() -> bool:
+    """Serve buffers of every size from malloc's heap and keep the freed ones there for the next call, until
+    ``release_freed_memory`` (NOTE [large buffers]); True when in effect. Applies ``retain_freed_memory`` first.
 
+    Process-wide and for the process's lifetime: call it once where one process runs many kernels (a script's
+    loop, a server, a job worker), at its start, before other threads allocate: every thread then allocates from
+    the one main heap (a thread that already has its own arena keeps it). The memory kept is the heap's
+    high-water mark, about the largest call's peak, which the engine's plan keeps under its memory budget.
 
-def prefer_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """Ask the kernel to back the untouched memory of ``t`` with transparent huge pages; returns ``t``.
-
-    NOTE [huge pages]: a buffer above the mmap threshold (the δ of a CNN's first convolution: 74 MB at 64
-    examples) is fresh memory on every call and its first touch costs a page fault per 4 KiB: filling it took
-    28-33 ms, 10-12 ms after ``madvise(MADV_HUGEPAGE)`` (transparent huge pages in "madvise" mode, the common
-    default). Advice only: it changes no value, and where it is not honoured (THP off, not Linux) nothing happens.
+    Returns:
+        True when glibc took the settings; False elsewhere (musl, macOS), where nothing changes.
     """
-    if t.device.type != "cpu":  # host memory advice: a GPU buffer has no pages here
-        return t
-    madvise = _madvise()
-    start = t.data_ptr()
-    end = start + t.untyped_storage().nbytes()
-    first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    if madvise is not None and last > first:
-        madvise(first, last - first, _MADV_HUGEPAGE)
-    return t
+    retained = retain_freed_memory()
+    return (
+        retained
+        and _mallopt(_M_MMAP_MAX, 0)
+        and _mallopt(_M_TRIM_THRESHOLD, -1)
+        and _mallopt(_M_ARENA_MAX, 1)  # threads too: a thread's own arena maps large buffers fresh regardless
+    )
+
+
+def release_freed_memory() -> bool:
+    """Return the freed memory malloc keeps (``retain_freed_memory``, ``reuse_large_buffers``) to the OS now
+    (``malloc_trim(0)``), e.g. when a server goes idle or a worker finishes its job.
+
+    Returns:
+        True when some memory was returned; False when none was, or off glibc, where there is nothing to do.
+    """
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))

@@ -33,15 +33,16 @@ import torch
 from torch import nn
 
 from ntk_service.kernels.allocator import retain_freed_memory
+from ntk_service.kernels.batch import Inputs, batch_size
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.choice import ALGORITHMS, choose, loop_implementation
 from ntk_service.kernels.device import device_memory_budget, model_device, parse_device, tf32_policy
-from ntk_service.kernels.functional import check_model, select_parameters
 from ntk_service.kernels.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
-from ntk_service.kernels.inputs import Inputs, batch_size
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
-from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, resolve_options
+from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.outputs import OutputPath, parse_output
+from ntk_service.kernels.parameter_selection import select_parameters
+from ntk_service.kernels.private_module import check_model
 from ntk_service.kernels.problem_pool import prepared_problem
 from ntk_service.kernels.pseudo import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
 from ntk_service.kernels.side_cache import SideCache
@@ -116,16 +117,8 @@ def compute_ntk(
     """
     kernel_mode = parse_any_mode(mode)
     path = parse_output(output)
-    opts = resolve_options(
-        options,
-        operation="compute_ntk",
-        implementation=implementation,
-        dtype=dtype,
-        memory_budget_bytes=memory_budget_bytes,
-        device=device,
-        allow_tf32=allow_tf32,
-        structured_options=structured_options,
-    )
+    loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
+    opts = resolve_options(options, loose, operation="compute_ntk")
     device_of = model
     if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel (k = 1) of Σ_a f_a / √k: see pseudo.py
         check_model(model)
@@ -190,16 +183,8 @@ def compute_ntk_groups(
     """
     kernel_mode = parse_any_mode(mode, operation="compute_ntk_groups")
     path = parse_output(output, operation="compute_ntk_groups")
-    opts = resolve_options(
-        options,
-        operation="compute_ntk_groups",
-        implementation=implementation,
-        dtype=dtype,
-        memory_budget_bytes=memory_budget_bytes,
-        device=device,
-        allow_tf32=allow_tf32,
-        structured_options=structured_options,
-    )
+    loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
+    opts = resolve_options(options, loose, operation="compute_ntk_groups")
     check_model(model)
     resolved = engine_groups = parameter_groups(model, groups, rest=rest)
     device_of = model

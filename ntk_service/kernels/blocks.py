@@ -15,11 +15,11 @@ from collections.abc import Hashable
 import torch
 
 from ntk_service.kernels.algorithm import NtkAlgorithm, Side
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.batch import Batch, batch_size, take
 from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.inputs import Batch, batch_size, take
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.planning import BlockPlan
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.side_cache import SideCache
 
 __all__ = ["run_blocks"]

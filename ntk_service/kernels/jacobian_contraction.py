@@ -19,16 +19,26 @@ faults per call; two passes 0.74 s, 0.01 s and 1 fault, the torch.func tutorial 
 taken only while its whole side fits under that threshold (``joint_pays``), where the saved overhead matters.
 
 NOTE [Jacobian chunks]: one ``vmap(jacrev)`` call holds the saved tensors of all its examples and k cotangents
-of each, ~3.6x the Jacobian itself on the benchmark ResNet (11 MiB against 3 MiB per example). Past the mmap
-threshold that transient is fresh memory on every call: on the ResNet at N = 128 a side took 5.07 CPU s and 896k
-page faults in one call, against 3.07 s and 131k faults in chunks of 35 (one process, alternating, eval
-BatchNorm affine in both), so a call takes at most ``CHUNK_BYTES`` of transient, written into the side's
-preallocated (n, k, p) tensors. Below ~32 examples a smaller chunk only adds per-call overhead (16 of 32: 1.13x
-the CPU time), hence the bound: the ResNet and transformer at N = 32 run in one call, as before.
+of each, ~3.6x the Jacobian itself on the benchmark ResNet (11 MiB against 3 MiB per example), so there a call takes
+at most ``CHUNK_BYTES`` of transient (71 examples). The bound was 384 MiB (35 examples) when every large buffer
+was a fresh mapping (NOTE [large buffers] in allocator.py): on the ResNet at N = 128 a side took 5.07 CPU s and
+896k page faults in one call, against 3.07 s and 131k faults in chunks of 35. With large buffers reused, a call's
+overhead is what chunks cost: the ResNet's N = 128 TRACE kernel took 3.63 user s in 4 calls of 32 per side,
+3.35 in 2 of 64, 3.16 in one call, the tutorial (one call, BatchNorm's own kernel) 3.55 (one process,
+alternating, contended); 2 of 64 keep the side's peak at ~1.1 GB against ~1.8 GB in one call. Each chunk's
+Jacobians are kept as ``vmap(jacrev)`` returned them (``JacobianChunks``) and contracted chunk pair by chunk
+pair into slices of one accumulator: copying them into one (n, k, p) tensor per parameter wrote the whole side
+twice and held a chunk's Jacobians twice (the transformer at N = M = 64, TRACE: 1.02M page faults and 2.06 s of
+system time per call against the tutorial's 534k and 0.89 s; without the copy 428k and 0.65 s against 493k and
+0.86 s, one process, alternating, contended). Where the transient is smaller than the Jacobian (the
+transformer: 6 MiB against 17 MiB per example) chunking saves under half the side's peak and costs calls: in
+chunks of 32 the transformer's N = 64 TRACE kernel took 1.81 user s against 1.58 in one call (the tutorial 1.59;
+chunks of 16: 2.25), so such a side is one call, the tutorial's exact work. A tighter budget is met by smaller
+blocks (``plan_blocks``).
 
 NOTE [per-example loop]: a model whose forward branches on values (Hugging Face BERT's attention mask:
 ``if padding_mask.all(): ...``) is refused by ``vmap`` as data-dependent control flow. The probe
-(``functional._check_independent``) then evaluates it one example at a time and, when that works, declares
+(``probe._check_independent``) then evaluates it one example at a time and, when that works, declares
 ``NtkProblem.per_example_loop``: the Jacobians are built by one ``jacrev`` per example (the same numbers, n calls
 instead of one batched call), AUTO takes this implementation, and the result says so (``NtkResult.per_example_loop``).
 The implementations that must batch examples through ``vmap`` (NTK-vector products, the structured capture) refuse
@@ -45,35 +55,49 @@ from torch.func import jacrev, vmap
 
 from ntk_service.kernels.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.batch import Batch, batch_size, concat, one_example, take
 from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.inputs import Batch, batch_size, concat, one_example, take
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
 __all__ = [
     "CHUNK_BYTES",
+    "JacobianChunks",
     "JacobianContraction",
+    "Jacobians",
     "contract_groups",
     "contract_groups_diagonal",
     "jacobian_chunk",
+    "jacobian_chunks",
     "jacobians",
+    "split_chunks",
 ]
 
-CHUNK_BYTES = 384 * 2**20
+CHUNK_BYTES = 768 * 2**20
 """Bound on one ``vmap(jacrev)`` call's transient (NOTE [Jacobian chunks])."""
 
 
 def jacobian_chunk(problem: NtkProblem) -> int:
-    """Examples per ``vmap(jacrev)`` call: its transient, saved tensors plus k cotangents of them per example,
-    kept under ``CHUNK_BYTES`` (NOTE [Jacobian chunks])."""
+    """Examples per ``vmap(jacrev)`` call (NOTE [Jacobian chunks]): all of them (one call, the tutorial's work)
+    unless a call's transient, saved tensors plus k cotangents of them per example, outweighs the Jacobian it
+    builds; then as many as keep that transient under ``CHUNK_BYTES``."""
     per_example = problem.saved_bytes * (1 + problem.k)
-    return max(1, int(CHUNK_BYTES // per_example)) if per_example > 0 else 1 << 30
+    if per_example <= problem.k * problem.num_params * problem.itemsize:
+        return 1 << 30
+    return max(1, int(CHUNK_BYTES // per_example))
 
 
-def jacobians(problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True) -> NamedTensors:
-    """Per-example Jacobians of the selected parameters.
+JacobianChunks = tuple[NamedTensors, ...]
+"""A side of the Jacobian contraction: the Jacobians of consecutive chunks of examples, each name -> (c, k, p),
+as ``vmap(jacrev)`` returned them (NOTE [Jacobian chunks]: never copied into one tensor)."""
+
+
+def jacobian_chunks(
+    problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True
+) -> JacobianChunks:
+    """Per-example Jacobians of the selected parameters, one ``vmap(jacrev)`` call per chunk of examples.
 
     Args:
         problem: the prepared model.
@@ -82,21 +106,20 @@ def jacobians(problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine
         affine_bn: run eval BatchNorm as its affine map (``affine_batchnorm``). Default: True.
 
     Returns:
-        name -> (n, k, p) with p = numel of that parameter.
+        The chunks in order, each name -> (c, k, p) with p = numel of that parameter; the c sum to n, and
+        as many calls as ``chunk`` needs are evened out (128 in 4 x 32, not 3 x 35 + 23).
     """
     n, k = batch_size(x), problem.k
     chunk = jacobian_chunk(problem) if chunk is None else chunk
+    calls = -(-n // max(1, chunk))
+    size = -(-n // calls)
     scope = batchnorm_scope(problem.module) if affine_bn else contextlib.nullcontext()
     build = vmap(jacrev(problem.f_single), (None, 0)) if not problem.per_example_loop else _looped(problem)
     with math_attention(), scope:
-        if n <= chunk:
-            return {name: j.reshape(n, k, -1) for name, j in build(problem.params, x).items()}
-        chunk = -(-n // -(-n // chunk))  # as many calls, evened out: 128 in 4 x 32, not 3 x 35 + 23
-        out = {name: p.new_empty((n, k, p.numel())) for name, p in problem.params.items()}
-        for i0 in range(0, n, chunk):
-            for name, j in build(problem.params, take(x, i0, i0 + chunk)).items():
-                out[name][i0 : i0 + chunk] = j.reshape(j.shape[0], k, -1)
-    return out
+        return tuple(
+            {name: j.reshape(j.shape[0], k, -1) for name, j in build(problem.params, take(x, i0, i0 + size)).items()}
+            for i0 in range(0, n, size)
+        )
 
 
 def _looped(problem: NtkProblem) -> Callable[[NamedTensors, Batch], NamedTensors]:
@@ -110,78 +133,160 @@ def _looped(problem: NtkProblem) -> Callable[[NamedTensors, Batch], NamedTensors
     return build
 
 
-def contract(j1: NamedTensors, j2: NamedTensors, mode: KernelMode) -> torch.Tensor:
-    """Contract per-parameter Jacobians j1 (name -> (n, k, p)) with j2 (name -> (m, k, p)) for ``mode``.
+def jacobians(problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True) -> NamedTensors:
+    """Per-example Jacobians of the selected parameters as one tensor per parameter (``jacobian_chunks``
+    concatenated when there is more than one chunk).
+
+    Args:
+        problem, x, chunk, affine_bn: as for ``jacobian_chunks``.
+
+    Returns:
+        name -> (n, k, p) with p = numel of that parameter.
+    """
+    chunks = jacobian_chunks(problem, x, chunk=chunk, affine_bn=affine_bn)
+    if len(chunks) == 1:
+        return chunks[0]
+    return {name: torch.cat([c[name] for c in chunks]) for name in chunks[0]}
+
+
+def _offsets(side: JacobianChunks) -> list[tuple[int, int]]:
+    """(start, stop) of each chunk's examples within its side."""
+    spans, start = [], 0
+    for c in side:
+        stop = start + next(iter(c.values())).shape[0]
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
+def split_chunks(side: JacobianChunks, n: int) -> tuple[JacobianChunks, JacobianChunks]:
+    """The chunks of examples [0, n) and [n, end) of a side (views; a chunk across n is cut in two)."""
+    head: list[NamedTensors] = []
+    tail: list[NamedTensors] = []
+    for c, (start, stop) in zip(side, _offsets(side), strict=True):
+        if stop <= n:
+            head.append(c)
+        elif start >= n:
+            tail.append(c)
+        else:
+            head.append({name: j[: n - start] for name, j in c.items()})
+            tail.append({name: j[n - start :] for name, j in c.items()})
+    return tuple(head), tuple(tail)
+
+
+Jacobians = NamedTensors | JacobianChunks
+"""What the contractions take: one name -> (n, k, p) mapping (``jacobians``), or a side's chunks of them."""
+
+
+def _chunked(side: Jacobians) -> JacobianChunks:
+    """A side as its chunks: a single mapping is one chunk."""
+    return (side,) if isinstance(side, dict) else side
+
+
+def _shape(side: JacobianChunks) -> tuple[int, int]:
+    """(examples, k) of a side."""
+    first = next(iter(side[0].values()))
+    return _offsets(side)[-1][1], first.shape[1]
+
+
+def contract(j1: Jacobians, j2: Jacobians, mode: KernelMode) -> torch.Tensor:
+    """Contract the Jacobians of two sides, chunk pair by chunk pair into one accumulator, for ``mode``.
+
+    Args:
+        j1: the Jacobians of n examples, name -> (n, k, p) or chunks of them (``JacobianChunks``).
+        j2: the Jacobians of m examples, likewise.
+        mode: FULL, TRACE or OUTPUT_DIAGONAL.
 
     Returns:
         (n, m, k, k) FULL, (n, m) TRACE, (n, m, k) OUTPUT_DIAGONAL.
     """
-    first = next(iter(j1.values()))
-    n, k = first.shape[:2]
-    m = next(iter(j2.values())).shape[0]
+    j1, j2 = _chunked(j1), _chunked(j2)
+    n, k = _shape(j1)
+    m = _shape(j2)[0]
+    first = next(iter(j1[0].values()))
     if mode is KernelMode.FULL:
-        out = first.new_zeros(n * k, m * k)
-        for name, a in j1.items():
-            out.addmm_(a.reshape(n * k, -1), j2[name].reshape(m * k, -1).T)
-        return out.view(n, k, m, k).permute(0, 2, 1, 3)
+        full = first.new_zeros(n * k, m * k)
+        for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+            for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
+                out = full[i0 * k : i1 * k, l0 * k : l1 * k]
+                for name, ja in a.items():
+                    out.addmm_(ja.reshape((i1 - i0) * k, -1), b[name].reshape((l1 - l0) * k, -1).T)
+        return full.view(n, k, m, k).permute(0, 2, 1, 3)
     if mode is KernelMode.TRACE:
-        out = first.new_zeros(n, m)
-        for name, a in j1.items():
-            out.addmm_(a.reshape(n, -1), j2[name].reshape(m, -1).T)
-        return out
+        trace = first.new_zeros(n, m)
+        for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+            for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
+                out = trace[i0:i1, l0:l1]
+                for name, ja in a.items():
+                    out.addmm_(ja.reshape(i1 - i0, -1), b[name].reshape(l1 - l0, -1).T)
+        return trace
     if mode is KernelMode.OUTPUT_DIAGONAL:
-        out = first.new_zeros(k, n, m)
-        for name, a in j1.items():
-            out.baddbmm_(a.transpose(0, 1), j2[name].permute(1, 2, 0))
-        return out.permute(1, 2, 0)
+        diag = first.new_zeros(k, n, m)
+        for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+            for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
+                out = diag[:, i0:i1, l0:l1]
+                for name, ja in a.items():
+                    out.baddbmm_(ja.transpose(0, 1), b[name].permute(1, 2, 0))
+        return diag.permute(1, 2, 0)
     raise ValueError(f"contract: mode {mode} is contracted by contract_diagonal")
 
 
-def contract_diagonal(j1: NamedTensors) -> torch.Tensor:
-    """EXAMPLE_DIAGONAL from per-parameter Jacobians name -> (n, k, p): (n, k, k)."""
-    first = next(iter(j1.values()))
-    n, k = first.shape[:2]
-    out = first.new_zeros(n, k, k)
-    for a in j1.values():
-        out.baddbmm_(a, a.transpose(1, 2))
+def contract_diagonal(j1: Jacobians) -> torch.Tensor:
+    """EXAMPLE_DIAGONAL from the chunks name -> (c, k, p) of a side of n examples: (n, k, k)."""
+    j1 = _chunked(j1)
+    n, k = _shape(j1)
+    out = next(iter(j1[0].values())).new_zeros(n, k, k)
+    for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+        for ja in a.values():
+            out[i0:i1].baddbmm_(ja, ja.transpose(1, 2))
     return out
 
 
-def contract_groups(j1: NamedTensors, j2: NamedTensors, mode: KernelMode, groups: ParameterGroups) -> torch.Tensor:
+def contract_groups(j1: JacobianChunks, j2: JacobianChunks, mode: KernelMode, groups: ParameterGroups) -> torch.Tensor:
     """``contract`` per parameter group: each parameter's product goes into its group's accumulator.
 
     Returns:
         (G, n, m, k, k) FULL, (G, n, m) TRACE, (G, n, m, k) OUTPUT_DIAGONAL, in the order of ``groups.names``.
     """
-    first = next(iter(j1.values()))
-    n, k = first.shape[:2]
-    m = next(iter(j2.values())).shape[0]
+    j1, j2 = _chunked(j1), _chunked(j2)
+    n, k = _shape(j1)
+    m = _shape(j2)[0]
+    first = next(iter(j1[0].values()))
     of, count = groups.index, len(groups)
     if mode is KernelMode.FULL:
-        out = first.new_zeros(count, n * k, m * k)
-        for name, a in j1.items():
-            out[of[name]].addmm_(a.reshape(n * k, -1), j2[name].reshape(m * k, -1).T)
-        return out.view(count, n, k, m, k).permute(0, 1, 3, 2, 4)
+        full = first.new_zeros(count, n * k, m * k)
+        for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+            for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
+                for name, ja in a.items():
+                    full[of[name], i0 * k : i1 * k, l0 * k : l1 * k].addmm_(
+                        ja.reshape((i1 - i0) * k, -1), b[name].reshape((l1 - l0) * k, -1).T
+                    )
+        return full.view(count, n, k, m, k).permute(0, 1, 3, 2, 4)
     if mode is KernelMode.TRACE:
-        out = first.new_zeros(count, n, m)
-        for name, a in j1.items():
-            out[of[name]].addmm_(a.reshape(n, -1), j2[name].reshape(m, -1).T)
-        return out
+        trace = first.new_zeros(count, n, m)
+        for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+            for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
+                for name, ja in a.items():
+                    trace[of[name], i0:i1, l0:l1].addmm_(ja.reshape(i1 - i0, -1), b[name].reshape(l1 - l0, -1).T)
+        return trace
     if mode is KernelMode.OUTPUT_DIAGONAL:
-        out = first.new_zeros(count, k, n, m)
-        for name, a in j1.items():
-            out[of[name]].baddbmm_(a.transpose(0, 1), j2[name].permute(1, 2, 0))
-        return out.permute(0, 2, 3, 1)
+        diag = first.new_zeros(count, k, n, m)
+        for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+            for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
+                for name, ja in a.items():
+                    diag[of[name], :, i0:i1, l0:l1].baddbmm_(ja.transpose(0, 1), b[name].permute(1, 2, 0))
+        return diag.permute(0, 2, 3, 1)
     raise ValueError(f"contract_groups: mode {mode} is contracted by contract_groups_diagonal")
 
 
-def contract_groups_diagonal(j1: NamedTensors, groups: ParameterGroups) -> torch.Tensor:
-    """EXAMPLE_DIAGONAL per parameter group from per-parameter Jacobians name -> (n, k, p): (G, n, k, k)."""
-    first = next(iter(j1.values()))
-    n, k = first.shape[:2]
-    out = first.new_zeros(len(groups), n, k, k)
-    for name, a in j1.items():
-        out[groups.index[name]].baddbmm_(a, a.transpose(1, 2))
+def contract_groups_diagonal(j1: Jacobians, groups: ParameterGroups) -> torch.Tensor:
+    """EXAMPLE_DIAGONAL per parameter group from the chunks name -> (c, k, p) of a side: (G, n, k, k)."""
+    j1 = _chunked(j1)
+    n, k = _shape(j1)
+    out = next(iter(j1[0].values())).new_zeros(len(groups), n, k, k)
+    for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
+        for name, ja in a.items():
+            out[groups.index[name], i0:i1].baddbmm_(ja, ja.transpose(1, 2))
     return out
 
 
@@ -191,14 +296,12 @@ class JacobianContraction:
     implementation = NtkImplementation.JACOBIAN_CONTRACTION
     right_is_left = True
 
-    def left(self, problem: NtkProblem, x: Batch) -> NamedTensors:
-        return jacobians(problem, x)
+    def left(self, problem: NtkProblem, x: Batch) -> JacobianChunks:
+        return jacobian_chunks(problem, x)
 
-    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[NamedTensors, NamedTensors]:
+    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[JacobianChunks, JacobianChunks]:
         """The Jacobians of x1 and of x2 from one pass over both (views)."""
-        n = batch_size(x1)
-        side = self.left(problem, concat(x1, x2))
-        return {name: j[:n] for name, j in side.items()}, {name: j[n:] for name, j in side.items()}
+        return split_chunks(self.left(problem, concat(x1, x2)), batch_size(x1))
 
     right = left
 
@@ -206,28 +309,31 @@ class JacobianContraction:
         """Whether one pass over x1 and x2 together beats two (NOTE [joint pass of Jacobians])."""
         return self.side_bytes(problem, n + m, left=True)[0] <= MMAP_THRESHOLD_BYTES
 
-    def pair(self, problem: NtkProblem, left: NamedTensors, right: NamedTensors, mode: KernelMode) -> torch.Tensor:
+    def pair(self, problem: NtkProblem, left: JacobianChunks, right: JacobianChunks, mode: KernelMode) -> torch.Tensor:
         return contract(left, right, mode)
 
-    def diagonal(self, problem: NtkProblem, left: NamedTensors) -> torch.Tensor:
+    def diagonal(self, problem: NtkProblem, left: JacobianChunks) -> torch.Tensor:
         return contract_diagonal(left)
 
     def pair_groups(
-        self, problem: NtkProblem, left: NamedTensors, right: NamedTensors, mode: KernelMode, groups: ParameterGroups
+        self,
+        problem: NtkProblem,
+        left: JacobianChunks,
+        right: JacobianChunks,
+        mode: KernelMode,
+        groups: ParameterGroups,
     ) -> torch.Tensor:
         return contract_groups(left, right, mode, groups)
 
-    def diagonal_groups(self, problem: NtkProblem, left: NamedTensors, groups: ParameterGroups) -> torch.Tensor:
+    def diagonal_groups(self, problem: NtkProblem, left: JacobianChunks, groups: ParameterGroups) -> torch.Tensor:
         return contract_groups_diagonal(left, groups)
 
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
         kept = n * problem.k * problem.num_params * problem.itemsize
-        # One vmap(jacrev) call at a time (NOTE [Jacobian chunks]): its saved tensors plus k cotangents of them,
-        # and, when chunked, the chunk's own Jacobian before it is copied into the side.
+        # One vmap(jacrev) call at a time (NOTE [Jacobian chunks]): its saved tensors plus k cotangents of them;
+        # each chunk's Jacobian is kept as it came (no copy), so the side holds nothing more.
         chunk = min(n, jacobian_chunk(problem))
         transient = chunk * problem.saved_bytes * (1 + problem.k)
-        if chunk < n:
-            transient += chunk * problem.k * problem.num_params * problem.itemsize
         return kept + transient, kept
 
     def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:

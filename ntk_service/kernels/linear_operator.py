@@ -50,12 +50,15 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
-from ntk_service.kernels.functional import NtkProblem, build_problem, check_model, private_copy, validate_inputs
-from ntk_service.kernels.inputs import Batch, Inputs, batch_size, take
+from ntk_service.kernels.batch import Batch, Inputs, batch_size, take
+from ntk_service.kernels.inputs import validate_inputs
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
 from ntk_service.kernels.outputs import parse_output
 from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.preparation import build_problem
+from ntk_service.kernels.private_module import check_model, private_copy
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = ["OPERATOR_MODES", "NtkOperator", "ntk_operator"]

@@ -21,11 +21,11 @@ import torch
 from torch.func import jvp, vmap
 
 from ntk_service.errors import UnsupportedModel
-from ntk_service.kernels.functional import NtkProblem
-from ntk_service.kernels.inputs import Batch, batch_size
+from ntk_service.kernels.batch import Batch, batch_size
 from ntk_service.kernels.jacobian_contraction import jacobians
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
 __all__ = ["NtkVectorProducts"]

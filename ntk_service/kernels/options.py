@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,12 +32,12 @@ from ntk_service.kernels.device import parse_device
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
-__all__ = ["DEFAULT_IMPLEMENTATION", "LOOSE_KEYWORDS", "NtkOptions", "resolve_options"]
+__all__ = ["DEFAULT_IMPLEMENTATION", "DTYPES", "LOOSE_KEYWORDS", "NtkOptions", "Shorthands", "resolve_options"]
 
 DEFAULT_IMPLEMENTATION = NtkImplementation.AUTO
 """AUTO: users get the cheapest implementation that fits without having to know the trade-offs."""
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
 """The compute dtypes by wire name: the engine computes in float32 or float64 only."""
 
 LOOSE_KEYWORDS: dict[str, str] = {
@@ -118,20 +118,31 @@ class NtkOptions:
 
 def _parse_dtype(dtype: object) -> torch.dtype | None:
     """None, or float32 / float64 as a ``torch.dtype``; raises InvalidInput otherwise."""
-    if dtype is None or dtype in (torch.float32, torch.float64):
-        return dtype  # type: ignore[return-value]
-    if isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in (torch.float32, torch.float64)):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
     raise InvalidInput(f"NtkOptions: dtype {dtype!r} is not supported; expected 'float32' or 'float64' (or None)")
 
 
-def resolve_options(options: NtkOptions | None, *, operation: str, **loose: Any) -> NtkOptions:
+class Shorthands(NamedTuple):
+    """A call's loose keywords, in the order ``compute_ntk`` declares them (NOTE [loose keywords]); None: not given."""
+
+    implementation: NtkImplementation | str | None
+    dtype: torch.dtype | str | None
+    memory_budget_bytes: int | None
+    device: torch.device | str | None
+    allow_tf32: bool | None
+    structured_options: StructuredOptions | None
+
+
+def resolve_options(options: NtkOptions | None, loose: Shorthands, *, operation: str) -> NtkOptions:
     """The options of a call from ``options`` or from its loose keywords (NOTE [loose keywords]).
 
     Args:
         options (NtkOptions, optional): the call's ``options=``.
+        loose (Shorthands): the call's loose keywords.
         operation (str): the call, for messages, e.g. "compute_ntk".
-        **loose: the call's loose keywords (names of ``LOOSE_KEYWORDS``); None means not given.
 
     Returns:
         NtkOptions: ``options`` itself, or a value built from the loose keywords that were given.
@@ -139,7 +150,7 @@ def resolve_options(options: NtkOptions | None, *, operation: str, **loose: Any)
     Raises:
         InvalidInput: loose keywords given together with ``options``, or ``options`` not an ``NtkOptions``.
     """
-    given = {name: value for name, value in loose.items() if value is not None}
+    given = {name: value for name, value in loose._asdict().items() if value is not None}
     if options is None:
         return NtkOptions(**{LOOSE_KEYWORDS[name]: value for name, value in given.items()})
     if not isinstance(options, NtkOptions):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from ntk_service.errors import MemoryEstimateExceeded, format_bytes
 from ntk_service.kernels.algorithm import NtkAlgorithm
-from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.kernels.problem import NtkProblem
 
 __all__ = ["DEFAULT_MEMORY_FRACTION", "BlockPlan", "default_memory_budget", "plan_blocks"]
 

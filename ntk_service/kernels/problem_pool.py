@@ -31,18 +31,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ntk_service.kernels.batch import Batch, check_ids, to_device
+from ntk_service.kernels.batch import signature as input_signature
 from ntk_service.kernels.device import model_device, place_module
-from ntk_service.kernels.functional import (
-    NtkProblem,
-    build_problem,
-    check_model,
-    eval_semantics,
-    private_copy,
-    validate_inputs,
-)
-from ntk_service.kernels.inputs import Batch, check_ids, to_device
-from ntk_service.kernels.inputs import signature as input_signature
+from ntk_service.kernels.inputs import validate_inputs
 from ntk_service.kernels.outputs import OutputPath
+from ntk_service.kernels.preparation import build_problem
+from ntk_service.kernels.private_module import check_model, eval_semantics, private_copy
+from ntk_service.kernels.problem import NtkProblem
 
 __all__ = [
     "IDLE_PER_SIGNATURE",
@@ -179,7 +175,7 @@ def prepared_problem(
     """Validate the inputs and check out a prepared problem for ``model`` (kept or new; NOTE [problem pool]).
 
     Args:
-        model, x1, x2, params, dtype: as ``functional.prepare_problem``.
+        model, x1, x2, params, dtype: as ``preparation.prepare_problem``.
         device: where to compute; the inputs are moved there, and a model elsewhere is copied there for this call
             (not kept). Default: None, the model's device.
         output: which tensor of forward's return value is f (``outputs.parse_output``); part of the kept
@@ -190,7 +186,7 @@ def prepared_problem(
         error.
 
     Raises:
-        As ``functional.prepare_problem``.
+        As ``preparation.prepare_problem``.
     """
     check_model(model)
     compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)

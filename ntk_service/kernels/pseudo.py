@@ -42,7 +42,7 @@ class SummedOutputs(nn.Module):
         self.output = output
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        # positional or keyword inputs pass through unchanged (``inputs.call_module``)
+        # positional or keyword inputs pass through unchanged (``batch.call_module``)
         raw = self.model(*args, **kwargs)
         out = raw if isinstance(raw, torch.Tensor) and self.output is None else select_output(raw, self.output)
         flat = out.reshape(out.shape[0], -1)

@@ -6,10 +6,12 @@
     >>> record, module = registry.load_module("m")    # eval mode, (N, 4) -> (N, 2)
     >>> registry.register_weights("r", sequential_spec, safetensors_bytes, label="epoch 0")  # trained version 1
     >>> registry.add_version("r", safetensors_bytes, label="epoch 1")                         # version 2
+    >>> registry.register_program("g", torch_export_archive_bytes)   # any nn.Module, loaded without pickle
     >>> datasets = DatasetStore(data_dir)             # <data_dir>/datasets/<id>.npy
     >>> x = datasets.load(datasets.create(array).id, 0, 10)
 
-Architectures: docs/architectures.md (the ``sequential`` family: layer_specs.py, sequential.py).
+Architectures: docs/architectures.md (the ``sequential`` family: layer_specs.py, sequential.py; exported programs:
+exported.py with archive.py, payloads.py, program_checks.py, op_allowlist.py and NOTE [archive threat model]).
 Crash safety: NOTE [crash safety] in files.py. Tied weights: NOTE [tied
 weights] in weights.py. Seeds: NOTE [seeded initialisation] in families.py.
 """

@@ -292,6 +292,11 @@ def parse_architecture(architecture: object, *, operation: str = "build_model") 
         )
     family = architecture.get("family")
     config_cls = ARCHITECTURE_CONFIGS.get(family) if isinstance(family, str) else None
+    if family == "exported":
+        raise InvalidInput(
+            f"{operation}: an 'exported' model is registered by uploading its torch.export archive (multipart POST "
+            "/v1/models/exported with fields name and program; Client.register_module does it), not as JSON"
+        )
     if config_cls is None:
         raise InvalidInput(
             f"{operation}: unknown architecture family {family!r}; expected one of "

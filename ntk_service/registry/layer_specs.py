@@ -4,8 +4,9 @@ A layer is ``{"type": "Conv2d", "in_channels": 3, "out_channels": 16, "kernel_si
 false}``: the class name and the keyword arguments of its constructor, JSON scalars and lists only, each bounded.
 Arguments that would change what a layer is outside eval-mode inference (``device``, ``dtype``, ``inplace``,
 ``max_norm``, ``batch_first=false``, ...) are not in the models, so they are refused by name. The combinators of
-``ntk_service.layers`` (``Residual``, ``MeanPool``, ``PositionEmbedding``) are layers too; ``Residual`` nests layer
-lists (at most MAX_NESTING deep). ``SequentialConfig`` (architectures.py) holds the list.
+``ntk_service.layers`` (``Residual``, ``MeanPool``, ``PositionEmbedding``) are layers too. ``Residual`` and
+``Sequential`` (an ``nn.Sequential`` standing where a layer may) nest layer lists, at most MAX_NESTING deep.
+``SequentialConfig`` (architectures.py) holds the list.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ntk_service.registry.limits import MAX_LEN, MAX_NESTING, MAX_SEQUENTIAL_LAYERS, MAX_WIDTH
 
-__all__ = ["LAYER_SPECS", "LayerSpec", "ResidualSpec", "check_layer_tree"]
+__all__ = ["LAYER_SPECS", "LayerSpec", "ResidualSpec", "SequentialSpec", "check_layer_tree"]
 
 Size = Annotated[int, Field(ge=1, le=MAX_WIDTH)]
 NonNegative = Annotated[int, Field(ge=0, le=MAX_WIDTH)]
@@ -412,6 +413,18 @@ class ResidualSpec(_Layer):
     )
 
 
+class SequentialSpec(_Layer):
+    """nn.Sequential: its layers applied in order, as a layer of the outer list (parameter names ``3.0.weight``)."""
+
+    type: Literal["Sequential"] = Field(description="'Sequential'.")
+    layers: list[LayerSpec] = Field(
+        min_length=1,
+        max_length=MAX_SEQUENTIAL_LAYERS,
+        description="The layers of the nested nn.Sequential, in order; their names are its index then theirs, "
+        "e.g. 3.0.body.0.weight.",
+    )
+
+
 LayerSpec = Annotated[
     LinearSpec
     | Conv1dSpec
@@ -439,12 +452,14 @@ LayerSpec = Annotated[
     | TransformerEncoderLayerSpec
     | MeanPoolSpec
     | PositionEmbeddingSpec
-    | ResidualSpec,
+    | ResidualSpec
+    | SequentialSpec,
     Field(discriminator="type"),
 ]
 """One layer of a ``sequential`` spec, chosen by its ``type``."""
 
 ResidualSpec.model_rebuild()
+SequentialSpec.model_rebuild()
 
 LAYER_SPECS: dict[str, type[_Layer]] = {
     cls.model_fields["type"].annotation.__args__[0]: cls  # type: ignore[union-attr]
@@ -476,9 +491,14 @@ LAYER_SPECS: dict[str, type[_Layer]] = {
         MeanPoolSpec,
         PositionEmbeddingSpec,
         ResidualSpec,
+        SequentialSpec,
     )
 }
 """Layer type -> its spec model: the allow-list (``GET /v1/architectures`` shows it)."""
+
+
+_BRANCHES: dict[str, tuple[str, ...]] = {"Residual": ("body", "shortcut"), "Sequential": ("layers",)}
+"""The combinators and their fields that hold layer lists (each one level of nesting deeper)."""
 
 
 def check_layer_tree(layers: object, *, path: str = "layers", nesting: int = 0, count: list[int] | None = None) -> None:
@@ -514,11 +534,11 @@ def check_layer_tree(layers: object, *, path: str = "layers", nesting: int = 0, 
         count[0] += 1
         if count[0] > MAX_SEQUENTIAL_LAYERS:
             raise ValueError(f"more than {MAX_SEQUENTIAL_LAYERS} layers (nested ones included), the limit")
-        if kind == "Residual":
-            if nesting + 1 > MAX_NESTING:
-                raise ValueError(
-                    f"layer {where} (Residual) is nested {nesting + 1} deep, more than the limit of {MAX_NESTING}; "
-                    "flatten the blocks into one list (residual blocks follow each other, they need not nest)"
-                )
-            for branch in ("body", "shortcut"):
-                check_layer_tree(raw.get(branch), path=f"{where}.{branch}", nesting=nesting + 1, count=count)
+        branches = _BRANCHES.get(str(kind), ())
+        if branches and nesting + 1 > MAX_NESTING:
+            raise ValueError(
+                f"layer {where} ({kind}) is nested {nesting + 1} deep, more than the limit of {MAX_NESTING}; "
+                "flatten the blocks into one list (blocks follow each other, they need not nest)"
+            )
+        for branch in branches:
+            check_layer_tree(raw.get(branch), path=f"{where}.{branch}", nesting=nesting + 1, count=count)

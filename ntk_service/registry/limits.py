@@ -16,8 +16,9 @@ MAX_LEN = 4096
 """Longest transformer sequence: attention costs T² per head and layer, and the NTK multiplies that by N·M·k²."""
 
 MAX_NESTING = 4
-"""Deepest nesting of combinators (a ``Residual`` inside a ``Residual`` body is depth 2) in a ``sequential`` spec:
-real blocks need 1 or 2; the bound keeps validation and the forward pass far from Python's recursion limit."""
+"""Deepest nesting of combinators (``Residual``, ``Sequential``; a ``Residual`` inside a ``Residual`` body is depth
+2) in a ``sequential`` spec: real blocks need 1 to 3 (a ResNet stage holding blocks); the bound keeps validation
+and the forward pass far from Python's recursion limit."""
 
 MAX_SEQUENTIAL_LAYERS = 512
 """Most layers of a ``sequential`` spec, nested ones included (a ResNet-50 written out has about 170)."""

@@ -5,8 +5,9 @@
     >>> module = plan.module                                          # on the meta device; zoo.py materialises it
 
 Each layer of the spec becomes the ``torch.nn`` class of its ``type`` (or the ``ntk_service.layers`` combinator)
-with exactly its keyword arguments, nested ``Residual`` bodies as ``nn.Sequential``, so parameter and buffer names
-are those of the user's own ``nn.Sequential`` (``0.weight``, ``3.body.0.weight``, ``3.shortcut.1.running_mean``).
+with exactly its keyword arguments, nested ``Residual`` bodies and ``Sequential`` layers as ``nn.Sequential``, so
+parameter and buffer names are those of the user's own ``nn.Sequential`` (``0.weight``, ``3.body.0.weight``,
+``3.shortcut.1.running_mean``, ``4.0.body.0.weight`` for a block inside a nested ``nn.Sequential``).
 Two exceptions keep the math and the names but change how the forward is computed:
 
 - ``Linear``/``Conv*`` with ``parameterization: "ntk"`` are ``ntk_service.layers.NtkLinear``/``NtkConv*``.
@@ -39,6 +40,7 @@ from ntk_service.registry.layer_specs import (
     LinearSpec,
     MeanPoolSpec,
     ResidualSpec,
+    SequentialSpec,
     TransformerEncoderLayerSpec,
 )
 
@@ -104,6 +106,8 @@ def _make_layer(spec: LayerSpec, path: str, operation: str) -> nn.Module:
         if spec.shortcut is not None:
             shortcut = nn.Sequential(*_make_layers(spec.shortcut, f"{path}.shortcut", operation))
         return Residual(body, shortcut)
+    if isinstance(spec, SequentialSpec):
+        return nn.Sequential(*_make_layers(spec.layers, f"{path}.layers", operation))
     if isinstance(spec, BatchNorm1dSpec | BatchNorm2dSpec) and not spec.track_running_stats:
         raise InvalidInput(
             f"{operation}: {_where(path, spec)}: track_running_stats=false normalises every batch with its own "
@@ -163,6 +167,9 @@ class _Trace:
 
     def step(self, layer: nn.Module, spec: LayerSpec, x: torch.Tensor, path: str) -> torch.Tensor:
         shape = tuple(x.shape)
+        if isinstance(spec, SequentialSpec):
+            assert isinstance(layer, nn.Sequential)
+            return self.run(layer, spec.layers, x, f"{path}.layers")
         if isinstance(spec, ResidualSpec):
             assert isinstance(layer, Residual)
             body = self.run(layer.body, spec.body, x, f"{path}.body")

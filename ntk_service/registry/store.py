@@ -5,8 +5,10 @@
     >>> record.version, record.num_params  # (1, 58)
     >>> record, module = registry.load_module("mlp-a")  # eval mode; (N, 4) -> (N, 2)
 
-Layout: ``registry.sqlite3`` (see database.py) and ``weights/<sha256>.safetensors``, content-addressed, so versions
-with identical weights share one file. Crash safety: NOTE [crash safety] in files.py.
+Layout: ``registry.sqlite3`` (see database.py), ``weights/<sha256>.safetensors``, content-addressed, so versions
+with identical weights share one file, and ``programs/<sha256>.pt2``, the torch.export archives of ``exported``
+models (programs.py; read only by exported.py's checked loader). Rows <-> records: version_rows.py. Crash safety:
+NOTE [crash safety] in files.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from ntk_service.registry.architectures import parse_architecture
 from ntk_service.registry.cache import ModuleCache
 from ntk_service.registry.database import DATABASE_FILENAME, Database
 from ntk_service.registry.files import FileStore
+from ntk_service.registry.programs import ProgramStore, is_exported, load_program, program_sha
 from ntk_service.registry.records import ModelRecord, ParameterInfo
+from ntk_service.registry.version_rows import SELECT_VERSION, insert_version_row, record_from_row
 from ntk_service.registry.weights import (
     canonical_tensors,
     load_tensors,
@@ -64,32 +68,8 @@ def _check_label(label: object, op: str) -> str | None:
     return label
 
 
-_SELECT_VERSION = """
-SELECT v.name, v.version, m.architecture, v.seed, v.num_params, v.input_shape, v.input_dtype, v.output_dim,
-       v.parameters, v.weights_sha256, v.created_at, v.label
-FROM model_versions v JOIN models m ON m.name = v.name
-"""
-
-
 def _now() -> datetime:
     return datetime.now(UTC)
-
-
-def _record_from_row(row: Any) -> ModelRecord:
-    return ModelRecord(
-        name=row[0],
-        version=row[1],
-        architecture=json.loads(row[2]),
-        seed=row[3],
-        num_params=row[4],
-        input_shape=tuple(json.loads(row[5])),
-        input_dtype=row[6],
-        output_dim=row[7],
-        parameters=tuple(ParameterInfo(n, tuple(s)) for n, s in json.loads(row[8])),
-        weights_sha256=row[9],
-        created_at=datetime.fromisoformat(row[10]),
-        label=row[11],
-    )
 
 
 def _parameter_infos(module: nn.Module) -> tuple[ParameterInfo, ...]:
@@ -130,6 +110,7 @@ class ModelRegistry:
         self.allowed_factories = frozenset(allowed_factories)
         self._db = Database(self.data_dir / DATABASE_FILENAME)
         self._files = FileStore(self.data_dir / "weights", ".safetensors")
+        self._programs = ProgramStore(self.data_dir)
         self.device = torch.device(device)
         self._cache = ModuleCache(module_cache_size, place=lambda module: module.to(self.device))
         self._sweep()
@@ -198,6 +179,34 @@ class ModelRegistry:
         normalized = config.model_dump(mode="json")
         return self._create(name, normalized, module.eval(), spec, stored, seed=None, label=label, op=op)
 
+    def register_program(self, name: str, archive: bytes, *, label: str | None = None) -> ModelRecord:
+        """Create a model from a ``torch.export.save`` archive; version 1 holds the weights it was exported with.
+
+        The archive is loaded by ``load_exported`` (nothing in it is unpickled or executed; NOTE [archive threat
+        model] in exported.py) and stored as ``programs/<sha256>.pt2``: the program is fixed per model, later
+        versions are weights (``add_version``) checked against its signature.
+
+        Args:
+            name (str): as ``register``.
+            archive (bytes): the archive; one ExportedProgram whose only input is (N, *input_shape), N dynamic.
+            label (str | None): a label for version 1. Default: none.
+
+        Returns:
+            The ModelRecord of version 1 (seed None, architecture family "exported").
+
+        Raises:
+            InvalidInput, UnsupportedModel, MalformedRequest, PayloadTooLarge: as ``load_exported``; a program
+                over MAX_PARAMS parameters or whose forward fails on (2, *input_shape).
+            NameConflict: a model of this name exists.
+        """
+        op = f"register {name!r}" if isinstance(name, str) else "register"
+        self._check_name(name, op)
+        label = _check_label(label, op)
+        self._check_free(name, op)
+        module, spec, normalized = load_program(archive, operation=op)
+        tensors = canonical_tensors(module, operation=op)
+        return self._create(name, normalized, module, spec, tensors, seed=None, label=label, op=op, program=archive)
+
     def _create(
         self,
         name: str,
@@ -209,10 +218,14 @@ class ModelRegistry:
         seed: int | None,
         label: str | None,
         op: str,
+        program: bytes | None = None,
     ) -> ModelRecord:
-        """Store version 1: the weights file, the model row and the version row, committed together."""
+        """Store version 1: the weights file (and an exported model's archive), the model row and the version row,
+        committed together: files are published inside the write transaction, as NOTE [crash safety] requires."""
         data, sha = serialize(tensors)
         tmp = self._files.write_temp(lambda f: f.write(data))
+        archive_sha = str(normalized["program_sha256"]) if program is not None else None
+        program_tmp = self._programs.write_temp(program) if program is not None else None
         record = ModelRecord(
             name=name,
             version=1,
@@ -227,19 +240,27 @@ class ModelRegistry:
             created_at=_now(),
             label=label,
         )
-        with self._files.temp_cleanup(tmp):
-            try:
-                with self._db.write() as conn:
-                    self._check_free(name, op)
-                    self._files.publish(tmp, sha)
-                    conn.execute(
-                        "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
-                        (name, json.dumps(normalized), record.created_at.isoformat()),
-                    )
-                    self._insert_version_row(conn, record)
-            except BaseException:
-                self._collect_garbage({sha})
-                raise
+        try:
+            with self._files.temp_cleanup(tmp):
+                try:
+                    with self._db.write() as conn:
+                        self._check_free(name, op)
+                        self._files.publish(tmp, sha)
+                        if program_tmp is not None and archive_sha is not None:
+                            self._programs.publish(program_tmp, archive_sha)
+                        conn.execute(
+                            "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
+                            (name, json.dumps(normalized), record.created_at.isoformat()),
+                        )
+                        self._insert_version_row(conn, record)
+                except BaseException:
+                    self._collect_garbage({sha})
+                    if archive_sha is not None:
+                        self._collect_programs({archive_sha})
+                    raise
+        finally:
+            if program_tmp is not None:
+                program_tmp.unlink(missing_ok=True)  # gone once published
         self._cache.put(record.cache_key, module)
         logger.info("registered model %r (%s, %d params, sha256 %s)", name, spec, record.num_params, sha[:12])
         return record
@@ -305,10 +326,14 @@ class ModelRegistry:
         """
         with self._db.write() as conn:
             shas = {r[0] for r in conn.execute("SELECT weights_sha256 FROM model_versions WHERE name = ?", (name,))}
+            programs = {
+                program_sha(r[0]) for r in conn.execute("SELECT architecture FROM models WHERE name = ?", (name,))
+            }
             if conn.execute("DELETE FROM models WHERE name = ?", (name,)).rowcount == 0:
                 raise ModelNotFound(self._not_found_message(f"delete {name!r}", name))
         self._cache.drop(lambda key: isinstance(key, tuple) and key[0] == name)
         self._collect_garbage(shas)
+        self._collect_programs({sha for sha in programs if sha is not None})
         logger.info("deleted model %r", name)
 
     # ---------------------------------------------------------------- reads
@@ -321,11 +346,11 @@ class ModelRegistry:
         """
         op = f"get {name!r}"
         if version is None:
-            rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version DESC LIMIT 1", (name,))
+            rows = self._db.query(SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version DESC LIMIT 1", (name,))
         else:
-            rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? AND v.version = ?", (name, version))
+            rows = self._db.query(SELECT_VERSION + " WHERE v.name = ? AND v.version = ?", (name, version))
         if rows:
-            return _record_from_row(rows[0])
+            return record_from_row(rows[0])
         raise ModelNotFound(self._not_found_message(op, name, version))
 
     def versions(self, name: str) -> list[ModelRecord]:
@@ -334,18 +359,18 @@ class ModelRegistry:
         Raises:
             ModelNotFound: no such model.
         """
-        rows = self._db.query(_SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version", (name,))
+        rows = self._db.query(SELECT_VERSION + " WHERE v.name = ? ORDER BY v.version", (name,))
         if not rows:
             raise ModelNotFound(self._not_found_message(f"versions {name!r}", name))
-        return [_record_from_row(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
     def list(self) -> list[ModelRecord]:
         """The latest version of every model, by name."""
         rows = self._db.query(
-            _SELECT_VERSION
+            SELECT_VERSION
             + " WHERE v.version = (SELECT MAX(version) FROM model_versions w WHERE w.name = v.name) ORDER BY v.name"
         )
-        return [_record_from_row(r) for r in rows]
+        return [record_from_row(r) for r in rows]
 
     def weights_path(self, name: str, version: int) -> Path:
         """The stored safetensors file of a version (immutable; for streaming responses).
@@ -401,27 +426,14 @@ class ModelRegistry:
         return path
 
     def _skeleton(self, record: ModelRecord, op: str) -> nn.Module:
+        if is_exported(record.architecture):
+            return self._programs.module(record, operation=op)
         config = parse_architecture(record.architecture, operation=op)
         return build_skeleton(config, allowed_factories=self.allowed_factories, operation=op)
 
     def _insert_version_row(self, conn: Any, record: ModelRecord) -> None:
-        conn.execute(
-            "INSERT INTO model_versions (name, version, seed, num_params, input_shape, input_dtype, output_dim, "
-            "parameters, weights_sha256, created_at, label) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                record.name,
-                record.version,
-                record.seed,
-                record.num_params,
-                json.dumps(list(record.input_shape)),
-                record.input_dtype,
-                record.output_dim,
-                json.dumps([[p.name, list(p.shape)] for p in record.parameters]),
-                record.weights_sha256,
-                record.created_at.isoformat(),
-                record.label,
-            ),
-        )
+        """Every version row is written here (version_rows.py), the one seam a failed commit is tested through."""
+        insert_version_row(conn, record)
 
     @staticmethod
     def _check_name(name: object, op: str) -> None:
@@ -459,11 +471,20 @@ class ModelRegistry:
         except Exception:  # best effort: the startup sweep removes what is left (NOTE [crash safety])
             logger.warning("could not remove unreferenced weight files %s", sorted(shas), exc_info=True)
 
+    def _collect_programs(self, shas: set[str]) -> None:
+        """Remove the program archives among ``shas`` that no model references (best effort, as for weights)."""
+        try:
+            with self._db.write() as conn:
+                self._programs.collect(conn, shas)
+        except Exception:  # the startup sweep removes what is left
+            logger.warning("could not remove unreferenced program files %s", sorted(shas), exc_info=True)
+
     def _sweep(self) -> None:
         """Startup: remove weight files without a row and stale temp files (NOTE [crash safety] in files.py)."""
         with self._db.write() as conn:
             referenced = {r[0] for r in conn.execute("SELECT DISTINCT weights_sha256 FROM model_versions")}
             removed, missing = self._files.sweep(referenced)
+            self._programs.sweep(conn)
         if removed:
             logger.info("removed %d weight files that no model version references", len(removed))
         if missing:

@@ -94,8 +94,10 @@ class PredictOptions(AnalysisKernelOptions):
         examples=[[0, 10, 100, "inf"]],
     )
     learning_rate: float = Field(gt=0, description="η of the optimizer on `loss`.", examples=[0.1])
-    loss: Literal["mse", "sum", "half_mse"] = Field(
-        default="mse", description="mse = MSELoss(), sum = MSELoss(reduction='sum'), half_mse = ½·mean."
+    loss: Literal["mse", "sum", "half_mse", "cross_entropy"] = Field(
+        default="mse",
+        description="mse = MSELoss(), sum = MSELoss(reduction='sum'), half_mse = ½·mean, cross_entropy = "
+        "CrossEntropyLoss() on int64 class indices y_train (N,) (function-space dynamics; no inf times).",
     )
     flow: Literal["gradient_flow", "gradient_descent"] = Field(
         default="gradient_flow",
@@ -136,7 +138,7 @@ class PredictRequest(PredictOptions):
     """``POST /v1/models/{name}/predict`` (documentation; the route decodes tensors with ``wire``)."""
 
     x_train: TensorJson | DatasetRef = Field(description="Training inputs (N, *input): " + SIDE_FORMS)
-    y_train: TensorJson = Field(description="(N, k) targets.")
+    y_train: TensorJson = Field(description="(N, k) targets; for loss='cross_entropy', (N,) int64 class indices.")
     x_test: TensorJson | DatasetRef | None = Field(
         default=None, description="Test inputs (M, *input), as x_train; null: training outputs only."
     )

@@ -28,13 +28,14 @@ from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
 from ntk_service.server.docs import install_docs
-from ntk_service.server.errors import install_error_handlers
+from ntk_service.server.error_responses import install_error_handlers
 from ntk_service.server.media import BodyLimitMiddleware
 from ntk_service.server.metrics import Metrics, MetricsMiddleware
 from ntk_service.server.openapi import install_openapi, operation_id
 from ntk_service.server.routes import (
     analysis,
     architectures,
+    console,
     datasets,
     health,
     job_analysis,
@@ -174,6 +175,7 @@ def create_app(settings: Settings) -> FastAPI:
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
+    routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)
     # FastAPI wraps included routers lazily; keep the plain routes for the 405 handler's Allow header.

@@ -13,6 +13,7 @@ x2 takes the engine's joint pass (one forward and reverse pass over both sides) 
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -47,6 +48,7 @@ from ntk_service.kernels import (
     default_memory_budget,
 )
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
+from ntk_service.kernels.options import DTYPES
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ComputeDep, DatasetsDep, MetricsDep, RegistryDep, SettingsDep, SideCacheDep
@@ -157,9 +159,9 @@ def from_dataset(ref: DatasetRef, record: ModelRecord, datasets: DatasetStore) -
 
 def _vocabulary(architecture: dict[str, Any]) -> int | None:
     """How many token ids the model's input embedding takes: a transformer's ``vocab_size``, or the
-    ``num_embeddings`` of the Embedding an int64 ``sequential`` model starts with; None when not known (float
-    inputs, factory models)."""
-    if architecture.get("family") == "transformer":
+    ``num_embeddings`` of the Embedding an int64 ``sequential`` model starts with, an int64 ``exported`` model's
+    ``vocab_size`` (its embedding's rows); None when not known (float inputs, factory models)."""
+    if architecture.get("family") in ("transformer", "exported") and "vocab_size" in architecture:
         return int(architecture["vocab_size"])
     layers = architecture.get("layers") if architecture.get("family") == "sequential" else None
     if architecture.get("input_dtype") == "int64" and layers and layers[0].get("type") == "Embedding":
@@ -367,9 +369,9 @@ def engine_options(options: KernelOptions, settings: Settings) -> NtkOptions:
     """
     return NtkOptions(
         implementation=options.implementation,
-        dtype=options.dtype,
+        dtype=None if options.dtype is None else DTYPES[options.dtype],
         memory_budget_bytes=settings.memory_budget_bytes,
-        device=settings.device,
+        device=torch.device(settings.device),  # checked to exist by NtkOptions (and at startup)
         allow_tf32=settings.allow_tf32,
     )
 
@@ -401,32 +403,16 @@ def run_kernel(
         side_cache = None  # nothing to reuse: the engine may then take its joint pass
     t1, t2 = torch.from_numpy(x1.array), None if x2 is None else torch.from_numpy(x2.array)
     x2_key = None if x2 is None else x2.key
-    wire_options, groups = call.options, call.options.groups
+    wire_options = call.options
+    engine: Callable[..., NtkResult | NtkGroupsResult] = (
+        functools.partial(compute_ntk, params=wire_options.params)
+        if wire_options.groups is None
+        else functools.partial(compute_ntk_groups, groups=wire_options.groups, rest=wire_options.rest)
+    )
 
     def compute() -> NtkResult | NtkGroupsResult:
-        if groups is None:
-            return compute_ntk(
-                module,
-                t1,
-                t2,
-                mode=call.mode,
-                params=wire_options.params,
-                options=options,
-                side_cache=side_cache,
-                x1_key=x1.key,
-                x2_key=x2_key,
-            )
-        return compute_ntk_groups(
-            module,
-            t1,
-            t2,
-            groups=groups,
-            rest=wire_options.rest,
-            mode=call.mode,
-            options=options,
-            side_cache=side_cache,
-            x1_key=x1.key,
-            x2_key=x2_key,
+        return engine(
+            module, t1, t2, mode=call.mode, options=options, side_cache=side_cache, x1_key=x1.key, x2_key=x2_key
         )
 
     device = "cpu" if options.device is None else str(options.device)

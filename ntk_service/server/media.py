@@ -25,7 +25,7 @@ from ntk_service.errors import (
     UnsupportedMediaType,
     format_bytes,
 )
-from ntk_service.server.errors import error_response
+from ntk_service.server.error_responses import error_response
 
 __all__ = [
     "BINARY_TENSOR_TYPES",

@@ -15,7 +15,7 @@ from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.architectures import ArchitectureSpec
 from ntk_service.registry.store import MAX_LABEL_LENGTH
-from ntk_service.server.errors import format_validation_errors
+from ntk_service.server.error_responses import format_validation_errors
 from ntk_service.server.params import (
     ID_MAX_LENGTH,
     INT64_MAX,

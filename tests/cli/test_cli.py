@@ -7,11 +7,9 @@ Kernels written with ``-o`` are compared with the float64 reference loop on the 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,8 @@ import torch
 from typer.testing import CliRunner
 
 from ntk_service.cli import app
-from tests.conftest import REPO_ROOT, LiveServer, _free_port
+from tests.cli.support import launch_serve
+from tests.conftest import REPO_ROOT, LiveServer
 from tests.reference import reference_ntk
 from tests.server.support import TINY_ARCHITECTURES, assert_close_to_reference, rebuild, sample_inputs
 
@@ -226,31 +225,14 @@ def test_serve_reports_invalid_configuration(tmp_path: Path) -> None:
 
 
 def test_serve_runs_a_real_server(tmp_path: Path) -> None:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NTK_")}
-    env.update(NTK_API_KEYS="cli-key:write", NTK_LOG_LEVEL="warning", NTK_PORT="1")  # --port overrides the env
     script = Path(sys.executable).parent / "ntk-service"
     command = [str(script)] if script.exists() else [sys.executable, "-c", "from ntk_service.cli import main; main()"]
     log_path = tmp_path / "serve.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [*command, "serve", "--port", str(port), "--data-dir", str(tmp_path / "data")],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    # --port overrides the env's NTK_PORT
+    process, port = launch_serve(
+        command, tmp_path / "data", log_path, NTK_API_KEYS="cli-key:write", NTK_LOG_LEVEL="warning", NTK_PORT="1"
+    )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, log_path.read_text(errors="replace")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "ntk-service serve did not become ready"
-            time.sleep(0.2)
         runner = CliRunner()
         env_cli = {"NTK_URL": f"http://127.0.0.1:{port}", "NTK_API_KEY": "cli-key"}
         result = runner.invoke(app, ["models", "register", "m", "-a", json.dumps(MLP)], env=env_cli)

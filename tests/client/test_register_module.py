@@ -1,5 +1,6 @@
 """End to end against the real server: a user's own ResNet and transformer, built as ``nn.Sequential`` and trained
-a few steps, registered with ``register_module``, a second checkpoint uploaded; the kernels of both versions over
+a few steps (the nested ResNet with stages as nn.Sequential, names like ``1.0.body.0.weight``), registered with
+``register_module``, a second checkpoint uploaded; the kernels of both versions over
 HTTP equal ``compute_ntk`` on the user's local modules and the float64 reference loop."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests.registry.sequential_models import (
     RESNET_INPUT,
     TRANSFORMER_LEN,
     TRANSFORMER_VOCAB,
+    nested_resnet,
     small_resnet,
     small_transformer,
     train_steps,
@@ -28,7 +30,7 @@ from tests.registry.sequential_models import (
 
 def _inputs(which: str, n: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
-    if which == "resnet":
+    if which != "transformer":
         return torch.randn(n, *RESNET_INPUT, generator=generator)
     return torch.randint(0, TRANSFORMER_VOCAB, (n, TRANSFORMER_LEN), generator=generator)
 
@@ -37,11 +39,11 @@ def _inputs(which: str, n: int, seed: int) -> torch.Tensor:
 # The user's own nn.TransformerEncoderLayer calls scaled_dot_product_attention, which torch runs under vmap with a
 # "performance drop" warning (no batching rule); the server's copy computes the attention explicitly.
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
-@pytest.mark.parametrize("which", ["resnet", "transformer"])
+@pytest.mark.parametrize("which", ["resnet", "nested_resnet", "transformer"])
 def test_register_module_versions_and_kernels(live_server: LiveServer, which: str) -> None:
     torch.manual_seed(0)
-    model = small_resnet() if which == "resnet" else small_transformer()
-    shape, dtype = (RESNET_INPUT, "float32") if which == "resnet" else ((TRANSFORMER_LEN,), "int64")
+    model = {"resnet": small_resnet, "nested_resnet": nested_resnet, "transformer": small_transformer}[which]()
+    shape, dtype = (RESNET_INPUT, "float32") if which != "transformer" else ((TRANSFORMER_LEN,), "int64")
     train_x = _inputs(which, 8, seed=1)
     train_steps(model, train_x, 2, seed=1)
     epoch0 = copy.deepcopy(model)
@@ -81,15 +83,17 @@ def test_register_module_versions_and_kernels(live_server: LiveServer, which: st
         assert (thetas[0] - thetas[1]).abs().max() > 1e-3 * thetas[0].abs().max()
 
 
-def test_register_module_refuses_what_the_family_cannot_express(live_server: LiveServer) -> None:
+def test_register_module_exports_what_the_family_cannot_express(live_server: LiveServer) -> None:
     class Twice(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return 2 * x
 
     model = nn.Sequential(nn.Linear(3, 3), Twice())
+    name = f"twice-{uuid.uuid4().hex[:6]}"
     with Client(live_server.url, api_key=live_server.write_key) as client:
-        with pytest.raises(InvalidInput, match=r"the module at 1 is a .*Twice, which the 'sequential' architecture"):
-            client.register_module("never", model, input_shape=(3,))
+        record = client.register_module(name, model, input_shape=(3,))  # a module of its own: exported
+        assert record["architecture"]["family"] == "exported"
+        assert record["architecture"]["operators"] == ["torch.ops.aten.linear.default", "torch.ops.aten.mul.Tensor"]
         # A spec the server refuses comes back with its message: the layer and the shapes.
         with pytest.raises(InvalidInput, match=r"layer layers\.0 \(Linear\) fails on its input of shape \(1, 4\)"):
             client.register_module("never", model[:1], input_shape=(4,))

@@ -22,22 +22,25 @@ from tests.reference import reference_ntk
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 
 
-def test_the_local_executor_passes_its_device_and_tf32_choice_to_every_tile(
+def test_the_local_executor_passes_its_device_and_tf32_choice_to_every_panel(
     jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
 ) -> None:
     seen: list[tuple[object, object]] = []
 
-    def run_compute(fn: Any) -> Any:  # the server's seam: every tile's computation passes through here
+    def run_compute(fn: Any) -> Any:  # the server's seam: every panel's computation passes through here
         seen.append((fn.keywords["device"], fn.keywords["allow_tf32"]))
         return fn()
 
     executor = LocalExecutor(run_compute=run_compute, device="cpu", allow_tf32=True)
     assert executor.device == torch.device("cpu")
     manager = make_manager(executor)
-    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", dtype="float64", tile_size=4)
+    job = manager.submit(
+        model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", dtype="float64", tile_size=4, panel_tiles=2
+    )
     record = wait_finished(manager, job.id)
     assert record.status is JobStatus.SUCCEEDED, record.error
-    assert seen == [(torch.device("cpu"), True)] * record.tiles_total
+    # 3 row blocks, panels of 2² tiles: blocks {0, 1} against {0, 1} and against {2}, then {2} against {2}.
+    assert seen == [(torch.device("cpu"), True)] * 3
     _, model = jobs_env.registry.load_module("tiny")
     expected = reference_ntk(model, torch.from_numpy(jobs_env.x1), mode="trace").numpy()
     np.testing.assert_allclose(manager.read_result(job.id), expected, rtol=1e-10, atol=1e-12)

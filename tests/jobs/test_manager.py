@@ -33,7 +33,8 @@ from ntk_service.errors import (
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.jobs import manager as manager_module
 from ntk_service.jobs.manager import Deletion, DiskUsage, plan_of
-from ntk_service.jobs.results import mirror_theta
+from ntk_service.jobs.panels import plan_panels
+from ntk_service.jobs.results import mirror_theta, symmetrize_tile
 from ntk_service.kernels import KernelMode, compute_ntk
 from ntk_service.results import open_result
 from tests.jobs.conftest import JobsEnv, wait_finished
@@ -72,14 +73,21 @@ def test_job_equals_reference_and_each_tile_equals_compute_ntk_bitwise(
     if symmetric and kernel_mode is not KernelMode.EXAMPLE_DIAGONAL:
         np.testing.assert_array_equal(theta, mirror_theta(theta, kernel_mode))
     plan = plan_of(record.spec)
-    for tile in plan.tiles:  # the same tile computations as a direct call: the same bits
-        (r0, r1), (c0, c1) = tile.rows, tile.cols
-        right = None if tile.is_diagonal else (x1 if x2 is None else x2)[c0:c1]
+    panels = plan_panels(plan, panel_tiles=record.spec.panel_tiles)
+    assert sorted(t.id for p in panels for t in p.tiles) == sorted(t.id for t in plan.tiles)  # each tile once
+    for panel in panels:  # the same panel computations as a direct call: the same bits, in every tile
+        (r0, r1), (c0, c1) = panel.rows, panel.cols
+        right = None if panel.is_diagonal else (x1 if x2 is None else x2)[c0:c1]
         direct = compute_ntk(
             model, x1[r0:r1], right, mode=mode, dtype="float64", memory_budget_bytes=record.spec.memory_budget_bytes
         ).theta.numpy()
-        got = theta[r0:r1] if kernel_mode is KernelMode.EXAMPLE_DIAGONAL else theta[r0:r1, c0:c1]
-        np.testing.assert_array_equal(got, direct)
+        for tile in panel.tiles:
+            (tr0, tr1), (tc0, tc1) = tile.rows, tile.cols
+            got = theta[tr0:tr1] if kernel_mode is KernelMode.EXAMPLE_DIAGONAL else theta[tr0:tr1, tc0:tc1]
+            block = panel.block_of(tile, direct, kernel_mode)
+            if tile.is_diagonal and kernel_mode is not KernelMode.EXAMPLE_DIAGONAL:
+                block = symmetrize_tile(block, kernel_mode)  # a no-op on x2=None blocks (NOTE [symmetric reads])
+            np.testing.assert_array_equal(got, block)
     assert set(manager.store.tile_attempts(job.id).values()) == {1}
     assert record.tiles_done == record.tiles_total == len(plan.tiles)
     assert manager.eta_s(record) == 0.0
@@ -128,7 +136,7 @@ class _Gate:
 def test_cancel_stops_at_the_tile_boundary(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
     gate = _Gate(free=2)
     manager = make_manager(LocalExecutor(run_compute=gate))
-    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=2)  # 21 tiles
+    job = manager.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=2, panel_tiles=1)  # 21 tiles
     assert gate.blocked.wait(30)
     cancelled = manager.cancel(job.id)
     assert cancelled.status is JobStatus.CANCELLED
@@ -148,7 +156,7 @@ def test_resume_computes_only_missing_tiles_and_matches_an_uninterrupted_run(
 ) -> None:
     gate = _Gate(free=4)
     first = make_manager(LocalExecutor(run_compute=gate))
-    job = first.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=3)  # 10 tiles
+    job = first.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=3, panel_tiles=1)  # 10 tiles
     assert gate.blocked.wait(30)
     stopper = threading.Thread(target=first.stop)
     stopper.start()
@@ -160,18 +168,19 @@ def test_resume_computes_only_missing_tiles_and_matches_an_uninterrupted_run(
     resumed = wait_finished(second, job.id)
     assert resumed.status is JobStatus.SUCCEEDED
     assert set(second.store.tile_attempts(job.id).values()) == {1}  # nothing computed twice
-    again = second.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=3)
+    again = second.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="full", tile_size=3, panel_tiles=1)
     wait_finished(second, again.id)
     np.testing.assert_array_equal(second.read_result(job.id), second.read_result(again.id))
 
 
 def test_two_workers_give_the_same_bits(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
     one = make_manager()
-    a = one.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full", tile_size=2)
+    options: dict[str, Any] = {"x2_dataset": jobs_env.x2_id, "mode": "full", "tile_size": 2, "panel_tiles": 2}
+    a = one.submit(model="tiny", x1_dataset=jobs_env.x1_id, **options)
     wait_finished(one, a.id)
     one.stop()
     two = make_manager(LocalExecutor(workers=2))
-    b = two.submit(model="tiny", x1_dataset=jobs_env.x1_id, x2_dataset=jobs_env.x2_id, mode="full", tile_size=2)
+    b = two.submit(model="tiny", x1_dataset=jobs_env.x1_id, **options)
     assert wait_finished(two, b.id).status is JobStatus.SUCCEEDED
     np.testing.assert_array_equal(two.read_result(a.id), two.read_result(b.id))
 

@@ -209,7 +209,8 @@ def test_events_stream_progress_until_the_end(server: LiveServer) -> None:
         _register(client, "slow-sse", slower)
         dataset = _upload(client, np.random.default_rng(1).standard_normal((12, 4)).astype(np.float32))
         job = client.post(
-            "/v1/jobs", json={"model": "slow-sse", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 3}
+            "/v1/jobs",
+            json={"model": "slow-sse", "x1": {"dataset": dataset}, "mode": "trace", "tile_size": 3, "panel_tiles": 1},
         ).json()
         events = _events(client, job["id"])
     names = [name for name, _ in events]
@@ -225,7 +226,8 @@ def test_cancel_over_http(server: LiveServer, tiny_job: dict[str, Any]) -> None:
     with server.client() as client:
         _register(client, "slow-cancel", SLOW_MODEL)
         dataset = _upload(client, np.random.default_rng(2).standard_normal((40, 4)).astype(np.float32))
-        job = client.post("/v1/jobs", json={"model": "slow-cancel", "x1": {"dataset": dataset}, "tile_size": 2}).json()
+        spec = {"model": "slow-cancel", "x1": {"dataset": dataset}, "tile_size": 2, "panel_tiles": 1}
+        job = client.post("/v1/jobs", json=spec).json()
         _wait_for_tiles(client, job["id"], 1)
         # The job takes the compute slot one tile at a time, so an interactive kernel still gets its turn.
         kernel = client.post("/v1/models/tiny/ntk", json={"x1": {"dataset": tiny_job["x1"]["dataset"], "stop": 2}})
@@ -505,7 +507,7 @@ def test_sigkill_mid_job_resumes_to_a_bitwise_equal_result(servers: _Servers) ->
     with servers.current.client() as client:
         _register(client, "slow", SLOW_MODEL)
         dataset = _upload(client, np.random.default_rng(3).standard_normal((16, 4)).astype(np.float32))
-        spec = {"model": "slow", "x1": {"dataset": dataset}, "mode": "full", "tile_size": 4}  # 10 tiles
+        spec = {"model": "slow", "x1": {"dataset": dataset}, "mode": "full", "tile_size": 4, "panel_tiles": 1}  # 10
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         _wait_for_tiles(client, job_id, 3)
     servers.kill()

@@ -171,7 +171,9 @@ from tests.jobs.factories import slow_tiled_problem
 
 torch.set_num_threads(1)
 model, x = slow_tiled_problem()
-compute_ntk_tiled(model, x, out=sys.argv[1], mode="full", tile_size=2, memory_budget_bytes=2**26, progress=False)
+compute_ntk_tiled(
+    model, x, out=sys.argv[1], mode="full", tile_size=2, panel_tiles=2, memory_budget_bytes=2**26, progress=False
+)
 """
 
 
@@ -217,7 +219,7 @@ def test_kill_9_mid_run_then_resume_is_bitwise_equal_and_recomputes_no_done_tile
         model, x = slow_tiled_problem()
         options = {"mode": "full", "tile_size": 2, "memory_budget_bytes": 2**26, "progress": False}
         resumed = compute_ntk_tiled(model, x, out=interrupted, **options)  # type: ignore[arg-type]
-        uninterrupted = compute_ntk_tiled(model, x, out=fresh, **options)  # type: ignore[arg-type]
+        uninterrupted = compute_ntk_tiled(model, x, out=fresh, panel_tiles=2, **options)  # type: ignore[arg-type]
     finally:
         torch.set_num_threads(threads)
     files_after = _chunk_files(interrupted)

@@ -14,9 +14,9 @@ from torch import nn
 
 from ntk_service.kernels import choice, compute_ntk, problem_pool
 from ntk_service.kernels.choice import ALGORITHMS
-from ntk_service.kernels.functional import NtkProblem
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import plan_blocks
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NtkImplementation
 from tests.reference import assert_matches, reference_ntk
 

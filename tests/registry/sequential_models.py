@@ -42,6 +42,19 @@ def small_resnet(width: int = 4, classes: int = 3) -> nn.Sequential:
     )
 
 
+def nested_resnet(width: int = 4, classes: int = 3) -> nn.Sequential:
+    """A ResNet written the usual way: stages are ``nn.Sequential``s of blocks, so names are ``1.0.body.0.weight``.
+
+    stem = Sequential(conv, BN, ReLU); stage i = Sequential(Residual block, ReLU[, block, ReLU]); head = Sequential(
+    pool, flatten, Linear); the whole is Sequential(stem, stage1, stage2, head), three levels deep at the convs.
+    """
+    stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+    stage1 = nn.Sequential(basic_block(width, width, 1), nn.ReLU())
+    stage2 = nn.Sequential(basic_block(width, 2 * width, 2), nn.ReLU(), nn.Sequential(nn.Identity()))
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, classes))
+    return nn.Sequential(stem, stage1, stage2, head)
+
+
 def small_transformer(d: int = 8, classes: int = 2) -> nn.Sequential:
     """Token + learned position embeddings, two pre-norm encoder layers, final LayerNorm, mean over tokens, Linear."""
 

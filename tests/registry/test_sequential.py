@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from tests.registry.sequential_models import (
     RESNET_INPUT,
     TRANSFORMER_LEN,
     TRANSFORMER_VOCAB,
+    nested_resnet,
     small_resnet,
     small_transformer,
     train_steps,
@@ -128,6 +130,41 @@ def test_nesting_beyond_the_limit_is_refused() -> None:
     build_model(_seq(ok), seed=0)  # exactly at the limit is fine
 
 
+def test_nested_sequentials_count_towards_the_nesting_limit() -> None:
+    layer: dict[str, Any] = {"type": "ReLU"}
+    for depth in range(MAX_NESTING + 1):
+        even = depth % 2 == 0  # the outermost (depth 4) and the innermost are Sequential
+        layer = {"type": "Sequential", "layers": [layer]} if even else {"type": "Residual", "body": [layer]}
+    message = _refused(_seq(layer))
+    assert f"(Sequential) is nested {MAX_NESTING + 1} deep, more than the limit of {MAX_NESTING}" in message
+    assert "layer layers.0.layers.0.body.0.layers.0.body.0 (Sequential)" in message
+    local = nn.ReLU()
+    for _ in range(MAX_NESTING + 1):
+        local = nn.Sequential(local)
+    with pytest.raises(InvalidInput, match=r"layer layers(\.0\.layers)+\.0 \(Sequential\) is nested 5 deep"):
+        build_model(describe_module(nn.Sequential(local), input_shape=(2,)), seed=0)
+
+
+def test_a_nested_sequential_is_checked_like_the_outer_one() -> None:
+    inner = {"type": "Sequential", "layers": [{"type": "Linear", "in_features": 5, "out_features": 2}]}
+    message = _refused(_seq({"type": "Linear", "in_features": 4, "out_features": 4}, inner))
+    assert "layer layers.1.layers.0 (Linear) fails on its input of shape (1, 4)" in message
+    assert "layer layers.0.layers.0 (ReLU): keyword 'inplace' not allowed" in _refused(
+        _seq({"type": "Sequential", "layers": [{"type": "ReLU", "inplace": True}]})
+    )
+    assert "layers.0.Sequential.layers: List should have at least 1 item" in _refused(
+        _seq({"type": "Sequential", "layers": []})
+    )
+
+
+def test_a_sequential_with_named_children_is_refused_with_the_name() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(OrderedDict(fc=nn.Linear(2, 2), act=nn.ReLU())))
+    with pytest.raises(InvalidInput) as info:
+        describe_module(model, input_shape=(2,))
+    assert "the module at 1.fc is named 'fc', not '0'" in info.value.message
+    assert "build the nn.Sequential from a list of layers" in info.value.message
+
+
 @pytest.mark.parametrize(
     ("layers", "input_shape", "dtype", "fragments"),
     [
@@ -210,6 +247,23 @@ def test_a_module_the_family_cannot_express_is_named_by_its_path() -> None:
     assert "factory" in info.value.message
     with pytest.raises(InvalidInput, match="expected a torch.nn.Sequential, got torch.nn.modules.linear.Linear"):
         describe_module(nn.Linear(2, 2), input_shape=(2,))
+
+
+def test_nested_sequentials_keep_the_users_names_and_function() -> None:
+    torch.manual_seed(3)
+    model = nested_resnet()
+    train_steps(model, torch.randn(6, *RESNET_INPUT), 2)  # BatchNorm running statistics move off 0 and 1
+    spec = describe_module(model, input_shape=RESNET_INPUT)
+    assert [layer["type"] for layer in spec["layers"]] == ["Sequential"] * 4
+    built, info = build_model(spec, seed=0)
+    assert info.output_dim == 3
+    names = [(k, v.shape) for k, v in model.state_dict().items()]
+    assert [(k, v.shape) for k, v in built.state_dict().items()] == names
+    assert "1.0.body.0.weight" in dict(names) and "2.0.shortcut.1.running_var" in dict(names)
+    built.load_state_dict(model.state_dict())  # the user's own state_dict, unchanged
+    x = torch.randn(4, *RESNET_INPUT, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.allclose(built.double()(x), copy.deepcopy(model).double()(x), rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- same names, same function
@@ -301,11 +355,11 @@ def test_seeded_sequential_models_are_reproducible() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["resnet", "transformer"])
+@pytest.mark.parametrize("which", ["resnet", "nested_resnet", "transformer"])
 def test_engine_matches_the_reference_on_the_registry_models(which: str) -> None:
     torch.manual_seed(2)
-    if which == "resnet":
-        local, shape, dtype = small_resnet(), RESNET_INPUT, "float32"
+    if which in ("resnet", "nested_resnet"):
+        local, shape, dtype = (small_resnet() if which == "resnet" else nested_resnet()), RESNET_INPUT, "float32"
         x = torch.randn(6, *shape)
     else:
         local, shape, dtype = small_transformer(), (TRANSFORMER_LEN,), "int64"

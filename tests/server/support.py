@@ -119,7 +119,8 @@ SLOW_JOB_INPUTS = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
 
 def submit_slow_job(client: httpx.Client, *, delay_s: float) -> dict[str, Any]:
     """Register model "slow" (``tests.server.slow_factory``: each forward call sleeps ``delay_s``) and submit a
-    TRACE job over ``SLOW_JOB_INPUTS`` in tiles of 2 (10 tiles) with the Jacobian contraction; the 202's job record."""
+    TRACE job over ``SLOW_JOB_INPUTS`` in tiles of 2 (10 tiles, a panel each, so the job stops at a tile boundary)
+    with the Jacobian contraction; the 202's job record."""
     arch = {
         "family": "factory",
         "factory": SLOW_FACTORY,
@@ -137,6 +138,7 @@ def submit_slow_job(client: httpx.Client, *, delay_s: float) -> dict[str, Any]:
             "x1": {"dataset": dataset.json()["id"]},
             "mode": "trace",
             "tile_size": 2,
+            "panel_tiles": 1,
             "implementation": "jacobian_contraction",
         },
     )

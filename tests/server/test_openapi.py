@@ -244,7 +244,7 @@ def _error_types() -> set[str]:
         cls = todo.pop()
         found.add(cls.error_type)
         todo.extend(cls.__subclasses__())
-    return found | {"internal_error"}  # the 500 of an unexpected exception (server/errors.py)
+    return found | {"internal_error"}  # the 500 of an unexpected exception (server/error_responses.py)
 
 
 def test_each_error_status_has_its_own_sample(document: dict[str, Any]) -> None:

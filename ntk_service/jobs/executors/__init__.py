@@ -6,8 +6,8 @@ never needs the ``ntk-service[ray]`` extra.
 
 from __future__ import annotations
 
-from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, TileOutcome
+from ntk_service.jobs.executors.base import Executor, JobWork, PanelCallbacks, PanelOutcome
 from ntk_service.jobs.executors.local import LocalExecutor
 from ntk_service.jobs.executors.ray import RayExecutor, import_ray
 
-__all__ = ["Executor", "JobWork", "LocalExecutor", "RayExecutor", "TileCallbacks", "TileOutcome", "import_ray"]
+__all__ = ["Executor", "JobWork", "LocalExecutor", "PanelCallbacks", "PanelOutcome", "RayExecutor", "import_ray"]

@@ -1,12 +1,14 @@
-"""The one small interface every executor implements, and the tile computation they all share.
+"""The one small interface every executor implements, and the panel computation they all share.
 
-An executor receives a job's model and data once (``JobWork`` plus the arrays) and the tiles still to compute.
-For each tile it asks ``TileCallbacks.claim`` (which counts the attempt in SQLite), computes the block with
-``compute_ntk``, writes it to the job's Zarr array (``run_tile``), and hands the ``TileOutcome`` to
-``TileCallbacks.done``, which records the tile as done. It checks ``should_stop`` between tiles: a cancelled or
-shutting-down job stops at a tile boundary, never in the middle of a chunk.
+An executor receives a job's model and data once (``JobWork`` plus the arrays) and the panels still to compute
+(``jobs/panels.py``: a band of rows against a run of columns, covering many tiles). For each panel it asks
+``PanelCallbacks.claim``, which claims the panel's tiles not yet done in one SQLite transaction and returns them,
+computes the panel with one ``compute_ntk`` call, writes those tiles' chunks to the job's Zarr array
+(``run_panel``), and hands the ``PanelOutcome`` to ``PanelCallbacks.done``, which records them as done in one
+transaction. It checks ``should_stop`` between panels: a cancelled or shutting-down job stops at a panel boundary,
+never in the middle of a chunk.
 
-    executor.run(work, model, x1, x2, tiles, callbacks)   # blocks until the tiles are done or it is told to stop
+    executor.run(work, model, x1, x2, panels, callbacks)   # blocks until the panels are done or it is told to stop
 """
 
 from __future__ import annotations
@@ -16,30 +18,51 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
+from ntk_service.jobs.panels import Panel, plan_panels
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
-from ntk_service.kernels.inputs import Batch, take
+from ntk_service.kernels.batch import Batch
+from ntk_service.kernels.modes import KernelMode
 
-__all__ = ["Executor", "JobWork", "TileCallbacks", "TileOutcome", "compute_tile", "run_tile"]
+__all__ = [
+    "Executor",
+    "JobWork",
+    "PanelCallbacks",
+    "PanelOutcome",
+    "compute_panel",
+    "default_side_cache_bytes",
+    "run_panel",
+]
+
+SIDE_CACHE_BUDGET_FRACTION = 0.25
+"""The side cache's share of the memory budget when no size is set (``NTK_JOB_SIDE_CACHE_BYTES``): room for a band's
+side and a few runs' beside the engine's own working set."""
+
+
+def default_side_cache_bytes(memory_budget_bytes: int | None) -> int:
+    """The side cache size of a job run: ``SIDE_CACHE_BUDGET_FRACTION`` of its memory budget (of the host's default
+    budget when the job has none)."""
+    budget = memory_budget_bytes if memory_budget_bytes is not None else device_memory_budget(torch.device("cpu"))
+    return int((budget or 0) * SIDE_CACHE_BUDGET_FRACTION)
 
 
 @dataclass(frozen=True, slots=True)
 class JobWork:
-    """What every tile of one job needs besides the model and data (small and picklable: shipped to Ray once).
+    """What every panel of one job needs besides the model and data (small and picklable: shipped to Ray once).
 
     Attributes:
-        job_id: the job id (also names the side-cache keys).
-        spec: the resolved JobSpec.
+        job_id: the job id.
+        spec: the resolved JobSpec (its ``panel_tiles`` cuts the panels).
         plan: the TilePlan.
-        result_path: the Zarr array every tile writes to (a shared filesystem path for a Ray cluster).
+        result_path: the Zarr array every panel writes to (a shared filesystem path for a Ray cluster).
     """
 
     job_id: str
@@ -47,70 +70,79 @@ class JobWork:
     plan: TilePlan
     result_path: Path
 
+    def panels(self) -> tuple[Panel, ...]:
+        """The job's panels, in computation order (the same on every host and after every restart)."""
+        return plan_panels(self.plan, panel_tiles=self.spec.panel_tiles)
+
 
 @dataclass(frozen=True, slots=True)
-class TileOutcome:
-    """A computed and written tile: its id, compute seconds, and the implementation that ran."""
+class PanelOutcome:
+    """A computed panel whose chunks are written: the panel id, the tiles written, compute seconds, the
+    implementation that ran."""
 
-    tile_id: int
+    panel_id: int
+    tile_ids: tuple[int, ...]
     elapsed_s: float
     implementation: str
 
 
-class TileCallbacks(Protocol):
+class PanelCallbacks(Protocol):
     """How an executor reports to the job manager (all thread-safe)."""
 
-    def claim(self, tile: Tile) -> bool:
-        """Count an attempt at ``tile``; False means it is already done: skip it."""
+    def claim(self, panel: Panel) -> tuple[Tile, ...]:
+        """Claim the panel's tiles not done yet (one transaction, attempts counted); empty: skip the panel."""
         ...
 
-    def done(self, outcome: TileOutcome) -> None:
-        """Record a tile whose chunk is written."""
+    def done(self, outcome: PanelOutcome) -> None:
+        """Record the tiles of a panel whose chunks are written (one transaction)."""
         ...
 
     def should_stop(self) -> bool:
-        """True once the job is cancelled or the server stops: claim no further tile."""
+        """True once the job is cancelled or the server stops: claim no further panel."""
         ...
 
 
-def compute_tile(
+def compute_panel(
     model: nn.Module,
     x1: Batch,
     x2: Batch | None,
     work: JobWork,
-    tile: Tile,
+    panel: Panel,
     *,
     side_cache: SideCache | None = None,
     device: torch.device | str | None = None,
     allow_tf32: bool = False,
 ) -> tuple[np.ndarray, str]:
-    """Compute one tile's block with ``compute_ntk``.
+    """Compute one panel's block with one ``compute_ntk`` call.
 
     Args:
         model: the job's model.
-        x1: (N, *input) the whole x1 data set. x2: (M, *input), or None for a symmetric job.
+        x1: (N, *input) the whole x1 data set (a tensor or a numpy array). x2: (M, *input), or None for a symmetric
+            job.
         work: the job.
-        tile: the tile.
-        side_cache: optional cache of per-side intermediates, keyed by the data set hash and the row range (a
-            row block of a symmetric job is the same side whether it appears as rows or columns).
-        device: where the block is computed (the tile's rows are moved there; the result comes back to the host).
+        panel: the panel.
+        side_cache: optional cache of per-side intermediates, keyed by the weights, the data set hash and the row
+            range: a band's side is built once and reused by every panel of the band (and a symmetric job's band
+            is the same side whether it is the rows or the columns).
+        device: where the block is computed (the panel's rows are moved there; the result comes back to the host).
             Default: the model's device.
         allow_tf32: as for ``compute_ntk``. Default: False.
 
     Returns:
         (theta, implementation): theta (R, C, k, k) FULL, (R, C) TRACE, (R, C, k) OUTPUT_DIAGONAL, (R, k, k)
-        EXAMPLE_DIAGONAL as a numpy array of the job's dtype; the implementation that ran.
+        EXAMPLE_DIAGONAL as a numpy array of the job's dtype, R and C the panel's rows and columns; the
+        implementation that ran.
     """
     spec = work.spec
-    r0, r1 = tile.rows
-    c0, c1 = tile.cols
+    r0, r1 = panel.rows
+    c0, c1 = panel.cols
     other = x1 if x2 is None else x2
     other_sha = spec.x1_sha256 if spec.x2_sha256 is None else spec.x2_sha256
     other_start = spec.x1_start if spec.x2_sha256 is None else spec.x2_start
-    right = None if tile.is_diagonal else take(other, c0, c1)
+    right = None if panel.is_diagonal else _rows(other, c0, c1)
     result = compute_ntk(
         model,
-        take(x1, r0, r1),
+        _rows(x1, r0, r1),
         right,
         mode=spec.mode,
         output=spec.output,
@@ -121,48 +153,77 @@ def compute_tile(
         side_cache=side_cache,
         device=device,
         allow_tf32=allow_tf32,
-        # Keys name data-set rows, not tile rows: two jobs over different row ranges of one data set never collide.
+        # Keys name data-set rows, not panel rows: two jobs over different row ranges of one data set never collide.
         x1_key=(spec.weights_sha256, spec.x1_sha256, spec.x1_start + r0, spec.x1_start + r1),
         x2_key=None if right is None else (spec.weights_sha256, other_sha, other_start + c0, other_start + c1),
     )
     return result.theta.detach().cpu().numpy(), result.implementation.value
 
 
-def run_tile(
+def _rows(x: Batch | np.ndarray | tuple[Any, ...] | dict[str, Any], start: int, stop: int) -> Batch:
+    """Rows [start, stop) of every leaf of a data set (a tensor or numpy array, or a tuple / mapping of them) as
+    tensors for ``compute_ntk``."""
+    if isinstance(x, tuple):
+        return tuple(_tensor(leaf[start:stop]) for leaf in x)
+    if isinstance(x, dict):
+        return {name: _tensor(leaf[start:stop]) for name, leaf in x.items()}
+    return _tensor(x[start:stop])
+
+
+def _tensor(x: torch.Tensor | np.ndarray) -> torch.Tensor:
+    # Ray hands workers read-only numpy views of the object store (zero-copy); torch wants writable memory, and the
+    # engine never writes its inputs, so the warning torch gives for read-only arrays does not apply.
+    if isinstance(x, torch.Tensor):
+        return x
+    if not x.flags.writeable:
+        x = np.array(x)  # one row block's copy, not the data set's
+    return torch.from_numpy(x)
+
+
+def run_panel(
     model: nn.Module,
     x1: Batch,
     x2: Batch | None,
     work: JobWork,
-    tile: Tile,
+    panel: Panel,
+    tiles: Sequence[Tile],
     *,
     array: ResultArray | None = None,
     side_cache: SideCache | None = None,
     device: torch.device | str | None = None,
     allow_tf32: bool = False,
-) -> TileOutcome:
-    """Compute one tile and write its chunk; returns the outcome to record (the caller records it).
+) -> PanelOutcome:
+    """Compute one panel and write the chunks of ``tiles`` (those claimed: a resumed panel rewrites none that is
+    recorded); returns the outcome to record (the caller records it).
 
     Args:
+        tiles: the panel's tiles to write.
         array: the job's open ResultArray. Default: opened from ``work.result_path`` (what a Ray worker does).
-        side_cache, device, allow_tf32: as for ``compute_tile``.
+        side_cache, device, allow_tf32: as for ``compute_panel``.
     """
     start = time.perf_counter()
-    theta, implementation = compute_tile(
-        model, x1, x2, work, tile, side_cache=side_cache, device=device, allow_tf32=allow_tf32
+    theta, implementation = compute_panel(
+        model, x1, x2, work, panel, side_cache=side_cache, device=device, allow_tf32=allow_tf32
     )
     if array is None:
         array = ResultArray.open(work.result_path, plan=work.plan)
-    array.write_tile(tile, theta)
-    return TileOutcome(tile_id=tile.id, elapsed_s=time.perf_counter() - start, implementation=implementation)
+    mode = KernelMode(work.spec.mode)
+    array.write_tiles([(tile, panel.block_of(tile, theta, mode)) for tile in tiles])
+    return PanelOutcome(
+        panel_id=panel.id,
+        tile_ids=tuple(t.id for t in tiles),
+        elapsed_s=time.perf_counter() - start,
+        implementation=implementation,
+    )
 
 
 class Executor(ABC):
-    """Runs the tiles of a job. Implementations: ``LocalExecutor`` (in-process) and ``RayExecutor``."""
+    """Runs the panels of a job. Implementations: ``LocalExecutor`` (in-process) and ``RayExecutor``."""
 
     name: str = "executor"
 
     device: torch.device = torch.device("cpu")
-    """Where this executor's tiles run (the planner budget of a job is that device's)."""
+    """Where this executor's panels run (the planner budget of a job is that device's)."""
 
     @abstractmethod
     def run(
@@ -171,26 +232,30 @@ class Executor(ABC):
         model: nn.Module,
         x1: Batch,
         x2: Batch | None,
-        tiles: Sequence[Tile],
-        callbacks: TileCallbacks,
+        panels: Sequence[Panel],
+        callbacks: PanelCallbacks,
     ) -> None:
-        """Compute ``tiles`` (claim, compute, write, report each); return when all are done or told to stop.
+        """Compute ``panels`` (claim, compute, write, report each); return when all are done or told to stop.
 
         Args:
             work: the job.
             model: its model (never mutated).
             x1: (N, *input) the x1 data set. x2: (M, *input) or None for a symmetric job.
-            tiles: the tiles still to do, in the order to do them.
+            panels: the panels with tiles still to do, in the order to do them.
             callbacks: claim / done / should_stop.
 
         Raises:
-            NtkServiceError or any exception of a tile's computation: the job fails with its message.
+            NtkServiceError or any exception of a panel's computation: the job fails with its message.
         """
 
     def memory_budget(self) -> int | None:
-        """The per-tile memory budget fixed into a job at submission when none is configured: the default budget
+        """The per-panel memory budget fixed into a job at submission when none is configured: the default budget
         of ``device`` (None lets each tile plan for the device it gets)."""
         return device_memory_budget(self.device)
+
+    def parallelism(self) -> int:
+        """Panels this executor computes at once (the panel planner cuts a job into several per worker)."""
+        return 1
 
     def close(self) -> None:  # noqa: B027 - optional hook, most executors hold nothing
         """Release what the executor holds (threads, a Ray connection)."""

@@ -1,16 +1,16 @@
-"""The embedded executor: tiles run in this process, one computation slot at a time per worker.
+"""The embedded executor: panels run in this process, one computation slot at a time per worker.
 
-Each tile runs through ``run_compute``, a function the server supplies that takes the same compute slot
+Each panel runs through ``run_compute``, a function the server supplies that takes the same compute slot
 (``ComputeLimiter``) interactive kernel requests take. A job therefore never holds more than one slot per worker
-and gives the slot back at every tile boundary, so an interactive request waits at most one tile, and torch's
-thread pool (sized for ``compute_concurrency`` computations) is never oversubscribed. Without a server (tests,
-scripts) tiles run directly in the calling thread.
+and gives the slot back at every panel boundary (a few seconds of work, ``jobs/panels.py``), so an interactive
+request waits at most one panel, and torch's thread pool (sized for ``compute_concurrency`` computations) is never
+oversubscribed. Without a server (tests, scripts) panels run directly in the calling thread.
 
 Workers share the registry's cached module: ``compute_ntk`` never computes on the caller's module object itself
-(see NOTE [private module] in ``kernels/functional.py``), so concurrent tiles and interactive kernels are safe.
+(see NOTE [private module] in ``kernels/functional.py``), so concurrent panels and interactive kernels are safe.
 
-Tiles are taken in plan order (rows, serpentine over the columns), so one row block's side stays in the job's
-SideCache while its tiles run, and the column sides are reused from the cache when it is large enough.
+Panels are taken in order (by bands, serpentine over the runs), so a band's side is built once and stays in the
+job's SideCache while the band's panels run, and the runs' sides are reused from the cache when it is large enough.
 """
 
 from __future__ import annotations
@@ -24,21 +24,25 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from ntk_service.jobs.executors.base import Executor, JobWork, TileCallbacks, TileOutcome, run_tile
-from ntk_service.jobs.planner import Tile
+from ntk_service.jobs.executors.base import (
+    Executor,
+    JobWork,
+    PanelCallbacks,
+    PanelOutcome,
+    default_side_cache_bytes,
+    run_panel,
+)
+from ntk_service.jobs.panels import Panel
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, parse_device
-from ntk_service.kernels.inputs import Batch
+from ntk_service.kernels.batch import Batch
 
-__all__ = ["DEFAULT_JOB_SIDE_CACHE_BYTES", "LocalExecutor", "RunCompute"]
+__all__ = ["LocalExecutor", "RunCompute"]
 
 T = TypeVar("T")
 
 RunCompute = Callable[[Callable[[], T]], T]
 """Runs a synchronous computation (under the server's compute limiter) and returns its result."""
-
-DEFAULT_JOB_SIDE_CACHE_BYTES = 256 * 2**20
-"""256 MiB of per-side intermediates per running job: holds the current row block and the recent column blocks."""
 
 
 def _direct(fn: Callable[[], T]) -> T:
@@ -46,15 +50,16 @@ def _direct(fn: Callable[[], T]) -> T:
 
 
 class LocalExecutor(Executor):
-    """Runs tiles in this process.
+    """Runs panels in this process.
 
     Args:
-        workers: tiles computed at once (threads). Default: 1 (torch already uses every core for one tile).
-        run_compute: runs one tile's computation; the server passes one that takes a compute slot.
+        workers: panels computed at once (threads). Default: 1 (torch already uses every core for one panel).
+        run_compute: runs one panel's computation; the server passes one that takes a compute slot.
             Default: call it directly.
-        side_cache_bytes: size of the per-job SideCache. Default: ``DEFAULT_JOB_SIDE_CACHE_BYTES``.
-        device: where tiles run, "cpu", "cuda" or "cuda:N" (checked here). Default: "cpu".
-        allow_tf32: let float32 tiles on CUDA use TF32 (NOTE [TF32] in kernels/device.py). Default: False.
+        side_cache_bytes: size of the per-job SideCache (``NTK_JOB_SIDE_CACHE_BYTES``). Default: None, a quarter
+            of the job's memory budget (``default_side_cache_bytes``).
+        device: where panels run, "cpu", "cuda" or "cuda:N" (checked here). Default: "cpu".
+        allow_tf32: let float32 panels on CUDA use TF32 (NOTE [TF32] in kernels/device.py). Default: False.
 
     Raises:
         UnknownDevice: a device this machine does not have.
@@ -66,18 +71,24 @@ class LocalExecutor(Executor):
         self,
         *,
         workers: int = 1,
-        run_compute: RunCompute[TileOutcome] | None = None,
-        side_cache_bytes: int = DEFAULT_JOB_SIDE_CACHE_BYTES,
+        run_compute: RunCompute[PanelOutcome] | None = None,
+        side_cache_bytes: int | None = None,
         device: torch.device | str = "cpu",
         allow_tf32: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"LocalExecutor: workers must be ≥ 1, got {workers}")
         self.workers = workers
-        self.run_compute: RunCompute[TileOutcome] = run_compute or _direct
+        if side_cache_bytes is not None and side_cache_bytes < 0:
+            raise ValueError(f"LocalExecutor: side_cache_bytes must be ≥ 0, got {side_cache_bytes}")
+        self.run_compute: RunCompute[PanelOutcome] = run_compute or _direct
         self.side_cache_bytes = side_cache_bytes
         self.device = parse_device(device, operation="LocalExecutor")
         self.allow_tf32 = allow_tf32
+
+    def parallelism(self) -> int:
+        """The worker threads."""
+        return self.workers
 
     def run(
         self,
@@ -85,35 +96,38 @@ class LocalExecutor(Executor):
         model: nn.Module,
         x1: Batch,
         x2: Batch | None,
-        tiles: Sequence[Tile],
-        callbacks: TileCallbacks,
+        panels: Sequence[Panel],
+        callbacks: PanelCallbacks,
     ) -> None:
         array = ResultArray.open(work.result_path, plan=work.plan)
-        cache = SideCache(max_bytes=self.side_cache_bytes)
-        queue = iter(tiles)
+        size = self.side_cache_bytes
+        cache = SideCache(max_bytes=default_side_cache_bytes(work.spec.memory_budget_bytes) if size is None else size)
+        queue = iter(panels)
         lock = threading.Lock()
         failed = threading.Event()
 
-        def next_tile() -> Tile | None:
+        def next_panel() -> Panel | None:
             with lock:
                 return next(queue, None)
 
         def worker() -> None:
             while not failed.is_set() and not callbacks.should_stop():
-                tile = next_tile()
-                if tile is None:
+                panel = next_panel()
+                if panel is None:
                     return
-                if not callbacks.claim(tile):
+                tiles = callbacks.claim(panel)
+                if not tiles:
                     continue
                 try:
                     outcome = self.run_compute(
                         partial(
-                            run_tile,
+                            run_panel,
                             model,
                             x1,
                             x2,
                             work,
-                            tile,
+                            panel,
+                            tiles,
                             array=array,
                             side_cache=cache,
                             device=self.device,

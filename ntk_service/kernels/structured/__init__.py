@@ -4,7 +4,7 @@ The package, in the order a block flows through it::
 
     options.py      StructuredOptions: every fast path as one switch, passed as data
     rules.py        per layer type, how a parameter's Jacobian follows from the layer's input a and cotangent δ
-    analysis.py     the one analysis pass: which calls the rules cover, how each parameter is contracted
+    coverage.py     the one analysis pass: which calls the rules cover, how each parameter is contracted
     plan.py         the frozen plan it produces (StructurePlan, StructuredTerms), kept on the prepared problem
     recorder.py     forward hooks that collect a and the points to differentiate at during a capture
     chain.py        the closed-form capture of a pure Linear/activation pipeline
@@ -27,7 +27,7 @@ from ntk_service.kernels.structured.algorithm import (
     Structured,
     structured_terms,
 )
-from ntk_service.kernels.structured.analysis import NOMINAL_PARTNERS
+from ntk_service.kernels.structured.coverage import NOMINAL_PARTNERS
 from ntk_service.kernels.structured.options import FAST_PATHS, StructuredOptions
 from ntk_service.kernels.structured.plan import StructuredTerms
 

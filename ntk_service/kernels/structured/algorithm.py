@@ -6,7 +6,7 @@ For a Linear layer y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/�
 (``rules.py``) cover Linear (any leading dims), Conv1d/Conv2d, Embedding, and the affine parameters of
 LayerNorm, RMSNorm, GroupNorm and eval-mode BatchNorm; every other parameter falls back to the Jacobian path
 (per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
-See NOTE [covered parameters] in ``analysis.py`` and NOTE [probes] in ``capture.py``; a plain ``nn.Sequential``
+See NOTE [covered parameters] in ``coverage.py`` and NOTE [probes] in ``capture.py``; a plain ``nn.Sequential``
 of Linear layers and activations is captured in closed form instead (NOTE [sequential chains] in ``chain.py``).
 
 A side of n examples holds, per factored weight, the factors A (n, G, T, da) and D (n, k, G, T, dd), and per
@@ -32,12 +32,11 @@ import math
 
 import torch
 
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.batch import Batch, batch_size, concat, take
 from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.inputs import Batch, batch_size, concat, take
 from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.structured.analysis import analyze
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.capture import capture
 from ntk_service.kernels.structured.contraction import (
     Accumulator,
@@ -51,6 +50,7 @@ from ntk_service.kernels.structured.contraction import (
     new_accumulator,
     prefers_example_major,
 )
+from ntk_service.kernels.structured.coverage import analyze
 from ntk_service.kernels.structured.descriptors import (
     Capture,
     Delta,

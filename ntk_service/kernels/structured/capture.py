@@ -52,8 +52,8 @@ import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.functional import NtkProblem
-from ntk_service.kernels.inputs import Batch, batch_size
+from ntk_service.kernels.batch import Batch, batch_size
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
 from ntk_service.kernels.structured.options import StructuredOptions
@@ -111,7 +111,7 @@ class ChainCapture:
     def run(
         self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
-        assert terms.plan.chain is not None and isinstance(x, torch.Tensor)  # chains take one tensor (analysis.py)
+        assert terms.plan.chain is not None and isinstance(x, torch.Tensor)  # chains take one tensor (coverage.py)
         inputs, deltas = run_chain(terms.plan.chain, x, len(terms.plan.uses))
         return Capture(inputs=inputs, deltas=deltas, fallback_jacobians={}), terms
 

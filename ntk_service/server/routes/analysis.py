@@ -19,6 +19,7 @@ from starlette.responses import Response
 from torch.func import functional_call
 
 from ntk_service import analysis, wire
+from ntk_service.analysis.cross_entropy import check_cross_entropy_plan, class_indices
 from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
 from ntk_service.kernels import NtkResult
@@ -139,7 +140,10 @@ async def predict(
     operation = f"predict of model {name!r}"
     raw, rest = await _read(request, ("x_train", "y_train", "x_test"), operation=operation)
     if "x_train" not in raw or "y_train" not in raw:
-        raise InvalidInput(f"{operation}: the body needs x_train (a tensor or data set slice) and y_train (N, k)")
+        raise InvalidInput(
+            f"{operation}: the body needs x_train (a tensor or data set slice) and y_train (N, k), or (N,) int64 "
+            "class indices for loss='cross_entropy'"
+        )
     options = validate_body(PredictOptions, rest, operation=operation)
     y_train = wire.tensor_from_json(raw["y_train"], name="y_train")
 
@@ -150,12 +154,17 @@ async def predict(
         train = _side(raw["x_train"], "x_train", record, ctx.datasets, operation)
         test = _side(raw["x_test"], "x_test", record, ctx.datasets, operation) if "x_test" in raw else None
         n, k = train.array.shape[0], record.output_dim
-        if y_train.shape not in ((n, k),) + (((n,),) if k == 1 else ()):
+        m = 0 if test is None else test.array.shape[0]
+        if options.loss == "cross_entropy":  # class indices, checked before any kernel is computed
+            class_indices(y_train, n=n, k=k, name="y_train", operation=operation)
+            check_cross_entropy_plan(
+                options.time_values(), options.flow, n=n, m=m, k=k, full=options.mode == "full", operation=operation
+            )
+        elif y_train.shape not in ((n, k),) + (((n,),) if k == 1 else ()):
             raise ShapeMismatch(
                 f"{operation}: y_train has shape {y_train.shape}; x_train has {n} examples and model {name!r} "
                 f"{k} outputs, so send y_train of shape ({n}, {k})"
             )
-        m = 0 if test is None else test.array.shape[0]
         size = n * k if options.mode == "full" else n
         cross = m * k * n * k if options.mode == "full" else m * n
         values = (len(options.times) + 1) * (n + m) * k  # train/test at each time, plus f0
@@ -214,6 +223,8 @@ async def predict(
             "tol": out.tol,
             "path": out.path,
             "max_learning_rate": json_float(out.max_learning_rate),
+            "rtol": out.rtol,
+            "atol": out.atol,
             "mode": options.mode,
             "model": record.name,
             "version": record.version,

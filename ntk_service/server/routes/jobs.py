@@ -109,6 +109,9 @@ class JobCreate(BaseModel):
         None, max_length=MAX_GLOBS, description="Glob patterns over parameter names; null = all."
     )
     tile_size: int | None = Field(None, ge=1, le=65536, description="Examples per tile side. Default: server's.")
+    panel_tiles: int | None = Field(
+        None, ge=1, le=4096, description="Tiles per panel side (the work unit). Default: from the cost model."
+    )
 
 
 class JobPublic(BaseModel):
@@ -128,6 +131,9 @@ class JobPublic(BaseModel):
     dtype: str = Field(description="Compute and storage dtype.")
     params: list[str] | None = Field(description="Parameter globs; null = all.")
     tile_size: int = Field(description="Examples per tile side.")
+    panel_tiles: int = Field(
+        description="Tiles per panel side: each panel (up to panel_tiles² tiles) is one unit of work."
+    )
     tiles_done: int = Field(description="Tiles computed so far.")
     tiles_total: int = Field(description="Tiles in all (on and above the diagonal for a symmetric job).")
     progress: float = Field(description="tiles_done / tiles_total, 0 to 1.")
@@ -177,6 +183,7 @@ def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
         "dtype": spec.dtype,
         "params": spec.params,
         "tile_size": spec.tile_size,
+        "panel_tiles": spec.panel_tiles,
         "tiles_done": record.tiles_done,
         "tiles_total": record.tiles_total,
         "progress": round(record.progress, 6),
@@ -224,12 +231,12 @@ caller without a key learns nothing about which jobs exist (dependencies resolve
 
 
 def _limited(limiter: ComputeLimiter, token: Any) -> Callable[[Callable[[], T]], T]:
-    """A RunCompute for the local executor: each tile takes a slot of the server's ComputeLimiter."""
+    """A RunCompute for the local executor: each panel takes a slot of the server's ComputeLimiter."""
 
     def run(fn: Callable[[], T]) -> T:
         while True:
             try:
-                return anyio.from_thread.run(partial(limiter.run, fn, operation="job tile"), token=token)
+                return anyio.from_thread.run(partial(limiter.run, fn, operation="job panel"), token=token)
             except Busy as exc:  # interactive requests fill the queue: they go first, the tile waits its turn
                 time.sleep(min(exc.retry_after_s, 1.0))
 
@@ -239,8 +246,18 @@ def _limited(limiter: ComputeLimiter, token: Any) -> Callable[[Callable[[], T]],
 def _executor(settings: Settings, limiter: ComputeLimiter, token: Any) -> Executor:
     if settings.executor == "ray":
         import_ray()  # fail at startup, with install instructions, rather than on the first job
-        return RayExecutor(address=settings.ray_address, num_gpus=settings.ray_num_gpus, allow_tf32=settings.allow_tf32)
-    return LocalExecutor(run_compute=_limited(limiter, token), device=settings.device, allow_tf32=settings.allow_tf32)
+        return RayExecutor(
+            address=settings.ray_address,
+            num_gpus=settings.ray_num_gpus,
+            allow_tf32=settings.allow_tf32,
+            side_cache_bytes=settings.job_side_cache_bytes,
+        )
+    return LocalExecutor(
+        run_compute=_limited(limiter, token),
+        device=settings.device,
+        allow_tf32=settings.allow_tf32,
+        side_cache_bytes=settings.job_side_cache_bytes,
+    )
 
 
 async def start_jobs(app: FastAPI) -> None:
@@ -257,6 +274,7 @@ async def start_jobs(app: FastAPI) -> None:
         disk_budget_bytes=settings.job_disk_budget_bytes,
         memory_budget_bytes=settings.memory_budget_bytes,
         results_dir=settings.job_results_dir,
+        panel_seconds=settings.job_panel_seconds,
     )
     await anyio.to_thread.run_sync(manager.start)
     app.state.jobs = manager
@@ -305,6 +323,7 @@ async def submit_job(request: Request, _: WriteAccess, manager: JobsDep) -> Resp
             dtype=body.dtype,
             params=body.params,
             tile_size=body.tile_size,
+            panel_tiles=body.panel_tiles,
             x1_rows=body.x1.rows(manager),
             x2_rows=None if body.x2 is None else body.x2.rows(manager),
         )

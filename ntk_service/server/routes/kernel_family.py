@@ -17,9 +17,10 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import InvalidInput, format_bytes
+from ntk_service.errors import InvalidInput, UnsupportedModel, format_bytes
 from ntk_service.kernels import compute_nngp, monte_carlo_ntk, ntk_operator
 from ntk_service.registry import ModelRecord
+from ntk_service.registry.exported import EXPORTED_FAMILY
 from ntk_service.registry.zoo import build_model
 from ntk_service.server.deps import ReadAccess
 from ntk_service.server.kernel_inputs import (
@@ -111,6 +112,31 @@ def _encode(
     return Response(body, media_type=wire.MEDIA_JSON)
 
 
+def _check_exported(record: ModelRecord, *, layer: str | None, monte_carlo: bool, operation: str) -> None:
+    """Refuse, with what to do instead, what a torch.export program cannot give: a fresh network per seed (it holds
+    weights, not an initializer) and a layer's features (its graph calls ATen ops, never its submodules, so a
+    forward hook on one would see nothing).
+
+    Raises:
+        UnsupportedModel: monte_carlo, or a layer, on an exported model.
+    """
+    if record.architecture.get("family") != EXPORTED_FAMILY:
+        return
+    if monte_carlo:
+        raise UnsupportedModel(
+            f"{operation}: model {record.name!r} is an exported torch.export program, which holds weights but no "
+            "initializer, so there is no fresh network per seed to average over; average the kernels of your own "
+            "checkpoints instead (one upload_weights version per initialization, then /ntk or /nngp per version), "
+            "or register the architecture with a family that initializes (sequential, mlp, cnn, transformer)"
+        )
+    if layer is not None:
+        raise UnsupportedModel(
+            f"{operation}: layer {layer!r}: model {record.name!r} is an exported torch.export program, whose graph "
+            "calls ATen operators and never its submodules, so a layer's features cannot be read; leave layer out "
+            "for the NNGP of the outputs, or register the model with the sequential family to name its layers"
+        )
+
+
 def _array(x: KernelInput | None) -> torch.Tensor | None:
     return None if x is None else torch.from_numpy(x.array)
 
@@ -131,6 +157,7 @@ async def nngp(
     operation = f"nngp of model {name!r}"
     call = await _begin(request, ctx, name, NngpOptions, operation=operation)
     record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
+    _check_exported(record, layer=options.layer, monte_carlo=False, operation=operation)
 
     def run() -> Response:
         _, module = ctx.registry.load_module(record.name, record.version)
@@ -177,6 +204,7 @@ async def monte_carlo(
     operation = f"monte_carlo of model {name!r}"
     call = await _begin(request, ctx, name, MonteCarloOptions, operation=operation)
     record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
+    _check_exported(record, layer=options.layer, monte_carlo=True, operation=operation)
     factories = settings.allowed_factories
 
     def build(seed: int) -> torch.nn.Module:

@@ -3,6 +3,8 @@
 ``POST /v1/models`` takes either JSON (an architecture and a seed) or a safetensors file (trained weights, with the
 architecture as JSON in the file's ``__metadata__["architecture"]`` and the name as ``?name=``): the latter is
 what ``Client.register_module`` sends, so a trained model's own ``state_dict()`` is version 1.
+``POST /v1/models/exported`` (multipart: ``name``, ``program``, optional ``label``) registers any other
+``nn.Module`` as the archive ``torch.export.save`` wrote, loaded without unpickling (registry/exported.py).
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 from typing import Annotated
 
 import anyio.to_thread
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Request
+from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, MalformedRequest
 from ntk_service.registry.store import MAX_LABEL_LENGTH
 from ntk_service.registry.weights import safetensors_architecture
 from ntk_service.server.deps import ReadAccess, RegistryDep, WriteAccess
@@ -84,6 +87,71 @@ async def register_model(
         record = await anyio.to_thread.run_sync(
             lambda: registry.register(body.name, body.architecture, seed=body.seed, label=body.label)
         )
+    return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{record.name}"})
+
+
+MEDIA_MULTIPART = "multipart/form-data"
+_EXPORTED_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            MEDIA_MULTIPART: {
+                "schema": {
+                    "type": "object",
+                    "required": ["name", "program"],
+                    "properties": {
+                        "name": {
+                            "type": "string",
+                            "maxLength": ID_MAX_LENGTH,
+                            "description": "The model's unique name.",
+                        },
+                        "label": {
+                            "type": "string",
+                            "maxLength": MAX_LABEL_LENGTH,
+                            "description": "A label for version 1, e.g. 'epoch 0'.",
+                        },
+                        "program": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": "The file torch.export.save wrote for torch.export.export(module.eval(), "
+                            "(x,), dynamic_shapes=({0: torch.export.Dim('batch')},)).",
+                        },
+                    },
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(
+    "/exported",
+    status_code=201,
+    response_model=ModelPublic,
+    summary="Register any nn.Module as a torch.export archive (multipart), with its weights as version 1",
+    description="curl -F name=mymodel -F label='epoch 0' -F program=@model.pt2 -H 'Authorization: Bearer KEY' "
+    "URL/v1/models/exported. Nothing in the archive is unpickled or executed: weights are read as raw tensors, "
+    "every operator is checked against an allow-list (422 naming the op), pickled entries are refused (422).",
+    responses={409: {"description": "A model with this name exists."}},
+    openapi_extra=_EXPORTED_BODY,
+)
+async def register_exported(request: Request, _: WriteAccess, registry: RegistryDep) -> Response:
+    operation = "register exported model"
+    require_content_type(request, (MEDIA_MULTIPART,), operation=operation)
+    try:
+        async with request.form(max_files=1, max_fields=2) as form:
+            name, label, program = form.get("name"), form.get("label"), form.get("program")
+            if not isinstance(name, str) or not isinstance(program, UploadFile):
+                raise InvalidInput(
+                    f"{operation}: the form needs a text field 'name' and a file field 'program' (got fields "
+                    f"{sorted(form.keys())}); e.g. curl -F name=m -F program=@model.pt2 ..."
+                )
+            if label is not None and not isinstance(label, str):
+                raise InvalidInput(f"{operation}: 'label' must be a text field, not a file")
+            data = await program.read()
+    except HTTPException as exc:  # starlette's multipart parser: a malformed body or too many parts
+        raise MalformedRequest(f"{operation}: the multipart body cannot be parsed ({exc.detail})") from exc
+    record = await anyio.to_thread.run_sync(lambda: registry.register_program(name, data, label=label))
     return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{record.name}"})
 
 

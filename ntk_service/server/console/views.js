@@ -1,0 +1,245 @@
+// DOM builders for the three tables and a job's detail. Everything the server sends is set as text
+// (textContent), never parsed as HTML: model names, labels and error messages are other people's input.
+
+import * as fmt from "./format.js";
+
+export const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
+
+export function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (value === false || value === null || value === undefined) continue;
+    if (name === "class") node.className = value;
+    else if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else node.setAttribute(name, value === true ? "" : String(value));
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === null || child === undefined || child === false) continue;
+    node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  }
+  return node;
+}
+
+function table(caption, headings, rows) {
+  return el(
+    "table",
+    {},
+    el("caption", { class: "visually-hidden" }, caption),
+    el("thead", {}, el("tr", {}, headings.map((h) => el("th", { scope: "col" }, h)))),
+    el("tbody", {}, rows),
+  );
+}
+
+function empty(text) {
+  return el("p", { class: "muted empty" }, text);
+}
+
+function version(record) {
+  const origin = record.seed === null || record.seed === undefined ? "uploaded weights" : `seed ${record.seed}`;
+  return el(
+    "li",
+    { "data-version": record.version },
+    el("strong", {}, `v${record.version}`),
+    record.label ? el("span", { class: "label" }, record.label) : null,
+    el("span", { class: "muted" }, ` ${origin} · ${fmt.when(record.created_at)}`),
+  );
+}
+
+export function modelsTable(models, versions) {
+  if (!models.length) return empty("No models registered yet (POST /v1/models, or client.register_module).");
+  const rows = models.map((m) =>
+    el(
+      "tr",
+      { "data-model": m.name },
+      el("th", { scope: "row", class: "nowrap" }, m.name),
+      el("td", {}, el("ul", { class: "versions" }, (versions.get(m.name) || [m]).map(version))),
+      el("td", { class: "num" }, fmt.count(m.num_params)),
+      el("td", {}, `${fmt.shape(m.input_shape)} ${m.input_dtype}`),
+      el("td", { class: "num" }, m.output_dim),
+      el(
+        "td",
+        { class: "arch" },
+        el("span", {}, fmt.architecture(m.architecture)),
+        el(
+          "details",
+          {},
+          el("summary", {}, `${m.parameters.length} parameter tensors`),
+          el(
+            "ul",
+            { class: "params" },
+            m.parameters.map((p) => el("li", {}, el("code", {}, p.name), ` ${fmt.shape(p.shape)}`)),
+          ),
+        ),
+      ),
+    ),
+  );
+  return table("Registered models", ["Model", "Versions", "Parameters P", "Input", "Outputs k", "Architecture"], rows);
+}
+
+export function datasetsTable(datasets) {
+  if (!datasets.length) return empty("No data sets uploaded yet (POST /v1/datasets).");
+  const rows = datasets.map((d) =>
+    el(
+      "tr",
+      { "data-dataset": d.id },
+      el("th", { scope: "row" }, el("code", {}, d.id)),
+      el("td", {}, d.name || el("span", { class: "muted" }, "—")),
+      el("td", {}, fmt.shape(d.shape)),
+      el("td", {}, d.dtype),
+      el("td", { class: "num" }, fmt.bytes(d.size_bytes)),
+      el("td", { class: "when" }, fmt.when(d.created_at)),
+    ),
+  );
+  return table("Data sets", ["Data set", "Name", "Shape", "dtype", "Size", "Uploaded"], rows);
+}
+
+function statusBadge(job) {
+  return el("span", { class: `status status-${job.status}` }, job.status);
+}
+
+function progressCell(job) {
+  return [
+    el("progress", {
+      max: Math.max(1, job.tiles_total),
+      value: job.tiles_done,
+      "aria-label": `progress of job ${job.id}`,
+    }),
+    el("span", { class: "tiles" }, ` ${job.tiles_done} / ${job.tiles_total} tiles`),
+  ];
+}
+
+function actions(job, { access, handlers }) {
+  const denied = access.canWrite ? null : "needs a write key";
+  const short = fmt.shortId(job.id);
+  const button = (action, text, extra = {}) =>
+    el("button", { type: "button", "data-action": action, "aria-label": `${text} (job ${short})`, ...extra }, text);
+  const buttons = [button("details", "Details", { onclick: () => handlers.details(job.id) })];
+  if (!FINISHED.has(job.status)) {
+    buttons.push(
+      button("cancel", "Cancel", { disabled: !access.canWrite, title: denied, onclick: () => handlers.cancel(job.id) }),
+    );
+    return buttons;
+  }
+  const remove = button("delete", "Delete", { class: "danger", disabled: !access.canWrite, title: denied });
+  // Two steps instead of window.confirm(): the same keys work, and nothing blocks the page.
+  remove.addEventListener("click", () => {
+    if (remove.dataset.armed) {
+      handlers.remove(job.id);
+      return;
+    }
+    remove.dataset.armed = "1";
+    remove.textContent = "Confirm delete";
+    remove.setAttribute("aria-label", `Confirm delete (job ${short})`);
+    setTimeout(() => {
+      delete remove.dataset.armed;
+      remove.textContent = "Delete";
+      remove.setAttribute("aria-label", `Delete (job ${short})`);
+    }, 5000);
+  });
+  buttons.push(remove);
+  return buttons;
+}
+
+// A side of a job by its data set's name (or a short id; the full id is the tooltip) and its rows.
+function side(data, names) {
+  const name = names.get(data.dataset) || fmt.shortId(data.dataset);
+  return el("span", { title: data.dataset }, `${name} [${data.start}:${data.stop}]`);
+}
+
+// ctx: {access, handlers, names} (names: data set id -> name, for the Rows column)
+export function jobRow(job, ctx) {
+  const x2 = job.x2 ? [el("br"), "× ", side(job.x2, ctx.names)] : [el("span", { class: "muted" }, " (x2 = x1)")];
+  return el(
+    "tr",
+    { "data-job": job.id, "data-status": job.status },
+    el("th", { scope: "row" }, el("code", { title: job.id }, fmt.shortId(job.id))),
+    el("td", { class: "nowrap" }, `${job.model} v${job.version}`),
+    el("td", {}, side(job.x1, ctx.names), x2),
+    el("td", {}, job.mode, el("br"), el("span", { class: "muted" }, job.implementation_used.join(", ") || job.implementation)),
+    el("td", { class: "status-cell" }, statusBadge(job), job.error ? el("div", { class: "error-text" }, job.error) : null),
+    el("td", { class: "progress-cell" }, progressCell(job)),
+    el("td", { class: "eta-cell num" }, FINISHED.has(job.status) ? "—" : fmt.duration(job.eta_s)),
+    el("td", { class: "when" }, fmt.when(job.created_at)),
+    el("td", { class: "actions" }, actions(job, ctx)),
+  );
+}
+
+export function jobsTable(jobs, ctx) {
+  if (!jobs.length) return empty("No jobs yet (POST /v1/jobs, or ntk-service jobs submit).");
+  return table(
+    "Batch jobs, newest first",
+    ["Job", "Model", "Rows", "Mode", "Status", "Progress", "ETA", "Submitted", "Actions"],
+    jobs.map((job) => jobRow(job, ctx)),
+  );
+}
+
+function named(data, names) {
+  const name = names.get(data.dataset);
+  return name ? `${name} (${fmt.rows(data)})` : fmt.rows(data);
+}
+
+export function jobDetail(job, { handlers, names }) {
+  const facts = [
+    ["Status", statusBadge(job)],
+    ["Model", `${job.model} v${job.version}`],
+    ["x1", named(job.x1, names)],
+    ["x2", job.x2 ? named(job.x2, names) : "x1 (symmetric)"],
+    ["Mode / dtype", `${job.mode} / ${job.dtype}`],
+    ["Implementation", job.implementation_used.join(", ") || job.implementation],
+    ["Result", `${fmt.shape(job.result_shape)}, ${fmt.bytes(job.estimate_bytes)}`],
+    ["Tiles", `${job.tiles_done} / ${job.tiles_total} (tile size ${job.tile_size})`],
+    ["Executor", job.executor],
+    ["Submitted / finished", `${fmt.when(job.created_at)} / ${fmt.when(job.finished_at)}`],
+  ];
+  const list = el("dl", { class: "facts" }, facts.map(([k, v]) => [el("dt", {}, k), el("dd", {}, v)]));
+  const parts = [list];
+  if (job.error) parts.push(el("p", { class: "error-text" }, job.error));
+  if (job.status === "succeeded" && !job.result_deleted_at) {
+    parts.push(
+      el(
+        "div",
+        { class: "downloads", role: "group", "aria-label": "Download the result" },
+        el("span", {}, "Download the kernel: "),
+        el("button", { type: "button", "data-download": "npy", onclick: () => handlers.download(job, "npy") }, ".npy"),
+        el(
+          "button",
+          { type: "button", "data-download": "safetensors", onclick: () => handlers.download(job, "safetensors") },
+          ".safetensors",
+        ),
+        el("span", { class: "muted" }, " (large kernels: ntk-service jobs download, which streams to a file)"),
+      ),
+      el(
+        "div",
+        { class: "figures" },
+        el("figure", { id: "spectrum-figure" }, el("p", { class: "muted" }, "computing the spectrum…")),
+        el("figure", { id: "heatmap-figure" }, el("p", { class: "muted" }, "loading a corner of Θ…")),
+      ),
+    );
+  } else if (job.result_deleted_at) {
+    parts.push(el("p", { class: "muted" }, `The result was deleted ${fmt.when(job.result_deleted_at)}.`));
+  } else if (!FINISHED.has(job.status)) {
+    parts.push(el("p", { class: "muted" }, "The spectrum and a heatmap appear here when the job has succeeded."));
+  }
+  return parts;
+}
+
+export function figure(id, blobUrl, alt, caption) {
+  const target = document.getElementById(id);
+  if (!target) return;
+  target.replaceChildren(el("img", { src: blobUrl, alt }), el("figcaption", {}, caption));
+}
+
+export function figureError(id, message) {
+  const target = document.getElementById(id);
+  if (target) target.replaceChildren(el("p", { class: "error-text" }, message));
+}
+
+export function figureNote(id, text) {
+  const target = document.getElementById(id);
+  if (target) target.replaceChildren(el("p", { class: "muted" }, text));
+}
+
+export function figureAction(id, text, onclick) {
+  const target = document.getElementById(id);
+  if (target) target.replaceChildren(el("button", { type: "button", "data-action": "spectrum", onclick }, text));
+}
