@@ -3,30 +3,67 @@
 A plain loop: for every example and every output, one ``torch.autograd.grad`` of that scalar w.r.t. the selected
 parameters builds the row J_a(x) explicitly; then Θ(x1_n, x2_m)[a, b] = J_a(x1_n) · J_b(x2_m). No vmap, no
 torch.func, nothing shared with ntk_service.kernels.
+
+Inputs may be a tensor, a tuple of tensors (forward's positional arguments) or a mapping of them (keyword
+arguments), each batched on dim 0; the example is sliced out of every leaf by hand. ``output`` is a plain Python
+callable from what forward returns to the tensor (1, *out), e.g. ``lambda out: out["logits"][:, 0]``: written by
+the test, not parsed by the engine's ``output=`` grammar.
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
+Inputs = torch.Tensor | tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
 
-def reference_jacobian(model: nn.Module, x: torch.Tensor, params: Sequence[str] | None = None) -> torch.Tensor:
-    """J of each example, float64: (n, k, P), parameters in ``named_parameters()`` order (tied once)."""
+
+def _example(x: Inputs, i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """(args, kwargs) of example i: float leaves in float64, integer leaves unchanged."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = torch.as_tensor(t)[i : i + 1]
+        return t.double() if t.is_floating_point() else t
+
+    if isinstance(x, Mapping):
+        return (), {name: one(t) for name, t in x.items()}
+    if isinstance(x, tuple | list):
+        return tuple(one(t) for t in x), {}
+    return (one(x),), {}
+
+
+def _size(x: Inputs) -> int:
+    if isinstance(x, Mapping):
+        return len(next(iter(x.values())))
+    if isinstance(x, tuple | list):
+        return len(x[0])
+    return x.shape[0]
+
+
+def reference_jacobian(
+    model: nn.Module,
+    x: Inputs,
+    params: Sequence[str] | None = None,
+    output: Callable[[Any], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """J of each example, float64: (n, k, P), parameters in ``named_parameters()`` order (tied once); ``output``
+    picks the tensor from what forward returns (see the module docstring)."""
     model = copy.deepcopy(model).double().eval()
     named = [
         (name, p)
         for name, p in model.named_parameters()
         if params is None or any(fnmatch.fnmatchcase(name, g) for g in params)
     ]
-    x = x.double() if x.is_floating_point() else x
     rows = []
-    for i in range(x.shape[0]):
-        out = model(x[i : i + 1]).reshape(-1)
+    for i in range(_size(x)):
+        args, kwargs = _example(x, i)
+        raw = model(*args, **kwargs)
+        out = (raw if output is None else output(raw)).reshape(-1)
         per_output = []
         for a in range(out.shape[0]):
             grads = torch.autograd.grad(out[a], [p for _, p in named], retain_graph=True, allow_unused=True)
@@ -44,15 +81,16 @@ def reference_jacobian(model: nn.Module, x: torch.Tensor, params: Sequence[str] 
 
 def reference_ntk(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None = None,
+    x1: Inputs,
+    x2: Inputs | None = None,
     mode: str = "full",
     params: Sequence[str] | None = None,
+    output: Callable[[Any], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Θ(x1, x2) in float64 for ``mode`` ("full", "trace", "example_diagonal", "output_diagonal", "pseudo": the
-    FULL kernel summed over both output axes, divided by k)."""
-    j1 = reference_jacobian(model, x1, params)
-    j2 = j1 if x2 is None else reference_jacobian(model, x2, params)
+    FULL kernel summed over both output axes, divided by k); inputs and ``output`` as ``reference_jacobian``."""
+    j1 = reference_jacobian(model, x1, params, output)
+    j2 = j1 if x2 is None else reference_jacobian(model, x2, params, output)
     return reference_kernel(j1, j2, mode)
 
 

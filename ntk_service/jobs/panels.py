@@ -29,15 +29,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import nn
 
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.kernels.algorithm import NtkAlgorithm
+from ntk_service.kernels.batch import Batch
+from ntk_service.kernels.choice import loop_implementation
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
+from ntk_service.kernels.outputs import parse_output
 from ntk_service.kernels.problem_pool import prepared_problem
 from ntk_service.kernels.structured import Structured
 from ntk_service.kernels.types import NtkImplementation
@@ -138,7 +140,7 @@ def plan_panels(plan: TilePlan, *, panel_tiles: int) -> tuple[Panel, ...]:
 
 def estimate_panel_flops(
     model: nn.Module,
-    example: torch.Tensor,
+    example: Batch,
     *,
     rows: int,
     cols: int,
@@ -146,19 +148,21 @@ def estimate_panel_flops(
     implementation: NtkImplementation,
     params: Sequence[str] | None,
     dtype: str,
+    output: str | None = None,
 ) -> float:
     """The engine's FLOP estimate of one ``rows × cols`` kernel block of ``model`` (the cheapest implementation for
     AUTO, as AUTO would run it).
 
     Args:
         model: the job's model. example: (1, *input) one example (sets the per-example shapes and [FP]).
-        rows, cols: the block's examples per side. mode, implementation, params, dtype: the job's.
+        rows, cols: the block's examples per side. mode, implementation, params, dtype, output: the job's.
 
     Returns:
         Estimated FLOPs (sides and contraction).
     """
-    with prepared_problem(model, example, None, params=params, dtype=dtype) as prepared:
+    with prepared_problem(model, example, None, params=params, dtype=dtype, output=parse_output(output)) as prepared:
         problem = prepared.problem
+        implementation = loop_implementation(implementation, problem)
         if implementation is NtkImplementation.AUTO:
             return min(alg.flops(problem, rows, cols, mode) for alg in _ALGORITHMS.values())
         return _ALGORITHMS[implementation].flops(problem, rows, cols, mode)

@@ -44,6 +44,7 @@ class JobSpec:
         memory_budget_bytes: the engine's budget per tile, fixed at submission so every tile (and every resumed
             run) plans its chunks the same way, which keeps results bitwise reproducible.
         x1_start, x2_start: first data-set row of x1 and x2 (rows ``[start, start + n)`` are used).
+        output: the ``compute_ntk`` ``output=`` path (a model returning a mapping), None for a tensor.
         panel_tiles: tiles per panel side (``jobs/panels.py``), fixed at submission so a resumed job cuts the same
             panels and computes the same bits; 1 (a panel per tile) for jobs from before panels.
     """
@@ -66,6 +67,7 @@ class JobSpec:
     memory_budget_bytes: int | None = None
     x1_start: int = 0
     x2_start: int = 0
+    output: str | None = None
     panel_tiles: int = 1
 
     @property

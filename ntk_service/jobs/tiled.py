@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,9 @@ from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
 from ntk_service.jobs.view import ResultView, open_result
 from ntk_service.kernels import compute_ntk, model_device, parse_device, place_module
+from ntk_service.kernels.batch import Batch, batch_size, check_sides, leaves, take
 from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.outputs import parse_output, select_output
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
 __all__ = ["compute_ntk_tiled", "module_sha256", "tensor_sha256"]
@@ -115,10 +118,11 @@ def _as_tensor(x: Any, name: str) -> torch.Tensor:
 
 def compute_ntk_tiled(
     model: nn.Module,
-    x1: torch.Tensor | np.ndarray,
-    x2: torch.Tensor | np.ndarray | None = None,
+    x1: torch.Tensor | np.ndarray | tuple[Any, ...] | Mapping[str, Any],
+    x2: torch.Tensor | np.ndarray | tuple[Any, ...] | Mapping[str, Any] | None = None,
     *,
     out: str | Path,
+    output: str | None = None,
     mode: KernelMode | str = KernelMode.FULL,
     tile_size: int = DEFAULT_TILE_SIZE,
     implementation: str = "auto",
@@ -135,13 +139,15 @@ def compute_ntk_tiled(
 
     Args:
         model (nn.Module): the model (never mutated).
-        x1: (N, *input) tensor or array. x2: (M, *input), or None for x2 = x1 (only tiles on and above the
+        x1: (N, *input) tensor or array, or a tuple / mapping of them (forward's positional / keyword inputs, as
+            ``compute_ntk``). x2: (M, *input) of the same kind, or None for x2 = x1 (only tiles on and above the
             diagonal are computed; reads mirror the rest). Default: None.
         out (str | Path): the result group to write, e.g. ``"kernel.zarr"`` (a folder; ``xarray.open_zarr`` and
             ``zarr.open_group`` open it, ``open_result`` reads it with the symmetry).
         mode: "full", "trace", "output_diagonal" or "example_diagonal". Default: "full".
         tile_size (int): examples per tile side. Default: ``DEFAULT_TILE_SIZE``.
-        implementation, dtype, params: as for ``compute_ntk``. Default: "auto", "float32", all parameters.
+        implementation, dtype, params, output: as for ``compute_ntk``. Default: "auto", "float32", all
+            parameters, None (forward returns a tensor).
         memory_budget_bytes (int | None): the engine's budget per tile. Default: the stored one when resuming,
             else the engine's default now (stored, so a resumed run chunks the same way).
         panel_tiles (int | None): tiles per panel side, the work unit (``jobs/panels.py``): one ``compute_ntk``
@@ -176,15 +182,19 @@ def compute_ntk_tiled(
     impl = parse_implementation(implementation)
     if dtype not in _DTYPES:
         raise InvalidInput(f"compute_ntk_tiled: dtype {dtype!r} is not supported; use 'float32' or 'float64'")
-    t1 = _as_tensor(x1, "x1")
-    t2 = None if x2 is None else _as_tensor(x2, "x2")
-    if t2 is not None and tuple(t2.shape[1:]) != tuple(t1.shape[1:]):
+    t1 = _as_inputs(x1, "x1")
+    t2 = None if x2 is None else _as_inputs(x2, "x2")
+    if t2 is None:
+        pass
+    elif not isinstance(t1, torch.Tensor) or not isinstance(t2, torch.Tensor):
+        t2 = check_sides(t1, t2, operation="compute_ntk_tiled")  # names, shapes and kinds of a tuple or mapping
+    elif tuple(t2.shape[1:]) != tuple(t1.shape[1:]):
         raise ShapeMismatch(
             f"compute_ntk_tiled: x2 has examples of shape {tuple(t2.shape[1:])}, x1 has {tuple(t1.shape[1:])}; "
             "both sides must match"
         )
-    m = None if t2 is None else int(t2.shape[0])
-    plan = plan_tiles(n=int(t1.shape[0]), m=m, tile_size=tile_size, mode=kernel_mode)
+    m = None if t2 is None else batch_size(t2)
+    plan = plan_tiles(n=batch_size(t1), m=m, tile_size=tile_size, mode=kernel_mode)
     path = Path(out).absolute()  # Ray workers run elsewhere (their own cwd): they get the absolute path
     if not resume:
         _check_overwritable(path)
@@ -198,9 +208,10 @@ def compute_ntk_tiled(
         memory_budget_bytes = int(stored) if stored is not None else runner.memory_budget()
     probe = compute_ntk(
         model,
-        t1[:1],
-        None if t2 is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL else t2[:1],
+        take(t1, 0, 1),
+        None if t2 is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL else take(t2, 0, 1),
         mode=kernel_mode,
+        output=output,
         implementation=impl.value,
         params=params,
         dtype=dtype,
@@ -208,11 +219,13 @@ def compute_ntk_tiled(
         device=dev if isinstance(runner, LocalExecutor) else None,
     )
     # TRACE sums the outputs away; k (for the metadata) then comes from one forward pass of one example.
-    k = _outputs(model, t1) if kernel_mode is KernelMode.TRACE else int(probe.theta.shape[-1])
+    k = _outputs(model, t1, output) if kernel_mode is KernelMode.TRACE else int(probe.theta.shape[-1])
     if panel_tiles is None and existing is not None:
         panel_tiles = int((existing.attributes.get("spec") or {}).get("panel_tiles", 1))
     if panel_tiles is None:
-        panel_tiles = _panel_tiles(runner, model, t1[:1], plan, k, impl, params, dtype, memory_budget_bytes)
+        panel_tiles = _panel_tiles(
+            runner, model, take(t1, 0, 1), plan, k, impl, params, dtype, memory_budget_bytes, output
+        )
     elif panel_tiles < 1:
         raise InvalidInput(f"compute_ntk_tiled: panel_tiles must be ≥ 1, got {panel_tiles}; omit it for the default")
     spec = JobSpec(
@@ -221,8 +234,8 @@ def compute_ntk_tiled(
         weights_sha256=module_sha256(model),
         x1_dataset=_IN_MEMORY,
         x2_dataset=None if t2 is None else _IN_MEMORY,
-        x1_sha256=tensor_sha256(t1),
-        x2_sha256=None if t2 is None else tensor_sha256(t2),
+        x1_sha256=inputs_sha256(t1),
+        x2_sha256=None if t2 is None else inputs_sha256(t2),
         n=plan.n,
         m=plan.m,
         k=k,
@@ -232,6 +245,7 @@ def compute_ntk_tiled(
         params=None if params is None else list(params),
         tile_size=tile_size,
         memory_budget_bytes=memory_budget_bytes,
+        output=output,
         panel_tiles=panel_tiles,
     )
     if existing is not None:
@@ -269,13 +283,14 @@ def compute_ntk_tiled(
 def _panel_tiles(
     runner: Executor,
     model: nn.Module,
-    example: torch.Tensor,
+    example: Batch,
     plan: TilePlan,
     k: int,
     implementation: NtkImplementation,
     params: list[str] | None,
     dtype: str,
     budget: int | None,
+    output: str | None,
 ) -> int:
     def flops_of(rows: int, cols: int) -> float:
         return estimate_panel_flops(
@@ -287,6 +302,7 @@ def _panel_tiles(
             implementation=implementation,
             params=params,
             dtype=dtype,
+            output=output,
         )
 
     itemsize = 4 if dtype == "float32" else 8
@@ -301,9 +317,35 @@ def _panel_tiles(
     )
 
 
-def _outputs(model: nn.Module, x1: torch.Tensor) -> int:
+def _outputs(model: nn.Module, x1: Batch, output: str | None) -> int:
+    """k: the size per example of the (selected) output, from one forward pass of one example."""
+    first = take(x1, 0, 1)
     with torch.no_grad():
-        return int(model(x1[:1]).reshape(1, -1).shape[1])
+        if isinstance(first, torch.Tensor):
+            raw = model(first)
+        else:
+            raw = model(*first) if isinstance(first, tuple) else model(**first)
+    out = raw if isinstance(raw, torch.Tensor) and output is None else select_output(raw, parse_output(output))
+    return int(out.reshape(1, -1).shape[1])
+
+
+def _as_inputs(x: Any, name: str) -> Batch:
+    """A tensor, or a tuple / mapping of tensors (each leaf as ``_as_tensor``), for ``compute_ntk``."""
+    if isinstance(x, Mapping):
+        return {key: _as_tensor(value, f"{name}[{key!r}]") for key, value in x.items()}
+    if isinstance(x, tuple):  # a list stays one array-like, as before
+        return tuple(_as_tensor(value, f"{name}[{i}]") for i, value in enumerate(x))
+    return _as_tensor(x, name)
+
+
+def inputs_sha256(x: Batch) -> str:
+    """``tensor_sha256`` of a tensor; of a tuple / mapping, sha256 over each leaf's name and hash."""
+    if isinstance(x, torch.Tensor):
+        return tensor_sha256(x)
+    digest = hashlib.sha256(type(x).__name__.encode())
+    for name, leaf in leaves(x):
+        digest.update(f"{name}:{tensor_sha256(leaf)}".encode())
+    return digest.hexdigest()
 
 
 def _refuse_server_result(path: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ntk_service.kernels.batch import Batch
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NtkImplementation
@@ -41,11 +42,11 @@ class NtkAlgorithm(Protocol):
     right_is_left: bool
     """True when the right side of a block equals its left side (so x2 = x1 reuses it)."""
 
-    def left(self, problem: NtkProblem, x: torch.Tensor) -> Side:
+    def left(self, problem: NtkProblem, x: Batch) -> Side:
         """The x1-side of a block x (n, *input)."""
         ...
 
-    def right(self, problem: NtkProblem, x: torch.Tensor) -> Side:
+    def right(self, problem: NtkProblem, x: Batch) -> Side:
         """The x2-side of a block x (m, *input)."""
         ...
 

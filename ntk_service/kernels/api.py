@@ -33,12 +33,14 @@ import torch
 from torch import nn
 
 from ntk_service.kernels.allocator import retain_freed_memory
+from ntk_service.kernels.batch import Inputs, batch_size
 from ntk_service.kernels.blocks import run_blocks
-from ntk_service.kernels.choice import ALGORITHMS, choose
+from ntk_service.kernels.choice import ALGORITHMS, choose, loop_implementation
 from ntk_service.kernels.device import device_memory_budget, model_device, parse_device, tf32_policy
 from ntk_service.kernels.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, Shorthands, resolve_options
+from ntk_service.kernels.outputs import OutputPath, parse_output
 from ntk_service.kernels.parameter_selection import select_parameters
 from ntk_service.kernels.private_module import check_model
 from ntk_service.kernels.problem_pool import prepared_problem
@@ -52,11 +54,12 @@ __all__ = ["DEFAULT_IMPLEMENTATION", "compute_ntk", "compute_ntk_groups", "warm_
 
 def compute_ntk(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None = None,
+    x1: Inputs,
+    x2: Inputs | None = None,
     *,
     mode: KernelMode | DerivedMode | str = KernelMode.FULL,
     params: Sequence[str] | None = None,
+    output: str | None = None,
     options: NtkOptions | None = None,
     side_cache: SideCache | None = None,
     x1_key: Hashable | None = None,
@@ -73,15 +76,22 @@ def compute_ntk(
     Args:
         model (nn.Module): maps a batch (N, *input) to (N, *out); k = prod(out). Run in eval semantics
             (dropout off) and never mutated; BatchNorm in train mode is refused.
-        x1 (Tensor): (N, *input), float or integer (token ids).
-        x2 (Tensor, optional): (M, *input). Default: None, meaning x2 = x1: the x1 side is computed once and
-            the result is exactly symmetric.
+        x1 (Tensor, tuple or mapping): (N, *input), float or integer (token ids); or a tuple of such tensors
+            (forward's positional arguments) or a mapping name -> tensor (keyword arguments, e.g.
+            ``{"input_ids": ids, "attention_mask": mask}``), every leaf with the same N. Integer leaves are data,
+            never differentiated; ids that feed an nn.Embedding are checked against its vocabulary.
+        x2 (same kind as x1, optional): (M, *input), with x1's names and per-example shapes. Default: None,
+            meaning x2 = x1: the x1 side is computed once and the result is exactly symmetric.
         mode (KernelMode or str): "full" (N, M, k, k), "trace" (N, M) (the plain sum over outputs;
             neural-tangents divides by k), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k),
             "pseudo" (N, M): the pseudo-NTK (1/k) Σ_ab Θ_ab from one gradient per example (``pseudo.py``).
             Default: "full".
         params (list of str, optional): glob patterns over parameter names, e.g. ``["head.*"]``: the kernel
             of that subset only. Tied weights count once. Default: None (all parameters).
+        output (str, optional): which tensor of forward's return value is f: a key or attribute name
+            (``"logits"`` of a dict or a Hugging Face ``ModelOutput``) or a path with indexing, e.g.
+            ``"logits[:, 0]"`` (parsed, never evaluated: ``outputs.py``); k = its size per example. Default:
+            None (forward returns a tensor).
         options (NtkOptions, optional): how to compute: implementation, dtype, memory budget, device, TF32 and
             the structured engine's fast paths (``options.py``). Default: None, ``NtkOptions()`` (auto, the
             model's dtype and device, half the available memory, no TF32, every fast path on).
@@ -95,14 +105,18 @@ def compute_ntk(
     Returns:
         NtkResult: ``theta`` (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k)
         OUTPUT_DIAGONAL, (N, M) PSEUDO, on the computing device; plus the mode, the implementation that ran and the
-        memory estimate.
+        memory estimate; ``per_example_loop`` when the model refused ``vmap`` over examples (NOTE [per-example
+        loop] in jacobian_contraction.py).
 
     Raises:
         InvalidInput: bad input: UnknownMode, UnknownImplementation, ShapeMismatch, EmptyBatch, NonFiniteInput,
-            NoMatchingParameters, UnsupportedModel or UnknownDevice; loose keywords given with ``options``.
+            NoMatchingParameters, UnsupportedModel or UnknownDevice; loose keywords given with ``options``; inputs
+            with different N, names of x2 that differ from x1's, a float input that feeds an nn.Embedding, ids
+            outside its vocabulary, an ``output`` path that is not in what forward returns (each naming the leaf).
         MemoryEstimateExceeded: even the smallest blocks would not fit the budget (before allocating).
     """
     kernel_mode = parse_any_mode(mode)
+    path = parse_output(output)
     loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
     opts = resolve_options(options, loose, operation="compute_ntk")
     device_of = model
@@ -110,20 +124,21 @@ def compute_ntk(
         check_model(model)
         if params is not None:
             select_parameters(model, params)  # bad globs are reported in the model's own names
-        model, params = SummedOutputs(model), pseudo_params(params)
+        model, params, path = SummedOutputs(model, path), pseudo_params(params), None
         x1_key, x2_key = pseudo_key(x1_key), pseudo_key(x2_key)
-    result = _compute(model, x1, x2, kernel_mode, params, opts, side_cache, (x1_key, x2_key), device_of)
+    result = _compute(model, x1, x2, kernel_mode, params, opts, side_cache, (x1_key, x2_key), device_of, output=path)
     return result if result.mode is kernel_mode else dataclasses.replace(result, mode=kernel_mode)
 
 
 def compute_ntk_groups(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None = None,
+    x1: Inputs,
+    x2: Inputs | None = None,
     *,
     groups: GroupSpec,
     rest: bool = False,
     mode: KernelMode | DerivedMode | str = KernelMode.FULL,
+    output: str | None = None,
     options: NtkOptions | None = None,
     side_cache: SideCache | None = None,
     x1_key: Hashable | None = None,
@@ -145,8 +160,8 @@ def compute_ntk_groups(
         {'0': (5, 5), '2': (5, 5)}
 
     Args:
-        model, x1, x2, mode, options, side_cache, x1_key, x2_key: as for ``compute_ntk``; every mode, "pseudo"
-            included.
+        model, x1, x2, mode, output, options, side_cache, x1_key, x2_key: as for ``compute_ntk``; every mode,
+            "pseudo" included.
         groups (dict or str): ``{"name": ["glob", ...]}`` over ``named_parameters()`` names (a tied weight
             answers to each of its names), or ``"modules"``: one group per module with parameters of its own,
             named by its ``named_modules()`` name ("<root>" for the model's own). Groups must not overlap and
@@ -167,16 +182,19 @@ def compute_ntk_groups(
         MemoryEstimateExceeded: the G results and block buffers would not fit the budget (before allocating).
     """
     kernel_mode = parse_any_mode(mode, operation="compute_ntk_groups")
+    path = parse_output(output, operation="compute_ntk_groups")
     loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
     opts = resolve_options(options, loose, operation="compute_ntk_groups")
     check_model(model)
     resolved = engine_groups = parameter_groups(model, groups, rest=rest)
     device_of = model
     if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel of Σ_a f_a / √k, whose parameters gain a prefix
-        model, engine_groups = SummedOutputs(model), resolved.prefixed(SUMMED_OUTPUTS_PREFIX)
+        model, engine_groups, path = SummedOutputs(model, path), resolved.prefixed(SUMMED_OUTPUTS_PREFIX), None
         x1_key, x2_key = pseudo_key(x1_key), pseudo_key(x2_key)
     params = [glob.escape(name) for name in engine_groups.selected()]  # exact names, as globs
-    result = _compute(model, x1, x2, kernel_mode, params, opts, side_cache, (x1_key, x2_key), device_of, engine_groups)
+    result = _compute(
+        model, x1, x2, kernel_mode, params, opts, side_cache, (x1_key, x2_key), device_of, engine_groups, path
+    )
     stacked = result.theta
     return NtkGroupsResult(
         thetas={name: stacked[g] for g, name in enumerate(resolved.names)},
@@ -186,6 +204,7 @@ def compute_ntk_groups(
         implementation=result.implementation,
         estimate_bytes=result.estimate_bytes,
         block_size=result.block_size,
+        per_example_loop=result.per_example_loop,
     )
 
 
@@ -201,8 +220,8 @@ def _on_device(device: torch.device, allow_tf32: bool) -> contextlib.AbstractCon
 
 def _compute(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Inputs,
+    x2: Inputs | None,
     mode: KernelMode | DerivedMode,
     params: Sequence[str] | None,
     options: NtkOptions,
@@ -210,6 +229,7 @@ def _compute(
     keys: tuple[Hashable | None, Hashable | None],
     device_of: nn.Module,
     groups: ParameterGroups | None = None,
+    output: OutputPath | None = None,
 ) -> NtkResult:
     """The kernel of a checked call (PSEUDO already rewritten to the TRACE kernel of ``model``): the options
     resolved into what the engine takes, the problem prepared, the implementation chosen and its blocks run; with
@@ -220,16 +240,15 @@ def _compute(
     budget = device_memory_budget(dev) if options.memory_budget_bytes is None else options.memory_budget_bytes
     with (
         _on_device(dev, options.allow_tf32),
-        prepared_problem(model, x1, x2, params=params, dtype=options.dtype, device=dev) as prepared,
+        prepared_problem(model, x1, x2, params=params, dtype=options.dtype, device=dev, output=output) as prepared,
     ):
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
-        n = x1t.shape[0]
+        n = batch_size(x1t)
         symmetric = x2t is None or engine_mode is KernelMode.EXAMPLE_DIAGONAL
-        m = n if x2t is None else x2t.shape[0]
+        m = n if x2t is None else batch_size(x2t)
         kernels = 0 if groups is None else len(groups)
-        alg, plan = choose(
-            options.implementation, (problem, n, m, engine_mode, symmetric), budget, kernels, options.structured
-        )
+        implementation = loop_implementation(options.implementation, problem)
+        alg, plan = choose(implementation, (problem, n, m, engine_mode, symmetric), budget, kernels, options.structured)
         theta = run_blocks(
             alg,
             problem,
@@ -248,6 +267,7 @@ def _compute(
         implementation=alg.implementation,
         estimate_bytes=plan.estimate_bytes,
         block_size=plan.block_n,
+        per_example_loop=problem.per_example_loop,
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Hashable
 import torch
 
 from ntk_service.kernels.algorithm import NtkAlgorithm, Side
+from ntk_service.kernels.batch import Batch, batch_size, take
 from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.planning import BlockPlan
@@ -57,7 +58,7 @@ class _Sides:
         self.alg, self.problem, self.cache, self.cache_tag = alg, problem, cache, cache_tag
         self.kept: dict[tuple[bool, int, int, int], Side] = {}
 
-    def get(self, x: torch.Tensor, start: int, stop: int, *, left: bool, key: Hashable | None, keep: bool) -> Side:
+    def get(self, x: Batch, start: int, stop: int, *, left: bool, key: Hashable | None, keep: bool) -> Side:
         role = left or self.alg.right_is_left  # right sides equal to left sides share entries
         local = (role, start, stop, id(x))  # ...of the same tensor only: x2's blocks are not x1's
         if local in self.kept:
@@ -65,7 +66,7 @@ class _Sides:
         cache_key = None if key is None or self.cache is None else (key, self.cache_tag, role, start, stop)
         side = None if cache_key is None or self.cache is None else self.cache.get(cache_key)
         if side is None:
-            block = x[start:stop]
+            block = take(x, start, stop)
             side = self.alg.left(self.problem, block) if left else self.alg.right(self.problem, block)
             if cache_key is not None and self.cache is not None:
                 self.cache.put(cache_key, side)
@@ -77,8 +78,8 @@ class _Sides:
 def run_blocks(
     alg: NtkAlgorithm,
     problem: NtkProblem,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     mode: KernelMode,
     plan: BlockPlan,
     *,
@@ -104,10 +105,10 @@ def run_blocks(
         theta: (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k) OUTPUT_DIAGONAL; with
         ``groups`` (G, *that), one per group.
     """
-    n = x1.shape[0]
+    n = batch_size(x1)
     symmetric = x2 is None
     xr = x1 if x2 is None else x2
-    m = xr.shape[0]
+    m = batch_size(xr)
     right_key = x1_key if symmetric else x2_key
     tag = (alg.implementation.value, tuple(problem.params), str(problem.dtype))
     sides = _Sides(alg, problem, side_cache, tag)

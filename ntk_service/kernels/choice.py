@@ -26,7 +26,7 @@ when the plan is the planner's first candidate and the implementation the cheape
 
 from __future__ import annotations
 
-from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation
+from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation, UnsupportedModel
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.device import model_device
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
@@ -36,7 +36,7 @@ from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured import Structured, StructuredOptions
 from ntk_service.kernels.types import NtkImplementation
 
-__all__ = ["ALGORITHMS", "GROUP_ALGORITHMS", "choose", "plan_choice"]
+__all__ = ["ALGORITHMS", "GROUP_ALGORITHMS", "choose", "loop_implementation", "plan_choice"]
 
 ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
     NtkImplementation.JACOBIAN_CONTRACTION: JacobianContraction(),
@@ -170,3 +170,22 @@ def plan_choice(
         raise refusal
     cost, alg, plan = best
     return alg, plan, plan.first_choice and cost <= min(costs.values())
+
+
+def loop_implementation(implementation: NtkImplementation, problem: NtkProblem) -> NtkImplementation:
+    """The implementation for a problem that refused ``vmap`` over examples (NOTE [per-example loop] in
+    jacobian_contraction.py): AUTO takes the Jacobian contraction, whose per-example loop works; the others
+    batch examples through ``vmap`` and are refused up front. Any other problem: ``implementation`` unchanged.
+
+    Raises:
+        UnsupportedModel: NTK_VECTOR_PRODUCTS or STRUCTURED asked for such a problem.
+    """
+    if not problem.per_example_loop or implementation is NtkImplementation.JACOBIAN_CONTRACTION:
+        return implementation
+    if implementation is NtkImplementation.AUTO:
+        return NtkImplementation.JACOBIAN_CONTRACTION
+    raise UnsupportedModel(
+        f"compute_ntk: implementation {implementation.value!r} evaluates examples under torch.func.vmap, which this "
+        "model refuses (data-dependent control flow, e.g. a branch on an attention mask's values); use "
+        "implementation='jacobian_contraction' or 'auto', which build its Jacobians one example at a time"
+    )

@@ -4,7 +4,7 @@ imports of ``ntk_service.kernels.functional`` keep working. New code imports fro
 - ``problem.py``: ``NtkProblem``, the prepared model;
 - ``private_module.py``: ``check_model``, ``private_copy``, ``eval_semantics`` (NOTE [private module]);
 - ``parameter_selection.py``: ``select_parameters``;
-- ``inputs.py``: ``validate_inputs``;
+- ``inputs.py``: ``validate_inputs`` (tensors, and tuples or mappings of them through ``batch.py``);
 - ``probe.py``: ``probe_model`` and ``PROBE_EXAMPLES``;
 - ``preparation.py``: ``prepare_problem``, ``build_problem``.
 """

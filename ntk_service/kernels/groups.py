@@ -230,6 +230,7 @@ class NtkGroupsResult:
         implementation: the implementation that ran (never AUTO).
         estimate_bytes: the planned peak memory, all G results included.
         block_size: examples per block along N and M (N when unchunked).
+        per_example_loop: as ``NtkResult.per_example_loop``.
     """
 
     thetas: dict[str, torch.Tensor]
@@ -239,6 +240,7 @@ class NtkGroupsResult:
     implementation: NtkImplementation
     estimate_bytes: int
     block_size: int
+    per_example_loop: bool = False
 
     def total(self) -> torch.Tensor:
         """Σ_g Θ_g: the kernel of every grouped parameter (``compute_ntk`` with those parameters, to round-off)."""

@@ -1,5 +1,6 @@
 """The inputs of a kernel call as tensors: the compute dtype resolved, x1 and x2 checked (a batch, not empty,
-finite, one per-example shape, both float or both integer)."""
+finite, one per-example shape, both float or both integer); a tuple or mapping of inputs checked leaf by leaf as a
+``Batch`` (``batch.py``)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,23 @@ import torch
 from torch import nn
 
 from ntk_service.errors import EmptyBatch, InvalidInput, NonFiniteInput, ShapeMismatch
+from ntk_service.kernels.batch import Batch, as_batch, check_sides, is_batch
 
 __all__ = ["validate_inputs"]
 
 
 def validate_inputs(
     module: nn.Module, x1: object, x2: object | None, dtype: torch.dtype | str | None
-) -> tuple[torch.dtype, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.dtype, Batch, Batch | None]:
     """The compute dtype and the inputs as tensors: x1 (N, *input), x2 (M, *input) or None (see
-    ``prepare_problem``)."""
+    ``prepare_problem``); a tuple or mapping of inputs as a ``Batch`` of such leaves (``batch.as_batch``)."""
     compute_dtype = _resolve_dtype(module, dtype)
+    if is_batch(x1) or is_batch(x2):
+        b1 = as_batch(x1, "x1", compute_dtype) if is_batch(x1) else _as_input(x1, "x1", compute_dtype)
+        if x2 is None:
+            return compute_dtype, b1, None
+        b2 = as_batch(x2, "x2", compute_dtype) if is_batch(x2) else _as_input(x2, "x2", compute_dtype)
+        return compute_dtype, b1, check_sides(b1, b2)
     x1t = _as_input(x1, "x1", compute_dtype)
     x2t = None if x2 is None else _as_input(x2, "x2", compute_dtype)
     if x2t is not None:

@@ -35,21 +35,31 @@ transformer: 6 MiB against 17 MiB per example) chunking saves under half the sid
 chunks of 32 the transformer's N = 64 TRACE kernel took 1.81 user s against 1.58 in one call (the tutorial 1.59;
 chunks of 16: 2.25), so such a side is one call, the tutorial's exact work. A tighter budget is met by smaller
 blocks (``plan_blocks``).
+
+NOTE [per-example loop]: a model whose forward branches on values (Hugging Face BERT's attention mask:
+``if padding_mask.all(): ...``) is refused by ``vmap`` as data-dependent control flow. The probe
+(``probe._check_independent``) then evaluates it one example at a time and, when that works, declares
+``NtkProblem.per_example_loop``: the Jacobians are built by one ``jacrev`` per example (the same numbers, n calls
+instead of one batched call), AUTO takes this implementation, and the result says so (``NtkResult.per_example_loop``).
+The implementations that must batch examples through ``vmap`` (NTK-vector products, the structured capture) refuse
+such a problem up front with a message naming this one.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.func import jacrev, vmap
 
 from ntk_service.kernels.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES
-from ntk_service.kernels.functional import NtkProblem
+from ntk_service.kernels.batch import Batch, batch_size, concat, one_example, take
 from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
 __all__ = [
@@ -85,7 +95,7 @@ as ``vmap(jacrev)`` returned them (NOTE [Jacobian chunks]: never copied into one
 
 
 def jacobian_chunks(
-    problem: NtkProblem, x: torch.Tensor, *, chunk: int | None = None, affine_bn: bool = True
+    problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True
 ) -> JacobianChunks:
     """Per-example Jacobians of the selected parameters, one ``vmap(jacrev)`` call per chunk of examples.
 
@@ -99,22 +109,31 @@ def jacobian_chunks(
         The chunks in order, each name -> (c, k, p) with p = numel of that parameter; the c sum to n, and
         as many calls as ``chunk`` needs are evened out (128 in 4 x 32, not 3 x 35 + 23).
     """
-    n, k = x.shape[0], problem.k
+    n, k = batch_size(x), problem.k
     chunk = jacobian_chunk(problem) if chunk is None else chunk
     calls = -(-n // max(1, chunk))
     size = -(-n // calls)
     scope = batchnorm_scope(problem.module) if affine_bn else contextlib.nullcontext()
-    build = vmap(jacrev(problem.f_single), (None, 0))
+    build = vmap(jacrev(problem.f_single), (None, 0)) if not problem.per_example_loop else _looped(problem)
     with math_attention(), scope:
         return tuple(
-            {name: j.reshape(j.shape[0], k, -1) for name, j in build(problem.params, x[i0 : i0 + size]).items()}
+            {name: j.reshape(j.shape[0], k, -1) for name, j in build(problem.params, take(x, i0, i0 + size)).items()}
             for i0 in range(0, n, size)
         )
 
 
-def jacobians(
-    problem: NtkProblem, x: torch.Tensor, *, chunk: int | None = None, affine_bn: bool = True
-) -> NamedTensors:
+def _looped(problem: NtkProblem) -> Callable[[NamedTensors, Batch], NamedTensors]:
+    """``vmap(jacrev(f_single))`` as a loop of one ``jacrev`` per example (NOTE [per-example loop])."""
+    one = jacrev(problem.f_single)
+
+    def build(params: NamedTensors, x: Batch) -> NamedTensors:
+        rows = [one(params, one_example(x, i)) for i in range(batch_size(x))]
+        return {name: torch.stack([row[name] for row in rows]) for name in params}
+
+    return build
+
+
+def jacobians(problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True) -> NamedTensors:
     """Per-example Jacobians of the selected parameters as one tensor per parameter (``jacobian_chunks``
     concatenated when there is more than one chunk).
 
@@ -277,14 +296,12 @@ class JacobianContraction:
     implementation = NtkImplementation.JACOBIAN_CONTRACTION
     right_is_left = True
 
-    def left(self, problem: NtkProblem, x: torch.Tensor) -> JacobianChunks:
+    def left(self, problem: NtkProblem, x: Batch) -> JacobianChunks:
         return jacobian_chunks(problem, x)
 
-    def joint_sides(
-        self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor
-    ) -> tuple[JacobianChunks, JacobianChunks]:
+    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[JacobianChunks, JacobianChunks]:
         """The Jacobians of x1 and of x2 from one pass over both (views)."""
-        return split_chunks(self.left(problem, torch.cat([x1, x2])), x1.shape[0])
+        return split_chunks(self.left(problem, concat(x1, x2)), batch_size(x1))
 
     right = left
 

@@ -50,10 +50,15 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
-from ntk_service.kernels.functional import NtkProblem, build_problem, check_model, private_copy, validate_inputs
+from ntk_service.kernels.batch import Batch, Inputs, batch_size, take
+from ntk_service.kernels.inputs import validate_inputs
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
+from ntk_service.kernels.outputs import parse_output
 from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.preparation import build_problem
+from ntk_service.kernels.private_module import check_model, private_copy
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = ["OPERATOR_MODES", "NtkOperator", "ntk_operator"]
@@ -67,7 +72,7 @@ _OPERATION = "ntk_operator"
 class _Sides:
     """What both orientations of one operator share: the problem, the inputs, the chunk size and a lock."""
 
-    def __init__(self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor, chunk: int, estimate: int) -> None:
+    def __init__(self, problem: NtkProblem, x1: Batch, x2: Batch, chunk: int, estimate: int) -> None:
         self.problem = problem
         self.x1, self.x2 = x1, x2
         self.chunk = chunk
@@ -102,7 +107,7 @@ class NtkOperator:
         rows, cols = (sides.x2, sides.x1) if transposed else (sides.x1, sides.x2)
         self._rows, self._cols = rows, cols
         per = self.k if mode is KernelMode.FULL else 1
-        self.shape = (rows.shape[0] * per, cols.shape[0] * per)
+        self.shape = (batch_size(rows) * per, batch_size(cols) * per)
 
     # --- the torch view ---------------------------------------------------------------------------------------
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
@@ -164,12 +169,12 @@ class NtkOperator:
         )
 
     # --- the products -----------------------------------------------------------------------------------------
-    def _apply(self, v: object, rows: torch.Tensor, cols: torch.Tensor, name: str) -> torch.Tensor:
+    def _apply(self, v: object, rows: Batch, cols: Batch, name: str) -> torch.Tensor:
         k = self.k
         full = self.mode is KernelMode.FULL
         t = torch.as_tensor(v)
         flat = full and t.ndim == 1
-        expected = (cols.shape[0], k) if full else (cols.shape[0],)
+        expected = (batch_size(cols), k) if full else (batch_size(cols),)
         if not t.is_floating_point() or (
             tuple(t.shape) != expected and not (flat and t.numel() == math.prod(expected))
         ):
@@ -187,19 +192,19 @@ class NtkOperator:
             elif self.mode is DerivedMode.PSEUDO:
                 out = self._product(rows, cols, t[:, None].expand(-1, k)).sum(1) / k
             else:  # TRACE: Σ_a J_a(rows) J_a(cols)ᵀ v, one output at a time (memory O(P))
-                out = torch.zeros(rows.shape[0], dtype=self.dtype)
+                out = torch.zeros(batch_size(rows), dtype=self.dtype)
                 for a in range(k):
-                    cot = torch.zeros(cols.shape[0], k, dtype=self.dtype)
+                    cot = torch.zeros(batch_size(cols), k, dtype=self.dtype)
                     cot[:, a] = t
                     out += self._product(rows, cols, cot)[:, a]
         return out.reshape(-1) if flat else out
 
-    def _product(self, rows: torch.Tensor, cols: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
+    def _product(self, rows: Batch, cols: Batch, cotangent: torch.Tensor) -> torch.Tensor:
         """J(rows) (J(cols)ᵀ cotangent): cotangent (M, k) -> (N, k)."""
         problem, chunk = self._sides.problem, self._sides.chunk
         u: NamedTensors | None = None
-        for i in range(0, cols.shape[0], chunk):
-            x = cols[i : i + chunk]
+        for i in range(0, batch_size(cols), chunk):
+            x = take(cols, i, i + chunk)
             pullback = vjp(lambda p, x=x: problem.f_batch(p, x), problem.params)[1]
             (part,) = pullback(cotangent[i : i + chunk])
             if u is None:
@@ -212,8 +217,8 @@ class NtkOperator:
         out = []
         with _FORWARD_AD_LOCK:  # torch.func.jvp's dual levels are process-global (ntk_vector_products.py)
             try:
-                for i in range(0, rows.shape[0], chunk):
-                    x = rows[i : i + chunk]
+                for i in range(0, batch_size(rows), chunk):
+                    x = take(rows, i, i + chunk)
                     out.append(jvp(lambda p, x=x: problem.f_batch(p, x), (problem.params,), (tangent,))[1])
             except NotImplementedError as exc:
                 reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -226,11 +231,12 @@ class NtkOperator:
 
 def ntk_operator(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None = None,
+    x1: Inputs,
+    x2: Inputs | None = None,
     *,
     mode: KernelMode | DerivedMode | str = KernelMode.FULL,
     params: Sequence[str] | None = None,
+    output: str | None = None,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
 ) -> NtkOperator:
@@ -238,10 +244,13 @@ def ntk_operator(
 
     Args:
         model (nn.Module): maps a batch (N, *input) to (N, *out); run in eval semantics on a private copy.
-        x1 (Tensor): (N, *input): the rows (the output side of ``matvec``).
-        x2 (Tensor, optional): (M, *input): the columns. Default: None, meaning x2 = x1 (a symmetric operator).
+        x1 (Tensor, tuple or mapping): (N, *input): the rows (the output side of ``matvec``); or forward's
+            positional / keyword inputs, as ``compute_ntk``.
+        x2 (same kind as x1, optional): (M, *input): the columns. Default: None, meaning x2 = x1 (a symmetric
+            operator).
         mode (str): "full" (N·k, M·k), "trace" (N, M) or "pseudo" (N, M). Default: "full".
         params (list of str, optional): the kernel of a parameter subset (globs). Default: None (all).
+        output (str, optional): which tensor of forward's return value is f, as ``compute_ntk``. Default: None.
         dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
         memory_budget_bytes (int, optional): peak memory of one product. Default: ``default_memory_budget()``.
 
@@ -259,6 +268,7 @@ def ntk_operator(
     if kernel_mode not in OPERATOR_MODES:
         valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
         raise UnknownMode(f"{_OPERATION}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
+    path = parse_output(output, operation=_OPERATION)
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     check_model(model)
     compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)
@@ -268,12 +278,12 @@ def ntk_operator(
             f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed), and an operator keeps its own copy; "
             "use compute_ntk instead"
         )
-    problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype)
+    problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype, output=path)
     cols = x1t if x2t is None else x2t
     item = problem.itemsize
     # u, one chunk's gradients, the JVP's tangent (P each); v and the output; per example: the forward's saved
     # activations for the VJP, primal and tangent activations for the JVP, and its k outputs
-    fixed = 3 * problem.num_params * item + (x1t.shape[0] + cols.shape[0]) * problem.k * item * 3
+    fixed = 3 * problem.num_params * item + (batch_size(x1t) + batch_size(cols)) * problem.k * item * 3
     per_example = 2 * problem.saved_bytes + 4 * problem.k * item
     chunk = int((budget - fixed) // per_example) if budget > fixed else 0
     if chunk < 1:
@@ -285,6 +295,6 @@ def ntk_operator(
             estimate_bytes=int(needed),
             budget_bytes=budget,
         )
-    chunk = min(chunk, max(x1t.shape[0], cols.shape[0]))
+    chunk = min(chunk, max(batch_size(x1t), batch_size(cols)))
     sides = _Sides(problem, x1t, cols, chunk, int(fixed + chunk * per_example))
     return NtkOperator(sides, kernel_mode, transposed=False, symmetric=x2t is None)

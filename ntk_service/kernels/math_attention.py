@@ -52,7 +52,16 @@ def _sdpa_math(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` by torch's composite math kernel: (..., L, Ev)."""
+    """``F.scaled_dot_product_attention`` by torch's composite math kernel: (..., L, Ev).
+
+    A boolean ``attn_mask`` (True: attend, as Hugging Face's sdpa masks) is turned into the additive float mask
+    the math kernel expects, as the public ``F.scaled_dot_product_attention`` does before it dispatches: the math
+    kernel itself would add the booleans as 0/1.
+    """
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attn_mask, float("-inf")
+        )
     out: torch.Tensor = torch._scaled_dot_product_attention_math(
         query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
@@ -60,7 +69,14 @@ def _sdpa_math(
 
 
 class math_attention(TorchFunctionMode):  # noqa: N801 - used like a function: ``with math_attention():``
-    """Run attention on its math path inside the ``with`` block (see the module docstring)."""
+    """Run attention on its math path inside the ``with`` block (see the module docstring).
+
+    Attributes:
+        rerouted: whether an attention call went through this mode (the probe learns from it that a model calls
+            ``F.scaled_dot_product_attention`` itself, as Hugging Face models do: ``NtkProblem.calls_attention``).
+    """
+
+    rerouted = False
 
     def __torch_function__(
         self,
@@ -71,6 +87,7 @@ class math_attention(TorchFunctionMode):  # noqa: N801 - used like a function: `
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.multi_head_attention_forward:
+            self.rerouted = True
             wanted = kwargs.get("need_weights", args[15] if len(args) > 15 else True)
             if len(args) > 15:
                 args = (*args[:15], True, *args[16:])
@@ -79,6 +96,7 @@ class math_attention(TorchFunctionMode):  # noqa: N801 - used like a function: `
             output, weights = func(*args, **kwargs)
             return output, weights if wanted else None
         if func is F.scaled_dot_product_attention:
+            self.rerouted = True
             return _sdpa_math(*args, **kwargs)
         return func(*args, **kwargs)
 
@@ -88,6 +106,7 @@ def has_attention(module: nn.Module) -> bool:
     return any(isinstance(m, ATTENTION_MODULES) for m in module.modules())
 
 
-def attention_scope(module: nn.Module) -> contextlib.AbstractContextManager[object]:
-    """``math_attention()`` when ``module`` has attention modules, else a no-op context."""
-    return math_attention() if has_attention(module) else contextlib.nullcontext()
+def attention_scope(module: nn.Module, calls_attention: bool = False) -> contextlib.AbstractContextManager[object]:
+    """``math_attention()`` when ``module`` has attention modules or ``calls_attention`` (the probe saw it call
+    attention functions itself), else a no-op context."""
+    return math_attention() if calls_attention or has_attention(module) else contextlib.nullcontext()

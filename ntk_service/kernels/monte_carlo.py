@@ -52,10 +52,12 @@ from torch.func import functional_call, jacrev, stack_module_state, vmap
 
 from ntk_service.errors import InvalidInput, UnsupportedModel
 from ntk_service.kernels.api import compute_ntk
+from ntk_service.kernels.batch import Batch, Inputs, batch_size, call_module, take, unsqueeze
 from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode, result_shape
 from ntk_service.kernels.nngp import compute_nngp, feature_kernel, features, find_layer, kernel_shape
 from ntk_service.kernels.options import NtkOptions
+from ntk_service.kernels.outputs import parse_output, select_output
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.private_module import check_model
 from ntk_service.kernels.problem import NtkProblem
@@ -174,6 +176,7 @@ class _Ensemble:
     """A chunk of models as one batched function (NOTE [batched ensemble])."""
 
     def __init__(self, skeleton: nn.Module, models: list[nn.Module], problem: NtkProblem) -> None:
+        self.output = problem.output
         params, buffers = stack_module_state(models)
         cast = {n: t.detach().to(problem.dtype) if t.is_floating_point() else t.detach() for n, t in params.items()}
         self.selected = {n: cast[n] for n in problem.params}
@@ -182,28 +185,30 @@ class _Ensemble:
         self.skeleton = skeleton
         self.size = len(models)
 
-    def _call(self, selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = functional_call(self.skeleton, ({**selected, **rest}, buffers), (x,))
-        return out
+    def _call(self, selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors, x: Batch) -> torch.Tensor:
+        if isinstance(x, torch.Tensor) and self.output is None:
+            out: torch.Tensor = functional_call(self.skeleton, ({**selected, **rest}, buffers), (x,))
+            return out
+        return select_output(call_module(self.skeleton, ({**selected, **rest}, buffers), x), self.output, _OPERATION)
 
-    def jacobians(self, x: torch.Tensor, k: int) -> NamedTensors:
+    def jacobians(self, x: Batch, k: int) -> NamedTensors:
         """name -> (c, n, k, p): every model's per-example Jacobians."""
 
-        def single(selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors, xi: torch.Tensor) -> torch.Tensor:
-            return self._call(selected, rest, buffers, xi.unsqueeze(0)).reshape(-1)
+        def single(selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors, xi: Batch) -> torch.Tensor:
+            return self._call(selected, rest, buffers, unsqueeze(xi)).reshape(-1)
 
         per_model = vmap(jacrev(single), (None, None, None, 0))
         jac = vmap(per_model, (0, 0, 0, None))(self.selected, self.rest, self.buffers, x)
-        return {n: j.reshape(self.size, x.shape[0], k, -1) for n, j in jac.items()}
+        return {n: j.reshape(self.size, batch_size(x), k, -1) for n, j in jac.items()}
 
-    def features(self, x: torch.Tensor, layer: str | None) -> torch.Tensor:
+    def features(self, x: Batch, layer: str | None) -> torch.Tensor:
         """(c, n, d): every model's outputs, or its features at ``layer``."""
         captured: list[torch.Tensor] = []
 
         def one(selected: NamedTensors, rest: NamedTensors, buffers: NamedTensors) -> torch.Tensor:
             captured.clear()
             out = self._call(selected, rest, buffers, x)
-            return (out if layer is None else captured[0]).reshape(x.shape[0], -1)
+            return (out if layer is None else captured[0]).reshape(batch_size(x), -1)
 
         handle = None
         if layer is not None:
@@ -272,10 +277,11 @@ class _Accumulator:
 
 def monte_carlo_ntk(
     build: Callable[[int], nn.Module],
-    x1: torch.Tensor,
-    x2: torch.Tensor | None = None,
+    x1: Inputs,
+    x2: Inputs | None = None,
     *,
     seeds: Sequence[int],
+    output: str | None = None,
     mode: KernelMode | DerivedMode | str = KernelMode.FULL,
     kernel: KernelKind | str = KernelKind.NTK,
     params: Sequence[str] | None = None,
@@ -289,9 +295,10 @@ def monte_carlo_ntk(
     Args:
         build (callable): ``build(seed) -> nn.Module``; every seed must give the same architecture (parameter and
             buffer names, shapes, dtypes). Called once per seed, a chunk at a time (never all models at once).
-        x1 (Tensor): (N, *input).
-        x2 (Tensor, optional): (M, *input). Default: None, meaning x2 = x1 (exactly symmetric result).
+        x1 (Tensor, tuple or mapping): (N, *input), or forward's positional / keyword inputs, as ``compute_ntk``.
+        x2 (same kind as x1, optional): (M, *input). Default: None, meaning x2 = x1 (exactly symmetric result).
         seeds (list of int): distinct seeds, 1 to ``MAX_MONTE_CARLO_SEEDS``.
+        output (str, optional): which tensor of forward's return value is f, as ``compute_ntk``. Default: None.
         mode (str): any ``compute_ntk`` mode, "pseudo" included. Default: "full".
         kernel (str): "ntk" or "nngp" (``compute_nngp``'s kernel). Default: "ntk".
         params (list of str, optional): NTK of a parameter subset (globs). Default: None (all).
@@ -321,6 +328,7 @@ def monte_carlo_ntk(
     seed_list = _check_seeds(seeds)
     kind = _parse_kind(kernel)
     kernel_mode = parse_any_mode(mode, operation=_OPERATION)
+    path = parse_output(output, operation=_OPERATION)
     if layer is not None and kind is KernelKind.NTK:
         raise InvalidInput(f"{_OPERATION}: layer={layer!r} names features, which only kernel='nngp' uses")
     if params is not None and kind is KernelKind.NNGP:
@@ -330,21 +338,23 @@ def monte_carlo_ntk(
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     first = _built(build, seed_list[0], None)
     expected = _signature(first)
-    with prepared_problem(first, x1, x2, params=params, dtype=dtype) as prepared:
+    with prepared_problem(first, x1, x2, params=params, dtype=dtype, output=path) as prepared:
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=_OPERATION)
     symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
-    n = x1t.shape[0]
-    m = n if x2t is None else x2t.shape[0]
+    n = batch_size(x1t)
+    m = n if x2t is None else batch_size(x2t)
     per_model, fixed = _bytes(problem, kind, kernel_mode, n, 0 if symmetric else m, layer, first, x1t)
     fits = int((budget - fixed) // per_model) if budget > fixed else 0
     chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
     if _plain_tensors(first):  # the skeleton would lend every seed the first model's (NOTE [batched ensemble])
         chunk = 0
+    if problem.per_example_loop:  # the ensemble vmaps over examples, which the model refuses: each on its own
+        chunk = 0
     acc = _Accumulator()
     if chunk < 1:  # one model's Jacobians do not fit, or plain tensors: each kernel on its own
-        alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1))
+        alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1), output)
         largest = 0
         for i, seed in enumerate(seed_list):
             kernel_s, planned = alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t)
@@ -385,15 +395,23 @@ class _Alone:
     layer: str | None
     dtype: torch.dtype
     budget: int
+    output: str | None = None
 
-    def kernel(self, model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    def kernel(self, model: nn.Module, x1: Batch, x2: Batch | None) -> tuple[torch.Tensor, int]:
         """The model's kernel and its planned peak bytes."""
         if self.kind is KernelKind.NTK:
             options = NtkOptions(dtype=self.dtype, memory_budget_bytes=self.budget)
-            result = compute_ntk(model, x1, x2, mode=self.mode, params=self.params, options=options)
+            result = compute_ntk(model, x1, x2, mode=self.mode, params=self.params, output=self.output, options=options)
             return result.theta, result.estimate_bytes
         nngp = compute_nngp(
-            model, x1, x2, layer=self.layer, mode=self.mode, dtype=self.dtype, memory_budget_bytes=self.budget
+            model,
+            x1,
+            x2,
+            layer=self.layer,
+            output=self.output,
+            mode=self.mode,
+            dtype=self.dtype,
+            memory_budget_bytes=self.budget,
         )
         return nngp.theta, nngp.estimate_bytes
 
@@ -411,8 +429,8 @@ def _chunk_kernels(
     problem: NtkProblem,
     kind: KernelKind,
     mode: KernelMode | DerivedMode,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     layer: str | None,
 ) -> list[torch.Tensor]:
     """Each model's kernel, in the chunk's order."""
@@ -438,7 +456,7 @@ def _bytes(
     m: int,
     layer: str | None,
     first: nn.Module,
-    x1: torch.Tensor,
+    x1: Batch,
 ) -> tuple[float, float]:
     """(bytes per model in a chunk, fixed bytes): NOTE [batched ensemble]'s memory model."""
     item = problem.itemsize
@@ -452,7 +470,9 @@ def _bytes(
     else:
         d = problem.k
         if layer is not None:
-            with prepared_problem(first, x1[:1], None, params=None, dtype=problem.dtype) as one:
+            with prepared_problem(
+                first, take(x1, 0, 1), None, params=None, dtype=problem.dtype, output=problem.output
+            ) as one:
                 d = features(one.problem, one.x1, layer, chunk=1, operation=_OPERATION).shape[1]
         shape = kernel_shape(mode, n, m_all, d)
         jac = (n + m) * d * item

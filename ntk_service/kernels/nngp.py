@@ -46,7 +46,9 @@ import torch
 from torch import nn
 
 from ntk_service.errors import MemoryEstimateExceeded, UnknownLayer, UnsupportedModel, format_bytes
+from ntk_service.kernels.batch import Batch, Inputs, batch_size, take
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
+from ntk_service.kernels.outputs import parse_output
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.problem_pool import prepared_problem
@@ -105,7 +107,7 @@ def _chunk(problem: NtkProblem, budget: float) -> int:
     return max(1, int(budget // per_example))
 
 
-def features(problem: NtkProblem, x: torch.Tensor, layer: str | None, *, chunk: int, operation: str) -> torch.Tensor:
+def features(problem: NtkProblem, x: Batch, layer: str | None, *, chunk: int, operation: str) -> torch.Tensor:
     """F = f(x) (n, k), or the flattened output of module ``layer`` (n, d), chunked over examples, no gradients.
 
     Raises:
@@ -113,20 +115,21 @@ def features(problem: NtkProblem, x: torch.Tensor, layer: str | None, *, chunk: 
         UnsupportedModel: the layer is not called exactly once per forward, or its output is not one tensor with
             a row per example.
     """
+    n = batch_size(x)
     if layer is None:
         with torch.no_grad():
-            return torch.cat([problem.f_batch(problem.params, x[i : i + chunk]) for i in range(0, len(x), chunk)])
+            return torch.cat([problem.f_batch(problem.params, take(x, i, i + chunk)) for i in range(0, n, chunk)])
     target = find_layer(problem.module, layer, operation=operation)
     captured: list[object] = []
     handle = target.register_forward_hook(lambda _module, _args, out: captured.append(out))
     try:
         rows = []
-        for i in range(0, len(x), chunk):
+        for i in range(0, n, chunk):
             captured.clear()
-            block = x[i : i + chunk]
+            block = take(x, i, i + chunk)
             with torch.no_grad():
                 problem.f_batch(problem.params, block)
-            rows.append(_layer_output(captured, block.shape[0], layer, operation))
+            rows.append(_layer_output(captured, batch_size(block), layer, operation))
     finally:
         handle.remove()
     return torch.cat(rows)
@@ -181,10 +184,11 @@ def kernel_shape(mode: KernelMode | DerivedMode, n: int, m: int, d: int) -> tupl
 
 def compute_nngp(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None = None,
+    x1: Inputs,
+    x2: Inputs | None = None,
     *,
     layer: str | None = None,
+    output: str | None = None,
     mode: KernelMode | DerivedMode | str = KernelMode.FULL,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
@@ -193,10 +197,11 @@ def compute_nngp(
 
     Args:
         model (nn.Module): maps a batch (N, *input) to (N, *out), run in eval semantics, never mutated.
-        x1 (Tensor): (N, *input).
-        x2 (Tensor, optional): (M, *input). Default: None, meaning x2 = x1 (exactly symmetric result).
+        x1 (Tensor, tuple or mapping): (N, *input), or forward's positional / keyword inputs, as ``compute_ntk``.
+        x2 (same kind as x1, optional): (M, *input). Default: None, meaning x2 = x1 (exactly symmetric result).
         layer (str, optional): a ``named_modules()`` name, e.g. ``"features.3"``: the features are that module's
             output, flattened per example to d values. Default: None (the model's k outputs).
+        output (str, optional): which tensor of forward's return value is f, as ``compute_ntk``. Default: None.
         mode (KernelMode, DerivedMode or str): as ``compute_ntk``, with d in place of k (see the module table and
             NOTE [NNGP normalization]). Default: "full".
         dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
@@ -213,16 +218,18 @@ def compute_nngp(
     """
     operation = "compute_nngp"
     kernel_mode = parse_any_mode(mode, operation=operation)
+    path = parse_output(output, operation=operation)
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
-    with prepared_problem(model, x1, x2, params=None, dtype=dtype) as prepared:
+    with prepared_problem(model, x1, x2, params=None, dtype=dtype, output=path) as prepared:
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=operation)
         symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
-        n = x1t.shape[0]
-        m = n if x2t is None else x2t.shape[0]
+        n = batch_size(x1t)
+        m = n if x2t is None else batch_size(x2t)
         # d is known only after a forward for a layer: one example first, then the estimate, then the rest
-        d = problem.k if layer is None else features(problem, x1t[:1], layer, chunk=1, operation=operation).shape[1]
+        first = take(x1t, 0, 1)
+        d = problem.k if layer is None else features(problem, first, layer, chunk=1, operation=operation).shape[1]
         fixed = (math.prod(kernel_shape(kernel_mode, n, m, d)) + (n + (0 if symmetric else m)) * d) * problem.itemsize
         activations = max(problem.saved_bytes, problem.itemsize)
         if fixed + activations > budget:

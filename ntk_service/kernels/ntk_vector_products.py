@@ -21,6 +21,7 @@ import torch
 from torch.func import jvp, vmap
 
 from ntk_service.errors import UnsupportedModel
+from ntk_service.kernels.batch import Batch, batch_size
 from ntk_service.kernels.jacobian_contraction import jacobians
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
@@ -54,17 +55,17 @@ def _forward_ad() -> Iterator[None]:
             ) from exc
 
 
-VjpRows = tuple[torch.Tensor, NamedTensors]
+VjpRows = tuple[Batch, NamedTensors]
 """(x block (n, *input), rows name -> (n, k, *param_shape)): the x1-side of a block."""
 
 
-def _rows(problem: NtkProblem, x: torch.Tensor) -> NamedTensors:
+def _rows(problem: NtkProblem, x: Batch) -> NamedTensors:
     """u_{i,c} = J(x_i)ᵀ e_c for every example and output: name -> (n, k, *param_shape)."""
     flat = jacobians(problem, x)
-    return {name: j.reshape(x.shape[0], problem.k, *problem.params[name].shape) for name, j in flat.items()}
+    return {name: j.reshape(batch_size(x), problem.k, *problem.params[name].shape) for name, j in flat.items()}
 
 
-def _jvp_at(problem: NtkProblem, x: torch.Tensor, tangent: NamedTensors) -> torch.Tensor:
+def _jvp_at(problem: NtkProblem, x: Batch, tangent: NamedTensors) -> torch.Tensor:
     """J(x) t for one example x (*input) and one parameter-space tangent t: (k,)."""
     out: torch.Tensor = jvp(lambda p: problem.f_single(p, x), (problem.params,), (tangent,))[1]
     return out
@@ -76,15 +77,15 @@ class NtkVectorProducts:
     implementation = NtkImplementation.NTK_VECTOR_PRODUCTS
     right_is_left = False
 
-    def left(self, problem: NtkProblem, x: torch.Tensor) -> VjpRows:
+    def left(self, problem: NtkProblem, x: Batch) -> VjpRows:
         return x, _rows(problem, x)
 
-    def right(self, problem: NtkProblem, x: torch.Tensor) -> torch.Tensor:
+    def right(self, problem: NtkProblem, x: Batch) -> Batch:
         return x
 
-    def pair(self, problem: NtkProblem, left: VjpRows, right: torch.Tensor, mode: KernelMode) -> torch.Tensor:
+    def pair(self, problem: NtkProblem, left: VjpRows, right: Batch, mode: KernelMode) -> torch.Tensor:
         x1, rows = left
-        n, k, m = x1.shape[0], problem.k, right.shape[0]
+        n, k, m = batch_size(x1), problem.k, batch_size(right)
         flat_rows = {name: r.reshape(n * k, *r.shape[2:]) for name, r in rows.items()}
         basis = torch.eye(k, dtype=problem.dtype).repeat(n, 1)  # (n·k, k): e_c for row (i, c)
 
@@ -104,7 +105,7 @@ class NtkVectorProducts:
     def diagonal(self, problem: NtkProblem, left: VjpRows) -> torch.Tensor:
         x1, rows = left
 
-        def one(x_i: torch.Tensor, rows_i: NamedTensors) -> torch.Tensor:
+        def one(x_i: Batch, rows_i: NamedTensors) -> torch.Tensor:
             return vmap(lambda row: _jvp_at(problem, x_i, row))(rows_i)  # (k, k)
 
         with _forward_ad():

@@ -9,7 +9,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from ntk_service.kernels.batch import Batch, batch_size, check_ids, concat, take, template
 from ntk_service.kernels.inputs import validate_inputs
+from ntk_service.kernels.outputs import OutputPath
 from ntk_service.kernels.parameter_selection import select_parameters
 from ntk_service.kernels.probe import PROBE_EXAMPLES, probe_model
 from ntk_service.kernels.problem import NtkProblem
@@ -25,7 +27,8 @@ def prepare_problem(
     *,
     params: Sequence[str] | None,
     dtype: torch.dtype | str | None,
-) -> tuple[NtkProblem, torch.Tensor, torch.Tensor | None]:
+    output: OutputPath | None = None,
+) -> tuple[NtkProblem, Batch, Batch | None]:
     """Validate inputs and build the NtkProblem, for the module yielded by ``eval_semantics``.
 
     Args:
@@ -34,6 +37,7 @@ def prepare_problem(
         x2: (M, *input) or None.
         params: glob patterns over parameter names, or None for all.
         dtype: compute dtype (float32/float64, or their names); None = the model's floating dtype.
+        output: which tensor of forward's return value is f (``outputs.parse_output``). Default: None.
 
     Returns:
         (problem, x1, x2): x1 (N, *input) and x2 (M, *input) or None, cast to the compute dtype when floating.
@@ -42,16 +46,17 @@ def prepare_problem(
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel.
     """
     compute_dtype, x1t, x2t = validate_inputs(module, x1, x2, dtype)
-    return build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t
+    return build_problem(module, x1t, x2t, params=params, dtype=compute_dtype, output=output), x1t, x2t
 
 
 def build_problem(
     module: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     *,
     params: Sequence[str] | None,
     dtype: torch.dtype,
+    output: OutputPath | None = None,
 ) -> NtkProblem:
     """Select and cast the parameters and probe the model on the first examples of x1 (then x2).
 
@@ -60,6 +65,7 @@ def build_problem(
         x1, x2: validated inputs (``validate_inputs``).
         params: glob patterns over parameter names, or None for all.
         dtype: the compute dtype.
+        output: which tensor of forward's return value is f (``outputs.parse_output``). Default: None.
     """
     selected = select_parameters(module, params)
     all_params = dict(module.named_parameters())
@@ -71,15 +77,20 @@ def build_problem(
             **_cast_named(module.named_buffers(), dtype),
         },
         out_shape=(),
-        input_shape=tuple(x1.shape[1:]),
+        input_shape=tuple(x1.shape[1:]) if isinstance(x1, torch.Tensor) else (),
         dtype=dtype,
         forward_flops=0.0,
         saved_bytes=0.0,
+        output=output,
+        template=None if isinstance(x1, torch.Tensor) else template(x1),
     )
-    probe = x1[:PROBE_EXAMPLES]
-    if x2 is not None and probe.shape[0] < PROBE_EXAMPLES:
-        probe = torch.cat([probe, x2[: PROBE_EXAMPLES - probe.shape[0]]])
-    probe_model(problem, probe)
+    probe = take(x1, 0, PROBE_EXAMPLES)
+    if x2 is not None and batch_size(probe) < PROBE_EXAMPLES:
+        probe = concat(probe, take(x2, 0, PROBE_EXAMPLES - batch_size(probe)))
+    sides = [("x1", x1)] if x2 is None else [("x1", x1), ("x2", x2)]
+    probe_model(problem, probe, sides)
+    for side, whole in sides:
+        check_ids(problem.id_tables, whole, side)
     return problem
 
 

@@ -4,12 +4,27 @@ planner turns those measurements into a cost and memory estimate."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 from torch.utils.flop_counter import FlopCounterMode
 
 from ntk_service.errors import InvalidInput, ShapeMismatch, UnsupportedModel
+from ntk_service.kernels.batch import (
+    Batch,
+    batch_size,
+    call_module,
+    check_ids,
+    embedding_feeds,
+    is_batch,
+    is_data_dependent,
+    leaves,
+    one_example,
+)
+from ntk_service.kernels.math_attention import math_attention
+from ntk_service.kernels.outputs import select_output
 from ntk_service.kernels.problem import NtkProblem
 
 __all__ = ["PROBE_EXAMPLES", "probe_model"]
@@ -18,7 +33,7 @@ PROBE_EXAMPLES = 4
 """Examples used to probe the model: enough to see examples interact, few enough to cost nothing."""
 
 
-def _counted_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[object, float, float]:
+def _counted_forward(problem: NtkProblem, x: Batch) -> tuple[object, float, float]:
     """The model on the batch x, with its FLOPs and the bytes autograd saves for backward, per example.
 
     Returns:
@@ -37,17 +52,26 @@ def _counted_forward(problem: NtkProblem, x: torch.Tensor) -> tuple[object, floa
     params = {name: p.detach().requires_grad_(True) for name, p in problem.params.items()}
     counter = FlopCounterMode(display=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-        out = functional_call(problem.module, (params, problem.frozen), (x,))
-    n = x.shape[0]
+        out = call_module(problem.module, (params, problem.frozen), x)
+        if is_batch(x) or problem.output is not None:
+            out = select_output(out, problem.output)
+    n = batch_size(x)
     out = out.detach() if isinstance(out, torch.Tensor) else out
     return out, counter.get_total_flops() / n, saved / n
 
 
-def probe_model(problem: NtkProblem, x: torch.Tensor) -> None:
-    """Run the model on a few examples: output shape, examples independent, FLOPs and saved bytes counted."""
+def probe_model(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch]] = ()) -> None:
+    """Run the model on a few examples: output shape, examples independent, FLOPs and saved bytes counted.
+    ``sides``: the whole batches (name, x) whose ids a failed probe checks, to name the leaf and example."""
+    if is_batch(x):
+        _probe_batch(problem, x, sides)
+        return
+    assert isinstance(x, torch.Tensor)
     n = x.shape[0]
     try:
         batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
+    except InvalidInput:
+        raise
     except Exception as exc:  # the model's own error, e.g. a shape mismatch inside a layer
         sizes = sorted({m.num_embeddings for m in problem.module.modules() if isinstance(m, nn.Embedding)})
         if isinstance(exc, IndexError) and sizes and not x.is_floating_point():  # ids outside an Embedding's table
@@ -69,14 +93,61 @@ def probe_model(problem: NtkProblem, x: torch.Tensor) -> None:
             "with one output row per example"
         )
     problem.out_shape = tuple(batched.shape[1:])
-    try:
-        with torch.no_grad():
+    _check_independent(problem, x, batched, n)
+
+
+def _probe_batch(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch]]) -> None:
+    """``probe_model`` for a tuple or mapping of inputs: also learns which integer leaf feeds which nn.Embedding
+    (``problem.id_tables``), refusing a float leaf that feeds one."""
+    n = batch_size(x)
+    with embedding_feeds(problem.module, x) as feeds:
+        try:
+            batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
+        except InvalidInput:
+            raise
+        except Exception as exc:  # the model's own error, e.g. a missing argument or a shape mismatch in a layer
+            feeds.check_floats()
+            for side, whole in sides:
+                check_ids(feeds.tables, whole, side)
+            shown = ", ".join(f"{name or 'x'}: {tuple(t.shape[1:])} {t.dtype}" for name, t in leaves(x))
+            if isinstance(exc, TypeError) and ("argument" in str(exc)):  # a missing or unexpected name
+                raise InvalidInput(
+                    f"compute_ntk: the model's forward does not take the inputs {shown} ({exc}); pass exactly the "
+                    "arguments its forward takes, by position (a tuple) or by name (a mapping)"
+                ) from exc
+            raise ShapeMismatch(
+                f"compute_ntk: the model failed on inputs {shown} (per-example shapes): {type(exc).__name__}: "
+                f"{exc}. Check the input names, shapes and dtypes the model's forward expects"
+            ) from exc
+    feeds.check_floats()
+    problem.id_tables = feeds.tables
+    if not isinstance(batched, torch.Tensor) or batched.ndim < 1 or batched.shape[0] != n:
+        got = tuple(batched.shape) if isinstance(batched, torch.Tensor) else type(batched).__name__
+        raise UnsupportedModel(
+            f"compute_ntk: for a batch of {n} examples the output {problem.output and problem.output.text!r} is "
+            f"{got}; expected a tensor (N, *out) with one output row per example"
+        )
+    problem.out_shape = tuple(batched.shape[1:])
+    _check_independent(problem, x, batched, n)
+
+
+def _check_independent(problem: NtkProblem, x: Batch, batched: torch.Tensor, n: int) -> None:
+    """The model one example at a time (``vmap``, or the per-example loop where vmap refuses the model's
+    data-dependent control flow: NOTE [per-example loop]) agrees with the batch."""
+    attention = math_attention()
+    try:  # attention on its math path, as the implementations run it (the CPU flash kernel has no batching rule)
+        with torch.no_grad(), attention:
             single = vmap(problem.f_single, (None, 0))(problem.params, x)
     except Exception as exc:
-        raise UnsupportedModel(
-            f"compute_ntk: the model cannot be evaluated one example at a time under torch.func.vmap: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+        if not is_data_dependent(exc):
+            raise UnsupportedModel(
+                f"compute_ntk: the model cannot be evaluated one example at a time under torch.func.vmap: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        with torch.no_grad():
+            single = torch.stack([problem.f_single(problem.params, one_example(x, i)) for i in range(n)])
+        problem.per_example_loop = True
+    problem.calls_attention = attention.rerouted
     batched = batched.reshape(n, -1)
     scale = float(batched.abs().max()) + 1e-30
     tol = (1e-4 if problem.dtype == torch.float32 else 1e-9) * scale

@@ -31,15 +31,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ntk_service.kernels.batch import Batch, check_ids, to_device
+from ntk_service.kernels.batch import signature as input_signature
 from ntk_service.kernels.device import model_device, place_module
-from ntk_service.kernels.functional import (
-    NtkProblem,
-    build_problem,
-    check_model,
-    eval_semantics,
-    private_copy,
-    validate_inputs,
-)
+from ntk_service.kernels.inputs import validate_inputs
+from ntk_service.kernels.outputs import OutputPath
+from ntk_service.kernels.preparation import build_problem
+from ntk_service.kernels.private_module import check_model, eval_semantics, private_copy
+from ntk_service.kernels.problem import NtkProblem
 
 __all__ = [
     "IDLE_PER_SIGNATURE",
@@ -158,8 +157,8 @@ class Prepared:
     shape, and models whose layer calls depend on values are refused by the probe (``vmap``) anyway."""
 
     problem: NtkProblem
-    x1: torch.Tensor
-    x2: torch.Tensor | None
+    x1: Batch
+    x2: Batch | None
 
 
 @contextlib.contextmanager
@@ -171,36 +170,39 @@ def prepared_problem(
     params: Sequence[str] | None,
     dtype: torch.dtype | str | None,
     device: torch.device | None = None,
+    output: OutputPath | None = None,
 ) -> Iterator[Prepared]:
     """Validate the inputs and check out a prepared problem for ``model`` (kept or new; NOTE [problem pool]).
 
     Args:
-        model, x1, x2, params, dtype: as ``functional.prepare_problem``.
+        model, x1, x2, params, dtype: as ``preparation.prepare_problem``.
         device: where to compute; the inputs are moved there, and a model elsewhere is copied there for this call
             (not kept). Default: None, the model's device.
+        output: which tensor of forward's return value is f (``outputs.parse_output``); part of the kept
+            problem's key. Default: None.
 
     Yields:
         The problem, the caller's alone until the block exits, and kept for later calls when it exits without an
         error.
 
     Raises:
-        As ``functional.prepare_problem``.
+        As ``preparation.prepare_problem``.
     """
     check_model(model)
     compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)
     if device is not None:
-        x1t, x2t = x1t.to(device), None if x2t is None else x2t.to(device)
+        x1t, x2t = to_device(x1t, device), None if x2t is None else to_device(x2t, device)
         if model_device(model) != device:  # a per-call copy on the device, see the module docstring
             placed = place_module(model, device).eval()
-            copied = build_problem(placed, x1t, x2t, params=params, dtype=compute_dtype)
+            copied = build_problem(placed, x1t, x2t, params=params, dtype=compute_dtype, output=output)
             copied.owns_module = not _converts(placed, compute_dtype)
             yield Prepared(copied, x1t, x2t)
             return
     signature: Hashable = (
-        tuple(x1t.shape[1:]),
-        x1t.is_floating_point(),
+        input_signature(x1t),
         compute_dtype,
         None if params is None else tuple(params) if not isinstance(params, str) else params,
+        output,
     )
     print_: Hashable | None = None
     problem: NtkProblem | None = None
@@ -215,9 +217,14 @@ def prepared_problem(
         private = None if print_ is None else private_copy(model)
         if private is None:  # not kept, or uncopyable (then the locked original): prepared per call
             with eval_semantics(model) as module:
-                yield Prepared(build_problem(module, x1t, x2t, params=params, dtype=compute_dtype), x1t, x2t)
+                problem = build_problem(module, x1t, x2t, params=params, dtype=compute_dtype, output=output)
+                yield Prepared(problem, x1t, x2t)
             return
-        problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype)
+        problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype, output=output)
         problem.owns_module = True  # a private copy, no tensor converted: its own tensors are the problem's
+    else:  # a kept problem: this call's ids are checked against the vocabularies its probe found
+        check_ids(problem.id_tables, x1t, "x1")
+        if x2t is not None:
+            check_ids(problem.id_tables, x2t, "x2")
     yield Prepared(problem, x1t, x2t)
     _give(model, print_, signature, problem)

@@ -20,6 +20,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import nn
 
+from ntk_service.kernels.outputs import OutputPath, select_output
+
 __all__ = ["SUMMED_OUTPUTS_PREFIX", "SummedOutputs", "pseudo_key", "pseudo_params"]
 
 SUMMED_OUTPUTS_PREFIX = "model."
@@ -31,14 +33,18 @@ class SummedOutputs(nn.Module):
 
     Args:
         model: the model f; a batch (n, *input) maps to (n, *out), k = prod(out).
+        output: which tensor of what ``model`` returns is f (``outputs.py``). Default: None (a tensor).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, output: OutputPath | None = None) -> None:
         super().__init__()
         self.model = model
+        self.output = output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.model(x)
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        # positional or keyword inputs pass through unchanged (``batch.call_module``)
+        raw = self.model(*args, **kwargs)
+        out = raw if isinstance(raw, torch.Tensor) and self.output is None else select_output(raw, self.output)
         flat = out.reshape(out.shape[0], -1)
         summed: torch.Tensor = flat.sum(1, keepdim=True) * (1.0 / math.sqrt(flat.shape[1]))
         return summed

@@ -57,6 +57,8 @@ class NtkResult:
         implementation: the implementation that ran (never AUTO).
         estimate_bytes: the planned peak memory of the computation, result included.
         block_size: examples per block along N and M (N when unchunked).
+        per_example_loop: the model refused ``vmap`` over examples (data-dependent control flow), so its
+            Jacobians were built one example at a time (NOTE [per-example loop] in jacobian_contraction.py).
     """
 
     theta: torch.Tensor
@@ -64,3 +66,4 @@ class NtkResult:
     implementation: NtkImplementation
     estimate_bytes: int
     block_size: int
+    per_example_loop: bool = False

@@ -276,3 +276,32 @@ def test_a_result_whose_creation_was_cut_off_is_created_anew(tmp_path: Path, x: 
         open_result(out)
     view = compute_ntk_tiled(model, x, out=out, mode="trace", tile_size=4, dtype="float64", progress=False)
     np.testing.assert_allclose(np.asarray(view), reference_ntk(model, x, mode="trace").numpy(), rtol=1e-10)
+
+
+class _Tokens(nn.Module):
+    """Keyword inputs (ids, an integer mask) and a dict output, for the mapping path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(9, 4), nn.Linear(4, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.lin(torch.tanh(self.emb(input_ids)) * attention_mask.unsqueeze(-1))}
+
+
+@pytest.mark.parametrize("mode", [KernelMode.FULL, KernelMode.TRACE])
+def test_mapping_inputs_and_output_path(tmp_path: Path, mode: KernelMode) -> None:
+    torch.manual_seed(1)
+    model = _Tokens().double()
+    g = torch.Generator().manual_seed(2)
+    x1 = {"input_ids": torch.randint(0, 9, (7, 3), generator=g), "attention_mask": torch.ones(7, 3, dtype=torch.int64)}
+    x2 = {"input_ids": torch.randint(0, 9, (5, 3), generator=g), "attention_mask": torch.ones(5, 3, dtype=torch.int64)}
+    for side2 in (None, x2):
+        out = tmp_path / f"k{side2 is None}.zarr"
+        kwargs = {"out": out, "mode": mode, "tile_size": 3, "dtype": "float64", "progress": False}
+        view = compute_ntk_tiled(model, x1, side2, output="logits[:, 1]", **kwargs)
+        dense = reference_ntk(model, x1, side2, mode=mode.value, output=lambda o: o["logits"][:, 1]).numpy()
+        np.testing.assert_allclose(view.to_numpy(), dense, rtol=1e-10, atol=1e-12)
+        assert dict(zarr.open_group(str(out), mode="r").attrs)["spec"]["output"] == "logits[:, 1]"
+        with pytest.raises(InvalidInput, match="holds a different computation.*output"):
+            compute_ntk_tiled(model, x1, side2, output="logits[:, 2]", **kwargs)  # resume checks the path too

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
+from ntk_service.kernels.batch import Batch
 from ntk_service.kernels.modes import KernelMode
 
 __all__ = [
@@ -103,8 +104,8 @@ class PanelCallbacks(Protocol):
 
 def compute_panel(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     work: JobWork,
     panel: Panel,
     *,
@@ -138,12 +139,13 @@ def compute_panel(
     other = x1 if x2 is None else x2
     other_sha = spec.x1_sha256 if spec.x2_sha256 is None else spec.x2_sha256
     other_start = spec.x1_start if spec.x2_sha256 is None else spec.x2_start
-    right = None if panel.is_diagonal else _tensor(other[c0:c1])
+    right = None if panel.is_diagonal else _rows(other, c0, c1)
     result = compute_ntk(
         model,
-        _tensor(x1[r0:r1]),
+        _rows(x1, r0, r1),
         right,
         mode=spec.mode,
+        output=spec.output,
         implementation=spec.implementation,
         params=spec.params,
         dtype=spec.dtype,
@@ -158,6 +160,16 @@ def compute_panel(
     return result.theta.detach().cpu().numpy(), result.implementation.value
 
 
+def _rows(x: Batch | np.ndarray | tuple[Any, ...] | dict[str, Any], start: int, stop: int) -> Batch:
+    """Rows [start, stop) of every leaf of a data set (a tensor or numpy array, or a tuple / mapping of them) as
+    tensors for ``compute_ntk``."""
+    if isinstance(x, tuple):
+        return tuple(_tensor(leaf[start:stop]) for leaf in x)
+    if isinstance(x, dict):
+        return {name: _tensor(leaf[start:stop]) for name, leaf in x.items()}
+    return _tensor(x[start:stop])
+
+
 def _tensor(x: torch.Tensor | np.ndarray) -> torch.Tensor:
     # Ray hands workers read-only numpy views of the object store (zero-copy); torch wants writable memory, and the
     # engine never writes its inputs, so the warning torch gives for read-only arrays does not apply.
@@ -170,8 +182,8 @@ def _tensor(x: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 def run_panel(
     model: nn.Module,
-    x1: torch.Tensor,
-    x2: torch.Tensor | None,
+    x1: Batch,
+    x2: Batch | None,
     work: JobWork,
     panel: Panel,
     tiles: Sequence[Tile],
@@ -218,8 +230,8 @@ class Executor(ABC):
         self,
         work: JobWork,
         model: nn.Module,
-        x1: torch.Tensor,
-        x2: torch.Tensor | None,
+        x1: Batch,
+        x2: Batch | None,
         panels: Sequence[Panel],
         callbacks: PanelCallbacks,
     ) -> None:

@@ -35,6 +35,7 @@ from ntk_service.jobs.executors.base import (
 from ntk_service.jobs.panels import Panel
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, parse_device
+from ntk_service.kernels.batch import Batch
 
 __all__ = ["LocalExecutor", "RunCompute"]
 
@@ -93,8 +94,8 @@ class LocalExecutor(Executor):
         self,
         work: JobWork,
         model: nn.Module,
-        x1: torch.Tensor,
-        x2: torch.Tensor | None,
+        x1: Batch,
+        x2: Batch | None,
         panels: Sequence[Panel],
         callbacks: PanelCallbacks,
     ) -> None:

@@ -61,6 +61,7 @@ from ntk_service.kernels import (
     place_module,
     retain_freed_memory,
 )
+from ntk_service.kernels.batch import Batch
 
 __all__ = ["DEFAULT_MAX_RETRIES", "PanelWorker", "RayExecutor", "assigned_device", "import_ray"]
 
@@ -358,8 +359,8 @@ class RayExecutor(Executor):
         self,
         work: JobWork,
         model: nn.Module,
-        x1: torch.Tensor,
-        x2: torch.Tensor | None,
+        x1: Batch,
+        x2: Batch | None,
         panels: Sequence[Panel],
         callbacks: PanelCallbacks,
     ) -> None:
@@ -378,7 +379,12 @@ class RayExecutor(Executor):
         logger.info("jobs: %s ran %d panel(s) on Ray", work.job_id, len(panels))
 
 
-def _numpy(x: torch.Tensor) -> Any:
+def _numpy(x: Batch) -> Any:
+    """Every leaf of a batch as a numpy array (a tuple or mapping keeps its structure)."""
+    if isinstance(x, tuple):
+        return tuple(_numpy(leaf) for leaf in x)
+    if isinstance(x, dict):
+        return {name: _numpy(leaf) for name, leaf in x.items()}
     return x.detach().cpu().contiguous().numpy()
 
 

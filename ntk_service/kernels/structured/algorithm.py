@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from ntk_service.kernels.batch import Batch, batch_size, concat, take
 from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import KernelMode
@@ -73,7 +74,7 @@ PER_EXAMPLE_CAPTURE_WEIGHT = 1.0
 
 
 def structured_terms(
-    problem: NtkProblem, example: torch.Tensor | None = None, options: StructuredOptions | None = None
+    problem: NtkProblem, example: Batch | None = None, options: StructuredOptions | None = None
 ) -> StructuredTerms:
     """The plan of ``problem`` under ``options`` (made once by ``analysis.analyze``, then kept on the problem).
 
@@ -98,7 +99,7 @@ class Structured:
     def __init__(self, options: StructuredOptions | None = None) -> None:
         self.options = StructuredOptions() if options is None else options
 
-    def terms(self, problem: NtkProblem, example: torch.Tensor | None = None) -> StructuredTerms:
+    def terms(self, problem: NtkProblem, example: Batch | None = None) -> StructuredTerms:
         """The plan kept on ``problem`` for these options; analysed on first use (``analysis.analyze``)."""
         kept = problem.analyses.get(self._key)
         if not isinstance(kept, StructuredTerms):
@@ -109,23 +110,23 @@ class Structured:
     def _key(self) -> tuple[str, StructuredOptions]:
         return ("structured", self.options)
 
-    def left(self, problem: NtkProblem, x: torch.Tensor) -> StructuredSide:
-        terms = self.terms(problem, x[:1])
-        if terms.batch_safe is None and x.shape[0] >= 2 and self.options.batched_capture:
-            terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, x[:2]))
-        with attention_scope(problem.module):  # fallback jacrev under vmap: see math_attention.py
+    def left(self, problem: NtkProblem, x: Batch) -> StructuredSide:
+        terms = self.terms(problem, take(x, 0, 1))
+        if terms.batch_safe is None and batch_size(x) >= 2 and self.options.batched_capture:
+            terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, take(x, 0, 2)))
+        with attention_scope(
+            problem.module, problem.calls_attention
+        ):  # fallback jacrev under vmap: see math_attention.py
             cap, terms = capture(problem, terms, self.options, x)
         problem.analyses[self._key] = terms  # the same plan, or the new one the block taught
-        return _side(problem, terms, cap, self.options, x.shape[0])
+        return _side(problem, terms, cap, self.options, batch_size(x))
 
     right = left
 
-    def joint_sides(
-        self, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor
-    ) -> tuple[StructuredSide, StructuredSide]:
+    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[StructuredSide, StructuredSide]:
         """The sides of x1 and of x2 from one pass over both (views; NOTE [joint pass])."""
-        n = x1.shape[0]
-        side = self.left(problem, torch.cat([x1, x2]))
+        n = batch_size(x1)
+        side = self.left(problem, concat(x1, x2))
         return side.sliced(0, n), side.sliced(n, None)
 
     def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:

@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
+from ntk_service.kernels.batch import Batch, batch_size
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
@@ -73,7 +74,7 @@ class CaptureStrategy(Protocol):
         ...
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
         """The capture of x (n, *input) and the plan it ran under (``terms`` or a new one it learned)."""
         ...
@@ -108,9 +109,9 @@ class ChainCapture:
         return options.chain and chain is not None and chain.is_runnable()
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
-        assert terms.plan.chain is not None
+        assert terms.plan.chain is not None and isinstance(x, torch.Tensor)  # chains take one tensor (coverage.py)
         inputs, deltas = run_chain(terms.plan.chain, x, len(terms.plan.uses))
         return Capture(inputs=inputs, deltas=deltas, fallback_jacobians={}), terms
 
@@ -132,10 +133,10 @@ class ConvPassesCapture:
         return _batch_safe(terms, options) and options.conv_passes and convs
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
         # NOTE [channels-last capture] was measured on oneDNN: the CPU only
-        if options.channels_last and terms.channels_last and x.device.type == "cpu":
+        if options.channels_last and terms.channels_last and isinstance(x, torch.Tensor) and x.device.type == "cpu":
             try:
                 return self._once(problem, terms, x, channels_last=True), terms
             except torch.OutOfMemoryError:
@@ -145,8 +146,8 @@ class ConvPassesCapture:
         return self._once(problem, terms, x, channels_last=False), terms
 
     @staticmethod
-    def _once(problem: NtkProblem, terms: StructuredTerms, x: torch.Tensor, *, channels_last: bool) -> Capture:
-        n, k, plan = x.shape[0], problem.k, terms.plan
+    def _once(problem: NtkProblem, terms: StructuredTerms, x: Batch, *, channels_last: bool) -> Capture:
+        n, k, plan = batch_size(x), problem.k, terms.plan
         recorder = Recorder(plan, n)
         recorder.channels_last = channels_last
         with hooks(plan.layers, recorder.pre if channels_last else None, recorder.post), torch.enable_grad():
@@ -184,9 +185,9 @@ class BatchedCapture:
         return _batch_safe(terms, options)
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
-        n, k, plan = x.shape[0], problem.k, terms.plan
+        n, k, plan = batch_size(x), problem.k, terms.plan
         layout = _batched_layout(n, k)
         recorder = Recorder(plan, n)
         with hooks(plan.layers, None, recorder.post), torch.enable_grad():
@@ -220,9 +221,9 @@ class PerExampleCapture:
         return True
 
     def run(
-        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+        self, problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
     ) -> tuple[Capture, StructuredTerms]:
-        n, k, plan = x.shape[0], problem.k, terms.plan
+        n, k, plan = batch_size(x), problem.k, terms.plan
         recorder = Recorder(plan)
         probes = tuple(torch.zeros(u.out_shape, dtype=problem.dtype) for u in plan.uses)
         fallback = {name: problem.params[name] for name in plan.fallback}
@@ -252,7 +253,7 @@ CAPTURES: tuple[CaptureStrategy, ...] = (ChainCapture(), ConvPassesCapture(), Ba
 
 
 def capture(
-    problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: torch.Tensor
+    problem: NtkProblem, terms: StructuredTerms, options: StructuredOptions, x: Batch
 ) -> tuple[Capture, StructuredTerms]:
     """The block's capture by the first strategy of ``CAPTURES`` that applies, and the plan it ran under.
 

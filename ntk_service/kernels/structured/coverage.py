@@ -23,6 +23,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ntk_service.kernels.batch import Batch, take
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.chain import sequential_chain
 from ntk_service.kernels.structured.options import StructuredOptions
@@ -102,7 +103,7 @@ def _module_state(problem: NtkProblem, module: nn.Module, prefixes: dict[int, st
     return {n: tensors[prefix + n] for n in names if prefix + n in tensors}
 
 
-def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
+def plan_structure(problem: NtkProblem, example: Batch) -> StructurePlan:
     """Find the rule layers, run one example to record their uses, and assign every selected parameter.
 
     Args:
@@ -171,12 +172,12 @@ def plan_structure(problem: NtkProblem, example: torch.Tensor) -> StructurePlan:
         chain=None,
     )
     chain = None
-    if not fallback:
+    if not fallback and isinstance(example, torch.Tensor):  # a chain takes one tensor, never a tuple or mapping
         chain = sequential_chain(problem, example[:1], [kept_layers[u.layer] for u in uses])
     return dataclasses.replace(plan, saved_bytes=_saved_activation_bytes(problem, plan, example), chain=chain)
 
 
-def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: torch.Tensor) -> float:
+def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: Batch) -> float:
     """Bytes autograd saves for the probes' backward on one example, parameters and buffers excluded."""
     shared = {t.untyped_storage().data_ptr() for t in (*problem.params.values(), *problem.frozen.values())}
     saved = 0
@@ -193,7 +194,7 @@ def _saved_activation_bytes(problem: NtkProblem, plan: StructurePlan, example: t
     try:
         with hooks(plan.layers, None, recorder.post), torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                problem.f_batch(problem.params, example[:1])
+                problem.f_batch(problem.params, take(example, 0, 1))
     finally:
         ACTIVE.reset(token)
     return float(saved)
@@ -256,7 +257,7 @@ def _foldable_bias(plan: StructurePlan, weight: str, uses_of: dict[str, tuple[in
     return None
 
 
-def analyze(problem: NtkProblem, options: StructuredOptions, example: torch.Tensor | None = None) -> StructuredTerms:
+def analyze(problem: NtkProblem, options: StructuredOptions, example: Batch | None = None) -> StructuredTerms:
     """The one analysis pass: the structure of ``problem`` and its term choice, as a frozen plan.
 
     Args:
@@ -265,6 +266,8 @@ def analyze(problem: NtkProblem, options: StructuredOptions, example: torch.Tens
             the plan's starting facts).
         example: (1, *input) one example; default: zeros of the input shape (float, else int64 token ids).
     """
+    if example is None and problem.template is not None:  # a tuple or mapping of inputs (kernels/batch.py)
+        example = problem.template
     if example is None:
         example = torch.zeros((1, *problem.input_shape), dtype=problem.dtype)
         try:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ntk_service.errors import UnsupportedModel
+from ntk_service.kernels.batch import Batch, batch_size, take
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.structured.plan import StructurePlan
 from ntk_service.kernels.types import NamedTensors
@@ -129,7 +130,7 @@ class Recorder:
             )
 
 
-def run_recorded(problem: NtkProblem, recorder: Recorder, params: NamedTensors, x: torch.Tensor) -> torch.Tensor:
+def run_recorded(problem: NtkProblem, recorder: Recorder, params: NamedTensors, x: Batch) -> torch.Tensor:
     """The model's output (n, k) on x (n, *input) (or (k,) on one example under vmap), ``recorder`` active."""
     token = ACTIVE.set(recorder)
     try:
@@ -143,7 +144,7 @@ def run_recorded(problem: NtkProblem, recorder: Recorder, params: NamedTensors, 
     return out
 
 
-def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> bool:
+def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: Batch) -> bool:
     """Whether every covered call sees the examples along dim 0, in order, so a batched forward can replace the
     per-example one (NOTE [probes]): the inputs of a 2-example run have dim 0 of size 2 where one example gives
     1, and their first row equals the 1-example run's.
@@ -151,11 +152,11 @@ def is_batch_safe(problem: NtkProblem, plan: StructurePlan, x: torch.Tensor) -> 
     Args:
         x: (2, *input), two different examples.
     """
-    if plan.fallback or x.shape[0] < 2:
+    if plan.fallback or batch_size(x) < 2:
         return False
     runs = []
-    for batch in (x[:1], x[:2]):
-        recorder = Recorder(plan, batch.shape[0])
+    for batch in (take(x, 0, 1), take(x, 0, 2)):
+        recorder = Recorder(plan, batch_size(batch))
         recorder.record_only = True
         with hooks(plan.layers, None, recorder.post), torch.no_grad():
             try:
