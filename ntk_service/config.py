@@ -145,10 +145,9 @@ class Settings(BaseSettings):
     )
     side_cache_bytes: int = Field(DEFAULT_SIDE_CACHE_BYTES, ge=0, description="LRU of per-side intermediates.")
     reuse_large_buffers: bool = Field(
-        True,
-        description="Keep the large buffers of a CPU kernel for the next one (malloc's heap, no fresh mappings: "
-        "no page faults per call) instead of returning them to the OS; the process then holds about its largest "
-        "kernel's peak. false: memory goes back after each kernel.",
+        False,
+        description="Keep the large buffers of CPU kernels in malloc's heap for later kernels (fewer page faults per "
+        "call) instead of returning them to the OS; the process then holds about its largest kernel's peak.",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
     executor: Literal["local", "ray"] = Field(

@@ -28,8 +28,10 @@ budget is what the process could allocate, kept buffers included.
 Threads: a thread's own malloc arena cannot grow past 64 MiB and maps larger buffers fresh whatever
 ``M_MMAP_MAX`` says, so with mmap off alone a kernel in a worker thread (the server's) still faulted ~200k pages
 per call (the transformer at N = M = 32, TRACE; 4 calls in the main thread: 393k, 1.3k, 8, 4 faults; then 4 in a
-new thread: 262k, 195k, 179k, 220k). ``M_ARENA_MAX`` 1 puts every thread on the main heap: 12.8k, 3, 2, 4 in the
-thread. The cost is one lock for all threads' mallocs, cheap for kernels, which allocate few large buffers.
+new thread: 262k, 195k, 179k, 220k). ``M_ARENA_MAX`` 1 puts every thread on the main heap: 12.8k, 3, 2, 4 in
+the thread in that run, but not reliably: across 12 fresh processes a worker thread still got some or all of five
+64 MiB buffers fresh in 8, also with MALLOC_ARENA_MAX=1 in the environment (cause not pinned down), so the
+server leaves this off by default (``NTK_REUSE_LARGE_BUFFERS``). The cost is one lock for all threads' mallocs.
 """
 
 from __future__ import annotations

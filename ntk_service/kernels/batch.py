@@ -85,13 +85,14 @@ def _map(x: Batch, fn: Any) -> Batch:
 
 
 def batch_size(x: Batch) -> int:
-    """N: the size of dim 0, shared by every leaf (``as_batch`` checked it)."""
-    return int(x.shape[0] if isinstance(x, torch.Tensor) else leaves(x)[0][1].shape[0])
+    """N: the size of dim 0, shared by every leaf (``as_batch`` checked it). A single input may also be a row
+    source read on demand (``streaming_operator.RowSource``: ``shape`` and row slicing), sized the same way."""
+    return int(leaves(x)[0][1].shape[0] if is_batch(x) else x.shape[0])  # type: ignore[union-attr]
 
 
 def take(x: Batch, start: int, stop: int) -> Batch:
-    """Examples ``start:stop`` of every leaf (views)."""
-    return x[start:stop] if isinstance(x, torch.Tensor) else _map(x, lambda t: t[start:stop])
+    """Examples ``start:stop`` of every leaf (views; a row source reads those rows)."""
+    return _map(x, lambda t: t[start:stop]) if is_batch(x) else x[start:stop]  # type: ignore[index]
 
 
 def concat(a: Batch, b: Batch) -> Batch:

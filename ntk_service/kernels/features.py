@@ -39,11 +39,15 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
-from ntk_service.kernels.functional import NtkProblem, build_problem, check_model, private_copy, validate_inputs
+from ntk_service.kernels.batch import Batch, batch_size, take
+from ntk_service.kernels.inputs import validate_inputs
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
 from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.preparation import build_problem
+from ntk_service.kernels.private_module import check_model, private_copy
+from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = ["MAX_FEATURE_DIM", "feature_kernel", "ntk_features"]
@@ -121,7 +125,7 @@ def ntk_features(
     if private is None:
         raise UnsupportedModel(f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed); use compute_ntk")
     problem = build_problem(private, xt, None, params=params, dtype=compute_dtype)
-    n, k, item = xt.shape[0], problem.k, problem.itemsize
+    n, k, item = batch_size(xt), problem.k, problem.itemsize
     # Φ itself; one block of tangents (and its float64 draw); per example: primal and tangent activations and
     # outputs for every column of the block at once
     fixed = n * k * d * item + _BLOCK * problem.num_params * (item + 8)
@@ -139,7 +143,7 @@ def ntk_features(
         )
     phi = torch.empty(n, k, d, dtype=compute_dtype)
 
-    def columns(tangent: NamedTensors, xb: torch.Tensor) -> torch.Tensor:
+    def columns(tangent: NamedTensors, xb: Batch) -> torch.Tensor:
         out: torch.Tensor = jvp(lambda p: problem.f_batch(p, xb), (problem.params,), (tangent,))[1]
         return out  # (n_chunk, k)
 
@@ -149,7 +153,7 @@ def ntk_features(
                 start, stop = block * _BLOCK, min(d, (block + 1) * _BLOCK)
                 tangents = {name: t[: stop - start] for name, t in _tangents(problem, seed, block).items()}
                 for i in range(0, n, chunk):
-                    xb = xt[i : i + chunk]
+                    xb = take(xt, i, i + chunk)
                     # (cols, n_chunk, k) -> (n_chunk, k, cols)
                     phi[i : i + chunk, :, start:stop] = vmap(columns, in_dims=(0, None))(tangents, xb).permute(1, 2, 0)
         except NotImplementedError as exc:

@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, UnknownMode, format_bytes
-from ntk_service.kernels.functional import build_problem, check_model, private_copy, validate_inputs
+from ntk_service.kernels.inputs import validate_inputs
 from ntk_service.kernels.linear_operator import OPERATOR_MODES, NtkOperator, _Sides
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.preparation import build_problem
+from ntk_service.kernels.private_module import check_model, private_copy
 
 __all__ = ["DEFAULT_EXAMPLES_PER_CHUNK", "RowSource", "dataset_operator"]
 
@@ -55,6 +57,7 @@ class RowSource:
 
     def __getitem__(self, rows: slice) -> torch.Tensor:
         _, tensor, _ = validate_inputs(self._model, _read(self.source, rows), None, self.dtype)
+        assert isinstance(tensor, torch.Tensor)  # one array in, one tensor out
         return tensor
 
 
