@@ -57,7 +57,7 @@ def test_descent_and_flow_on_an_operator_match_hand_written_loops(setup, mode: s
     for _ in range(9):
         state = state + v(state)
     gd = linearized_predictions(op, labels, times=[0, 9], learning_rate=lr, loss="cross_entropy",
-                                flow="gradient_descent", k_test_train=op_test, f0_train=f0, f0_test=f0_test)  # fmt: skip
+        flow="gradient_descent", k_test_train=op_test, f0_train=f0, f0_test=f0_test)  # fmt: skip
     np.testing.assert_array_equal(gd.train[0], f0)
     np.testing.assert_allclose(gd.train[1], state[:N], rtol=0, atol=1e-10 * np.abs(state).max())
     assert gd.test is not None
