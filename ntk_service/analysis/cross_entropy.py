@@ -29,6 +29,8 @@ from scipy.integrate import solve_ivp
 
 from ntk_service.analysis.layout import to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
+from ntk_service.analysis.solve.krylov import operator_lambda_max
+from ntk_service.analysis.solve.operators import KernelOperator, kernel_operator
 from ntk_service.errors import InvalidInput, ResourceLimit, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
 
@@ -40,6 +42,7 @@ __all__ = [
     "check_cross_entropy_plan",
     "class_indices",
     "cross_entropy_dynamics",
+    "cross_entropy_on_operator",
 ]
 
 DEFAULT_RTOL = 1e-10
@@ -347,3 +350,122 @@ def _integrate(
     for i, t in enumerate(times):
         outputs[i] = by_time[float(t)]
     return outputs, f"gradient_flow: solve_ivp DOP853, rtol={rtol:g}, atol={atol:g}, {solution.nfev} evaluations"
+
+
+def cross_entropy_on_operator(
+    k_train_train: Any,
+    y_train: Any,
+    *,
+    times: np.ndarray,
+    learning_rate: float,
+    flow: str,
+    k_test_train: Any = None,
+    f0_train: Any = None,
+    f0_test: Any = None,
+    ridge: float = 0.0,
+    ridge_scale: RidgeScale | str = "absolute",
+    mode: KernelMode | str | None = None,
+    n_classes: int | None = None,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+) -> CrossEntropyDynamics:
+    """The cross-entropy dynamics of ``cross_entropy_dynamics`` with Θ (and Θ*) given as operators.
+
+    The velocity −η [Θ; Θ*] ∇_f L needs only products, so it runs through ``KernelOperator.apply`` (NOTE [operator
+    layout]: FULL (N·k, N·k) on vec(∇), TRACE (N, N) read as (trace / k) ⊗ I_k on the k columns of ∇). λmax comes
+    from Lanczos (``operator_lambda_max``) for ``max_learning_rate``; λmin is not computed and is reported as NaN.
+    The work bound MAX_DESCENT_WORK is counted in operator products, each charged its dense size (rows · cols
+    multiply-adds per column), the same count as the dense path's.
+
+    Args:
+        k_train_train: an operator (``NtkOperator``, SciPy ``LinearOperator``, or shape + matvec) of shape
+            (N·k, N·k) FULL or (N, N) TRACE. y_train: (N,) integer class indices in [0, k).
+        times, learning_rate, flow, f0_train, f0_test, mode, rtol, atol: as ``cross_entropy_dynamics``.
+        k_test_train: (M·k, N·k) or (M, N) operator (or a dense kernel) in the training kernel's mode, or None.
+        ridge: absolute λ added to Θ. ridge_scale: must be "absolute" (an operator's diagonal is unknown).
+        n_classes: k when neither f0_train, f0_test nor the operator (an ``NtkOperator``'s ``k``) gives it.
+
+    Returns:
+        CrossEntropyDynamics: train (T, N, k), test (T, M, k) or None; lambda_min NaN; path names the operator.
+
+    Raises:
+        InvalidInput: a relative ridge, labels or times as ``cross_entropy_dynamics`` refuses them, k unknown.
+        ShapeMismatch: operators whose shapes do not fit the labels, k or each other.
+        ResourceLimit: more work than MAX_DESCENT_WORK (the message gives the estimate).
+    """
+    k = _width(f0_train, f0_test, n_classes)
+    if k is None:
+        own = getattr(k_train_train, "k", None)
+        k = int(own) if own is not None else None
+    if k is None:
+        raise InvalidInput(
+            f"{_OPERATION}: an operator does not say how many classes there are, and class indices do not either; "
+            "pass f0_train of shape (N, k) (the model's outputs at initialization)"
+        )
+    labels = class_indices(y_train, n=None, k=k, name="y_train", operation=_OPERATION)
+    n = labels.shape[0]
+    if ridge_scale != "absolute":
+        raise InvalidInput(
+            f"{_OPERATION}: ridge_scale={ridge_scale!r} on an operator: its diagonal is unknown; pass an absolute ridge"
+        )
+    lam = ridge_value(np.zeros((1, 1)), ridge, "absolute", operation=_OPERATION)
+    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
+    f0 = np.zeros((n, k)) if f0_train is None else to_targets(f0_train, n=n, k=k, name="f0_train", operation=_OPERATION)
+    cross: KernelOperator | None = None
+    f0_star = None
+    if k_test_train is not None:
+        cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
+        f0_star = (
+            np.zeros((cross.n, k))
+            if f0_test is None
+            else to_targets(f0_test, n=cross.n, k=k, name="f0_test", operation=_OPERATION)
+        )
+    elif f0_test is not None:
+        raise InvalidInput(f"{_OPERATION}: f0_test was given without k_test_train; pass both or neither")
+    full = train.mode is KernelMode.FULL
+    m = 0 if f0_star is None else f0_star.shape[0]
+    check_cross_entropy_plan(times, flow, n=n, m=m, k=k, full=full, operation=_OPERATION)
+    lambda_max = operator_lambda_max(train, ridge=lam)
+    onehot = np.eye(k)[labels]
+    start = f0 if f0_star is None else np.vstack([f0, f0_star])
+    products = [0]
+
+    def apply(op: KernelOperator, grad: np.ndarray) -> np.ndarray:
+        block = grad.reshape(n * k, 1) if full else grad
+        products[0] += block.shape[1]
+        out: np.ndarray = op.apply(block).reshape(op.n, k)
+        return out
+
+    def velocity(state: np.ndarray) -> np.ndarray:
+        """d(outputs)/dt for (N+M, k) outputs: −η [Θ + λI; Θ*] ∇_f L(f_train), by operator products."""
+        grad = _softmax_gradient(state[:n], onehot)
+        moved = apply(train, grad) + lam * grad
+        if cross is not None:
+            moved = np.vstack([moved, apply(cross, grad)])
+        out: np.ndarray = -learning_rate * moved
+        return out
+
+    if flow == "gradient_descent":
+        outputs, path = _descend(velocity, start, times)
+        rtol_used: float | None = None
+        atol_used: float | None = None
+    else:
+        work = (n + m) * n * k * (k if full else 1)  # multiply-adds charged per evaluation (its products' dense size)
+        outputs, path = _integrate(
+            velocity, start, times, rtol=rtol, atol=atol, max_evaluations=max(1, MAX_DESCENT_WORK // work)
+        )
+        rtol_used, atol_used = rtol, atol
+    return CrossEntropyDynamics(
+        times=times,
+        train=outputs[:, :n],
+        test=None if f0_star is None else outputs[:, n:],
+        lambda_min=float("nan"),
+        lambda_max=lambda_max,
+        max_learning_rate=math.inf if lambda_max <= 0 else 4.0 * n / lambda_max,
+        path=(
+            f"cross_entropy {path}; on a {train.mode.value} operator {train.rows}x{train.cols}, "
+            f"{products[0]} operator products, λmax by Lanczos"
+        ),
+        rtol=rtol_used,
+        atol=atol_used,
+    )

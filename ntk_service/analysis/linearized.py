@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ntk_service.analysis.cross_entropy import cross_entropy_dynamics
+from ntk_service.analysis.cross_entropy import cross_entropy_dynamics, cross_entropy_on_operator
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
 from ntk_service.analysis.layout import to_float64, to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
@@ -271,12 +271,12 @@ def linearized_predictions(
         raise InvalidInput(f"{_OPERATION}: learning_rate must be a positive number, got {learning_rate}")
     time_array = _check_times(times, flow)
     if loss == "cross_entropy":  # not quadratic: function-space dynamics (NOTE [cross-entropy dynamics])
-        if is_operator(k_train_train) or is_operator(k_test_train):
-            raise InvalidInput(
-                f"{_OPERATION}: loss='cross_entropy' needs dense kernels (N, N, k, k) or (N, N); an operator is "
-                "solved for loss='mse' only: pass the dense kernel"
-            )
-        run = cross_entropy_dynamics(
+        dynamics = (
+            cross_entropy_on_operator
+            if is_operator(k_train_train) or is_operator(k_test_train)
+            else cross_entropy_dynamics
+        )
+        run = dynamics(
             k_train_train, y_train, times=time_array, learning_rate=learning_rate, flow=flow,
             k_test_train=k_test_train, f0_train=f0_train, f0_test=f0_test, ridge=ridge, ridge_scale=ridge_scale,
             mode=mode,
