@@ -59,6 +59,11 @@ def _read_architecture(value: str) -> dict[str, Any]:
     return spec
 
 
+def _input_file(help: str) -> Any:
+    """A positional argument naming a file that must exist and be readable (typer checks it before the call)."""
+    return typer.Argument(help=help, exists=True, dir_okay=False, readable=True, show_default=False)
+
+
 @models_app.command("register")
 def register(
     ctx: typer.Context,
@@ -93,14 +98,7 @@ def register_program(
     ctx: typer.Context,
     name: NameArg,
     program: Annotated[
-        Path,
-        typer.Argument(
-            help="A torch.export archive (.pt2) written by torch.export.save, the batch dimension dynamic.",
-            exists=True,
-            dir_okay=False,
-            readable=True,
-            show_default=False,
-        ),
+        Path, _input_file("A torch.export archive (.pt2) written by torch.export.save, the batch dimension dynamic.")
     ],
     label: LabelOption = None,
     json_output: JsonFlag = False,
@@ -177,16 +175,7 @@ def architectures(ctx: typer.Context, json_output: JsonFlag = False) -> None:
 def upload_weights(
     ctx: typer.Context,
     name: NameArg,
-    weights: Annotated[
-        Path,
-        typer.Argument(
-            help="A .safetensors file with every parameter by its named_parameters() name.",
-            exists=True,
-            dir_okay=False,
-            readable=True,
-            show_default=False,
-        ),
-    ],
+    weights: Annotated[Path, _input_file("A .safetensors file with every parameter by its named_parameters() name.")],
     label: LabelOption = None,
     json_output: JsonFlag = False,
 ) -> None:
