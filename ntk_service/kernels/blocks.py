@@ -156,4 +156,7 @@ def run_blocks(
                     theta[(*head, slice(i0, i1), slice(j0, j1))] = block
                 if symmetric and j0 != i0:
                     theta[(*head, slice(j0, j1), slice(i0, i1))] = _swap_examples(block, mode, lead)
+                # a side not kept is freed before the next one is built: peak = one left + one right side
+                del right, block
+            del left
     return theta
