@@ -22,9 +22,12 @@ cost, beside the measured seconds per estimated TFLOP and the weight that time i
 contraction (``auto`` counts as the implementation it ran); AUTO's choice is right where the cheapest weighted
 cost is the fastest implementation. At the end, a summary line per case: the tutorial's time over AUTO's.
 
-Memory (``--memory``, of ``--memory-of``: auto and the tutorial by default): each contender once more in its own
-fresh process, with this run's allocator settings: the growth of VmHWM over one call, after the model and inputs
-are built (not ``ru_maxrss``: Linux carries a parent's peak over fork and exec); for the peer (†), the growth of
+Memory (``--memory``, of ``--memory-of``: auto and the tutorial by default): each contender once more in
+``--memory-runs`` fresh processes of its own (median), with this run's allocator settings: the growth of VmHWM over
+one call, after the model and inputs are built and one warm-up call on two examples (what a server, a job worker or
+a loop pays per call: the first call's imports and lazily built state are paid once per process, ~0-100 MiB on
+the ResNet, and fresh-process peaks spread by ~10 %; not ``ru_maxrss``: Linux carries a parent's peak over fork and
+exec); for the peer (†), the growth of
 VmHWM of its own process for that case and contender, over compiling and all the case's runs (compilation included).
 A peer case that passes ``--peer-memory-gib`` resident or ``--peer-timeout`` is killed and reported as not run.
 
@@ -126,8 +129,9 @@ def _high_water_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
 
-def _memory(name: str, n: int, mode: str, contender: str, reuse: bool) -> str:
-    """Peak-RSS growth (MiB) of one call of ours or the tutorial in a fresh process, as table text."""
+def _memory(name: str, n: int, mode: str, contender: str, reuse: bool, runs: int) -> str:
+    """Peak-RSS growth (MiB) of one warm call of ours or the tutorial, the median of ``runs`` fresh processes, as
+    table text."""
     code = "\n".join(
         [
             f"import sys, json; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT.parent)!r}]",
@@ -137,13 +141,17 @@ def _memory(name: str, n: int, mode: str, contender: str, reuse: bool) -> str:
             "from bench_real_models import _call, _high_water_kib",
             "from _models import MODELS, make_inputs",
             f"model = MODELS[{name!r}](); x1, x2 = make_inputs({name!r}, {n}), make_inputs({name!r}, {n}, seed=2)",
+            f"_call({contender!r}, model, x1[:2], x2[:2], {mode!r})  # warm-up: imports, lazily built state",
             "base = _high_water_kib()",
             f"_call({contender!r}, model, x1, x2, {mode!r})",
             "print(json.dumps((_high_water_kib() - base) / 1024))",
         ]
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return f"{float(json.loads(out.stdout.strip().splitlines()[-1])):.0f}"
+    peaks = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        peaks.append(float(json.loads(out.stdout.strip().splitlines()[-1])))
+    return f"{statistics.median(peaks):.0f}"
 
 
 @dataclass
@@ -254,7 +262,7 @@ def bench_case(
         if c in PEERS:
             mib = f"{peer.peak_mib(c):.0f} †" if peer is not None else ""
         else:
-            mib = _memory(name, n, mode, c, args.reuse_large_buffers) if args.memory and c in args.memory_of else ""
+            mib = _memory(name, n, mode, c, args.reuse_large_buffers, args.memory_runs) if args.memory and c in args.memory_of else ""
         per_call = (statistics.median(system[c]), statistics.median(faults[c]), mib, rate / peak_rate)
         row[c] = (t, *per_call, statistics.median(cpu[c]))
         print(
@@ -336,6 +344,7 @@ def main() -> None:
     parser.add_argument(
         "--memory-of", nargs="+", default=["auto", "tutorial"], choices=CONTENDERS, help="whose peak to measure"
     )
+    parser.add_argument("--memory-runs", type=int, default=3, help="fresh processes per peak (median). Default: 3")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument(
         "--reuse-large-buffers",
