@@ -11,11 +11,12 @@ OpenAPI document (the fields and the ``Literal`` values).
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, final
+from typing import Literal, NotRequired, TypedDict, final
 
 __all__ = [
     "AlignmentVariantName",
     "AnalysisModeName",
+    "DatasetArrayInfo",
     "DatasetInfo",
     "DatasetSlice",
     "DtypeName",
@@ -111,8 +112,17 @@ class ModelInfo(TypedDict):
     label: str | None
 
 
+class DatasetArrayInfo(TypedDict):
+    """One array of a data set of named arrays."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+
+
 class DatasetInfo(TypedDict):
-    """An uploaded data set (``upload_dataset``, ``get_dataset``, ``list_datasets``)."""
+    """An uploaded data set (``upload_dataset``, ``get_dataset``, ``list_datasets``); a data set of named arrays has
+    shape (N,), dtype "mapping" and ``arrays``."""
 
     id: str
     name: str | None
@@ -121,6 +131,7 @@ class DatasetInfo(TypedDict):
     sha256: str
     size_bytes: int
     created_at: str
+    arrays: NotRequired[list[DatasetArrayInfo]]
 
 
 class JobSide(TypedDict):
@@ -148,6 +159,7 @@ class JobInfo(TypedDict):
     params: list[str] | None
     tile_size: int
     panel_tiles: int
+    output: str | None
     tiles_done: int
     tiles_total: int
     progress: float
