@@ -11,7 +11,7 @@ OpenAPI document (the fields and the ``Literal`` values).
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict, final
+from typing import Literal, TypedDict, final
 
 __all__ = [
     "AlignmentVariantName",
@@ -120,10 +120,7 @@ class DatasetArrayInfo(TypedDict):
     dtype: str
 
 
-class DatasetInfo(TypedDict):
-    """An uploaded data set (``upload_dataset``, ``get_dataset``, ``list_datasets``); a data set of named arrays has
-    shape (N,), dtype "mapping" and ``arrays``."""
-
+class _DatasetFields(TypedDict):
     id: str
     name: str | None
     shape: list[int]
@@ -131,7 +128,13 @@ class DatasetInfo(TypedDict):
     sha256: str
     size_bytes: int
     created_at: str
-    arrays: NotRequired[list[DatasetArrayInfo]]
+
+
+class DatasetInfo(_DatasetFields, total=False):
+    """An uploaded data set (``upload_dataset``, ``get_dataset``, ``list_datasets``); a data set of named arrays has
+    shape (N,), dtype "mapping" and ``arrays`` (a single array has no ``arrays`` key)."""
+
+    arrays: list[DatasetArrayInfo]
 
 
 class JobSide(TypedDict):
