@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import numpy as np
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_npy
 from ntk_service.cli._output import print_record, print_table
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["datasets_app", "read_dataset_file"]
 
@@ -32,6 +34,8 @@ def read_dataset_file(path: Path, *, option: str) -> np.ndarray | dict[str, np.n
     Raises:
         UsageError: another suffix, or a file that cannot be read.
     """
+    import numpy as np
+
     from ntk_service import wire
     from ntk_service.errors import NtkServiceError
 
