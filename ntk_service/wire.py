@@ -42,6 +42,7 @@ from ntk_service.errors import InvalidInput, MalformedRequest
 __all__ = [
     "MEDIA_JSON",
     "MEDIA_NPY",
+    "MEDIA_NPZ",
     "MEDIA_SAFETENSORS",
     "WIRE_DTYPES",
     "decode_npy",

@@ -10,10 +10,11 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.responses import Response
 
 from ntk_service import wire
+from ntk_service.registry.datasets import MAX_ARRAYS
 from ntk_service.server.dataset_uploads import read_dataset
 from ntk_service.server.deps import DatasetsDep, ReadAccess, SettingsDep, WriteAccess
 from ntk_service.server.media import collection_response, json_response
-from ntk_service.server.params import ID_MAX_LENGTH
+from ntk_service.server.params import ID_MAX_LENGTH, MAX_JSON_TENSOR_VALUES
 from ntk_service.server.schemas import DatasetPublic, DatasetsPublic
 
 __all__ = ["router"]
@@ -39,7 +40,11 @@ _NAMED_EXAMPLE = {"input_ids": [[101, 7592, 102], [101, 2088, 102]], "attention_
                 wire.MEDIA_SAFETENSORS: {"schema": {"type": "string", "format": "binary"}},
                 wire.MEDIA_NPZ: {"schema": {"type": "string", "format": "binary"}},
                 wire.MEDIA_JSON: {
-                    "schema": {"type": "object", "additionalProperties": {"type": "array"}},
+                    "schema": {
+                        "type": "object",
+                        "maxProperties": MAX_ARRAYS,
+                        "additionalProperties": {"type": "array", "maxItems": MAX_JSON_TENSOR_VALUES},
+                    },
                     "example": _NAMED_EXAMPLE,
                 },
             },
