@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import re
 import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
@@ -125,7 +126,8 @@ def decode_npz(body: bytes, *, name: str, max_bytes: int) -> dict[str, np.ndarra
                         "arrays (float32, float64 or int64)"
                     ) from exc
                 raise MalformedRequest(f"{name}: .npz member {key!r} is not a valid .npy array: {exc}") from exc
-            except (zipfile.BadZipFile, OSError, EOFError) as exc:
+            except (zipfile.BadZipFile, OSError, EOFError, zlib.error, RuntimeError, NotImplementedError) as exc:
+                # corrupt data or CRC, an encrypted member (RuntimeError), an unknown compression method
                 raise MalformedRequest(f"{name}: .npz member {key!r} could not be read: {exc}") from exc
             out[key] = wire.to_wire_dtype(array, name=f"{name}[{key!r}]")
     return out

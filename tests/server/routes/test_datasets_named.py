@@ -141,6 +141,29 @@ def test_hostile_npz_is_refused_and_writes_nothing(
     assert not (live_server.data_dir.parent.parent / "escape.npy").exists()
 
 
+def _tampered(kind: str) -> bytes:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, input_ids=np.arange(1000, dtype=np.int64).reshape(10, 100))
+    body = bytearray(buffer.getvalue())
+    local, central = body.find(b"PK\x03\x04"), body.find(b"PK\x01\x02")
+    if kind == "corrupt":  # deflate stream garbled
+        body[local + 80] ^= 0xFF
+        body[local + 81] ^= 0xFF
+    elif kind == "encrypted":  # the general-purpose flag's encryption bit
+        body[local + 6] |= 1
+        body[central + 8] |= 1
+    else:  # a compression method zipfile does not know
+        body[local + 8] = body[central + 10] = 99
+    return bytes(body)
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "encrypted", "unknown-method"])
+def test_a_tampered_npz_is_a_400(live_server: LiveServer, kind: str) -> None:
+    got, error = _post(live_server, _tampered(kind), wire.MEDIA_NPZ)
+    assert got == 400, error
+    assert "member 'input_ids' could not be read" in error["error"]["message"] or "not a valid .npy" in str(error)
+
+
 def test_safetensors_header_lying_about_sizes_is_refused(live_server: LiveServer) -> None:
     real = wire.encode_safetensors({"input_ids": IDS, "attention_mask": MASK})
     (size,) = struct.unpack("<Q", real[:8])
