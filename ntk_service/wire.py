@@ -42,6 +42,7 @@ from ntk_service.errors import InvalidInput, MalformedRequest
 __all__ = [
     "MEDIA_JSON",
     "MEDIA_NPY",
+    "MEDIA_NPZ",
     "MEDIA_SAFETENSORS",
     "WIRE_DTYPES",
     "decode_npy",
@@ -58,6 +59,8 @@ __all__ = [
 MEDIA_JSON = "application/json"
 MEDIA_NPY = "application/x-npy"
 MEDIA_SAFETENSORS = "application/x-safetensors"
+MEDIA_NPZ = "application/x-npz"
+"""A numpy ``.npz`` archive (``np.savez`` or ``np.savez_compressed``) of named arrays: data-set uploads only."""
 
 WIRE_DTYPES = ("float32", "float64", "int64")
 """The dtypes a tensor may have on the wire: float inputs and kernels, and int64 token ids."""

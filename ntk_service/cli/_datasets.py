@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_npy
 from ntk_service.cli._output import print_record, print_table
 
-__all__ = ["datasets_app"]
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = ["datasets_app", "read_dataset_file"]
 
 datasets_app = typer.Typer(
     help="Upload inputs once, then reference their rows in kernels as dataset:<id>[start:stop].",
@@ -24,23 +27,64 @@ IdArg = Annotated[str, typer.Argument(help="The data set id (from `datasets uplo
 _LIST_COLUMNS = ("id", "name", "shape", "dtype", "created_at")
 
 
+def read_dataset_file(path: Path, *, option: str) -> np.ndarray | dict[str, np.ndarray]:
+    """A data set file: .npy (one array), .npz (named arrays) or .safetensors (tensor ``x`` alone: one array; else
+    named arrays). Nothing is unpickled.
+
+    Raises:
+        UsageError: another suffix, or a file that cannot be read.
+    """
+    import numpy as np
+
+    from ntk_service import wire
+    from ntk_service.errors import NtkServiceError
+
+    suffix = path.suffix.lower()
+    if suffix == ".npy":
+        return read_npy(path, option=option)
+    if suffix not in (".npz", ".safetensors"):
+        raise UsageError(f"{option}: {str(path)!r} must end in .npy, .npz or .safetensors")
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as archive:
+                return {key: archive[key] for key in archive.files}
+        tensors = wire.decode_safetensors(path.read_bytes(), name=str(path))[0]
+    except (OSError, ValueError, NtkServiceError) as exc:
+        raise UsageError(f"{option}: cannot read {str(path)!r} as {suffix}: {exc}") from exc
+    return tensors["x"] if set(tensors) == {"x"} else tensors
+
+
+def _describe(record: dict[str, Any]) -> str:
+    arrays = record.get("arrays")
+    if not arrays:
+        return f"shape {record.get('shape')} {record.get('dtype')}"
+    shown = ", ".join(f"{a['name']} {a['shape']} {a['dtype']}" for a in arrays)
+    return f"{record.get('shape', [0])[0]} rows of {shown}"
+
+
 @datasets_app.command("upload")
 def upload(
     ctx: typer.Context,
     path: Annotated[
         Path,
-        typer.Argument(help="A .npy file of shape (N, *input).", exists=True, dir_okay=False, show_default=False),
+        typer.Argument(
+            help="A .npy file of shape (N, *input), or an .npz / .safetensors of named arrays with one N "
+            "(the model's forward argument names, e.g. input_ids and attention_mask).",
+            exists=True,
+            dir_okay=False,
+            show_default=False,
+        ),
     ],
     name: Annotated[str | None, typer.Option(help="A human-readable name.", show_default=False)] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Upload a .npy file as a data set (needs a write key); prints its id."""
-    array = read_npy(path, option="datasets upload")
+    """Upload a .npy, .npz or .safetensors file as a data set (needs a write key); prints its id."""
+    array = read_dataset_file(path, option="datasets upload")
     record = state_of(ctx).client().upload_dataset(array, name=name)
     if wants_json(ctx, json_output):
         print_json(record)
     else:
-        typer.echo(f"uploaded data set {record['id']}: shape {record.get('shape')} {record.get('dtype')}")
+        typer.echo(f"uploaded data set {record['id']}: {_describe(dict(record))}")
 
 
 @datasets_app.command("list")

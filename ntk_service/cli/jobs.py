@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
-from ntk_service.cli._inputs import read_npy
+from ntk_service.cli._datasets import read_dataset_file
 from ntk_service.cli._kernel import Dtype, Implementation, Mode
 from ntk_service.cli._output import print_record, print_table
 
@@ -38,7 +38,7 @@ _LIST_COLUMNS = ("id", "status", "model", "mode", "tiles_done", "tiles_total", "
 
 _SIDE_HELP = (
     "a data set id (dataset:<id> or <id>, dataset:<id>[a:b] for rows a..b-1), or a .npy file of shape "
-    "({rows}, *input) to upload first"
+    "({rows}, *input) (or an .npz / .safetensors of named arrays) to upload first"
 )
 
 
@@ -46,10 +46,10 @@ def _dataset_id(ctx: typer.Context, value: str, *, option: str) -> str | dict[st
     """A data set id from ``dataset:<id>``, ``<id>`` or a .npy path (uploaded now); ``dataset:<id>[a:b]`` gives
     ``{"dataset": id, "start": a, "stop": b}``."""
     path = Path(value)
-    if value.endswith(".npy") or path.is_file():
+    if value.endswith((".npy", ".npz", ".safetensors")) or path.is_file():
         if not path.is_file():
             raise UsageError(f"{option}: no such file {value!r}")
-        record = state_of(ctx).client().upload_dataset(read_npy(path, option=option), name=path.name)
+        record = state_of(ctx).client().upload_dataset(read_dataset_file(path, option=option), name=path.name)
         return str(record["id"])
     dataset, bracket, rows = value.removeprefix("dataset:").partition("[")
     if not dataset:
@@ -101,6 +101,10 @@ def submit(
     tile_size: Annotated[
         int | None, typer.Option(min=1, help="Examples per tile side. Default: the server's (NTK_JOB_TILE_SIZE).")
     ] = None,
+    output: Annotated[
+        str | None,
+        typer.Option(help='Where the model returns a mapping: the output to use, e.g. "logits" or "logits[:, 0]".'),
+    ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Then show a live progress bar until the job ends.")] = False,
     json_output: JsonFlag = False,
 ) -> None:
@@ -119,6 +123,7 @@ def submit(
             params=globs,
             version=version,
             tile_size=tile_size,
+            output=output,
         )
     )
     if not wants_json(ctx, json_output):

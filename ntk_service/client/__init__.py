@@ -37,6 +37,7 @@ from ntk_service.client._service import ServerInfo, ServerLimits
 from ntk_service.client._types import (
     AlignmentVariantName,
     AnalysisModeName,
+    DatasetArrayInfo,
     DatasetInfo,
     DatasetSlice,
     DtypeName,
@@ -69,6 +70,7 @@ __all__ = [
     "AlignmentVariantName",
     "AnalysisModeName",
     "Client",
+    "DatasetArrayInfo",
     "DatasetInfo",
     "DatasetSlice",
     "DtypeName",

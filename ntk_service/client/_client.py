@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -315,21 +316,30 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
     # ---- data sets ----
 
     def upload_dataset(self, array: Any, name: str | None = None) -> DatasetInfo:
-        """Upload inputs once, to reference them by id and row range in kernels (write scope).
+        """Upload inputs once, to reference them by id and row range in kernels and jobs (write scope).
 
         Args:
-            array: (N, *input) numpy array or torch tensor.
+            array: (N, *input) numpy array or torch tensor; or a mapping name -> such an array, every one with the
+                same N, e.g. ``{"input_ids": ids, "attention_mask": mask}`` (sent as an .npz; names are the model's
+                forward keyword arguments, ASCII identifiers).
             name (str | None): a label. Default: none.
 
         Returns:
-            The data set record: id, shape, dtype, sha256, ...
+            The data set record: id, shape, dtype, sha256, ...; for a mapping shape (N,), dtype "mapping" and
+            ``arrays``: ``[{"name", "shape", "dtype"}, ...]``.
+
+        Raises:
+            InvalidInput: a dtype, name or shape the server refuses (422, naming the array).
         """
-        content = wire.encode_npy(_to_numpy(array, name="dataset"))
+        if isinstance(array, Mapping):
+            content, media = _encode_npz(array), wire.MEDIA_NPZ
+        else:
+            content, media = wire.encode_npy(_to_numpy(array, name="dataset")), wire.MEDIA_NPY
         response = self._request(
             "POST",
             "/v1/datasets",
             content=content,
-            content_type=wire.MEDIA_NPY,
+            content_type=media,
             accept=wire.MEDIA_JSON,
             params={"name": name},
         )
@@ -475,6 +485,16 @@ def _to_numpy(value: Any, *, name: str) -> np.ndarray:
         except TypeError as exc:  # e.g. bfloat16 has no numpy dtype
             raise TypeError(f"{name}: torch dtype {value.dtype} has no numpy equivalent; use .float()") from exc
     return np.asarray(value)
+
+
+def _encode_npz(arrays: Mapping[Any, Any]) -> bytes:
+    """Named arrays as an uncompressed .npz (names are checked by the server; a non-string name fails here)."""
+    bad = [key for key in arrays if not isinstance(key, str)]
+    if bad:
+        raise TypeError(f"upload_dataset: array names must be strings, got {bad[:3]}")
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **{key: _to_numpy(value, name=key) for key, value in arrays.items()})
+    return buffer.getvalue()
 
 
 def _kernel_side(value: Any, name: str) -> np.ndarray | dict[str, Any]:

@@ -110,6 +110,7 @@ class JobsClient(BaseClient):
         version: int | None = None,
         tile_size: int | None = None,
         panel_tiles: int | None = None,
+        output: str | None = None,
     ) -> JobInfo:
         """Submit a batch kernel job over whole data sets (write scope).
 
@@ -124,6 +125,8 @@ class JobsClient(BaseClient):
             tile_size (int | None): examples per tile side. Default: the server's (NTK_JOB_TILE_SIZE).
             panel_tiles (int | None): tiles per panel side, the unit of work (docs/jobs.md). Default: the server's
                 cost model (NTK_JOB_PANEL_SECONDS of work per panel).
+            output (str | None): where the model returns a mapping, the output to differentiate (``"logits"``,
+                ``"logits[:, 0]"``, as ``compute_ntk``'s ``output=``). Default: None (the model returns a tensor).
 
         Returns:
             The job record (``id``, ``status``, ``tiles_total``, ``result_shape``, ...).
@@ -142,6 +145,7 @@ class JobsClient(BaseClient):
             "params": None if params is None else list(params),
             "tile_size": tile_size,
             "panel_tiles": panel_tiles,
+            "output": output,
         }
         return cast(
             JobInfo, dict(self._send_json("POST", "/v1/jobs", {k: v for k, v in body.items() if v is not None}))

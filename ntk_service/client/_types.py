@@ -16,6 +16,7 @@ from typing import Literal, TypedDict, final
 __all__ = [
     "AlignmentVariantName",
     "AnalysisModeName",
+    "DatasetArrayInfo",
     "DatasetInfo",
     "DatasetSlice",
     "DtypeName",
@@ -111,9 +112,15 @@ class ModelInfo(TypedDict):
     label: str | None
 
 
-class DatasetInfo(TypedDict):
-    """An uploaded data set (``upload_dataset``, ``get_dataset``, ``list_datasets``)."""
+class DatasetArrayInfo(TypedDict):
+    """One array of a data set of named arrays."""
 
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class _DatasetFields(TypedDict):
     id: str
     name: str | None
     shape: list[int]
@@ -121,6 +128,13 @@ class DatasetInfo(TypedDict):
     sha256: str
     size_bytes: int
     created_at: str
+
+
+class DatasetInfo(_DatasetFields, total=False):
+    """An uploaded data set (``upload_dataset``, ``get_dataset``, ``list_datasets``); a data set of named arrays has
+    shape (N,), dtype "mapping" and ``arrays`` (a single array has no ``arrays`` key)."""
+
+    arrays: list[DatasetArrayInfo]
 
 
 class JobSide(TypedDict):
@@ -148,6 +162,7 @@ class JobInfo(TypedDict):
     params: list[str] | None
     tile_size: int
     panel_tiles: int
+    output: str | None
     tiles_done: int
     tiles_total: int
     progress: float

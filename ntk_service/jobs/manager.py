@@ -72,7 +72,9 @@ from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
 from ntk_service.jobs.store import JobStore
 from ntk_service.kernels import compute_ntk
+from ntk_service.kernels.batch import Batch, embedding_feeds
 from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.outputs import parse_output, select_output
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
 __all__ = ["DISK_FREE_FRACTION", "DatasetSource", "Deletion", "DiskUsage", "JobManager", "ModelSource", "plan_of"]
@@ -109,11 +111,58 @@ class ModelSource(Protocol):
 
 
 class DatasetSource(Protocol):
-    """What the manager needs of the data-set store."""
+    """What the manager needs of the data-set store: records with ``shape`` and ``sha256`` (and ``arrays``, each
+    with ``name``/``shape``, for named arrays), rows as an array or a dict of named arrays, and the ids check."""
 
     def get(self, dataset_id: str) -> Any: ...
 
-    def load(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> np.ndarray: ...
+    def load(
+        self, dataset_id: str, start: int | None = None, stop: int | None = None
+    ) -> np.ndarray | dict[str, np.ndarray]: ...
+
+    def first_out_of_range(
+        self, dataset_id: str, array: str, size: int, start: int, stop: int
+    ) -> tuple[int, int] | None: ...
+
+
+def _check_named_sides(ds1: Any, ds2: Any) -> None:
+    """x1's and x2's data sets hold the same named arrays (or both one array), each with one per-example shape."""
+    a1, a2 = getattr(ds1, "arrays", None), getattr(ds2, "arrays", None)
+    if (a1 is None) != (a2 is None):
+        named, single = (ds1, ds2) if a1 is not None else (ds2, ds1)
+        raise InvalidInput(
+            f"jobs: data set {named.id!r} holds named arrays but {single.id!r} holds one array; give both sides "
+            "the same inputs (both named arrays with the same names, or both one array)"
+        )
+    if a1 is None:
+        return
+    s1, s2 = {a.name: tuple(a.shape[1:]) for a in a1}, {a.name: tuple(a.shape[1:]) for a in a2}
+    missing, extra = sorted(s1.keys() - s2.keys()), sorted(s2.keys() - s1.keys())
+    if missing or extra:
+        raise InvalidInput(
+            f"jobs: x2's data set {ds2.id!r} has names that differ from x1's {ds1.id!r}: missing {missing}, extra "
+            f"{extra}; upload x2 with exactly x1's names ({sorted(s1)})"
+        )
+    for name, shape in s1.items():
+        if s2[name] != shape:
+            raise ShapeMismatch(
+                f"jobs: x2[{name!r}] has per-example shape {s2[name]}, x1[{name!r}] has {shape}; both sides must "
+                "have the same per-example shapes"
+            )
+
+
+def _selected_size(module: nn.Module, example: Batch, output: str) -> int:
+    """k of a job with ``output=``: the selected tensor's size per example (the model record's output_dim describes
+    what forward returns, not the selection)."""
+    with torch.no_grad():
+        raw = (
+            module(**example)
+            if isinstance(example, dict)
+            else module(*example)
+            if isinstance(example, tuple)
+            else module(example)
+        )
+    return int(select_output(raw, parse_output(output, "jobs"), "jobs")[0].numel())
 
 
 def plan_of(spec: JobSpec) -> TilePlan:
@@ -312,6 +361,7 @@ class JobManager:
         x1_rows: tuple[int, int] | None = None,
         x2_rows: tuple[int, int] | None = None,
         panel_tiles: int | None = None,
+        output: str | None = None,
     ) -> JobRecord:
         """Validate, plan and queue a job.
 
@@ -324,14 +374,18 @@ class JobManager:
             x1_rows, x2_rows: ``(start, stop)`` rows of the data sets to use. Default: all rows.
             panel_tiles: tiles per panel side (the work unit, ``jobs/panels.py``). Default: the cost model's, for
                 the manager's ``panel_seconds``.
+            output: the ``compute_ntk`` ``output=`` path where the model returns a mapping (e.g. "logits"); k is
+                the selected tensor's size per example. Default: None (the model returns a tensor).
 
         Returns:
             The queued JobRecord.
 
         Raises:
             ModelNotFound, DatasetNotFound: unknown names (404).
-            InvalidInput and its subclasses: bad mode, implementation, dtype, tile size, shapes, parameter globs
-                (422; a one-example probe of ``compute_ntk`` finds these before anything is stored).
+            InvalidInput and its subclasses: bad mode, implementation, dtype, tile size, shapes, parameter globs,
+                output path, named arrays that differ between the sides or from the model's inputs (422; a
+                one-example probe of ``compute_ntk`` finds these before anything is stored), token ids outside an
+                nn.Embedding's vocabulary in any row (every row is checked, in chunks).
             DiskEstimateExceeded: the result would not fit the disk budget (413, with the estimate).
         """
         kernel_mode = parse_mode(mode)
@@ -340,17 +394,19 @@ class JobManager:
             raise InvalidInput(f"jobs: dtype {dtype!r} is not supported; use 'float32' or 'float64'")
         if panel_tiles is not None and panel_tiles < 1:
             raise InvalidInput(f"jobs: panel_tiles must be ≥ 1, got {panel_tiles}; omit it for the cost model's")
+        parse_output(output, "jobs")
         record, module = self.models.load_module(model, version)
         inputs = self._resolve_inputs(x1_dataset, x2_dataset, x1_rows, x2_rows)
         tile = self.default_tile_size if tile_size is None else tile_size
         plan = plan_tiles(n=inputs.n, m=inputs.m, tile_size=tile, mode=kernel_mode)
         budget = self.memory_budget_bytes if self.memory_budget_bytes is not None else self.executor.memory_budget()
-        example = self._probe(module, inputs, kernel_mode, impl.value, dtype, params, budget)
-        k = int(record.output_dim)
+        example = self._probe(module, inputs, kernel_mode, impl.value, dtype, params, budget, output)
+        self._check_ids(module, example, inputs)
+        k = int(record.output_dim) if output is None else _selected_size(module, example, output)
         estimate = plan.stored_bytes(k, _DTYPES[dtype])
         self._check_disk(estimate, plan)
         if panel_tiles is None:
-            panel_tiles = self._panel_tiles(module, example, plan, k, impl, params, dtype, budget)
+            panel_tiles = self._panel_tiles(module, example, plan, k, impl, params, dtype, budget, output)
         spec = JobSpec(
             model=record.name,
             version=int(record.version),
@@ -370,6 +426,7 @@ class JobManager:
             memory_budget_bytes=budget,
             x1_start=inputs.x1_rows[0],
             x2_start=0 if inputs.x2_rows is None else inputs.x2_rows[0],
+            output=output,
             panel_tiles=panel_tiles,
         )
         return self._create(spec, plan, estimate)
@@ -384,6 +441,8 @@ class JobManager:
         """Look up the data sets, check that their examples match and resolve the row ranges."""
         ds1 = self.datasets.get(x1_dataset)
         ds2 = None if x2_dataset is None else self.datasets.get(x2_dataset)
+        if ds2 is not None:
+            _check_named_sides(ds1, ds2)
         if ds2 is not None and tuple(ds2.shape[1:]) != tuple(ds1.shape[1:]):
             raise ShapeMismatch(
                 f"jobs: x2 data set {x2_dataset!r} has examples of shape {tuple(ds2.shape[1:])}, x1 data set "
@@ -412,6 +471,7 @@ class JobManager:
         params: list[str] | None,
         dtype: str,
         budget: int | None,
+        output: str | None = None,
     ) -> int:
         """Panel side from the cost model: the engine's FLOP estimate within ``panel_seconds``, the panel's result
         within a quarter of the memory budget, ``PANELS_PER_WORKER`` panels per worker (see ``jobs/panels.py``)."""
@@ -427,6 +487,7 @@ class JobManager:
                 implementation=implementation,
                 params=params,
                 dtype=dtype,
+                output=output,
             )
 
         return panel_tiles_for(
@@ -483,9 +544,12 @@ class JobManager:
         dtype: str,
         params: list[str] | None,
         budget: int | None,
-    ) -> torch.Tensor:
+        output: str | None = None,
+    ) -> Batch:
         """One example per side: finds wrong shapes, dtypes, parameter globs and unsupported models in milliseconds,
-        so the client gets a 422 now instead of a failed job later. Returns x1's first example (1, *input)."""
+        so the client gets a 422 now instead of a failed job later; named arrays are checked leaf by leaf against
+        each other and the model by the library (``validate_inputs``, which names the leaf). Returns x1's first
+        example (1, *input), a dict of such leaves for named arrays."""
         x1_start = inputs.x1_rows[0]
         x1 = self._tensor(inputs.x1_dataset, x1_start, x1_start + 1)
         x2 = None
@@ -497,6 +561,7 @@ class JobManager:
                 x1,
                 x2,
                 mode=mode,
+                output=output,
                 implementation=implementation,
                 params=params,
                 dtype=dtype,
@@ -515,8 +580,33 @@ class JobManager:
     def _result_path(self, job_id: str) -> Path:
         return self.results_dir / job_id / RESULT_GROUP_NAME
 
-    def _tensor(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(self.datasets.load(dataset_id, start, stop)))
+    def _tensor(self, dataset_id: str, start: int | None = None, stop: int | None = None) -> Batch:
+        rows = self.datasets.load(dataset_id, start, stop)
+        if isinstance(rows, dict):  # named arrays: the model's keyword arguments
+            return {name: torch.from_numpy(np.ascontiguousarray(leaf)) for name, leaf in rows.items()}
+        return torch.from_numpy(np.ascontiguousarray(rows))
+
+    def _check_ids(self, module: nn.Module, example: Batch, inputs: _Inputs) -> None:
+        """Every row's token ids inside the vocabulary of the nn.Embedding each named int64 array feeds (found by
+        one forward pass on the probe's example), read in chunks through the store's memory map, so a job never
+        fails at its last tile for an id its first example did not have."""
+        if not isinstance(example, dict):
+            return
+        with torch.no_grad(), embedding_feeds(module, example) as feeds:
+            module(**example)
+        sides = [("x1", inputs.x1_dataset, inputs.x1_rows)]
+        if inputs.x2_dataset is not None and inputs.x2_rows is not None:
+            sides.append(("x2", inputs.x2_dataset, inputs.x2_rows))
+        for leaf, (module_name, size) in feeds.tables.items():
+            name = leaf[2:-2]  # "['input_ids']" -> "input_ids" (batch.leaves' names)
+            for side, dataset_id, (start, stop) in sides:
+                bad = self.datasets.first_out_of_range(dataset_id, name, size, start, stop)
+                if bad is not None:
+                    raise InvalidInput(
+                        f"jobs: {side}[{name!r}] (data set {dataset_id!r}) has token id {bad[1]} in row {bad[0]}, "
+                        f"outside the vocabulary of nn.Embedding {module_name!r} ({size} ids, 0..{size - 1}); "
+                        "upload ids inside the vocabulary"
+                    )
 
     def _check_disk(self, estimate: int, plan: TilePlan) -> None:
         check_disk(estimate, plan, *available_bytes(self.store, self.results_dir, self.disk_budget_bytes))

@@ -19,7 +19,7 @@ weights] in weights.py. Seeds: NOTE [seeded initialisation] in families.py.
 from __future__ import annotations
 
 from ntk_service.registry.architectures import ArchitectureField, ArchitectureInfo, list_architectures
-from ntk_service.registry.datasets import DatasetStore
+from ntk_service.registry.datasets import DatasetArray, DatasetStore, NamedDatasetRecord
 from ntk_service.registry.records import DatasetRecord, ModelRecord, ParameterInfo
 from ntk_service.registry.store import ModelRegistry
 from ntk_service.registry.zoo import MAX_PARAMS, ModelSpec, build_model
@@ -27,12 +27,14 @@ from ntk_service.registry.zoo import MAX_PARAMS, ModelSpec, build_model
 __all__ = [
     "ArchitectureField",
     "ArchitectureInfo",
+    "DatasetArray",
     "DatasetRecord",
     "DatasetStore",
     "MAX_PARAMS",
     "ModelRecord",
     "ModelRegistry",
     "ModelSpec",
+    "NamedDatasetRecord",
     "ParameterInfo",
     "build_model",
     "list_architectures",

@@ -22,7 +22,7 @@ __all__ = ["DATABASE_FILENAME", "SCHEMA_VERSION", "Database"]
 DATABASE_FILENAME = "registry.sqlite3"
 """The database file inside the data directory."""
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bump when the schema changes, and add the migration from the previous version to ``_MIGRATIONS``."""
 
 BUSY_TIMEOUT_S = 30.0
@@ -50,18 +50,21 @@ CREATE TABLE model_versions (
 );
 CREATE INDEX model_versions_by_sha ON model_versions(weights_sha256);
 CREATE TABLE datasets (
-    id          TEXT PRIMARY KEY,          -- datasets/<id>.npy
+    id          TEXT PRIMARY KEY,          -- datasets/<id>.npy (one array)
     name        TEXT,
     shape       TEXT NOT NULL,             -- JSON list
     dtype       TEXT NOT NULL,
     sha256      TEXT NOT NULL,
     size_bytes  INTEGER NOT NULL,
-    created_at  TEXT NOT NULL
+    created_at  TEXT NOT NULL,
+    arrays      TEXT                       -- JSON [{name, shape, dtype, sha256, size}] of a named data set
+                                           -- (files datasets/<id>-<i>.npy), NULL: one array (schema version 3)
 );
 """
 
 _MIGRATIONS: dict[int, str] = {
     1: "ALTER TABLE model_versions ADD COLUMN label TEXT",
+    2: "ALTER TABLE datasets ADD COLUMN arrays TEXT",
 }
 """from_version -> SQL that upgrades it to from_version + 1 (in the write transaction that opens the file, so a
 data directory of an older release is upgraded in place, all or nothing)."""

@@ -263,10 +263,15 @@ class DatasetPublic(BaseModel):
 
     id: str = Field(description="ds_ and 24 hex digits, to reference it in kernels and jobs.")
     name: str | None = Field(default=None, description="The name given with the upload (not unique).")
-    shape: list[int] = Field(description="(N, *input).", examples=[[1000, 784]])
-    dtype: str = Field(description='"float32", "float64" or "int64".', examples=["float32"])
-    sha256: str = Field(description="Hex sha256 of the stored .npy file.")
-    size_bytes: int = Field(description="Size of the stored .npy file.")
+    shape: list[int] = Field(description="(N, *input); (N,) for named arrays.", examples=[[1000, 784]])
+    dtype: str = Field(description='"float32", "float64" or "int64"; "mapping" for named arrays.', examples=["float32"])
+    sha256: str = Field(description="Hex sha256 of the stored .npy file (of the names and the arrays' hashes).")
+    size_bytes: int = Field(description="Size of the stored .npy file(s).")
+    arrays: list[dict[str, Any]] | None = Field(
+        default=None,
+        description='Named arrays only: [{"name", "shape": (N, *input_i), "dtype"}, ...] in upload order.',
+        examples=[[{"name": "input_ids", "shape": [1000, 128], "dtype": "int64"}]],
+    )
     created_at: str = Field(description="When it was uploaded (UTC, ISO 8601).")
 
 

@@ -20,6 +20,7 @@ from ntk_service.client import (
     AlignmentVariantName,
     AnalysisModeName,
     Client,
+    DatasetArrayInfo,
     DatasetInfo,
     DtypeName,
     FamilyKernelName,
@@ -147,8 +148,10 @@ def test_records_from_a_real_server_have_exactly_the_typed_keys(client: Client) 
     assert set(client.health()) == _keys(HealthStatus)
 
     dataset = client.upload_dataset(np.zeros((3, 4), np.float32), name="probe")
-    assert type(dataset) is dict and set(dataset) == _keys(DatasetInfo)
-    assert set(client.get_dataset(dataset["id"])) == _keys(DatasetInfo)
+    assert type(dataset) is dict and set(dataset) == set(DatasetInfo.__required_keys__)  # one array: no "arrays"
+    assert set(client.get_dataset(dataset["id"])) == set(DatasetInfo.__required_keys__)
+    named = client.upload_dataset({"input_ids": np.zeros((3, 4), np.int64)})
+    assert set(named) == _keys(DatasetInfo) and set(named["arrays"][0]) == _keys(DatasetArrayInfo)
 
     job = client.submit_job(name, dataset["id"], mode="trace")
     assert set(job) == _keys(JobInfo) and set(job["x1"]) == _keys(JobSide)

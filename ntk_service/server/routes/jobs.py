@@ -112,6 +112,14 @@ class JobCreate(BaseModel):
     panel_tiles: int | None = Field(
         None, ge=1, le=4096, description="Tiles per panel side (the work unit). Default: from the cost model."
     )
+    output: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description='Where the model returns a mapping: the output to differentiate, e.g. "logits" or '
+        '"logits[:, 0]" (as compute_ntk\'s output=). null: the model returns a tensor.',
+        examples=["logits"],
+    )
 
 
 class JobPublic(BaseModel):
@@ -134,6 +142,7 @@ class JobPublic(BaseModel):
     panel_tiles: int = Field(
         description="Tiles per panel side: each panel (up to panel_tiles² tiles) is one unit of work."
     )
+    output: str | None = Field(description="The output path differentiated; null: the model returns a tensor.")
     tiles_done: int = Field(description="Tiles computed so far.")
     tiles_total: int = Field(description="Tiles in all (on and above the diagonal for a symmetric job).")
     progress: float = Field(description="tiles_done / tiles_total, 0 to 1.")
@@ -184,6 +193,7 @@ def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
         "params": spec.params,
         "tile_size": spec.tile_size,
         "panel_tiles": spec.panel_tiles,
+        "output": spec.output,
         "tiles_done": record.tiles_done,
         "tiles_total": record.tiles_total,
         "progress": round(record.progress, 6),
@@ -324,6 +334,7 @@ async def submit_job(request: Request, _: WriteAccess, manager: JobsDep) -> Resp
             params=body.params,
             tile_size=body.tile_size,
             panel_tiles=body.panel_tiles,
+            output=body.output,
             x1_rows=body.x1.rows(manager),
             x2_rows=None if body.x2 is None else body.x2.rows(manager),
         )

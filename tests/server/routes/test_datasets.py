@@ -1,4 +1,5 @@
-"""Data set routes against a real server: upload as .npy or safetensors, list, show, delete."""
+"""Data set routes against a real server: upload as .npy or safetensors, list, show, delete (named arrays:
+test_datasets_named.py)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,12 @@ def test_upload_show_list_delete(live_server: LiveServer, media: str) -> None:
         assert client.get(f"/v1/datasets/{record['id']}").status_code == 404
 
 
-def test_safetensors_upload_needs_tensor_x(live_server: LiveServer) -> None:
+def test_safetensors_upload_of_other_names_is_a_named_data_set(live_server: LiveServer) -> None:
+    """Tensor 'x' alone is one array (above); any other names make a data set of named arrays."""
     body = wire.encode_safetensors({"inputs": np.zeros((2, 2), np.float32)})
     with live_server.client("write") as client:
         response = client.post("/v1/datasets", content=body, headers={"Content-Type": wire.MEDIA_SAFETENSORS})
-    assert response.status_code == 422
-    assert response.json()["error"]["message"] == (
-        "upload data set: the safetensors body has no tensor 'x' (it has ['inputs']); name the tensor 'x'"
-    )
+    assert response.status_code == 201, response.text
+    record = response.json()
+    assert (record["shape"], record["dtype"]) == ([2], "mapping")
+    assert record["arrays"] == [{"name": "inputs", "shape": [2, 2], "dtype": "float32"}]
