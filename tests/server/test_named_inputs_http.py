@@ -229,3 +229,43 @@ def test_hostile_safetensors_bodies_are_a_4xx(
             assert 400 <= response.status_code < 500, (needle, response.status_code, response.text)
             assert needle in response.json()["error"]["message"], (needle, response.text)
         assert http.get("/healthz").status_code == 200
+
+
+class _MaskedBag(nn.Module):
+    """Token ids and a mask as keyword arguments, a tensor out: mean of the unmasked embeddings, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        weights = attention_mask.to(self.embed.weight.dtype).unsqueeze(-1)
+        pooled = (self.embed(input_ids) * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        return self.head(torch.tanh(pooled))
+
+
+def test_named_inputs_through_the_analysis_and_kernel_family_routes(live_server: LiveServer) -> None:
+    torch.manual_seed(3)
+    module = _MaskedBag().eval()
+    name = f"bag-{uuid.uuid4().hex[:6]}"
+    x = _tokens(4, 7, padded=True)
+    with Client(live_server.url, api_key=live_server.write_key) as client:
+        record = client.register_module(name, module, input_shape=SHAPES, input_dtype=DTYPES)
+        assert record["inputs"]["kind"] == "mapping" and "outputs" not in record["architecture"]
+        theta = client.ntk(name, x, dtype="float64")  # no output: the model returns a tensor
+        assert_matches(torch.from_numpy(theta), reference_ntk(module.double(), _torch(x)), 1e-9)
+        # spectrum of the (N k, N k) kernel against numpy's eigenvalues of the reference
+        reference = reference_ntk(module, _torch(x)).permute(0, 2, 1, 3).reshape(8, 8).numpy()  # (N k, N k)
+        spectrum = client.spectrum(name, {key: torch.from_numpy(v) for key, v in x.items()})
+        expected = np.sort(np.linalg.eigvalsh(reference))[::-1]
+        np.testing.assert_allclose(np.sort(spectrum.eigenvalues)[::-1], expected, rtol=1e-6, atol=1e-9 * expected[0])
+        # the kernel family's operator route takes the named sides as the kernel route does
+        v = np.random.default_rng(0).standard_normal((4, 2))
+        product = client.matvec(name, x, v=v, dtype="float64")
+        np.testing.assert_allclose(np.asarray(product).reshape(-1), reference @ v.reshape(-1), rtol=1e-9, atol=1e-12)
+        bad = {"input_ids": x["input_ids"]}
+        with pytest.raises(InvalidInput, match=r"missing \['attention_mask'\]"):
+            client.spectrum(name, bad)
+        with pytest.raises(InvalidInput, match=r"missing \['attention_mask'\]"):
+            client.nngp(name, bad)
