@@ -88,11 +88,14 @@ def _write(path: Path, write: Any) -> None:
         raise UsageError(f"-o: cannot write {str(path)!r} ({exc.strerror or exc})") from exc
 
 
+_SIDE = "({rows}, *input) .npy, named arrays (.safetensors, .npz: one per input) or dataset:<id>[a:b]."
+
+
 @analyze_app.command()
 def predict(
     ctx: typer.Context,
     model: NameArg,
-    x_train: Annotated[str, typer.Option("--x-train", help="(N, *input) .npy or dataset:<id>[a:b].")],
+    x_train: Annotated[str, typer.Option("--x-train", help=_SIDE.format(rows="N"))],
     y_train: Annotated[
         Path,
         typer.Option(
@@ -101,7 +104,7 @@ def predict(
     ],
     times: Annotated[str, typer.Option(help="Comma-separated times or steps; inf allowed, e.g. 0,10,inf.")],
     learning_rate: Annotated[float, typer.Option("--learning-rate", help="η of the optimizer on the loss.")],
-    x_test: Annotated[str | None, typer.Option("--x-test", help="(M, *input) .npy or dataset:<id>[a:b].")] = None,
+    x_test: Annotated[str | None, typer.Option("--x-test", help=_SIDE.format(rows="M"))] = None,
     loss: Annotated[
         Loss, typer.Option(help="mse = MSELoss(), sum, half_mse = ½·mean, cross_entropy = CrossEntropyLoss().")
     ] = Loss.MSE,
@@ -168,7 +171,7 @@ def predict(
 def spectrum(
     ctx: typer.Context,
     model: NameArg,
-    x: Annotated[str, typer.Option("--x", help="(N, *input) .npy or dataset:<id>[a:b].")],
+    x: Annotated[str, typer.Option("--x", help=_SIDE.format(rows="N"))],
     top: Annotated[int | None, typer.Option(min=1, help="Only the top eigenvalues. Default: all.")] = None,
     method: Annotated[str, typer.Option(help="auto | eigh | lanczos.")] = "auto",
     ridge: Annotated[

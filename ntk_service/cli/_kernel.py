@@ -42,7 +42,10 @@ class Dtype(StrEnum):
     FLOAT64 = "float64"
 
 
-_SIDE_HELP = "a .npy file of shape ({rows}, *input), or dataset:<id>[start:stop] (rows of an uploaded data set)"
+_SIDE_HELP = (
+    "a .npy file of shape ({rows}, *input), a .safetensors or .npz file of named arrays ({rows}, ...) for a model "
+    "taking several inputs, or dataset:<id>[start:stop] (rows of an uploaded data set)"
+)
 
 _PRINT_LIMIT = 1000
 """Without -o, a theta of at most this many values is printed; a bigger one needs a file."""
@@ -86,6 +89,14 @@ def kernel(
     output: Annotated[
         Path | None, typer.Option("--output", "-o", help="Write theta to this .npy file.", dir_okay=False)
     ] = None,
+    model_output: Annotated[
+        str | None,
+        typer.Option(
+            "--model-output",
+            help='For a model returning a dict: the tensor the kernel is of, e.g. "logits[:, 0]".',
+            show_default=False,
+        ),
+    ] = None,
     json_output: JsonFlag = False,
 ) -> None:
     """Compute the empirical NTK of MODEL between x1 and x2 (needs a read key).
@@ -103,6 +114,8 @@ def kernel(
             raise UsageError("--params and --groups both select parameters; give the globs inside --groups")
         if groups is None:
             raise UsageError("--rest needs --groups")
+        if model_output is not None:
+            raise UsageError("--model-output is not supported with --groups; compute the groups without it")
         _kernel_groups(ctx, model, side1, side2, _parse_groups(groups), rest, mode, implementation, dtype, version,
                        output, json_output)  # fmt: skip
         return
@@ -118,6 +131,7 @@ def kernel(
             params=globs,
             dtype=None if dtype is None else dtype.value,
             version=version,
+            output=model_output,
         )
     )
     theta = result.theta

@@ -31,10 +31,27 @@ LabelOption = Annotated[
 ]
 
 
+def _inputs_text(record: Mapping[str, Any]) -> str | None:
+    """A model taking several inputs: ``input_ids [5] int64, attention_mask [5] int64``; None for one input."""
+    inputs = record.get("inputs")
+    leaves = inputs.get("leaves") if isinstance(inputs, dict) else None
+    if not isinstance(leaves, list):
+        return None
+    return ", ".join(f"{leaf.get('name')} {leaf.get('shape')} {leaf.get('dtype')}" for leaf in leaves)
+
+
+def _input_text(record: Mapping[str, Any]) -> str:
+    named = _inputs_text(record)
+    if named is not None:
+        return f"inputs {named}"
+    return f"input {record.get('input_shape')} {record.get('input_dtype', '')}"
+
+
 def _with_family(record: Mapping[str, Any]) -> dict[str, Any]:
     architecture = record.get("architecture")
     family = architecture.get("family") if isinstance(architecture, dict) else None
-    return {**record, "family": family}
+    named = _inputs_text(record)  # the input_shape column shows every named input
+    return {**record, "family": family, **({} if named is None else {"input_shape": named})}
 
 
 def _read_architecture(value: str) -> dict[str, Any]:
@@ -89,7 +106,7 @@ def register(
     else:
         typer.echo(
             f"registered {record['name']} version {record['version']}: {record.get('num_params')} parameters, "
-            f"input {record.get('input_shape')} {record.get('input_dtype', '')}, {record.get('output_dim')} outputs"
+            f"{_input_text(record)}, {record.get('output_dim')} outputs"
         )
 
 
@@ -115,8 +132,7 @@ def register_program(
         count = len(operators) if isinstance(operators, list) else "?"
         typer.echo(
             f"registered {record['name']} version {record['version']} (exported, {count} operators): "
-            f"{record.get('num_params')} parameters, input {record.get('input_shape')} "
-            f"{record.get('input_dtype', '')}, {record.get('output_dim')} outputs"
+            f"{record.get('num_params')} parameters, {_input_text(record)}, {record.get('output_dim')} outputs"
         )
 
 

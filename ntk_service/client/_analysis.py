@@ -21,7 +21,7 @@ from urllib.parse import quote
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._base import BaseClient
+from ntk_service.client._base import BaseClient, _named_side_json
 from ntk_service.client._types import (
     AlignmentVariantName,
     AnalysisModeName,
@@ -149,8 +149,11 @@ def _inf(value: Any) -> float:
 
 
 def _side(value: Any, name: str) -> Any:
-    """A JSON tensor, or a data set slice ``{"dataset": id, "start": i, "stop": j}`` as given."""
+    """A JSON tensor, named tensors (a mapping without ``dataset``, for a model taking several inputs), or a data set
+    slice ``{"dataset": id, "start": i, "stop": j}`` as given."""
     if isinstance(value, Mapping):
+        if "dataset" not in value and not set(value) & {"start", "stop"}:
+            return _named_side_json(value, name)
         if "dataset" not in value or set(value) - {"dataset", "start", "stop"}:
             raise ValueError(
                 f"{name}: a data set slice is {{'dataset': id, 'start': i, 'stop': j}}; got {sorted(value)}"

@@ -290,3 +290,16 @@ def _parse_retry_after(value: str | None) -> float | None:
             return None
         seconds = when.timestamp() - time.time()
     return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+def _named_side_json(value: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Named inputs (``{"input_ids": ids, "attention_mask": mask}``, numpy or torch values) as an object of JSON
+    tensors, for a model taking several inputs."""
+    if not value or not all(isinstance(key, str) for key in value):
+        raise ValueError(f"{name}: named inputs need string keys, one array each; got keys {list(value)}")
+    out = {}
+    for key, array in value.items():
+        if hasattr(array, "detach") and hasattr(array, "cpu"):  # torch, without importing it
+            array = array.detach().cpu().numpy()
+        out[key] = wire.tensor_to_json(np.asarray(array))
+    return out

@@ -37,7 +37,7 @@ from ntk_service.client._analysis import (
     LinearizedPrediction,
 )
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
-from ntk_service.client._export import export_module, multipart_body
+from ntk_service.client._export import InputDtype, InputShape, export_module, multipart_body
 from ntk_service.client._groups import GroupsClient
 from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
@@ -144,8 +144,8 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
         name: str,
         module: Any,
         *,
-        input_shape: Sequence[int],
-        input_dtype: str = "float32",
+        input_shape: InputShape,
+        input_dtype: InputDtype = "float32",
         label: str | None = None,
     ) -> ModelInfo:
         """Register your own model with its current weights as version 1 (write scope).
@@ -158,11 +158,18 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
         ``POST /v1/models/exported``; the server loads it without unpickling anything. Either way the server's
         model has the same parameter names, so ``upload_weights(name, module.state_dict())`` adds checkpoints.
 
+        A model taking several tensors (token ids with an attention mask) gets ``input_shape`` and ``input_dtype``
+        as mappings keyed like forward's keyword arguments; it is exported, and its record's ``inputs`` lists them.
+        A forward returning a mapping (a Hugging Face ``ModelOutput``) is exported returning a dict of its tensors;
+        kernel requests select one with ``output`` (e.g. ``"logits[:, 0]"``).
+
         Args:
             name (str): the model's unique name.
             module (nn.Module): the model, mapping (N, *input_shape) to a float tensor (N, *out); float32 weights.
-            input_shape (Sequence[int]): one example's shape, without the batch dimension.
-            input_dtype (str): "float32", or "int64" for token ids. Default: "float32".
+            input_shape (Sequence[int] | Mapping[str, Sequence[int]]): one example's shape, without the batch
+                dimension; or one per keyword argument, e.g. ``{"input_ids": (T,), "attention_mask": (T,)}``.
+            input_dtype (str | Mapping[str, str]): "float32", or "int64" for token ids; or one per keyword
+                argument (omitted names: "float32"). Default: "float32".
             label (str | None): a label for version 1, e.g. "epoch 0". Default: none.
 
         Returns:
@@ -178,11 +185,15 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
 
             >>> record = client.register_module("resnet", model, input_shape=(3, 32, 32), label="epoch 0")
             >>> client.upload_weights("resnet", model.state_dict(), label="epoch 1")  # version 2
+            >>> client.register_module("bert", bert, input_shape={"input_ids": (16,), "attention_mask": (16,)},
+            ...                        input_dtype={"input_ids": "int64", "attention_mask": "int64"})
         """
-        if not is_describable(module):
+        if isinstance(input_shape, Mapping) or isinstance(input_dtype, Mapping) or not is_describable(module):
             data = export_module(module, input_shape=input_shape, input_dtype=input_dtype)
             return self.register_program(name, data, label=label)
-        architecture = describe_module(module, input_shape=input_shape, input_dtype=input_dtype)
+        architecture = describe_module(
+            module, input_shape=cast(Sequence[int], input_shape), input_dtype=cast(str, input_dtype)
+        )
         content = _encode_weights(module.state_dict(), {"architecture": json.dumps(architecture)})
         response = self._request(
             "POST",
@@ -371,13 +382,16 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
         dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
+        output: str | None = None,
     ) -> Any:
         """The empirical NTK Θ(x1, x2) = J(x1) J(x2)ᵀ of a registered model.
 
         Args:
             model (str): the model's name.
             x1: (N, *input) numpy array, torch tensor or nested list, or a data set slice
-                ``{"dataset": id, "start": i, "stop": j}`` (start/stop optional).
+                ``{"dataset": id, "start": i, "stop": j}`` (start/stop optional); for a model taking several
+                inputs (its record's ``inputs``), a mapping of arrays or tensors keyed like them,
+                ``{"input_ids": ids, "attention_mask": mask}``, each (N, ...).
             x2: (M, *input), same forms; ``None`` means x2 = x1 (computed once, exactly symmetric).
                 Default: None.
             mode (str): "full" | "trace" | "example_diagonal" | "output_diagonal" | "pseudo". Default: "full".
@@ -388,6 +402,9 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
             dtype (str | None): "float32" or "float64". Default: the model's dtype.
             version (int | None): the model version. Default: the latest.
             as_torch (bool): return a torch tensor instead of a numpy array. Default: False.
+            output (str | None): for a model returning a dict (a Hugging Face model's logits): the tensor the
+                kernel is of, e.g. ``"logits"`` or ``"logits[:, 2, :4]"``; k is its size per example.
+                Default: None (the model returns one tensor).
 
         Returns:
             theta: (N, M, k, k) for "full"; (N, M) for "trace"; (N, k, k) for "example_diagonal";
@@ -409,6 +426,7 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
             dtype=dtype,
             version=version,
             as_torch=as_torch,
+            output=output,
         )
         return result.theta
 
@@ -424,6 +442,7 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
         dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
+        output: str | None = None,
     ) -> KernelResult:
         """Like ``ntk``, but returns a ``KernelResult``: theta plus implementation, version, elapsed_ms."""
         side1, side2 = _kernel_side(x1, "x1"), None if x2 is None else _kernel_side(x2, "x2")
@@ -433,17 +452,18 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, Servi
             "params": list(params) if params is not None else None,
             "dtype": dtype,
             "version": version,
+            **({} if output is None else {"output": output}),
         }
         path = f"/v1/models/{_segment(model)}/ntk"
         accept = _ACCEPT[self.transport_format]
         arrays = {"x1": side1} if side2 is None else {"x1": side1, "x2": side2}
-        tensors = {key: value for key, value in arrays.items() if isinstance(value, np.ndarray)}
-        if self.transport_format == "json" or len(tensors) < len(arrays):
+        tensors = _side_tensors(arrays)
+        if self.transport_format == "json" or tensors is None:
             # Data set slices only travel in JSON bodies; the response still follows transport_format.
             body = {"x1": _side_to_json(side1), "x2": _side_to_json(side2), **options}
             response = self._request("POST", path, json=body, accept=accept)
         else:
-            if self.transport_format == "npy" and len(tensors) == 1:
+            if self.transport_format == "npy" and list(tensors) == ["x1"]:
                 content, content_type = wire.encode_npy(tensors["x1"]), wire.MEDIA_NPY
             else:
                 content, content_type = wire.encode_safetensors(tensors), wire.MEDIA_SAFETENSORS
@@ -497,9 +517,18 @@ def _encode_npz(arrays: Mapping[Any, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def _kernel_side(value: Any, name: str) -> np.ndarray | dict[str, Any]:
-    """An array, or a validated data set slice ``{"dataset": id, "start": i, "stop": j}``."""
+class NamedSide(dict[str, np.ndarray]):
+    """A side of a model taking several inputs: name -> (N, ...) array (``x1.<name>`` in a safetensors body)."""
+
+
+def _kernel_side(value: Any, name: str) -> np.ndarray | NamedSide | dict[str, Any]:
+    """An array, named arrays (a mapping without ``dataset``), or a validated data set slice
+    ``{"dataset": id, "start": i, "stop": j}``."""
     if isinstance(value, Mapping):
+        if "dataset" not in value and not set(value) & {"start", "stop"}:  # start/stop: a slice missing its id
+            if not value or not all(isinstance(key, str) for key in value):
+                raise ValueError(f"{name}: named inputs need string keys, one array each; got keys {list(value)}")
+            return NamedSide({key: _to_numpy(v, name=f"{name}[{key!r}]") for key, v in value.items()})
         unknown = set(value) - _DATASET_REF_KEYS
         if "dataset" not in value or unknown:
             raise ValueError(
@@ -510,7 +539,23 @@ def _kernel_side(value: Any, name: str) -> np.ndarray | dict[str, Any]:
     return _to_numpy(value, name=name)
 
 
+def _side_tensors(sides: Mapping[str, Any]) -> dict[str, np.ndarray] | None:
+    """The tensors of a binary body (``x1``, or ``x1.<name>`` per named input); None when a side is a data set
+    slice (those travel in JSON only)."""
+    tensors: dict[str, np.ndarray] = {}
+    for side, value in sides.items():
+        if isinstance(value, NamedSide):
+            tensors.update({f"{side}.{key}": array for key, array in value.items()})
+        elif isinstance(value, np.ndarray):
+            tensors[side] = value
+        else:
+            return None
+    return tensors
+
+
 def _side_to_json(side: np.ndarray | dict[str, Any] | None) -> dict[str, Any] | None:
+    if isinstance(side, NamedSide):
+        return {key: wire.tensor_to_json(array) for key, array in side.items()}
     return wire.tensor_to_json(side) if isinstance(side, np.ndarray) else side
 
 

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors, _media
+from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors, _media, _named_side_json
 from ntk_service.client._types import DtypeName, FamilyKernelName, KernelModeName, OperatorModeName
 
 __all__ = ["KernelFamilyClient", "MonteCarloKernel", "NngpKernel"]
@@ -73,11 +73,12 @@ class MonteCarloKernel:
 
 
 def _side(value: Any, name: str) -> dict[str, Any] | None:
-    """A JSON side: a data set slice as given (the server validates it), anything array-like as a tensor."""
+    """A JSON side: a data set slice as given (the server validates it), named tensors (a mapping without
+    ``dataset``, for a model taking several inputs), anything array-like as a tensor."""
     if value is None:
         return None
     if isinstance(value, Mapping):
-        return dict(value)
+        return dict(value) if "dataset" in value else _named_side_json(value, name)
     if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch, without importing it
         value = value.detach().cpu().numpy()
     return wire.tensor_to_json(np.asarray(value))

@@ -31,6 +31,8 @@ __all__ = [
     "JobStatusName",
     "KernelModeName",
     "LossName",
+    "InputLeafInfo",
+    "InputSpecInfo",
     "ModelInfo",
     "OperatorModeName",
     "ParameterShape",
@@ -95,6 +97,22 @@ class ParameterShape(TypedDict):
     shape: list[int]
 
 
+class InputLeafInfo(TypedDict):
+    """One named input of a model taking several tensors."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    vocab_size: int | None
+
+
+class InputSpecInfo(TypedDict):
+    """The inputs of a model taking several tensors: "mapping" (keyword arguments) or "tuple" (positional)."""
+
+    kind: str
+    leaves: list[InputLeafInfo]
+
+
 class ModelInfo(TypedDict):
     """One version of a registered model (``register_model``, ``get_model``, ``list_models``, ...)."""
 
@@ -110,6 +128,7 @@ class ModelInfo(TypedDict):
     weights_sha256: str
     created_at: str
     label: str | None
+    inputs: InputSpecInfo | None
 
 
 class DatasetArrayInfo(TypedDict):

@@ -46,6 +46,7 @@ CREATE TABLE model_versions (
     weights_sha256  TEXT NOT NULL,         -- weights/<sha256>.safetensors
     created_at      TEXT NOT NULL,         -- upload (or registration) time, UTC ISO 8601
     label           TEXT,                  -- optional, e.g. "epoch 3" (schema version 2)
+    inputs          TEXT,                  -- JSON InputSpec of a model with several inputs, else NULL (3)
     PRIMARY KEY (name, version)
 );
 CREATE INDEX model_versions_by_sha ON model_versions(weights_sha256);
@@ -64,7 +65,7 @@ CREATE TABLE datasets (
 
 _MIGRATIONS: dict[int, str] = {
     1: "ALTER TABLE model_versions ADD COLUMN label TEXT",
-    2: "ALTER TABLE datasets ADD COLUMN arrays TEXT",
+    2: "ALTER TABLE model_versions ADD COLUMN inputs TEXT; ALTER TABLE datasets ADD COLUMN arrays TEXT",
 }
 """from_version -> SQL that upgrades it to from_version + 1 (in the write transaction that opens the file, so a
 data directory of an older release is upgraded in place, all or nothing)."""

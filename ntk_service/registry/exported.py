@@ -51,12 +51,23 @@ from ntk_service.registry.program_checks import (
     check_names,
     check_signature,
     check_treespecs,
+    embedding_rows,
     input_meta,
+    input_names,
     input_vocabulary,
+    output_is_tensor,
     strip_metadata,
 )
+from ntk_service.registry.records import InputLeaf, InputSpec
 
-__all__ = ["EXPORTED_FAMILY", "ExportedProgram", "exported_architecture", "load_exported", "probe_output_dim"]
+__all__ = [
+    "EXPORTED_FAMILY",
+    "ExportedProgram",
+    "exported_architecture",
+    "exported_inputs",
+    "load_exported",
+    "probe_output_dim",
+]
 
 EXPORTED_FAMILY = "exported"
 """The ``family`` of a model registered as a torch.export program; its architecture names the stored archive."""
@@ -78,6 +89,10 @@ class ExportedProgram:
         input_shape: one example's shape (the user input's sizes without the batch dimension; dynamic ones None).
         input_dtype: "float32" or "int64".
         vocab_size: int64 inputs only: the rows of the smallest embedding that reads the input (ids must be below).
+        inputs: several user inputs (positional or keyword): their names, shapes, dtypes and vocabularies; None
+            for one positional tensor (then input_shape/input_dtype/vocab_size describe it). With inputs,
+            input_shape and input_dtype are the first input's.
+        returns_tensor: forward returns one tensor; False: a container of tensors (a dict: ``output=`` selects).
     """
 
     module: nn.Module
@@ -87,6 +102,8 @@ class ExportedProgram:
     input_shape: tuple[int | None, ...]
     input_dtype: str
     vocab_size: int | None = None
+    inputs: InputSpec | None = None
+    returns_tensor: bool = True
 
 
 def load_exported(
@@ -127,8 +144,10 @@ def load_exported(
     check_expressions(program, operation)
     check_treespecs(program, operation)
     strip_metadata(program)
-    user_input = check_signature(graph_module, operation)
-    input_shape, input_dtype = input_meta(graph_module, user_input, operation)
+    user_inputs = check_signature(graph_module, operation)
+    kind, names = input_names(graph_module, user_inputs, operation)
+    metas = [input_meta(graph_module, user_input, operation) for user_input in user_inputs]
+    input_shape, input_dtype = metas[0]
     state_dict, params = read_tensors(entries, "weights")
     constants, _ = read_tensors(entries, "constants")
     check_names(program, [*state_dict, *constants], operation)
@@ -138,9 +157,43 @@ def load_exported(
             raise InvalidInput(
                 f"{operation}: the program has {count:,} parameters, more than the server's limit of {max_params:,}"
             )
-    vocab_size = input_vocabulary(graph_module, user_input, state_dict, operation) if input_dtype == "int64" else None
+    inputs: InputSpec | None = None
+    if kind == "tuple" and len(user_inputs) == 1:  # one unnamed input: exactly as before named inputs existed
+        vocab_size = (
+            input_vocabulary(graph_module, user_inputs[0], state_dict, operation) if input_dtype == "int64" else None
+        )
+    else:  # int64 inputs no embedding reads (masks, positions) are data without a range to check
+        leaves = tuple(
+            InputLeaf(
+                name,
+                _static_shape(shape, name, operation),
+                dtype,
+                embedding_rows(graph_module, user_input, state_dict) if dtype == "int64" else None,
+            )
+            for name, user_input, (shape, dtype) in zip(names, user_inputs, metas, strict=True)
+        )
+        inputs, vocab_size = InputSpec(kind, leaves), leaves[0].vocab_size
     module = _deserialize(dict(program), state_dict, constants, params, operation)
-    return ExportedProgram(module, state_dict, constants, frozenset(targets), input_shape, input_dtype, vocab_size)
+    return ExportedProgram(
+        module,
+        state_dict,
+        constants,
+        frozenset(targets),
+        input_shape,
+        input_dtype,
+        vocab_size,
+        inputs,
+        output_is_tensor(graph_module),
+    )
+
+
+def _static_shape(shape: tuple[int | None, ...], name: str, operation: str) -> tuple[int, ...]:
+    if any(n is None for n in shape):
+        raise InvalidInput(
+            f"{operation}: the program's input {name!r} has per-example shape {shape} with dynamic sizes besides the "
+            "batch dimension; export with dynamic_shapes marking only dimension 0 (Client.register_module does)"
+        )
+    return tuple(int(n) for n in shape)  # type: ignore[arg-type]
 
 
 def _deserialize(
@@ -162,6 +215,7 @@ def _deserialize(
         # the engine's private eval copy works as on any module.
         for name in ("train", "eval"):
             vars(module).pop(name, None)
+        _sizes_as_methods(module)
     except Exception as exc:  # torch's own checks of the (already validated) JSON: the upload is what is wrong
         raise InvalidInput(
             f"{operation}: torch could not load the program: {str(exc).strip()[:500] or type(exc).__name__}; "
@@ -171,38 +225,164 @@ def _deserialize(
     return module
 
 
+def example_batch(program: ExportedProgram, n: int = 2) -> Any:
+    """A batch of ``n`` placeholder examples the program takes: zeros, and ones for int64 inputs that are not
+    token ids (a mask of zeros would mask everything). A tensor, a tuple or a dict as forward takes them."""
+    if program.inputs is None:
+        dtype = {"float32": torch.float32, "int64": torch.int64}[program.input_dtype]
+        return torch.zeros((n, *(int(d or 0) for d in program.input_shape)), dtype=dtype)
+    leaves = {
+        leaf.name: (torch.zeros if leaf.dtype == "float32" or leaf.vocab_size is not None else torch.ones)(
+            (n, *leaf.shape), dtype={"float32": torch.float32, "int64": torch.int64}[leaf.dtype]
+        )
+        for leaf in program.inputs.leaves
+    }
+    return leaves if program.inputs.kind == "mapping" else tuple(leaves.values())
+
+
+def _call(module: nn.Module, x: Any) -> Any:
+    if isinstance(x, dict):
+        return module(**x)
+    return module(*x) if isinstance(x, tuple) else module(x)
+
+
+def _size(tensor: torch.Tensor, dim: int) -> int:
+    """``tensor.size(dim)``: what ``aten.sym_size.int`` computes, and which vmap batches (NOTE [sizes under vmap])."""
+    return tensor.size(dim)
+
+
+def _float_dtype(tensor: torch.Tensor, dtype: Any) -> Any:
+    """float32 (the dtype the program was traced in) means "the model's float dtype": a floating tensor keeps its
+    own (float64 when the kernel is computed in float64); anything else is cast as written."""
+    return tensor.dtype if dtype == torch.float32 and tensor.is_floating_point() else dtype
+
+
+def _to_dtype_layout(tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``aten.to.dtype_layout`` under NOTE [sizes under vmap]'s float rule (:func:`_float_dtype`)."""
+    if "dtype" in kwargs:
+        kwargs["dtype"] = _float_dtype(tensor, kwargs["dtype"])
+    return torch.ops.aten.to.dtype_layout(tensor, **kwargs)  # type: ignore[no-any-return]
+
+
+def _to_copy(tensor: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``aten._to_copy`` under the same rule."""
+    if "dtype" in kwargs:
+        kwargs["dtype"] = _float_dtype(tensor, kwargs["dtype"])
+    return torch.ops.aten._to_copy.default(tensor, **kwargs)  # type: ignore[no-any-return]
+
+
+def _to_dtype(tensor: torch.Tensor, dtype: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``aten.to.dtype`` under the same rule."""
+    return torch.ops.aten.to.dtype(tensor, _float_dtype(tensor, dtype), *args, **kwargs)  # type: ignore[no-any-return]
+
+
+_REWRITES: dict[Any, Any] = {
+    torch.ops.aten.sym_size.int: _size,
+    # the same function by its public name, which the engine's math_attention mode reroutes to the composite math
+    # kernel (the CPU flash kernel has no vmap rule and no forward AD)
+    torch.ops.aten.scaled_dot_product_attention.default: torch.nn.functional.scaled_dot_product_attention,
+    torch.ops.aten.to.dtype_layout: _to_dtype_layout,
+    torch.ops.aten._to_copy.default: _to_copy,
+    torch.ops.aten.to.dtype: _to_dtype,
+}
+"""Graph targets replaced after loading (NOTE [sizes under vmap]): each computes what the op computed when traced."""
+
+
+def _sizes_as_methods(module: nn.Module) -> None:
+    """NOTE [sizes under vmap]: a graph exported with a dynamic batch reads sizes with ``aten.sym_size.int`` when
+    forward asks for them (Hugging Face models do: ``batch_size, seq_length = input_ids.shape``), and that op has no
+    vmap batching rule, so every batched implementation would refuse the model. ``Tensor.size`` gives the same int
+    and works under vmap (the per-example size); the graph calls it instead. Our own function, not the archive's.
+    The dtype checks export records (``_assert_tensor_metadata``: float32) are dropped so float64 kernels run, and
+    ``aten.scaled_dot_product_attention`` is called as ``F.scaled_dot_product_attention`` (the same function),
+    which ``kernels.math_attention`` puts on its math path as for any eager model. Casts to float32 of floating
+    tensors (export writes ``x.to(other.dtype)`` with the traced dtype: GPT-2 casts its position embeddings so) keep
+    the tensor's own float dtype: no-ops when traced, and float64 kernels stay float64 throughout."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, torch.fx.Graph):
+        return
+    changed = False
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _REWRITES:
+            node.target, changed = _REWRITES[node.target], True
+        elif node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            # an export-time check of the example's dtype (float32): kernels in float64 run the same graph on
+            # float64 tensors; the service checks inputs itself
+            if not node.users:
+                graph.erase_node(node)
+                changed = True
+    if changed:
+        module.recompile()  # type: ignore[operator]
+
+
 def probe_output_dim(program: ExportedProgram, *, operation: str) -> int:
-    """Outputs per example k = prod(out) of a loaded program, from one forward pass on a batch of two zero examples.
+    """Outputs per example k = prod(out) of a loaded program, from one forward pass on a batch of two placeholder
+    examples (:func:`example_batch`). For a program returning a dict, k of its first floating tensor (a request
+    selects with ``output``; the record's ``architecture["outputs"]`` lists every entry's shape).
 
     Raises:
         InvalidInput: a dynamic dimension other than the batch, a failing forward pass, or no (2, ...) floating
             output.
     """
+    return _probe(program, operation=operation)[0]
+
+
+def _probe(program: ExportedProgram, *, operation: str) -> tuple[int, dict[str, list[int]] | None]:
     if any(n is None for n in program.input_shape):
         raise InvalidInput(
             f"{operation}: the program's input {program.input_shape} has dynamic sizes besides the batch "
             "dimension; export with dynamic_shapes marking only dimension 0 (Client.register_module does)"
         )
-    dtype = {"float32": torch.float32, "int64": torch.int64}[program.input_dtype]
-    x = torch.zeros((2, *(int(n or 0) for n in program.input_shape)), dtype=dtype)
+    x = example_batch(program)
+    shapes = (
+        tuple(x.shape)
+        if isinstance(x, torch.Tensor)
+        else {
+            k: tuple(v.shape)
+            for k, v in dict(
+                x if isinstance(x, dict) else zip(program.inputs.names, x, strict=True)  # type: ignore[union-attr]
+            ).items()
+        }
+    )
     try:
         with torch.no_grad():
-            out = program.module(x)
+            out = _call(program.module, x)
     except Exception as exc:  # the program is the client's: its failure is the client's error
         raise InvalidInput(
-            f"{operation}: the program fails on a batch of shape {tuple(x.shape)}: {type(exc).__name__}: {exc}; "
+            f"{operation}: the program fails on a batch of shape {shapes}: {type(exc).__name__}: {exc}; "
             "export it with a dynamic batch dimension (dynamic_shapes={0: torch.export.Dim('batch')})"
         ) from exc
-    ok = isinstance(out, torch.Tensor) and out.ndim >= 1 and out.shape[0] == 2 and out.is_floating_point()
-    if not ok or out[0].numel() == 0:
+
+    def batched(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.ndim >= 1 and t.shape[0] == 2 and t.is_floating_point()
+
+    if isinstance(out, Mapping) and not program.returns_tensor:
+        entries = {str(key): value for key, value in out.items() if batched(value) and value[0].numel()}
+        if not entries:
+            raise InvalidInput(
+                f"{operation}: the program returns a dict without a floating (N, *out) tensor "
+                f"(keys {sorted(map(str, out))[:8]}); return the logits"
+            )
+        first = next(iter(entries.values()))
+        return int(first[0].numel()), {key: list(value.shape[1:]) for key, value in entries.items()}
+    if not batched(out) or out[0].numel() == 0:
         got = type(out).__name__ + (f" {tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else "")
-        raise InvalidInput(f"{operation}: the program must map (N, *input) to a floating (N, *out), got {got}")
-    return int(out[0].numel())
+        raise InvalidInput(
+            f"{operation}: the program must map (N, *input) to a floating (N, *out) or a dict of them, got {got}"
+        )
+    return int(out[0].numel()), None
 
 
-def exported_architecture(program: ExportedProgram, sha256: str) -> dict[str, Any]:
+def exported_inputs(architecture: dict[str, Any]) -> InputSpec | None:
+    """The InputSpec an ``exported`` architecture records (None: one unnamed input, or another family)."""
+    inputs = architecture.get("inputs") if architecture.get("family") == EXPORTED_FAMILY else None
+    return None if inputs is None else InputSpec.from_public(inputs)
+
+
+def exported_architecture(program: ExportedProgram, sha256: str, *, operation: str = "register") -> dict[str, Any]:
     """The stored architecture of an exported model: the archive's sha256 (the program is fixed per model), its
-    input and the operators it calls."""
+    input(s), the operators it calls and, for a dict output, each entry's per-example shape (``outputs``)."""
+    outputs = None if program.returns_tensor else _probe(program, operation=operation)[1]
     return {
         "family": EXPORTED_FAMILY,
         "program_sha256": sha256,
@@ -210,4 +390,6 @@ def exported_architecture(program: ExportedProgram, sha256: str) -> dict[str, An
         "input_dtype": program.input_dtype,
         "operators": sorted(program.targets),
         **({} if program.vocab_size is None else {"vocab_size": program.vocab_size}),
+        **({} if program.inputs is None else {"inputs": program.inputs.to_public()}),
+        **({} if outputs is None else {"outputs": outputs}),
     }

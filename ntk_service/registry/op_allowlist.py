@@ -43,6 +43,8 @@ ALLOWED_ATEN_OPS: frozenset[str] = frozenset(
         *("leaky_relu", "hardtanh", "mish", "hardswish", "hardsigmoid", "threshold", "softmax", "log_softmax"),
         *("_softmax", "_log_softmax", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and"),
         *("logical_or", "masked_fill", "lerp"),
+        # boolean masks: Hugging Face attention masks combine causal and padding masks with ``&``
+        *("__and__",),
         # reductions
         *("mean", "sum", "amax", "amin", "max", "min", "var", "std", "var_mean", "logsumexp", "prod"),
         *("linalg_vector_norm", "norm"),
@@ -58,6 +60,9 @@ ALLOWED_ATEN_OPS: frozenset[str] = frozenset(
         *("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool2d"),
         # constants
         *("ones", "zeros", "full", "arange", "ones_like", "zeros_like", "full_like", "scalar_tensor"),
+        # ones of another tensor's dtype/device: BERT's default token-type and position masks (pure: no input
+        # value is read)
+        *("new_ones",),
         # dropout: train=False checked below (the identity)
         *("dropout",),
     }
@@ -71,6 +76,12 @@ ALLOWED_PYTHON_OPS: frozenset[str] = frozenset(
 """Python functions a graph may call: arithmetic of symbolic sizes, and ``getitem`` of a multi-output op."""
 
 _FALSE_ARGUMENTS: dict[str, str] = {"batch_norm": "training", "dropout": "train"}
+
+_FRESH_ONLY: dict[str, str] = {"detach_": "lift_fresh_copy"}
+"""In-place packets allowed only on the output of the named packet: ``torch.tensor(...)`` inside forward exports as
+``lift_fresh_copy`` (a new tensor) then ``detach_`` (autograd metadata only, no data written; GPT-2 does it). On a
+parameter or an input ``detach_`` would cut the gradient the kernel needs, so anywhere else it is refused."""
+_FRESH_SOURCES = frozenset(_FRESH_ONLY.values())
 """Packets whose named boolean argument must be false (eval semantics), and that argument."""
 
 _HINTS = {
@@ -124,6 +135,13 @@ def check_graph_ops(graph_module: Any, *, operation: str) -> set[str]:
             ``batch_norm``/``dropout`` in training mode.
     """
     targets: set[str] = set()
+    fresh = {
+        output.get("as_tensor", {}).get("name")
+        for node in _nodes(graph_module)
+        if str(node.get("target", "")).split(".")[3:4] and str(node.get("target")).split(".")[3] in _FRESH_SOURCES
+        for output in node.get("outputs") or ()
+        if isinstance(output, Mapping)
+    }
     for node in _nodes(graph_module):
         target = node.get("target")
         if not isinstance(target, str):
@@ -132,6 +150,23 @@ def check_graph_ops(graph_module: Any, *, operation: str) -> set[str]:
         if target in ALLOWED_PYTHON_OPS:
             continue
         parts = target.split(".")
+        if len(parts) == 5 and parts[:3] == ["torch", "ops", "aten"] and parts[3] in _FRESH_ONLY:
+            source = next(
+                (
+                    a.get("arg", {}).get("as_tensor", {}).get("name")
+                    for a in node.get("inputs") or ()
+                    if isinstance(a, Mapping) and a.get("name") == "self"
+                ),
+                None,
+            )
+            if source is None or source not in fresh:
+                raise _refuse(
+                    operation,
+                    target,
+                    f"an in-place operator, allowed only on a fresh {_FRESH_ONLY[parts[3]]} (torch.tensor in forward)",
+                    "use the out-of-place form (detach) or none: the engine detaches what it needs",
+                )
+            continue
         if len(parts) == 5 and parts[:3] == ["torch", "ops", "aten"] and parts[3] in ALLOWED_ATEN_OPS:
             packet, overload = parts[3], parts[4]
             if overload == "out" or overload.endswith("_out"):

@@ -27,8 +27,11 @@ __all__ = [
     "check_names",
     "check_signature",
     "check_treespecs",
+    "embedding_rows",
     "input_meta",
+    "input_names",
     "input_vocabulary",
+    "output_is_tensor",
     "strip_metadata",
 ]
 
@@ -138,8 +141,9 @@ def check_treespecs(program: Any, operation: str) -> None:
                 )
 
 
-def check_signature(graph_module: Mapping[str, Any], operation: str) -> Mapping[str, Any]:
-    """The one user input's tensor name; refuses mutations, custom objects and effect tokens."""
+def check_signature(graph_module: Mapping[str, Any], operation: str) -> list[Mapping[str, Any]]:
+    """The user inputs' tensor names, in order (one or more); refuses mutations, custom objects, effect tokens and
+    non-tensor inputs."""
     signature = graph_module.get("signature")
     inputs = signature.get("input_specs") if isinstance(signature, Mapping) else None
     outputs = signature.get("output_specs") if isinstance(signature, Mapping) else None
@@ -151,25 +155,77 @@ def check_signature(graph_module: Mapping[str, Any], operation: str) -> Mapping[
         if kind not in _INPUT_KINDS:
             raise UnsupportedModel(
                 f"{operation}: the program takes a {kind!r} input; only parameters, buffers, tensor constants and "
-                "one tensor input are supported (no custom objects, effect tokens or non-tensor inputs)"
+                "tensor inputs are supported (no custom objects, effect tokens or non-tensor inputs)"
             )
         if kind == "user_input":
             user_inputs.append(spec[kind].get("arg") if isinstance(spec[kind], Mapping) else None)
     kinds = [next(iter(spec), None) if isinstance(spec, Mapping) else None for spec in outputs]
-    if kinds != ["user_output"]:
+    if not kinds or any(kind != "user_output" for kind in kinds):
         raise UnsupportedModel(
-            f"{operation}: the program's outputs are {kinds}; it must return one tensor and mutate nothing (a "
-            "buffer_mutation output means forward writes a buffer: export the module in eval mode)"
+            f"{operation}: the program's outputs are {kinds}; it must return a tensor (or a dict of tensors) and "
+            "mutate nothing (a buffer_mutation output means forward writes a buffer: export the module in eval mode)"
         )
-    if len(user_inputs) != 1 or not isinstance(user_inputs[0], Mapping) or "as_tensor" not in user_inputs[0]:
+    if not user_inputs or not all(isinstance(u, Mapping) and "as_tensor" in u for u in user_inputs):
         raise UnsupportedModel(
-            f"{operation}: the program takes {len(user_inputs)} inputs ({user_inputs}); the service's models "
-            "take one tensor x of shape (N, *input_shape)"
+            f"{operation}: the program takes {len(user_inputs)} inputs ({str(user_inputs)[:200]}); the service's "
+            "models take tensors: x of shape (N, *input_shape), or several (N, ...) tensors as positional or "
+            "keyword arguments"
         )
     graph = graph_module.get("graph")
     if isinstance(graph, Mapping) and graph.get("custom_obj_values"):
         raise UnsupportedModel(f"{operation}: the graph holds custom objects; they are refused")
-    return user_inputs[0]["as_tensor"]  # type: ignore[no-any-return]
+    return [u["as_tensor"] for u in user_inputs]
+
+
+def _call_spec(graph_module: Mapping[str, Any], key: str) -> Any:
+    """The parsed ``in_spec``/``out_spec`` of the program's top-level call (checked by :func:`check_treespecs`)."""
+    calls = graph_module.get("module_call_graph")
+    top = calls[0] if isinstance(calls, list) and calls and isinstance(calls[0], Mapping) else {}
+    spec = top.get("signature", {}).get(key) if isinstance(top.get("signature"), Mapping) else None
+    parsed = json.loads(spec) if isinstance(spec, str) else None
+    return parsed[1] if isinstance(parsed, list) and len(parsed) == 2 else None
+
+
+def _is_leaf(spec: Any) -> bool:
+    return isinstance(spec, Mapping) and spec.get("type") is None and not spec.get("children_spec")
+
+
+def input_names(graph_module: Mapping[str, Any], user_inputs: list[Any], operation: str) -> tuple[str, list[str]]:
+    """How forward takes the user inputs: ("tuple", names) for positional arguments (the placeholders' names, which
+    torch takes from forward's parameters) or ("mapping", keys) for keyword arguments, from the call's in_spec.
+
+    Raises:
+        UnsupportedModel: positional and keyword inputs mixed, or an input nested in a container.
+    """
+    spec = _call_spec(graph_module, "in_spec")
+    children = spec.get("children_spec") if isinstance(spec, Mapping) else None
+    if not isinstance(children, list) or len(children) != 2:
+        raise UnsupportedModel(f"{operation}: the program's in_spec is not (args, kwargs); export it again")
+    args, kwargs = children
+    positional = args.get("children_spec") or [] if isinstance(args, Mapping) else []
+    keyword = kwargs.get("children_spec") or [] if isinstance(kwargs, Mapping) else []
+    if not all(_is_leaf(c) for c in [*positional, *keyword]) or len(positional) + len(keyword) != len(user_inputs):
+        raise UnsupportedModel(
+            f"{operation}: the program's inputs are nested in containers; export forward with tensors as its "
+            "arguments (positional, or keyword: Client.register_module with a mapping input_shape does it)"
+        )
+    if positional and keyword:
+        raise UnsupportedModel(
+            f"{operation}: the program takes {len(positional)} positional and {len(keyword)} keyword tensors; "
+            "export it with all inputs positional or all keyword"
+        )
+    if keyword:
+        context = json.loads(kwargs.get("context") or "null")
+        if not isinstance(context, list) or not all(isinstance(k, str) and k.isidentifier() for k in context):
+            raise UnsupportedModel(f"{operation}: the program's keyword inputs {str(context)[:80]} are not identifiers")
+        return "mapping", list(context)
+    names = [str(u.get("name")) if isinstance(u, Mapping) else "" for u in user_inputs]
+    return "tuple", names
+
+
+def output_is_tensor(graph_module: Mapping[str, Any]) -> bool:
+    """Whether forward returns one tensor (the out_spec is a leaf) rather than a container of them."""
+    return _is_leaf(_call_spec(graph_module, "out_spec"))
 
 
 def input_meta(graph_module: Mapping[str, Any], name: Any, operation: str) -> tuple[tuple[int | None, ...], str]:
@@ -187,27 +243,42 @@ def input_meta(graph_module: Mapping[str, Any], name: Any, operation: str) -> tu
     return tuple(sizes[1:]), dtype
 
 
-def input_vocabulary(
-    graph_module: Mapping[str, Any], user_input: Any, state_dict: dict[str, torch.Tensor], operation: str
-) -> int:
-    """The rows of the smallest ``aten.embedding`` weight whose indices are the user input: the ids the model takes
-    (the service checks them before computing, so an id out of range is a 422, not an error inside the graph)."""
+def embedding_rows(graph_module: Mapping[str, Any], user_input: Any, state_dict: dict[str, torch.Tensor]) -> int | None:
+    """The rows of the smallest ``aten.embedding`` weight whose indices are ``user_input``, directly or through
+    views (None: no embedding reads it)."""
     specs = graph_module["signature"]["input_specs"]
     weight_of = {
         spec["parameter"]["arg"]["name"]: spec["parameter"]["parameter_name"] for spec in specs if "parameter" in spec
     }
     rows = []
+    origin: dict[Any, Any] = {}  # a view's output -> the tensor it views (GPT-2 reshapes ids before the embedding)
     for node in graph_module["graph"]["nodes"]:
-        if not str(node.get("target", "")).startswith("torch.ops.aten.embedding."):
-            continue
+        target = str(node.get("target", ""))
         arguments = {a.get("name"): a.get("arg", {}) for a in node.get("inputs", []) if isinstance(a, Mapping)}
+        if target.split(".")[3:4] in (["view"], ["reshape"], ["_unsafe_view"]):
+            source = arguments.get("self", {}).get("as_tensor", {}).get("name")
+            for output in node.get("outputs") or ():
+                if isinstance(output, Mapping) and "as_tensor" in output:
+                    origin[output["as_tensor"].get("name")] = origin.get(source, source)
+        if not target.startswith("torch.ops.aten.embedding."):
+            continue
         indices = arguments.get("indices", {}).get("as_tensor", {}).get("name")
+        indices = origin.get(indices, indices)
         weight = weight_of.get(arguments.get("weight", {}).get("as_tensor", {}).get("name"))
         if indices == user_input.get("name") and weight in state_dict:
             rows.append(int(state_dict[weight].shape[0]))
-    if not rows:
+    return min(rows) if rows else None
+
+
+def input_vocabulary(
+    graph_module: Mapping[str, Any], user_input: Any, state_dict: dict[str, torch.Tensor], operation: str
+) -> int:
+    """The rows of the smallest ``aten.embedding`` weight whose indices are the user input: the ids the model takes
+    (the service checks them before computing, so an id out of range is a 422, not an error inside the graph)."""
+    rows = embedding_rows(graph_module, user_input, state_dict)
+    if rows is None:
         raise UnsupportedModel(
             f"{operation}: the program takes int64 token ids but no embedding reads them directly, so the service "
             "cannot check the ids' range; feed the ids into an nn.Embedding first"
         )
-    return min(rows)
+    return rows

@@ -66,7 +66,7 @@ def load_program(archive: bytes, *, operation: str) -> tuple[nn.Module, ModelSpe
         program.input_dtype,  # type: ignore[arg-type]
         probe_output_dim(program, operation=operation),
     )
-    architecture = exported_architecture(program, hashlib.sha256(archive).hexdigest())
+    architecture = exported_architecture(program, hashlib.sha256(archive).hexdigest(), operation=operation)
     return program.module.eval(), spec, architecture
 
 

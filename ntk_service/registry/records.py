@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-__all__ = ["DatasetRecord", "ModelRecord", "ParameterInfo"]
+__all__ = ["DatasetRecord", "InputLeaf", "InputSpec", "ModelRecord", "ParameterInfo"]
 
 
 @dataclass(frozen=True)
@@ -15,6 +15,53 @@ class ParameterInfo:
 
     name: str
     shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class InputLeaf:
+    """One named input of a model with several: its name, one example's shape and dtype, and for token ids the
+    vocabulary (ids must be below it; None when nothing bounds them, e.g. an attention mask)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    vocab_size: int | None = None
+
+    def to_public(self) -> dict[str, Any]:
+        """``{"name", "shape", "dtype", "vocab_size"}``."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "vocab_size": self.vocab_size}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The inputs of a model that takes several tensors, in forward's order.
+
+    Attributes:
+        kind: "mapping" (forward's keyword arguments: x is ``{name: (N, *shape)}``) or "tuple" (positional
+            arguments: x is a tuple in this order; the names are forward's parameter names).
+        leaves: one InputLeaf per input, in order.
+    """
+
+    kind: str
+    leaves: tuple[InputLeaf, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The inputs' names, in order."""
+        return tuple(leaf.name for leaf in self.leaves)
+
+    def to_public(self) -> dict[str, Any]:
+        """``{"kind", "leaves": [...]}`` (also the ``inputs`` column's JSON)."""
+        return {"kind": self.kind, "leaves": [leaf.to_public() for leaf in self.leaves]}
+
+    @classmethod
+    def from_public(cls, data: dict[str, Any]) -> InputSpec:
+        """The inverse of :meth:`to_public`."""
+        leaves = tuple(
+            InputLeaf(str(d["name"]), tuple(int(n) for n in d["shape"]), str(d["dtype"]), d.get("vocab_size"))
+            for d in data["leaves"]
+        )
+        return cls(str(data["kind"]), leaves)
 
 
 @dataclass(frozen=True)
@@ -33,6 +80,9 @@ class ModelRecord:
         weights_sha256: hex sha256 of the stored safetensors file (the same bytes ``weights_bytes`` returns).
         created_at: when this version was committed (UTC): its upload time.
         label: the optional label given with the upload, e.g. "epoch 3" (None when none was given).
+        inputs: the named inputs of a model taking several tensors (an exported program with several user
+            inputs); None for one unnamed input (x of shape (N, *input_shape)), every model before schema 3.
+            With inputs, ``input_shape``/``input_dtype`` are the first input's.
     """
 
     name: str
@@ -47,6 +97,7 @@ class ModelRecord:
     weights_sha256: str
     created_at: datetime
     label: str | None = None
+    inputs: InputSpec | None = None
 
     @property
     def cache_key(self) -> tuple[str, int, str, str]:
@@ -72,6 +123,7 @@ class ModelRecord:
             "weights_sha256": self.weights_sha256,
             "created_at": self.created_at.isoformat(),
             "label": self.label,
+            "inputs": None if self.inputs is None else self.inputs.to_public(),
         }
 
 

@@ -29,6 +29,7 @@ from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkSer
 from ntk_service.registry.architectures import parse_architecture
 from ntk_service.registry.cache import ModuleCache
 from ntk_service.registry.database import DATABASE_FILENAME, Database
+from ntk_service.registry.exported import exported_inputs
 from ntk_service.registry.files import FileStore
 from ntk_service.registry.programs import ProgramStore, is_exported, load_program, program_sha
 from ntk_service.registry.records import ModelRecord, ParameterInfo
@@ -239,6 +240,7 @@ class ModelRegistry:
             weights_sha256=sha,
             created_at=_now(),
             label=label,
+            inputs=exported_inputs(normalized),
         )
         try:
             with self._files.temp_cleanup(tmp):

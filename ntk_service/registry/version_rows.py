@@ -12,13 +12,13 @@ import sqlite3
 from datetime import datetime
 from typing import Any
 
-from ntk_service.registry.records import ModelRecord, ParameterInfo
+from ntk_service.registry.records import InputSpec, ModelRecord, ParameterInfo
 
 __all__ = ["SELECT_VERSION", "insert_version_row", "record_from_row"]
 
 SELECT_VERSION = """
 SELECT v.name, v.version, m.architecture, v.seed, v.num_params, v.input_shape, v.input_dtype, v.output_dim,
-       v.parameters, v.weights_sha256, v.created_at, v.label
+       v.parameters, v.weights_sha256, v.created_at, v.label, v.inputs
 FROM model_versions v JOIN models m ON m.name = v.name
 """
 """The columns ``record_from_row`` reads, in its order; callers add the WHERE and ORDER BY."""
@@ -39,6 +39,7 @@ def record_from_row(row: Any) -> ModelRecord:
         weights_sha256=row[9],
         created_at=datetime.fromisoformat(row[10]),
         label=row[11],
+        inputs=None if row[12] is None else InputSpec.from_public(json.loads(row[12])),
     )
 
 
@@ -46,7 +47,7 @@ def insert_version_row(conn: sqlite3.Connection, record: ModelRecord) -> None:
     """Insert ``record`` as a ``model_versions`` row (its ``models`` row must exist)."""
     conn.execute(
         "INSERT INTO model_versions (name, version, seed, num_params, input_shape, input_dtype, output_dim, "
-        "parameters, weights_sha256, created_at, label) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        "parameters, weights_sha256, created_at, label, inputs) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             record.name,
             record.version,
@@ -59,5 +60,6 @@ def insert_version_row(conn: sqlite3.Connection, record: ModelRecord) -> None:
             record.weights_sha256,
             record.created_at.isoformat(),
             record.label,
+            None if record.inputs is None else json.dumps(record.inputs.to_public()),
         ),
     )

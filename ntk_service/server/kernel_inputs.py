@@ -14,6 +14,7 @@ x2 takes the engine's joint pass (one forward and reverse pass over both sides) 
 from __future__ import annotations
 
 import functools
+import re
 import time
 import warnings
 from collections.abc import Callable, Hashable
@@ -59,21 +60,23 @@ from ntk_service.server.media import (
     parse_off_loop,
     read_json,
     read_tensors,
-    take_tensor,
 )
 from ntk_service.server.metrics import Metrics
 from ntk_service.server.schemas import DatasetRef, KernelOptions, validate_body
 
 __all__ = [
+    "INPUT_NAME",
     "MIN_JSON_BYTES_PER_VALUE",
     "ComputeContext",
     "ComputeContextDep",
     "KernelCall",
     "KernelInput",
+    "NamedArrays",
     "SideSource",
     "answer_json",
     "check_budget",
     "check_input",
+    "check_output",
     "engine_options",
     "from_dataset",
     "inline",
@@ -85,6 +88,7 @@ __all__ = [
     "read_object",
     "run_kernel",
     "run_model",
+    "split_sides",
 ]
 
 T = TypeVar("T")
@@ -93,9 +97,16 @@ MIN_JSON_BYTES_PER_VALUE = 4
 """The shortest a float can be in JSON data ("0.0,"): an answer whose value count times this exceeds the JSON cap
 is refused before computing; otherwise the encoded length decides."""
 
-SideSource = np.ndarray | DatasetRef
-"""Where one side of a request comes from: an inline array (N, *input) or rows of a stored data set. (The
-engine's ``kernels.algorithm.Side`` is another thing: what an implementation keeps from a block of examples.)"""
+NamedArrays = dict[str, np.ndarray]
+"""One side of a model taking several tensors: forward's argument name -> (N, *shape)."""
+
+SideSource = np.ndarray | NamedArrays | DatasetRef
+"""Where one side of a request comes from: an inline array (N, *input), inline named arrays, or rows of a stored
+data set. (The engine's ``kernels.algorithm.Side`` is another thing: what an implementation keeps from a block of
+examples.)"""
+
+INPUT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+"""A named input: a Python identifier (forward's keyword argument), at most 64 characters."""
 
 
 def __getattr__(name: str) -> Any:
@@ -113,10 +124,28 @@ def __getattr__(name: str) -> Any:
 
 @dataclass(frozen=True)
 class KernelInput:
-    """One side, loaded: the array (N, *input) and the side-cache key naming its content (None: not cached)."""
+    """One side, loaded: the array (N, *input) or named arrays (name -> (N, *shape), checked to share N), and the
+    side-cache key naming its content (None: not cached)."""
 
-    array: np.ndarray
+    array: np.ndarray | NamedArrays
     key: Hashable | None
+
+    @property
+    def n(self) -> int:
+        """N, the examples of this side."""
+        if isinstance(self.array, dict):
+            return int(next(iter(self.array.values())).shape[0])
+        return int(self.array.shape[0])
+
+    def to_torch(self, record: ModelRecord) -> torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+        """What the model's forward takes: a tensor, a tuple (positional inputs) or a dict (keyword inputs) in the
+        order of ``record.inputs``, sharing memory with the arrays."""
+        if not isinstance(self.array, dict):
+            return torch.from_numpy(self.array)
+        spec = record.inputs
+        names = list(self.array) if spec is None else list(spec.names)
+        tensors = {name: torch.from_numpy(self.array[name]) for name in names}
+        return tuple(tensors.values()) if spec is not None and spec.kind == "tuple" else tensors
 
 
 @dataclass(frozen=True)
@@ -169,13 +198,19 @@ def _vocabulary(architecture: dict[str, Any]) -> int | None:
     return None
 
 
-def check_input(array: np.ndarray, record: ModelRecord, *, side: str, operation: str) -> None:
-    """Refuse inputs the model cannot take, before computing: per-example shape, dtype, token range.
+def check_input(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: str, operation: str) -> None:
+    """Refuse inputs the model cannot take, before computing: per-example shape, dtype, token range; for a model
+    with named inputs (``record.inputs``) the names, one N for every leaf, and each leaf's shape, dtype and ids.
 
     Raises:
-        ShapeMismatch: not a batch (N, *input_shape), or token ids (N, T) longer than the model's ``max_len``.
-        InvalidInput: floats for a token model or integers for a float model; token ids outside the vocabulary.
+        ShapeMismatch: not a batch (N, *input_shape), token ids (N, T) longer than the model's ``max_len``, or
+            named leaves with different N.
+        InvalidInput: floats for a token model or integers for a float model; token ids outside the vocabulary;
+            named arrays for a model taking one tensor or the reverse; a missing or extra name.
     """
+    if record.inputs is not None or isinstance(array, dict):
+        _check_named(array, record, side=side, operation=operation)
+        return
     expected = tuple(record.input_shape)
     got = tuple(array.shape[1:])
     architecture = record.architecture
@@ -194,14 +229,19 @@ def check_input(array: np.ndarray, record: ModelRecord, *, side: str, operation:
             f"{operation}: {side} has per-example shape {got}, model {record.name!r} expects {expected}; "
             f"send a batch of shape (N, {', '.join(map(str, expected))})"
         )
-    is_integer_model = record.input_dtype == "int64"
+    _check_leaf(array, record.input_dtype, _vocabulary(architecture), record, side=side, operation=operation)
+
+
+def _check_leaf(
+    array: np.ndarray, dtype: str, vocab: int | None, record: ModelRecord, *, side: str, operation: str
+) -> None:
+    """One tensor's dtype against the model's, and its ids (every example) against the vocabulary."""
+    is_integer_model = dtype == "int64"
     wanted = "integer token ids" if is_integer_model else "float32 or float64 values"
     if is_integer_model != (array.dtype.kind in "iu"):
         raise InvalidInput(
-            f"{operation}: {side} has dtype {array.dtype}, model {record.name!r} expects "
-            f"{record.input_dtype}; send {wanted}"
+            f"{operation}: {side} has dtype {array.dtype}, model {record.name!r} expects {dtype}; send {wanted}"
         )
-    vocab = _vocabulary(architecture)
     if vocab is not None and array.size:
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= vocab:
@@ -211,10 +251,87 @@ def check_input(array: np.ndarray, record: ModelRecord, *, side: str, operation:
             )
 
 
+def _check_named(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: str, operation: str) -> None:
+    spec = record.inputs
+    if spec is None:
+        raise InvalidInput(
+            f"{operation}: {side} is named arrays {sorted(array)[:8]}, model {record.name!r} takes one tensor x of "
+            f"per-example shape {tuple(record.input_shape)}; send {side} as one tensor"
+        )
+    names = list(spec.names)
+    example = "{" + ", ".join(f'"{n}": ...' for n in names) + "}"
+    if not isinstance(array, dict):
+        raise InvalidInput(
+            f"{operation}: {side} is one tensor, model {record.name!r} takes the named inputs {names}; send {side} "
+            f"as an object of named tensors {example}"
+        )
+    missing, extra = [n for n in names if n not in array], sorted(set(array) - set(names))
+    if missing or extra:
+        raise InvalidInput(
+            f"{operation}: {side} has the inputs {sorted(array)}, model {record.name!r} takes {names}"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; unexpected {extra}" if extra else "")
+        )
+    n = None
+    for leaf in spec.leaves:
+        value = array[leaf.name]
+        where = f"{side}[{leaf.name!r}]"
+        if value.ndim < 1:
+            raise ShapeMismatch(f"{operation}: {where} must be a batch (N, *{leaf.shape}), got a scalar")
+        if n is not None and value.shape[0] != n:
+            raise ShapeMismatch(
+                f"{operation}: {where} has {value.shape[0]} examples, {side}[{names[0]!r}] has {n}; every input "
+                "of a side needs the same N (dimension 0)"
+            )
+        n = value.shape[0]
+        if tuple(value.shape[1:]) != leaf.shape:
+            raise ShapeMismatch(
+                f"{operation}: {where} has per-example shape {tuple(value.shape[1:])}, model {record.name!r} "
+                f"expects {leaf.shape}; send a batch of shape (N, {', '.join(map(str, leaf.shape))})"
+            )
+        _check_leaf(value, leaf.dtype, leaf.vocab_size, record, side=where, operation=operation)
+        if leaf.dtype == "int64" and value.dtype != np.int64:
+            array[leaf.name] = value.astype(np.int64)  # the graph's embedding and masks take int64
+
+
+def check_output(output: str | None, record: ModelRecord, *, operation: str) -> None:
+    """Refuse ``output`` for a model whose forward returns a tensor (the ``exported`` architecture lists the
+    entries of a dict output in ``outputs``; factory models may return anything, so the engine decides).
+
+    Raises:
+        InvalidInput: ``output`` given for a model returning one tensor.
+    """
+    architecture = record.architecture
+    if output is None or architecture.get("family") == "factory" or "outputs" in architecture:
+        return
+    raise InvalidInput(
+        f"{operation}: output={output!r} was given, but model {record.name!r} returns one tensor; drop output "
+        "(it selects from a model returning a dict, e.g. a Hugging Face ModelOutput)"
+    )
+
+
+def _named_side(raw: dict[str, Any], *, side: str) -> NamedArrays:
+    """``{"name": tensor, ...}``: one wire tensor per forward argument name."""
+    if not raw:
+        raise InvalidInput(f"{side}: an empty object; send a tensor or an object of named tensors")
+    arrays = {}
+    for name, value in raw.items():
+        if not isinstance(name, str) or not INPUT_NAME.match(name):
+            raise InvalidInput(
+                f"{side}: input name {str(name)[:80]!r} is not an identifier (letters, digits, _; at most 64); name "
+                "each tensor after its forward argument"
+            )
+        arrays[name] = wire.tensor_from_json(value, name=f"{side}[{name!r}]")
+    return arrays
+
+
 def parse_side(raw: Any, *, side: str, operation: str) -> SideSource:
-    """A JSON side: ``{"dataset": id, "start", "stop"}`` is a :class:`DatasetRef`, anything else a wire tensor."""
+    """A JSON side: ``{"dataset": id, "start", "stop"}`` is a :class:`DatasetRef`, an object with ``data`` a wire
+    tensor, any other object named tensors (``{"input_ids": tensor, "attention_mask": tensor}``)."""
     if isinstance(raw, dict) and "dataset" in raw:
         return validate_body(DatasetRef, raw, operation=f"{operation}: {side}")
+    if isinstance(raw, dict) and "data" not in raw:
+        return _named_side(raw, side=f"{operation}: {side}")
     return wire.tensor_from_json(raw, name=side)
 
 
@@ -340,10 +457,7 @@ async def read_kernel_request(request: Request, query: dict[str, Any], *, operat
     """
     if content_type(request) in BINARY_TENSOR_TYPES:
         tensors = await read_tensors(request, operation=operation, npy_name="x1")
-        x1: SideSource = take_tensor(tensors, "x1", operation=operation)
-        x2: SideSource | None = tensors.pop("x2", None)
-        if tensors:
-            raise InvalidInput(f"{operation}: unexpected tensors {sorted(tensors)} in the body; send only x1 and x2")
+        x1, x2 = split_sides(tensors, ("x1", "x2"), operation=operation)
         options = validate_body(KernelOptions, query, operation=operation)
     else:
         data = await read_object(request, operation=operation, expected=" with x1 (and x2, mode, ...)")
@@ -358,6 +472,38 @@ async def read_kernel_request(request: Request, query: dict[str, Any], *, operat
         options = validate_body(KernelOptions, data, operation=operation)
         x1, x2, _ = await parse_sides(request, x1_raw, x2_raw, operation=operation)
     return KernelCall(x1, x2, options, parse_any_mode(options.mode, operation=operation))
+
+
+def split_sides(tensors: dict[str, np.ndarray], sides: tuple[str, ...], *, operation: str) -> tuple[SideSource, ...]:
+    """The sides of a safetensors body: a tensor named after the side (``x1``), or named inputs ``x1.<name>``
+    (``x1.input_ids``, ``x1.attention_mask``); the first side is required, the others optional (None).
+
+    Raises:
+        InvalidInput: the first side missing, a side both whole and named, a name that is not an identifier, or
+            tensors of no side (each named in the message).
+    """
+    found: dict[str, Any] = {}
+    for key in sorted(tensors):
+        side, dot, name = key.partition(".")
+        if side not in sides or (dot and not INPUT_NAME.match(name)):
+            raise InvalidInput(
+                f"{operation}: the body has the tensor {key[:80]!r}; expected {' and '.join(sides)} (one tensor "
+                f"each) or named inputs like '{sides[0]}.input_ids' (identifiers after the dot)"
+            )
+        if dot:
+            if isinstance(found.get(side), np.ndarray):
+                raise InvalidInput(f"{operation}: the body has both {side!r} and {key!r}; send one or the other")
+            found.setdefault(side, {})[name] = tensors[key]
+        elif side in found:
+            raise InvalidInput(f"{operation}: the body has both {side!r} and named {side}.* tensors")
+        else:
+            found[side] = tensors[key]
+    if sides[0] not in found:
+        raise InvalidInput(
+            f"{operation}: the safetensors body has no tensor {sides[0]!r} nor '{sides[0]}.<name>' tensors (it has "
+            f"{sorted(tensors)[:8] or 'none'}); name the tensor {sides[0]!r}"
+        )
+    return tuple(found.get(side) for side in sides)
 
 
 def engine_options(options: KernelOptions, settings: Settings) -> NtkOptions:
@@ -401,13 +547,15 @@ def run_kernel(
     keyed = x1.key is not None or (x2 is not None and x2.key is not None)
     if not keyed or side_cache is None or side_cache.max_bytes <= 0:
         side_cache = None  # nothing to reuse: the engine may then take its joint pass
-    t1, t2 = torch.from_numpy(x1.array), None if x2 is None else torch.from_numpy(x2.array)
+    t1, t2 = x1.to_torch(record), None if x2 is None else x2.to_torch(record)
     x2_key = None if x2 is None else x2.key
     wire_options = call.options
+    output = getattr(wire_options, "output", None)
+    check_output(output, record, operation=operation)
     engine: Callable[..., NtkResult | NtkGroupsResult] = (
-        functools.partial(compute_ntk, params=wire_options.params)
+        functools.partial(compute_ntk, params=wire_options.params, output=output)
         if wire_options.groups is None
-        else functools.partial(compute_ntk_groups, groups=wire_options.groups, rest=wire_options.rest)
+        else functools.partial(compute_ntk_groups, groups=wire_options.groups, rest=wire_options.rest, output=output)
     )
 
     def compute() -> NtkResult | NtkGroupsResult:

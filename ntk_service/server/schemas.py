@@ -69,7 +69,13 @@ KernelModeValue = Literal["full", "trace", "example_diagonal", "output_diagonal"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
 
-SIDE_FORMS = 'a JSON tensor, or rows of a stored data set {"dataset": id, "start", "stop"}.'
+MAX_OUTPUT_PATH = 200
+"""Longest ``output`` path: a key and a few indices need under 40 characters."""
+
+SIDE_FORMS = (
+    'a JSON tensor, an object of named JSON tensors {"input_ids": tensor, "attention_mask": tensor} for a model '
+    'taking several inputs, or rows of a stored data set {"dataset": id, "start", "stop"}.'
+)
 """How a side may come, for the descriptions of x1, x_train, x, ..."""
 X1_DESCRIPTION = "x1 (N, *input): " + SIDE_FORMS
 X2_DESCRIPTION = "x2 (M, *input), as x1; null: x2 = x1 (computed once, exactly symmetric)."
@@ -176,13 +182,21 @@ class KernelOptions(BaseModel):
         "the answer has one kernel per group (JSON groups[], or a safetensors tensor per group). Not with params.",
     )
     rest: bool = Field(default=False, description="With groups: the parameters no group lists, as a group 'rest'.")
+    output: str | None = Field(
+        default=None,
+        max_length=MAX_OUTPUT_PATH,
+        description="For a model returning a dict (its record's architecture lists `outputs`): the tensor the "
+        'kernel is of, a key with optional indexing, e.g. "logits" or "logits[:, 2, :4]" (parsed, never '
+        "evaluated; k = its size per example). null: the model returns one tensor.",
+        examples=["logits[:, 0]"],
+    )
 
 
 class KernelRequest(KernelOptions):
     """``POST /v1/models/{name}/ntk`` as JSON (documentation; routes decode x1/x2 with ``wire``)."""
 
-    x1: TensorJson | DatasetRef = Field(description=X1_DESCRIPTION)
-    x2: TensorJson | DatasetRef | None = Field(default=None, description=X2_DESCRIPTION)
+    x1: TensorJson | dict[str, TensorJson] | DatasetRef = Field(description=X1_DESCRIPTION)
+    x2: TensorJson | dict[str, TensorJson] | DatasetRef | None = Field(default=None, description=X2_DESCRIPTION)
 
 
 class KernelPublic(BaseModel):
@@ -234,6 +248,22 @@ class ParameterPublic(BaseModel):
     shape: list[int] = Field(description="Its shape.")
 
 
+class InputLeafPublic(BaseModel):
+    """One named input of a model taking several tensors."""
+
+    name: str = Field(description="The forward argument's name.", examples=["input_ids"])
+    shape: list[int] = Field(description="One example's shape, without the batch dimension.", examples=[[16]])
+    dtype: str = Field(description='"float32", or "int64" for ids and masks.', examples=["int64"])
+    vocab_size: int | None = Field(default=None, description="Ids must be below it; null: not token ids.")
+
+
+class InputSpecPublic(BaseModel):
+    """The inputs of a model taking several tensors."""
+
+    kind: Literal["mapping", "tuple"] = Field(description="mapping: keyword arguments; tuple: positional ones.")
+    leaves: list[InputLeafPublic] = Field(description="One per input, in forward's order.")
+
+
 class ModelPublic(BaseModel):
     """One version of a registered model."""
 
@@ -249,6 +279,11 @@ class ModelPublic(BaseModel):
     weights_sha256: str = Field(description="Hex sha256 of the stored safetensors file.")
     created_at: str = Field(description="When this version was uploaded (UTC, ISO 8601).")
     label: str | None = Field(default=None, description="The label given with the upload, e.g. 'epoch 3'.")
+    inputs: InputSpecPublic | None = Field(
+        default=None,
+        description="A model taking several tensors: their names, shapes and dtypes (send x1 as an object of "
+        "named tensors); null: one input x (N, *input_shape).",
+    )
 
 
 class ModelsPublic(BaseModel):

@@ -45,6 +45,7 @@ PUBLIC_FIELDS = {
     "version",
     "architecture",
     "seed",
+    "inputs",
     "num_params",
     "input_shape",
     "input_dtype",

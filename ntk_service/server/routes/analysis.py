@@ -113,17 +113,25 @@ def _theta(
     return np.asarray(result.theta.detach().cpu().numpy(), dtype=np.float64)
 
 
-def _forward64(module: torch.nn.Module, x: np.ndarray) -> np.ndarray:
+def _forward64(module: torch.nn.Module, x: KernelInput, record: ModelRecord) -> np.ndarray:
     """f(x) in float64, (N, k), without touching the shared module (float copies of its tensors)."""
     tensors = {
         name: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
         for name, t in [*module.named_parameters(), *module.named_buffers()]
     }
-    xt = torch.from_numpy(x)
-    xt = xt.to(torch.float64) if xt.is_floating_point() else xt
+    inputs = x.to_torch(record)
+
+    def f64(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float64) if t.is_floating_point() else t
+
+    if isinstance(inputs, dict):
+        args: tuple[Any, ...] = ()
+        kwargs = {key: f64(t) for key, t in inputs.items()}
+    else:
+        args, kwargs = tuple(f64(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,))), {}
     with torch.no_grad():
-        out = functional_call(module, tensors, (xt,))
-    return np.asarray(out.reshape(x.shape[0], -1).numpy(), dtype=np.float64)
+        out = functional_call(module, tensors, args, kwargs)
+    return np.asarray(out.reshape(x.n, -1).numpy(), dtype=np.float64)
 
 
 @router.post(
@@ -153,8 +161,8 @@ async def predict(
         record = ctx.registry.get(name, options.version)
         train = _side(raw["x_train"], "x_train", record, ctx.datasets, operation)
         test = _side(raw["x_test"], "x_test", record, ctx.datasets, operation) if "x_test" in raw else None
-        n, k = train.array.shape[0], record.output_dim
-        m = 0 if test is None else test.array.shape[0]
+        n, k = train.n, record.output_dim
+        m = 0 if test is None else test.n
         if options.loss == "cross_entropy":  # class indices, checked before any kernel is computed
             class_indices(y_train, n=n, k=k, name="y_train", operation=operation)
             check_cross_entropy_plan(
@@ -193,8 +201,8 @@ async def predict(
         theta_test = None
         if test is not None:
             theta_test = _theta(ctx, module, test, train, kernel_options, record=record, operation=operation)
-        f0_train = _forward64(module, train.array)
-        f0_test = None if test is None else _forward64(module, test.array)
+        f0_train = _forward64(module, train, record)
+        f0_test = None if test is None else _forward64(module, test, record)
         kernel_s = time.perf_counter() - start
         start = time.perf_counter()
         out = analysis.linearized_predictions(
@@ -260,7 +268,7 @@ async def kernel_spectrum(
     def prepare() -> tuple[ModelRecord, KernelInput]:
         record = ctx.registry.get(name, options.version)
         x = _side(raw["x"], "x", record, ctx.datasets, operation)
-        size = x.array.shape[0] * (record.output_dim if options.mode == "full" else 1)
+        size = x.n * (record.output_dim if options.mode == "full" else 1)
         dense = options.top is None or options.method == "eigh" or (options.method == "auto" and size <= DENSE_MAX_SIZE)
         check_budget(
             8 * _SPECTRUM_COPIES["eigh" if dense else "lanczos"] * size * size,
@@ -352,7 +360,7 @@ async def compare(
     def prepare() -> tuple[list[ModelRecord], KernelInput]:
         records = _resolve(name, options.versions, ctx.registry, operation)
         x = _side(raw["x"], "x", records[0], ctx.datasets, operation)
-        n = x.array.shape[0]
+        n = x.n
         if y is not None and (y.ndim not in (1, 2) or y.shape[0] != n):
             raise ShapeMismatch(f"{operation}: y has shape {y.shape}; x has {n} examples, send y with {n} rows")
         size = n * (records[0].output_dim if options.mode == "full" else 1)

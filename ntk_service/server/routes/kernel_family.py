@@ -137,8 +137,9 @@ def _check_exported(record: ModelRecord, *, layer: str | None, monte_carlo: bool
         )
 
 
-def _array(x: KernelInput | None) -> torch.Tensor | None:
-    return None if x is None else torch.from_numpy(x.array)
+def _array(x: KernelInput | None, record: ModelRecord) -> Any:
+    """A side as the model takes it (a tensor, a tuple or a dict of named inputs); None stays None."""
+    return None if x is None else x.to_torch(record)
 
 
 @router.post(
@@ -165,8 +166,8 @@ async def nngp(
         def call() -> Any:
             return compute_nngp(
                 module,
-                torch.from_numpy(x1.array),
-                _array(x2),
+                x1.to_torch(record),
+                _array(x2, record),
                 layer=options.layer,
                 mode=options.mode,
                 dtype=options.dtype,
@@ -214,8 +215,8 @@ async def monte_carlo(
         def call() -> Any:
             return monte_carlo_ntk(
                 build,
-                torch.from_numpy(x1.array),
-                _array(x2),
+                x1.to_torch(record),
+                _array(x2, record),
                 seeds=options.seeds,
                 mode=options.mode,
                 kernel=options.kernel,
@@ -268,8 +269,8 @@ async def operator_matvec(
         def call() -> torch.Tensor:
             op = ntk_operator(
                 module,
-                torch.from_numpy(x1.array),
-                _array(x2),
+                x1.to_torch(record),
+                _array(x2, record),
                 mode=options.mode,
                 params=options.params,
                 dtype=options.dtype,

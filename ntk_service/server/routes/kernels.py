@@ -41,7 +41,7 @@ from ntk_service.server.kernel_inputs import (
 )
 from ntk_service.server.media import encode_theta, json_too_large, negotiate
 from ntk_service.server.params import INT64_MAX, MAX_GLOBS, Glob, NamePath
-from ntk_service.server.schemas import KernelModeValue, KernelPublic, KernelRequest, openapi_body
+from ntk_service.server.schemas import MAX_OUTPUT_PATH, KernelModeValue, KernelPublic, KernelRequest, openapi_body
 
 __all__ = ["router"]
 
@@ -59,7 +59,8 @@ RESPONSE_TYPES = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
     openapi_extra=openapi_body(
         KernelRequest,
         binary={
-            wire.MEDIA_SAFETENSORS: "Tensors x1 (and optional x2); options as query parameters.",
+            wire.MEDIA_SAFETENSORS: "Tensors x1 (and optional x2), or named inputs x1.<name> (x2.<name>) for a model "
+            "taking several; options as query parameters.",
             wire.MEDIA_NPY: "x1 alone (x2 = x1); options as query parameters.",
         },
     ),
@@ -86,6 +87,9 @@ async def compute_kernel(
         ),
     ] = None,
     rest: Annotated[bool | None, Query(description="Binary bodies only; with groups.")] = None,
+    output: Annotated[
+        str | None, Query(max_length=MAX_OUTPUT_PATH, description='Binary bodies only, e.g. "logits[:, 0]".')
+    ] = None,
 ) -> Response:
     operation = f"ntk of model {name!r}"
     given = {
@@ -96,6 +100,7 @@ async def compute_kernel(
         "version": version,
         "groups": parse_groups_query(groups, operation=operation),
         "rest": rest,
+        "output": output,
     }
     query = {key: value for key, value in given.items() if value is not None}
     call = await read_kernel_request(request, query, operation=operation)
@@ -108,9 +113,10 @@ async def compute_kernel(
     settings = ctx.settings
     cap = settings.max_json_response_bytes
     if response_type == wire.MEDIA_JSON:
-        n = x1.array.shape[0]
-        m = n if x2 is None else x2.array.shape[0]
-        numel = math.prod(result_shape(call.mode, n, m, record.output_dim))
+        n = x1.n
+        m = n if x2 is None else x2.n
+        k = record.output_dim if options.output is None else 1  # k of a selected output: known after the compute
+        numel = math.prod(result_shape(call.mode, n, m, k))
         if isinstance(options.groups, dict):  # at least one kernel per group ("modules": known after the compute)
             numel *= len(options.groups) + int(options.rest)
         if numel * MIN_JSON_BYTES_PER_VALUE > cap:

@@ -30,7 +30,7 @@ def test_register_each_family(live_server: LiveServer, family: str) -> None:
     assert record["seed"] == 3
     assert set(record) == {
         "name", "version", "architecture", "seed", "num_params", "input_shape", "input_dtype", "output_dim",
-        "parameters", "weights_sha256", "created_at", "label",
+        "parameters", "weights_sha256", "created_at", "label", "inputs",
     }  # fmt: skip
     assert {k: record["architecture"][k] for k in architecture} == architecture
     model = rebuild(record, weights)
