@@ -262,7 +262,8 @@ def bench_case(
         if c in PEERS:
             mib = f"{peer.peak_mib(c):.0f} †" if peer is not None else ""
         else:
-            mib = _memory(name, n, mode, c, args.reuse_large_buffers, args.memory_runs) if args.memory and c in args.memory_of else ""
+            measured = args.memory and c in args.memory_of
+            mib = _memory(name, n, mode, c, args.reuse_large_buffers, args.memory_runs) if measured else ""
         per_call = (statistics.median(system[c]), statistics.median(faults[c]), mib, rate / peak_rate)
         row[c] = (t, *per_call, statistics.median(cpu[c]))
         print(

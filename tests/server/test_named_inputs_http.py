@@ -269,3 +269,31 @@ def test_named_inputs_through_the_analysis_and_kernel_family_routes(live_server:
             client.spectrum(name, bad)
         with pytest.raises(InvalidInput, match=r"missing \['attention_mask'\]"):
             client.nngp(name, bad)
+
+
+def test_bert_kernels_and_jobs_over_named_data_sets(
+    live_server: LiveServer, models: dict[str, tuple[str, nn.Module]]
+) -> None:
+    """A named data set uploaded once, referenced by rows in a kernel request and in a job, with ``output``."""
+    name, bert = models["bert"]
+    x1, x2 = _tokens(4, 5, padded=True), _tokens(3, 6, padded=False)
+    label_words = lambda out: out.logits[:, 2, :4]  # noqa: E731
+    with Client(live_server.url, api_key=live_server.write_key) as client:
+        d1, d2 = client.upload_dataset(x1), client.upload_dataset(x2)
+        rows = {"dataset": d1["id"], "start": 1, "stop": 4}
+        theta = client.ntk(name, rows, {"dataset": d2["id"]}, output="logits[:, 2, :4]", dtype="float64")
+        sliced = {key: value[1:4] for key, value in x1.items()}
+        expected_rows = reference_ntk(bert, _torch(sliced), _torch(x2), output=label_words)
+        assert_matches(torch.from_numpy(theta), expected_rows, 1e-9)
+        job = client.submit_job(name, d1["id"], d2["id"], output="logits[:, 2, :4]", mode="trace", dtype="float64")
+        done = client.wait(job, progress=False, timeout=180)
+        assert done["status"] == "succeeded", done["error"]
+        trace = client.job_result(done["id"])
+        missing = {"input_ids": x1["input_ids"]}  # the model's spec also names attention_mask
+        d3 = client.upload_dataset(missing)
+        with pytest.raises(InvalidInput, match="attention_mask"):
+            client.ntk(name, {"dataset": d3["id"]}, output="logits[:, 2, :4]")
+        with pytest.raises(InvalidInput, match="attention_mask"):
+            client.submit_job(name, d3["id"], output="logits[:, 2, :4]")
+    expected = reference_ntk(bert, _torch(x1), _torch(x2), mode="trace", output=label_words)
+    assert_matches(torch.from_numpy(np.asarray(trace)), expected, 1e-9)
