@@ -176,12 +176,16 @@ def _tensor(body: Mapping[str, Any], key: str) -> np.ndarray:
     return wire.tensor_from_json(body[key], name=key)
 
 
-def _kernel_fields(mode: str, implementation: str, params: Sequence[str] | None, version: int | None) -> dict[str, Any]:
+def _kernel_fields(
+    mode: str, implementation: str, params: Sequence[str] | None, version: int | None, output: str | None = None
+) -> dict[str, Any]:
     fields: dict[str, Any] = {"mode": mode, "implementation": implementation}
     if params is not None:
         fields["params"] = list(params)
     if version is not None:
         fields["version"] = version
+    if output is not None:
+        fields["output"] = output
     return fields
 
 
@@ -205,6 +209,7 @@ class AnalysisClient(BaseClient):
         implementation: ImplementationName = "auto",
         params: Sequence[str] | None = None,
         version: int | None = None,
+        output: str | None = None,
     ) -> LinearizedPrediction:
         """``POST /v1/models/{model}/predict``: the linearized network trained on (x_train, y_train).
 
@@ -216,7 +221,8 @@ class AnalysisClient(BaseClient):
             learning_rate: η of the optimizer on ``loss``. loss: "mse" (``MSELoss()``) | "sum" | "half_mse" |
                 "cross_entropy" (``CrossEntropyLoss()``).
             flow: "gradient_flow" | "gradient_descent". ridge, ridge_scale: λ and "absolute" | "relative".
-            mode: "full" | "trace" (trace / k ⊗ I_k). implementation, params, version: as for ``ntk``.
+            mode: "full" | "trace" (trace / k ⊗ I_k). implementation, params, version, output: as for ``ntk``
+                (``output`` selects f of a model returning a dict, e.g. "logits[:, 0]").
 
         Returns:
             LinearizedPrediction: train (T, N, k), test (T, M, k) or None, f0, λmin/λmax, the path.
@@ -235,7 +241,7 @@ class AnalysisClient(BaseClient):
             "flow": flow,
             "ridge": ridge,
             "ridge_scale": ridge_scale,
-            **_kernel_fields(mode, implementation, params, version),
+            **_kernel_fields(mode, implementation, params, version, output),
         }
         if x_test is not None:
             body["x_test"] = _side(x_test, "x_test")
@@ -271,20 +277,21 @@ class AnalysisClient(BaseClient):
         implementation: ImplementationName = "auto",
         params: Sequence[str] | None = None,
         version: int | None = None,
+        output: str | None = None,
     ) -> KernelSpectrum:
         """``POST /v1/models/{model}/spectrum``: eigenvalues and ranks of Θ(x, x).
 
         Args:
             x: (N, *input) array or data set slice. top: only the top eigenvalues (None: all).
             method: "auto" | "eigh" | "lanczos". ridges: λ values for ``effective_dof`` (needs top=None).
-            mode, implementation, params, version: as for ``ntk``.
+            mode, implementation, params, version, output: as for ``ntk``.
         """
         body: dict[str, Any] = {
             "x": _side(x, "x"),
             "top": top,
             "method": method,
             "ridges": list(ridges),
-            **_kernel_fields(mode, implementation, params, version),
+            **_kernel_fields(mode, implementation, params, version, output),
         }
         out = self._send_json("POST", f"/v1/models/{quote(model, safe='')}/spectrum", body)
         condition = out.get("condition_number")

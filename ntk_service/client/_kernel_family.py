@@ -131,6 +131,7 @@ class KernelFamilyClient(BaseClient):
         dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
+        output: str | None = None,
     ) -> NngpKernel:
         """The empirical NNGP f(x1) f(x2)ᵀ of a registered model, or the conjugate kernel at ``layer``.
 
@@ -142,11 +143,14 @@ class KernelFamilyClient(BaseClient):
             dtype (str | None): "float32" or "float64". Default: the model's.
             version (int | None): the model version. Default: the latest.
             as_torch (bool): torch tensors instead of numpy arrays. Default: False.
+            output (str | None): for a model returning a dict, the tensor f is, as for ``ntk``. Default: None.
 
         Raises:
             ModelNotFound, UnknownLayer, InvalidInput, MemoryEstimateExceeded, Busy.
         """
         body = {"x1": _side(x1, "x1"), "x2": _side(x2, "x2"), "layer": layer, "mode": mode, "dtype": dtype}
+        if output is not None:
+            body["output"] = output
         tensors, meta = self._family_post(model, "nngp", {**body, "version": version}, ("kernel",))
         layer_meta = meta.get("layer")
         return NngpKernel(
@@ -228,6 +232,7 @@ class KernelFamilyClient(BaseClient):
         dtype: DtypeName | None = None,
         version: int | None = None,
         as_torch: bool = False,
+        output: str | None = None,
     ) -> Any:
         """One product Θ(x1, x2) v (or Θᵀ v with ``transpose``), computed without building Θ.
 
@@ -236,7 +241,7 @@ class KernelFamilyClient(BaseClient):
             v: (M, k) for "full", (M,) for "trace" and "pseudo"; (N, k) / (N,) with ``transpose``.
             mode (str): "full" | "trace" | "pseudo". Default: "full".
             transpose (bool): Θ(x2, x1) v instead. Default: False.
-            params, dtype, version, as_torch: as for ``ntk``.
+            params, dtype, version, as_torch, output: as for ``ntk``.
 
         Returns:
             (N, k) for "full", (N,) otherwise ((M, ...) with ``transpose``).
@@ -251,5 +256,7 @@ class KernelFamilyClient(BaseClient):
             "dtype": dtype,
             "version": version,
         }
+        if output is not None:
+            body["output"] = output
         tensors, _ = self._family_post(model, "operator/matvec", body, ("product",))
         return _maybe_torch(tensors["product"], as_torch)

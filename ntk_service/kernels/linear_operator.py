@@ -51,7 +51,9 @@ from ntk_service.errors import (
     format_bytes,
 )
 from ntk_service.kernels.batch import Batch, Inputs, batch_size, take
+from ntk_service.kernels.embedding_padding import padding_as_constant
 from ntk_service.kernels.inputs import validate_inputs
+from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
 from ntk_service.kernels.outputs import parse_output
@@ -200,7 +202,14 @@ class NtkOperator:
         return out.reshape(-1) if flat else out
 
     def _product(self, rows: Batch, cols: Batch, cotangent: torch.Tensor) -> torch.Tensor:
-        """J(rows) (J(cols)ᵀ cotangent): cotangent (M, k) -> (N, k)."""
+        """J(rows) (J(cols)ᵀ cotangent): cotangent (M, k) -> (N, k). Attention runs on its math path in both passes
+        (``attention_scope``): its fused kernels have no forward-mode AD, and one path keeps both passes' f the same;
+        an embedding's padding lookups are constants in both (``padding_as_constant``), as reverse mode has them."""
+        problem = self._sides.problem
+        with attention_scope(problem.module, problem.calls_attention), padding_as_constant():
+            return self._product_passes(rows, cols, cotangent)
+
+    def _product_passes(self, rows: Batch, cols: Batch, cotangent: torch.Tensor) -> torch.Tensor:
         problem, chunk = self._sides.problem, self._sides.chunk
         u: NamedTensors | None = None
         for i in range(0, batch_size(cols), chunk):

@@ -22,6 +22,7 @@ from torch.func import jvp, vmap
 
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.batch import Batch, batch_size
+from ntk_service.kernels.embedding_padding import padding_as_constant
 from ntk_service.kernels.jacobian_contraction import jacobians
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
@@ -37,14 +38,15 @@ in jvp at once fail with "no level exists" (measured with 4 threads on one model
 
 @contextmanager
 def _forward_ad() -> Iterator[None]:
-    """Forward-mode AD under ``_FORWARD_AD_LOCK``, attention on its math path (``math_attention``, this thread only);
+    """Forward-mode AD under ``_FORWARD_AD_LOCK``, attention on its math path (``math_attention``, this thread only)
+    and the lookups of an embedding's padding index constant, as reverse mode holds them (``padding_as_constant``);
     an operation of the model without a forward-mode formula (the old ``torch.nn.utils.weight_norm``'s kernel, some
     custom ops) is the model's limit, not a server fault.
 
     Raises:
         UnsupportedModel: torch has no forward-mode AD for an operation the model uses.
     """
-    with _FORWARD_AD_LOCK, math_attention():
+    with _FORWARD_AD_LOCK, math_attention(), padding_as_constant():
         try:
             yield
         except NotImplementedError as exc:

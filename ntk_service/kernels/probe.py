@@ -144,7 +144,8 @@ def _check_independent(problem: NtkProblem, x: Batch, batched: torch.Tensor, n: 
                 f"compute_ntk: the model cannot be evaluated one example at a time under torch.func.vmap: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        with torch.no_grad():
+        attention = math_attention()  # vmap may refuse before any attention call: learn it from the loop
+        with torch.no_grad(), attention:
             single = torch.stack([problem.f_single(problem.params, one_example(x, i)) for i in range(n)])
         problem.per_example_loop = True
     problem.calls_attention = attention.rerouted

@@ -15,7 +15,7 @@ from ntk_service import wire
 from ntk_service.analysis import Spectrum
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, VersionInt
-from ntk_service.server.schemas import SIDE_FORMS, DatasetRef, Globs, TensorJson
+from ntk_service.server.schemas import MAX_OUTPUT_PATH, SIDE_FORMS, DatasetRef, Globs, TensorJson
 
 __all__ = [
     "MAX_COMPARE_VERSIONS",
@@ -82,6 +82,13 @@ class AnalysisKernelOptions(BaseModel):
     )
     params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
     version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
+    output: str | None = Field(
+        default=None,
+        max_length=MAX_OUTPUT_PATH,
+        description="For a model returning a dict: the tensor f is (as `output` of /ntk), e.g. "
+        '"logits[:, 2, :4]"; k = its size per example. null: the model returns one tensor.',
+        examples=["logits[:, 0]"],
+    )
 
 
 class PredictOptions(AnalysisKernelOptions):

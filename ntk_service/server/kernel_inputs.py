@@ -50,6 +50,7 @@ from ntk_service.kernels import (
 )
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.options import DTYPES
+from ntk_service.kernels.outputs import parse_output, select_output
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ComputeDep, DatasetsDep, MetricsDep, RegistryDep, SettingsDep, SideCacheDep
@@ -77,6 +78,7 @@ __all__ = [
     "check_budget",
     "check_input",
     "check_output",
+    "output_size",
     "engine_options",
     "from_dataset",
     "inline",
@@ -308,6 +310,23 @@ def check_output(output: str | None, record: ModelRecord, *, operation: str) -> 
         f"{operation}: output={output!r} was given, but model {record.name!r} returns one tensor; drop output "
         "(it selects from a model returning a dict, e.g. a Hugging Face ModelOutput)"
     )
+
+
+def output_size(output: str | None, record: ModelRecord, *, operation: str) -> int:
+    """k of the kernel ``output`` selects, known before any compute: the record's ``output_dim`` for a tensor
+    output; for a dict output, the selection applied to empty (meta) tensors of the per-example shapes the exported
+    architecture lists in ``outputs``. A factory model's output is only known to the engine: its ``output_dim``.
+
+    Raises:
+        InvalidInput: ``output`` for a model returning one tensor (``check_output``), or a path that does not
+            select from the listed outputs (the message names what is there).
+    """
+    check_output(output, record, operation=operation)
+    outputs = record.architecture.get("outputs")
+    if output is None or not isinstance(outputs, dict):
+        return record.output_dim
+    shapes = {key: torch.empty((1, *shape), device="meta") for key, shape in outputs.items()}
+    return int(select_output(shapes, parse_output(output, operation), operation).numel())
 
 
 def _named_side(raw: dict[str, Any], *, side: str) -> NamedArrays:

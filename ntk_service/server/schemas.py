@@ -334,6 +334,12 @@ class NngpOptions(BaseModel):
     )
     dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
     version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
+    output: str | None = Field(
+        default=None,
+        max_length=MAX_OUTPUT_PATH,
+        description='For a model returning a dict: the tensor f is (as `output` of /ntk), e.g. "logits[:, 0]".',
+        examples=["logits[:, 0]"],
+    )
 
 
 class NngpRequest(NngpOptions):
@@ -402,6 +408,12 @@ class MatvecOptions(BaseModel):
     params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
     dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
     version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
+    output: str | None = Field(
+        default=None,
+        max_length=MAX_OUTPUT_PATH,
+        description='For a model returning a dict: the tensor f is (as `output` of /ntk), e.g. "logits[:, 0]".',
+        examples=["logits[:, 0]"],
+    )
 
 
 class MatvecRequest(MatvecOptions):

@@ -297,3 +297,30 @@ def test_bert_kernels_and_jobs_over_named_data_sets(
             client.submit_job(name, d3["id"], output="logits[:, 2, :4]")
     expected = reference_ntk(bert, _torch(x1), _torch(x2), mode="trace", output=label_words)
     assert_matches(torch.from_numpy(np.asarray(trace)), expected, 1e-9)
+
+
+def test_output_through_the_analysis_and_kernel_family_routes(
+    live_server: LiveServer, models: dict[str, tuple[str, nn.Module]]
+) -> None:
+    """``output`` on /spectrum, /predict and /operator/matvec of a model returning a ModelOutput (k from the
+    selection, before any compute), against the float64 reference of the original BERT."""
+    name, bert = models["bert"]
+    x = _tokens(3, 8, padded=True)
+    label_words = lambda out: out.logits[:, 2, :4]  # noqa: E731
+    reference = reference_ntk(bert, _torch(x), output=label_words).permute(0, 2, 1, 3).reshape(12, 12).numpy()
+    with Client(live_server.url, api_key=live_server.read_key) as client:
+        spectrum = client.spectrum(name, x, output="logits[:, 2, :4]")
+        expected = np.sort(np.linalg.eigvalsh(reference))[::-1]
+        np.testing.assert_allclose(np.sort(spectrum.eigenvalues)[::-1], expected, rtol=1e-6, atol=1e-9 * expected[0])
+        v = np.random.default_rng(1).standard_normal((3, 4))
+        product = client.matvec(name, x, v=v, dtype="float64", output="logits[:, 2, :4]")
+        np.testing.assert_allclose(np.asarray(product).reshape(-1), reference @ v.reshape(-1), rtol=1e-9, atol=1e-12)
+        y = np.random.default_rng(2).standard_normal((3, 4))
+        predicted = client.predict(name, x, y, times=[0.0], learning_rate=0.1, output="logits[:, 2, :4]")
+        with torch.no_grad():
+            f0 = label_words(bert.double()(**_torch(x))).numpy()
+        np.testing.assert_allclose(predicted.f0_train, f0, rtol=1e-9, atol=1e-12)  # f is the selected logits
+        with pytest.raises(InvalidInput, match="nope"):
+            client.spectrum(name, x, output="nope")
+        with pytest.raises(InvalidInput, match="y_train"):  # k = 4 from the selection, known before computing
+            client.predict(name, x, y[:, :3], times=[0.0], learning_rate=0.1, output="logits[:, 2, :4]")

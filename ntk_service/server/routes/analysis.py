@@ -24,6 +24,7 @@ from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
 from ntk_service.kernels import NtkResult
 from ntk_service.kernels.modes import parse_any_mode
+from ntk_service.kernels.outputs import parse_output, select_output
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.analysis_schemas import (
     AnalysisKernelOptions,
@@ -48,6 +49,7 @@ from ntk_service.server.kernel_inputs import (
     check_budget,
     engine_options,
     load_side,
+    output_size,
     parse_side,
     read_object,
     run_kernel,
@@ -89,6 +91,7 @@ def _kernel_options(options: AnalysisKernelOptions | CompareOptions, version: in
         params=options.params,
         dtype="float64",
         version=version,
+        output=getattr(options, "output", None),  # compare's records all return one tensor
     )
 
 
@@ -113,8 +116,11 @@ def _theta(
     return np.asarray(result.theta.detach().cpu().numpy(), dtype=np.float64)
 
 
-def _forward64(module: torch.nn.Module, x: KernelInput, record: ModelRecord) -> np.ndarray:
-    """f(x) in float64, (N, k), without touching the shared module (float copies of its tensors)."""
+def _forward64(
+    module: torch.nn.Module, x: KernelInput, record: ModelRecord, output: str | None, *, operation: str
+) -> np.ndarray:
+    """f(x) in float64, (N, k), without touching the shared module (float copies of its tensors); ``output``
+    selects f from a dict output (``select_output``)."""
     tensors = {
         name: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
         for name, t in [*module.named_parameters(), *module.named_buffers()]
@@ -130,7 +136,7 @@ def _forward64(module: torch.nn.Module, x: KernelInput, record: ModelRecord) -> 
     else:
         args, kwargs = tuple(f64(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,))), {}
     with torch.no_grad():
-        out = functional_call(module, tensors, args, kwargs)
+        out = select_output(functional_call(module, tensors, args, kwargs), parse_output(output, operation), operation)
     return np.asarray(out.reshape(x.n, -1).numpy(), dtype=np.float64)
 
 
@@ -161,7 +167,7 @@ async def predict(
         record = ctx.registry.get(name, options.version)
         train = _side(raw["x_train"], "x_train", record, ctx.datasets, operation)
         test = _side(raw["x_test"], "x_test", record, ctx.datasets, operation) if "x_test" in raw else None
-        n, k = train.n, record.output_dim
+        n, k = train.n, output_size(options.output, record, operation=operation)
         m = 0 if test is None else test.n
         if options.loss == "cross_entropy":  # class indices, checked before any kernel is computed
             class_indices(y_train, n=n, k=k, name="y_train", operation=operation)
@@ -201,8 +207,8 @@ async def predict(
         theta_test = None
         if test is not None:
             theta_test = _theta(ctx, module, test, train, kernel_options, record=record, operation=operation)
-        f0_train = _forward64(module, train, record)
-        f0_test = None if test is None else _forward64(module, test, record)
+        f0_train = _forward64(module, train, record, options.output, operation=operation)
+        f0_test = None if test is None else _forward64(module, test, record, options.output, operation=operation)
         kernel_s = time.perf_counter() - start
         start = time.perf_counter()
         out = analysis.linearized_predictions(
@@ -268,7 +274,7 @@ async def kernel_spectrum(
     def prepare() -> tuple[ModelRecord, KernelInput]:
         record = ctx.registry.get(name, options.version)
         x = _side(raw["x"], "x", record, ctx.datasets, operation)
-        size = x.n * (record.output_dim if options.mode == "full" else 1)
+        size = x.n * (output_size(options.output, record, operation=operation) if options.mode == "full" else 1)
         dense = options.top is None or options.method == "eigh" or (options.method == "auto" and size <= DENSE_MAX_SIZE)
         check_budget(
             8 * _SPECTRUM_COPIES["eigh" if dense else "lanczos"] * size * size,

@@ -27,6 +27,7 @@ from ntk_service.server.kernel_inputs import (
     ComputeContext,
     ComputeContextDep,
     KernelInput,
+    check_output,
     load_sides,
     parse_sides,
     read_object,
@@ -159,6 +160,7 @@ async def nngp(
     call = await _begin(request, ctx, name, NngpOptions, operation=operation)
     record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
     _check_exported(record, layer=options.layer, monte_carlo=False, operation=operation)
+    check_output(options.output, record, operation=operation)
 
     def run() -> Response:
         _, module = ctx.registry.load_module(record.name, record.version)
@@ -172,6 +174,7 @@ async def nngp(
                 mode=options.mode,
                 dtype=options.dtype,
                 memory_budget_bytes=settings.memory_budget_bytes,
+                output=options.output,
             )
 
         result, seconds = run_model(call, record=record, operation=operation)
@@ -262,6 +265,7 @@ async def operator_matvec(
     call = await _begin(request, ctx, name, MatvecOptions, operation=operation, extra=("v",))
     record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
     v = torch.from_numpy(call.tensors["v"])
+    check_output(options.output, record, operation=operation)
 
     def run() -> Response:
         _, module = ctx.registry.load_module(record.name, record.version)
@@ -275,6 +279,7 @@ async def operator_matvec(
                 params=options.params,
                 dtype=options.dtype,
                 memory_budget_bytes=settings.memory_budget_bytes,
+                output=options.output,
             )
             return op.rmatvec(v) if options.transpose else op.matvec(v)
 

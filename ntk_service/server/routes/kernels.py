@@ -36,6 +36,7 @@ from ntk_service.server.kernel_inputs import (
     ComputeContextDep,
     engine_options,
     load_sides,
+    output_size,
     read_kernel_request,
     run_kernel,
 )
@@ -115,7 +116,7 @@ async def compute_kernel(
     if response_type == wire.MEDIA_JSON:
         n = x1.n
         m = n if x2 is None else x2.n
-        k = record.output_dim if options.output is None else 1  # k of a selected output: known after the compute
+        k = output_size(options.output, record, operation=operation)
         numel = math.prod(result_shape(call.mode, n, m, k))
         if isinstance(options.groups, dict):  # at least one kernel per group ("modules": known after the compute)
             numel *= len(options.groups) + int(options.rest)
