@@ -101,6 +101,14 @@ def submit(
     tile_size: Annotated[
         int | None, typer.Option(min=1, help="Examples per tile side. Default: the server's (NTK_JOB_TILE_SIZE).")
     ] = None,
+    panel_tiles: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tiles per panel side, the unit of work (docs/jobs.md); 1: a panel per tile. Default: the "
+            "server's cost model (NTK_JOB_PANEL_SECONDS of work per panel).",
+        ),
+    ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Then show a live progress bar until the job ends.")] = False,
     json_output: JsonFlag = False,
 ) -> None:
@@ -119,6 +127,7 @@ def submit(
             params=globs,
             version=version,
             tile_size=tile_size,
+            panel_tiles=panel_tiles,
         )
     )
     if not wants_json(ctx, json_output):
