@@ -1,16 +1,21 @@
 """Batch jobs at their floor (issue 27): panels against the one-block floor, measured in the same run.
 
-    .venv/bin/python benchmarks/bench_jobs.py                          # N = 8192: tiled, server job, CNN, Ray, bytes
+    .venv/bin/python benchmarks/bench_jobs.py                          # N = 8192: every part below
     .venv/bin/python benchmarks/bench_jobs.py --n 20000 --only tiled,server
     .venv/bin/python benchmarks/bench_jobs.py --small                  # a quick check that everything runs
     .venv/bin/python benchmarks/bench_jobs.py --scale --n 20000        # a real server: job, streamed download, xarray
 
 The floor: one ``block × block`` off-diagonal kernel of the model timed here (``compute_ntk``, best of ``--repeat``
 after a warm-up), divided by its block² pairs and multiplied by the pairs the symmetric job computes
-(N·(N+1)/2). Each line prints wall time, the floor and wall / floor:
+(N·(N+1)/2). Each line prints wall time, the floor, wall / floor, and CPU / floor CPU (user + system seconds of
+all threads of the process doing the work: this process, or the server's): on a shared machine the CPU ratio is
+the signal, since load on other cores stretches wall time but barely moves CPU time. The load average is on every
+line.
 
 - ``tiled``: ``compute_ntk_tiled`` of the trace MLP 784-512-512-10 with panels from the cost model, and with a
   panel per tile (``panel_tiles=1``, what every job ran before panels).
+- ``diag``: an in-process A/B of the diagonal panels (``DIAGONAL_SPLIT`` blocks against one ``x2=None`` call
+  each): CPU and wall seconds over the job's diagonal panels, alternated, each with a fresh side cache.
 - ``server``: the same kernel as a job of a real ``ntk-service`` process (local executor), submit to succeeded,
   with the server's resident-memory high-water mark (``VmHWM``) during the job.
 - ``cnn``: the CNN of benchmarks/_models.py (contraction-dominated), ``compute_ntk_tiled`` against its floor.
