@@ -9,8 +9,9 @@ The floor: one ``block × block`` off-diagonal kernel of the model timed here (`
 after a warm-up), divided by its block² pairs and multiplied by the pairs the symmetric job computes
 (N·(N+1)/2). Each line prints wall time, the floor, wall / floor, and CPU / floor CPU (user + system seconds of
 all threads of the process doing the work: this process, or the server's): on a shared machine the CPU ratio is
-the signal, since load on other cores stretches wall time but barely moves CPU time. The load average is on every
-line.
+the signal, since load on other cores stretches wall time but barely moves CPU time. ``cores`` is CPU seconds
+per wall second: on an idle machine, how many cores the path kept busy (the floor keeps them all). The load average
+is on every line.
 
 - ``tiled``: ``compute_ntk_tiled`` of the trace MLP 784-512-512-10 with panels from the cost model, and with a
   panel per tile (``panel_tiles=1``, what every job ran before panels).
@@ -230,7 +231,8 @@ def _tiled_cpu(model: nn.Module, x: torch.Tensor, tmp: Path, name: str, **option
 
 def _line(name: str, wall: float, floor: float, extra: str = "", *, cpu: float = 0.0, floor_cpu: float = 0.0) -> None:
     cpu_ratio = f"{cpu / floor_cpu:>8.2f}x" if floor_cpu else f"{'':>9}"
-    print(f"{name:<58} {wall:>9.2f} {floor:>9.2f} {wall / floor:>8.2f}x {cpu_ratio}  {extra}")
+    busy = f"{cpu / wall:>6.2f}" if cpu else f"{'':>6}"  # cores busy on average: CPU seconds per wall second
+    print(f"{name:<58} {wall:>9.2f} {floor:>9.2f} {wall / floor:>8.2f}x {cpu_ratio} {busy}  {extra}")
 
 
 def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, float, int, int, int]:
@@ -312,14 +314,15 @@ def main() -> None:
         f"issue 27 ratios: N = {args.n}, floor block {args.block}, tiles of {args.tile_size}, {cores} cores, "
         f"load average {os.getloadavg()[0]:.1f} (before), torch {torch.__version__}"
     )
-    print(f"\n{'run':<58} {'wall s':>9} {'floor s':>9} {'wall/fl':>9} {'cpu/fl':>9}")
+    print(f"\n{'run':<58} {'wall s':>9} {'floor s':>9} {'wall/fl':>9} {'cpu/fl':>9} {'cores':>6}")
     mlp, x = make_mlp(), make_inputs("mlp", args.n)
     with tempfile.TemporaryDirectory(dir=os.environ.get("NTK_BENCH_TMP")) as name:
         tmp = Path(name)
         floor = _Floor(mlp, x, args.block, args.n, args.repeat) if parts & {"tiled", "server", "diag"} else None
         if floor is not None:
             print(f"{'floor: one ' + str(args.block) + '² block per pair x N(N+1)/2 pairs':<58} {'':>9} "
-                  f"{floor.wall:>9.2f}   cpu {floor.cpu:.2f} s  load {os.getloadavg()[0]:.1f}")  # fmt: skip
+                  f"{floor.wall:>9.2f}   cpu {floor.cpu:.2f} s, cores {floor.cpu / floor.wall:.2f}, "
+                  f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
         if "tiled" in parts and floor is not None:
             _tiled(mlp, x[: 2 * args.tile_size], tmp, "warm", tile_size=args.tile_size)
             wall, cpu, view = _tiled_cpu(mlp, x, tmp, "panels", tile_size=args.tile_size)

@@ -81,12 +81,13 @@ class JobWork:
 @dataclass(frozen=True, slots=True)
 class PanelOutcome:
     """A computed panel whose chunks are written: the panel id, the tiles written, compute seconds, the
-    implementation that ran."""
+    implementation that ran, and the worker that computed it (a Ray actor's id; None in-process)."""
 
     panel_id: int
     tile_ids: tuple[int, ...]
     elapsed_s: float
     implementation: str
+    worker: str | None = None
 
 
 class PanelCallbacks(Protocol):

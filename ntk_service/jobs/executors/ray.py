@@ -31,6 +31,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -162,11 +163,14 @@ class PanelWorker:
             panel: the panel. tile_ids: its tiles to write (those the server claimed).
 
         Returns:
-            The PanelOutcome to record.
+            The PanelOutcome to record, its ``worker`` this actor's id.
         """
         job_id, model, x1, x2, work, cache, device = self._load(refs)
         tiles = tuple(t for t in panel.tiles if t.id in set(tile_ids))
-        return run_panel(model, x1, x2, work, panel, tiles, side_cache=cache, device=device, allow_tf32=self.allow_tf32)
+        outcome = run_panel(
+            model, x1, x2, work, panel, tiles, side_cache=cache, device=device, allow_tf32=self.allow_tf32
+        )
+        return dataclasses.replace(outcome, worker=str(import_ray().get_runtime_context().get_actor_id()))
 
     def _load(self, refs: list[Any]) -> tuple[str, nn.Module, Any, Any, JobWork, SideCache, torch.device]:
         job_id = str(refs[0])
