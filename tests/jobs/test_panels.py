@@ -242,9 +242,9 @@ def test_diagonal_panels_contract_only_the_blocks_on_and_above_their_diagonal(mo
         n=11, m=11, k=3, mode=mode.value, implementation="jacobian_contraction", dtype="float64", params=None,
         tile_size=2, memory_budget_bytes=2**26, panel_tiles=6,
     )  # fmt: skip
-    work = JobWork(job_id="j", spec=spec, plan=plan, result_path=Path("unused"), diagonal_split=3)
+    work = JobWork(job_id="j", spec=spec, plan=plan, result_path=Path("unused"), diagonal_split=3, diagonal_min_rows=1)
     (panel,) = work.panels()  # the whole job is one diagonal panel
-    blocks = diagonal_blocks(panel, plan.tile_size, split=work.diagonal_split)
+    blocks = diagonal_blocks(panel, plan.tile_size, split=3, min_rows=1)
     assert blocks == ((0, 4), (4, 8), (8, 11))  # two tiles each, cut at tile boundaries
     cache = SideCache(max_bytes=2**26)
     theta, implementation = compute_panel(model, x, None, work, panel, side_cache=cache)
@@ -262,6 +262,10 @@ def test_diagonal_panels_contract_only_the_blocks_on_and_above_their_diagonal(mo
 def test_diagonal_blocks_never_exceed_the_tiles_of_the_band() -> None:
     plan = plan_tiles(n=10, m=None, tile_size=4, mode=KernelMode.TRACE)  # 3 row blocks: 4, 4, 2
     (panel,) = plan_panels(plan, panel_tiles=3)
-    assert diagonal_blocks(panel, 4, split=8) == ((0, 4), (4, 8), (8, 10))
-    assert diagonal_blocks(panel, 4, split=2) == ((0, 4), (4, 10))
-    assert diagonal_blocks(panel, 4, split=1) == ((0, 10),)
+    assert diagonal_blocks(panel, 4, split=8, min_rows=1) == ((0, 4), (4, 8), (8, 10))
+    assert diagonal_blocks(panel, 4, split=2, min_rows=1) == ((0, 4), (4, 10))
+    assert diagonal_blocks(panel, 4, split=1, min_rows=1) == ((0, 10),)
+    assert diagonal_blocks(panel, 4, split=8, min_rows=5) == ((0, 4), (4, 10))  # 10 // 5: two blocks at most
+    assert diagonal_blocks(panel, 4, split=8, min_rows=6) == ((0, 10),)  # under 2 · 6 examples: one block
+    big = plan_panels(plan_tiles(n=8192, m=None, tile_size=256, mode=KernelMode.TRACE), panel_tiles=13)[0]
+    assert diagonal_blocks(big, 256) == ((0, 768), (768, 1536), (1536, 2304), (2304, 3328))  # the defaults: 4

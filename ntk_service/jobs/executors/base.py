@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ntk_service.jobs.panels import DIAGONAL_SPLIT, Panel, diagonal_blocks, plan_panels
+from ntk_service.jobs.panels import DIAGONAL_MIN_ROWS, DIAGONAL_SPLIT, Panel, diagonal_blocks, plan_panels
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray, mirror_theta
@@ -65,6 +65,8 @@ class JobWork:
         result_path: the Zarr array every panel writes to (a shared filesystem path for a Ray cluster).
         diagonal_split: blocks a symmetric job's diagonal panel is computed in (``diagonal_blocks``; 1: one
             ``x2=None`` call). Default: ``DIAGONAL_SPLIT``.
+        diagonal_min_rows: the fewest examples per block of a split diagonal panel. Default:
+            ``DIAGONAL_MIN_ROWS``.
     """
 
     job_id: str
@@ -72,6 +74,7 @@ class JobWork:
     plan: TilePlan
     result_path: Path
     diagonal_split: int = DIAGONAL_SPLIT
+    diagonal_min_rows: int = DIAGONAL_MIN_ROWS
 
     def panels(self) -> tuple[Panel, ...]:
         """The job's panels, in computation order (the same on every host and after every restart)."""
@@ -141,7 +144,7 @@ def compute_panel(
     """
     spec = work.spec
     if panel.is_diagonal and spec.mode != KernelMode.EXAMPLE_DIAGONAL.value and _caches(side_cache):
-        blocks = diagonal_blocks(panel, work.plan.tile_size, split=work.diagonal_split)
+        blocks = diagonal_blocks(panel, work.plan.tile_size, split=work.diagonal_split, min_rows=work.diagonal_min_rows)
         if len(blocks) > 1:
             return _diagonal_panel(model, x1, work, panel, blocks, side_cache, device, allow_tf32)
     r0, r1 = panel.rows
