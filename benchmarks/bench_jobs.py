@@ -1,16 +1,22 @@
 """Batch jobs at their floor (issue 27): panels against the one-block floor, measured in the same run.
 
-    .venv/bin/python benchmarks/bench_jobs.py                          # N = 8192: tiled, server job, CNN, Ray, bytes
+    .venv/bin/python benchmarks/bench_jobs.py                          # N = 8192: every part below
     .venv/bin/python benchmarks/bench_jobs.py --n 20000 --only tiled,server
     .venv/bin/python benchmarks/bench_jobs.py --small                  # a quick check that everything runs
     .venv/bin/python benchmarks/bench_jobs.py --scale --n 20000        # a real server: job, streamed download, xarray
 
 The floor: one ``block × block`` off-diagonal kernel of the model timed here (``compute_ntk``, best of ``--repeat``
 after a warm-up), divided by its block² pairs and multiplied by the pairs the symmetric job computes
-(N·(N+1)/2). Each line prints wall time, the floor and wall / floor:
+(N·(N+1)/2). Each line prints wall time, the floor, wall / floor, and CPU / floor CPU (user + system seconds of
+all threads of the process doing the work: this process, or the server's): on a shared machine the CPU ratio is
+the signal, since load on other cores stretches wall time but barely moves CPU time. ``cores`` is CPU seconds
+per wall second: on an idle machine, how many cores the path kept busy (the floor keeps them all). The load average
+is on every line.
 
 - ``tiled``: ``compute_ntk_tiled`` of the trace MLP 784-512-512-10 with panels from the cost model, and with a
   panel per tile (``panel_tiles=1``, what every job ran before panels).
+- ``diag``: an in-process A/B of the diagonal panels (``DIAGONAL_SPLIT`` blocks against one ``x2=None`` call
+  each): CPU and wall seconds over the job's diagonal panels, alternated, each with a fresh side cache.
 - ``server``: the same kernel as a job of a real ``ntk-service`` process (local executor), submit to succeeded,
   with the server's resident-memory high-water mark (``VmHWM``) during the job.
 - ``cnn``: the CNN of benchmarks/_models.py (contraction-dominated), ``compute_ntk_tiled`` against its floor.
@@ -36,6 +42,7 @@ import argparse
 import logging
 import os
 import pickle
+import resource
 import socket
 import sqlite3
 import subprocess
@@ -178,33 +185,59 @@ def _scale(pid: int, url: str, data_dir: Path, tmp: Path, n: int, tile_size: int
         raise SystemExit("the xarray block differs from compute_ntk beyond float32 tolerance")
 
 
-def _floor(model: nn.Module, x: torch.Tensor, block: int, n: int, repeat: int) -> float:
-    """Seconds per pair of one ``block × block`` off-diagonal trace kernel, times the pairs of the symmetric job."""
-    left, right = x[:block], x[block : 2 * block]
-    compute_ntk(model, left, right, mode="trace")  # warm-up: one-time imports and allocations
-    best = min(_timed(lambda: compute_ntk(model, left, right, mode="trace")) for _ in range(repeat))
-    return best / (len(left) * len(right)) * n * (n + 1) / 2
-
-
 def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
+def _cpu_s() -> float:
+    """This process's CPU seconds, user + system, all threads (a signal that load on other cores barely moves)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """Another process's CPU seconds, user + system (``/proc/<pid>/stat`` fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Floor:
+    """The floor of a symmetric job: wall and CPU seconds of the pairs it needs, at one block's rate per pair."""
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, block: int, n: int, repeat: int) -> None:
+        left, right = x[:block], x[block : 2 * block]
+        compute_ntk(model, left, right, mode="trace")  # warm-up: one-time imports and allocations
+        runs = []
+        for _ in range(repeat):
+            cpu, wall = _cpu_s(), time.perf_counter()
+            compute_ntk(model, left, right, mode="trace")
+            runs.append((time.perf_counter() - wall, _cpu_s() - cpu))
+        scale = n * (n + 1) / 2 / (len(left) * len(right))
+        self.wall, self.cpu = (min(r[0] for r in runs) * scale, min(r[1] for r in runs) * scale)
+
+
 def _tiled(model: nn.Module, x: torch.Tensor, tmp: Path, name: str, **options: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
-    view = compute_ntk_tiled(model, x, out=tmp / f"{name}.zarr", mode="trace", progress=False, **options)
-    wall = time.perf_counter() - start
+    wall, _, view = _tiled_cpu(model, x, tmp, name, **options)
     return wall, view
 
 
-def _line(name: str, wall: float, floor: float, extra: str = "") -> None:
-    print(f"{name:<58} {wall:>9.2f} {floor:>9.2f} {wall / floor:>8.2f}x  {extra}")
+def _tiled_cpu(model: nn.Module, x: torch.Tensor, tmp: Path, name: str, **options: Any) -> tuple[float, float, Any]:
+    cpu, start = _cpu_s(), time.perf_counter()
+    view = compute_ntk_tiled(model, x, out=tmp / f"{name}.zarr", mode="trace", progress=False, **options)
+    return time.perf_counter() - start, _cpu_s() - cpu, view
 
 
-def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, int, int, int]:
-    """A trace job of the MLP on a real server: (wall s, panel_tiles, VmHWM KiB during the job, idle RSS KiB)."""
+def _line(name: str, wall: float, floor: float, extra: str = "", *, cpu: float = 0.0, floor_cpu: float = 0.0) -> None:
+    cpu_ratio = f"{cpu / floor_cpu:>8.2f}x" if floor_cpu else f"{'':>9}"
+    busy = f"{cpu / wall:>6.2f}" if cpu else f"{'':>6}"  # cores busy on average: CPU seconds per wall second
+    print(f"{name:<58} {wall:>9.2f} {floor:>9.2f} {wall / floor:>8.2f}x {cpu_ratio} {busy}  {extra}")
+
+
+def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, float, int, int, int]:
+    """A trace job of the MLP on a real server: (wall s, the server's CPU s, panel_tiles, VmHWM KiB during the job,
+    idle RSS KiB)."""
     data_dir = tmp / "server-data"
     data_dir.mkdir()
     process, url = _start_server(data_dir)
@@ -218,12 +251,12 @@ def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, int, int, int
             client.wait(warm_job, progress=False)  # warm-up, not timed
             idle_kib = _proc_kib(process.pid, "VmRSS")
             _reset_high_water(process.pid)
-            started = time.perf_counter()
+            cpu, started = _proc_cpu_s(process.pid), time.perf_counter()
             job = client.wait(client.submit_job("mlp", dataset, mode="trace", tile_size=tile_size), progress=False)
-            wall = time.perf_counter() - started
+            wall, cpu = time.perf_counter() - started, _proc_cpu_s(process.pid) - cpu
             if job["status"] != "succeeded":
                 raise SystemExit(f"server job failed: {job['error']}")
-            return wall, int(job["panel_tiles"]), _proc_kib(process.pid, "VmHWM"), idle_kib
+            return wall, cpu, int(job["panel_tiles"]), _proc_kib(process.pid, "VmHWM"), idle_kib
     finally:
         process.terminate()
         process.wait(60)
@@ -263,7 +296,7 @@ def main() -> None:
     parser.add_argument("--cnn-block", type=int, default=512, help="the CNN floor's block side. Default: 512")
     parser.add_argument("--ray-n", type=int, default=4096, help="examples of the Ray run. Default: 4096")
     parser.add_argument("--repeat", type=int, default=2, help="timings of the floor's block (best). Default: 2")
-    parser.add_argument("--only", default="tiled,server,cnn,ray,bytes", help="comma-separated parts to run")
+    parser.add_argument("--only", default="tiled,diag,server,cnn,ray,bytes", help="comma-separated parts to run")
     parser.add_argument("--small", action="store_true", help="a quick run: N = 1024, blocks of 256, tiles of 64")
     parser.add_argument("--scale", action="store_true", help="the data-set-scale scenario through a real server")
     parser.add_argument("--slice", type=int, default=1000, help="--scale: rows and columns of the checked block")
@@ -281,29 +314,40 @@ def main() -> None:
         f"issue 27 ratios: N = {args.n}, floor block {args.block}, tiles of {args.tile_size}, {cores} cores, "
         f"load average {os.getloadavg()[0]:.1f} (before), torch {torch.__version__}"
     )
-    print(f"\n{'run':<58} {'wall s':>9} {'floor s':>9} {'ratio':>9}")
+    print(f"\n{'run':<58} {'wall s':>9} {'floor s':>9} {'wall/fl':>9} {'cpu/fl':>9} {'cores':>6}")
     mlp, x = make_mlp(), make_inputs("mlp", args.n)
     with tempfile.TemporaryDirectory(dir=os.environ.get("NTK_BENCH_TMP")) as name:
         tmp = Path(name)
-        floor = _floor(mlp, x, args.block, args.n, args.repeat) if parts & {"tiled", "server"} else 0.0
-        if "tiled" in parts:
+        floor = _Floor(mlp, x, args.block, args.n, args.repeat) if parts & {"tiled", "server", "diag"} else None
+        if floor is not None:
+            print(f"{'floor: one ' + str(args.block) + '² block per pair x N(N+1)/2 pairs':<58} {'':>9} "
+                  f"{floor.wall:>9.2f}   cpu {floor.cpu:.2f} s, cores {floor.cpu / floor.wall:.2f}, "
+                  f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+        if "tiled" in parts and floor is not None:
             _tiled(mlp, x[: 2 * args.tile_size], tmp, "warm", tile_size=args.tile_size)
-            wall, view = _tiled(mlp, x, tmp, "panels", tile_size=args.tile_size)
+            wall, cpu, view = _tiled_cpu(mlp, x, tmp, "panels", tile_size=args.tile_size)
             panel = view.attrs["spec"]["panel_tiles"]
-            _line(f"compute_ntk_tiled, trace MLP, panels of {panel}² tiles", wall, floor, "(issue: ≤ 1.2x)")
-            wall, _ = _tiled(mlp, x, tmp, "tiles", tile_size=args.tile_size, panel_tiles=1)
-            _line("compute_ntk_tiled, trace MLP, a panel per tile (before)", wall, floor)
-        if "server" in parts:
-            wall, panel, hwm_kib, idle_kib = _server_job(args.n, args.tile_size, tmp)
+            load = f"(issue: ≤ 1.2x) load {os.getloadavg()[0]:.1f}"
+            _line(f"compute_ntk_tiled, trace MLP, panels of {panel}² tiles", wall, floor.wall, load, cpu=cpu,
+                  floor_cpu=floor.cpu)  # fmt: skip
+            wall, cpu, _ = _tiled_cpu(mlp, x, tmp, "tiles", tile_size=args.tile_size, panel_tiles=1)
+            _line("compute_ntk_tiled, trace MLP, a panel per tile (before)", wall, floor.wall,
+                  f"load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=floor.cpu)  # fmt: skip
+        if "diag" in parts and floor is not None:
+            _diagonal_ab(mlp, x, args.tile_size, floor)
+        if "server" in parts and floor is not None:
+            wall, cpu, panel, hwm_kib, idle_kib = _server_job(args.n, args.tile_size, tmp)
             memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
-            _line(f"server job, trace MLP, panels of {panel}² tiles", wall, floor, f"(issue: ≤ 1.2x) {memory}")
+            _line(f"server job, trace MLP, panels of {panel}² tiles", wall, floor.wall,
+                  f"(issue: ≤ 1.2x) {memory}, load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=floor.cpu)  # fmt: skip
         if "cnn" in parts:
             cnn, xc = make_cnn(), make_inputs("cnn", args.cnn_n)
-            cnn_floor = _floor(cnn, xc, args.cnn_block, args.cnn_n, args.repeat)
+            cnn_floor = _Floor(cnn, xc, args.cnn_block, args.cnn_n, args.repeat)
             _tiled(cnn, xc[: 2 * args.tile_size], tmp, "cnn-warm", tile_size=args.tile_size)
-            wall, view = _tiled(cnn, xc, tmp, "cnn", tile_size=args.tile_size)
+            wall, cpu, view = _tiled_cpu(cnn, xc, tmp, "cnn", tile_size=args.tile_size)
             panel = view.attrs["spec"]["panel_tiles"]
-            _line(f"compute_ntk_tiled, trace CNN N={args.cnn_n}, panels of {panel}²", wall, cnn_floor, "(≤ 1.1x)")
+            _line(f"compute_ntk_tiled, trace CNN N={args.cnn_n}, panels of {panel}²", wall, cnn_floor.wall,
+                  f"(≤ 1.1x) load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=cnn_floor.cpu)  # fmt: skip
         if "ray" in parts:
             _ray(mlp, make_inputs("mlp", args.ray_n), tmp, args.tile_size)
         if "bytes" in parts:
@@ -313,6 +357,45 @@ def main() -> None:
                 f"(a panel call; {once:,} once per actor per job): {before / after:,.0f}x fewer"
             )
     print(f"\nload average {os.getloadavg()[0]:.1f} (after)")
+
+
+def _diagonal_ab(model: nn.Module, x: torch.Tensor, tile_size: int, floor: _Floor) -> None:
+    """In-process A/B of the diagonal panels (``DIAGONAL_SPLIT``): each computed whole (one ``x2=None`` call) and
+    split, alternately, each with a fresh side cache; CPU and wall seconds summed over the job's diagonal panels."""
+    from ntk_service.jobs.executors.base import JobWork, compute_panel
+    from ntk_service.jobs.executors.local import LocalExecutor
+    from ntk_service.jobs.panels import DIAGONAL_SPLIT
+    from ntk_service.jobs.records import JobSpec
+    from ntk_service.jobs.tiled import _panel_tiles
+    from ntk_service.kernels import SideCache
+    from ntk_service.kernels.types import NtkImplementation
+
+    n = int(x.shape[0])
+    plan = plan_tiles(n=n, m=None, tile_size=tile_size, mode=KernelMode.TRACE)
+    budget = LocalExecutor().memory_budget()
+    # The cost model's panel size, as compute_ntk_tiled picks it.
+    pt = _panel_tiles(LocalExecutor(), model, x[:1], plan, 10, NtkImplementation.AUTO, None, "float32", budget, None)
+    spec = JobSpec(
+        model="mlp", version=1, weights_sha256="w", x1_dataset="ds", x2_dataset=None, x1_sha256="x",
+        x2_sha256=None, n=n, m=n, k=10, mode="trace", implementation="auto", dtype="float32", params=None,
+        tile_size=tile_size, memory_budget_bytes=budget, panel_tiles=pt,
+    )  # fmt: skip
+    totals = {1: [0.0, 0.0], DIAGONAL_SPLIT: [0.0, 0.0]}
+    for split in (1, DIAGONAL_SPLIT, 1, DIAGONAL_SPLIT):
+        work = JobWork(job_id="ab", spec=spec, plan=plan, result_path=Path("unused"), diagonal_split=split)
+        cache = SideCache(max_bytes=2**31)
+        for panel in (p for p in work.panels() if p.is_diagonal):
+            cpu, wall = _cpu_s(), time.perf_counter()
+            compute_panel(model, x, None, work, panel, side_cache=cache)
+            totals[split][0] += (time.perf_counter() - wall) / 2
+            totals[split][1] += (_cpu_s() - cpu) / 2
+    (whole_wall, whole_cpu), (split_wall, split_cpu) = totals[1], totals[DIAGONAL_SPLIT]
+    print(
+        f"diagonal panels of {pt}² tiles (A/B, mean of 2 each): one call {whole_wall:.2f} s wall {whole_cpu:.2f} s "
+        f"cpu, split in {DIAGONAL_SPLIT} {split_wall:.2f} s wall {split_cpu:.2f} s cpu: split/one = "
+        f"{split_cpu / whole_cpu:.2f} cpu, {split_wall / whole_wall:.2f} wall (floor cpu {floor.cpu:.2f} s), "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
 
 
 def _ray(model: nn.Module, x: torch.Tensor, tmp: Path, tile_size: int) -> None:

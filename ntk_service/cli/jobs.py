@@ -105,6 +105,14 @@ def submit(
         str | None,
         typer.Option(help='Where the model returns a mapping: the output to use, e.g. "logits" or "logits[:, 0]".'),
     ] = None,
+    panel_tiles: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tiles per panel side, the unit of work (docs/jobs.md); 1: a panel per tile. Default: the "
+            "server's cost model (NTK_JOB_PANEL_SECONDS of work per panel).",
+        ),
+    ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Then show a live progress bar until the job ends.")] = False,
     json_output: JsonFlag = False,
 ) -> None:
@@ -124,6 +132,7 @@ def submit(
             version=version,
             tile_size=tile_size,
             output=output,
+            panel_tiles=panel_tiles,
         )
     )
     if not wants_json(ctx, json_output):

@@ -99,6 +99,8 @@ def test_cli_submit_watch_status_result_cancel(cli: Any, setup: dict[str, Any], 
         "trace",
         "--tile-size",
         "4",
+        "--panel-tiles",
+        "2",
         "--watch",
     )
     assert "submitted job" in submitted.stdout
@@ -106,6 +108,7 @@ def test_cli_submit_watch_status_result_cancel(cli: Any, setup: dict[str, Any], 
     job_id = submitted.stdout.split("submitted job ")[1].split(":")[0]
     status = json.loads(cli("jobs", "status", job_id, "--json").stdout)
     assert status["status"] == "succeeded" and status["result_shape"] == [9, 9]
+    assert status["panel_tiles"] == 2  # 3 row blocks in bands of 2: panels (0-1, 0-1), (0-1, 2), (2, 2)
     listed = json.loads(cli("jobs", "status", "--json").stdout)
     assert job_id in {j["id"] for j in listed}
     out = tmp_path / "theta.npy"

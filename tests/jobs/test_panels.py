@@ -19,7 +19,7 @@ from ntk_service.errors import InvalidInput
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor, plan_panels, plan_tiles
 from ntk_service.jobs.executors.base import JobWork, compute_panel
 from ntk_service.jobs.manager import plan_of
-from ntk_service.jobs.panels import panel_count, panel_tiles_for
+from ntk_service.jobs.panels import diagonal_blocks, panel_count, panel_tiles_for
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.store import JobStore
 from ntk_service.kernels import KernelMode, SideCache
@@ -219,7 +219,8 @@ def test_a_bands_side_is_built_once_for_all_its_panels() -> None:
         n=12, m=12, k=3, mode="trace", implementation="jacobian_contraction", dtype="float64", params=None,
         tile_size=2, memory_budget_bytes=2**26, panel_tiles=2,
     )  # fmt: skip
-    work = JobWork(job_id="j", spec=spec, plan=plan, result_path=Path("unused"))
+    # diagonal_split=1: the diagonal panel is one x2=None call (test_diagonal_panels_... splits it).
+    work = JobWork(job_id="j", spec=spec, plan=plan, result_path=Path("unused"), diagonal_split=1)
     band = [p for p in work.panels() if p.band == 0]
     assert [(p.cols, p.is_diagonal) for p in band] == [((0, 4), True), ((4, 8), False), ((8, 12), False)]
     cache = SideCache(max_bytes=2**26)
@@ -230,3 +231,41 @@ def test_a_bands_side_is_built_once_for_all_its_panels() -> None:
     # The band's side: built by the diagonal panel (a miss), taken from the cache by the two others (two hits);
     # each run's side is built once (two misses).
     assert (cache.hits, cache.misses) == (2, 3)
+
+
+@pytest.mark.parametrize("mode", [KernelMode.FULL, KernelMode.TRACE, KernelMode.OUTPUT_DIAGONAL])
+def test_diagonal_panels_contract_only_the_blocks_on_and_above_their_diagonal(mode: KernelMode) -> None:
+    model, x = _model(), torch.from_numpy(np.random.default_rng(1).standard_normal((11, 4)))
+    plan = plan_tiles(n=11, m=None, tile_size=2, mode=mode)  # 6 row blocks, the last of one example
+    spec = JobSpec(
+        model="m", version=1, weights_sha256="w", x1_dataset="ds", x2_dataset=None, x1_sha256="x", x2_sha256=None,
+        n=11, m=11, k=3, mode=mode.value, implementation="jacobian_contraction", dtype="float64", params=None,
+        tile_size=2, memory_budget_bytes=2**26, panel_tiles=6,
+    )  # fmt: skip
+    work = JobWork(job_id="j", spec=spec, plan=plan, result_path=Path("unused"), diagonal_split=3, diagonal_min_rows=1)
+    (panel,) = work.panels()  # the whole job is one diagonal panel
+    blocks = diagonal_blocks(panel, plan.tile_size, split=3, min_rows=1)
+    assert blocks == ((0, 4), (4, 8), (8, 11))  # two tiles each, cut at tile boundaries
+    cache = SideCache(max_bytes=2**26)
+    theta, implementation = compute_panel(model, x, None, work, panel, side_cache=cache)
+    dense = reference_ntk(model, x, mode=mode.value).numpy()
+    np.testing.assert_allclose(theta, dense, rtol=1e-10, atol=1e-12)  # the whole panel, mirrored part included
+    assert implementation == "jacobian_contraction"
+    # Six calls (3 diagonal blocks, 3 pairs above): each block's side built once (3 misses), the pairs' two
+    # sides from the cache (6 hits).
+    assert (cache.hits, cache.misses) == (6, 3)
+    # Without a side cache the diagonal panel stays one call (splitting would rebuild every block's side).
+    whole, _ = compute_panel(model, x, None, work, panel, side_cache=None)
+    np.testing.assert_allclose(whole, dense, rtol=1e-10, atol=1e-12)
+
+
+def test_diagonal_blocks_never_exceed_the_tiles_of_the_band() -> None:
+    plan = plan_tiles(n=10, m=None, tile_size=4, mode=KernelMode.TRACE)  # 3 row blocks: 4, 4, 2
+    (panel,) = plan_panels(plan, panel_tiles=3)
+    assert diagonal_blocks(panel, 4, split=8, min_rows=1) == ((0, 4), (4, 8), (8, 10))
+    assert diagonal_blocks(panel, 4, split=2, min_rows=1) == ((0, 4), (4, 10))
+    assert diagonal_blocks(panel, 4, split=1, min_rows=1) == ((0, 10),)
+    assert diagonal_blocks(panel, 4, split=8, min_rows=5) == ((0, 4), (4, 10))  # 10 // 5: two blocks at most
+    assert diagonal_blocks(panel, 4, split=8, min_rows=6) == ((0, 10),)  # under 2 · 6 examples: one block
+    big = plan_panels(plan_tiles(n=8192, m=None, tile_size=256, mode=KernelMode.TRACE), panel_tiles=13)[0]
+    assert diagonal_blocks(big, 256) == ((0, 768), (768, 1536), (1536, 2304), (2304, 3328))  # the defaults: 4

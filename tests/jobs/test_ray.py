@@ -16,8 +16,14 @@ from torch import nn
 from ntk_service.errors import OptionalDependencyMissing
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.jobs.executors import RayExecutor, import_ray
+from ntk_service.jobs.executors.base import JobWork, PanelOutcome
+from ntk_service.jobs.panels import Panel
+from ntk_service.jobs.planner import Tile, plan_tiles
+from ntk_service.jobs.records import JobSpec
+from ntk_service.jobs.results import ResultArray
+from ntk_service.kernels import KernelMode
 from ntk_service.registry import DatasetStore, ModelRegistry
-from ntk_service.results import compute_ntk_tiled
+from ntk_service.results import compute_ntk_tiled, open_result
 from tests.conftest import REPO_ROOT
 from tests.jobs.conftest import wait_finished
 from tests.reference import reference_ntk
@@ -100,6 +106,55 @@ def test_compute_ntk_tiled_on_ray_equals_the_reference(ray_instance: object, tmp
     dense = reference_ntk(model, x, mode="trace").numpy()
     np.testing.assert_allclose(on_ray.to_numpy(), dense, rtol=1e-10, atol=1e-12)
     assert on_ray.attrs["implementation_used"]
+
+
+class _Recorder:
+    """PanelCallbacks that claim every tile and keep each outcome the actors report."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[PanelOutcome] = []
+
+    def claim(self, panel: Panel) -> tuple[Tile, ...]:
+        return panel.tiles
+
+    def done(self, outcome: PanelOutcome) -> None:
+        self.outcomes.append(outcome)
+
+    def should_stop(self) -> bool:
+        return False
+
+
+def test_a_bands_panels_are_computed_by_one_actor(ray_instance: object, tmp_path: Path) -> None:
+    """With the window at two calls (one actor's room) the band's actor always has room: every panel of a band is
+    reported by the same actor (their own ids, from the actors' runtime context), and the result is the reference's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((16, 4)))
+    plan = plan_tiles(n=16, m=None, tile_size=2, mode=KernelMode.TRACE)  # 8 row blocks
+    spec = JobSpec(
+        model="m", version=1, weights_sha256="w", x1_dataset="ds", x2_dataset=None, x1_sha256="x", x2_sha256=None,
+        n=16, m=16, k=3, mode="trace", implementation="jacobian_contraction", dtype="float64", params=None,
+        tile_size=2, memory_budget_bytes=2**26, panel_tiles=2,
+    )  # fmt: skip
+    out = tmp_path / "result.zarr"
+    ResultArray.create(out, plan=plan, k=3, dtype="float64", attributes=spec.result_attributes())
+    work = JobWork(job_id="bands", spec=spec, plan=plan, result_path=out)
+    panels = work.panels()  # 4 bands of 2 row blocks: 10 panels
+    recorder = _Recorder()
+    executor = RayExecutor(num_cpus=1, max_in_flight=2)  # two actors on the fixture's 2 CPUs
+    try:
+        executor.run(work, model, x, None, panels, recorder)
+    finally:
+        executor.close()
+    assert sorted(o.panel_id for o in recorder.outcomes) == [p.id for p in panels]
+    band_of = {p.id: p.band for p in panels}
+    workers: dict[int, set[str | None]] = {}
+    for outcome in recorder.outcomes:
+        workers.setdefault(band_of[outcome.panel_id], set()).add(outcome.worker)
+    assert sorted(workers) == [0, 1, 2, 3]
+    assert all(len(ids) == 1 and None not in ids for ids in workers.values()), workers
+    dense = reference_ntk(model, x, mode="trace").numpy()
+    np.testing.assert_allclose(open_result(out).to_numpy(), dense, rtol=1e-10, atol=1e-12)
 
 
 class _Tokens(nn.Module):

@@ -24,13 +24,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ntk_service.jobs.panels import Panel, plan_panels
+from ntk_service.jobs.panels import DIAGONAL_MIN_ROWS, DIAGONAL_SPLIT, Panel, diagonal_blocks, plan_panels
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
-from ntk_service.jobs.results import ResultArray
+from ntk_service.jobs.results import ResultArray, mirror_theta
 from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
 from ntk_service.kernels.batch import Batch
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import KernelMode, result_shape
 
 __all__ = [
     "Executor",
@@ -63,12 +63,18 @@ class JobWork:
         spec: the resolved JobSpec (its ``panel_tiles`` cuts the panels).
         plan: the TilePlan.
         result_path: the Zarr array every panel writes to (a shared filesystem path for a Ray cluster).
+        diagonal_split: blocks a symmetric job's diagonal panel is computed in (``diagonal_blocks``; 1: one
+            ``x2=None`` call). Default: ``DIAGONAL_SPLIT``.
+        diagonal_min_rows: the fewest examples per block of a split diagonal panel. Default:
+            ``DIAGONAL_MIN_ROWS``.
     """
 
     job_id: str
     spec: JobSpec
     plan: TilePlan
     result_path: Path
+    diagonal_split: int = DIAGONAL_SPLIT
+    diagonal_min_rows: int = DIAGONAL_MIN_ROWS
 
     def panels(self) -> tuple[Panel, ...]:
         """The job's panels, in computation order (the same on every host and after every restart)."""
@@ -78,12 +84,13 @@ class JobWork:
 @dataclass(frozen=True, slots=True)
 class PanelOutcome:
     """A computed panel whose chunks are written: the panel id, the tiles written, compute seconds, the
-    implementation that ran."""
+    implementation that ran, and the worker that computed it (a Ray actor's id; None in-process)."""
 
     panel_id: int
     tile_ids: tuple[int, ...]
     elapsed_s: float
     implementation: str
+    worker: str | None = None
 
 
 class PanelCallbacks(Protocol):
@@ -113,7 +120,9 @@ def compute_panel(
     device: torch.device | str | None = None,
     allow_tf32: bool = False,
 ) -> tuple[np.ndarray, str]:
-    """Compute one panel's block with one ``compute_ntk`` call.
+    """Compute one panel's block: one ``compute_ntk`` call, or, for a symmetric job's diagonal panel when a side
+    cache holds sides, one per block on and above its diagonal (``work.diagonal_split`` blocks, ``DIAGONAL_SPLIT``
+    in jobs/panels.py: about half the pairs of one ``x2=None`` call over the band).
 
     Args:
         model: the job's model.
@@ -134,6 +143,10 @@ def compute_panel(
         implementation that ran.
     """
     spec = work.spec
+    if panel.is_diagonal and spec.mode != KernelMode.EXAMPLE_DIAGONAL.value and _caches(side_cache):
+        blocks = diagonal_blocks(panel, work.plan.tile_size, split=work.diagonal_split, min_rows=work.diagonal_min_rows)
+        if len(blocks) > 1:
+            return _diagonal_panel(model, x1, work, panel, blocks, side_cache, device, allow_tf32)
     r0, r1 = panel.rows
     c0, c1 = panel.cols
     other = x1 if x2 is None else x2
@@ -158,6 +171,60 @@ def compute_panel(
         x2_key=None if right is None else (spec.weights_sha256, other_sha, other_start + c0, other_start + c1),
     )
     return result.theta.detach().cpu().numpy(), result.implementation.value
+
+
+def _caches(side_cache: SideCache | None) -> bool:
+    return side_cache is not None and side_cache.max_bytes > 0
+
+
+def _diagonal_panel(
+    model: nn.Module,
+    x1: Batch,
+    work: JobWork,
+    panel: Panel,
+    blocks: Sequence[tuple[int, int]],
+    side_cache: SideCache | None,
+    device: torch.device | str | None,
+    allow_tf32: bool,
+) -> tuple[np.ndarray, str]:
+    """A symmetric job's diagonal panel as the blocks on and above its diagonal (``diagonal_blocks``): block a
+    against itself with ``x2=None``, a < b with both sides from the side cache, mirrored below the diagonal (the
+    panel's tiles, i ≤ j and aligned to the blocks, never read those; the copy keeps the panel whole)."""
+    spec = work.spec
+    start = panel.rows[0]
+    size = panel.rows[1] - start
+    mode = KernelMode(spec.mode)
+    theta = np.empty(result_shape(mode, size, size, spec.k), dtype=spec.dtype)
+    used: set[str] = set()
+
+    def key(a: tuple[int, int]) -> tuple[str, str, int, int]:
+        return (spec.weights_sha256, spec.x1_sha256, spec.x1_start + a[0], spec.x1_start + a[1])
+
+    for ia, a in enumerate(blocks):
+        for b in blocks[ia:]:
+            result = compute_ntk(
+                model,
+                _rows(x1, *a),
+                None if b == a else _rows(x1, *b),
+                mode=spec.mode,
+                output=spec.output,
+                implementation=spec.implementation,
+                params=spec.params,
+                dtype=spec.dtype,
+                memory_budget_bytes=spec.memory_budget_bytes,
+                side_cache=side_cache,
+                device=device,
+                allow_tf32=allow_tf32,
+                x1_key=key(a),
+                x2_key=None if b == a else key(b),
+            )
+            block = result.theta.detach().cpu().numpy()
+            rows, cols = slice(a[0] - start, a[1] - start), slice(b[0] - start, b[1] - start)
+            theta[rows, cols] = block
+            if b != a:
+                theta[cols, rows] = mirror_theta(block, mode)  # the panel whole, as one call returns it
+            used.add(result.implementation.value)
+    return theta, ",".join(sorted(used))
 
 
 def _rows(x: Batch | np.ndarray | tuple[Any, ...] | dict[str, Any], start: int, stop: int) -> Batch:

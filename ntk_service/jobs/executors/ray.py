@@ -7,10 +7,11 @@
 - NOTE [panel workers]: one actor per ``num_cpus`` CPUs of the cluster (per ``num_gpus`` GPUs), created on the first
   job and kept until ``close``. Each keeps the job's model, its problem pool (``kernels/problem_pool.py``: the model's
   set-up is done once per actor, not once per task) and its side cache. Per job run the data sets go to the object
-  store once, as numpy arrays (which workers read zero-copy), and the model and the JobWork once; a call carries
-  their references (in a list, so Ray does not resolve them per call) and a panel description only, and an actor
-  fetches them once per job. Panels of one band go to the actor that ran the band's first panel while it has room,
-  so the band's side is built once, on one actor.
+  store once, as numpy arrays (which workers read zero-copy), the model once as a data-free module tree and its
+  weights as numpy (``weights.py``: zero-copy too, one copy per node however many actors), and the JobWork once;
+  a call carries their references (in a list, so Ray does not resolve them per call) and a panel description
+  only, and an actor fetches them once per job. Panels of one band go to the actor that ran the band's first
+  panel while it has room, so the band's side is built once, on one actor.
 - A call computes its panel, writes its chunks to the job's Zarr array (the path must be on a filesystem every
   worker sees) and returns the outcome; the server records the panel's tiles when the call returns, never before.
 - Fault tolerance: a dead actor process (an OOM kill) is restarted by Ray and its call retried
@@ -30,6 +31,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -52,6 +54,7 @@ from ntk_service.jobs.executors.base import (
     default_side_cache_bytes,
     run_panel,
 )
+from ntk_service.jobs.executors.weights import pack_module, unpack_module
 from ntk_service.jobs.panels import Panel
 from ntk_service.kernels import (
     SideCache,
@@ -160,11 +163,14 @@ class PanelWorker:
             panel: the panel. tile_ids: its tiles to write (those the server claimed).
 
         Returns:
-            The PanelOutcome to record.
+            The PanelOutcome to record, its ``worker`` this actor's id.
         """
         job_id, model, x1, x2, work, cache, device = self._load(refs)
         tiles = tuple(t for t in panel.tiles if t.id in set(tile_ids))
-        return run_panel(model, x1, x2, work, panel, tiles, side_cache=cache, device=device, allow_tf32=self.allow_tf32)
+        outcome = run_panel(
+            model, x1, x2, work, panel, tiles, side_cache=cache, device=device, allow_tf32=self.allow_tf32
+        )
+        return dataclasses.replace(outcome, worker=str(import_ray().get_runtime_context().get_actor_id()))
 
     def _load(self, refs: list[Any]) -> tuple[str, nn.Module, Any, Any, JobWork, SideCache, torch.device]:
         job_id = str(refs[0])
@@ -172,7 +178,8 @@ class PanelWorker:
             return self._job
         self._job = None  # the previous job's model and data go before this job's arrive
         ray = import_ray()
-        model, x1, work = ray.get([refs[1], refs[2], refs[4]])
+        (skeleton, arrays), x1, work = ray.get([refs[1], refs[2], refs[4]])
+        model = unpack_module(skeleton, arrays)  # weights viewing the object store (NOTE [read-only weights])
         x2 = None if refs[3] is None else ray.get(refs[3])
         device = assigned_device(ray.get_gpu_ids() if self.use_gpu else [], os.environ.get("CUDA_VISIBLE_DEVICES"))
         if device.type == "cpu":
@@ -365,12 +372,13 @@ class RayExecutor(Executor):
         callbacks: PanelCallbacks,
     ) -> None:
         ray = self._connect()
-        # Put once (NOTE [panel workers]): the data as numpy, which workers map zero-copy; the model as a CPU copy
-        # (a server computing on its GPU keeps its modules there; actors place it themselves) and the JobWork.
+        # Put once (NOTE [panel workers]): the data and the weights as numpy, which workers map zero-copy (the
+        # weights of a CPU copy: a server computing on its GPU keeps its modules there; actors place them
+        # themselves), the module tree without data, and the JobWork.
         shipped = model if model_device(model).type == "cpu" else place_module(model, torch.device("cpu"))
         refs = [
             f"{work.job_id}:{time.monotonic_ns()}",  # a new run of a job is a new load: its data may have changed
-            ray.put(shipped),
+            ray.put(pack_module(shipped)),  # a data-free module tree and its weights as numpy (weights.py)
             ray.put(_numpy(x1)),
             None if x2 is None else ray.put(_numpy(x2)),
             ray.put(work),
