@@ -43,6 +43,7 @@ from ntk_service.server.routes import (
     kernel_family,
     kernels,
     models,
+    solve_jobs,
 )
 from ntk_service.server.shutdown import Drain, DrainMiddleware, GracefulServer
 
@@ -116,6 +117,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
     await jobs.start_jobs(app)  # after the registry, data sets and limiter: resumes unfinished jobs
     app.state.metrics.watch_jobs(app.state.jobs)
+    await solve_jobs.start_solve_jobs(app)
     if app.state.keyring.is_open:
         logger.warning(
             "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
@@ -132,6 +134,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         app.state.ready = False
+        await solve_jobs.stop_solve_jobs(app)
         await jobs.stop_jobs(app)  # running tiles finish and are recorded; the rest resume at the next start
         registry.close()
         datasets.close()
@@ -178,6 +181,7 @@ def create_app(settings: Settings) -> FastAPI:
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
+    routers.append(solve_jobs.router)  # /v1/solve-jobs (jobs/solve_jobs.py)
     routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)
