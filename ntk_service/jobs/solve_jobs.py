@@ -1,10 +1,11 @@
-"""SolveJobs: submit, run, watch, cancel and read solve jobs (``jobs/solve_job.py`` holds the engine).
+"""SolveJobs: submit, run, watch, cancel and read the matrix-free jobs: solves (``jobs/solve_job.py``: kernel
+ridge, GP mean, linearized at t = ∞ by operator CG) and sketched features (``jobs/features_job.py``: Φ as zarr).
 
-Records live in their own SQLite file, ``<data_dir>/jobs/solve_jobs.sqlite3`` (one row per job: spec, status,
-progress, result summary as JSON), results in ``<results_dir>/solve/<id>/alpha.npy`` and ``predictions.npy``,
-written before the job is marked succeeded. One runner thread takes queued jobs in order. A solve has no partial
-state worth keeping, so a job left queued or running by a stopped server runs again from the start at the next
-start (its spec is fixed, so the result is the same).
+Records live in their own SQLite file, ``<data_dir>/jobs/solve_jobs.sqlite3`` (one row per job: kind, spec,
+status, progress, result summary as JSON), results in ``<results_dir>/solve/<id>/``: ``alpha.npy`` and
+``predictions.npy`` for a solve, ``features.zarr`` for features, written before the job is marked succeeded. One
+runner thread takes queued jobs in order. Neither kind keeps partial state, so a job left queued or running by a
+stopped server runs again from the start at the next start (its spec is fixed, so the result is the same).
 
     >>> jobs = SolveJobs(data_dir=tmp, models=registry, datasets=datasets)                  # doctest: +SKIP
     >>> jobs.start()                                                                        # doctest: +SKIP
@@ -29,6 +30,14 @@ import numpy as np
 import torch
 
 from ntk_service.errors import InvalidInput, JobNotFinished, JobNotFound, NtkServiceError, ShapeMismatch
+from ntk_service.jobs.features_job import (
+    FeaturesCancelled,
+    FeaturesSpec,
+    check_dim,
+    default_rows_per_chunk,
+    open_features,
+    run_features,
+)
 from ntk_service.jobs.manager import DatasetSource, ModelSource
 from ntk_service.jobs.records import TERMINAL_STATUSES, JobStatus
 from ntk_service.jobs.solve_job import (
@@ -48,8 +57,8 @@ logger = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS solve_jobs (
-    id TEXT PRIMARY KEY, status TEXT NOT NULL, spec TEXT NOT NULL, progress TEXT, result TEXT, error TEXT,
-    created_at REAL NOT NULL, started_at REAL, finished_at REAL
+    id TEXT PRIMARY KEY, job TEXT NOT NULL, status TEXT NOT NULL, spec TEXT NOT NULL, progress TEXT,
+    result TEXT, error TEXT, created_at REAL NOT NULL, started_at REAL, finished_at REAL
 )
 """
 
@@ -168,8 +177,8 @@ class SolveJobs:
         ridge_value = float(ridge)
         if not np.isfinite(ridge_value) or ridge_value < 0:
             raise InvalidInput(f"{_OPERATION}: ridge must be a finite number ≥ 0, got {ridge}; pass e.g. ridge=1e-6")
-        record, module = self.models.load_module(model, version)
         x_lo, x_hi = _rows(train[1], int(self.datasets.get(train[0]).shape[0]), "train")
+        record_version, k = self._probe(model, version, train[0], x_lo)
         y_shape = tuple(int(s) for s in self.datasets.get(targets[0]).shape)
         y_lo, y_hi = _rows(targets[1], y_shape[0], "targets")
         if y_hi - y_lo != x_hi - x_lo:
@@ -177,17 +186,6 @@ class SolveJobs:
                 f"{_OPERATION}: targets rows [{y_lo}, {y_hi}) are {y_hi - y_lo} rows, the train rows [{x_lo}, {x_hi}) "
                 f"are {x_hi - x_lo}; send one target row per train example"
             )
-        first = torch.from_numpy(np.ascontiguousarray(self.datasets.load(train[0], x_lo, x_lo + 1)))
-        try:
-            with torch.no_grad():
-                own = next(iter(module.parameters()), torch.empty(0)).dtype  # the shared module is never cast
-                out = module(first.to(own) if first.is_floating_point() else first)
-        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-            raise InvalidInput(
-                f"{_OPERATION}: the model fails on the first train row of data set {train[0]!r}: {exc}; check that "
-                "the data set matches the model's input shape and dtype"
-            ) from exc
-        k = int(out.reshape(1, -1).shape[1])
         check_targets(np.broadcast_to(np.float64(0.0), (x_hi - x_lo, *y_shape[1:])), n=x_hi - x_lo, k=k)
         t_lo = t_hi = 0
         if test is not None:
@@ -195,7 +193,7 @@ class SolveJobs:
         spec = SolveSpec(
             kind=kind,
             model=model,
-            version=int(record.version),
+            version=record_version,
             train_dataset=train[0],
             train_start=x_lo,
             n=x_hi - x_lo,
@@ -217,11 +215,80 @@ class SolveJobs:
             **({} if progress_every is None else {"progress_every": int(progress_every)}),
             **({} if examples_per_chunk is None else {"examples_per_chunk": int(examples_per_chunk)}),
         )
+        return self._queue("solve", spec.to_dict())
+
+    def submit_features(
+        self,
+        *,
+        model: str,
+        dataset: tuple[str, tuple[int | None, int | None] | None],
+        dim: int,
+        seed: int = 0,
+        version: int | None = None,
+        params: list[str] | None = None,
+        dtype: str = "float32",
+        rows_per_chunk: int | None = None,
+    ) -> dict[str, Any]:
+        """Check and queue a features job: Φ (n, k, D) of the rows, as zarr (``jobs/features_job.py``).
+
+        Args:
+            model, version: the registered model (None: latest). dataset: (id, (start, stop) or None).
+            dim: D in [1, MAX_FEATURE_DIM]. seed: the sketch (the same seed, D and params: the same Φ anywhere).
+            params: parameter globs. dtype: "float32" or "float64". rows_per_chunk: rows per stored chunk.
+                Default: about 8 MiB per chunk.
+
+        Returns:
+            dict: the queued job.
+
+        Raises:
+            InvalidInput: D outside the limits, rows outside the data set, a model failing on the first row.
+            ModelNotFound / DatasetNotFound.
+        """
+        d = check_dim(dim)
+        check_choice(dtype, ("float32", "float64"), "dtype")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise InvalidInput(f"features job: seed must be an integer in [0, 2**63), got {seed!r}")
+        lo, hi = _rows(dataset[1], int(self.datasets.get(dataset[0]).shape[0]), "dataset")
+        record_version, k = self._probe(model, version, dataset[0], lo)
+        itemsize = 8 if dtype == "float64" else 4
+        spec = FeaturesSpec(
+            model=model,
+            version=record_version,
+            dataset=dataset[0],
+            start=lo,
+            n=hi - lo,
+            k=k,
+            dim=d,
+            seed=seed,
+            params=params,
+            dtype=dtype,
+            rows_per_chunk=int(rows_per_chunk or default_rows_per_chunk(k, d, itemsize)),
+            memory_budget_bytes=self.memory_budget_bytes,
+        )
+        return self._queue("features", spec.to_dict())
+
+    def _probe(self, model: str, version: int | None, dataset: str, row: int) -> tuple[int, int]:
+        """(the model version, k): the model run on one row, so a wrong data set is a 422 now, not a failed job."""
+        record, module = self.models.load_module(model, version)
+        first = torch.from_numpy(np.ascontiguousarray(self.datasets.load(dataset, row, row + 1)))
+        try:
+            with torch.no_grad():
+                own = next(iter(module.parameters()), torch.empty(0)).dtype  # the shared module is never cast
+                out = module(first.to(own) if first.is_floating_point() else first)
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:
+            raise InvalidInput(
+                f"{_OPERATION}: the model fails on the first row of data set {dataset!r}: {exc}; check that "
+                "the data set matches the model's input shape and dtype"
+            ) from exc
+        k = int(out.reshape(1, -1).shape[1])
+        return int(record.version), k
+
+    def _queue(self, job: str, spec: dict[str, Any]) -> dict[str, Any]:
         job_id = uuid.uuid4().hex
         with self._wake:
             self._db.execute(
-                "INSERT INTO solve_jobs (id, status, spec, created_at) VALUES (?, ?, ?, ?)",
-                (job_id, JobStatus.QUEUED.value, json.dumps(spec.to_dict()), time.time()),
+                "INSERT INTO solve_jobs (id, job, status, spec, created_at) VALUES (?, ?, ?, ?, ?)",
+                (job_id, job, JobStatus.QUEUED.value, json.dumps(spec), time.time()),
             )
             self._wake.notify_all()
         return self.get(job_id)
@@ -234,7 +301,7 @@ class SolveJobs:
         """
         with self._lock:
             row = self._db.execute(
-                "SELECT id, status, spec, progress, result, error, created_at, started_at, finished_at "
+                "SELECT id, status, spec, progress, result, error, created_at, started_at, finished_at, job "
                 "FROM solve_jobs WHERE id = ?",
                 (job_id,),
             ).fetchone()
@@ -245,8 +312,9 @@ class SolveJobs:
         progress = live if live is not None else (json.loads(row[3]) if row[3] else None)
         return {
             "id": row[0],
+            "job": row[9],
             "status": row[1],
-            "kind": spec["kind"],
+            "kind": spec.get("kind", row[9]),
             "spec": spec,
             "progress": progress,
             "result": json.loads(row[4]) if row[4] else None,
@@ -279,22 +347,37 @@ class SolveJobs:
         return self.get(job_id)
 
     def result(self, job_id: str) -> tuple[dict[str, Any], np.ndarray, np.ndarray | None]:
-        """(job, alpha (n, k), predictions (m, k) or None) of a succeeded job.
+        """(job, alpha (n, k), predictions (m, k) or None) of a succeeded solve job.
 
         Raises:
-            JobNotFound: no such id. JobNotFinished: the job has not succeeded (its status in the message).
+            JobNotFound: no such solve job. JobNotFinished: the job has not succeeded (its status in the message).
         """
-        job = self.get(job_id)
-        if job["status"] != JobStatus.SUCCEEDED.value:
-            why = f": {job['error']}" if job["error"] else ""
-            raise JobNotFinished(
-                f"{_OPERATION}: job {job_id} is {job['status']}{why}; its result exists once it has succeeded "
-                "(poll GET /v1/solve-jobs/{id})"
-            )
+        job = self._succeeded(job_id, "solve")
         folder = self.results_dir / job_id
         alpha = np.load(folder / "alpha.npy", allow_pickle=False)
         path = folder / "predictions.npy"
         return job, alpha, np.load(path, allow_pickle=False) if path.exists() else None
+
+    def features(self, job_id: str) -> tuple[dict[str, Any], Any]:
+        """(job, Φ as a read-only zarr array (n, k, D)) of a succeeded features job.
+
+        Raises:
+            JobNotFound: no such features job. JobNotFinished: the job has not succeeded.
+        """
+        job = self._succeeded(job_id, "features")
+        return job, open_features(self.results_dir / job_id / "features.zarr")
+
+    def _succeeded(self, job_id: str, kind: str) -> dict[str, Any]:
+        job = self.get(job_id)
+        if job["job"] != kind:
+            raise JobNotFound(f"{_OPERATION}: job {job_id} is a {job['job']} job, not a {kind} job")
+        if job["status"] != JobStatus.SUCCEEDED.value:
+            why = f": {job['error']}" if job["error"] else ""
+            raise JobNotFinished(
+                f"{_OPERATION}: job {job_id} is {job['status']}{why}; its result exists once it has succeeded "
+                "(poll GET /v1/solve-jobs/{id} or /v1/feature-jobs/{id})"
+            )
+        return job
 
     # -- the runner ---------------------------------------------------------------------------------------------
     def _finish_row(self, job_id: str, status: JobStatus, result: dict[str, Any] | None, error: str | None) -> None:
@@ -330,7 +413,7 @@ class SolveJobs:
             self._run(job_id)
 
     def _run(self, job_id: str) -> None:
-        spec = SolveSpec.from_dict(self.get(job_id)["spec"])
+        job = self.get(job_id)
 
         def report(progress: dict[str, Any]) -> None:
             with self._lock:
@@ -339,19 +422,30 @@ class SolveJobs:
         def should_stop() -> bool:
             return self._stopping.is_set() or job_id in self._cancelled
 
+        folder = self.results_dir / job_id
         try:
-            _, module = self.models.load_module(spec.model, spec.version)
-            train = self._rows(spec.train_dataset, spec.train_start, spec.n)
-            targets = np.asarray(self._rows(spec.targets_dataset, spec.targets_start, spec.n), dtype=np.float64)
-            test = None if spec.test_dataset is None else self._rows(spec.test_dataset, spec.test_start, spec.m)
-            outcome = run_solve(spec, module, train, targets, test, should_stop=should_stop, report=report)
-            folder = self.results_dir / job_id
             shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir(parents=True)
-            np.save(folder / "alpha.npy", outcome.alpha)
-            if outcome.predictions is not None:
-                np.save(folder / "predictions.npy", outcome.predictions)
-        except SolveCancelled:
+            if job["job"] == "features":
+                features = FeaturesSpec(**job["spec"])
+                _, module = self.models.load_module(features.model, features.version)
+                rows = self._rows(features.dataset, features.start, features.n)
+                shape = run_features(
+                    features, module, rows, folder / "features.zarr", should_stop=should_stop, report=report
+                )
+                summary: dict[str, Any] = {"shape": list(shape), "seed": features.seed, "dim": features.dim}
+            else:
+                spec = SolveSpec.from_dict(job["spec"])
+                _, module = self.models.load_module(spec.model, spec.version)
+                train = self._rows(spec.train_dataset, spec.train_start, spec.n)
+                targets = np.asarray(self._rows(spec.targets_dataset, spec.targets_start, spec.n), dtype=np.float64)
+                test = None if spec.test_dataset is None else self._rows(spec.test_dataset, spec.test_start, spec.m)
+                outcome = run_solve(spec, module, train, targets, test, should_stop=should_stop, report=report)
+                np.save(folder / "alpha.npy", outcome.alpha)
+                if outcome.predictions is not None:
+                    np.save(folder / "predictions.npy", outcome.predictions)
+                summary = outcome.summary()
+        except (SolveCancelled, FeaturesCancelled):
             with self._lock:
                 if self._stopping.is_set() and job_id not in self._cancelled:
                     self._db.execute(
@@ -372,7 +466,7 @@ class SolveJobs:
                 self._finish_row(job_id, JobStatus.FAILED, None, f"{type(exc).__name__}: {exc}")
             return
         with self._lock:
-            self._finish_row(job_id, JobStatus.SUCCEEDED, outcome.summary(), None)
+            self._finish_row(job_id, JobStatus.SUCCEEDED, summary, None)
 
     def _rows(self, dataset_id: str, start: int, count: int) -> np.ndarray:
         """Rows ``[start, start + count)`` as a read-only memory map (``dataset_operator`` reads them in chunks)."""

@@ -37,6 +37,7 @@ from ntk_service.server.routes import (
     architectures,
     console,
     datasets,
+    feature_jobs,
     health,
     job_analysis,
     jobs,
@@ -181,7 +182,7 @@ def create_app(settings: Settings) -> FastAPI:
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
-    routers.append(solve_jobs.router)  # /v1/solve-jobs (jobs/solve_jobs.py)
+    routers += [solve_jobs.router, feature_jobs.router]  # the matrix-free jobs (jobs/solve_jobs.py)
     routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)
