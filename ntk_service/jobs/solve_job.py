@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_PROGRESS_EVERY",
     "SOLVE_KINDS",
     "SolveCancelled",
+    "SolveOptions",
     "SolveOutcome",
     "SolveSpec",
     "check_targets",
@@ -79,6 +80,32 @@ _OPERATION = "solve job"
 
 class SolveCancelled(Exception):
     """Raised inside a running solve when its job was cancelled (never leaves the job engine)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SolveOptions:
+    """What a solve computes and how, whatever its rows come from (a job's data sets, an inline request).
+
+    Attributes:
+        kind: one of ``SOLVE_KINDS``. mode: "full" or "trace". dtype: the products' dtype ("float32" / "float64").
+        params: parameter-name globs, None = all. ridge: λ ≥ 0 (absolute).
+        rtol, max_iterations, preconditioner, landmarks: as ``CgOptions``.
+        progress_every: CG iterations per segment (NOTE [solve progress]).
+        examples_per_chunk: rows per read (``dataset_operator``). memory_budget_bytes: per product, None = default.
+    """
+
+    kind: str
+    mode: str = "full"
+    dtype: str = "float64"
+    params: list[str] | None = None
+    ridge: float = 0.0
+    rtol: float = 1e-8
+    max_iterations: int | None = None
+    preconditioner: str = "auto"
+    landmarks: int | None = None
+    progress_every: int = DEFAULT_PROGRESS_EVERY
+    examples_per_chunk: int = DEFAULT_EXAMPLES_PER_CHUNK
+    memory_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +154,11 @@ class SolveSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SolveSpec:
         return cls(**data)
+
+    def options(self) -> SolveOptions:
+        """The math of the job, without its rows."""
+        names = [f.name for f in dataclasses.fields(SolveOptions)]
+        return SolveOptions(**{name: getattr(self, name) for name in names})
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,21 +233,23 @@ def _watched(op: KernelOperator, on_product: Callable[[int], None]) -> KernelOpe
 
 
 def run_solve(
-    spec: SolveSpec,
+    spec: SolveOptions,
     module: nn.Module,
     train: Any,
     targets: np.ndarray,
     test: Any,
     *,
-    should_stop: Callable[[], bool],
-    report: Callable[[dict[str, Any]], None],
+    k: int,
+    should_stop: Callable[[], bool] = lambda: False,
+    report: Callable[[dict[str, Any]], None] = lambda progress: None,
 ) -> SolveOutcome:
-    """Run one solve job (module docstring).
+    """Run one solve (module docstring): a job's, or an inline request's.
 
     Args:
-        spec: the job. module: the model (read only). train: (n, *input) rows (a memmap). targets: (n, k) or (n,).
-        test: (m, *input) rows or None. should_stop: True once the job is cancelled (checked before each product).
-        report: called with the progress dict {iterations, residual, products, passes, elapsed_s}.
+        spec: the options. module: the model (read only). train: (n, *input) rows (a memmap, an array).
+        targets: (n, k) or (n,). test: (m, *input) rows or None. k: outputs per example.
+        should_stop: True once the job is cancelled (checked before each product). Default: never.
+        report: called with the progress dict {iterations, residual, products, passes, elapsed_s}. Default: none.
 
     Returns:
         SolveOutcome: alpha (n, k), predictions (m, k) or None, converged and the cost.
@@ -225,7 +259,8 @@ def run_solve(
         the operator or CG (a bad ridge, targets of the wrong shape, a product over the memory budget).
     """
     ridge = check_ridge(spec.ridge, operation=_OPERATION)
-    k, n = spec.k, spec.n
+    n = int(train.shape[0])
+    m = 0 if test is None else int(test.shape[0])
     y = check_targets(targets, n=n, k=k)
     dtype = torch.float64 if spec.dtype == "float64" else torch.float32
     common: dict[str, Any] = {
@@ -283,10 +318,10 @@ def run_solve(
             k=k,
             name="the test-train kernel",
             operation=_OPERATION,
-            rows=spec.m,
+            rows=m,
             cols=n,
         )
-        moved = _watched(test_op, on_product).apply(x).reshape(spec.m, k)
+        moved = _watched(test_op, on_product).apply(x).reshape(m, k)
         f0_test = _outputs(module, test, dtype, spec.examples_per_chunk) if spec.kind == "linearized" else 0.0
         predictions = f0_test + moved
     return SolveOutcome(

@@ -440,7 +440,9 @@ class SolveJobs:
                 train = self._rows(spec.train_dataset, spec.train_start, spec.n)
                 targets = np.asarray(self._rows(spec.targets_dataset, spec.targets_start, spec.n), dtype=np.float64)
                 test = None if spec.test_dataset is None else self._rows(spec.test_dataset, spec.test_start, spec.m)
-                outcome = run_solve(spec, module, train, targets, test, should_stop=should_stop, report=report)
+                outcome = run_solve(
+                    spec.options(), module, train, targets, test, k=spec.k, should_stop=should_stop, report=report
+                )
                 np.save(folder / "alpha.npy", outcome.alpha)
                 if outcome.predictions is not None:
                     np.save(folder / "predictions.npy", outcome.predictions)

@@ -44,6 +44,7 @@ from ntk_service.server.routes import (
     kernel_family,
     kernels,
     models,
+    solve,
     solve_jobs,
 )
 from ntk_service.server.shutdown import Drain, DrainMiddleware, GracefulServer
@@ -182,7 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
-    routers += [solve_jobs.router, feature_jobs.router]  # the matrix-free jobs (jobs/solve_jobs.py)
+    routers += [solve.router, solve_jobs.router, feature_jobs.router]  # matrix-free solves (jobs/solve_job.py)
     routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)

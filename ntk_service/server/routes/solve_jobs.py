@@ -32,7 +32,7 @@ from ntk_service.server.media import collection_response, json_response, negotia
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
 from ntk_service.server.schemas import openapi_body, validate_body
 
-__all__ = ["SolveJobCreate", "SolveRows", "router", "start_solve_jobs", "stop_solve_jobs"]
+__all__ = ["SolveFields", "SolveJobCreate", "SolveRows", "router", "start_solve_jobs", "stop_solve_jobs"]
 
 router = APIRouter(prefix="/v1/solve-jobs", tags=["solve jobs"])
 
@@ -55,8 +55,8 @@ class SolveRows(BaseModel):
         return self.dataset, (self.start, self.stop)
 
 
-class SolveJobCreate(BaseModel):
-    """``POST /v1/solve-jobs``: solve (Θ + λI) α = y − f0 on the train rows by CG, predict on the test rows."""
+class SolveFields(BaseModel):
+    """What a solve computes and how: the fields a solve job and an inline ``/solve`` share."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -64,11 +64,7 @@ class SolveJobCreate(BaseModel):
         description="kernel_ridge / gp_mean: α = (Θ + λI)⁻¹ y; linearized: the linearized network at t = ∞ "
         "from its initial outputs f0 (α = (Θ + λI)⁻¹ (y − f0), predictions f0* + Θ* α)."
     )
-    model: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="Registered model name.")
     version: int | None = Field(None, ge=1, le=INT64_MAX, description="Model version. Default: the latest.")
-    train: SolveRows = Field(description="The train rows: N examples.")
-    targets: SolveRows = Field(description="y: N rows of shape (k,) (or scalars for k = 1), aligned with train.")
-    test: SolveRows | None = Field(None, description="The test rows (M examples); null: alpha only.")
     mode: Literal["full", "trace"] = Field("full", description="FULL kernel, or TRACE read as (Θ/k) ⊗ I_k.")
     dtype: Literal["float32", "float64"] = Field("float64", description="The operator products' dtype.")
     params: list[Glob] | None = Field(None, max_length=MAX_GLOBS, description="Parameter globs; null = all.")
@@ -79,6 +75,15 @@ class SolveJobCreate(BaseModel):
     )
     preconditioner: Literal["auto", "nystrom", "none"] = Field("auto", description="As CgOptions.")
     landmarks: int | None = Field(None, ge=1, le=100_000, description="Nyström landmarks m. Default: the library's.")
+
+
+class SolveJobCreate(SolveFields):
+    """``POST /v1/solve-jobs``: solve (Θ + λI) α = y − f0 on the train rows by CG, predict on the test rows."""
+
+    model: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="Registered model name.")
+    train: SolveRows = Field(description="The train rows: N examples.")
+    targets: SolveRows = Field(description="y: N rows of shape (k,) (or scalars for k = 1), aligned with train.")
+    test: SolveRows | None = Field(None, description="The test rows (M examples); null: alpha only.")
     progress_every: int | None = Field(
         None, ge=1, le=MAX_PROGRESS_EVERY, description="CG iterations between residual reports (warm restarts)."
     )

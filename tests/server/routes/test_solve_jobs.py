@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from ntk_service import wire
 from ntk_service.client import Client
 from ntk_service.errors import InvalidInput, JobNotFinished, NtkServiceError, ShapeMismatch
 from ntk_service.jobs.solve_jobs import SolveJobs
@@ -171,3 +172,31 @@ def test_a_nan_ridge_is_refused_by_the_job_engine(tmp_path: Path) -> None:
         jobs.stop()
         registry.close()
         datasets.close()
+
+
+def test_inline_solve_equals_the_dense_solve_and_checks_its_targets(setup: dict[str, Any]) -> None:
+    client, ridge = setup["client"], 1e-2
+    x, t, y = setup["x"], setup["t"], setup["y"]
+    body = {
+        "kind": "kernel_ridge",
+        "x_train": wire.tensor_to_json(x),
+        "y_train": wire.tensor_to_json(y),
+        "x_test": wire.tensor_to_json(t),
+        "mode": "trace",
+        "ridge": ridge,
+        "rtol": 1e-12,
+    }
+    out = client._send_json("POST", "/v1/models/tiny/solve", body)
+    assert out["converged"] is True and out["alpha"]["shape"] == [N, K]
+    a, b = _dense(setup["model"], x, t, "trace")
+    expected = (b @ np.linalg.solve(a + ridge * np.eye(N * K), y.reshape(-1))).reshape(M, K)
+    predictions = wire.tensor_from_json(out["predictions"], name="predictions")
+    np.testing.assert_allclose(predictions, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    cut = client._send_json("POST", "/v1/models/tiny/solve", body | {"max_iterations": 1})
+    assert cut["converged"] is False and cut["stop_reason"] == "max_iterations"
+    with pytest.raises(ShapeMismatch, match=r"y_train has shape \(11, 3\), expected \(12, 3\)") as caught:
+        client._send_json("POST", "/v1/models/tiny/solve", body | {"y_train": wire.tensor_to_json(y[:11])})
+    assert caught.value.http_status == 422  # type: ignore[attr-defined]
+    with pytest.raises(InvalidInput, match="ridge") as caught:
+        client._send_json("POST", "/v1/models/tiny/solve", body | {"ridge": -1})
+    assert caught.value.http_status == 422  # type: ignore[attr-defined]
