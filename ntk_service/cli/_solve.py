@@ -127,7 +127,7 @@ def solve_result(ctx: typer.Context, job_id: JobIdArg, output: OutOption) -> Non
 
     result = state_of(ctx).client().solve_job_result(job_id)
     arrays = {"alpha": result.alpha} | ({} if result.predictions is None else {"predictions": result.predictions})
-    np.savez(output, **arrays)
+    np.savez(output, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     typer.echo(
         f"wrote {output}: alpha {result.alpha.shape}"
         + ("" if result.predictions is None else f", predictions {result.predictions.shape}")

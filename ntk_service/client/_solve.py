@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TextIO, cast
 from urllib.parse import quote
@@ -172,7 +172,7 @@ class SolveJobsClient(BaseClient):
 
     def _wait(
         self,
-        get: Any,
+        get: Callable[[str], dict[str, Any]],
         job_id: str,
         poll_s: float,
         timeout_s: float | None,
@@ -295,7 +295,8 @@ class SolveJobsClient(BaseClient):
         params = {} if rows is None else {"start": rows[0], "stop": rows[1]}
         path = f"/v1/feature-jobs/{quote(job_id, safe='')}/result"
         response = self._request("GET", path, accept=wire.MEDIA_NPY, params=params)
-        return _decode_tensors(response, npy_name="phi")[0]["phi"]
+        phi: np.ndarray = _decode_tensors(response, npy_name="phi")[0]["phi"]
+        return phi
 
     def feature_kernel(
         self,
@@ -317,4 +318,5 @@ class SolveJobsClient(BaseClient):
 
         body = {"x1": side(x1_job, rows), "x2": side(x2_job or x1_job, cols), "mode": mode}
         response = self._request("POST", "/v1/feature-jobs/kernel", json=body, accept=wire.MEDIA_NPY)
-        return _decode_tensors(response, npy_name="theta")[0]["theta"]
+        theta: np.ndarray = _decode_tensors(response, npy_name="theta")[0]["theta"]
+        return theta

@@ -129,14 +129,14 @@ def run_features(
     return (spec.n, spec.k, spec.dim)
 
 
-def open_features(path: Path) -> zarr.Array:
+def open_features(path: Path) -> zarr.Array[Any]:
     """The stored Φ (n, k, D) of a finished job, read only."""
     return zarr.open_group(str(path), mode="r")[FEATURES_ARRAY]  # type: ignore[return-value]
 
 
 def feature_block(
-    phi1: zarr.Array,
-    phi2: zarr.Array,
+    phi1: zarr.Array[Any],
+    phi2: zarr.Array[Any],
     rows: tuple[int, int],
     cols: tuple[int, int],
     *,

@@ -472,5 +472,5 @@ class SolveJobs:
 
     def _rows(self, dataset_id: str, start: int, count: int) -> np.ndarray:
         """Rows ``[start, start + count)`` as a read-only memory map (``dataset_operator`` reads them in chunks)."""
-        mapped = np.load(self.datasets.path(dataset_id), mmap_mode="r", allow_pickle=False)  # type: ignore[attr-defined]
+        mapped: np.ndarray = np.load(self.datasets.path(dataset_id), mmap_mode="r", allow_pickle=False)  # type: ignore[attr-defined]
         return mapped[start : start + count]

@@ -136,8 +136,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         app.state.ready = False
-        await solve_jobs.stop_solve_jobs(app)
         await jobs.stop_jobs(app)  # running tiles finish and are recorded; the rest resume at the next start
+        await solve_jobs.stop_solve_jobs(app)  # a running solve stops at its next product and reruns at start
         registry.close()
         datasets.close()
 
