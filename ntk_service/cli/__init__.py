@@ -1,5 +1,5 @@
-"""The ``ntk-service`` command line: ``serve``, ``health``, ``models``, ``datasets``, ``kernel``, ``jobs``,
-``analyze``, ``plot``.
+"""The ``ntk-service`` command line: ``serve``, ``health``, ``models``, ``datasets``, ``kernel``, ``jobs``, ``solve``,
+``features``, ``analyze``, ``plot``.
 
     $ ntk-service serve --port 8000
     $ export NTK_URL=http://127.0.0.1:8000 NTK_API_KEY=...
@@ -18,6 +18,8 @@ from ntk_service.cli._app import app, main
 from ntk_service.cli._datasets import datasets_app as _datasets_app
 from ntk_service.cli._models import models_app as _models_app
 from ntk_service.cli._plot import plot_app as _plot_app
+from ntk_service.cli._solve import features_app as _features_app
+from ntk_service.cli._solve import solve_app as _solve_app
 from ntk_service.cli.jobs import jobs_app as _jobs_app
 
 app.add_typer(_models_app, name="models")
@@ -25,5 +27,7 @@ app.add_typer(_datasets_app, name="datasets")
 app.add_typer(_jobs_app, name="jobs")
 app.add_typer(_analyze_app, name="analyze")
 app.add_typer(_plot_app, name="plot")
+app.add_typer(_solve_app, name="solve")
+app.add_typer(_features_app, name="features")
 
 __all__ = ["app", "main"]

@@ -34,6 +34,7 @@ from ntk_service.client._kernel_family import MonteCarloKernel, NngpKernel
 from ntk_service.client._module_spec import describe_module
 from ntk_service.client._results import RemoteResult
 from ntk_service.client._service import ServerInfo, ServerLimits
+from ntk_service.client._solve import SolveJobResult
 from ntk_service.client._types import (
     AlignmentVariantName,
     AnalysisModeName,
@@ -101,6 +102,7 @@ __all__ = [
     "RidgeScaleName",
     "ServerInfo",
     "ServerLimits",
+    "SolveJobResult",
     "SpectrumMethodName",
     "TransportFormat",
     "describe_module",

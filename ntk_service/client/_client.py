@@ -43,6 +43,7 @@ from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
 from ntk_service.client._module_spec import describe_module, is_describable
 from ntk_service.client._service import ServiceClient
+from ntk_service.client._solve import SolveJobsClient
 from ntk_service.client._types import (
     DatasetInfo,
     DtypeName,
@@ -93,7 +94,7 @@ class KernelResult:
     elapsed_ms: float
 
 
-class Client(KernelFamilyClient, GroupsClient, JobsClient, AnalysisClient, ServiceClient):
+class Client(KernelFamilyClient, GroupsClient, JobsClient, SolveJobsClient, AnalysisClient, ServiceClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).

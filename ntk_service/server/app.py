@@ -37,12 +37,15 @@ from ntk_service.server.routes import (
     architectures,
     console,
     datasets,
+    feature_jobs,
     health,
     job_analysis,
     jobs,
     kernel_family,
     kernels,
     models,
+    solve,
+    solve_jobs,
 )
 from ntk_service.server.shutdown import Drain, DrainMiddleware, GracefulServer
 
@@ -116,6 +119,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     )
     await jobs.start_jobs(app)  # after the registry, data sets and limiter: resumes unfinished jobs
     app.state.metrics.watch_jobs(app.state.jobs)
+    await solve_jobs.start_solve_jobs(app)
     if app.state.keyring.is_open:
         logger.warning(
             "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
@@ -133,6 +137,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         app.state.ready = False
         await jobs.stop_jobs(app)  # running tiles finish and are recorded; the rest resume at the next start
+        await solve_jobs.stop_solve_jobs(app)  # a running solve stops at its next product and reruns at start
         registry.close()
         datasets.close()
 
@@ -178,6 +183,7 @@ def create_app(settings: Settings) -> FastAPI:
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
+    routers += [solve.router, solve_jobs.router, feature_jobs.router]  # matrix-free solves (jobs/solve_job.py)
     routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)

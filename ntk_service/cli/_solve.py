@@ -1,0 +1,199 @@
+"""``ntk-service solve ...`` and ``ntk-service features ...``: the matrix-free jobs (kernel never formed).
+
+$ ntk-service solve submit mlp --kind kernel_ridge --train dataset:ds_x --targets dataset:ds_y --test dataset:ds_t \\
+      --ridge 1e-3 --watch           # iterations / residual / products printed while it runs
+$ ntk-service solve result 3f2a... -o solve.npz    # alpha (N, k), predictions (M, k); exit 1 if not converged
+$ ntk-service solve cancel 3f2a...
+$ ntk-service features submit mlp --dataset dataset:ds_x --dim 512 --seed 0 --watch
+$ ntk-service features result 9c1e... -o phi.npy --rows 0:1024
+$ ntk-service features kernel 9c1e... 7d0b... --mode trace -o theta.npy
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, cast
+
+import typer
+
+from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._output import print_record
+from ntk_service.cli.jobs import _dataset_id
+
+__all__ = ["features_app", "solve_app"]
+
+solve_app = typer.Typer(
+    help="Solve jobs: kernel ridge, GP mean or linearized predictions at t = ∞ by CG on the matrix-free kernel.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+features_app = typer.Typer(
+    help="Features jobs: sketched NTK features Φ (N, k, D) of a data set, and kernels from them.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+JobIdArg = Annotated[str, typer.Argument(help="The job id (from `submit`).", show_default=False)]
+OutOption = Annotated[Path, typer.Option("-o", "--output", help="Where to write the result.", show_default=False)]
+_SIDE = "a data set id (dataset:<id>, dataset:<id>[a:b]) or a .npy file to upload first"
+
+
+def _rows(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    start, colon, stop = value.partition(":")
+    try:
+        return int(start), int(stop)
+    except ValueError:
+        raise UsageError(f"--rows: expected a:b (two integers), got {value!r}") from None
+
+
+def _finish(ctx: typer.Context, job: dict[str, Any], json_output: bool) -> None:
+    if wants_json(ctx, json_output):
+        print_json(job)
+    else:
+        print_record(job)
+
+
+@solve_app.command("submit")
+def solve_submit(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    kind: Annotated[str, typer.Option(help="kernel_ridge, gp_mean or linearized.", show_default=False)],
+    train: Annotated[str, typer.Option(help="Train rows: " + _SIDE, show_default=False)],
+    targets: Annotated[str, typer.Option(help="y (N, k) or (N,): " + _SIDE, show_default=False)],
+    test: Annotated[str | None, typer.Option(help="Test rows: " + _SIDE + ". Default: none.")] = None,
+    mode: Annotated[str, typer.Option(help="full or trace.")] = "full",
+    ridge: Annotated[float, typer.Option(help="λ ≥ 0 on the diagonal.")] = 0.0,
+    rtol: Annotated[float | None, typer.Option(help="Relative residual to stop at. Default: 1e-8.")] = None,
+    max_iterations: Annotated[int | None, typer.Option(help="CG iterations at most.")] = None,
+    preconditioner: Annotated[str | None, typer.Option(help="auto, nystrom or none.")] = None,
+    version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Then print progress until the job ends.")] = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Submit a solve job (needs a write key); prints its id."""
+    client = state_of(ctx).client()
+    job = client.submit_solve_job(
+        model,
+        kind=cast(Literal["kernel_ridge", "gp_mean", "linearized"], kind),  # the server refuses others (422)
+        train=_dataset_id(ctx, train, option="--train"),
+        targets=_dataset_id(ctx, targets, option="--targets"),
+        test=None if test is None else _dataset_id(ctx, test, option="--test"),
+        mode=cast(Literal["full", "trace"], mode),
+        ridge=ridge,
+        rtol=rtol,
+        max_iterations=max_iterations,
+        preconditioner=cast(Literal["auto", "nystrom", "none"] | None, preconditioner),
+        version=version,
+    )
+    if not wants_json(ctx, json_output):
+        typer.echo(f"submitted solve job {job['id']}")
+    if watch:
+        job = client.wait_solve_job(job["id"], progress=None if wants_json(ctx, json_output) else _stderr())
+    if wants_json(ctx, json_output) or watch:
+        _finish(ctx, job, json_output)
+
+
+def _stderr() -> Any:
+    return typer.get_text_stream("stderr")
+
+
+@solve_app.command("watch")
+def solve_watch(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Print iterations, residual and products until the solve ends."""
+    client = state_of(ctx).client()
+    _finish(
+        ctx, client.wait_solve_job(job_id, progress=None if wants_json(ctx, json_output) else _stderr()), json_output
+    )
+
+
+@solve_app.command("status")
+def solve_status(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Show one solve job."""
+    _finish(ctx, state_of(ctx).client().solve_job(job_id), json_output)
+
+
+@solve_app.command("cancel")
+def solve_cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Cancel a queued or running solve."""
+    _finish(ctx, state_of(ctx).client().cancel_solve_job(job_id), json_output)
+
+
+@solve_app.command("result")
+def solve_result(ctx: typer.Context, job_id: JobIdArg, output: OutOption) -> None:
+    """Write alpha and predictions to an .npz file; exit 1 (after writing) when the solve did not converge."""
+    import numpy as np
+
+    result = state_of(ctx).client().solve_job_result(job_id)
+    arrays = {"alpha": result.alpha} | ({} if result.predictions is None else {"predictions": result.predictions})
+    np.savez(output, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
+    typer.echo(
+        f"wrote {output}: alpha {result.alpha.shape}"
+        + ("" if result.predictions is None else f", predictions {result.predictions.shape}")
+        + f"; {result.iterations} iterations, residual {max(result.residual):.3g}"
+    )
+    if not result.converged:
+        typer.echo(f"solve job {job_id} did not converge ({result.stop_reason})", err=True)
+        raise typer.Exit(1)
+
+
+@features_app.command("submit")
+def features_submit(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    dataset: Annotated[str, typer.Option(help="Rows: " + _SIDE, show_default=False)],
+    dim: Annotated[int, typer.Option(help="D, features per output.", show_default=False)],
+    seed: Annotated[int, typer.Option(help="The sketch's seed (same seed, D, params: same Φ).")] = 0,
+    dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
+    version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Then print progress until the job ends.")] = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Submit a features job (needs a write key); prints its id."""
+    client = state_of(ctx).client()
+    job = client.submit_features_job(
+        model,
+        dataset=_dataset_id(ctx, dataset, option="--dataset"),
+        dim=dim,
+        seed=seed,
+        dtype=cast(Literal["float32", "float64"], dtype),
+        version=version,
+    )
+    if not wants_json(ctx, json_output):
+        typer.echo(f"submitted features job {job['id']}")
+    if watch:
+        job = client.wait_features_job(job["id"], progress=None if wants_json(ctx, json_output) else _stderr())
+    if wants_json(ctx, json_output) or watch:
+        _finish(ctx, job, json_output)
+
+
+@features_app.command("result")
+def features_result(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    output: OutOption,
+    rows: Annotated[str | None, typer.Option(help="a:b, rows a..b-1. Default: all.")] = None,
+) -> None:
+    """Write Φ[rows] (rows, k, D) to an .npy file."""
+    import numpy as np
+
+    phi = state_of(ctx).client().features_result(job_id, rows=_rows(rows))
+    np.save(output, phi)
+    typer.echo(f"wrote {output}: {phi.shape} {phi.dtype}")
+
+
+@features_app.command("kernel")
+def features_kernel(
+    ctx: typer.Context,
+    x1_job: JobIdArg,
+    output: OutOption,
+    x2_job: Annotated[str | None, typer.Argument(help="The second features job. Default: x1's.")] = None,
+    mode: Annotated[str, typer.Option(help="full or trace.")] = "full",
+) -> None:
+    """Write Φ1 Φ2ᵀ (an estimate of Θ) of two features jobs to an .npy file."""
+    import numpy as np
+
+    theta = state_of(ctx).client().feature_kernel(x1_job, x2_job, mode=cast(Literal["full", "trace"], mode))
+    np.save(output, theta)
+    typer.echo(f"wrote {output}: {theta.shape}")

@@ -1,0 +1,322 @@
+"""Solve and features jobs from Python: kernel ridge, GP mean or linearized predictions at t = ∞ on stored data
+sets, and sketched NTK features Φ (N, k, D) with kernels from them.
+
+    >>> job = client.submit_solve_job("mlp", kind="kernel_ridge", train=x_id, targets=y_id, test=t_id,
+    ...                               ridge=1e-3)                                   # doctest: +SKIP
+    >>> job = client.wait_solve_job(job["id"])     # prints iterations / residual / products on stderr
+    >>> result = client.solve_job_result(job["id"])
+    >>> result.converged, result.alpha.shape, result.predictions.shape  # True, (N, k), (M, k)
+
+    >>> job = client.submit_features_job("mlp", dataset=x_id, dim=512, seed=0)          # doctest: +SKIP
+    >>> client.wait_features_job(job["id"])
+    >>> phi = client.features_result(job["id"])                       # (N, k, 512)
+    >>> theta = client.feature_kernel(job["id"], other_id, mode="trace")  # (N, M) ≈ Θ_trace
+
+A solve that did not converge is a succeeded job whose result says so: ``SolveJobResult.converged`` is False and
+``stop_reason`` says why; ``solve_job_result(..., require_converged=True)`` raises instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TextIO, cast
+from urllib.parse import quote
+
+import numpy as np
+
+from ntk_service import wire
+from ntk_service.client._base import BaseClient, _decode_tensors
+from ntk_service.errors import JobFailed, NtkServiceError, ServiceUnavailable
+
+__all__ = ["SolveJobResult", "SolveJobsClient", "format_solve_progress"]
+
+SolveKindName = Literal["kernel_ridge", "gp_mean", "linearized"]
+
+_FINISHED = frozenset({"succeeded", "failed", "cancelled"})
+
+
+@dataclass(frozen=True)
+class SolveJobResult:
+    """A finished solve job's arrays and CG report.
+
+    Attributes:
+        alpha: (N, k) float64 weights. predictions: (M, k) float64 test predictions, or None without test rows.
+        converged: every column reached rtol. stop_reason: "converged", "max_iterations" or "breakdown: ...".
+        iterations, products, passes: the cost. residual: the final relative residual per column.
+        time_s: the solve's wall time. preconditioner: its name.
+    """
+
+    alpha: np.ndarray
+    predictions: np.ndarray | None
+    converged: bool
+    stop_reason: str
+    iterations: int
+    residual: list[float]
+    products: int
+    passes: int
+    time_s: float
+    preconditioner: str
+
+
+def format_solve_progress(job: Mapping[str, Any]) -> str:
+    """One line: ``running  it 120  residual 3.1e-05  products 122  12.4s`` (``running  rows 512/2048`` for a
+    features job)."""
+    p = job.get("progress") or {}
+    if job.get("job") == "features":
+        return f"{job.get('status', '')}  rows {p.get('rows_done', 0)}/{p.get('rows_total', '?')}"
+    residual = p.get("residual")
+    residual_text = "--" if residual is None else f"{float(residual):.2e}"
+    return (
+        f"{job.get('status', '')}  it {p.get('iterations', 0)}  residual {residual_text}  "
+        f"products {p.get('products', 0)}  {float(p.get('elapsed_s', 0.0)):.1f}s"
+    )
+
+
+def _side(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if value is None or isinstance(value, Mapping):
+        return None if value is None else dict(value)
+    return {"dataset": value}
+
+
+class SolveJobsClient(BaseClient):
+    """The ``/v1/solve-jobs`` methods of ``Client``."""
+
+    def submit_solve_job(
+        self,
+        model: str,
+        *,
+        kind: SolveKindName,
+        train: str | Mapping[str, Any],
+        targets: str | Mapping[str, Any],
+        test: str | Mapping[str, Any] | None = None,
+        version: int | None = None,
+        mode: Literal["full", "trace"] = "full",
+        dtype: Literal["float32", "float64"] = "float64",
+        ridge: float = 0.0,
+        rtol: float | None = None,
+        max_iterations: int | None = None,
+        preconditioner: Literal["auto", "nystrom", "none"] | None = None,
+        landmarks: int | None = None,
+        progress_every: int | None = None,
+        params: list[str] | None = None,
+        examples_per_chunk: int | None = None,
+    ) -> dict[str, Any]:
+        """Queue a solve job (POST /v1/solve-jobs).
+
+        Args:
+            model: the registered model. kind: "kernel_ridge", "gp_mean" or "linearized" (t = ∞).
+            train, targets, test: a data set id, or {"dataset", "start", "stop"}; targets (N, k) or (N,) aligned
+                with the train rows; test None: alpha only.
+            version, mode, dtype, ridge, rtol, max_iterations, preconditioner, landmarks, progress_every, params,
+                examples_per_chunk: as the route's fields (None: the server's default).
+
+        Returns:
+            dict: the queued job (id, status, spec, progress None).
+
+        Raises:
+            InvalidInput / ShapeMismatch (422): a bad ridge, kind, rows or targets shape. ModelNotFound /
+            DatasetNotFound (404).
+        """
+        body = {
+            "kind": kind,
+            "model": model,
+            "version": version,
+            "train": _side(train),
+            "targets": _side(targets),
+            "test": _side(test),
+            "mode": mode,
+            "dtype": dtype,
+            "ridge": ridge,
+            "rtol": rtol,
+            "max_iterations": max_iterations,
+            "preconditioner": preconditioner,
+            "landmarks": landmarks,
+            "progress_every": progress_every,
+            "params": params,
+            "examples_per_chunk": examples_per_chunk,
+        }
+        return cast(
+            dict[str, Any], self._send_json("POST", "/v1/solve-jobs", {k: v for k, v in body.items() if v is not None})
+        )
+
+    def solve_job(self, job_id: str) -> dict[str, Any]:
+        """The job (GET /v1/solve-jobs/{id}): status, progress {iterations, residual, products, passes,
+        elapsed_s}, result (the CG report) once finished, error."""
+        return cast(dict[str, Any], self._get_json(f"/v1/solve-jobs/{quote(job_id, safe='')}"))
+
+    def cancel_solve_job(self, job_id: str) -> dict[str, Any]:
+        """Cancel a queued or running solve (DELETE /v1/solve-jobs/{id}); returns the job."""
+        return cast(dict[str, Any], self._send_json("DELETE", f"/v1/solve-jobs/{quote(job_id, safe='')}"))
+
+    def wait_solve_job(
+        self,
+        job_id: str,
+        *,
+        poll_s: float = 0.5,
+        timeout_s: float | None = None,
+        progress: TextIO | None = sys.stderr,
+    ) -> dict[str, Any]:
+        """Poll until the job finishes, writing ``format_solve_progress`` lines to ``progress`` (None: quiet).
+
+        Returns:
+            dict: the finished job (succeeded or cancelled).
+
+        Raises:
+            JobFailed: the job failed (its error in the message). ServiceUnavailable: timeout_s passed first.
+        """
+        return self._wait(self.solve_job, job_id, poll_s, timeout_s, progress)
+
+    def _wait(
+        self,
+        get: Callable[[str], dict[str, Any]],
+        job_id: str,
+        poll_s: float,
+        timeout_s: float | None,
+        progress: TextIO | None,
+    ) -> dict[str, Any]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        last = ""
+        while True:
+            job = get(job_id)
+            line = format_solve_progress(job)
+            if progress is not None and line != last:
+                progress.write(line + "\n")
+                progress.flush()
+                last = line
+            if job["status"] in _FINISHED:
+                if job["status"] == "failed":
+                    raise JobFailed(f"wait: {job.get('job', 'solve')} job {job_id} failed: {job.get('error')}")
+                return job
+            if deadline is not None and time.monotonic() > deadline:
+                raise ServiceUnavailable(
+                    f"wait: job {job_id} is still {job['status']} after {timeout_s} s; wait again "
+                    "or pass a larger timeout_s"
+                )
+            time.sleep(poll_s)
+
+    def solve_job_result(self, job_id: str, *, require_converged: bool = False) -> SolveJobResult:
+        """Download a succeeded solve job's alpha and predictions (safetensors, the report in its metadata).
+
+        Args:
+            job_id: the job. require_converged: raise when the solve did not converge. Default: False (the
+                result says ``converged=False``).
+
+        Returns:
+            SolveJobResult: alpha (N, k), predictions (M, k) or None, and the CG report.
+
+        Raises:
+            JobNotFinished (409): the job has not succeeded. NtkServiceError: require_converged and not converged.
+        """
+        path = f"/v1/solve-jobs/{quote(job_id, safe='')}/result"
+        response = self._request("GET", path, accept=wire.MEDIA_SAFETENSORS)
+        arrays, metadata = _decode_tensors(response, npy_name="alpha")
+        report = json.loads(metadata["result"])
+        if require_converged and not report["converged"]:
+            raise NtkServiceError(
+                f"solve_job_result: solve job {job_id} did not converge ({report['stop_reason']}, residual "
+                f"{max(report['residual']):.3g} after {report['iterations']} iterations); raise max_iterations, "
+                "add a ridge or a preconditioner"
+            )
+        return SolveJobResult(
+            alpha=arrays["alpha"],
+            predictions=arrays.get("predictions"),
+            converged=bool(report["converged"]),
+            stop_reason=str(report["stop_reason"]),
+            iterations=int(report["iterations"]),
+            residual=[float(r) for r in report["residual"]],
+            products=int(report["products"]),
+            passes=int(report["passes"]),
+            time_s=float(report["time_s"]),
+            preconditioner=str(report["preconditioner"]),
+        )
+
+    # ---- features jobs ----
+
+    def submit_features_job(
+        self,
+        model: str,
+        *,
+        dataset: str | Mapping[str, Any],
+        dim: int,
+        seed: int = 0,
+        version: int | None = None,
+        params: list[str] | None = None,
+        dtype: Literal["float32", "float64"] = "float32",
+        rows_per_chunk: int | None = None,
+    ) -> dict[str, Any]:
+        """Queue a features job (POST /v1/feature-jobs): Φ (N, k, D) of the rows, stored as zarr on the server.
+
+        Args:
+            model: the registered model. dataset: a data set id or {"dataset", "start", "stop"}. dim: D.
+            seed: the sketch (the same seed, D and params give the same Φ). version, params, dtype,
+                rows_per_chunk: as the route's fields.
+
+        Returns:
+            dict: the queued job.
+
+        Raises:
+            InvalidInput (422): D over the limits, rows out of range. ModelNotFound / DatasetNotFound (404).
+        """
+        body = {
+            "model": model,
+            "version": version,
+            "dataset": _side(dataset),
+            "dim": dim,
+            "seed": seed,
+            "params": params,
+            "dtype": dtype,
+            "rows_per_chunk": rows_per_chunk,
+        }
+        return cast(
+            dict[str, Any],
+            self._send_json("POST", "/v1/feature-jobs", {k: v for k, v in body.items() if v is not None}),
+        )
+
+    def features_job(self, job_id: str) -> dict[str, Any]:
+        """The features job (GET /v1/feature-jobs/{id}), progress {rows_done, rows_total}."""
+        return cast(dict[str, Any], self._get_json(f"/v1/feature-jobs/{quote(job_id, safe='')}"))
+
+    def wait_features_job(
+        self, job_id: str, *, poll_s: float = 0.5, timeout_s: float | None = None, progress: TextIO | None = sys.stderr
+    ) -> dict[str, Any]:
+        """As ``wait_solve_job`` for a features job."""
+        return self._wait(self.features_job, job_id, poll_s, timeout_s, progress)
+
+    def features_result(self, job_id: str, *, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """Φ[rows] (rows, k, D) of a succeeded features job, as .npy.
+
+        Raises:
+            JobNotFinished (409): not succeeded. PayloadTooLarge (413): more rows than one answer may hold.
+        """
+        params = {} if rows is None else {"start": rows[0], "stop": rows[1]}
+        path = f"/v1/feature-jobs/{quote(job_id, safe='')}/result"
+        response = self._request("GET", path, accept=wire.MEDIA_NPY, params=params)
+        phi: np.ndarray = _decode_tensors(response, npy_name="phi")[0]["phi"]
+        return phi
+
+    def feature_kernel(
+        self,
+        x1_job: str,
+        x2_job: str | None = None,
+        *,
+        mode: Literal["full", "trace"] = "full",
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+    ) -> np.ndarray:
+        """Φ1[rows] Φ2[cols]ᵀ of two features jobs (POST /v1/feature-jobs/kernel), float64.
+
+        Returns:
+            (r, c, k, k) FULL or (r, c) TRACE: an unbiased estimate of Θ for jobs of the same seed, D and params.
+        """
+
+        def side(job: str, span: tuple[int, int] | None) -> dict[str, Any]:
+            return {"job": job} | ({} if span is None else {"start": span[0], "stop": span[1]})
+
+        body = {"x1": side(x1_job, rows), "x2": side(x2_job or x1_job, cols), "mode": mode}
+        response = self._request("POST", "/v1/feature-jobs/kernel", json=body, accept=wire.MEDIA_NPY)
+        theta: np.ndarray = _decode_tensors(response, npy_name="theta")[0]["theta"]
+        return theta

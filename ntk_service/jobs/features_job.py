@@ -1,0 +1,161 @@
+"""Feature jobs: sketched NTK features Φ (N, k, D) of a data set's rows (``ntk_features``), written as a zarr array.
+
+Rows are read from the data set's memory map ``rows_per_chunk`` at a time; each chunk's Φ is one ``ntk_features``
+call with the job's seed, D and params, written to its own zarr chunk (a Zarr v3 group ``features.zarr`` holding
+the array ``phi`` with ``dimension_names`` ("example", "output", "feature"), so xarray opens it directly). The
+sketch R depends only on (seed, D, params), never on the chunking (NOTE [sketch determinism] in
+``kernels/features.py``): the same spec gives the same Φ on any worker and any chunk size.
+
+``feature_block`` forms Φ1 Φ2ᵀ for row ranges of two feature arrays block by block, so a kernel from features reads
+only the rows it returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from torch import nn
+
+from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.kernels.features import MAX_FEATURE_DIM, feature_kernel, ntk_features
+
+__all__ = ["FEATURES_ARRAY", "FeaturesSpec", "feature_block", "open_features", "run_features"]
+
+FEATURES_ARRAY = "phi"
+"""The array's name inside ``features.zarr``."""
+
+CHUNK_BYTES = 8 * 2**20
+"""Target size of one stored chunk (rows_per_chunk rows of k·D numbers): large enough that zarr's per-chunk cost
+is small, small enough that a chunk is one modest ``ntk_features`` call."""
+
+_OPERATION = "features job"
+
+
+class FeaturesCancelled(Exception):
+    """Raised inside a running features job when it was cancelled (never leaves the job engine)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FeaturesSpec:
+    """What a features job computes.
+
+    Attributes:
+        model, version: the model version. dataset, start, n: the rows ``[start, start + n)``. k: outputs.
+        dim: D. seed: the sketch's seed. params: parameter globs (None: all). dtype: "float32" / "float64".
+        rows_per_chunk: rows per ``ntk_features`` call and per stored chunk. memory_budget_bytes: per call.
+    """
+
+    model: str
+    version: int
+    dataset: str
+    start: int
+    n: int
+    k: int
+    dim: int
+    seed: int = 0
+    params: list[str] | None = None
+    dtype: str = "float32"
+    rows_per_chunk: int = 256
+    memory_budget_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_dim(dim: int) -> int:
+    """D as an int in [1, MAX_FEATURE_DIM].
+
+    Raises:
+        InvalidInput: D outside the limits.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_FEATURE_DIM:
+        raise InvalidInput(f"{_OPERATION}: dim D must be an integer in [1, {MAX_FEATURE_DIM}], got {dim!r}")
+    return dim
+
+
+def default_rows_per_chunk(k: int, dim: int, itemsize: int) -> int:
+    """Rows per chunk so that one chunk is about ``CHUNK_BYTES``."""
+    return max(1, CHUNK_BYTES // (k * dim * itemsize))
+
+
+def run_features(
+    spec: FeaturesSpec,
+    module: nn.Module,
+    rows: Any,
+    path: Path,
+    *,
+    should_stop: Callable[[], bool],
+    report: Callable[[dict[str, Any]], None],
+) -> tuple[int, ...]:
+    """Compute Φ of ``rows`` chunk by chunk into ``path`` (module docstring). Returns Φ's shape (n, k, D).
+
+    Raises:
+        FeaturesCancelled: should_stop() turned true between chunks. InvalidInput, MemoryEstimateExceeded,
+        UnsupportedModel: from ``ntk_features``.
+    """
+    dtype = np.float64 if spec.dtype == "float64" else np.float32
+    group = zarr.open_group(str(path), mode="w", attributes={"spec": spec.to_dict()})
+    array = group.create_array(
+        FEATURES_ARRAY,
+        shape=(spec.n, spec.k, spec.dim),
+        chunks=(spec.rows_per_chunk, spec.k, spec.dim),
+        dtype=dtype,
+        dimension_names=("example", "output", "feature"),
+    )
+    chunks = math.ceil(spec.n / spec.rows_per_chunk)
+    for i in range(chunks):
+        if should_stop():
+            raise FeaturesCancelled
+        lo, hi = i * spec.rows_per_chunk, min(spec.n, (i + 1) * spec.rows_per_chunk)
+        x = torch.from_numpy(np.array(rows[lo:hi]))
+        phi = ntk_features(
+            module,
+            x,
+            dim=spec.dim,
+            seed=spec.seed,
+            params=spec.params,
+            dtype=spec.dtype,
+            memory_budget_bytes=spec.memory_budget_bytes,
+        )
+        array[lo:hi] = phi.detach().cpu().numpy().astype(dtype, copy=False)
+        report({"rows_done": hi, "rows_total": spec.n})
+    return (spec.n, spec.k, spec.dim)
+
+
+def open_features(path: Path) -> zarr.Array[Any]:
+    """The stored Φ (n, k, D) of a finished job, read only."""
+    return zarr.open_group(str(path), mode="r")[FEATURES_ARRAY]  # type: ignore[return-value]
+
+
+def feature_block(
+    phi1: zarr.Array[Any],
+    phi2: zarr.Array[Any],
+    rows: tuple[int, int],
+    cols: tuple[int, int],
+    *,
+    mode: str,
+    block_rows: int = 256,
+) -> np.ndarray:
+    """Φ1[rows] Φ2[cols]ᵀ in float64: (r, c, k, k) FULL or (r, c) TRACE, reading Φ1 ``block_rows`` rows at a time.
+
+    Raises:
+        ShapeMismatch: feature arrays of different (k, D) (different models, D, or params).
+    """
+    if tuple(phi1.shape[1:]) != tuple(phi2.shape[1:]):
+        raise ShapeMismatch(
+            f"kernel from features: the feature arrays have shapes {tuple(phi1.shape)} and {tuple(phi2.shape)}; "
+            "both need the same k and D (features jobs of the same model, dim and params, with the same seed)"
+        )
+    right = torch.from_numpy(np.asarray(phi2[cols[0] : cols[1]], dtype=np.float64))
+    parts = []
+    for lo in range(rows[0], rows[1], block_rows):
+        left = torch.from_numpy(np.asarray(phi1[lo : min(rows[1], lo + block_rows)], dtype=np.float64))
+        parts.append(feature_kernel(left, right, mode=mode).numpy())
+    return np.concatenate(parts)

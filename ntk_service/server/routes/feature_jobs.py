@@ -1,0 +1,181 @@
+"""Feature jobs over HTTP: sketched NTK features Φ (N, k, D) of a data set as a zarr array, and kernels from them.
+
+    POST   /v1/feature-jobs                 202 + Location: the queued job (dim D, seed, params)
+    GET    /v1/feature-jobs/{id}            the job, progress {rows_done, rows_total}
+    GET    /v1/feature-jobs/{id}/result     Φ rows ?start=a&stop=b, (rows, k, D), as .npy, safetensors or JSON
+    DELETE /v1/feature-jobs/{id}            cancel a queued or running job (stops between chunks)
+    POST   /v1/feature-jobs/kernel          Φ1[rows] Φ2[rows]ᵀ of two finished jobs (same model, D, seed):
+                                            (r, c, k, k) FULL or (r, c) TRACE, an unbiased estimate of Θ
+
+The same seed, D and params give the same Φ on any worker (``jobs/features_job.py``). Every answer is sized before
+it is built: over the response limits is a 413 with the size and the limit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+import anyio.to_thread
+import numpy as np
+from fastapi import APIRouter, Path, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.responses import Response
+
+from ntk_service import wire
+from ntk_service.errors import InvalidInput, PayloadTooLarge, format_bytes
+from ntk_service.jobs.features_job import feature_block
+from ntk_service.kernels.features import MAX_FEATURE_DIM
+from ntk_service.server.deps import ReadAccess, SettingsDep, WriteAccess
+from ntk_service.server.media import json_response, negotiate, read_json
+from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
+from ntk_service.server.routes.solve_jobs import SolveJobsDep, SolveRows
+from ntk_service.server.schemas import openapi_body, validate_body
+
+__all__ = ["FeatureJobCreate", "FeatureKernelCreate", "FeatureRows", "router"]
+
+router = APIRouter(prefix="/v1/feature-jobs", tags=["feature jobs"])
+
+OFFERED = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
+
+_JSON_BYTES_PER_VALUE = 24
+"""The most bytes orjson writes for one float64 (``-1.2345678901234567e-123,``)."""
+
+FeatureJobId = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The id returned by POST /v1/feature-jobs.")]
+
+
+class FeatureJobCreate(BaseModel):
+    """``POST /v1/feature-jobs``: Φ = J R / √D of the rows, R Gaussian from the seed (``ntk_features``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="Registered model name.")
+    version: int | None = Field(None, ge=1, le=INT64_MAX, description="Model version. Default: the latest.")
+    dataset: SolveRows = Field(description="The rows to sketch: N examples.")
+    dim: int = Field(ge=1, le=MAX_FEATURE_DIM, description=f"D, features per output, 1 to {MAX_FEATURE_DIM}.")
+    seed: int = Field(0, ge=0, le=INT64_MAX, description="Picks R: the same seed, D and params give the same Φ.")
+    params: list[Glob] | None = Field(None, max_length=MAX_GLOBS, description="Parameter globs; null = all.")
+    dtype: Literal["float32", "float64"] = Field("float32", description="Compute and storage dtype.")
+    rows_per_chunk: int | None = Field(None, ge=1, le=1_000_000, description="Rows per stored chunk (~8 MiB).")
+
+
+class FeatureRows(BaseModel):
+    """A finished features job, or a row range of its Φ."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: str = Field(min_length=1, max_length=ID_MAX_LENGTH, description="A succeeded features job's id.")
+    start: int | None = Field(None, ge=0, le=INT64_MAX, description="First row. Default: 0.")
+    stop: int | None = Field(None, ge=1, le=INT64_MAX, description="One past the last row. Default: all rows.")
+
+
+class FeatureKernelCreate(BaseModel):
+    """``POST /v1/feature-jobs/kernel``: the kernel of two feature arrays (x2 null: x2 = x1)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    x1: FeatureRows = Field(description="Rows of Φ1.")
+    x2: FeatureRows | None = Field(None, description="Rows of Φ2; null: the rows of x1.")
+    mode: Literal["full", "trace"] = Field("full", description="(r, c, k, k) FULL or (r, c) TRACE (sum over outputs).")
+
+
+def _range(start: int | None, stop: int | None, size: int, what: str) -> tuple[int, int]:
+    lo, hi = (0 if start is None else start), (size if stop is None else stop)
+    if not 0 <= lo < hi <= size:
+        raise InvalidInput(
+            f"feature jobs: {what} rows [{start}, {stop}) are outside Φ's {size} rows; expected 0 ≤ start < stop ≤ "
+            f"{size}"
+        )
+    return lo, hi
+
+
+def _check_size(media: str, shape: tuple[int, ...], itemsize: int, settings: SettingsDep, operation: str) -> None:
+    values = math.prod(shape)
+    if media == wire.MEDIA_JSON:
+        size, limit = values * _JSON_BYTES_PER_VALUE, settings.max_json_response_bytes
+    else:
+        size, limit = values * itemsize, settings.max_binary_response_bytes
+    if size > limit:
+        raise PayloadTooLarge(
+            f"{operation}: the answer {tuple(shape)} is about {format_bytes(size)} as {media}, over the limit of "
+            f"{format_bytes(limit)}; ask for fewer rows (start / stop) or a binary Accept type"
+        )
+
+
+def _encode(media: str, name: str, array: np.ndarray) -> Response:
+    if media == wire.MEDIA_NPY:
+        return Response(wire.encode_npy(array), media_type=wire.MEDIA_NPY)
+    if media == wire.MEDIA_SAFETENSORS:
+        return Response(wire.encode_safetensors({name: array}), media_type=wire.MEDIA_SAFETENSORS)
+    return json_response({name: wire.tensor_to_json(array)})
+
+
+@router.post("", status_code=202, summary="Submit a features job", openapi_extra=openapi_body(FeatureJobCreate))
+async def submit_feature_job(request: Request, _: WriteAccess, jobs: SolveJobsDep) -> Response:
+    operation = "submit features job"
+    body = validate_body(FeatureJobCreate, await read_json(request, operation=operation), operation=operation)
+    job = await anyio.to_thread.run_sync(
+        lambda: jobs.submit_features(
+            model=body.model,
+            version=body.version,
+            dataset=body.dataset.pair(),
+            dim=body.dim,
+            seed=body.seed,
+            params=body.params,
+            dtype=body.dtype,
+            rows_per_chunk=body.rows_per_chunk,
+        )
+    )
+    return json_response(job, status_code=202, headers={"Location": f"/v1/feature-jobs/{job['id']}"})
+
+
+@router.post("/kernel", summary="A kernel from two features jobs", openapi_extra=openapi_body(FeatureKernelCreate))
+async def feature_kernel_route(request: Request, _: ReadAccess, jobs: SolveJobsDep, settings: SettingsDep) -> Response:
+    operation = "POST /v1/feature-jobs/kernel"
+    body = validate_body(FeatureKernelCreate, await read_json(request, operation=operation), operation=operation)
+    media = negotiate(request, OFFERED, operation=operation)
+    right = body.x2 or body.x1
+
+    def compute() -> np.ndarray:
+        _, phi1 = jobs.features(body.x1.job)
+        _, phi2 = jobs.features(right.job)
+        rows = _range(body.x1.start, body.x1.stop, int(phi1.shape[0]), "x1")
+        cols = _range(right.start, right.stop, int(phi2.shape[0]), "x2")
+        k = int(phi1.shape[1])
+        shape = (rows[1] - rows[0], cols[1] - cols[0]) + ((k, k) if body.mode == "full" else ())
+        _check_size(media, shape, 8, settings, operation)  # before any block is formed
+        return feature_block(phi1, phi2, rows, cols, mode=body.mode)
+
+    return _encode(media, "theta", await anyio.to_thread.run_sync(compute))
+
+
+@router.get("/{job_id}", summary="A features job and its progress")
+async def get_feature_job(job_id: FeatureJobId, _: ReadAccess, jobs: SolveJobsDep) -> Response:
+    return json_response(await anyio.to_thread.run_sync(jobs.get, job_id))
+
+
+@router.delete("/{job_id}", summary="Cancel a features job")
+async def cancel_feature_job(job_id: FeatureJobId, _: WriteAccess, jobs: SolveJobsDep) -> Response:
+    return json_response(await anyio.to_thread.run_sync(jobs.cancel, job_id))
+
+
+@router.get("/{job_id}/result", summary="Rows of a features job's Φ (rows, k, D)")
+async def feature_job_result(
+    request: Request,
+    job_id: FeatureJobId,
+    _: ReadAccess,
+    jobs: SolveJobsDep,
+    settings: SettingsDep,
+    start: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="First row. Default: 0.")] = None,
+    stop: Annotated[int | None, Query(ge=1, le=INT64_MAX, description="One past the last row.")] = None,
+) -> Response:
+    operation = f"GET /v1/feature-jobs/{job_id}/result"
+    media = negotiate(request, OFFERED, operation=operation)
+
+    def read() -> np.ndarray:
+        _, phi = jobs.features(job_id)
+        lo, hi = _range(start, stop, int(phi.shape[0]), "result")
+        _check_size(media, (hi - lo, *phi.shape[1:]), phi.dtype.itemsize, settings, operation)
+        return np.asarray(phi[lo:hi])
+
+    return _encode(media, "phi", await anyio.to_thread.run_sync(read))

@@ -1,0 +1,202 @@
+"""Solve jobs against a real uvicorn process: kernel ridge, GP mean and linearized predictions at t = ∞ by operator
+CG equal a dense numpy solve on the float64 reference kernel; non-convergence is reported; cancellation; 422s."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from ntk_service import wire
+from ntk_service.client import Client
+from ntk_service.errors import InvalidInput, JobNotFinished, NtkServiceError, ShapeMismatch
+from ntk_service.jobs.solve_jobs import SolveJobs
+from ntk_service.registry import DatasetStore, ModelRegistry
+from tests.conftest import LiveServer, start_live_server
+from tests.jobs.conftest import SLOW_MODEL, TINY_MLP, tiny_model_from_weights
+from tests.reference import reference_ntk
+
+N, M, K = 12, 5, 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    live = start_live_server(tmp_path_factory.mktemp("solve-jobs"))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(server: LiveServer) -> Iterator[dict[str, Any]]:
+    """Model 'tiny' (k = 3) and data sets: train x (12, 4), targets y (12, 3), test (5, 4), and y of 11 rows."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((N, 4)).astype(np.float32)
+    y = rng.standard_normal((N, K))
+    t = rng.standard_normal((M, 4)).astype(np.float32)
+    with Client(server.url, api_key=server.write_key) as client:
+        client.register_model("tiny", TINY_MLP, seed=0)
+        model = tiny_model_from_weights(client.download_weights("tiny")).double()
+        ids = {name: client.upload_dataset(a)["id"] for name, a in (("x", x), ("y", y), ("t", t), ("y11", y[:11]))}
+        yield {"client": client, "x": x, "y": y, "t": t, "ids": ids, "model": model}
+
+
+def _finished(client: Client, job_id: str) -> dict[str, Any]:
+    return client.wait_solve_job(job_id, poll_s=0.05, timeout_s=120, progress=None)
+
+
+def _dense(model: torch.nn.Module, x: np.ndarray, t: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """The reference train and test-train kernels as matrices in the solvers' layout (TRACE read as Θ/k ⊗ I_k)."""
+    xt, tt = torch.from_numpy(x).double(), torch.from_numpy(t).double()
+    if mode == "full":
+        a = reference_ntk(model, xt, mode="full").numpy()
+        b = reference_ntk(model, tt, xt, mode="full").numpy()
+        return a.transpose(0, 2, 1, 3).reshape(N * K, N * K), b.transpose(0, 2, 1, 3).reshape(M * K, N * K)
+    eye = np.eye(K)
+    a = reference_ntk(model, xt, mode="trace").numpy() / K
+    b = reference_ntk(model, tt, xt, mode="trace").numpy() / K
+    return np.kron(a, eye), np.kron(b, eye)
+
+
+@pytest.mark.parametrize(("kind", "mode"), [("kernel_ridge", "full"), ("gp_mean", "trace"), ("linearized", "full")])
+def test_solve_job_predictions_equal_a_dense_solve_on_the_reference_kernel(
+    setup: dict[str, Any], kind: str, mode: str
+) -> None:
+    client, ids, ridge = setup["client"], setup["ids"], 1e-2
+    job = client.submit_solve_job(
+        "tiny", kind=kind, train=ids["x"], targets=ids["y"], test=ids["t"], mode=mode, ridge=ridge, rtol=1e-12
+    )
+    assert job["status"] in ("queued", "running")
+    done = _finished(client, job["id"])
+    assert done["status"] == "succeeded" and done["result"]["converged"] is True
+    assert done["progress"]["iterations"] == done["result"]["iterations"] > 0
+    assert done["progress"]["products"] >= done["result"]["iterations"]
+    result = client.solve_job_result(job["id"], require_converged=True)
+    assert result.alpha.shape == (N, K) and result.predictions is not None and result.predictions.shape == (M, K)
+
+    model = setup["model"]
+    a, b = _dense(model, setup["x"], setup["t"], mode)
+    y = setup["y"]
+    f0 = f0_test = np.zeros(1)
+    if kind == "linearized":
+        with torch.no_grad():
+            f0 = model(torch.from_numpy(setup["x"]).double()).numpy()
+            f0_test = model(torch.from_numpy(setup["t"]).double()).numpy()
+    alpha = np.linalg.solve(a + ridge * np.eye(N * K), (y - f0).reshape(-1))
+    expected = f0_test + (b @ alpha).reshape(M, K)
+    np.testing.assert_allclose(result.predictions, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    np.testing.assert_allclose(result.alpha, alpha.reshape(N, K), rtol=1e-5, atol=1e-6 * np.abs(alpha).max())
+
+
+def test_a_solve_cut_at_one_iteration_is_reported_as_not_converged(setup: dict[str, Any]) -> None:
+    client, ids = setup["client"], setup["ids"]
+    job = client.submit_solve_job(
+        "tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, max_iterations=1
+    )
+    done = _finished(client, job["id"])
+    assert done["status"] == "succeeded"
+    assert done["result"]["converged"] is False and done["result"]["stop_reason"] == "max_iterations"
+    assert done["result"]["iterations"] == 1 and max(done["result"]["residual"]) > 1e-3
+    result = client.solve_job_result(job["id"])
+    assert result.converged is False and result.predictions is None
+    with pytest.raises(NtkServiceError, match="did not converge"):
+        client.solve_job_result(job["id"], require_converged=True)
+    body = client._get_json(f"/v1/solve-jobs/{job['id']}/result")  # JSON repeats the report beside the arrays
+    assert body["converged"] is False and body["alpha"]["shape"] == [N, K]
+
+
+def test_a_long_solve_shows_progress_and_is_cancelled(server: LiveServer, setup: dict[str, Any]) -> None:
+    client, ids = setup["client"], setup["ids"]
+    slow = {**SLOW_MODEL, "kwargs": {**SLOW_MODEL["kwargs"], "out_dim": 3}}  # type: ignore[dict-item]
+    client.register_model("slow-solve", slow, seed=0)
+    job = client.submit_solve_job(
+        "slow-solve", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, examples_per_chunk=1
+    )
+    deadline = time.monotonic() + 60
+    while (client.solve_job(job["id"])["progress"] or {}).get("products", 0) < 1:
+        assert time.monotonic() < deadline, "the solve never started"
+        time.sleep(0.05)
+    seen = client.solve_job(job["id"])
+    assert seen["status"] == "running" and seen["progress"]["elapsed_s"] > 0
+    client.cancel_solve_job(job["id"])
+    done = _finished(client, job["id"])
+    assert done["status"] == "cancelled" and done["result"] is None
+    with pytest.raises(JobNotFinished, match="cancelled"):
+        client.solve_job_result(job["id"])
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "match"),
+    [
+        ({"ridge": -1.0}, InvalidInput, "ridge"),
+        ({"kind": "lasso"}, InvalidInput, "kind"),
+        ({"mode": "example_diagonal"}, InvalidInput, "mode"),
+        ({"preconditioner": "jacobi"}, InvalidInput, "preconditioner"),
+        ({"targets": "y11"}, ShapeMismatch, "11 rows"),
+        ({"train": {"dataset": "x", "start": 0, "stop": 13}}, InvalidInput, r"outside the data set of 12 rows"),
+        ({"targets": "x"}, ShapeMismatch, r"shape \(12, 4\), expected \(12, 3\)"),
+    ],
+)
+def test_bad_solve_input_is_a_422_saying_what_to_fix(
+    setup: dict[str, Any], change: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    client, ids = setup["client"], setup["ids"]
+    sides = {"train": ids["x"], "targets": ids["y"]}
+    for side in ("train", "targets"):
+        value = change.get(side)
+        if isinstance(value, str):
+            change = change | {side: ids[value]}
+        elif isinstance(value, dict):
+            change = change | {side: value | {"dataset": ids[value["dataset"]]}}
+    body: dict[str, Any] = {"kind": "kernel_ridge", "model": "tiny", "ridge": 1e-3} | sides | change
+    body = {k: ({"dataset": v} if k in ("train", "targets") and isinstance(v, str) else v) for k, v in body.items()}
+    with pytest.raises(error, match=match) as caught:
+        client._send_json("POST", "/v1/solve-jobs", body)
+    assert getattr(caught.value, "http_status", None) == 422
+
+
+def test_a_nan_ridge_is_refused_by_the_job_engine(tmp_path: Path) -> None:
+    """JSON cannot carry NaN (the server answers 400 for it), so the engine's own check is tested directly."""
+    registry, datasets = ModelRegistry(tmp_path), DatasetStore(tmp_path)
+    registry.register("tiny", TINY_MLP, seed=0)
+    x = datasets.create(np.zeros((3, 4), np.float32)).id
+    jobs = SolveJobs(data_dir=tmp_path, models=registry, datasets=datasets)
+    try:
+        with pytest.raises(InvalidInput, match=r"ridge must be a finite number ≥ 0, got nan"):
+            jobs.submit(kind="kernel_ridge", model="tiny", train=(x, None), targets=(x, None), ridge=float("nan"))
+    finally:
+        jobs.stop()
+        registry.close()
+        datasets.close()
+
+
+def test_inline_solve_equals_the_dense_solve_and_checks_its_targets(setup: dict[str, Any]) -> None:
+    client, ridge = setup["client"], 1e-2
+    x, t, y = setup["x"], setup["t"], setup["y"]
+    body = {
+        "kind": "kernel_ridge",
+        "x_train": wire.tensor_to_json(x),
+        "y_train": wire.tensor_to_json(y),
+        "x_test": wire.tensor_to_json(t),
+        "mode": "trace",
+        "ridge": ridge,
+        "rtol": 1e-12,
+    }
+    out = client._send_json("POST", "/v1/models/tiny/solve", body)
+    assert out["converged"] is True and out["alpha"]["shape"] == [N, K]
+    a, b = _dense(setup["model"], x, t, "trace")
+    expected = (b @ np.linalg.solve(a + ridge * np.eye(N * K), y.reshape(-1))).reshape(M, K)
+    predictions = wire.tensor_from_json(out["predictions"], name="predictions")
+    np.testing.assert_allclose(predictions, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    cut = client._send_json("POST", "/v1/models/tiny/solve", body | {"max_iterations": 1})
+    assert cut["converged"] is False and cut["stop_reason"] == "max_iterations"
+    with pytest.raises(ShapeMismatch, match=r"y_train has shape \(11, 3\), expected \(12, 3\)") as caught:
+        client._send_json("POST", "/v1/models/tiny/solve", body | {"y_train": wire.tensor_to_json(y[:11])})
+    assert caught.value.http_status == 422  # type: ignore[attr-defined]
+    with pytest.raises(InvalidInput, match="ridge") as caught:
+        client._send_json("POST", "/v1/models/tiny/solve", body | {"ridge": -1})
+    assert caught.value.http_status == 422  # type: ignore[attr-defined]
