@@ -23,6 +23,7 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -137,6 +138,30 @@ def section_scale(
           f"≈ {est * K * K / 3600:.1f} h for the same iteration count")  # fmt: skip
 
 
+def _chunk_one(n: int, chunk: int, products: int) -> None:
+    """One configuration in a process of its own (VmHWM only grows): s / product and the peak."""
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    op = ntk_operator(model, x, examples_per_chunk=chunk if chunk > 0 else n)
+    v = torch.randn(n, K, generator=torch.Generator().manual_seed(0))
+    op.matvec(v)  # warm-up
+    start = time.perf_counter()
+    for _ in range(products):
+        op.matvec(v)
+    print(f"{n:>7} {op.examples_per_chunk:>7} {(time.perf_counter() - start) / products:>10.3f} {_peak_mib():>9.0f}")
+
+
+def section_chunk(n: int, chunks: list[int], products: int) -> None:
+    """The A/B of ``MAX_EXAMPLES_PER_CHUNK``: the same FULL product with all N examples in one VJP / JVP against
+    bounded chunks, each configuration in its own process (alternated twice), s / product and peak RSS."""
+    print(f"FULL product, MLP 784-512-512-10, N = {n}, {products} products per process (0 = all N in one chunk)")
+    print(f"{'N':>7} {'chunk':>7} {'s/product':>10} {'peak MiB':>9}")
+    for _ in range(2):
+        for chunk in chunks:
+            command = [sys.executable, __file__, "--chunk-one", str(chunk), "--scale-n", str(n)]
+            subprocess.run([*command, "--products", str(products)], check=True)
+
+
 def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
     model = make_mlp()
     x = make_inputs("mlp", n + 50)
@@ -172,7 +197,8 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=["dense", "scale", "features"])
+    sections = ["dense", "scale", "features", "chunk"]
+    parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
     parser.add_argument("--ridge", type=float, default=1e-3, help="λ relative to the mean diagonal entry")
@@ -188,8 +214,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256], help="--section chunk")
+    parser.add_argument("--products", type=int, default=3, help="--section chunk")
+    parser.add_argument("--chunk-one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.chunk_one is not None:
+        _chunk_one(args.scale_n, args.chunk_one, args.products)
+        return
+    if "chunk" in args.section:
+        section_chunk(args.scale_n, args.chunks, args.products)
     if "dense" in args.section:
         section_dense(args.n, args.mode, args.ridge, args.landmarks, args.rtol)
     if "scale" in args.section:
