@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from benchmarks._models import make_inputs, make_mlp  # noqa: E402
 from ntk_service.analysis import CgOptions, gp_inference  # noqa: E402
+from ntk_service.analysis.solve import kernel_operator, shared_nystrom_preconditioner  # noqa: E402
 from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_operator  # noqa: E402
 
 K = 10
@@ -100,36 +101,66 @@ def section_dense(ns: list[int], mode: str, ridge: float, landmarks: int, rtol: 
 
 
 def section_scale(
-    n: int, ridge: float, landmarks: int, rtol: float, estimate_n: int, max_iterations: int, preconditioner: str
+    n: int,
+    ridge: float,
+    landmarks: int,
+    rtol: float,
+    estimate_n: int,
+    max_iterations: int,
+    preconditioner: str,
+    max_minutes: float | None,
+    shared_landmarks: int,
 ) -> None:
+    """FULL kernel ridge on N examples by operator CG. ``preconditioner`` "shared" is the Nyström preconditioner
+    of Θ_trace / k on ``shared_landmarks`` examples shared by the k outputs (NOTE [shared nystrom]), its columns
+    from one ``compute_ntk(..., mode="trace")`` call; "nystrom" spends ``landmarks`` products on FULL columns."""
     model = make_mlp()
     x = make_inputs("mlp", n + 1000)
     x_train, x_test = x[:n], x[n:]
     y = _labels(x_train)
     start = time.perf_counter()
-    train_op = ntk_operator(model, x_train)  # float32 products, float64 CG (NOTE [cg])
+    train_op = ntk_operator(model, x_train)  # float32 products, float64 CG (NOTE [cg]); chunks ≤ MAX_CHUNK_BYTES
     cross_op = ntk_operator(model, x_test, x_train)
     # λ relative to the mean diagonal, from 64 examples' exact diagonal (the operator does not know it)
     diag = compute_ntk(model, x_train[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
     lam = ridge * float(diag)
+    build_s, pre = 0.0, preconditioner  # type: ignore[assignment]
+    if preconditioner == "shared":
+        build = time.perf_counter()
+        chosen = np.sort(np.random.default_rng(0).choice(n, size=min(shared_landmarks, n), replace=False))
+        columns = compute_ntk(model, x_train, x_train[chosen], mode="trace").theta
+        pre = shared_nystrom_preconditioner(
+            kernel_operator(train_op, k=K, name="train", operation="bench"),
+            ridge=lam,
+            trace_columns=columns,
+            landmark_indices=chosen,
+        )
+        del columns
+        build_s = time.perf_counter() - build
     options = CgOptions(
         rtol=rtol,
         landmarks=landmarks,
         max_iterations=max_iterations,
-        preconditioner=preconditioner,  # type: ignore[arg-type]
+        preconditioner=pre,  # type: ignore[arg-type]
+        max_seconds=None if max_minutes is None else max(1.0, max_minutes * 60 - (time.perf_counter() - start)),
     )
     post = gp_inference(train_op, y, cross_op, ridge=lam, cg=options)
     wall = time.perf_counter() - start
     solve = post.solve
     assert solve is not None
-    per = solve.time_s / max(solve.products, 1)
+    per = solve.time_s / max(solve.products, 1)  # the shared build is timed apart (build_s)
     accuracy = float(np.mean(post.mean.argmax(1) == _labels(x_test).argmax(1)))
     print(f"FULL kernel ridge by operator CG, MLP 784-512-512-10, N = {n} (kernel never formed: "
-          f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32)")  # fmt: skip
+          f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32), chunk {train_op.examples_per_chunk} examples")  # fmt: skip
+    verdict = "converged" if solve.converged else f"NOT CONVERGED ({solve.stop_reason})"
     print(f"  wall {wall:.1f} s, iterations {solve.iterations}, products {solve.products} "
-          f"({solve.preconditioner}), {per:.3f} s/product, residual {solve.residual.max():.2e}, "
-          f"converged {solve.converged} ({solve.stop_reason}), peak {_peak_mib():.0f} MiB, "
+          f"({solve.preconditioner}, built in {build_s:.1f} s), {per:.3f} s/product, "
+          f"residual {solve.residual.max():.2e}, {verdict}, peak {_peak_mib():.0f} MiB, "
           f"test accuracy {accuracy:.3f}")  # fmt: skip
+    product_s = solve.products * per
+    print(f"  limited by: products {product_s:.0f} s ({100 * product_s / wall:.0f} % of the wall; each a VJP and "
+          f"a JVP over all N examples), preconditioner build {build_s:.0f} s, the rest (CG vectors, the "
+          f"preconditioner's applications, the test predictions) {wall - product_s - build_s:.0f} s")  # fmt: skip
     scale = estimate_n / n
     est = solve.products * per * scale
     print(f"  estimate at N = {estimate_n}: {per * scale:.2f} s/product (linear in N) × {solve.products} products "
@@ -202,8 +233,12 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
     parser.add_argument("--ridge", type=float, default=1e-3, help="λ relative to the mean diagonal entry")
-    parser.add_argument("--landmarks", type=int, default=100)
-    parser.add_argument("--preconditioner", default="auto", choices=["auto", "none", "nystrom"], help="--section scale")
+    parser.add_argument("--landmarks", type=int, default=100, help="FULL columns of --preconditioner nystrom")
+    parser.add_argument("--shared-landmarks", type=int, default=1000, help="examples of --preconditioner shared")
+    parser.add_argument(
+        "--preconditioner", default="shared", choices=["auto", "none", "nystrom", "shared"], help="--section scale"
+    )
+    parser.add_argument("--max-minutes", type=float, default=None, help="--section scale: stop CG (reported)")
     parser.add_argument("--rtol", type=float, default=1e-8)
     parser.add_argument("--scale-n", type=int, default=2000)
     parser.add_argument("--scale-rtol", type=float, default=1e-5)
@@ -235,6 +270,8 @@ def main() -> None:
             args.estimate_n,
             args.max_iterations,
             args.preconditioner,
+            args.max_minutes,
+            args.shared_landmarks,
         )
     if "features" in args.section:
         section_features(args.features_n, args.dims, args.seeds, args.features_ridge)

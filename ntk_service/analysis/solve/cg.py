@@ -91,6 +91,9 @@ class CgOptions:
         landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
         landmark_method: "uniform" or "pivoted_cholesky". seed: the uniform landmarks' generator.
         diagonal: (n,) the kernel's diagonal, for "pivoted_cholesky" on an operator.
+        max_seconds: stop after this much wall time (checked once per iteration, the preconditioner's build
+            included), with ``stop_reason`` "time_limit" and ``converged`` False unless the residual made it.
+            Default: None (no limit).
     """
 
     rtol: float = DEFAULT_RTOL
@@ -100,6 +103,7 @@ class CgOptions:
     landmark_method: LandmarkMethod = "uniform"
     seed: int = 0
     diagonal: Any = None
+    max_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,8 @@ class SolveResult:
 
     Attributes:
         solution: X (n, r). residual: (r,) the true relative residual ‖b − (A + λI) x‖ / ‖b‖ of each column.
-        converged: every column reached rtol. stop_reason: "converged", "max_iterations" or "breakdown: ...".
+        converged: every column reached rtol. stop_reason: "converged", "max_iterations", "time_limit" or
+            "breakdown: ...".
         iterations: CG iterations (all restarts). products: operator products (columns), the preconditioner's
             included. passes: VJP + JVP passes over the data those products cost (0 for a dense kernel).
         rtol: the target. time_s: wall time, the preconditioner's build included. preconditioner: its name.
@@ -178,6 +183,8 @@ def conjugate_gradients(
         raise InvalidInput(f"{_OPERATION}: rtol must be a positive number, got {options.rtol}")
     if options.max_iterations is not None and options.max_iterations < 0:
         raise InvalidInput(f"{_OPERATION}: max_iterations must be ≥ 0, got {options.max_iterations}")
+    if options.max_seconds is not None and not (options.max_seconds > 0 and np.isfinite(options.max_seconds)):
+        raise InvalidInput(f"{_OPERATION}: max_seconds must be a positive number or None, got {options.max_seconds}")
     n = op.rows
     if op.rows != op.cols:
         raise ShapeMismatch(f"{_OPERATION}: the kernel has shape {op.shape}; CG needs a square one")
@@ -208,6 +215,9 @@ def conjugate_gradients(
             out[:, cols] = op.apply(v[:, cols]) + lam * v[:, cols]
         return out
 
+    def out_of_time() -> bool:
+        return options.max_seconds is not None and time.perf_counter() - start > options.max_seconds
+
     everything = np.arange(b.shape[1])
     iterations, stop_reason = 0, "max_iterations"
     moving = everything[bnorm > 0]
@@ -223,6 +233,9 @@ def conjugate_gradients(
         p = z.copy()
         rz = np.sum(r * z, axis=0)
         while active.size and iterations < max_iterations:
+            if out_of_time():
+                stop_reason = "time_limit"
+                break
             ap = product(p, active)
             pap = np.sum(p[:, active] * ap[:, active], axis=0)
             if np.any(pap <= 0):
@@ -244,7 +257,7 @@ def conjugate_gradients(
         r = b - product(x, moving)
         residual = np.linalg.norm(r, axis=0) / bnorm_safe
         residual[bnorm == 0] = 0.0
-        if stop_reason.startswith("breakdown") or iterations >= max_iterations:
+        if stop_reason.startswith("breakdown") or stop_reason == "time_limit" or iterations >= max_iterations:
             break
     converged = bool(np.all(residual <= options.rtol))
     if converged:
