@@ -37,7 +37,12 @@ import torch  # noqa: E402
 
 from benchmarks._models import make_inputs, make_mlp  # noqa: E402
 from ntk_service.analysis import CgOptions, gp_inference  # noqa: E402
-from ntk_service.analysis.solve import kernel_operator, shared_nystrom_preconditioner  # noqa: E402
+from ntk_service.analysis.solve import (  # noqa: E402
+    conjugate_gradients,
+    kernel_operator,
+    nystrom_preconditioner,
+    shared_nystrom_preconditioner,
+)
 from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_operator  # noqa: E402
 
 K = 10
@@ -169,6 +174,52 @@ def section_scale(
           f"≈ {est * K * K / 3600:.1f} h for the same iteration count")  # fmt: skip
 
 
+class _BlockJacobi:
+    """(A + λI)'s per-example k × k diagonal blocks, inverted: the block-Jacobi preconditioner of the A/B."""
+
+    name = "block-jacobi"
+
+    def __init__(self, a: np.ndarray, lam: float, n: int) -> None:
+        blocks = np.stack([a[i * K : (i + 1) * K, i * K : (i + 1) * K] for i in range(n)]) + lam * np.eye(K)
+        self.inverse, self.n = np.linalg.inv(blocks), n
+
+    def apply(self, r: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.einsum("nab,nbc->nac", self.inverse, r.reshape(self.n, K, -1)).reshape(r.shape)
+        return out
+
+
+def section_preconditioners(n: int, ridge: float, rtol: float) -> None:
+    """The preconditioners A/B'd by CG iterations on the dense FULL kernel at a small N (iterations depend only on
+    the matrix, so a dense product stands in for the operator's; products to build each are listed apart)."""
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    theta = compute_ntk(model, x, mode="full", dtype="float64").theta
+    a = theta.permute(0, 2, 1, 3).reshape(n * K, n * K).numpy()
+    trace = np.einsum("nmaa->nm", theta.numpy())
+    y = _labels(x).reshape(-1, 1)
+    lam = ridge * float(np.mean(np.diag(a)))
+    op = kernel_operator(theta, k=K, name="theta", operation="bench")
+    print(f"CG iterations to rtol {rtol}, dense FULL kernel of the MLP 784-512-512-10, N = {n} (n = {n * K}), "
+          f"ridge {ridge} × mean diagonal")  # fmt: skip
+    rng = np.random.default_rng(0)
+    shared = {}
+    for m in (100, 300, 1000):
+        if m <= n:
+            chosen = np.sort(rng.choice(n, size=m, replace=False))
+            pre = shared_nystrom_preconditioner(op, ridge=lam, trace_columns=trace[:, chosen], landmark_indices=chosen)
+            shared[f"shared, m = {m} examples (one compute_ntk trace call)"] = pre
+    options: dict[str, object] = {"none": "none", "block-Jacobi (k backward passes)": _BlockJacobi(a, lam, n)}
+    for m in (100, 300):
+        options[f"Nyström uniform, m = {m} (m products)"] = nystrom_preconditioner(op, ridge=lam, landmarks=m)
+        options[f"Nyström gaussian, m = {m} (m products)"] = nystrom_preconditioner(
+            op, ridge=lam, landmarks=m, method="gaussian"
+        )
+    for label, pre in {**options, **shared}.items():
+        cg = CgOptions(rtol=rtol, preconditioner=pre, max_iterations=3000)  # type: ignore[arg-type]
+        result = conjugate_gradients(op, y, ridge=lam, options=cg)
+        print(f"  {label:<48} {result.iterations:>5} iterations  converged {result.converged}")
+
+
 def _chunk_one(n: int, chunk: int, products: int) -> None:
     """One configuration in a process of its own (VmHWM only grows): s / product and the peak."""
     model = make_mlp()
@@ -228,7 +279,7 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sections = ["dense", "scale", "features", "chunk"]
+    sections = ["dense", "scale", "features", "chunk", "preconditioners"]
     parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
@@ -257,6 +308,8 @@ def main() -> None:
     if args.chunk_one is not None:
         _chunk_one(args.scale_n, args.chunk_one, args.products)
         return
+    if "preconditioners" in args.section:
+        section_preconditioners(args.n[0], args.ridge, args.scale_rtol)
     if "chunk" in args.section:
         section_chunk(args.scale_n, args.chunks, args.products)
     if "dense" in args.section:

@@ -29,6 +29,12 @@ NOTE [cg default]
 
     An MLP's NTK has a few outlying top eigenvalues that plain CG resolves in about one iteration each; the
     iterations of the bulk grow with N (≈ N^0.66 here), and once they are well above m the landmarks pay.
+
+    What "auto" cannot build, because it needs the model, is the better one at scale: the shared-output Nyström
+    preconditioner (NOTE [shared nystrom] in ``preconditioners.py``; m = 1000 landmark examples from one
+    ``compute_ntk`` TRACE call, no products) took the same N = 10,000 solve to 51 iterations and 52 products, and
+    a block-Jacobi preconditioner (the per-example k × k blocks) saved under 10 % of the iterations at
+    N = 1000 and was not kept (benchmarks/bench_solvers.py --section preconditioners and --section scale).
 """
 
 from __future__ import annotations
