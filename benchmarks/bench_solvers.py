@@ -12,12 +12,16 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   float32... 8 TB in float64). Reports wall time, iterations, time per product, peak memory (VmHWM), and from the
   measured per-product time an estimate for ``--estimate-n`` (default 100,000) and for the TRACE solve there
   (k passes per product and k target columns: k² passes per iteration against 1).
+  The default preconditioner is "shared" (NOTE [shared nystrom] in analysis/solve/preconditioners.py,
+  ``--shared-landmarks`` examples, default 1000); ``--max-minutes`` stops CG with a reported "time_limit".
+- ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first).
+- ``chunk``: the A/B of the operator's chunk size (``MAX_CHUNK_BYTES``), each configuration in its own process.
 - ``features``: ``ntk_features`` error against the exact FULL kernel by D on an N-subset, and the GP test mean with
   the feature kernel against the exact kernel's.
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
-    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --landmarks 50   # the goal run
+    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 60   # the goal run
 """
 
 from __future__ import annotations

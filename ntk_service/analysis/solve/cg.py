@@ -118,8 +118,8 @@ class SolveResult:
 
     Attributes:
         solution: X (n, r). residual: (r,) the true relative residual ‖b − (A + λI) x‖ / ‖b‖ of each column.
-        converged: every column reached rtol. stop_reason: "converged", "max_iterations", "time_limit" or
-            "breakdown: ...".
+        converged: every column reached rtol. stop_reason: "converged", "max_iterations", "time_limit",
+            "rounding: ..." (the true residual stayed above rtol through the warm restarts) or "breakdown: ...".
         iterations: CG iterations (all restarts). products: operator products (columns), the preconditioner's
             included. passes: VJP + JVP passes over the data those products cost (0 for a dense kernel).
         rtol: the target. time_s: wall time, the preconditioner's build included. preconditioner: its name.
@@ -268,8 +268,12 @@ def conjugate_gradients(
     converged = bool(np.all(residual <= options.rtol))
     if converged:
         stop_reason = "converged"
-    elif stop_reason == "converged":  # restarts exhausted with rounding above rtol
-        stop_reason = "max_iterations"
+    elif stop_reason in ("converged", "max_iterations") and iterations < max_iterations:
+        # the recursive residual reached rtol every time, the recomputed one did not: the products' rounding
+        stop_reason = (
+            f"rounding: after {_RESTARTS} warm restarts the true residual stays above rtol (the operator's "
+            "rounding floor, e.g. float32 products); loosen rtol or compute the operator in float64"
+        )
     return SolveResult(
         solution=x,
         residual=residual,
