@@ -137,7 +137,12 @@ def section_scale(
     if preconditioner == "shared":
         build = time.perf_counter()
         chosen = np.sort(np.random.default_rng(0).choice(n, size=min(shared_landmarks, n), replace=False))
-        columns = compute_ntk(model, x_train, x_train[chosen], mode="trace").theta
+        # float64 columns written chunk by chunk: compute_ntk's workspace is one chunk's, and no float32 copy of
+        # the whole (N, m) block lives beside the float64 one
+        columns = np.empty((n, chosen.size))
+        for i in range(0, n, 10_000):
+            block = compute_ntk(model, x_train[i : i + 10_000], x_train[chosen], mode="trace").theta
+            columns[i : i + 10_000] = block.double().numpy()
         pre = shared_nystrom_preconditioner(
             kernel_operator(train_op, k=K, name="train", operation="bench"),
             ridge=lam,

@@ -311,10 +311,12 @@ def shared_nystrom_preconditioner(
             f"Θ_trace(x, x[S]) of shape ({n}, m) and m ≥ 1 indices S in [0, {n}) for this kernel of {n} examples"
         )
     _check_basis_memory(n, idx.size, memory_budget_bytes, operation)
-    cols = np.asarray(raw, dtype=np.float64) / k
-    factor = _nystrom_factor(cols, idx)
-    del cols
+    # (C / k)(W / k)⁺(C / k)ᵀ = C W⁺ Cᵀ / k: scale the factor, not a copy of the columns (float64 columns are used
+    # as they are, without a second (N, m) array)
+    factor = _nystrom_factor(np.asarray(raw, dtype=np.float64), idx)
+    factor /= np.sqrt(k)
     basis, eigenvalues = _basis(factor, n)
+    del factor
     return NystromPreconditioner(
         basis=basis,
         eigenvalues=eigenvalues,
