@@ -12,17 +12,22 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   float32... 8 TB in float64). Reports wall time, iterations, time per product, peak memory (VmHWM), and from the
   measured per-product time an estimate for ``--estimate-n`` (default 100,000) and for the TRACE solve there
   (k passes per product and k target columns: k² passes per iteration against 1).
+  The default preconditioner is "shared" (NOTE [shared nystrom] in analysis/solve/preconditioners.py,
+  ``--shared-landmarks`` examples, default 1000); ``--max-minutes`` stops CG with a reported "time_limit".
+- ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first).
+- ``chunk``: the A/B of the operator's chunk size (``MAX_CHUNK_BYTES``), each configuration in its own process.
 - ``features``: ``ntk_features`` error against the exact FULL kernel by D on an N-subset, and the GP test mean with
   the feature kernel against the exact kernel's.
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
-    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --landmarks 50   # the goal run
+    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 60   # the goal run
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +41,12 @@ import torch  # noqa: E402
 
 from benchmarks._models import make_inputs, make_mlp  # noqa: E402
 from ntk_service.analysis import CgOptions, gp_inference  # noqa: E402
+from ntk_service.analysis.solve import (  # noqa: E402
+    conjugate_gradients,
+    kernel_operator,
+    nystrom_preconditioner,
+    shared_nystrom_preconditioner,
+)
 from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_operator  # noqa: E402
 
 K = 10
@@ -99,42 +110,147 @@ def section_dense(ns: list[int], mode: str, ridge: float, landmarks: int, rtol: 
 
 
 def section_scale(
-    n: int, ridge: float, landmarks: int, rtol: float, estimate_n: int, max_iterations: int, preconditioner: str
+    n: int,
+    ridge: float,
+    landmarks: int,
+    rtol: float,
+    estimate_n: int,
+    max_iterations: int,
+    preconditioner: str,
+    max_minutes: float | None,
+    shared_landmarks: int,
 ) -> None:
+    """FULL kernel ridge on N examples by operator CG. ``preconditioner`` "shared" is the Nyström preconditioner
+    of Θ_trace / k on ``shared_landmarks`` examples shared by the k outputs (NOTE [shared nystrom]), its columns
+    from one ``compute_ntk(..., mode="trace")`` call; "nystrom" spends ``landmarks`` products on FULL columns."""
     model = make_mlp()
     x = make_inputs("mlp", n + 1000)
     x_train, x_test = x[:n], x[n:]
     y = _labels(x_train)
     start = time.perf_counter()
-    train_op = ntk_operator(model, x_train)  # float32 products, float64 CG (NOTE [cg])
+    train_op = ntk_operator(model, x_train)  # float32 products, float64 CG (NOTE [cg]); chunks ≤ MAX_CHUNK_BYTES
     cross_op = ntk_operator(model, x_test, x_train)
     # λ relative to the mean diagonal, from 64 examples' exact diagonal (the operator does not know it)
     diag = compute_ntk(model, x_train[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
     lam = ridge * float(diag)
+    build_s, pre = 0.0, preconditioner  # type: ignore[assignment]
+    if preconditioner == "shared":
+        build = time.perf_counter()
+        chosen = np.sort(np.random.default_rng(0).choice(n, size=min(shared_landmarks, n), replace=False))
+        # float64 columns written chunk by chunk: compute_ntk's workspace is one chunk's, and no float32 copy of
+        # the whole (N, m) block lives beside the float64 one
+        columns = np.empty((n, chosen.size))
+        for i in range(0, n, 10_000):
+            block = compute_ntk(model, x_train[i : i + 10_000], x_train[chosen], mode="trace").theta
+            columns[i : i + 10_000] = block.double().numpy()
+        pre = shared_nystrom_preconditioner(
+            kernel_operator(train_op, k=K, name="train", operation="bench"),
+            ridge=lam,
+            trace_columns=columns,
+            landmark_indices=chosen,
+        )
+        del columns
+        build_s = time.perf_counter() - build
     options = CgOptions(
         rtol=rtol,
         landmarks=landmarks,
         max_iterations=max_iterations,
-        preconditioner=preconditioner,  # type: ignore[arg-type]
+        preconditioner=pre,  # type: ignore[arg-type]
+        max_seconds=None if max_minutes is None else max(1.0, max_minutes * 60 - (time.perf_counter() - start)),
     )
     post = gp_inference(train_op, y, cross_op, ridge=lam, cg=options)
     wall = time.perf_counter() - start
     solve = post.solve
     assert solve is not None
-    per = solve.time_s / max(solve.products, 1)
+    per = solve.time_s / max(solve.products, 1)  # the shared build is timed apart (build_s)
     accuracy = float(np.mean(post.mean.argmax(1) == _labels(x_test).argmax(1)))
     print(f"FULL kernel ridge by operator CG, MLP 784-512-512-10, N = {n} (kernel never formed: "
-          f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32)")  # fmt: skip
+          f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32), chunk {train_op.examples_per_chunk} examples")  # fmt: skip
+    verdict = "converged" if solve.converged else f"NOT CONVERGED ({solve.stop_reason})"
     print(f"  wall {wall:.1f} s, iterations {solve.iterations}, products {solve.products} "
-          f"({solve.preconditioner}), {per:.3f} s/product, residual {solve.residual.max():.2e}, "
-          f"converged {solve.converged} ({solve.stop_reason}), peak {_peak_mib():.0f} MiB, "
+          f"({solve.preconditioner}, built in {build_s:.1f} s), {per:.3f} s/product, "
+          f"residual {solve.residual.max():.2e}, {verdict}, peak {_peak_mib():.0f} MiB, "
           f"test accuracy {accuracy:.3f}")  # fmt: skip
+    product_s = solve.products * per
+    print(f"  limited by: products {product_s:.0f} s ({100 * product_s / wall:.0f} % of the wall; each a VJP and "
+          f"a JVP over all N examples), preconditioner build {build_s:.0f} s, the rest (CG vectors, the "
+          f"preconditioner's applications, the test predictions) {wall - product_s - build_s:.0f} s")  # fmt: skip
     scale = estimate_n / n
     est = solve.products * per * scale
     print(f"  estimate at N = {estimate_n}: {per * scale:.2f} s/product (linear in N) × {solve.products} products "
           f"(this run's count; iterations grow with N at a fixed ridge) = {est / 60:.1f} min; TRACE there: "
           f"{K}× the passes per product and {K} target columns = {K * K}× per iteration: "
           f"≈ {est * K * K / 3600:.1f} h for the same iteration count")  # fmt: skip
+
+
+class _BlockJacobi:
+    """(A + λI)'s per-example k × k diagonal blocks, inverted: the block-Jacobi preconditioner of the A/B."""
+
+    name = "block-jacobi"
+
+    def __init__(self, a: np.ndarray, lam: float, n: int) -> None:
+        blocks = np.stack([a[i * K : (i + 1) * K, i * K : (i + 1) * K] for i in range(n)]) + lam * np.eye(K)
+        self.inverse, self.n = np.linalg.inv(blocks), n
+
+    def apply(self, r: np.ndarray) -> np.ndarray:
+        out: np.ndarray = np.einsum("nab,nbc->nac", self.inverse, r.reshape(self.n, K, -1)).reshape(r.shape)
+        return out
+
+
+def section_preconditioners(n: int, ridge: float, rtol: float) -> None:
+    """The preconditioners A/B'd by CG iterations on the dense FULL kernel at a small N (iterations depend only on
+    the matrix, so a dense product stands in for the operator's; products to build each are listed apart)."""
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    theta = compute_ntk(model, x, mode="full", dtype="float64").theta
+    a = theta.permute(0, 2, 1, 3).reshape(n * K, n * K).numpy()
+    trace = np.einsum("nmaa->nm", theta.numpy())
+    y = _labels(x).reshape(-1, 1)
+    lam = ridge * float(np.mean(np.diag(a)))
+    op = kernel_operator(theta, k=K, name="theta", operation="bench")
+    print(f"CG iterations to rtol {rtol}, dense FULL kernel of the MLP 784-512-512-10, N = {n} (n = {n * K}), "
+          f"ridge {ridge} × mean diagonal")  # fmt: skip
+    rng = np.random.default_rng(0)
+    shared = {}
+    for m in (100, 300, 1000):
+        if m <= n:
+            chosen = np.sort(rng.choice(n, size=m, replace=False))
+            pre = shared_nystrom_preconditioner(op, ridge=lam, trace_columns=trace[:, chosen], landmark_indices=chosen)
+            shared[f"shared, m = {m} examples (one compute_ntk trace call)"] = pre
+    options: dict[str, object] = {"none": "none", "block-Jacobi (k backward passes)": _BlockJacobi(a, lam, n)}
+    for m in (100, 300):
+        options[f"Nyström uniform, m = {m} (m products)"] = nystrom_preconditioner(op, ridge=lam, landmarks=m)
+        options[f"Nyström gaussian, m = {m} (m products)"] = nystrom_preconditioner(
+            op, ridge=lam, landmarks=m, method="gaussian"
+        )
+    for label, pre in {**options, **shared}.items():
+        cg = CgOptions(rtol=rtol, preconditioner=pre, max_iterations=3000)  # type: ignore[arg-type]
+        result = conjugate_gradients(op, y, ridge=lam, options=cg)
+        print(f"  {label:<48} {result.iterations:>5} iterations  converged {result.converged}")
+
+
+def _chunk_one(n: int, chunk: int, products: int) -> None:
+    """One configuration in a process of its own (VmHWM only grows): s / product and the peak."""
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    op = ntk_operator(model, x, examples_per_chunk=chunk if chunk > 0 else n)
+    v = torch.randn(n, K, generator=torch.Generator().manual_seed(0))
+    op.matvec(v)  # warm-up
+    start = time.perf_counter()
+    for _ in range(products):
+        op.matvec(v)
+    print(f"{n:>7} {op.examples_per_chunk:>7} {(time.perf_counter() - start) / products:>10.3f} {_peak_mib():>9.0f}")
+
+
+def section_chunk(n: int, chunks: list[int], products: int) -> None:
+    """The A/B of ``MAX_EXAMPLES_PER_CHUNK``: the same FULL product with all N examples in one VJP / JVP against
+    bounded chunks, each configuration in its own process (alternated twice), s / product and peak RSS."""
+    print(f"FULL product, MLP 784-512-512-10, N = {n}, {products} products per process (0 = all N in one chunk)")
+    print(f"{'N':>7} {'chunk':>7} {'s/product':>10} {'peak MiB':>9}")
+    for _ in range(2):
+        for chunk in chunks:
+            command = [sys.executable, __file__, "--chunk-one", str(chunk), "--scale-n", str(n)]
+            subprocess.run([*command, "--products", str(products)], check=True)
 
 
 def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
@@ -172,12 +288,17 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=["dense", "scale", "features"])
+    sections = ["dense", "scale", "features", "chunk", "preconditioners"]
+    parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
     parser.add_argument("--ridge", type=float, default=1e-3, help="λ relative to the mean diagonal entry")
-    parser.add_argument("--landmarks", type=int, default=100)
-    parser.add_argument("--preconditioner", default="auto", choices=["auto", "none", "nystrom"], help="--section scale")
+    parser.add_argument("--landmarks", type=int, default=100, help="FULL columns of --preconditioner nystrom")
+    parser.add_argument("--shared-landmarks", type=int, default=1000, help="examples of --preconditioner shared")
+    parser.add_argument(
+        "--preconditioner", default="shared", choices=["auto", "none", "nystrom", "shared"], help="--section scale"
+    )
+    parser.add_argument("--max-minutes", type=float, default=None, help="--section scale: stop CG (reported)")
     parser.add_argument("--rtol", type=float, default=1e-8)
     parser.add_argument("--scale-n", type=int, default=2000)
     parser.add_argument("--scale-rtol", type=float, default=1e-5)
@@ -188,8 +309,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256], help="--section chunk")
+    parser.add_argument("--products", type=int, default=3, help="--section chunk")
+    parser.add_argument("--chunk-one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.chunk_one is not None:
+        _chunk_one(args.scale_n, args.chunk_one, args.products)
+        return
+    if "preconditioners" in args.section:
+        section_preconditioners(args.n[0], args.ridge, args.scale_rtol)
+    if "chunk" in args.section:
+        section_chunk(args.scale_n, args.chunks, args.products)
     if "dense" in args.section:
         section_dense(args.n, args.mode, args.ridge, args.landmarks, args.rtol)
     if "scale" in args.section:
@@ -201,6 +332,8 @@ def main() -> None:
             args.estimate_n,
             args.max_iterations,
             args.preconditioner,
+            args.max_minutes,
+            args.shared_landmarks,
         )
     if "features" in args.section:
         section_features(args.features_n, args.dims, args.seeds, args.features_ridge)

@@ -2,8 +2,9 @@
 
 One VJP of the batched model over x2 with cotangent v gives u = J(x2)ᵀ v in parameter space (summed over
 chunks of examples); one JVP over x1 with tangent u gives J(x1) u. Both run over chunks of examples sized to
-the memory budget, so memory is O(P + (N + M)·k) plus one chunk of activations, whatever N is: the operator is
-how to use Θ when it does not fit (Lanczos with ``scipy.sparse.linalg.eigsh``, conjugate gradients).
+the memory budget and ``MAX_CHUNK_BYTES`` of activations, so memory is O(P + (N + M)·k) plus one chunk of
+activations, whatever N is: the operator is how to use Θ when it does not fit (Lanczos with
+``scipy.sparse.linalg.eigsh``, conjugate gradients).
 
 =================== ============================== ============= ===========================================
 mode                matrix                         v             cost per product
@@ -42,6 +43,7 @@ from torch import nn
 from torch.func import jvp, vjp
 
 from ntk_service.errors import (
+    InvalidInput,
     MemoryEstimateExceeded,
     NonFiniteInput,
     OptionalDependencyMissing,
@@ -63,10 +65,18 @@ from ntk_service.kernels.private_module import check_model, private_copy
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["OPERATOR_MODES", "NtkOperator", "ntk_operator"]
+__all__ = ["MAX_CHUNK_BYTES", "OPERATOR_MODES", "NtkOperator", "ntk_operator"]
 
 OPERATOR_MODES = (KernelMode.FULL, KernelMode.TRACE, DerivedMode.PSEUDO)
 """The modes that are linear maps between the x2 side and the x1 side (the diagonals are not)."""
+
+MAX_CHUNK_BYTES = 256 * 2**20
+"""The activations of one chunk of examples (what a VJP / JVP call holds beyond the parameter-space vectors) are
+kept under this many bytes whatever the budget allows: the peak of a product is then O(P + chunk), flat in N,
+instead of every example's activations at once. Chunks cost a fixed overhead per call (18 BLAS calls per chunk
+for an MLP), so they are made as large as this bound allows: on the benchmark MLP (about 12,000 examples per
+chunk) N = 10,000 runs as one chunk, and halving the chunk cost 1.15-1.4x per product on the contended 2-core
+machine (benchmarks/bench_solvers.py --section chunk)."""
 
 _OPERATION = "ntk_operator"
 
@@ -248,6 +258,7 @@ def ntk_operator(
     output: str | None = None,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
+    examples_per_chunk: int | None = None,
 ) -> NtkOperator:
     """Θ(x1, x2) as a matrix-free operator: products with one VJP and one JVP pass over the data.
 
@@ -262,12 +273,16 @@ def ntk_operator(
         output (str, optional): which tensor of forward's return value is f, as ``compute_ntk``. Default: None.
         dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
         memory_budget_bytes (int, optional): peak memory of one product. Default: ``default_memory_budget()``.
+        examples_per_chunk (int, optional): examples per VJP / JVP call at most (the budget may allow fewer).
+            Default: None, meaning as many as ``MAX_CHUNK_BYTES`` of activations hold: the peak is O(P + chunk)
+            whatever N is.
 
     Returns:
         NtkOperator: ``matvec`` (M, k) -> (N, k) (FULL) or (M,) -> (N,); ``rmatvec``; ``op @ v``; ``op.T``;
         ``as_linear_operator()`` for SciPy.
 
     Raises:
+        InvalidInput: examples_per_chunk < 1 or not an integer.
         UnknownMode: a mode that is not a linear operator (the diagonals) or no mode at all.
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``;
             UnsupportedModel also for a model that cannot be copied.
@@ -278,6 +293,10 @@ def ntk_operator(
         valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
         raise UnknownMode(f"{_OPERATION}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
     path = parse_output(output, operation=_OPERATION)
+    if examples_per_chunk is not None and (
+        isinstance(examples_per_chunk, bool) or not isinstance(examples_per_chunk, int) or examples_per_chunk < 1
+    ):
+        raise InvalidInput(f"{_OPERATION}: examples_per_chunk must be an integer ≥ 1, got {examples_per_chunk!r}")
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     check_model(model)
     compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)
@@ -304,6 +323,7 @@ def ntk_operator(
             estimate_bytes=int(needed),
             budget_bytes=budget,
         )
-    chunk = min(chunk, max(batch_size(x1t), batch_size(cols)))
+    cap = max(1, int(MAX_CHUNK_BYTES // per_example)) if examples_per_chunk is None else examples_per_chunk
+    chunk = min(chunk, cap, max(batch_size(x1t), batch_size(cols)))
     sides = _Sides(problem, x1t, cols, chunk, int(fixed + chunk * per_example))
     return NtkOperator(sides, kernel_mode, transposed=False, symmetric=x2t is None)

@@ -242,3 +242,26 @@ def test_auto_builds_the_preconditioner_only_from_its_size_threshold() -> None:
         result = conjugate_gradients(kernel_operator(diagonal, k=1, name="a", operation="t"), np.ones(n))
         assert result.converged and result.preconditioner.startswith(expected)
         np.testing.assert_allclose(result.solution[:, 0], 1.0 / d, rtol=1e-7)
+
+
+def test_a_solve_below_the_products_rounding_says_so() -> None:
+    """float32 products of a kernel of condition 10⁴ leave a true residual near 1e-4: the recursive residual gets to
+    rtol = 1e-5, the recomputed one does not, and after the warm restarts the result says "rounding", not
+    converged (numpy's float64 residual of the returned solution confirms it is above rtol)."""
+    rng = np.random.default_rng(0)
+    q, _ = np.linalg.qr(rng.standard_normal((120, 120)))
+    a = (q * np.logspace(3, -1, 120)) @ q.T
+    a32 = a.astype(np.float32)
+
+    class Float32Kernel:
+        shape = a.shape
+
+        def matvec(self, v: np.ndarray) -> np.ndarray:
+            return a32 @ v.astype(np.float32)
+
+    b = rng.standard_normal(120)
+    op = kernel_operator(Float32Kernel(), k=1, name="a", operation="test")
+    result = conjugate_gradients(op, b, options=CgOptions(rtol=1e-5, preconditioner="none", max_iterations=2000))
+    assert not result.converged and result.stop_reason.startswith("rounding: after 3 warm restarts")
+    assert result.iterations < 2000
+    assert np.linalg.norm(b - a32.astype(np.float64) @ result.solution[:, 0]) / np.linalg.norm(b) > 1e-5

@@ -9,8 +9,9 @@ import scipy.sparse.linalg
 import torch
 from torch import nn
 
-from ntk_service.errors import MemoryEstimateExceeded, NonFiniteInput, ShapeMismatch, UnknownMode
+from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, NonFiniteInput, ShapeMismatch, UnknownMode
 from ntk_service.kernels import ntk_operator
+from ntk_service.kernels.linear_operator import MAX_CHUNK_BYTES
 from tests.kernels.zoo import ZOO
 from tests.reference import reference_ntk
 
@@ -152,3 +153,45 @@ def test_a_large_n_with_a_small_budget_is_walked_one_chunk_at_a_time(mode: str) 
     else:
         expected = kernel @ v
     assert _rel(product[:rows], expected) <= 1e-10
+
+
+def test_the_default_chunk_is_bounded_in_bytes_whatever_the_budget() -> None:
+    """With a budget that would take every example at once, the default still walks the data in chunks whose
+    activations stay under MAX_CHUNK_BYTES (the peak is O(P + chunk), not O(P + N)): a model whose hidden layer
+    makes one example ~1 MB of activations sees at most ~256 examples per call, and the product stays right."""
+    torch.manual_seed(0)
+    width = 2**16
+    model = nn.Sequential(nn.Linear(2, width), nn.Tanh(), nn.Linear(width, 1))
+    seen: list[int] = []
+    model[0].register_forward_hook(lambda _m, args, _out: seen.append(int(args[0].shape[0])))
+    n = 600
+    x = torch.randn(n, 2, generator=torch.Generator().manual_seed(1))
+    op = ntk_operator(model, x, memory_budget_bytes=2**40)
+    assert 1 <= op.examples_per_chunk < n  # the budget alone would have allowed all 600
+    assert op.examples_per_chunk * 4 * width <= MAX_CHUNK_BYTES  # each example holds ≥ its 2**16 hidden floats
+    v = torch.randn(n, 1, generator=torch.Generator().manual_seed(2))
+    seen.clear()
+    product = op.matvec(v)
+    assert max(seen) <= op.examples_per_chunk and sum(seen) >= 2 * n
+    # Θ of f = w2 · tanh(W1 x + b1) + b2 written out by hand (float64): the hidden units' derivative terms
+    # Σ_j w2_j² (1 − h_j²)(1 − h'_j²)(x · x' + 1), plus h · h' + 1 for the last layer
+    w1, b1 = model[0].weight.detach().double(), model[0].bias.detach().double()
+    w2 = model[2].weight.detach().double()[0]
+    xd = x.double()
+    h = torch.tanh(xd @ w1.T + b1)
+    g = (1 - h**2) * w2
+    kernel = (g @ g.T) * (xd @ xd.T + 1) + h @ h.T + 1
+    assert _rel(product.double(), kernel @ v.double()) <= 1e-4  # float32 products
+
+
+def test_examples_per_chunk_is_a_cap_and_is_checked() -> None:
+    model = _mlp().double()
+    x1, x2 = _inputs()
+    op = ntk_operator(model, x1, x2, examples_per_chunk=2)
+    assert op.examples_per_chunk == 2
+    v = torch.randn(5, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = torch.einsum("nmab,mb->na", reference_ntk(model, x1, x2, "full"), v)
+    assert _rel(op.matvec(v), expected) <= 1e-12
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(InvalidInput, match="ntk_operator: examples_per_chunk must be an integer ≥ 1"):
+            ntk_operator(model, x1, examples_per_chunk=bad)  # type: ignore[arg-type]

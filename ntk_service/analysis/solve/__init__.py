@@ -21,6 +21,7 @@ from ntk_service.analysis.solve.preconditioners import (
     LandmarkMethod,
     NystromPreconditioner,
     nystrom_preconditioner,
+    shared_nystrom_preconditioner,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "kernel_operator",
     "lanczos_functions",
     "nystrom_preconditioner",
+    "shared_nystrom_preconditioner",
 ]

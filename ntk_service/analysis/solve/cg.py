@@ -29,6 +29,12 @@ NOTE [cg default]
 
     An MLP's NTK has a few outlying top eigenvalues that plain CG resolves in about one iteration each; the
     iterations of the bulk grow with N (≈ N^0.66 here), and once they are well above m the landmarks pay.
+
+    What "auto" cannot build, because it needs the model, is the better one at scale: the shared-output Nyström
+    preconditioner (NOTE [shared nystrom] in ``preconditioners.py``; m = 1000 landmark examples from one
+    ``compute_ntk`` TRACE call, no products) took the same N = 10,000 solve to 51 iterations and 52 products, and
+    a block-Jacobi preconditioner (the per-example k × k blocks) saved under 10 % of the iterations at
+    N = 1000 and was not kept (benchmarks/bench_solvers.py --section preconditioners and --section scale).
 """
 
 from __future__ import annotations
@@ -91,6 +97,9 @@ class CgOptions:
         landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
         landmark_method: "uniform" or "pivoted_cholesky". seed: the uniform landmarks' generator.
         diagonal: (n,) the kernel's diagonal, for "pivoted_cholesky" on an operator.
+        max_seconds: stop after this much wall time (checked once per iteration, the preconditioner's build
+            included), with ``stop_reason`` "time_limit" and ``converged`` False unless the residual made it.
+            Default: None (no limit).
     """
 
     rtol: float = DEFAULT_RTOL
@@ -100,6 +109,7 @@ class CgOptions:
     landmark_method: LandmarkMethod = "uniform"
     seed: int = 0
     diagonal: Any = None
+    max_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,8 @@ class SolveResult:
 
     Attributes:
         solution: X (n, r). residual: (r,) the true relative residual ‖b − (A + λI) x‖ / ‖b‖ of each column.
-        converged: every column reached rtol. stop_reason: "converged", "max_iterations" or "breakdown: ...".
+        converged: every column reached rtol. stop_reason: "converged", "max_iterations", "time_limit",
+            "rounding: ..." (the true residual stayed above rtol through the warm restarts) or "breakdown: ...".
         iterations: CG iterations (all restarts). products: operator products (columns), the preconditioner's
             included. passes: VJP + JVP passes over the data those products cost (0 for a dense kernel).
         rtol: the target. time_s: wall time, the preconditioner's build included. preconditioner: its name.
@@ -178,6 +189,8 @@ def conjugate_gradients(
         raise InvalidInput(f"{_OPERATION}: rtol must be a positive number, got {options.rtol}")
     if options.max_iterations is not None and options.max_iterations < 0:
         raise InvalidInput(f"{_OPERATION}: max_iterations must be ≥ 0, got {options.max_iterations}")
+    if options.max_seconds is not None and not (options.max_seconds > 0 and np.isfinite(options.max_seconds)):
+        raise InvalidInput(f"{_OPERATION}: max_seconds must be a positive number or None, got {options.max_seconds}")
     n = op.rows
     if op.rows != op.cols:
         raise ShapeMismatch(f"{_OPERATION}: the kernel has shape {op.shape}; CG needs a square one")
@@ -208,6 +221,9 @@ def conjugate_gradients(
             out[:, cols] = op.apply(v[:, cols]) + lam * v[:, cols]
         return out
 
+    def out_of_time() -> bool:
+        return options.max_seconds is not None and time.perf_counter() - start > options.max_seconds
+
     everything = np.arange(b.shape[1])
     iterations, stop_reason = 0, "max_iterations"
     moving = everything[bnorm > 0]
@@ -223,6 +239,9 @@ def conjugate_gradients(
         p = z.copy()
         rz = np.sum(r * z, axis=0)
         while active.size and iterations < max_iterations:
+            if out_of_time():
+                stop_reason = "time_limit"
+                break
             ap = product(p, active)
             pap = np.sum(p[:, active] * ap[:, active], axis=0)
             if np.any(pap <= 0):
@@ -244,13 +263,17 @@ def conjugate_gradients(
         r = b - product(x, moving)
         residual = np.linalg.norm(r, axis=0) / bnorm_safe
         residual[bnorm == 0] = 0.0
-        if stop_reason.startswith("breakdown") or iterations >= max_iterations:
+        if stop_reason.startswith("breakdown") or stop_reason == "time_limit" or iterations >= max_iterations:
             break
     converged = bool(np.all(residual <= options.rtol))
     if converged:
         stop_reason = "converged"
-    elif stop_reason == "converged":  # restarts exhausted with rounding above rtol
-        stop_reason = "max_iterations"
+    elif stop_reason in ("converged", "max_iterations") and iterations < max_iterations:
+        # the recursive residual reached rtol every time, the recomputed one did not: the products' rounding
+        stop_reason = (
+            f"rounding: after {_RESTARTS} warm restarts the true residual stays above rtol (the operator's "
+            "rounding floor, e.g. float32 products); loosen rtol or compute the operator in float64"
+        )
     return SolveResult(
         solution=x,
         residual=residual,

@@ -3,11 +3,12 @@
 NOTE [nystrom preconditioner]
     m landmark columns C = A[:, S] (each one product with a unit vector, or given) give the Nyström
     approximation Â = C A[S, S]⁺ Cᵀ = F Fᵀ, F (n, m'), or a pivoted Cholesky gives Â = F Fᵀ directly. With the
-    thin SVD F = U Σ Vᵀ and Λ = Σ², the preconditioner of Frangella, Tropp and Udell (2023, "Randomized Nyström
-    preconditioning") is P⁻¹ = (λ_min(Λ) + μ) U (Λ + μI)⁻¹ Uᵀ + (I − U Uᵀ): it maps the top m' modes of A + μI
-    to about λ_min(Λ) + μ and leaves the rest, so CG's condition number drops from (λ_1 + μ)/(λ_n + μ) to about
-    (λ_{m'+1} + μ)/(λ_n + μ). NTK spectra fall fast (the top k modes of an MLP are the class-mean directions,
-    orders of magnitude above the bulk), so a few dozen landmarks remove most of the conditioning.
+    thin SVD F = U Σ Vᵀ (from the eigenpairs of FᵀF) and Λ = Σ², the preconditioner of Frangella, Tropp and
+    Udell (2023, "Randomized Nyström preconditioning") is P⁻¹ = (λ_min(Λ) + μ) U (Λ + μI)⁻¹ Uᵀ + (I − U Uᵀ): it
+    maps the top m' modes of A + μI to about λ_min(Λ) + μ and leaves the rest, so CG's condition number drops
+    from (λ_1 + μ)/(λ_n + μ) to about (λ_{m'+1} + μ)/(λ_n + μ). NTK spectra fall fast (the top k modes of an
+    MLP are the class-mean directions, orders of magnitude above the bulk), so a few dozen landmarks remove most
+    of the conditioning.
 
     ``DEFAULT_LANDMARKS`` = 100 columns: building costs m products, i.e. about m CG iterations, so m should be
     well below the iterations it saves; at m = 100 the factorization is O(n·m²) flops and n·m floats of memory
@@ -19,19 +20,41 @@ NOTE [nystrom preconditioner]
     GPyTorch's BBMM does; needs the diagonal, known for a dense kernel or passed in), or "gaussian" (Y = A Ω for
     an orthonormalized Gaussian Ω (n, m), the randomized Nyström of Frangella et al.; same m products, no
     landmark indices). On the tests' spectra the three needed iterations within 15 % of each other.
+
+NOTE [shared nystrom]
+    A FULL kernel of n = N·k rows needs a basis covering k times the modes of its scalar part, and the basis of
+    m columns costs m products and n·m floats (8 GB at n = 10⁶, m = 1000). The NTK of a network whose outputs
+    come from one last layer is close to (Θ_trace / k) ⊗ I_k (the outputs differ only in the last layer's rows),
+    so ``shared_nystrom_preconditioner`` builds the Nyström preconditioner of the N × N scalar kernel
+    Θ_s = Θ_trace / k from m landmark *examples* (its columns Θ_trace(x, x[S]), one ``compute_ntk(model, x,
+    x[S], mode="trace")`` call, far cheaper than m·k products) and applies it to every output at once
+    (P_s ⊗ I_k in the example-major layout): N·m floats for m·k of the FULL kernel's directions. With m above
+    the input dimension it removes the input-linear part of an MLP's spectrum, whose modes grow with N
+    (benchmarks/bench_solvers.py --section scale; docs/benchmarks.md, issue 26).
+
+    Memory is accounted before anything is built: the columns, the factor and its basis take about
+    ``_BASIS_COPIES`` × N·m float64s, refused over ``memory_budget_bytes`` with the estimate and the m that fits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from ntk_service.analysis.solve.operators import KernelOperator
-from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
+from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.planning import default_memory_budget
 
-__all__ = ["DEFAULT_LANDMARKS", "LandmarkMethod", "NystromPreconditioner", "nystrom_preconditioner"]
+__all__ = [
+    "DEFAULT_LANDMARKS",
+    "LandmarkMethod",
+    "NystromPreconditioner",
+    "nystrom_preconditioner",
+    "shared_nystrom_preconditioner",
+]
 
 DEFAULT_LANDMARKS = 100
 """Landmark columns of the default Nyström preconditioner, capped at n (NOTE [nystrom preconditioner])."""
@@ -41,6 +64,10 @@ LandmarkMethod = Literal["gaussian", "uniform", "pivoted_cholesky"]
 
 _OPERATION = "nystrom_preconditioner"
 
+_BASIS_COPIES = 3
+"""float64 (rows, m) arrays alive at once while a preconditioner is built: the columns, the factor and the
+basis U (``_basis`` never forms an SVD's workspace) (NOTE [shared nystrom])."""
+
 
 @dataclass(frozen=True)
 class NystromPreconditioner:
@@ -49,7 +76,8 @@ class NystromPreconditioner:
     Attributes:
         basis: U (n, m'), orthonormal columns. eigenvalues: Λ (m',) descending, the Nyström eigenvalues of A.
         shift: μ (the ridge). landmarks: (m,) the column indices used. method: how they were chosen.
-        products: operator products spent building it.
+        products: operator products spent building it. outputs: k when the basis is over examples and shared by
+            the k outputs of a FULL kernel (NOTE [shared nystrom]; basis (N, m'), applied as P_s ⊗ I_k), else 1.
     """
 
     basis: np.ndarray
@@ -58,15 +86,23 @@ class NystromPreconditioner:
     landmarks: np.ndarray
     method: str
     products: int
+    outputs: int = 1
 
     @property
     def name(self) -> str:
-        return f"nystrom({self.method}, m={self.landmarks.size}, rank={self.eigenvalues.size})"
+        shared = f", shared by {self.outputs} outputs" if self.outputs > 1 else ""
+        return f"nystrom({self.method}, m={self.landmarks.size}, rank={self.eigenvalues.size}{shared})"
 
     def apply(self, r: np.ndarray) -> np.ndarray:
         """P⁻¹ R for R (n, r): (n, r)."""
         if self.eigenvalues.size == 0:
             return r.copy()
+        if self.outputs > 1:  # rows n·k + a: the examples' basis acts on every (output, column) pair at once
+            n, width = r.shape
+            return self._apply(r.reshape(n // self.outputs, self.outputs * width)).reshape(n, width)
+        return self._apply(r)
+
+    def _apply(self, r: np.ndarray) -> np.ndarray:
         u = self.basis
         coeffs = u.T @ r
         floor = float(self.eigenvalues[-1]) + self.shift
@@ -121,6 +157,20 @@ def _sketch_factor(omega: np.ndarray, sketch: np.ndarray) -> np.ndarray:
     return factor
 
 
+def _basis(factor: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """U and Λ = Σ² of the thin SVD of F, without the modes below √(n·eps) of the largest: from the eigenpairs
+    of the m × m Gram matrix FᵀF (U = F V Σ⁻¹), so only F and U are ever (n, m). Squaring the singular values
+    loses nothing here: the modes kept have Σ² ≥ n·eps·Σ₀², far above the Gram matrix's rounding (eps·Σ₀²)."""
+    if factor.shape[1] == 0:
+        return np.zeros((n, 0)), np.zeros(0)
+    values, vectors = np.linalg.eigh(factor.T @ factor)
+    order = np.argsort(values)[::-1]
+    values, vectors = values[order], vectors[:, order]
+    keep = values > max(float(values[0]), 0.0) * n * np.finfo(np.float64).eps
+    basis: np.ndarray = factor @ (vectors[:, keep] / np.sqrt(values[keep]))
+    return basis, values[keep]
+
+
 def nystrom_preconditioner(
     op: KernelOperator,
     *,
@@ -131,6 +181,7 @@ def nystrom_preconditioner(
     diagonal: np.ndarray | None = None,
     columns: np.ndarray | None = None,
     landmark_indices: np.ndarray | None = None,
+    memory_budget_bytes: int | None = None,
 ) -> NystromPreconditioner:
     """A Nyström preconditioner for op + ridge·I (NOTE [nystrom preconditioner]).
 
@@ -149,6 +200,7 @@ def nystrom_preconditioner(
     Raises:
         InvalidInput: m < 1, an unknown method, "pivoted_cholesky" on an operator without ``diagonal``.
         ShapeMismatch: columns or indices that do not fit the operator.
+        MemoryEstimateExceeded: the n × m basis would not fit (the message gives the estimate and the m that fits).
     """
     n = op.rows
     if op.rows != op.cols:
@@ -167,6 +219,7 @@ def nystrom_preconditioner(
         m = min(n, DEFAULT_LANDMARKS) if landmarks is None else int(landmarks)
         if m < 1 or m > n:
             raise InvalidInput(f"{_OPERATION}: landmarks must be in [1, n = {n}], got {landmarks}")
+        _check_basis_memory(n, m, memory_budget_bytes, _OPERATION)
         if method == "uniform":
             chosen = np.sort(np.random.default_rng(seed).choice(n, size=m, replace=False))
             unit = np.zeros((n, m))
@@ -191,12 +244,7 @@ def nystrom_preconditioner(
             raise InvalidInput(
                 f"{_OPERATION}: unknown method {method!r}; expected 'uniform', 'pivoted_cholesky' or 'gaussian'"
             )
-    if factor.shape[1] == 0:
-        basis, eigenvalues = np.zeros((n, 0)), np.zeros(0)
-    else:
-        u, s, _ = np.linalg.svd(factor, full_matrices=False)
-        keep = s > s[0] * np.sqrt(n * np.finfo(np.float64).eps)
-        basis, eigenvalues = u[:, keep], s[keep] ** 2
+    basis, eigenvalues = _basis(factor, n)
     return NystromPreconditioner(
         basis=basis,
         eigenvalues=eigenvalues,
@@ -204,4 +252,77 @@ def nystrom_preconditioner(
         landmarks=np.asarray(chosen),
         method=str(method),
         products=products,
+    )
+
+
+def _check_basis_memory(rows: int, m: int, budget: int | None, operation: str) -> None:
+    limit = default_memory_budget() if budget is None else int(budget)
+    needed = _BASIS_COPIES * rows * m * 8
+    if needed > limit:
+        fits = max(0, limit // (_BASIS_COPIES * rows * 8))
+        raise MemoryEstimateExceeded(
+            f"{operation}: a basis of m = {m} columns over {rows} rows needs about {format_bytes(needed)} while it is "
+            f"built ({_BASIS_COPIES} float64 copies), over the memory budget of {format_bytes(limit)}; use at most "
+            f"m = {fits} landmarks or a larger budget",
+            estimate_bytes=needed,
+            budget_bytes=limit,
+        )
+
+
+def shared_nystrom_preconditioner(
+    op: KernelOperator,
+    *,
+    ridge: float,
+    trace_columns: Any,
+    landmark_indices: Any,
+    memory_budget_bytes: int | None = None,
+) -> NystromPreconditioner:
+    """The Nyström preconditioner of a FULL kernel's scalar part Θ_trace / k, shared by its k outputs
+    (NOTE [shared nystrom]).
+
+    Args:
+        op: the square FULL kernel (``kernel_operator``), N·k rows in the example-major layout. ridge: μ ≥ 0.
+        trace_columns: (N, m) Θ_trace(x, x[S]), the TRACE kernel (the plain sum over outputs) of all N training
+            examples against the m landmark examples, e.g. ``compute_ntk(model, x, x[S], mode="trace").theta``.
+        landmark_indices: (m,) S, the landmark examples' rows in x.
+        memory_budget_bytes: the limit for building the basis. Default: ``default_memory_budget()``.
+
+    Returns:
+        NystromPreconditioner with ``outputs = k`` and basis (N, m'); ``products`` 0 (the columns came from
+        elsewhere).
+
+    Raises:
+        InvalidInput: a kernel that is not FULL. ShapeMismatch: columns or indices that do not fit the operator.
+        MemoryEstimateExceeded: the basis would not fit (the message gives the estimate and the m that fits).
+    """
+    operation = "shared_nystrom_preconditioner"
+    if op.rows != op.cols or op.mode is not KernelMode.FULL:
+        raise InvalidInput(
+            f"{operation}: needs a square FULL kernel (N·k rows, example-major), got a {op.mode.value} kernel of "
+            f"shape {op.shape}; for a TRACE kernel use nystrom_preconditioner(columns=...) on its own columns"
+        )
+    n, k = op.n, op.k
+    raw = trace_columns.detach().cpu().numpy() if hasattr(trace_columns, "detach") else trace_columns
+    shape = tuple(np.shape(raw))
+    idx = np.asarray(landmark_indices, dtype=np.int64).reshape(-1)
+    if len(shape) != 2 or shape != (n, idx.size) or idx.size == 0 or np.any(idx < 0) or np.any(idx >= n):
+        raise ShapeMismatch(
+            f"{operation}: trace_columns has shape {shape} with {idx.size} landmark indices; expected "
+            f"Θ_trace(x, x[S]) of shape ({n}, m) and m ≥ 1 indices S in [0, {n}) for this kernel of {n} examples"
+        )
+    _check_basis_memory(n, idx.size, memory_budget_bytes, operation)
+    # (C / k)(W / k)⁺(C / k)ᵀ = C W⁺ Cᵀ / k: scale the factor, not a copy of the columns (float64 columns are used
+    # as they are, without a second (N, m) array)
+    factor = _nystrom_factor(np.asarray(raw, dtype=np.float64), idx)
+    factor /= np.sqrt(k)
+    basis, eigenvalues = _basis(factor, n)
+    del factor
+    return NystromPreconditioner(
+        basis=basis,
+        eigenvalues=eigenvalues,
+        shift=float(ridge),
+        landmarks=idx,
+        method="shared",
+        products=0,
+        outputs=k,
     )
