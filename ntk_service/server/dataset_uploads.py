@@ -1,9 +1,11 @@
 """The body of ``POST /v1/datasets``: one array, or several named arrays with one N.
 
 - ``application/x-npy``: one array (as before).
-- ``application/x-safetensors``: tensor ``x`` alone is one array (as before); any other names, one tensor per name.
+- ``application/x-safetensors``: one tensor per name.
 - ``application/x-npz``: ``np.savez`` / ``np.savez_compressed``, one member per name.
 - ``application/json``: ``{name: nested list}``, or the wire's tensor object ``{"shape", "dtype", "data"}`` per name.
+
+In the three named formats, an array named ``x`` alone is one plain array (as safetensors bodies always were).
 
 NOTE [hostile uploads]
 Everything here is data. An ``.npz`` is a zip read in memory: no member is ever extracted to disk or by its name
@@ -66,11 +68,13 @@ async def read_dataset(request: Request, *, operation: str, max_bytes: int) -> n
         if media == wire.MEDIA_NPY:
             return wire.decode_npy(body, name=what)
         if media == wire.MEDIA_SAFETENSORS:
-            tensors = wire.decode_safetensors(body, name=what)[0]
-            return tensors[DATASET_TENSOR] if set(tensors) == {DATASET_TENSOR} else tensors
-        if media == wire.MEDIA_NPZ:
-            return decode_npz(body, name=what, max_bytes=max_bytes)
-        return decode_json_arrays(wire.json_loads(body, name=what), name=what)
+            arrays = wire.decode_safetensors(body, name=what)[0]
+        elif media == wire.MEDIA_NPZ:
+            arrays = decode_npz(body, name=what, max_bytes=max_bytes)
+        else:
+            arrays = decode_json_arrays(wire.json_loads(body, name=what), name=what)
+        # one array named DATASET_TENSOR is a plain data set in every format (as safetensors bodies always were)
+        return arrays[DATASET_TENSOR] if set(arrays) == {DATASET_TENSOR} else arrays
 
     return await parse_off_loop(decode, size=len(body))
 

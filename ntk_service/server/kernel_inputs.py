@@ -345,11 +345,12 @@ def _named_side(raw: dict[str, Any], *, side: str) -> NamedArrays:
 
 
 def parse_side(raw: Any, *, side: str, operation: str) -> SideSource:
-    """A JSON side: ``{"dataset": id, "start", "stop"}`` is a :class:`DatasetRef`, an object with ``data`` a wire
-    tensor, any other object named tensors (``{"input_ids": tensor, "attention_mask": tensor}``)."""
+    """A JSON side: ``{"dataset": id, "start", "stop"}`` is a :class:`DatasetRef`, an object with ``data`` (or with
+    ``shape`` and ``dtype``: one missing its data) a wire tensor, any other object named tensors
+    (``{"input_ids": tensor, "attention_mask": tensor}``)."""
     if isinstance(raw, dict) and "dataset" in raw:
         return validate_body(DatasetRef, raw, operation=f"{operation}: {side}")
-    if isinstance(raw, dict) and "data" not in raw:
+    if isinstance(raw, dict) and "data" not in raw and not {"shape", "dtype"} <= set(raw):
         return _named_side(raw, side=f"{operation}: {side}")
     return wire.tensor_from_json(raw, name=side)
 

@@ -148,6 +148,7 @@ def test_a_schema_2_data_dir_gains_the_arrays_column(tmp_path: Path) -> None:
     store.close()
     with sqlite3.connect(tmp_path / DATABASE_FILENAME) as conn:  # back to what schema 2 wrote
         conn.execute("ALTER TABLE datasets DROP COLUMN arrays")
+        conn.execute("ALTER TABLE model_versions DROP COLUMN inputs")
         conn.execute("UPDATE schema_version SET version = 2")
     store = DatasetStore(tmp_path)
     assert store.get(old.id) == old and np.array_equal(store.load(old.id, 1, 3), np.arange(2, 6).reshape(2, 2))

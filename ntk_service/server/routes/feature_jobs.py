@@ -110,7 +110,13 @@ def _encode(media: str, name: str, array: np.ndarray) -> Response:
     return json_response({name: wire.tensor_to_json(array)})
 
 
-@router.post("", status_code=202, summary="Submit a features job", openapi_extra=openapi_body(FeatureJobCreate))
+@router.post(
+    "",
+    status_code=202,
+    summary="Submit a features job",
+    openapi_extra=openapi_body(FeatureJobCreate),
+    responses={404: {"description": "The model, version or data set does not exist."}},
+)
 async def submit_feature_job(request: Request, _: WriteAccess, jobs: SolveJobsDep) -> Response:
     operation = "submit features job"
     body = validate_body(FeatureJobCreate, await read_json(request, operation=operation), operation=operation)
@@ -129,7 +135,12 @@ async def submit_feature_job(request: Request, _: WriteAccess, jobs: SolveJobsDe
     return json_response(job, status_code=202, headers={"Location": f"/v1/feature-jobs/{job['id']}"})
 
 
-@router.post("/kernel", summary="A kernel from two features jobs", openapi_extra=openapi_body(FeatureKernelCreate))
+@router.post(
+    "/kernel",
+    summary="A kernel from two features jobs",
+    openapi_extra=openapi_body(FeatureKernelCreate),
+    responses={404: {"description": "A features job does not exist."}},
+)
 async def feature_kernel_route(request: Request, _: ReadAccess, jobs: SolveJobsDep, settings: SettingsDep) -> Response:
     operation = "POST /v1/feature-jobs/kernel"
     body = validate_body(FeatureKernelCreate, await read_json(request, operation=operation), operation=operation)

@@ -126,7 +126,13 @@ async def stop_solve_jobs(app: FastAPI) -> None:
         await anyio.to_thread.run_sync(jobs.stop)
 
 
-@router.post("", status_code=202, summary="Submit a solve job", openapi_extra=openapi_body(SolveJobCreate))
+@router.post(
+    "",
+    status_code=202,
+    summary="Submit a solve job",
+    openapi_extra=openapi_body(SolveJobCreate),
+    responses={404: {"description": "The model, version or a data set does not exist."}},
+)
 async def submit_solve_job(request: Request, _: WriteAccess, jobs: SolveJobsDep) -> Response:
     operation = "submit solve job"
     body = validate_body(SolveJobCreate, await read_json(request, operation=operation), operation=operation)
