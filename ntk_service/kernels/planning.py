@@ -35,8 +35,10 @@ STREAMED_SIDE_BYTES = 768 * 2**20
 NOTE [streamed right side]: with x1 in one block, x1's side is kept and x2's is used once, so x2's can be built,
 contracted and freed in parts: the peak holds one part instead of the whole side, for one more side call per part.
 On the benchmark transformer (N = M = 64, FULL; J = 1062 MiB a side) the peak fell from 2914 MiB in one part (the
-torch.func tutorial's 2875–2915 MiB, the same work) to 2153 MiB in two, fresh processes. Parts are as large as this
-bound allows, since a smaller ``vmap(jacrev)`` call batches less work."""
+torch.func tutorial's 2875–2944 MiB, the same work) to 2153 MiB in two, fresh processes. A side past this bound is
+built in two halves, never more parts: a ``vmap(jacrev)`` call's efficiency falls with its batch and on odd sizes
+(transformer N = M = 128 TRACE, idle, one process: 2 parts of 64 cost 2.5 % more than one call, 4 of 32 15 %,
+3 of 43 36 %). Larger sides are cut by the memory budget's blocks instead."""
 
 BUDGET_REFRESH_SECONDS = 0.5
 """How long ``default_memory_budget`` reuses its reading: /proc/meminfo costs ~0.15 ms on a cold cache, a
@@ -123,9 +125,8 @@ def _estimate(
 
 def _streamed_block(alg: NtkAlgorithm, problem: NtkProblem, m: int, bound: int) -> int:
     """x2-examples per block when x1 is one block: all of them, unless their side outweighs ``bound`` bytes; then
-    the fewest equal parts that do not (NOTE [streamed right side])."""
-    parts = math.ceil(alg.side_bytes(problem, m, left=False)[1] / max(1, bound))
-    return m if parts <= 1 else math.ceil(m / parts)
+    half of them (NOTE [streamed right side])."""
+    return m if alg.side_bytes(problem, m, left=False)[1] <= bound else math.ceil(m / 2)
 
 
 def plan_blocks(
@@ -150,8 +151,8 @@ def plan_blocks(
         symmetric: x2 is x1 (square blocks, only blocks on and above the diagonal).
         budget_bytes: the memory budget.
         groups: the number of kernels computed from the same sides (``compute_ntk_groups``); 1 for one kernel.
-        streamed_side_bytes: with x1 in one block, x2's side is built in parts of at most this (NOTE [streamed
-            right side]). Default: ``STREAMED_SIDE_BYTES``.
+        streamed_side_bytes: with x1 in one block, an x2 side larger than this is built in two halves (NOTE
+            [streamed right side]). Default: ``STREAMED_SIDE_BYTES``.
 
     Returns:
         The BlockPlan.
