@@ -73,6 +73,14 @@ def _now() -> datetime:
     return datetime.now(UTC)
 
 
+def _distinct_numel(module: nn.Module) -> int:
+    """P, the trained numbers: a weight tied under two names counts once, also where a loaded program holds it as
+    two parameter objects over one storage (a Hugging Face model's tied input and output embeddings)."""
+    seen = {(p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), p.stride()): p.numel()
+            for p in module.parameters()}  # fmt: skip
+    return sum(seen.values())
+
+
 def _parameter_infos(module: nn.Module) -> tuple[ParameterInfo, ...]:
     return tuple(ParameterInfo(n, tuple(p.shape)) for n, p in module.named_parameters())
 
@@ -232,7 +240,7 @@ class ModelRegistry:
             version=1,
             architecture=normalized,
             seed=seed,
-            num_params=sum(p.numel() for p in module.parameters()),
+            num_params=_distinct_numel(module),
             input_shape=spec.input_shape,
             input_dtype=spec.input_dtype,
             output_dim=spec.output_dim,

@@ -97,6 +97,7 @@ def models(live_server: LiveServer) -> Iterator[dict[str, tuple[str, nn.Module]]
                 ],
             }
             assert record["architecture"]["outputs"] == {"logits": [T, VOCAB]}
+            assert record["num_params"] == sum(p.numel() for p in module.parameters())  # tied embeddings once
             assert [p["name"] for p in record["parameters"]][:3] == [n for n, _ in module.named_parameters()][:3]
             assert client.get_model(name)["inputs"] == record["inputs"]  # GET /v1/models/{name} shows it
             out[kind] = (name, module)
@@ -324,3 +325,35 @@ def test_output_through_the_analysis_and_kernel_family_routes(
             client.spectrum(name, x, output="nope")
         with pytest.raises(InvalidInput, match="y_train"):  # k = 4 from the selection, known before computing
             client.predict(name, x, y[:, :3], times=[0.0], learning_rate=0.1, output="logits[:, 2, :4]")
+
+
+def test_a_vision_transformer_over_http(live_server: LiveServer) -> None:
+    """A tiny Hugging Face ViT (one keyword input ``pixel_values``, a ModelOutput) registered from the client, its
+    kernel over HTTP (JSON and safetensors) against the float64 reference of the original module."""
+    torch.manual_seed(2)
+    config = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        num_labels=3,
+    )
+    vit = _quiet(lambda: transformers.ViTForImageClassification(config)).eval()
+    name = f"hf-vit-{uuid.uuid4().hex[:6]}"
+    rng = np.random.default_rng(4)
+    x1, x2 = ({"pixel_values": rng.standard_normal((n, 3, 8, 8)).astype(np.float32)} for n in (3, 2))
+    expected = reference_ntk(vit, _torch(x1), _torch(x2), output=lambda out: out.logits)
+    with Client(live_server.url, api_key=live_server.write_key) as client:
+        record = _quiet(
+            lambda: client.register_module(
+                name, vit, input_shape={"pixel_values": (3, 8, 8)}, input_dtype={"pixel_values": "float32"}
+            )
+        )
+        assert record["architecture"]["outputs"] == {"logits": [3]}
+        for transport in ("json", "safetensors"):
+            client.transport_format = transport  # type: ignore[assignment]
+            theta = client.ntk(name, x1, x2, output="logits", dtype="float64")
+            assert_matches(torch.from_numpy(theta), expected, 1e-9)
