@@ -110,21 +110,17 @@ class SolveOptions:
 
 @dataclass(frozen=True, slots=True)
 class SolveSpec:
-    """What a solve job computes, resolved at submission (model version, rows, k).
+    """What a solve job computes, resolved at submission (model version, rows, k), and how (its options).
 
     Attributes:
-        kind: one of ``SOLVE_KINDS``. model, version: the registered model version.
+        model, version: the registered model version.
         train_dataset, train_start, n: the train rows ``[train_start, train_start + n)``.
         targets_dataset, targets_start: y rows ``[targets_start, targets_start + n)``, shape (n, k) or (n,).
         test_dataset, test_start, m: the test rows (None and 0: no test predictions).
-        k: outputs per example. mode: "full" or "trace". dtype: the products' dtype ("float32" / "float64").
-        params: parameter-name globs, None = all. ridge: λ ≥ 0 (absolute).
-        rtol, max_iterations, preconditioner, landmarks: as ``CgOptions``.
-        progress_every: CG iterations per segment (NOTE [solve progress]).
-        examples_per_chunk: rows per read (``dataset_operator``). memory_budget_bytes: per product, None = default.
+        k: outputs per example.
+        options: the math of the job (``SolveOptions``), stored flat beside the rows (``to_dict``).
     """
 
-    kind: str
     model: str
     version: int
     train_dataset: str
@@ -136,29 +132,22 @@ class SolveSpec:
     test_start: int
     m: int
     k: int
-    mode: str = "full"
-    dtype: str = "float64"
-    params: list[str] | None = None
-    ridge: float = 0.0
-    rtol: float = 1e-8
-    max_iterations: int | None = None
-    preconditioner: str = "auto"
-    landmarks: int | None = None
-    progress_every: int = DEFAULT_PROGRESS_EVERY
-    examples_per_chunk: int = DEFAULT_EXAMPLES_PER_CHUNK
-    memory_budget_bytes: int | None = None
+    options: SolveOptions
+
+    @property
+    def kind(self) -> str:
+        return self.options.kind
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The rows and the options in one flat mapping (the stored and public form)."""
+        rows = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        return {**rows, **dataclasses.asdict(self.options)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SolveSpec:
-        return cls(**data)
-
-    def options(self) -> SolveOptions:
-        """The math of the job, without its rows."""
-        names = [f.name for f in dataclasses.fields(SolveOptions)]
-        return SolveOptions(**{name: getattr(self, name) for name in names})
+        names = {f.name for f in dataclasses.fields(SolveOptions)}
+        options = SolveOptions(**{key: value for key, value in data.items() if key in names})
+        return cls(**{key: value for key, value in data.items() if key not in names}, options=options)
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from ntk_service.jobs.solve_job import (
     SOLVE_KINDS,
     SOLVE_MODES,
     SolveCancelled,
+    SolveOptions,
     SolveSpec,
     check_choice,
     check_targets,
@@ -190,19 +191,8 @@ class SolveJobs:
         t_lo = t_hi = 0
         if test is not None:
             t_lo, t_hi = _rows(test[1], int(self.datasets.get(test[0]).shape[0]), "test")
-        spec = SolveSpec(
+        options = SolveOptions(
             kind=kind,
-            model=model,
-            version=record_version,
-            train_dataset=train[0],
-            train_start=x_lo,
-            n=x_hi - x_lo,
-            targets_dataset=targets[0],
-            targets_start=y_lo,
-            test_dataset=None if test is None else test[0],
-            test_start=t_lo,
-            m=t_hi - t_lo,
-            k=k,
             mode=mode,
             dtype=dtype,
             params=params,
@@ -214,6 +204,20 @@ class SolveJobs:
             memory_budget_bytes=self.memory_budget_bytes,
             **({} if progress_every is None else {"progress_every": int(progress_every)}),
             **({} if examples_per_chunk is None else {"examples_per_chunk": int(examples_per_chunk)}),
+        )
+        spec = SolveSpec(
+            model=model,
+            version=record_version,
+            train_dataset=train[0],
+            train_start=x_lo,
+            n=x_hi - x_lo,
+            targets_dataset=targets[0],
+            targets_start=y_lo,
+            test_dataset=None if test is None else test[0],
+            test_start=t_lo,
+            m=t_hi - t_lo,
+            k=k,
+            options=options,
         )
         return self._queue("solve", spec.to_dict())
 
@@ -441,7 +445,7 @@ class SolveJobs:
                 targets = np.asarray(self._rows(spec.targets_dataset, spec.targets_start, spec.n), dtype=np.float64)
                 test = None if spec.test_dataset is None else self._rows(spec.test_dataset, spec.test_start, spec.m)
                 outcome = run_solve(
-                    spec.options(), module, train, targets, test, k=spec.k, should_stop=should_stop, report=report
+                    spec.options, module, train, targets, test, k=spec.k, should_stop=should_stop, report=report
                 )
                 np.save(folder / "alpha.npy", outcome.alpha)
                 if outcome.predictions is not None:
