@@ -40,6 +40,7 @@ from ntk_service.errors import (
     format_bytes,
 )
 from ntk_service.kernels.batch import Batch, batch_size, take
+from ntk_service.kernels.embedding_padding import padding_as_constant
 from ntk_service.kernels.inputs import validate_inputs
 from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode, parse_any_mode
@@ -147,7 +148,8 @@ def ntk_features(
         out: torch.Tensor = jvp(lambda p: problem.f_batch(p, xb), (problem.params,), (tangent,))[1]
         return out  # (n_chunk, k)
 
-    with _FORWARD_AD_LOCK, math_attention():  # jvp's dual levels are process-global (ntk_vector_products.py)
+    # jvp's dual levels are process-global (ntk_vector_products.py); padding lookups constant as in reverse mode
+    with _FORWARD_AD_LOCK, math_attention(), padding_as_constant():
         try:
             for block in range((d + _BLOCK - 1) // _BLOCK):
                 start, stop = block * _BLOCK, min(d, (block + 1) * _BLOCK)
