@@ -34,7 +34,7 @@ from tests.server.support import TINY_ARCHITECTURES, submit_slow_job
 SCREENSHOT_DIR = Path(tempfile.gettempdir()) / "ntk-service-console"
 """Where the screenshots are copied for a person to look at (console.png: a laptop screen; console-full.png)."""
 
-DELAY_S = 0.75
+DELAY_S = 1.5
 """The slow model's sleep per forward call: its 10-tile job runs ~12 s (idle), most of it after the page loaded."""
 
 LOADED = "document.body.dataset.loaded"

@@ -23,7 +23,7 @@ from tests.reference import reference_ntk
 from tests.server import slow_factory
 from tests.server.support import SLOW_JOB_INPUTS, assert_close_to_reference, submit_slow_job, tensor_json
 
-DELAY_S = 0.3
+DELAY_S = 0.6
 """Each forward call of the slow model sleeps this long: a kernel takes about a second, a tile a few tenths."""
 
 SHUTDOWN_TIMEOUT_S = 20
