@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -117,24 +118,34 @@ SLOW_JOB_INPUTS = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
 """The 8 examples (8, 4) of ``submit_slow_job``'s data set."""
 
 
-def submit_slow_job(client: httpx.Client, *, delay_s: float) -> dict[str, Any]:
-    """Register model "slow" (``tests.server.slow_factory``: each forward call sleeps ``delay_s``) and submit a
-    TRACE job over ``SLOW_JOB_INPUTS`` in tiles of 2 (10 tiles, a panel each, so the job stops at a tile boundary)
-    with the Jacobian contraction; the 202's job record."""
+def submit_slow_job(
+    client: httpx.Client, *, delay_s: float, gate: Path | None = None, model: str = "slow"
+) -> dict[str, Any]:
+    """Register ``model`` (``tests.server.slow_factory``: each forward call waits for the file ``gate`` to exist,
+    if given, then sleeps ``delay_s``) and submit a TRACE job over ``SLOW_JOB_INPUTS`` in tiles of 2 (10 tiles, a
+    panel each, so the job stops at a tile boundary) with the Jacobian contraction; the 202's job record. The gate
+    is open while the model registers and the job is submitted (both run forward passes on a probe example) and
+    closed as soon as the 202 is back: the job may have begun its first tile, but cannot finish before the test
+    opens the gate again (each tile sleeps ``delay_s`` at least once after it)."""
+    kwargs: dict[str, Any] = {"in_dim": 4, "out_dim": 2, "delay_s": delay_s}
+    if gate is not None:
+        kwargs["gate"] = str(gate)
     arch = {
         "family": "factory",
         "factory": SLOW_FACTORY,
-        "kwargs": {"in_dim": 4, "out_dim": 2, "delay_s": delay_s},
+        "kwargs": kwargs,
         "input_shape": [4],
     }
-    assert client.post("/v1/models", json={"name": "slow", "architecture": arch}).status_code == 201
+    if gate is not None:
+        gate.touch()
+    assert client.post("/v1/models", json={"name": model, "architecture": arch}).status_code == 201
     media = {"Content-Type": wire.MEDIA_NPY}
     dataset = client.post("/v1/datasets", content=wire.encode_npy(SLOW_JOB_INPUTS), headers=media)
     assert dataset.status_code == 201, dataset.text
     submitted = client.post(
         "/v1/jobs",
         json={
-            "model": "slow",
+            "model": model,
             "x1": {"dataset": dataset.json()["id"]},
             "mode": "trace",
             "tile_size": 2,
@@ -142,6 +153,8 @@ def submit_slow_job(client: httpx.Client, *, delay_s: float) -> dict[str, Any]:
             "implementation": "jacobian_contraction",
         },
     )
+    if gate is not None:
+        gate.unlink()
     assert submitted.status_code == 202, submitted.text
     job: dict[str, Any] = submitted.json()
     return job

@@ -34,8 +34,9 @@ from tests.server.support import TINY_ARCHITECTURES, submit_slow_job
 SCREENSHOT_DIR = Path(tempfile.gettempdir()) / "ntk-service-console"
 """Where the screenshots are copied for a person to look at (console.png: a laptop screen; console-full.png)."""
 
-DELAY_S = 1.5
-"""The slow model's sleep per forward call: its 10-tile job runs ~12 s (idle), most of it after the page loaded."""
+DELAY_S = 0.6
+"""The slow model's sleep per forward call once its gate opens: a tile's side takes this long, so a server stopped
+at once leaves tiles to resume."""
 
 LOADED = "document.body.dataset.loaded"
 
@@ -213,16 +214,16 @@ def test_every_console_file_is_package_data() -> None:
 @pytest.mark.slow
 def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], browser: Browser, tmp_path: Path) -> None:
     with server.client() as client:
-        slow = submit_slow_job(client, delay_s=DELAY_S)  # finishes while the page is open
-        queued = _submit(client, "slow", slow["x1"]["dataset"], mode="trace", tile_size=2)  # to cancel
+        slow = submit_slow_job(client, delay_s=DELAY_S, gate=tmp_path / "gate")  # held until the page has looked
+        queued = submit_slow_job(client, delay_s=0.0, gate=tmp_path / "held", model="held")  # held, to cancel
     page = browser.new_page()
     page.navigate(f"{server.url}/")
     _enter_key(page, server.write_key)
     page.evaluate("window.__sameDocument = true")
     page.wait_until("document.querySelectorAll('#jobs tbody tr').length === 4", what="four jobs listed")
 
-    # what is registered: both models, mlp-a's two versions with their labels, P, the architecture; the data set
-    assert sorted(_texts(page, "#models tbody th")) == ["mlp-a", "seq-b", "slow"]
+    # what is registered: the models, mlp-a's two versions with their labels, P, the architecture; the data set
+    assert sorted(_texts(page, "#models tbody th")) == ["held", "mlp-a", "seq-b", "slow"]
     versions = _texts(page, 'tr[data-model="mlp-a"] ul.versions li')
     assert len(versions) == 2 and "v1" in versions[0] and "init" in versions[0] and "epoch 3" in versions[1]
     mlp_row = _texts(page, 'tr[data-model="mlp-a"] td')
@@ -237,6 +238,7 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
 
     # live progress: the slow job is unfinished now and succeeds without a reload, over the event stream
     assert _row_status(page, slow["id"]) in ("queued", "running"), "the slow job ended before the page loaded"
+    (tmp_path / "gate").touch()
     page.wait_until(
         f"(() => {{ const row = document.querySelector('tr[data-job=\"{slow['id']}\"]');"
         " return row.dataset.status === 'succeeded' || row.querySelector('.eta-cell').textContent.endsWith(' s'); })()",
@@ -261,6 +263,7 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
         timeout_s=60,
         what="the cancelled job shown",
     )
+    (tmp_path / "held").touch()  # its running tile ends (a cancelled job starts no other)
 
     # a finished job's detail: its spectrum and a corner of Θ, through object URLs
     full_id = seeded["full"]["id"]
@@ -405,7 +408,7 @@ def test_console_follows_a_job_across_a_server_restart(browser: Browser, tmp_pat
     first = start_live_server(tmp_path / "data")
     try:
         with first.client() as client:
-            slow = submit_slow_job(client, delay_s=DELAY_S)
+            slow = submit_slow_job(client, delay_s=DELAY_S, gate=tmp_path / "gate")  # held until the stop
         page = browser.new_page()
         page.navigate(f"{first.url}/")
         _enter_key(page, first.write_key)
@@ -421,7 +424,8 @@ def test_console_follows_a_job_across_a_server_restart(browser: Browser, tmp_pat
         assert len(page.requests) - before <= 2, [r["url"] for r in page.requests[before:]]
         _enter_key(page, first.write_key)
     finally:
-        first.stop()  # running tiles finish and are recorded; the rest resume at the next start
+        (tmp_path / "gate").touch()
+        first.stop()  # the running tile finishes and is recorded; the rest resume at the next start
     port = int(first.url.rsplit(":", 1)[1])
     second = start_live_server(tmp_path / "data", port=port)
     try:

@@ -24,7 +24,8 @@ from tests.server import slow_factory
 from tests.server.support import SLOW_JOB_INPUTS, assert_close_to_reference, submit_slow_job, tensor_json
 
 DELAY_S = 0.6
-"""Each forward call of the slow model sleeps this long: a kernel takes about a second, a tile a few tenths."""
+"""Each forward call of the slow model sleeps this long once its gate opens: the kernel and the running tile are
+still computing when SIGTERM arrives, and the other nine tiles cannot all start before the server stops them."""
 
 SHUTDOWN_TIMEOUT_S = 20
 """NTK_SHUTDOWN_TIMEOUT_S of the server under test: in-flight requests may take this long."""
@@ -58,10 +59,11 @@ def test_sigterm_finishes_requests_ends_streams_and_resumes_jobs(
 ) -> None:
     data_dir = tmp_path / "data"
     server = start_server(data_dir=data_dir, shutdown_timeout_s=str(SHUTDOWN_TIMEOUT_S), compute_concurrency="2")
+    gate = tmp_path / "gate"
     x = SLOW_JOB_INPUTS
     body = {"x1": tensor_json(x[:2]), "implementation": "jacobian_contraction", "mode": "trace"}
     with server.client("write") as client:
-        job = submit_slow_job(client, delay_s=DELAY_S)
+        job = submit_slow_job(client, delay_s=DELAY_S, gate=gate)  # held until just before SIGTERM
         deadline = time.monotonic() + 60
         while client.get(f"/v1/jobs/{job['id']}").json()["status"] != "running":
             assert time.monotonic() < deadline, "the job never started"
@@ -86,8 +88,9 @@ def test_sigterm_finishes_requests_ends_streams_and_resumes_jobs(
     threads = [threading.Thread(target=kernel), threading.Thread(target=follow)]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)  # the kernel is computing (it sleeps ~1 s) and the stream is open
+    time.sleep(0.5)  # the kernel and the job's first tile wait at the gate, and the stream is open
     children = _children(server.process.pid)
+    gate.touch()  # both compute now (each forward call sleeps DELAY_S): SIGTERM arrives while they run
     sent = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
     returncode = server.process.wait(timeout=SHUTDOWN_TIMEOUT_S + 30)
