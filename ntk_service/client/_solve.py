@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TextIO, cast
 from urllib.parse import quote
 
+import httpx
 import numpy as np
 
 from ntk_service import wire
@@ -160,7 +161,11 @@ class SolveJobsClient(BaseClient):
         timeout_s: float | None = None,
         progress: TextIO | None = sys.stderr,
     ) -> dict[str, Any]:
-        """Poll until the job finishes, writing ``format_solve_progress`` lines to ``progress`` (None: quiet).
+        """Follow the job until it finishes, writing ``format_solve_progress`` lines to ``progress`` (None: quiet).
+
+        It reads the server's event stream (``GET /v1/solve-jobs/{id}/events``: a line per CG report, no polling
+        delay) and falls back to polling every ``poll_s`` seconds when the stream breaks (a restarting server or
+        a proxy that cuts long responses): the job keeps running on the server meanwhile.
 
         Returns:
             dict: the finished job (succeeded or cancelled).
@@ -168,10 +173,11 @@ class SolveJobsClient(BaseClient):
         Raises:
             JobFailed: the job failed (its error in the message). ServiceUnavailable: timeout_s passed first.
         """
-        return self._wait(self.solve_job, job_id, poll_s, timeout_s, progress)
+        return self._wait("/v1/solve-jobs", self.solve_job, job_id, poll_s, timeout_s, progress)
 
     def _wait(
         self,
+        route: str,
         get: Callable[[str], dict[str, Any]],
         job_id: str,
         poll_s: float,
@@ -179,14 +185,20 @@ class SolveJobsClient(BaseClient):
         progress: TextIO | None,
     ) -> dict[str, Any]:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        last = ""
-        while True:
-            job = get(job_id)
+        shown = [""]
+
+        def show(job: dict[str, Any]) -> None:
             line = format_solve_progress(job)
-            if progress is not None and line != last:
+            if progress is not None and line != shown[0]:
                 progress.write(line + "\n")
                 progress.flush()
-                last = line
+                shown[0] = line
+
+        while True:
+            job = get(job_id)
+            show(job)
+            if job["status"] not in _FINISHED:
+                job = self._follow(f"{route}/{quote(job_id, safe='')}/events", job, show, deadline)
             if job["status"] in _FINISHED:
                 if job["status"] == "failed":
                     raise JobFailed(f"wait: {job.get('job', 'solve')} job {job_id} failed: {job.get('error')}")
@@ -197,6 +209,27 @@ class SolveJobsClient(BaseClient):
                     "or pass a larger timeout_s"
                 )
             time.sleep(poll_s)
+
+    def _follow(
+        self, path: str, job: dict[str, Any], show: Callable[[dict[str, Any]], None], deadline: float | None
+    ) -> dict[str, Any]:
+        """Read the job's event stream until it ends, the deadline passes or the stream breaks; the latest job."""
+        read_timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
+        try:
+            with self._http.stream(
+                "GET", path, headers={"Accept": "text/event-stream"}, timeout=httpx.Timeout(30.0, read=read_timeout)
+            ) as response:
+                if response.status_code >= 400:
+                    return job  # the caller's next GET raises the mapped error
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        job = dict(json.loads(line[5:]))
+                        show(job)
+                        if job["status"] in _FINISHED or (deadline is not None and time.monotonic() > deadline):
+                            return job
+        except httpx.TransportError:
+            pass  # polled instead: the caller sleeps poll_s and asks again
+        return job
 
     def solve_job_result(self, job_id: str, *, require_converged: bool = False) -> SolveJobResult:
         """Download a succeeded solve job's alpha and predictions (safetensors, the report in its metadata).
@@ -284,7 +317,7 @@ class SolveJobsClient(BaseClient):
         self, job_id: str, *, poll_s: float = 0.5, timeout_s: float | None = None, progress: TextIO | None = sys.stderr
     ) -> dict[str, Any]:
         """As ``wait_solve_job`` for a features job."""
-        return self._wait(self.features_job, job_id, poll_s, timeout_s, progress)
+        return self._wait("/v1/feature-jobs", self.features_job, job_id, poll_s, timeout_s, progress)
 
     def features_result(self, job_id: str, *, rows: tuple[int, int] | None = None) -> np.ndarray:
         """Φ[rows] (rows, k, D) of a succeeded features job, as .npy.

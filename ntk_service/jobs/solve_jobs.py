@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -107,6 +107,7 @@ class SolveJobs:
         self._wake = threading.Condition(self._lock)
         self._cancelled: set[str] = set()
         self._live: dict[str, dict[str, Any]] = {}  # progress of the running job, newer than its row
+        self._versions: dict[str, int] = {}  # grows at every change of a job in this process (event streams)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -294,14 +295,18 @@ class SolveJobs:
                 "INSERT INTO solve_jobs (id, job, status, spec, created_at) VALUES (?, ?, ?, ?, ?)",
                 (job_id, job, JobStatus.QUEUED.value, json.dumps(spec), time.time()),
             )
+            self._bump(job_id)
             self._wake.notify_all()
         return self.get(job_id)
 
-    def get(self, job_id: str) -> dict[str, Any]:
+    def get(self, job_id: str, job: Literal["solve", "features"] | None = None) -> dict[str, Any]:
         """The job: id, status, kind, spec, progress, result (the CG report once finished), error, times.
 
+        Args:
+            job_id: the id. job: "solve" or "features" to accept only that kind of job. Default: either.
+
         Raises:
-            JobNotFound: no such id.
+            JobNotFound: no such id (of that kind).
         """
         with self._lock:
             row = self._db.execute(
@@ -310,8 +315,9 @@ class SolveJobs:
                 (job_id,),
             ).fetchone()
             live = self._live.get(job_id)
-        if row is None:
-            raise JobNotFound(f"{_OPERATION}: no solve job {job_id!r}; list them with GET /v1/solve-jobs")
+        if row is None or (job is not None and row[9] != job):
+            kind, route = ("features", "feature-jobs") if job == "features" else ("solve", "solve-jobs")
+            raise JobNotFound(f"{_OPERATION}: no {kind} job {job_id!r}; list them with GET /v1/{route}")
         spec = json.loads(row[2])
         progress = live if live is not None else (json.loads(row[3]) if row[3] else None)
         return {
@@ -328,25 +334,36 @@ class SolveJobs:
             "finished_at": row[8],
         }
 
-    def list(self) -> list[dict[str, Any]]:
-        """Every solve job, newest first."""
+    def list(self, job: Literal["solve", "features"] = "solve") -> list[dict[str, Any]]:
+        """Every job of that kind ("solve" or "features"), newest first."""
         with self._lock:
-            ids = [r[0] for r in self._db.execute("SELECT id FROM solve_jobs ORDER BY created_at DESC").fetchall()]
+            rows = self._db.execute("SELECT id FROM solve_jobs WHERE job = ? ORDER BY created_at DESC", (job,))
+            ids = [r[0] for r in rows.fetchall()]
         return [self.get(i) for i in ids]
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def version(self, job_id: str) -> int:
+        """A counter that grows with every change of the job (queued, started, progress, finished) in this process."""
+        with self._lock:
+            return self._versions.get(job_id, 0)
+
+    def _bump(self, job_id: str) -> None:
+        """Count a change of the job; the caller holds ``self._lock``."""
+        self._versions[job_id] = self._versions.get(job_id, 0) + 1
+
+    def cancel(self, job_id: str, job: Literal["solve", "features"] | None = None) -> dict[str, Any]:
         """Cancel a queued or running job (the running solve stops before its next product); a finished job is
-        returned unchanged.
+        returned unchanged. ``job``: as in ``get``.
 
         Raises:
-            JobNotFound: no such id.
+            JobNotFound: no such id (of that kind).
         """
-        job = self.get(job_id)
-        if JobStatus(job["status"]) in TERMINAL_STATUSES:
-            return job
+        record = self.get(job_id, job)
+        if JobStatus(record["status"]) in TERMINAL_STATUSES:
+            return record
         with self._lock:
             self._cancelled.add(job_id)
-            if job["status"] == JobStatus.QUEUED.value:
+            row = self._db.execute("SELECT status FROM solve_jobs WHERE id = ?", (job_id,)).fetchone()
+            if row[0] == JobStatus.QUEUED.value:  # read under the lock: the runner cannot take it meanwhile
                 self._finish_row(job_id, JobStatus.CANCELLED, None, None)
         return self.get(job_id)
 
@@ -371,10 +388,8 @@ class SolveJobs:
         job = self._succeeded(job_id, "features")
         return job, open_features(self.results_dir / job_id / "features.zarr")
 
-    def _succeeded(self, job_id: str, kind: str) -> dict[str, Any]:
-        job = self.get(job_id)
-        if job["job"] != kind:
-            raise JobNotFound(f"{_OPERATION}: job {job_id} is a {job['job']} job, not a {kind} job")
+    def _succeeded(self, job_id: str, kind: Literal["solve", "features"]) -> dict[str, Any]:
+        job = self.get(job_id, kind)
         if job["status"] != JobStatus.SUCCEEDED.value:
             why = f": {job['error']}" if job["error"] else ""
             raise JobNotFinished(
@@ -396,6 +411,7 @@ class SolveJobs:
                 job_id,
             ),
         )
+        self._bump(job_id)
 
     def _next(self) -> str | None:
         with self._wake:
@@ -408,6 +424,7 @@ class SolveJobs:
                         "UPDATE solve_jobs SET status = ?, started_at = ? WHERE id = ?",
                         (JobStatus.RUNNING.value, time.time(), row[0]),
                     )
+                    self._bump(str(row[0]))
                     return str(row[0])
                 self._wake.wait(1.0)
         return None
@@ -422,6 +439,7 @@ class SolveJobs:
         def report(progress: dict[str, Any]) -> None:
             with self._lock:
                 self._live[job_id] = progress
+                self._bump(job_id)
 
         def should_stop() -> bool:
             return self._stopping.is_set() or job_id in self._cancelled
@@ -459,6 +477,7 @@ class SolveJobs:
                         (JobStatus.QUEUED.value, job_id),
                     )
                     self._live.pop(job_id, None)
+                    self._bump(job_id)
                 else:
                     self._finish_row(job_id, JobStatus.CANCELLED, None, None)
             return

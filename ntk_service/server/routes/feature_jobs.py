@@ -1,7 +1,9 @@
 """Feature jobs over HTTP: sketched NTK features Φ (N, k, D) of a data set as a zarr array, and kernels from them.
 
     POST   /v1/feature-jobs                 202 + Location: the queued job (dim D, seed, params)
+    GET    /v1/feature-jobs                 {"data": [job, ...], "count"}, newest first
     GET    /v1/feature-jobs/{id}            the job, progress {rows_done, rows_total}
+    GET    /v1/feature-jobs/{id}/events     text/event-stream: a "progress" event per change, "end" when finished
     GET    /v1/feature-jobs/{id}/result     Φ rows ?start=a&stop=b, (rows, k, D), as .npy, safetensors or JSON
     DELETE /v1/feature-jobs/{id}            cancel a queued or running job (stops between chunks)
     POST   /v1/feature-jobs/kernel          Φ1[rows] Φ2[rows]ᵀ of two finished jobs (same model, D, seed):
@@ -14,11 +16,13 @@ it is built: over the response limits is a 413 with the size and the limit.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 import numpy as np
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
@@ -27,9 +31,9 @@ from ntk_service.errors import InvalidInput, PayloadTooLarge, format_bytes
 from ntk_service.jobs.features_job import feature_block
 from ntk_service.kernels.features import MAX_FEATURE_DIM
 from ntk_service.server.deps import ReadAccess, SettingsDep, WriteAccess
-from ntk_service.server.media import json_response, negotiate, read_json
+from ntk_service.server.media import collection_response, json_response, negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
-from ntk_service.server.routes.solve_jobs import SolveJobsDep, SolveRows
+from ntk_service.server.routes.solve_jobs import SolveJobsDep, SolveRows, job_events
 from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = ["FeatureJobCreate", "FeatureKernelCreate", "FeatureRows", "router"]
@@ -160,17 +164,46 @@ async def feature_kernel_route(request: Request, _: ReadAccess, jobs: SolveJobsD
     return _encode(media, "theta", await anyio.to_thread.run_sync(compute))
 
 
-@router.get("/{job_id}", summary="A features job and its progress")
-async def get_feature_job(job_id: FeatureJobId, _: ReadAccess, jobs: SolveJobsDep) -> Response:
-    return json_response(await anyio.to_thread.run_sync(jobs.get, job_id))
+async def _existing_feature_job(job_id: FeatureJobId, jobs: SolveJobsDep) -> dict[str, Any]:
+    return await anyio.to_thread.run_sync(jobs.get, job_id, "features")
 
 
-@router.delete("/{job_id}", summary="Cancel a features job")
+ExistingFeatureJob = Annotated[dict[str, Any], Depends(_existing_feature_job)]
+"""The features job; 404 before any response starts. Declared after the access dependency (resolved in order)."""
+
+_NOT_FOUND = {404: {"description": "No features job with this id."}}
+
+
+@router.get("", summary="List features jobs")
+async def list_feature_jobs(_: ReadAccess, jobs: SolveJobsDep) -> Response:
+    return collection_response(await anyio.to_thread.run_sync(jobs.list, "features"))
+
+
+@router.get("/{job_id}", summary="A features job and its progress", responses=_NOT_FOUND)
+async def get_feature_job(job_id: FeatureJobId, _: ReadAccess, job: ExistingFeatureJob) -> Response:
+    return json_response(job)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=EventSourceResponse,
+    summary="A features job's progress as Server-Sent Events until it ends",
+    description='A "progress" event (data: the job as JSON, rows done) at every change, then one "end" event.',
+    responses=_NOT_FOUND,
+)
+async def feature_job_events(
+    job_id: FeatureJobId, _: ReadAccess, job: ExistingFeatureJob, jobs: SolveJobsDep
+) -> AsyncIterator[ServerSentEvent]:
+    async for event in job_events(jobs, job):
+        yield event
+
+
+@router.delete("/{job_id}", summary="Cancel a features job", responses=_NOT_FOUND)
 async def cancel_feature_job(job_id: FeatureJobId, _: WriteAccess, jobs: SolveJobsDep) -> Response:
-    return json_response(await anyio.to_thread.run_sync(jobs.cancel, job_id))
+    return json_response(await anyio.to_thread.run_sync(jobs.cancel, job_id, "features"))
 
 
-@router.get("/{job_id}/result", summary="Rows of a features job's Φ (rows, k, D)")
+@router.get("/{job_id}/result", summary="Rows of a features job's Φ (rows, k, D)", responses=_NOT_FOUND)
 async def feature_job_result(
     request: Request,
     job_id: FeatureJobId,

@@ -5,6 +5,7 @@ CG (``jobs/solve_job.py``), never forming the kernel.
     GET    /v1/solve-jobs              {"data": [job, ...], "count"}
     GET    /v1/solve-jobs/{id}         the job: progress {iterations, residual, products, passes, elapsed_s} while
                                        it runs; result {converged, stop_reason, iterations, residual, ...} after
+    GET    /v1/solve-jobs/{id}/events  text/event-stream: a "progress" event per change, "end" when finished
     GET    /v1/solve-jobs/{id}/result  alpha (n, k) and predictions (m, k): JSON (with the CG report) or
                                        safetensors (the report in its metadata); 409 until succeeded
     DELETE /v1/solve-jobs/{id}         cancel a queued or running job (the solve stops before its next product)
@@ -15,11 +16,14 @@ the result route repeats both beside the arrays, so no download hides it.
 
 from __future__ import annotations
 
+import asyncio
 import math
-from typing import Annotated, Literal
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
@@ -32,7 +36,15 @@ from ntk_service.server.media import collection_response, json_response, negotia
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
 from ntk_service.server.schemas import openapi_body, validate_body
 
-__all__ = ["SolveFields", "SolveJobCreate", "SolveRows", "router", "start_solve_jobs", "stop_solve_jobs"]
+__all__ = [
+    "SolveFields",
+    "SolveJobCreate",
+    "SolveRows",
+    "job_events",
+    "router",
+    "start_solve_jobs",
+    "stop_solve_jobs",
+]
 
 router = APIRouter(prefix="/v1/solve-jobs", tags=["solve jobs"])
 
@@ -102,6 +114,34 @@ async def _solve_jobs(request: Request) -> SolveJobs:
 
 SolveJobsDep = Annotated[SolveJobs, Depends(_solve_jobs)]
 
+EVENT_POLL_S = 0.25
+"""How often an open event stream looks for a change of its job (a counter read, no database query)."""
+
+_FINISHED = ("succeeded", "failed", "cancelled")
+
+
+async def job_events(jobs: SolveJobs, job: dict[str, Any]) -> AsyncIterator[ServerSentEvent]:
+    """The event stream of a solve or features job: ``job`` (found before the response starts, so a wrong id is a
+    404) as a "progress" event, again at every change, and an "end" event with the finished job."""
+    kind = job["job"]
+    while True:
+        seen = jobs.version(job["id"])
+        finished = job["status"] in _FINISHED
+        yield ServerSentEvent(data=job, event="end" if finished else "progress")
+        if finished:
+            return
+        while jobs.version(job["id"]) == seen:
+            await asyncio.sleep(EVENT_POLL_S)
+        job = await anyio.to_thread.run_sync(jobs.get, job["id"], kind)
+
+
+async def _existing_solve_job(job_id: SolveJobId, jobs: SolveJobsDep) -> dict[str, Any]:
+    return await anyio.to_thread.run_sync(jobs.get, job_id, "solve")
+
+
+ExistingSolveJob = Annotated[dict[str, Any], Depends(_existing_solve_job)]
+"""The solve job; 404 before any response starts. Declared after the access dependency (resolved in order)."""
+
 
 async def start_solve_jobs(app: FastAPI) -> None:
     """Build ``app.state.solve_jobs`` and requeue unfinished solves (in the lifespan, after the registry and data
@@ -161,17 +201,34 @@ async def submit_solve_job(request: Request, _: WriteAccess, jobs: SolveJobsDep)
 
 @router.get("", summary="List solve jobs")
 async def list_solve_jobs(_: ReadAccess, jobs: SolveJobsDep) -> Response:
-    return collection_response(await anyio.to_thread.run_sync(jobs.list))
+    return collection_response(await anyio.to_thread.run_sync(jobs.list, "solve"))
 
 
-@router.get("/{job_id}", summary="A solve job and its progress")
-async def get_solve_job(job_id: SolveJobId, _: ReadAccess, jobs: SolveJobsDep) -> Response:
-    return json_response(await anyio.to_thread.run_sync(jobs.get, job_id))
+_NOT_FOUND = {404: {"description": "No solve job with this id."}}
 
 
-@router.delete("/{job_id}", summary="Cancel a solve job")
+@router.get("/{job_id}", summary="A solve job and its progress", responses=_NOT_FOUND)
+async def get_solve_job(job_id: SolveJobId, _: ReadAccess, job: ExistingSolveJob) -> Response:
+    return json_response(job)
+
+
+@router.get(
+    "/{job_id}/events",
+    response_class=EventSourceResponse,
+    summary="A solve job's progress as Server-Sent Events until it ends",
+    description='A "progress" event (data: the job as JSON, its CG progress) at every change, then one "end" event.',
+    responses=_NOT_FOUND,
+)
+async def solve_job_events(
+    job_id: SolveJobId, _: ReadAccess, job: ExistingSolveJob, jobs: SolveJobsDep
+) -> AsyncIterator[ServerSentEvent]:
+    async for event in job_events(jobs, job):
+        yield event
+
+
+@router.delete("/{job_id}", summary="Cancel a solve job", responses=_NOT_FOUND)
 async def cancel_solve_job(job_id: SolveJobId, _: WriteAccess, jobs: SolveJobsDep) -> Response:
-    return json_response(await anyio.to_thread.run_sync(jobs.cancel, job_id))
+    return json_response(await anyio.to_thread.run_sync(jobs.cancel, job_id, "solve"))
 
 
 @router.get("/{job_id}/result", summary="A solve job's alpha and test predictions")

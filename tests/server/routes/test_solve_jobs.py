@@ -3,6 +3,7 @@ CG equal a dense numpy solve on the float64 reference kernel; non-convergence is
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,3 +201,51 @@ def test_inline_solve_equals_the_dense_solve_and_checks_its_targets(setup: dict[
     with pytest.raises(InvalidInput, match="ridge") as caught:
         client._send_json("POST", "/v1/models/tiny/solve", body | {"ridge": -1})
     assert caught.value.http_status == 422  # type: ignore[attr-defined]
+
+
+def test_a_solve_jobs_event_stream_reports_each_cg_segment_and_ends_with_the_finished_job(
+    server: LiveServer, setup: dict[str, Any]
+) -> None:
+    client, ids = setup["client"], setup["ids"]
+    job = client.submit_solve_job(
+        "tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, rtol=1e-12, progress_every=2
+    )
+    events: list[tuple[str, dict[str, Any]]] = []
+    with server.client() as http, http.stream("GET", f"/v1/solve-jobs/{job['id']}/events") as stream:
+        assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
+        name = ""
+        for line in stream.iter_lines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                events.append((name, json.loads(line[5:])))
+    assert [name for name, _ in events[:-1]] == ["progress"] * (len(events) - 1) and events[-1][0] == "end"
+    final = events[-1][1]
+    assert final == client.solve_job(job["id"]) and final["status"] == "succeeded"
+    iterations = [e["progress"]["iterations"] for _, e in events if e["progress"]]
+    assert iterations == sorted(iterations) and iterations[-1] == final["result"]["iterations"]
+    assert len(set(iterations)) >= 2, "the stream showed no CG report between start and end"
+
+
+def test_solve_and_features_jobs_are_found_only_under_their_own_routes(
+    server: LiveServer, setup: dict[str, Any]
+) -> None:
+    client, ids = setup["client"], setup["ids"]
+    solve = client.submit_solve_job("tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-2)
+    features = client.submit_features_job("tiny", dataset=ids["x"], dim=8, seed=0)
+    _finished(client, solve["id"])
+    client.wait_features_job(features["id"], poll_s=0.05, timeout_s=120, progress=None)
+    with server.client() as http:
+        listed = {
+            route: [j["id"] for j in http.get(f"/v1/{route}").json()["data"]]
+            for route in ("solve-jobs", "feature-jobs")
+        }
+        assert solve["id"] in listed["solve-jobs"] and solve["id"] not in listed["feature-jobs"]
+        assert features["id"] in listed["feature-jobs"] and features["id"] not in listed["solve-jobs"]
+        for route, other in (("solve-jobs", features["id"]), ("feature-jobs", solve["id"])):
+            for method, path in (("GET", ""), ("GET", "/events"), ("DELETE", "")):
+                response = http.request(method, f"/v1/{route}/{other}{path}")
+                assert response.status_code == 404, (route, path, response.text)
+                error = response.json()["error"]
+                assert error["type"] == "job_not_found" and f"GET /v1/{route}" in error["message"], error
+        assert http.get("/v1/solve-jobs/0123/events").status_code == 404
