@@ -4,9 +4,11 @@ $ ntk-service solve submit mlp --kind kernel_ridge --train dataset:ds_x --target
       --ridge 1e-3 --watch           # iterations / residual / products printed while it runs
 $ ntk-service solve result 3f2a... -o solve.npz    # alpha (N, k), predictions (M, k); exit 1 if not converged
 $ ntk-service solve cancel 3f2a...
+$ ntk-service solve delete 3f2a...                  # a finished job and its arrays (frees its disk)
 $ ntk-service features submit mlp --dataset dataset:ds_x --dim 512 --seed 0 --watch
 $ ntk-service features result 9c1e... -o phi.npy --rows 0:1024
 $ ntk-service features kernel 9c1e... 7d0b... --mode trace -o theta.npy
+$ ntk-service features delete 9c1e...               # a finished job and its Φ
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ def solve_cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = F
     _finish(ctx, state_of(ctx).client().cancel_solve_job(job_id), json_output)
 
 
+@solve_app.command("delete")
+def solve_delete(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Delete a finished solve job and its arrays (a queued or running one is cancelled instead)."""
+    _finish(ctx, state_of(ctx).client().delete_solve_job(job_id), json_output)
+
+
 @solve_app.command("result")
 def solve_result(ctx: typer.Context, job_id: JobIdArg, output: OutOption) -> None:
     """Write alpha and predictions to an .npz file; exit 1 (after writing) when the solve did not converge."""
@@ -166,6 +174,18 @@ def features_submit(
         job = client.wait_features_job(job["id"], progress=None if wants_json(ctx, json_output) else _stderr())
     if wants_json(ctx, json_output) or watch:
         _finish(ctx, job, json_output)
+
+
+@features_app.command("cancel")
+def features_cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Cancel a queued or running features job."""
+    _finish(ctx, state_of(ctx).client().cancel_features_job(job_id), json_output)
+
+
+@features_app.command("delete")
+def features_delete(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Delete a finished features job and its stored Φ (a queued or running one is cancelled instead)."""
+    _finish(ctx, state_of(ctx).client().delete_features_job(job_id), json_output)
 
 
 @features_app.command("result")

@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._base import BaseClient, _decode_tensors
+from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
 from ntk_service.errors import JobFailed, NtkServiceError, ServiceUnavailable
 
 __all__ = ["SolveJobResult", "SolveJobsClient", "format_solve_progress"]
@@ -150,8 +150,26 @@ class SolveJobsClient(BaseClient):
         return cast(dict[str, Any], self._get_json(f"/v1/solve-jobs/{quote(job_id, safe='')}"))
 
     def cancel_solve_job(self, job_id: str) -> dict[str, Any]:
-        """Cancel a queued or running solve (DELETE /v1/solve-jobs/{id}); returns the job."""
-        return cast(dict[str, Any], self._send_json("DELETE", f"/v1/solve-jobs/{quote(job_id, safe='')}"))
+        """Cancel a queued or running solve (DELETE /v1/solve-jobs/{id}?cancel_only=true); returns the job (a
+        finished one unchanged)."""
+        return self._cancel("solve-jobs", job_id)
+
+    def delete_solve_job(self, job_id: str) -> dict[str, Any]:
+        """Delete a finished solve job and its arrays; {"id", "deleted", "freed_bytes"} (a queued or running job
+        is cancelled and returned instead, as DELETE /v1/solve-jobs/{id} does).
+
+        Raises:
+            JobNotFound: no such solve job.
+        """
+        return self._delete("solve-jobs", job_id)
+
+    def _cancel(self, route: str, job_id: str) -> dict[str, Any]:
+        path = f"/v1/{route}/{quote(job_id, safe='')}"
+        response = self._request("DELETE", path, params={"cancel_only": "true"}, accept=wire.MEDIA_JSON)
+        return cast(dict[str, Any], _decode_json(response))
+
+    def _delete(self, route: str, job_id: str) -> dict[str, Any]:
+        return cast(dict[str, Any], self._send_json("DELETE", f"/v1/{route}/{quote(job_id, safe='')}"))
 
     def wait_solve_job(
         self,
@@ -312,6 +330,19 @@ class SolveJobsClient(BaseClient):
     def features_job(self, job_id: str) -> dict[str, Any]:
         """The features job (GET /v1/feature-jobs/{id}), progress {rows_done, rows_total}."""
         return cast(dict[str, Any], self._get_json(f"/v1/feature-jobs/{quote(job_id, safe='')}"))
+
+    def cancel_features_job(self, job_id: str) -> dict[str, Any]:
+        """Cancel a queued or running features job (it stops between chunks); returns the job."""
+        return self._cancel("feature-jobs", job_id)
+
+    def delete_features_job(self, job_id: str) -> dict[str, Any]:
+        """Delete a finished features job and its stored Φ; {"id", "deleted", "freed_bytes"} (a queued or running
+        job is cancelled and returned instead, as DELETE /v1/feature-jobs/{id} does).
+
+        Raises:
+            JobNotFound: no such features job. Conflict: its Φ is being read (retry).
+        """
+        return self._delete("feature-jobs", job_id)
 
     def wait_features_job(
         self, job_id: str, *, poll_s: float = 0.5, timeout_s: float | None = None, progress: TextIO | None = sys.stderr

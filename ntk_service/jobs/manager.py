@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +52,7 @@ from ntk_service.errors import (
 from ntk_service.jobs.disk import (
     DISK_FREE_FRACTION,
     DiskUsage,
+    ResultBytes,
     available_bytes,
     check_disk,
     move_aside,
@@ -237,6 +238,8 @@ class JobManager:
         default_tile_size: tile size when a job names none. Default: ``DEFAULT_TILE_SIZE``.
         disk_budget_bytes: what all stored results may take together. Default: ``DISK_FREE_FRACTION`` of the free
             space (less what unfinished jobs will still write).
+        other_results: the solve and features jobs' results (``SolveJobs.result_bytes``), which share the disk
+            budget. Default: none.
         memory_budget_bytes: the engine's memory budget per tile, fixed into each job at submission.
             Default: the executor's device's default at submission time (``Executor.memory_budget``).
         results_dir: where the result groups go, ``<results_dir>/<job id>/result.zarr``; on a Ray cluster a
@@ -255,6 +258,7 @@ class JobManager:
         executor: Executor,
         default_tile_size: int = DEFAULT_TILE_SIZE,
         disk_budget_bytes: int | None = None,
+        other_results: Callable[[], ResultBytes] | None = None,
         memory_budget_bytes: int | None = None,
         results_dir: Path | None = None,
         panel_seconds: float = DEFAULT_PANEL_SECONDS,
@@ -272,6 +276,7 @@ class JobManager:
         self.executor = executor
         self.default_tile_size = default_tile_size
         self.disk_budget_bytes = disk_budget_bytes
+        self._other_results = other_results or ResultBytes
         self.memory_budget_bytes = memory_budget_bytes
         self._queue: queue.Queue[str] = queue.Queue()
         self._stopping = threading.Event()
@@ -609,7 +614,8 @@ class JobManager:
                     )
 
     def _check_disk(self, estimate: int, plan: TilePlan) -> None:
-        check_disk(estimate, plan, *available_bytes(self.store, self.results_dir, self.disk_budget_bytes))
+        budget = available_bytes(self.store, self.results_dir, self.disk_budget_bytes, self._other_results())
+        check_disk(estimate, plan, *budget)
 
     def get(self, job_id: str) -> JobRecord:
         """The job's record. Raises JobNotFound (404)."""
@@ -754,9 +760,12 @@ class JobManager:
 
     def disk_usage(self) -> DiskUsage:
         """What the stored results take and what a new job may still take (see ``jobs/disk.py``)."""
-        available, _ = available_bytes(self.store, self.results_dir, self.disk_budget_bytes)
+        other = self._other_results()
+        available, _ = available_bytes(self.store, self.results_dir, self.disk_budget_bytes, other)
         return DiskUsage(
-            used_bytes=stored_bytes(self.store), budget_bytes=self.disk_budget_bytes, available_bytes=available
+            used_bytes=stored_bytes(self.store) + other.stored,
+            budget_bytes=self.disk_budget_bytes,
+            available_bytes=available,
         )
 
     def read_result(

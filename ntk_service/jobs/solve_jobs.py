@@ -7,6 +7,9 @@ status, progress, result summary as JSON), results in ``<results_dir>/solve/<id>
 runner thread takes queued jobs in order. Neither kind keeps partial state, so a job left queued or running by a
 stopped server runs again from the start at the next start (its spec is fixed, so the result is the same).
 
+Results share the kernel jobs' disk budget (``jobs/disk.py``): a job is refused at submission when its result
+(Φ: n·k·D values; a solve: (n + m)·k float64s) does not fit, and a finished job's ``delete`` gives its bytes back.
+
     >>> jobs = SolveJobs(data_dir=tmp, models=registry, datasets=datasets)                  # doctest: +SKIP
     >>> jobs.start()                                                                        # doctest: +SKIP
     >>> job = jobs.submit(kind="kernel_ridge", model="mlp", train=("ds_x", None), targets=("ds_y", None),
@@ -23,13 +26,25 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from ntk_service.errors import InvalidInput, JobNotFinished, JobNotFound, NtkServiceError, ShapeMismatch
+from ntk_service.errors import (
+    Conflict,
+    DiskEstimateExceeded,
+    InvalidInput,
+    JobNotFinished,
+    JobNotFound,
+    NtkServiceError,
+    ShapeMismatch,
+    format_bytes,
+)
+from ntk_service.jobs.disk import DISK_FREE_FRACTION, ResultBytes, move_aside, tree_bytes
 from ntk_service.jobs.features_job import (
     FeaturesCancelled,
     FeaturesSpec,
@@ -65,6 +80,15 @@ CREATE TABLE IF NOT EXISTS solve_jobs (
 
 _OPERATION = "solve job"
 
+JobKind = Literal["solve", "features"]
+
+
+def _estimate_bytes(job: str, spec: dict[str, Any]) -> int:
+    """The bytes a job's result takes on disk at most (zarr compression only makes Φ smaller)."""
+    if job == "features":
+        return int(spec["n"]) * int(spec["k"]) * int(spec["dim"]) * (8 if spec["dtype"] == "float64" else 4)
+    return (int(spec["n"]) + int(spec["m"])) * int(spec["k"]) * 8
+
 
 def _rows(rows: tuple[int | None, int | None] | None, size: int, side: str) -> tuple[int, int]:
     start, stop = (None, None) if rows is None else rows
@@ -85,6 +109,10 @@ class SolveJobs:
             ``load``, ``path`` (the data set's .npy, read through a memory map).
         results_dir: where results go, ``<results_dir>/solve/<id>/``. Default: ``<data_dir>/jobs``.
         memory_budget_bytes: the budget of one operator product. Default: the engine's default.
+        disk_budget_bytes: what all stored results may take together, kernel jobs' included
+            (NTK_JOB_DISK_BUDGET_BYTES). Default: ``DISK_FREE_FRACTION`` of the free space less what unfinished
+            jobs will still write.
+        kernel_results: the kernel jobs' results sharing that budget (stored, still to be written). Default: none.
     """
 
     def __init__(
@@ -95,8 +123,12 @@ class SolveJobs:
         datasets: DatasetSource,
         results_dir: Path | None = None,
         memory_budget_bytes: int | None = None,
+        disk_budget_bytes: int | None = None,
+        kernel_results: Callable[[], ResultBytes] | None = None,
     ) -> None:
         self.models, self.datasets, self.memory_budget_bytes = models, datasets, memory_budget_bytes
+        self.disk_budget_bytes = disk_budget_bytes
+        self._kernel_results = kernel_results or ResultBytes
         jobs_dir = Path(data_dir) / "jobs"
         jobs_dir.mkdir(parents=True, exist_ok=True)
         self.results_dir = Path(results_dir or jobs_dir) / "solve"
@@ -108,6 +140,7 @@ class SolveJobs:
         self._cancelled: set[str] = set()
         self._live: dict[str, dict[str, Any]] = {}  # progress of the running job, newer than its row
         self._versions: dict[str, int] = {}  # grows at every change of a job in this process (event streams)
+        self._readers: dict[str, int] = {}  # open reads of a job's stored Φ: its deletion waits (409)
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -220,7 +253,7 @@ class SolveJobs:
             k=k,
             options=options,
         )
-        return self._queue("solve", spec.to_dict())
+        return self._queue("solve", self._fits_on_disk("solve", spec.to_dict()))
 
     def submit_features(
         self,
@@ -270,7 +303,81 @@ class SolveJobs:
             rows_per_chunk=int(rows_per_chunk or default_rows_per_chunk(k, d, itemsize)),
             memory_budget_bytes=self.memory_budget_bytes,
         )
-        return self._queue("features", spec.to_dict())
+        return self._queue("features", self._fits_on_disk("features", spec.to_dict()))
+
+    # -- disk -----------------------------------------------------------------------------------------------------
+    def result_bytes(self) -> ResultBytes:
+        """Every job's result at its estimate while its row exists (finished or not: a cancelled or failed job's
+        partial files stay until it is deleted), and what the queued and running ones will still write."""
+        with self._lock:
+            rows = self._db.execute("SELECT id, job, status, spec FROM solve_jobs").fetchall()
+            live = dict(self._live)
+        stored = unwritten = 0
+        for job_id, job, status, spec in rows:
+            estimate = _estimate_bytes(job, json.loads(spec))
+            stored += estimate
+            if status in (JobStatus.QUEUED.value, JobStatus.RUNNING.value):
+                done = (live.get(job_id) or {}).get("rows_done", 0) if job == "features" else 0
+                total = max(int(json.loads(spec)["n"]), 1)
+                unwritten += estimate * (total - min(int(done), total)) // total
+        return ResultBytes(stored=stored, unwritten=unwritten)
+
+    def _fits_on_disk(self, job: JobKind, spec: dict[str, Any]) -> dict[str, Any]:
+        """``spec`` when its result fits the disk budget; else DiskEstimateExceeded (413) with both numbers."""
+        estimate = _estimate_bytes(job, spec)
+        ours, kernels = self.result_bytes(), self._kernel_results()
+        if self.disk_budget_bytes is not None:
+            used = ours.stored + kernels.stored
+            available = max(0, self.disk_budget_bytes - used)
+            source = "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
+            if used:
+                source += f" of {format_bytes(self.disk_budget_bytes)} less {format_bytes(used)} of stored results,"
+        else:
+            self.results_dir.mkdir(parents=True, exist_ok=True)
+            reserved = ours.unwritten + kernels.unwritten
+            available = max(0, int(shutil.disk_usage(self.results_dir).free * DISK_FREE_FRACTION) - reserved)
+            source = f"{DISK_FREE_FRACTION:.0%} of the free space in {self.results_dir}"
+            if reserved:
+                source += f" less {format_bytes(reserved)} that unfinished jobs will still write,"
+        if estimate > available:
+            what = (
+                f"Φ ({spec['n']}, {spec['k']}, {spec['dim']}) in {spec['dtype']}"
+                if job == "features"
+                else f"alpha and predictions ({spec['n']} + {spec['m']} rows × {spec['k']} float64s)"
+            )
+            hint = "a smaller dim or fewer rows" if job == "features" else "fewer rows"
+            raise DiskEstimateExceeded(
+                f"{job} job: {what} needs {format_bytes(estimate)} on disk, more than {source} of "
+                f"{format_bytes(available)}; use {hint}, delete finished results, or more disk",
+                estimate_bytes=estimate,
+                budget_bytes=available,
+            )
+        return spec
+
+    def delete(self, job_id: str, job: JobKind) -> int:
+        """Remove a finished (succeeded, failed or cancelled) job: its result files and its row. Returns the bytes
+        freed on disk.
+
+        Raises:
+            JobNotFound: no such job of that kind. Conflict: the job is queued or running (cancel it first), or
+                its Φ is being read.
+        """
+        record = self.get(job_id, job)
+        with self._lock:
+            row = self._db.execute("SELECT status FROM solve_jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise JobNotFound(f"{_OPERATION}: no {job} job {job_id!r}; it was deleted already")
+            if row[0] not in {s.value for s in TERMINAL_STATUSES}:
+                raise Conflict(f"{_OPERATION}: {job} job {job_id} is {row[0]}; cancel it first, then delete it")
+            if self._readers.get(job_id):
+                raise Conflict(f"{_OPERATION}: the result of {job} job {job_id} is being read; retry when it is done")
+            self._db.execute("DELETE FROM solve_jobs WHERE id = ?", (job_id,))
+            self._bump(job_id)
+        trash = move_aside(self.results_dir, job_id)  # atomic: from here no reader can open it
+        freed = tree_bytes(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+        logger.info("solve jobs: deleted %s job %s (%s freed)", record["job"], job_id, format_bytes(freed))
+        return freed
 
     def _probe(self, model: str, version: int | None, dataset: str, row: int) -> tuple[int, int]:
         """(the model version, k): the model run on one row, so a wrong data set is a 422 now, not a failed job."""
@@ -379,14 +486,24 @@ class SolveJobs:
         path = folder / "predictions.npy"
         return job, alpha, np.load(path, allow_pickle=False) if path.exists() else None
 
-    def features(self, job_id: str) -> tuple[dict[str, Any], Any]:
-        """(job, Φ as a read-only zarr array (n, k, D)) of a succeeded features job.
+    @contextmanager
+    def features(self, job_id: str) -> Iterator[tuple[dict[str, Any], Any]]:
+        """(job, Φ as a read-only zarr array (n, k, D)) of a succeeded features job, for the ``with`` block: a
+        deletion of the job waits (409) until the block has ended.
 
         Raises:
             JobNotFound: no such features job. JobNotFinished: the job has not succeeded.
         """
-        job = self._succeeded(job_id, "features")
-        return job, open_features(self.results_dir / job_id / "features.zarr")
+        with self._lock:
+            self._readers[job_id] = self._readers.get(job_id, 0) + 1
+        try:
+            job = self._succeeded(job_id, "features")
+            yield job, open_features(self.results_dir / job_id / "features.zarr")
+        finally:
+            with self._lock:
+                self._readers[job_id] -= 1
+                if not self._readers[job_id]:
+                    del self._readers[job_id]
 
     def _succeeded(self, job_id: str, kind: Literal["solve", "features"]) -> dict[str, Any]:
         job = self.get(job_id, kind)

@@ -75,3 +75,10 @@ def test_solve_and_features_commands(cli: Any, live_server: LiveServer, tmp_path
     assert np.load(tmp_path / "theta.npy").shape == (N, N)
     bad = cli("features", "submit", name, "--dataset", files["x"], "--dim", "0")
     assert bad.exit_code == 1 and "dim" in bad.stderr
+
+    # a finished job is deleted with its files; its status is then a 404 (exit 1 with the message)
+    deleted = _ok(cli("solve", "delete", job_id, "--json"))
+    assert json.loads(deleted.stdout)["deleted"] == "job" and json.loads(deleted.stdout)["freed_bytes"] > 0
+    missing = cli("solve", "status", job_id)
+    assert missing.exit_code == 1 and "no solve job" in missing.stderr
+    assert json.loads(_ok(cli("features", "delete", features_id, "--json")).stdout)["id"] == features_id

@@ -5,7 +5,8 @@
     GET    /v1/feature-jobs/{id}            the job, progress {rows_done, rows_total}
     GET    /v1/feature-jobs/{id}/events     text/event-stream: a "progress" event per change, "end" when finished
     GET    /v1/feature-jobs/{id}/result     Φ rows ?start=a&stop=b, (rows, k, D), as .npy, safetensors or JSON
-    DELETE /v1/feature-jobs/{id}            cancel a queued or running job (stops between chunks)
+    DELETE /v1/feature-jobs/{id}            cancel a queued or running job (stops between chunks); delete a
+                                            finished one with its Φ (?cancel_only=true: only cancel)
     POST   /v1/feature-jobs/kernel          Φ1[rows] Φ2[rows]ᵀ of two finished jobs (same model, D, seed):
                                             (r, c, k, k) FULL or (r, c) TRACE, an unbiased estimate of Θ
 
@@ -33,7 +34,7 @@ from ntk_service.kernels.features import MAX_FEATURE_DIM
 from ntk_service.server.deps import ReadAccess, SettingsDep, WriteAccess
 from ntk_service.server.media import collection_response, json_response, negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
-from ntk_service.server.routes.solve_jobs import SolveJobsDep, SolveRows, job_events
+from ntk_service.server.routes.solve_jobs import CancelOnly, SolveJobsDep, SolveRows, cancel_or_delete, job_events
 from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = ["FeatureJobCreate", "FeatureKernelCreate", "FeatureRows", "router"]
@@ -152,14 +153,13 @@ async def feature_kernel_route(request: Request, _: ReadAccess, jobs: SolveJobsD
     right = body.x2 or body.x1
 
     def compute() -> np.ndarray:
-        _, phi1 = jobs.features(body.x1.job)
-        _, phi2 = jobs.features(right.job)
-        rows = _range(body.x1.start, body.x1.stop, int(phi1.shape[0]), "x1")
-        cols = _range(right.start, right.stop, int(phi2.shape[0]), "x2")
-        k = int(phi1.shape[1])
-        shape = (rows[1] - rows[0], cols[1] - cols[0]) + ((k, k) if body.mode == "full" else ())
-        _check_size(media, shape, 8, settings, operation)  # before any block is formed
-        return feature_block(phi1, phi2, rows, cols, mode=body.mode)
+        with jobs.features(body.x1.job) as (_, phi1), jobs.features(right.job) as (_, phi2):
+            rows = _range(body.x1.start, body.x1.stop, int(phi1.shape[0]), "x1")
+            cols = _range(right.start, right.stop, int(phi2.shape[0]), "x2")
+            k = int(phi1.shape[1])
+            shape = (rows[1] - rows[0], cols[1] - cols[0]) + ((k, k) if body.mode == "full" else ())
+            _check_size(media, shape, 8, settings, operation)  # before any block is formed
+            return feature_block(phi1, phi2, rows, cols, mode=body.mode)
 
     return _encode(media, "theta", await anyio.to_thread.run_sync(compute))
 
@@ -198,9 +198,17 @@ async def feature_job_events(
         yield event
 
 
-@router.delete("/{job_id}", summary="Cancel a features job", responses=_NOT_FOUND)
-async def cancel_feature_job(job_id: FeatureJobId, _: WriteAccess, jobs: SolveJobsDep) -> Response:
-    return json_response(await anyio.to_thread.run_sync(jobs.cancel, job_id, "features"))
+@router.delete(
+    "/{job_id}",
+    summary="Cancel a queued or running features job; delete a finished one and its Φ",
+    description="A queued or running job is cancelled (it stops between chunks). A finished job is removed with "
+    "its stored Φ (its bytes return to the disk budget), unless cancel_only=true.",
+    responses={**_NOT_FOUND, 409: {"description": "Its Φ is being read; retry when the read is done."}},
+)
+async def delete_feature_job(
+    job_id: FeatureJobId, _: WriteAccess, jobs: SolveJobsDep, cancel_only: CancelOnly = False
+) -> Response:
+    return json_response(await anyio.to_thread.run_sync(cancel_or_delete, jobs, job_id, "features", cancel_only))
 
 
 @router.get("/{job_id}/result", summary="Rows of a features job's Φ (rows, k, D)", responses=_NOT_FOUND)
@@ -217,9 +225,9 @@ async def feature_job_result(
     media = negotiate(request, OFFERED, operation=operation)
 
     def read() -> np.ndarray:
-        _, phi = jobs.features(job_id)
-        lo, hi = _range(start, stop, int(phi.shape[0]), "result")
-        _check_size(media, (hi - lo, *phi.shape[1:]), phi.dtype.itemsize, settings, operation)
-        return np.asarray(phi[lo:hi])
+        with jobs.features(job_id) as (_, phi):
+            lo, hi = _range(start, stop, int(phi.shape[0]), "result")
+            _check_size(media, (hi - lo, *phi.shape[1:]), phi.dtype.itemsize, settings, operation)
+            return np.asarray(phi[lo:hi])
 
     return _encode(media, "phi", await anyio.to_thread.run_sync(read))

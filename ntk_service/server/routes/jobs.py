@@ -38,8 +38,10 @@ from ntk_service import wire
 from ntk_service.config import Settings
 from ntk_service.errors import Busy, InvalidInput, NotAcceptable, ResultNotFound, ServiceUnavailable, format_bytes
 from ntk_service.jobs import JobManager, JobRecord
+from ntk_service.jobs.disk import ResultBytes
 from ntk_service.jobs.executors import Executor, LocalExecutor, RayExecutor, import_ray
 from ntk_service.jobs.results import ResultArray, parse_range
+from ntk_service.jobs.solve_jobs import SolveJobs
 from ntk_service.kernels import KernelMode, NtkImplementation
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ReadAccess, WriteAccess
@@ -270,6 +272,12 @@ def _executor(settings: Settings, limiter: ComputeLimiter, token: Any) -> Execut
     )
 
 
+def _solve_results(app: FastAPI) -> ResultBytes:
+    """The solve and features jobs' results, which share the disk budget (none while their runner is stopped)."""
+    jobs: SolveJobs | None = getattr(app.state, "solve_jobs", None)
+    return ResultBytes() if jobs is None else jobs.result_bytes()
+
+
 async def start_jobs(app: FastAPI) -> None:
     """Build the JobManager on ``app.state.jobs`` and resume unfinished jobs (call in the lifespan, after the
     registry, data sets and limiter exist)."""
@@ -282,6 +290,7 @@ async def start_jobs(app: FastAPI) -> None:
         executor=executor,
         default_tile_size=settings.job_tile_size,
         disk_budget_bytes=settings.job_disk_budget_bytes,
+        other_results=lambda: _solve_results(app),
         memory_budget_bytes=settings.memory_budget_bytes,
         results_dir=settings.job_results_dir,
         panel_seconds=settings.job_panel_seconds,

@@ -8,7 +8,8 @@ CG (``jobs/solve_job.py``), never forming the kernel.
     GET    /v1/solve-jobs/{id}/events  text/event-stream: a "progress" event per change, "end" when finished
     GET    /v1/solve-jobs/{id}/result  alpha (n, k) and predictions (m, k): JSON (with the CG report) or
                                        safetensors (the report in its metadata); 409 until succeeded
-    DELETE /v1/solve-jobs/{id}         cancel a queued or running job (the solve stops before its next product)
+    DELETE /v1/solve-jobs/{id}         cancel a queued or running job (the solve stops before its next product);
+                                       delete a finished one with its arrays (?cancel_only=true: only cancel)
 
 A solve that did not converge is a succeeded job whose result says ``converged: false`` and its ``stop_reason``;
 the result route repeats both beside the arrays, so no download hides it.
@@ -22,7 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
-from fastapi import APIRouter, Depends, FastAPI, Path, Request
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
@@ -30,6 +31,8 @@ from starlette.responses import Response
 from ntk_service import wire
 from ntk_service.config import Settings
 from ntk_service.errors import PayloadTooLarge, ServiceUnavailable, format_bytes
+from ntk_service.jobs import JobManager
+from ntk_service.jobs.disk import ResultBytes, result_bytes
 from ntk_service.jobs.solve_jobs import SolveJobs
 from ntk_service.server.deps import ReadAccess, SettingsDep, WriteAccess
 from ntk_service.server.media import collection_response, json_response, negotiate, read_json
@@ -37,9 +40,11 @@ from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
 from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = [
+    "CancelOnly",
     "SolveFields",
     "SolveJobCreate",
     "SolveRows",
+    "cancel_or_delete",
     "job_events",
     "router",
     "start_solve_jobs",
@@ -143,6 +148,12 @@ ExistingSolveJob = Annotated[dict[str, Any], Depends(_existing_solve_job)]
 """The solve job; 404 before any response starts. Declared after the access dependency (resolved in order)."""
 
 
+def _kernel_results(app: FastAPI) -> ResultBytes:
+    """The kernel jobs' results, which share the disk budget (none while their manager is not running)."""
+    manager: JobManager | None = getattr(app.state, "jobs", None)
+    return ResultBytes() if manager is None else result_bytes(manager.store)
+
+
 async def start_solve_jobs(app: FastAPI) -> None:
     """Build ``app.state.solve_jobs`` and requeue unfinished solves (in the lifespan, after the registry and data
     sets exist)."""
@@ -153,6 +164,8 @@ async def start_solve_jobs(app: FastAPI) -> None:
         datasets=app.state.datasets,
         results_dir=settings.job_results_dir,
         memory_budget_bytes=settings.memory_budget_bytes,
+        disk_budget_bytes=settings.job_disk_budget_bytes,
+        kernel_results=lambda: _kernel_results(app),
     )
     await anyio.to_thread.run_sync(jobs.start)
     app.state.solve_jobs = jobs
@@ -226,9 +239,31 @@ async def solve_job_events(
         yield event
 
 
-@router.delete("/{job_id}", summary="Cancel a solve job", responses=_NOT_FOUND)
-async def cancel_solve_job(job_id: SolveJobId, _: WriteAccess, jobs: SolveJobsDep) -> Response:
-    return json_response(await anyio.to_thread.run_sync(jobs.cancel, job_id, "solve"))
+CancelOnly = Annotated[
+    bool, Query(description="Only cancel: a finished job is left as it is. Default: false (a finished job is deleted).")
+]
+
+
+def cancel_or_delete(jobs: SolveJobs, job_id: str, job: Literal["solve", "features"], cancel_only: bool) -> Any:
+    """DELETE of a solve or features job: the cancelled job while it is queued or running (or ``cancel_only``),
+    else {"id", "deleted": "job", "freed_bytes"} once its row and files are gone."""
+    record = jobs.get(job_id, job)
+    if cancel_only or record["status"] not in _FINISHED:
+        return jobs.cancel(job_id, job)
+    return {"id": job_id, "deleted": "job", "freed_bytes": jobs.delete(job_id, job)}
+
+
+@router.delete(
+    "/{job_id}",
+    summary="Cancel a queued or running solve job; delete a finished one and its arrays",
+    description="A queued or running job is cancelled (the solve stops before its next product). A finished job "
+    "is removed with its alpha and predictions (its bytes return to the disk budget), unless cancel_only=true.",
+    responses=_NOT_FOUND,
+)
+async def delete_solve_job(
+    job_id: SolveJobId, _: WriteAccess, jobs: SolveJobsDep, cancel_only: CancelOnly = False
+) -> Response:
+    return json_response(await anyio.to_thread.run_sync(cancel_or_delete, jobs, job_id, "solve", cancel_only))
 
 
 @router.get("/{job_id}/result", summary="A solve job's alpha and test predictions")

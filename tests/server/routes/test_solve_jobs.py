@@ -15,7 +15,15 @@ import torch
 
 from ntk_service import wire
 from ntk_service.client import Client
-from ntk_service.errors import InvalidInput, JobNotFinished, NtkServiceError, ShapeMismatch
+from ntk_service.errors import (
+    Conflict,
+    DiskEstimateExceeded,
+    InvalidInput,
+    JobNotFinished,
+    JobNotFound,
+    NtkServiceError,
+    ShapeMismatch,
+)
 from ntk_service.jobs.solve_jobs import SolveJobs
 from ntk_service.registry import DatasetStore, ModelRegistry
 from tests.conftest import LiveServer, start_live_server
@@ -249,3 +257,80 @@ def test_solve_and_features_jobs_are_found_only_under_their_own_routes(
                 error = response.json()["error"]
                 assert error["type"] == "job_not_found" and f"GET /v1/{route}" in error["message"], error
         assert http.get("/v1/solve-jobs/0123/events").status_code == 404
+
+
+def test_finished_solve_and_features_jobs_are_deleted_with_their_files_and_cancel_only_keeps_them(
+    server: LiveServer, setup: dict[str, Any]
+) -> None:
+    client, ids = setup["client"], setup["ids"]
+    solve = _finished(
+        client, client.submit_solve_job("tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"])["id"]
+    )
+    features = client.submit_features_job("tiny", dataset=ids["x"], dim=16, seed=0, dtype="float64")
+    features = client.wait_features_job(features["id"], poll_s=0.05, timeout_s=120, progress=None)
+    assert client.cancel_solve_job(solve["id"]) == client.solve_job(solve["id"])  # cancel_only: a finished job stays
+    folders = {job["id"]: server.data_dir / "jobs" / "solve" / job["id"] for job in (solve, features)}
+    assert all(folder.is_dir() for folder in folders.values())
+    deleted = client.delete_solve_job(solve["id"])
+    assert deleted["deleted"] == "job" and deleted["freed_bytes"] >= (N + 0) * K * 8
+    gone = client.delete_features_job(features["id"])
+    assert gone["freed_bytes"] >= N * K * 16 * 8 * 0.5, gone  # Φ (12, 3, 16) float64, zstd-compressed on disk
+    assert not any(folder.exists() for folder in folders.values())
+    with pytest.raises(JobNotFound):
+        client.solve_job(solve["id"])
+    with pytest.raises(JobNotFound):
+        client.delete_features_job(features["id"])
+
+
+def test_a_features_job_too_large_for_the_disk_budget_is_refused_and_the_budget_is_shared_with_kernel_jobs(
+    tmp_path: Path,
+) -> None:
+    budget = 40_000  # bytes: Φ (12, 3, 256) float32 = 36,864 fits once; a kernel job's 12·12·3·3 float32 = 5184
+    live = start_live_server(tmp_path / "data", job_disk_budget_bytes=str(budget))
+    try:
+        with Client(live.url, api_key=live.write_key) as client:
+            client.register_model("tiny", TINY_MLP, seed=0)
+            x = client.upload_dataset(np.random.default_rng(0).standard_normal((N, 4)).astype(np.float32))["id"]
+            with pytest.raises(
+                DiskEstimateExceeded,
+                match=r"Φ \(12, 3, 512\) in float32 needs 72\.00 KiB on disk, more than the disk budget",
+            ) as big:
+                client.submit_features_job("tiny", dataset=x, dim=512)
+            assert getattr(big.value, "http_status", None) == 413
+            first = client.submit_features_job("tiny", dataset=x, dim=256)
+            client.wait_features_job(first["id"], poll_s=0.05, timeout_s=120, progress=None)
+            with pytest.raises(DiskEstimateExceeded, match=r"less 36\.00 KiB of stored results"):
+                client.submit_job("tiny", x, mode="full")  # 5184 bytes, but the features job holds 36,864
+            client.delete_features_job(first["id"])
+            job = client.wait(client.submit_job("tiny", x, mode="full"), progress=False)
+            assert job["status"] == "succeeded"
+            with pytest.raises(DiskEstimateExceeded, match=r"less 5\.06 KiB of stored results"):
+                client.submit_features_job("tiny", dataset=x, dim=256)  # the kernel job's result counts in turn
+    finally:
+        live.stop()
+
+
+def test_a_features_job_is_not_deleted_while_its_phi_is_read(tmp_path: Path) -> None:
+    registry, datasets = ModelRegistry(tmp_path), DatasetStore(tmp_path)
+    registry.register("tiny", TINY_MLP, seed=0)
+    x = datasets.create(np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)).id
+    jobs = SolveJobs(data_dir=tmp_path, models=registry, datasets=datasets)
+    jobs.start()
+    try:
+        job = jobs.submit_features(model="tiny", dataset=(x, None), dim=8)
+        deadline = time.monotonic() + 60
+        while jobs.get(job["id"])["status"] != "succeeded":
+            assert time.monotonic() < deadline, jobs.get(job["id"])
+            time.sleep(0.05)
+        with jobs.features(job["id"]) as (_, phi):
+            with pytest.raises(Conflict, match="being read"):
+                jobs.delete(job["id"], "features")
+            first = np.asarray(phi[:])
+        assert first.shape == (5, 3, 8)
+        assert jobs.delete(job["id"], "features") > 0
+        with pytest.raises(JobNotFound):
+            jobs.get(job["id"])
+    finally:
+        jobs.stop()
+        registry.close()
+        datasets.close()
