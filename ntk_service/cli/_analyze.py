@@ -173,7 +173,7 @@ def spectrum(
     model: NameArg,
     x: Annotated[str, typer.Option("--x", help=_SIDE.format(rows="N"))],
     top: Annotated[int | None, typer.Option(min=1, help="Only the top eigenvalues. Default: all.")] = None,
-    method: Annotated[str, typer.Option(help="auto | eigh | lanczos.")] = "auto",
+    method: Annotated[str, typer.Option(help="auto | eigh | lanczos | operator (matrix-free, needs --top).")] = "auto",
     ridge: Annotated[
         list[float] | None, typer.Option("--ridge", help="λ for effective_dof; repeatable (needs all eigenvalues).")
     ] = None,

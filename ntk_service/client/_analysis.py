@@ -283,7 +283,8 @@ class AnalysisClient(BaseClient):
 
         Args:
             x: (N, *input) array or data set slice. top: only the top eigenvalues (None: all).
-            method: "auto" | "eigh" | "lanczos". ridges: λ values for ``effective_dof`` (needs top=None).
+            method: "auto" | "eigh" | "lanczos" | "operator" (Lanczos on the matrix-free operator: top only, the
+                kernel never formed). ridges: λ values for ``effective_dof`` (needs top=None).
             mode, implementation, params, version, output: as for ``ntk``.
         """
         body: dict[str, Any] = {

@@ -72,7 +72,7 @@ FlowName = Literal["gradient_flow", "gradient_descent"]
 RidgeScaleName = Literal["absolute", "relative"]
 """The ridge λ as given, or times the mean of the kernel's diagonal."""
 
-SpectrumMethodName = Literal["auto", "eigh", "lanczos"]
+SpectrumMethodName = Literal["auto", "eigh", "lanczos", "operator"]
 """How a spectrum is computed: dense eigh, Lanczos for the top eigenvalues, or by size."""
 
 AlignmentVariantName = Literal["uncentered", "centered", "centered_vec_y", "rayleigh"]

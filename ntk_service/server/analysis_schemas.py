@@ -157,8 +157,11 @@ class SpectrumOptions(AnalysisKernelOptions):
     top: int | None = Field(
         default=None, ge=1, le=INT64_MAX, description="Only the top eigenvalues (at most n are returned). Default: all."
     )
-    method: Literal["auto", "eigh", "lanczos"] = Field(
-        default="auto", description="eigh: dense, every eigenvalue; lanczos: the top ones; auto: by size."
+    method: Literal["auto", "eigh", "lanczos", "operator"] = Field(
+        default="auto",
+        description="eigh: dense, every eigenvalue; lanczos: the top ones of the dense kernel; operator: the top "
+        "ones by Lanczos on the matrix-free operator (the kernel is never formed: memory O(P + n·top), for N whose "
+        "kernel does not fit; each Lanczos step is one VJP and one JVP pass over x); auto: eigh or lanczos by size.",
     )
     ridges: list[float] = Field(
         default_factory=list, max_length=64, description="λ > 0 values for effective_dof (needs top = null)."

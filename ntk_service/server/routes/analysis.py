@@ -22,7 +22,7 @@ from ntk_service import analysis, wire
 from ntk_service.analysis.cross_entropy import check_cross_entropy_plan, class_indices
 from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
-from ntk_service.kernels import NtkResult
+from ntk_service.kernels import NtkResult, ntk_operator
 from ntk_service.kernels.modes import parse_any_mode
 from ntk_service.kernels.outputs import parse_output, select_output
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
@@ -53,6 +53,7 @@ from ntk_service.server.kernel_inputs import (
     parse_side,
     read_object,
     run_kernel,
+    run_model,
 )
 from ntk_service.server.params import NamePath
 from ntk_service.server.schemas import KernelOptions, openapi_body, validate_body
@@ -268,6 +269,8 @@ async def kernel_spectrum(
     options = validate_body(SpectrumOptions, rest, operation=operation)
     if options.ridges and options.top is not None:
         raise InvalidInput(f"{operation}: ridges (effective_dof) need every eigenvalue; drop top or the ridges")
+    if options.method == "operator" and options.top is None:
+        raise InvalidInput(f"{operation}: method 'operator' finds the top eigenvalues only; give top (e.g. top=10)")
 
     settings = ctx.settings
 
@@ -275,6 +278,20 @@ async def kernel_spectrum(
         record = ctx.registry.get(name, options.version)
         x = _side(raw["x"], "x", record, ctx.datasets, operation)
         size = x.n * (output_size(options.output, record, operation=operation) if options.mode == "full" else 1)
+        if options.method == "operator":  # the operator's own plan is checked when it is built
+            assert options.top is not None
+            if options.top >= size:
+                raise InvalidInput(
+                    f"{operation}: top={options.top} must be below the kernel's size {size} for method 'operator'; "
+                    "for every eigenvalue use method 'eigh'"
+                )
+            check_budget(
+                8 * _lanczos_vectors(options.top, size) * size,
+                settings.memory_budget_bytes,
+                what=f"the Lanczos basis of a {size}x{size} operator",
+                operation=operation,
+            )
+            return record, x
         dense = options.top is None or options.method == "eigh" or (options.method == "auto" and size <= DENSE_MAX_SIZE)
         check_budget(
             8 * _SPECTRUM_COPIES["eigh" if dense else "lanczos"] * size * size,
@@ -289,12 +306,30 @@ async def kernel_spectrum(
     def run() -> dict[str, Any]:
         _, module = ctx.registry.load_module(record.name, record.version)
         start = time.perf_counter()
-        theta = _theta(
-            ctx, module, x, None, _kernel_options(options, record.version), record=record, operation=operation
-        )
-        kernel_s = time.perf_counter() - start
-        start = time.perf_counter()
-        s = analysis.spectrum(theta, top=options.top, method=options.method)
+        if options.method == "operator":
+
+            def matrix_free() -> analysis.Spectrum:
+                # float64 products, as the dense path's float64 kernel; the Lanczos steps are all the cost
+                op = ntk_operator(
+                    module,
+                    x.to_torch(record),
+                    mode=options.mode,
+                    params=options.params,
+                    output=options.output,
+                    dtype="float64",
+                    memory_budget_bytes=settings.memory_budget_bytes,
+                )
+                return analysis.spectrum(op, top=options.top)
+
+            s, _ = run_model(matrix_free, record=record, operation=operation)
+            kernel_s = 0.0  # never formed
+        else:
+            theta = _theta(
+                ctx, module, x, None, _kernel_options(options, record.version), record=record, operation=operation
+            )
+            kernel_s = time.perf_counter() - start
+            start = time.perf_counter()
+            s = analysis.spectrum(theta, top=options.top, method=options.method)
         body = {
             **spectrum_fields(s),
             "ranks": {
@@ -314,6 +349,12 @@ async def kernel_spectrum(
 
     hint = "ask for the top eigenvalues"
     return await answer_json(ctx.limiter, run, cap=settings.max_json_response_bytes, operation=operation, hint=hint)
+
+
+def _lanczos_vectors(top: int, size: int) -> int:
+    """Vectors of length n ARPACK's ``eigsh`` holds for ``top`` eigenvalues (ncv = max(2·top + 1, 20), capped
+    at n) plus its workspace, about as many again."""
+    return 2 * min(size, max(2 * top + 1, 20))
 
 
 def _rekey(x: KernelInput, record: ModelRecord) -> KernelInput:

@@ -305,3 +305,21 @@ def test_analyses_of_stored_job_kernels(live_server: LiveServer, versions) -> No
         missing = http.post(f"/v1/jobs/{first}/alignment", json={"variant": "centered"})
         assert missing.status_code == 422 and "needs y" in missing.json()["error"]["message"]
         assert http.post("/v1/jobs/nope/spectrum", json={}).status_code == 404
+
+
+def test_spectrum_by_lanczos_on_the_operator_matches_eigvalsh_without_forming_the_kernel(
+    client: Client, versions
+) -> None:
+    record, model = versions["record"], versions["models"][2]
+    x = sample_inputs(record, 7, seed=18)
+    want = np.linalg.eigvalsh(_matrix(model, x))[::-1]
+    top = client.spectrum("analysis-mlp", x, top=4, method="operator")
+    np.testing.assert_allclose(top.eigenvalues, want[:4], rtol=1e-8)
+    assert top.n == 7 * K and top.condition_number is None
+    trace = np.einsum("nmaa->nm", _matrix(model, x).reshape(7, K, 7, K).transpose(0, 2, 1, 3))
+    by_trace = client.spectrum("analysis-mlp", x, top=2, method="operator", mode="trace")
+    np.testing.assert_allclose(by_trace.eigenvalues, np.linalg.eigvalsh(trace)[::-1][:2], rtol=1e-8)
+    with pytest.raises(InvalidInput, match="give top"):
+        client.spectrum("analysis-mlp", x, method="operator")
+    with pytest.raises(InvalidInput, match=f"must be below the kernel's size {7 * K}"):
+        client.spectrum("analysis-mlp", x, top=7 * K, method="operator")
