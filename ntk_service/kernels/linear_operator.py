@@ -66,7 +66,15 @@ from ntk_service.kernels.private_module import check_model, private_copy
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["MAX_CHUNK_BYTES", "OPERATOR_MODES", "NtkOperator", "apply_in_mode", "as_operand", "ntk_operator"]
+__all__ = [
+    "MAX_CHUNK_BYTES",
+    "OPERATOR_MODES",
+    "NtkOperator",
+    "apply_in_mode",
+    "as_operand",
+    "ntk_operator",
+    "parse_operator_mode",
+]
 
 OPERATOR_MODES = (KernelMode.FULL, KernelMode.TRACE, DerivedMode.PSEUDO)
 """The modes that are linear maps between the x2 side and the x1 side (the diagonals are not)."""
@@ -80,6 +88,19 @@ chunk) N = 10,000 runs as one chunk, and halving the chunk cost 1.15-1.4x per pr
 machine (benchmarks/bench_solvers.py --section chunk)."""
 
 _OPERATION = "ntk_operator"
+
+
+def parse_operator_mode(mode: KernelMode | DerivedMode | str, *, operation: str) -> KernelMode | DerivedMode:
+    """``mode`` parsed, one of ``OPERATOR_MODES``.
+
+    Raises:
+        UnknownMode: a diagonal mode (not a linear map between the sides), or no mode at all.
+    """
+    kernel_mode = parse_any_mode(mode, operation=operation)
+    if kernel_mode not in OPERATOR_MODES:
+        valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
+        raise UnknownMode(f"{operation}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
+    return kernel_mode
 
 
 def as_operand(
@@ -381,10 +402,7 @@ def ntk_operator(
             UnsupportedModel also for a model that cannot be copied.
         MemoryEstimateExceeded: the parameter-space vectors and one example's activations exceed the budget.
     """
-    kernel_mode = parse_any_mode(mode, operation=_OPERATION)
-    if kernel_mode not in OPERATOR_MODES:
-        valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
-        raise UnknownMode(f"{_OPERATION}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
+    kernel_mode = parse_operator_mode(mode, operation=_OPERATION)
     path = parse_output(output, operation=_OPERATION)
     if examples_per_chunk is not None and (
         isinstance(examples_per_chunk, bool) or not isinstance(examples_per_chunk, int) or examples_per_chunk < 1

@@ -23,10 +23,11 @@ weight shipping of ``weights.py``, and ``kernels/`` may not import ``jobs/`` (DE
 
 Example::
 
-    >>> op = ray_ntk_operator(model, x_train, shards=2)                 # Θ(x_train, x_train)  # doctest: +SKIP
-    >>> op.shape, op.matvec(torch.randn(N, k)).shape                     # ((N·k, N·k), (N, k))  # doctest: +SKIP
-    >>> gp_inference(op, y, ray_ntk_operator(model, x_test, x_train), ridge=1e-3).mean      # (M, k)  # doctest: +SKIP
-    >>> op.close()                                                       # the actors go        # doctest: +SKIP
+    >>> cross = ray_ntk_operator(model, x_test, x_train, shards=2)      # Θ(x_test, x_train)    # doctest: +SKIP
+    >>> train = cross.view(rows="x2")                                    # Θ(x_train, x_train)   # doctest: +SKIP
+    >>> train.shape, train.matvec(torch.randn(N, k)).shape               # ((N·k, N·k), (N, k))  # doctest: +SKIP
+    >>> gp_inference(train, y, cross, ridge=1e-3).mean.shape             # (M, k)                # doctest: +SKIP
+    >>> cross.close()                                                    # the actors go         # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -41,18 +42,24 @@ import numpy as np
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, JobFailed, NtkServiceError, OptionalDependencyMissing, UnknownMode
+from ntk_service.errors import InvalidInput, JobFailed, NtkServiceError, OptionalDependencyMissing
 from ntk_service.jobs.executors.ray import batch_as_numpy, import_ray
 from ntk_service.jobs.executors.weights import pack_module, unpack_module
 from ntk_service.kernels import model_device, place_module
 from ntk_service.kernels.batch import Inputs, batch_size, take
 from ntk_service.kernels.inputs import validate_inputs
-from ntk_service.kernels.linear_operator import OPERATOR_MODES, NtkOperator, apply_in_mode, as_operand, ntk_operator
-from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
+from ntk_service.kernels.linear_operator import (
+    NtkOperator,
+    apply_in_mode,
+    as_operand,
+    ntk_operator,
+    parse_operator_mode,
+)
+from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.outputs import parse_output
 from ntk_service.kernels.private_module import check_model
 
-__all__ = ["RayNtkOperator", "ShardWorker", "ray_ntk_operator"]
+__all__ = ["DEFAULT_SHARDS", "RayNtkOperator", "ShardWorker", "ray_ntk_operator"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,7 +209,7 @@ class RayNtkOperator:
         Raises:
             InvalidInput: a side that is neither "x1" nor "x2". UnknownMode: a diagonal mode.
         """
-        kernel_mode = self.mode if mode is None else _operator_mode(mode, operation=f"{_OPERATION}.view")
+        kernel_mode = self.mode if mode is None else parse_operator_mode(mode, operation=f"{_OPERATION}.view")
         sides = []
         for name, side, own in (("rows", rows, self._rows), ("cols", cols, self._cols)):
             if side is not None and side not in _SIDES:
@@ -269,19 +276,6 @@ class RayNtkOperator:
         return torch.from_numpy(np.concatenate(out))
 
 
-def _operator_mode(mode: KernelMode | DerivedMode | str, *, operation: str) -> KernelMode | DerivedMode:
-    """``mode`` parsed, one of ``OPERATOR_MODES``.
-
-    Raises:
-        UnknownMode: a diagonal mode, or no mode at all.
-    """
-    kernel_mode = parse_any_mode(mode, operation=operation)
-    if kernel_mode not in OPERATOR_MODES:
-        valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
-        raise UnknownMode(f"{operation}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
-    return kernel_mode
-
-
 def _get(ray: Any, refs: list[Any]) -> list[Any]:
     """The actors' results, with an actor's domain error re-raised as itself (Ray wraps it)."""
     try:
@@ -335,7 +329,7 @@ def ray_ntk_operator(
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel, MemoryEstimateExceeded:
             as ``ntk_operator`` (raised by the actors for their shard, re-raised here).
     """
-    kernel_mode = _operator_mode(mode, operation=_OPERATION)
+    kernel_mode = parse_operator_mode(mode, operation=_OPERATION)
     if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
         raise InvalidInput(f"{_OPERATION}: shards must be an integer ≥ 1, got {shards!r}")
     if isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or not num_cpus > 0:
