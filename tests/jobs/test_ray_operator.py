@@ -132,19 +132,40 @@ def test_cg_through_the_ray_operator_equals_the_dense_solve(test_train: RayNtkOp
     assert posterior.solve.passes == posterior.solve.products * (K if mode == "trace" else 1)
 
 
+class _Keywords(nn.Module):
+    """Keyword inputs (token ids, an integer mask) and a dict output: the mapping path through the object store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(9, 4), nn.Linear(4, K)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = torch.tanh(self.emb(input_ids)) * attention_mask.unsqueeze(-1)
+        return {"logits": self.lin(hidden.sum(1))}
+
+
 def test_one_shard_and_more_shards_than_examples(ray_instance: object) -> None:
-    # S = 1 is the in-process product through one actor; S > N is clamped to N (one example per actor): an actor
-    # without rows would hold a model and add nothing, and clamping lets one shard count serve any data size
-    model = _mlp()
-    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    dense = _matrix(model, x, None, "full")
-    v = torch.randn(2, K, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    for shards, expected in ((1, 1), (5, 2)):
-        with ray_ntk_operator(model, x, shards=shards, num_cpus=ACTOR_CPUS) as op:
-            assert op.shards == expected and op.is_symmetric and op.shape == (2 * K, 2 * K)
-            assert _rel(op.matvec(v).reshape(-1), dense @ v.reshape(-1)) <= 1e-10
+    # S = 1 is the in-process product through one actor (here with keyword inputs and a selected output); S > N
+    # is clamped to N, one example per actor: an actor without rows would hold a model and add nothing, and the
+    # clamp lets one shard count serve any data size
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(5)
+    tokens = _Keywords().double()
+    x = {"input_ids": torch.randint(0, 9, (4, 3), generator=g), "attention_mask": torch.ones(4, 3, dtype=torch.int64)}
+    x["attention_mask"][0, 2] = 0
+    full = reference_ntk(tokens, x, output=lambda out: out["logits"])
+    dense = full.permute(0, 2, 1, 3).reshape(4 * K, 4 * K)
+    v = torch.randn(4, K, generator=g, dtype=torch.float64)
+    with ray_ntk_operator(tokens, x, shards=1, output="logits", num_cpus=ACTOR_CPUS) as op:
+        assert op.shards == 1 and op.is_symmetric and op.shape == (4 * K, 4 * K)
+        assert _rel(op.matvec(v).reshape(-1), dense @ v.reshape(-1)) <= 1e-10
     with pytest.raises(InvalidInput, match="the operator was closed"):
         op.matvec(v)
+    model = _mlp()
+    x2 = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    with ray_ntk_operator(model, x2, shards=5, num_cpus=ACTOR_CPUS) as op:
+        assert op.shards == 2 and op.shape == (2 * K, 2 * K)
+        assert _rel(op.matvec(v[:2]).reshape(-1), _matrix(model, x2, None, "full") @ v[:2].reshape(-1)) <= 1e-10
 
 
 def test_bad_inputs_are_refused_clearly(test_train: RayNtkOperator) -> None:
