@@ -74,6 +74,7 @@ __all__ = [
     "as_operand",
     "ntk_operator",
     "parse_operator_mode",
+    "scipy_view",
 ]
 
 OPERATOR_MODES = (KernelMode.FULL, KernelMode.TRACE, DerivedMode.PSEUDO)
@@ -154,6 +155,33 @@ def apply_in_mode(
         cot[:, a] = t
         out += product(cot)[:, a]
     return out
+
+
+def scipy_view(op: Any, *, operation: str) -> Any:
+    """``op`` (``matvec`` / ``rmatvec`` on torch tensors, ``shape``, a torch ``dtype``) as a
+    ``scipy.sparse.linalg.LinearOperator`` on flat numpy vectors (float64 in; float64 or float32 out).
+
+    Raises:
+        OptionalDependencyMissing: SciPy is not installed (``pip install 'ntk-service[linalg]'``).
+    """
+    try:
+        from scipy.sparse.linalg import LinearOperator
+    except ImportError as exc:  # pragma: no cover - scipy is in the dev extra
+        raise OptionalDependencyMissing(
+            f"{operation}.as_linear_operator: needs SciPy; install it with pip install 'ntk-service[linalg]'"
+        ) from exc
+
+    def apply(x: np.ndarray, fn: Any) -> np.ndarray:
+        flat = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
+        out: np.ndarray = fn(flat).double().numpy().reshape((-1, *x.shape[1:]))  # x is (n,) or (n, 1)
+        return out
+
+    return LinearOperator(
+        shape=op.shape,
+        dtype=np.float64 if op.dtype == torch.float64 else np.float32,
+        matvec=lambda x: apply(x, op.matvec),
+        rmatvec=lambda x: apply(x, op.rmatvec),
+    )
 
 
 class _Sides:
@@ -238,24 +266,7 @@ class NtkOperator:
         Raises:
             OptionalDependencyMissing: SciPy is not installed (``pip install 'ntk-service[linalg]'``).
         """
-        try:
-            from scipy.sparse.linalg import LinearOperator
-        except ImportError as exc:  # pragma: no cover - scipy is in the dev extra
-            raise OptionalDependencyMissing(
-                f"{_OPERATION}.as_linear_operator: needs SciPy; install it with pip install 'ntk-service[linalg]'"
-            ) from exc
-
-        def apply(x: np.ndarray, fn: Any) -> np.ndarray:
-            flat = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
-            out: np.ndarray = fn(flat).double().numpy().reshape((-1, *x.shape[1:]))  # x is (n,) or (n, 1)
-            return out
-
-        return LinearOperator(
-            shape=self.shape,
-            dtype=np.float64 if self.dtype == torch.float64 else np.float32,
-            matvec=lambda x: apply(x, self.matvec),
-            rmatvec=lambda x: apply(x, self.rmatvec),
-        )
+        return scipy_view(self, operation=_OPERATION)
 
     # --- the two halves of a FULL product (a sharded operator reduces the first over shards) ------------------
     def pullback(self, v: torch.Tensor) -> NamedTensors:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.analysis import gp_inference
+from ntk_service.analysis import gp_inference, max_learning_rate, spectrum
 from ntk_service.analysis.solve import CgOptions
 from ntk_service.errors import (
     InvalidInput,
@@ -130,6 +130,18 @@ def test_cg_through_the_ray_operator_equals_the_dense_solve(test_train: RayNtkOp
     assert _rel(posterior.solve.solution.reshape(alpha.shape), alpha) <= 1e-6
     # the operator says its mode: a TRACE product is reported as k passes, as for an NtkOperator
     assert posterior.solve.passes == posterior.solve.products * (K if mode == "trace" else 1)
+
+
+def test_lanczos_through_the_ray_operator_finds_the_dense_eigenvalues(test_train: RayNtkOperator) -> None:
+    model = _mlp()
+    x_train, _, _ = _data()
+    full = test_train.view(rows="x2")
+    dense = np.linalg.eigvalsh(_matrix(model, x_train, None, "full").numpy())
+    np.testing.assert_allclose(spectrum(full, top=2).eigenvalues, dense[::-1][:2], rtol=1e-8)
+    trace = np.linalg.eigvalsh(_matrix(model, x_train, None, "trace").numpy())
+    # a TRACE operator is read as (trace / k) ⊗ I_k, with MSELoss over N·k entries, as for an NtkOperator
+    n = len(x_train)
+    assert max_learning_rate(full.view(mode="trace")) == pytest.approx(n * K / (trace[-1] / K), rel=1e-8)
 
 
 class _Keywords(nn.Module):

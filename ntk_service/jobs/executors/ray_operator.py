@@ -14,8 +14,13 @@ round trips; memory per actor O(P + its shard's chunk), on the driver O(S·P) fo
 
 The model goes to the object store once, as a data-free module tree and its weights as numpy (``weights.py``: one
 copy per node, which its actors map zero-copy); each shard once, to its actor. The operator has the interface the
-solvers use (``matvec``, ``rmatvec``, ``shape``, ``k``, ``mode``, ``dtype``, ``is_symmetric``), so ``gp_inference``,
-``linearized_predictions`` and ``conjugate_gradients`` take it as they take an ``NtkOperator``.
+solvers use (``matvec``, ``rmatvec``, ``shape``, ``k``, ``mode``, ``dtype``, ``is_symmetric``,
+``as_linear_operator``), so ``gp_inference``, ``linearized_predictions``, ``max_learning_rate``, ``spectrum`` and
+``conjugate_gradients`` take it as they take an ``NtkOperator``. ``view`` gives the other kernels of the same actors
+(train-train from a test-train build, another mode) without shipping anything again.
+
+No fault tolerance: a lost actor fails the product with JobFailed (build the operator again). Reduction is on the
+driver (S·P floats arrive there); a tree or an allreduce among the actors would pay only for S in the tens.
 
 NOTE [ray operator placement]: this module lives in ``jobs/executors`` because it needs ``import_ray`` and the
 weight shipping of ``weights.py``, and ``kernels/`` may not import ``jobs/`` (DESIGN §2); it imports the engine
@@ -54,6 +59,7 @@ from ntk_service.kernels.linear_operator import (
     as_operand,
     ntk_operator,
     parse_operator_mode,
+    scipy_view,
 )
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.outputs import parse_output
@@ -192,6 +198,11 @@ class RayNtkOperator:
     def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
         """``matmat`` for V (shape[1], r), else ``matvec``."""
         return self.matmat(v) if v.ndim == 2 and v.shape[0] == self.shape[1] else self.matvec(v)
+
+    def as_linear_operator(self) -> Any:
+        """A ``scipy.sparse.linalg.LinearOperator`` of shape ``self.shape`` on flat float vectors (as
+        ``NtkOperator``'s: what ``spectrum`` and ``eigsh`` take)."""
+        return scipy_view(self, operation=_OPERATION)
 
     def view(
         self, *, rows: str | None = None, cols: str | None = None, mode: KernelMode | DerivedMode | str | None = None
