@@ -326,7 +326,8 @@ def ray_ntk_operator(
         params, output, dtype, examples_per_chunk: as ``ntk_operator``, per shard.
         num_cpus (float): CPUs each actor reserves (its torch threads: at least 1). Default: 1.
         memory_budget_bytes (int, optional): each actor's peak per product. Default: the actor's
-            ``default_memory_budget()``.
+            ``default_memory_budget()`` (the actors of one node each read it, but the chunk is capped by
+            ``MAX_CHUNK_BYTES`` of activations whatever the budget, so an actor's peak stays O(P + that cap)).
         address (str, optional): for ``ray.init`` when Ray is not initialised in this process (a cluster, or None
             to start a local Ray, which stays up until ``ray.shutdown()``). Default: None.
 
