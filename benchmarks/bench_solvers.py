@@ -16,17 +16,22 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   ``--shared-landmarks`` examples, default 1000); ``--max-minutes`` stops CG with a reported "time_limit".
 - ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first).
 - ``chunk``: the A/B of the operator's chunk size (``MAX_CHUNK_BYTES``), each configuration in its own process.
+- ``ray``: s / product of ``ray_ntk_operator`` (``--shards`` one-thread Ray actors, default 2) against the
+  in-process ``ntk_operator`` with ``--threads`` threads on the benchmark MLP at ``--ray-n`` (default 4000),
+  alternated ``--products`` times in one process, the load average beside each pair.
 - ``features``: ``ntk_features`` error against the exact FULL kernel by D on an N-subset, and the GP test mean with
   the feature kernel against the exact kernel's.
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
     .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 60   # the goal run
+    .venv/bin/python benchmarks/bench_solvers.py --section ray --ray-n 4000 --products 5
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -47,6 +52,7 @@ from ntk_service.analysis.solve import (  # noqa: E402
     nystrom_preconditioner,
     shared_nystrom_preconditioner,
 )
+from ntk_service.jobs.executors import import_ray, ray_ntk_operator  # noqa: E402
 from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_operator  # noqa: E402
 
 K = 10
@@ -253,6 +259,41 @@ def section_chunk(n: int, chunks: list[int], products: int) -> None:
             subprocess.run([*command, "--products", str(products)], check=True)
 
 
+def section_ray(n: int, shards: int, products: int, mode: str) -> None:
+    """The in-process operator (``--threads`` threads) against ``shards`` one-thread Ray actors: the same product,
+    alternated in one process (each runs while the other idles), s / product, the ratio and the load."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray = import_ray()
+    ray.init(num_cpus=shards, include_dashboard=False, log_to_driver=False)
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    local = ntk_operator(model, x, mode=mode)
+    start = time.perf_counter()
+    sharded = ray_ntk_operator(model, x, shards=shards, mode=mode, num_cpus=1)
+    build_s = time.perf_counter() - start
+    shape = (n, K) if mode == "full" else (n,)
+    v = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    diff = float((sharded.matvec(v) - local.matvec(v)).norm() / local.matvec(v).norm())  # and the warm-up
+    print(f"Θ v, {mode}, MLP 784-512-512-10, N = {n}: in-process ntk_operator ({torch.get_num_threads()} threads, "
+          f"chunk {local.examples_per_chunk}) vs ray_ntk_operator ({sharded.shards} one-thread actors; built in "
+          f"{build_s:.1f} s); relative difference {diff:.1e} (float32)")  # fmt: skip
+    print(f"{'round':>5} {'local s':>8} {'ray s':>8} {'ray/local':>10}  load (1, 5, 15 min)")
+    ratios = []
+    for r in range(products):
+        start = time.perf_counter()
+        local.matvec(v)
+        local_s = time.perf_counter() - start
+        start = time.perf_counter()
+        sharded.matvec(v)
+        ray_s = time.perf_counter() - start
+        ratios.append(ray_s / local_s)
+        load = ", ".join(f"{value:.2f}" for value in os.getloadavg())
+        print(f"{r:>5} {local_s:>8.3f} {ray_s:>8.3f} {ray_s / local_s:>10.2f}  {load}")
+    print(f"median ray/local {float(np.median(ratios)):.2f}")
+    sharded.close()
+    ray.shutdown()
+
+
 def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
     model = make_mlp()
     x = make_inputs("mlp", n + 50)
@@ -288,7 +329,7 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sections = ["dense", "scale", "features", "chunk", "preconditioners"]
+    sections = ["dense", "scale", "features", "chunk", "preconditioners", "ray"]
     parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
@@ -310,7 +351,9 @@ def main() -> None:
     parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256], help="--section chunk")
-    parser.add_argument("--products", type=int, default=3, help="--section chunk")
+    parser.add_argument("--products", type=int, default=3, help="--section chunk and ray")
+    parser.add_argument("--ray-n", type=int, default=4000, help="--section ray")
+    parser.add_argument("--shards", type=int, default=2, help="--section ray: one-thread actors")
     parser.add_argument("--chunk-one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -335,6 +378,8 @@ def main() -> None:
             args.max_minutes,
             args.shared_landmarks,
         )
+    if "ray" in args.section:
+        section_ray(args.ray_n, args.shards, args.products, args.mode)
     if "features" in args.section:
         section_features(args.features_n, args.dims, args.seeds, args.features_ridge)
 

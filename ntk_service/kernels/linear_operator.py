@@ -32,9 +32,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,16 @@ from ntk_service.kernels.private_module import check_model, private_copy
 from ntk_service.kernels.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["MAX_CHUNK_BYTES", "OPERATOR_MODES", "NtkOperator", "ntk_operator"]
+__all__ = [
+    "MAX_CHUNK_BYTES",
+    "OPERATOR_MODES",
+    "NtkOperator",
+    "apply_in_mode",
+    "as_operand",
+    "ntk_operator",
+    "parse_operator_mode",
+    "scipy_view",
+]
 
 OPERATOR_MODES = (KernelMode.FULL, KernelMode.TRACE, DerivedMode.PSEUDO)
 """The modes that are linear maps between the x2 side and the x1 side (the diagonals are not)."""
@@ -79,6 +89,99 @@ chunk) N = 10,000 runs as one chunk, and halving the chunk cost 1.15-1.4x per pr
 machine (benchmarks/bench_solvers.py --section chunk)."""
 
 _OPERATION = "ntk_operator"
+
+
+def parse_operator_mode(mode: KernelMode | DerivedMode | str, *, operation: str) -> KernelMode | DerivedMode:
+    """``mode`` parsed, one of ``OPERATOR_MODES``.
+
+    Raises:
+        UnknownMode: a diagonal mode (not a linear map between the sides), or no mode at all.
+    """
+    kernel_mode = parse_any_mode(mode, operation=operation)
+    if kernel_mode not in OPERATOR_MODES:
+        valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
+        raise UnknownMode(f"{operation}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
+    return kernel_mode
+
+
+def as_operand(
+    v: object, *, mode: KernelMode | DerivedMode, k: int, columns: int, dtype: torch.dtype, operation: str
+) -> tuple[torch.Tensor, bool]:
+    """The vector of a product, checked: (columns, k) for FULL (or flat (columns·k,)), (columns,) otherwise.
+
+    Returns:
+        (t, flat): t (columns, k) for FULL or (columns,), in ``dtype``; flat: v was the flat FULL form (the
+        product is returned flat too).
+
+    Raises:
+        ShapeMismatch: another shape, or not a float tensor. NonFiniteInput: NaN or inf.
+    """
+    full = mode is KernelMode.FULL
+    t = torch.as_tensor(v)
+    flat = full and t.ndim == 1
+    expected = (columns, k) if full else (columns,)
+    if not t.is_floating_point() or (tuple(t.shape) != expected and not (flat and t.numel() == math.prod(expected))):
+        flat_hint = f" or flat ({math.prod(expected)},)" if full else ""
+        raise ShapeMismatch(
+            f"{operation}: the vector has shape {tuple(t.shape)} and dtype {t.dtype}; expected a float "
+            f"tensor of shape {expected}{flat_hint} for mode {mode.value}"
+        )
+    if not bool(torch.isfinite(t).all()):
+        raise NonFiniteInput(f"{operation}: the vector holds NaN or inf")
+    return t.to(dtype).reshape(expected), flat
+
+
+def apply_in_mode(
+    product: Callable[[torch.Tensor], torch.Tensor],
+    t: torch.Tensor,
+    *,
+    mode: KernelMode | DerivedMode,
+    k: int,
+    rows: int,
+) -> torch.Tensor:
+    """Θ t in ``mode`` from the FULL product J(rows) (J(cols)ᵀ c), ``product``: c (M, k) -> (N, k).
+
+    t: (M, k) for FULL, (M,) for TRACE and PSEUDO (as ``as_operand`` returns it). Returns (N, k) or (N,).
+    TRACE is Σ_a J_a(rows) J_a(cols)ᵀ t, one product per output (memory O(P); it has no single-pass form);
+    PSEUDO one product with t on every output, averaged.
+    """
+    if mode is KernelMode.FULL:
+        return product(t)
+    if mode is DerivedMode.PSEUDO:
+        return product(t[:, None].expand(-1, k)).sum(1) / k
+    out = torch.zeros(rows, dtype=t.dtype)
+    for a in range(k):
+        cot = torch.zeros(t.shape[0], k, dtype=t.dtype)
+        cot[:, a] = t
+        out += product(cot)[:, a]
+    return out
+
+
+def scipy_view(op: Any, *, operation: str) -> Any:
+    """``op`` (``matvec`` / ``rmatvec`` on torch tensors, ``shape``, a torch ``dtype``) as a
+    ``scipy.sparse.linalg.LinearOperator`` on flat numpy vectors (float64 in; float64 or float32 out).
+
+    Raises:
+        OptionalDependencyMissing: SciPy is not installed (``pip install 'ntk-service[linalg]'``).
+    """
+    try:
+        from scipy.sparse.linalg import LinearOperator
+    except ImportError as exc:  # pragma: no cover - scipy is in the dev extra
+        raise OptionalDependencyMissing(
+            f"{operation}.as_linear_operator: needs SciPy; install it with pip install 'ntk-service[linalg]'"
+        ) from exc
+
+    def apply(x: np.ndarray, fn: Any) -> np.ndarray:
+        flat = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
+        out: np.ndarray = fn(flat).double().numpy().reshape((-1, *x.shape[1:]))  # x is (n,) or (n, 1)
+        return out
+
+    return LinearOperator(
+        shape=op.shape,
+        dtype=np.float64 if op.dtype == torch.float64 else np.float32,
+        matvec=lambda x: apply(x, op.matvec),
+        rmatvec=lambda x: apply(x, op.rmatvec),
+    )
 
 
 class _Sides:
@@ -101,6 +204,7 @@ class NtkOperator:
         mode: FULL, TRACE or PSEUDO.
         shape: (N·k, M·k) for FULL, (N, M) for TRACE and PSEUDO.
         k: outputs per example.
+        num_params: P, the parameters the kernel differentiates.
         dtype: the compute dtype.
         examples_per_chunk: examples per VJP / JVP call, from the memory budget.
         estimate_bytes: the planned peak memory of one product.
@@ -113,6 +217,7 @@ class NtkOperator:
         self.mode = mode
         self.is_symmetric = symmetric
         self.k = sides.problem.k
+        self.num_params = sides.problem.num_params
         self.dtype = sides.problem.dtype
         self.examples_per_chunk = sides.chunk
         self.estimate_bytes = sides.estimate
@@ -161,65 +266,81 @@ class NtkOperator:
         Raises:
             OptionalDependencyMissing: SciPy is not installed (``pip install 'ntk-service[linalg]'``).
         """
-        try:
-            from scipy.sparse.linalg import LinearOperator
-        except ImportError as exc:  # pragma: no cover - scipy is in the dev extra
-            raise OptionalDependencyMissing(
-                f"{_OPERATION}.as_linear_operator: needs SciPy; install it with pip install 'ntk-service[linalg]'"
-            ) from exc
+        return scipy_view(self, operation=_OPERATION)
 
-        def apply(x: np.ndarray, fn: Any) -> np.ndarray:
-            flat = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64).reshape(-1))
-            out: np.ndarray = fn(flat).double().numpy().reshape((-1, *x.shape[1:]))  # x is (n,) or (n, 1)
-            return out
+    # --- the two halves of a FULL product (a sharded operator reduces the first over shards) ------------------
+    def pullback(self, v: torch.Tensor) -> NamedTensors:
+        """u = J(x2)ᵀ v, the parameter-space half of a FULL product (one VJP pass over the columns).
 
-        return LinearOperator(
-            shape=self.shape,
-            dtype=np.float64 if self.dtype == torch.float64 else np.float32,
-            matvec=lambda x: apply(x, self.matvec),
-            rmatvec=lambda x: apply(x, self.rmatvec),
+        Args:
+            v: (M, k) float tensor (flat (M·k,) accepted), a cotangent on every column example's outputs.
+
+        Returns:
+            u: {name: tensor of that parameter's shape}, P floats in all, in the compute dtype.
+
+        Raises:
+            ShapeMismatch: v has another shape. NonFiniteInput: v holds NaN or inf.
+        """
+        t, _ = as_operand(
+            v,
+            mode=KernelMode.FULL,
+            k=self.k,
+            columns=batch_size(self._cols),
+            dtype=self.dtype,
+            operation=f"{_OPERATION}.pullback",
         )
+        with self._sides.lock, self._scope():
+            return self._vjp_sum(self._cols, t)
+
+    def pushforward(self, u: NamedTensors) -> torch.Tensor:
+        """J(x1) u, the output-space half of a FULL product (one JVP pass over the rows).
+
+        Args:
+            u: {name: tensor}, the parameters' names and shapes as ``pullback`` returns them.
+
+        Returns:
+            (N, k) tensor in the compute dtype.
+
+        Raises:
+            ShapeMismatch: u misses a parameter, has another, or a tensor of another shape.
+        """
+        params = self._sides.problem.params
+        shapes = {name: tuple(p.shape) for name, p in params.items()}
+        given = {name: tuple(torch.as_tensor(g).shape) for name, g in u.items()}
+        if given != shapes:
+            wrong = sorted(set(shapes).symmetric_difference(given)) or sorted(
+                name for name in shapes if shapes[name] != given[name]
+            )
+            raise ShapeMismatch(
+                f"{_OPERATION}.pushforward: u must hold the selected parameters by name with their shapes "
+                f"(as pullback returns them); {', '.join(wrong[:3])} differ"
+            )
+        tangent = {name: torch.as_tensor(g).to(self.dtype) for name, g in u.items()}
+        with self._sides.lock, self._scope():
+            return self._jvp(self._rows, tangent)
 
     # --- the products -----------------------------------------------------------------------------------------
     def _apply(self, v: object, rows: Batch, cols: Batch, name: str) -> torch.Tensor:
-        k = self.k
-        full = self.mode is KernelMode.FULL
-        t = torch.as_tensor(v)
-        flat = full and t.ndim == 1
-        expected = (batch_size(cols), k) if full else (batch_size(cols),)
-        if not t.is_floating_point() or (
-            tuple(t.shape) != expected and not (flat and t.numel() == math.prod(expected))
-        ):
-            flat_hint = f" or flat ({math.prod(expected)},)" if full else ""
-            raise ShapeMismatch(
-                f"{_OPERATION}.{name}: the vector has shape {tuple(t.shape)} and dtype {t.dtype}; expected a float "
-                f"tensor of shape {expected}{flat_hint} for mode {self.mode.value}"
+        t, flat = as_operand(
+            v, mode=self.mode, k=self.k, columns=batch_size(cols), dtype=self.dtype, operation=f"{_OPERATION}.{name}"
+        )
+        with self._sides.lock, self._scope():
+            out = apply_in_mode(
+                lambda c: self._jvp(rows, self._vjp_sum(cols, c)), t, mode=self.mode, k=self.k, rows=batch_size(rows)
             )
-        if not bool(torch.isfinite(t).all()):
-            raise NonFiniteInput(f"{_OPERATION}.{name}: the vector holds NaN or inf")
-        t = t.to(self.dtype).reshape(expected)
-        with self._sides.lock:
-            if full:
-                out = self._product(rows, cols, t)
-            elif self.mode is DerivedMode.PSEUDO:
-                out = self._product(rows, cols, t[:, None].expand(-1, k)).sum(1) / k
-            else:  # TRACE: Σ_a J_a(rows) J_a(cols)ᵀ v, one output at a time (memory O(P))
-                out = torch.zeros(batch_size(rows), dtype=self.dtype)
-                for a in range(k):
-                    cot = torch.zeros(batch_size(cols), k, dtype=self.dtype)
-                    cot[:, a] = t
-                    out += self._product(rows, cols, cot)[:, a]
         return out.reshape(-1) if flat else out
 
-    def _product(self, rows: Batch, cols: Batch, cotangent: torch.Tensor) -> torch.Tensor:
-        """J(rows) (J(cols)ᵀ cotangent): cotangent (M, k) -> (N, k). Attention runs on its math path in both passes
-        (``attention_scope``): its fused kernels have no forward-mode AD, and one path keeps both passes' f the same;
-        an embedding's padding lookups are constants in both (``padding_as_constant``), as reverse mode has them."""
+    @contextlib.contextmanager
+    def _scope(self) -> Iterator[None]:
+        """Both passes of a product run in it. Attention takes its math path (``attention_scope``): its fused
+        kernels have no forward-mode AD, and one path keeps both passes' f the same; an embedding's padding
+        lookups are constants (``padding_as_constant``), as reverse mode has them."""
         problem = self._sides.problem
         with attention_scope(problem.module, problem.calls_attention), padding_as_constant():
-            return self._product_passes(rows, cols, cotangent)
+            yield
 
-    def _product_passes(self, rows: Batch, cols: Batch, cotangent: torch.Tensor) -> torch.Tensor:
+    def _vjp_sum(self, cols: Batch, cotangent: torch.Tensor) -> NamedTensors:
+        """J(cols)ᵀ cotangent: (M, k) -> P floats by name, summed over chunks of examples."""
         problem, chunk = self._sides.problem, self._sides.chunk
         u: NamedTensors | None = None
         for i in range(0, batch_size(cols), chunk):
@@ -232,7 +353,11 @@ class NtkOperator:
                 for name, g in part.items():
                     u[name] += g
         assert u is not None
-        tangent = u
+        return {name: g.detach() for name, g in u.items()}
+
+    def _jvp(self, rows: Batch, tangent: NamedTensors) -> torch.Tensor:
+        """J(rows) tangent: P floats by name -> (N, k), in chunks of examples."""
+        problem, chunk = self._sides.problem, self._sides.chunk
         out = []
         with _FORWARD_AD_LOCK:  # torch.func.jvp's dual levels are process-global (ntk_vector_products.py)
             try:
@@ -288,10 +413,7 @@ def ntk_operator(
             UnsupportedModel also for a model that cannot be copied.
         MemoryEstimateExceeded: the parameter-space vectors and one example's activations exceed the budget.
     """
-    kernel_mode = parse_any_mode(mode, operation=_OPERATION)
-    if kernel_mode not in OPERATOR_MODES:
-        valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
-        raise UnknownMode(f"{_OPERATION}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
+    kernel_mode = parse_operator_mode(mode, operation=_OPERATION)
     path = parse_output(output, operation=_OPERATION)
     if examples_per_chunk is not None and (
         isinstance(examples_per_chunk, bool) or not isinstance(examples_per_chunk, int) or examples_per_chunk < 1

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, UnknownMode, format_bytes
+from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
 from ntk_service.kernels.inputs import validate_inputs
-from ntk_service.kernels.linear_operator import OPERATOR_MODES, NtkOperator, _Sides
-from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
+from ntk_service.kernels.linear_operator import NtkOperator, _Sides, parse_operator_mode
+from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.preparation import build_problem
 from ntk_service.kernels.private_module import check_model, private_copy
@@ -99,10 +99,7 @@ def dataset_operator(
         ShapeMismatch: sides with different per-example shapes. MemoryEstimateExceeded: one product does not
             fit the budget even one example at a time. NonFiniteInput: NaN in a chunk (found when it is read).
     """
-    kernel_mode = parse_any_mode(mode, operation=_OPERATION)
-    if kernel_mode not in OPERATOR_MODES:
-        valid = ", ".join(repr(m.value) for m in OPERATOR_MODES)
-        raise UnknownMode(f"{_OPERATION}: mode {kernel_mode.value!r} is not a linear operator; expected one of {valid}")
+    kernel_mode = parse_operator_mode(mode, operation=_OPERATION)
     if isinstance(examples_per_chunk, bool) or not isinstance(examples_per_chunk, int) or examples_per_chunk < 1:
         raise InvalidInput(f"{_OPERATION}: examples_per_chunk must be an integer ≥ 1, got {examples_per_chunk!r}")
     check_model(model)

@@ -13,7 +13,7 @@ from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, NonFiniteIn
 from ntk_service.kernels import ntk_operator
 from ntk_service.kernels.linear_operator import MAX_CHUNK_BYTES
 from tests.kernels.zoo import ZOO
-from tests.reference import reference_ntk
+from tests.reference import reference_jacobian, reference_ntk
 
 
 def _mlp() -> nn.Module:
@@ -60,6 +60,35 @@ def test_full_products_match_the_reference_kernel_times_v(budget: int | None) ->
             assert _rel(op.T.matvec(w), (dense.T @ w.reshape(-1)).reshape(-1, 3)) <= 1e-10
             cols = torch.randn(dense.shape[1], 2, generator=g, dtype=torch.float64)
             assert _rel(op @ cols, dense @ cols) <= 1e-10
+
+
+def test_the_two_halves_are_the_reference_jacobian_products() -> None:
+    # pullback is J(x2)ᵀ v and pushforward J(x1) u, each against the reference Jacobian (n, k, P), parameters in
+    # named_parameters() order; a sharded operator sums pullbacks, so they must be exact on their own
+    model = _mlp().double()
+    x1, x2 = _inputs()
+    op = ntk_operator(model, x1, x2)
+    j1, j2 = reference_jacobian(model, x1), reference_jacobian(model, x2)
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    u = op.pullback(v)
+    names = [name for name, _ in model.named_parameters()]
+    assert list(u) == names and op.num_params == j1.shape[2]
+    flat_u = torch.cat([u[name].reshape(-1) for name in names])
+    assert _rel(flat_u, torch.einsum("mkp,mk->p", j2, v)) <= 1e-12
+    tangent = torch.randn(j1.shape[2], generator=g, dtype=torch.float64)
+    shaped, start = {}, 0
+    for name, p in model.named_parameters():
+        shaped[name] = tangent[start : start + p.numel()].reshape(p.shape)
+        start += p.numel()
+    assert _rel(op.pushforward(shaped), torch.einsum("nkp,p->nk", j1, tangent)) <= 1e-12
+    assert _rel(op.T.pushforward(shaped), torch.einsum("nkp,p->nk", j2, tangent)) <= 1e-12
+    with pytest.raises(ShapeMismatch, match=r"pullback: the vector has shape \(7, 3\)"):
+        op.pullback(torch.zeros(7, 3, dtype=torch.float64))
+    with pytest.raises(ShapeMismatch, match=r"pushforward: u must hold .*0\.weight"):
+        op.pushforward({**shaped, "0.weight": torch.zeros(2, 2)})
+    with pytest.raises(ShapeMismatch, match=r"pushforward: u must hold .*4\.bias"):
+        op.pushforward({name: t for name, t in shaped.items() if name != "4.bias"})
 
 
 @pytest.mark.parametrize("mode", ["trace", "pseudo"])

@@ -10,8 +10,9 @@ NOTE [operator layout]
     An operator of shape (N·k, M·k) is a FULL kernel in the example-major layout (row n·k + a), exactly
     ``as_matrix(theta)``; one of shape (N, M) with targets of width k is a TRACE kernel and is read, as a dense TRACE
     kernel is, as (trace / k) ⊗ I_k: ``apply`` divides by k and acts on each of the k target columns. For k = 1 the
-    two readings coincide. An ``NtkOperator`` says its own mode; for any other object the shape decides, and a shape
-    that is neither is refused with both numbers.
+    two readings coincide. An ``NtkOperator`` says its own mode, as does any operator with ``k`` and a ``mode``
+    that is a ``KernelMode`` / ``DerivedMode`` (``RayNtkOperator``); for any other object the shape decides, and a
+    shape that is neither is refused with both numbers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from ntk_service.analysis.layout import to_kernel_matrix
 from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
 from ntk_service.kernels.linear_operator import NtkOperator
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import DerivedMode, KernelMode
 
 __all__ = ["KernelOperator", "check_ridge", "is_operator", "kernel_operator"]
 
@@ -156,13 +157,13 @@ def _wrap_operator(
     shape = tuple(int(s) for s in kernel.shape)
     if len(shape) != 2:
         raise ShapeMismatch(f"{operation}: {name} has shape {shape}; an operator is 2-D (rows, cols)")
-    own = getattr(kernel, "mode", None) if isinstance(kernel, NtkOperator) else None
+    own = _declared_mode(kernel)
     own_mode = None if own is None else (KernelMode.FULL if own is KernelMode.FULL else KernelMode.TRACE)
     wanted = None if mode is None else KernelMode(mode)
     if own_mode is not None and wanted is not None and own_mode is not wanted:
         raise ShapeMismatch(f"{operation}: {name} is a {own_mode.value} operator, but mode {wanted.value!r} was given")
     chosen = own_mode or wanted
-    if isinstance(kernel, NtkOperator) and kernel.mode is KernelMode.FULL and kernel.k != k:
+    if own is KernelMode.FULL and kernel.k != k:
         raise ShapeMismatch(
             f"{operation}: {name} is a FULL operator with k = {kernel.k} outputs, the targets have {k} columns; "
             f"send targets of shape (N, {kernel.k})"
@@ -205,7 +206,7 @@ def _wrap_operator(
             )
         return out * scale if scale != 1.0 else out
 
-    passes = k if isinstance(kernel, NtkOperator) and kernel.mode is KernelMode.TRACE else 1
+    passes = k if own is KernelMode.TRACE else 1
     per = k if full else 1
     return KernelOperator(
         apply=apply,
@@ -217,6 +218,15 @@ def _wrap_operator(
         mode=chosen,
         passes_per_product=passes,
     )
+
+
+def _declared_mode(kernel: Any) -> KernelMode | DerivedMode | None:
+    """The mode an operator says it has: an ``NtkOperator``'s, or that of any operator whose ``mode`` is a kernel
+    mode and which has ``k`` (``RayNtkOperator``); None for the rest (SciPy operators, plain objects)."""
+    mode = getattr(kernel, "mode", None)
+    if isinstance(mode, KernelMode | DerivedMode) and (isinstance(kernel, NtkOperator) or hasattr(kernel, "k")):
+        return mode
+    return None
 
 
 def check_ridge(ridge: float, *, operation: str) -> float:

@@ -66,7 +66,7 @@ from ntk_service.kernels import (
 )
 from ntk_service.kernels.batch import Batch
 
-__all__ = ["DEFAULT_MAX_RETRIES", "PanelWorker", "RayExecutor", "assigned_device", "import_ray"]
+__all__ = ["DEFAULT_MAX_RETRIES", "PanelWorker", "RayExecutor", "assigned_device", "batch_as_numpy", "import_ray"]
 
 logger = logging.getLogger(__name__)
 
@@ -379,20 +379,20 @@ class RayExecutor(Executor):
         refs = [
             f"{work.job_id}:{time.monotonic_ns()}",  # a new run of a job is a new load: its data may have changed
             ray.put(pack_module(shipped)),  # a data-free module tree and its weights as numpy (weights.py)
-            ray.put(_numpy(x1)),
-            None if x2 is None else ray.put(_numpy(x2)),
+            ray.put(batch_as_numpy(x1)),
+            None if x2 is None else ray.put(batch_as_numpy(x2)),
             ray.put(work),
         ]
         _Dispatch(self, ray, refs, callbacks).run(panels)
         logger.info("jobs: %s ran %d panel(s) on Ray", work.job_id, len(panels))
 
 
-def _numpy(x: Batch) -> Any:
+def batch_as_numpy(x: Batch) -> Any:
     """Every leaf of a batch as a numpy array (a tuple or mapping keeps its structure)."""
     if isinstance(x, tuple):
-        return tuple(_numpy(leaf) for leaf in x)
+        return tuple(batch_as_numpy(leaf) for leaf in x)
     if isinstance(x, dict):
-        return {name: _numpy(leaf) for name, leaf in x.items()}
+        return {name: batch_as_numpy(leaf) for name, leaf in x.items()}
     return x.detach().cpu().contiguous().numpy()
 
 

@@ -1,0 +1,213 @@
+"""ray_ntk_operator on a real local Ray instance (2 CPUs): products against the float64 reference kernel of
+tests/reference.py (an independent per-example autograd loop) and against the in-process ntk_operator, a CG solve
+through it against numpy's dense solve, the shard count's edges, and clear errors.
+
+Actors start in seconds each (a process importing torch), so one operator over (x_test, x_train) serves most
+tests through its views (``view``, ``T``): the model and data are shipped once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ntk_service.analysis import gp_inference, max_learning_rate, spectrum
+from ntk_service.analysis.solve import CgOptions
+from ntk_service.errors import (
+    InvalidInput,
+    NoMatchingParameters,
+    NonFiniteInput,
+    OptionalDependencyMissing,
+    ShapeMismatch,
+    UnknownMode,
+)
+from ntk_service.jobs.executors import RayNtkOperator, ray_ntk_operator
+from ntk_service.kernels import ntk_operator
+from tests.conftest import REPO_ROOT
+from tests.reference import reference_ntk
+
+K = 3
+ACTOR_CPUS = 0.25
+"""Each actor reserves a quarter CPU, so the module's operators fit the 2-CPU instance side by side."""
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, K)).double()
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    g = torch.Generator().manual_seed(1)
+    x_train = torch.randn(12, 4, generator=g, dtype=torch.float64)
+    x_test = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    y = np.random.default_rng(2).standard_normal((12, K))
+    return x_train, x_test, y
+
+
+def _matrix(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """The reference kernel as the operator's matrix: example-major (N·k, M·k) for FULL, (N, M) otherwise."""
+    theta = reference_ntk(model, x1, x2, mode=mode)
+    if mode != "full":
+        return theta
+    n, m = theta.shape[:2]
+    return theta.permute(0, 2, 1, 3).reshape(n * K, m * K)
+
+
+def _rel(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.ndarray) -> float:
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
+
+
+@pytest.fixture(scope="module")
+def ray_instance() -> Iterator[object]:
+    ray = pytest.importorskip("ray", reason="ray_ntk_operator needs the ntk-service[ray] extra")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        # the actors import ntk_service from this checkout
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def test_train(ray_instance: object) -> Iterator[RayNtkOperator]:
+    """Θ(x_test, x_train), FULL, on 2 shards (x_test 5 = 2 + 3 rows, x_train 12 = 6 + 6)."""
+    x_train, x_test, _ = _data()
+    with ray_ntk_operator(_mlp(), x_test, x_train, shards=2, num_cpus=ACTOR_CPUS) as op:
+        yield op
+
+
+@pytest.mark.parametrize("mode", ["full", "trace", "pseudo"])
+def test_products_equal_the_reference_and_the_in_process_operator(test_train: RayNtkOperator, mode: str) -> None:
+    model = _mlp()
+    x_train, x_test, _ = _data()
+    g = torch.Generator().manual_seed(3)
+    sets = {"x1": x_test, "x2": x_train}
+    for rows, cols in (("x1", "x2"), ("x2", "x2"), ("x2", "x1")):
+        op = test_train.view(rows=rows, cols=cols, mode=mode)
+        x_rows, x_cols = sets[rows], sets[cols]
+        dense = _matrix(model, x_rows, None if rows == cols else x_cols, mode)
+        local = ntk_operator(model, x_rows, None if rows == cols else x_cols, mode=mode)
+        assert op.shape == tuple(dense.shape) == local.shape and op.shards == 2
+        assert op.is_symmetric == (rows == cols) and op.k == K and op.num_params == local.num_params
+        per = (K,) if mode == "full" else ()
+        v = torch.randn(len(x_cols), *per, generator=g, dtype=torch.float64)
+        got = op.matvec(v)
+        assert got.dtype == torch.float64 and got.shape == (len(x_rows), *per)
+        assert _rel(got.reshape(-1), dense @ v.reshape(-1)) <= 1e-10
+        assert _rel(got, local.matvec(v)) <= 1e-10
+        w = torch.randn(dense.shape[0], generator=g, dtype=torch.float64)
+        assert _rel(op.rmatvec(w).reshape(-1), dense.T @ w) <= 1e-10  # flat in, flat out for FULL
+        assert _rel(op.T.matvec(w).reshape(-1), dense.T @ w) <= 1e-10
+
+
+@pytest.mark.parametrize("mode", ["full", "trace"])
+def test_cg_through_the_ray_operator_equals_the_dense_solve(test_train: RayNtkOperator, mode: str) -> None:
+    model = _mlp()
+    x_train, x_test, y = _data()
+    lam = 1e-2
+    a = _matrix(model, x_train, None, mode).numpy()
+    c = _matrix(model, x_test, x_train, mode).numpy()
+    if mode == "full":
+        alpha = np.linalg.solve(a + lam * np.eye(a.shape[0]), y.reshape(-1))
+        expected = (c @ alpha).reshape(-1, K)
+    else:  # our TRACE kernel is the sum over outputs, read as (trace / k) ⊗ I_k (NOTE [operator layout])
+        alpha = np.linalg.solve(a / K + lam * np.eye(a.shape[0]), y)
+        expected = c / K @ alpha
+    train, cross = test_train.view(rows="x2", mode=mode), test_train.view(mode=mode)
+    options = CgOptions(rtol=1e-12, preconditioner="nystrom", landmarks=6)
+    posterior = gp_inference(train, y, cross, ridge=lam, cg=options)
+    assert posterior.solver == "cg" and posterior.solve is not None and posterior.solve.converged
+    assert _rel(posterior.mean, expected) <= 1e-6
+    assert _rel(posterior.solve.solution.reshape(alpha.shape), alpha) <= 1e-6
+    # the operator says its mode: a TRACE product is reported as k passes, as for an NtkOperator
+    assert posterior.solve.passes == posterior.solve.products * (K if mode == "trace" else 1)
+
+
+def test_lanczos_through_the_ray_operator_finds_the_dense_eigenvalues(test_train: RayNtkOperator) -> None:
+    model = _mlp()
+    x_train, _, _ = _data()
+    full = test_train.view(rows="x2")
+    dense = np.linalg.eigvalsh(_matrix(model, x_train, None, "full").numpy())
+    np.testing.assert_allclose(spectrum(full, top=2).eigenvalues, dense[::-1][:2], rtol=1e-8)
+    trace = np.linalg.eigvalsh(_matrix(model, x_train, None, "trace").numpy())
+    # a TRACE operator is read as (trace / k) ⊗ I_k, with MSELoss over N·k entries, as for an NtkOperator
+    n = len(x_train)
+    assert max_learning_rate(full.view(mode="trace")) == pytest.approx(n * K / (trace[-1] / K), rel=1e-8)
+
+
+class _Keywords(nn.Module):
+    """Keyword inputs (token ids, an integer mask) and a dict output: the mapping path through the object store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(9, 4), nn.Linear(4, K)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = torch.tanh(self.emb(input_ids)) * attention_mask.unsqueeze(-1)
+        return {"logits": self.lin(hidden.sum(1))}
+
+
+def test_one_shard_and_more_shards_than_examples(ray_instance: object) -> None:
+    # S = 1 is the in-process product through one actor (here with keyword inputs and a selected output); S > N
+    # is clamped to N, one example per actor: an actor without rows would hold a model and add nothing, and the
+    # clamp lets one shard count serve any data size
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(5)
+    tokens = _Keywords().double()
+    x = {"input_ids": torch.randint(0, 9, (4, 3), generator=g), "attention_mask": torch.ones(4, 3, dtype=torch.int64)}
+    x["attention_mask"][0, 2] = 0
+    full = reference_ntk(tokens, x, output=lambda out: out["logits"])
+    dense = full.permute(0, 2, 1, 3).reshape(4 * K, 4 * K)
+    v = torch.randn(4, K, generator=g, dtype=torch.float64)
+    with ray_ntk_operator(tokens, x, shards=1, output="logits", num_cpus=ACTOR_CPUS) as op:
+        assert op.shards == 1 and op.is_symmetric and op.shape == (4 * K, 4 * K)
+        assert _rel(op.matvec(v).reshape(-1), dense @ v.reshape(-1)) <= 1e-10
+    with pytest.raises(InvalidInput, match="the operator was closed"):
+        op.matvec(v)
+    model = _mlp()
+    x2 = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    with ray_ntk_operator(model, x2, shards=5, num_cpus=ACTOR_CPUS) as op:
+        assert op.shards == 2 and op.shape == (2 * K, 2 * K)
+        assert _rel(op.matvec(v[:2]).reshape(-1), _matrix(model, x2, None, "full") @ v[:2].reshape(-1)) <= 1e-10
+
+
+def test_bad_inputs_are_refused_clearly(test_train: RayNtkOperator) -> None:
+    x_train, x_test, _ = _data()
+    with pytest.raises(ShapeMismatch, match=r"ray_ntk_operator.matvec: the vector has shape \(5, 3\).*\(12, 3\)"):
+        test_train.matvec(torch.zeros(5, K, dtype=torch.float64))
+    with pytest.raises(ShapeMismatch, match=r"ray_ntk_operator.rmatvec: .*\(12,\)"):
+        test_train.view(mode="trace").rmatvec(torch.zeros(12, dtype=torch.float64))
+    with pytest.raises(NonFiniteInput, match="NaN or inf"):
+        test_train.matvec(torch.full((12, K), float("nan"), dtype=torch.float64))
+    with pytest.raises(InvalidInput, match=r"rows must be 'x1' or 'x2', got 'x3'"):
+        test_train.view(rows="x3")
+    with pytest.raises(UnknownMode, match="not a linear operator"):
+        test_train.view(mode="example_diagonal")
+    for shards in (0, True, 1.5):
+        with pytest.raises(InvalidInput, match="shards must be an integer ≥ 1"):
+            ray_ntk_operator(_mlp(), x_test, shards=shards)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="num_cpus must be a number > 0"):
+        ray_ntk_operator(_mlp(), x_test, num_cpus=0)
+    with pytest.raises(ShapeMismatch, match="per-example shape"):
+        ray_ntk_operator(_mlp(), x_test, torch.zeros(3, 5, dtype=torch.float64))
+    # an error of the engine in an actor comes back as itself, not wrapped by Ray
+    with pytest.raises(NoMatchingParameters):
+        ray_ntk_operator(_mlp(), x_test, params=["nothing.*"], shards=1, num_cpus=ACTOR_CPUS)
+
+
+def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` sees without the extra installed
+    x = torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(
+        OptionalDependencyMissing, match=r"ray_ntk_operator: needs Ray.*pip install 'ntk-service\[ray\]'"
+    ):
+        ray_ntk_operator(_mlp(), x)
