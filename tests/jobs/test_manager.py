@@ -34,7 +34,7 @@ from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.jobs import manager as manager_module
 from ntk_service.jobs.manager import Deletion, DiskUsage, plan_of
 from ntk_service.jobs.panels import plan_panels
-from ntk_service.jobs.results import mirror_theta, symmetrize_tile
+from ntk_service.jobs.results import ResultArray, mirror_theta, symmetrize_tile
 from ntk_service.kernels import KernelMode, compute_ntk
 from ntk_service.results import open_result
 from tests.jobs.conftest import JobsEnv, wait_finished
@@ -173,6 +173,38 @@ def test_resume_computes_only_missing_tiles_and_matches_an_uninterrupted_run(
     np.testing.assert_array_equal(second.read_result(job.id), second.read_result(again.id))
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_tile_recorded_done_is_on_disk_when_it_is_recorded(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager], workers: int
+) -> None:
+    manager = make_manager(LocalExecutor(workers=workers))
+    _, model = jobs_env.registry.load_module("tiny")
+    expected = reference_ntk(model, torch.from_numpy(jobs_env.x1), mode="trace").numpy()
+    record_done = manager.store.mark_tiles_done
+    seen: list[int] = []
+
+    def checked(job_id: str, tile_ids: Any, *, elapsed_s: float) -> None:
+        # At the instant of recording, a separate reader sees each tile's chunk and ledger entry on disk.
+        spec = manager.get(job_id).spec
+        on_disk = ResultArray.open(jobs_env.data_dir / "jobs" / job_id / "result.zarr", writable=False)
+        assert set(tile_ids) <= on_disk.done_tile_ids()
+        for tile in (t for t in plan_of(spec).tiles if t.id in tile_ids):
+            (r0, r1), (c0, c1) = tile.rows, tile.cols
+            got = on_disk.read(rows=tile.rows, cols=tile.cols)
+            np.testing.assert_allclose(got, expected[r0:r1, c0:c1], rtol=1e-10, atol=1e-12)
+        seen.extend(tile_ids)
+        record_done(job_id, tile_ids, elapsed_s=elapsed_s)
+
+    manager.store.mark_tiles_done = checked  # type: ignore[method-assign]
+    job = manager.submit(
+        model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", dtype="float64", tile_size=2, panel_tiles=2
+    )  # 6 row blocks: 21 tiles in 6 panels
+    record = wait_finished(manager, job.id)
+    assert record.status is JobStatus.SUCCEEDED, record.error
+    assert sorted(seen) == sorted(t.id for t in plan_of(record.spec).tiles)  # every tile checked, once
+    assert set(manager.store.tile_attempts(job.id).values()) == {1}
+
+
 def test_two_workers_give_the_same_bits(jobs_env: JobsEnv, make_manager: Callable[..., JobManager]) -> None:
     one = make_manager()
     options: dict[str, Any] = {"x2_dataset": jobs_env.x2_id, "mode": "full", "tile_size": 2, "panel_tiles": 2}
@@ -263,6 +295,10 @@ def test_a_failing_tile_fails_the_job_with_its_message(
     assert record.status is JobStatus.FAILED, record
     assert "index out of range" in (record.error or ""), record.error
     assert record.tiles_done < record.tiles_total
+    attempts, done = manager.store.tile_attempts(job.id), manager.store.done_tile_ids(job.id)
+    failed = {t for t, n in attempts.items() if n and t not in done}
+    assert failed and all(attempts[t] == 1 for t in failed)  # the failure consumed the failing panel's attempt
+    assert all(attempts[t] == 1 for t in done)
     with pytest.raises(JobNotFinished, match="is failed") as info:
         manager.read_result(job.id)
     assert "index out of range" in info.value.message

@@ -114,6 +114,8 @@ def test_sigterm_finishes_requests_ends_streams_and_resumes_jobs(
     assert stopped.status.value in ("queued", "running") and stopped.error is None, stopped
     assert store.release_running_tiles(job["id"]) == 0, "a tile was left marked running"
     assert store.pending_tile_ids(job["id"]), "every tile finished before SIGTERM: the test proves nothing"
+    started = {t for t, n in store.tile_attempts(job["id"]).items() if n}
+    assert started == store.done_tile_ids(job["id"]), "a tile was claimed but not finished at SIGTERM"
 
     # After a restart on the same data the job resumes its unfinished tiles and its result is right.
     restarted = start_server(data_dir=data_dir)
@@ -125,6 +127,8 @@ def test_sigterm_finishes_requests_ends_streams_and_resumes_jobs(
             time.sleep(0.2)
         theta = wire.decode_npy(client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": wire.MEDIA_NPY}).content)
         weights = client.get("/v1/models/slow/versions/1/weights").content
+    # A resume after a clean shutdown consumes no attempt: every tile was computed once, across both runs.
+    assert set(store.tile_attempts(job["id"]).values()) == {1}
     model = slow_factory.build(in_dim=4, out_dim=2)  # the same module, without the sleep
     model.load_state_dict(safetensors.torch.load(weights), strict=True)
     assert_close_to_reference(theta, reference_ntk(model, torch.from_numpy(x), None, "trace"))

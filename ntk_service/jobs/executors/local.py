@@ -15,7 +15,9 @@ job's SideCache while the band's panels run, and the runs' sides are reused from
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -38,6 +40,8 @@ from ntk_service.kernels import SideCache, parse_device
 from ntk_service.kernels.batch import Batch
 
 __all__ = ["LocalExecutor", "RunCompute"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -115,9 +119,11 @@ class LocalExecutor(Executor):
                 panel = next_panel()
                 if panel is None:
                     return
+                claiming = time.perf_counter()
                 tiles = callbacks.claim(panel)
                 if not tiles:
                     continue
+                started = time.perf_counter()
                 try:
                     outcome = self.run_compute(
                         partial(
@@ -137,7 +143,17 @@ class LocalExecutor(Executor):
                 except BaseException:
                     failed.set()
                     raise
+                returned = time.perf_counter()
                 callbacks.done(outcome)
+                # The bookkeeping around a panel, at DEBUG (run_panel logs its compute and write seconds).
+                logger.debug(
+                    "jobs: %s panel %d: claim %.3f s, slot wait + panel %.3f s, record %.3f s",
+                    work.job_id,
+                    panel.id,
+                    started - claiming,
+                    returned - started,
+                    time.perf_counter() - returned,
+                )
 
         if self.workers == 1:
             worker()
