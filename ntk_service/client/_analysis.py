@@ -27,6 +27,7 @@ from ntk_service.client._types import (
     AnalysisModeName,
     FlowName,
     ImplementationName,
+    JobSpectrumMethodName,
     LossName,
     RidgeScaleName,
     SpectrumMethodName,
@@ -359,7 +360,7 @@ class AnalysisClient(BaseClient):
     # ---- a finished job's stored kernel ----
 
     def job_spectrum(
-        self, job_id: str, *, top: int | None = 20, method: SpectrumMethodName = "auto"
+        self, job_id: str, *, top: int | None = 20, method: JobSpectrumMethodName = "auto"
     ) -> JobKernelSpectrum:
         """The top eigenvalues of a finished job's kernel (Lanczos over row reads; ``top=None``: all, dense).
 

@@ -37,6 +37,7 @@ __all__ = [
     "OperatorModeName",
     "ParameterShape",
     "RidgeScaleName",
+    "JobSpectrumMethodName",
     "SpectrumMethodName",
 ]
 
@@ -73,7 +74,11 @@ RidgeScaleName = Literal["absolute", "relative"]
 """The ridge λ as given, or times the mean of the kernel's diagonal."""
 
 SpectrumMethodName = Literal["auto", "eigh", "lanczos", "operator"]
-"""How a spectrum is computed: dense eigh, Lanczos for the top eigenvalues, or by size."""
+"""How a model's spectrum is computed: dense eigh, Lanczos for the top eigenvalues (of the dense kernel, or of the
+matrix-free operator: "operator"), or by size."""
+
+JobSpectrumMethodName = Literal["auto", "eigh", "lanczos"]
+"""How a stored job result's spectrum is computed: dense eigh, Lanczos over row reads, or by size."""
 
 AlignmentVariantName = Literal["uncentered", "centered", "centered_vec_y", "rayleigh"]
 """The kernel-target alignment variant."""

@@ -31,6 +31,7 @@ from ntk_service.client import (
     JobInfo,
     JobModeName,
     JobSide,
+    JobSpectrumMethodName,
     JobStatusName,
     KernelModeName,
     KernelResult,
@@ -129,7 +130,7 @@ def test_option_literals_are_the_servers_wire_values(openapi: dict[str, Any]) ->
     assert _literal(FlowName) == _enum(predict["flow"], openapi)
     assert _literal(RidgeScaleName) == _enum(predict["ridge_scale"], openapi)
     assert _literal(SpectrumMethodName) == _enum(_request(openapi, "/v1/models/{name}/spectrum")["method"], openapi)
-    assert _literal(SpectrumMethodName) == _enum(_request(openapi, "/v1/jobs/{job_id}/spectrum")["method"], openapi)
+    assert _literal(JobSpectrumMethodName) == _enum(_request(openapi, "/v1/jobs/{job_id}/spectrum")["method"], openapi)
     compare = _request(openapi, "/v1/models/{name}/compare")
     assert _literal(AlignmentVariantName) == _enum(compare["variant"], openapi)
     assert _literal(AlignmentVariantName) == _enum(_request(openapi, "/v1/jobs/{job_id}/alignment")["variant"], openapi)
