@@ -46,7 +46,7 @@ class GpPosterior:
     Attributes:
         mean: (M, k) posterior mean on the test inputs.
         covariance: (M·k, M·k) example-major (row m·k + a) for FULL; (M, M) shared by all outputs for TRACE;
-            None without ``k_test_test``.
+            None without ``k_test_test`` or when it is only the example diagonal (CG).
         ridge: the λ added (after ``ridge_scale``). jitter: the extra diagonal a retried Cholesky needed (0 if
             none). solver: "cholesky", "cholesky+jitter", "eigen pseudo-inverse", "cg" or "cg (not converged:
             ...)". lambda_min: of Θ + λI; NaN after CG (it is not computed).
