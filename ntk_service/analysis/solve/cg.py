@@ -122,9 +122,12 @@ CgMethod = Literal["block", "batched"]
 DEFAULT_METHOD: CgMethod = "block"
 """The sweep ``CgOptions`` uses unless told (NOTE [cg method])."""
 
-CG_ARRAYS = 10
+CG_ARRAYS = 11
 """(n, r) float64 arrays a solve holds at its peak (B, X, R, the directions, their products, Z and the
-temporaries of an update), measured with tracemalloc in tests/analysis/test_block_cg.py."""
+temporaries of an update; measured 7.3-9.9 with tracemalloc in tests/analysis/test_block_cg.py), beside
+``_SMALL_ARRAYS`` (r, r) ones (block CG's Gram matrices and coefficients, which count once r nears n)."""
+
+_SMALL_ARRAYS = 4
 
 _RESTARTS = 3
 """Warm restarts when the recomputed residual is above rtol although the recursive one was below (NOTE [cg])."""
@@ -133,9 +136,9 @@ _OPERATION = "conjugate_gradients"
 
 
 def cg_memory_bytes(n: int, r: int) -> int:
-    """The peak bytes of CG's vectors for B (n, r): ``CG_ARRAYS`` float64 blocks (the operator's and the
-    preconditioner's own memory not included)."""
-    return CG_ARRAYS * n * r * 8
+    """The peak bytes of CG's vectors for B (n, r): ``CG_ARRAYS`` (n, r) and ``_SMALL_ARRAYS`` (r, r) float64
+    blocks (the operator's and the preconditioner's own memory not included)."""
+    return (CG_ARRAYS * n * r + _SMALL_ARRAYS * r * r) * 8
 
 
 class Preconditioner(Protocol):
@@ -259,7 +262,7 @@ def check_cg_memory(n: int, r: int, options: CgOptions, *, operation: str, extra
     estimate = cg_memory_bytes(n, r) + int(extra_bytes)
     budget = default_memory_budget() if options.memory_budget_bytes is None else int(options.memory_budget_bytes)
     if estimate > budget:
-        fits = max(0, (budget - int(extra_bytes)) // (CG_ARRAYS * n * 8))
+        fits = max(0, (budget - int(extra_bytes)) // ((CG_ARRAYS * n + _SMALL_ARRAYS * r) * 8))
         raise MemoryEstimateExceeded(
             f"{operation}: CG on {r} right-hand sides of {n} rows needs about {format_bytes(estimate)}, over the "
             f"memory budget of {format_bytes(budget)}; solve at most {fits} columns at a time (e.g. fewer test "
