@@ -93,27 +93,7 @@ DEFAULT_MAX_ITERATIONS = 2000
 """The default cap on CG iterations (each is one product per moving column)."""
 
 AUTO_NYSTROM_MIN_SIZE = 50_000
-"""Rows n from which ``preconditioner="auto"`` builds a Nyström preconditioner (NOTE [cg method]
-    ``DEFAULT_METHOD`` is "block": it took fewer products in every case of this A/B (dense TRACE kernel of the
-    benchmark MLP 784-512-512-10 read as trace / k, ridge 1e-3 × the mean diagonal, rtol 1e-8;
-    benchmarks/bench_solvers.py --section block, load 6-7 on 2 cores), products for block / batched:
-
-    ====== ======================== ======================== ============================ ==========================
-    N      ridge, k = 10, none      ridge, k = 10, Nyström   variance, m = 200, none      variance, m = 200, Nyström
-    ====== ======================== ======================== ============================ ==========================
-    500    178 / 259 (19 / 25 it.)  263 / 300                700 / 4400 (3 / 21 it.)      800 / 3699
-    1000   227 / 340 (25 / 33 it.)  308 / 364                1203 / 5635 (6 / 29 it.)     1300 / 4700
-    2000   301 / 460 (33 / 45 it.)  366 / 451                2000 / 7600 (9 / 37 it.)     2100 / 5992
-    ====== ======================== ======================== ============================ ==========================
-
-    The shared space resolves the NTK's k outlying class-mean modes once for all columns instead of once per
-    column; a variance's columns Θ(x, x*) are nearly dependent, so its blocks lose rank and its iterations stay
-    few. The price is O(n·s²) of small dense algebra per iteration, nothing beside an operator's product (a
-    pass over the data) but visible on a dense kernel with many columns: the m = 200 variance at N = 2000 took
-    18 s block against 5 s batched there (dense products are cheap), the k = 10 ridge 0.6 s against 0.9 s.
-    One column (a FULL solve) is the same CG either way.
-
-NOTE [cg default]): it did not pay
+"""Rows n from which ``preconditioner="auto"`` builds a Nyström preconditioner (NOTE [cg default]): it did not pay
 at n = 20,000 and paid at n = 100,000 on the benchmark MLP."""
 
 CgMethod = Literal["block", "batched"]
@@ -124,8 +104,9 @@ DEFAULT_METHOD: CgMethod = "block"
 
 CG_ARRAYS = 11
 """(n, r) float64 arrays a solve holds at its peak (B, X, R, the directions, their products, Z and the
-temporaries of an update; measured 7.3-9.9 with tracemalloc in tests/analysis/test_block_cg.py), beside
-``_SMALL_ARRAYS`` (r, r) ones (block CG's Gram matrices and coefficients, which count once r nears n)."""
+temporaries of an update; tracemalloc measured 7.3-9.9 for r ≪ n), beside ``_SMALL_ARRAYS`` (r, r) ones (block
+CG's Gram matrices and coefficients: 11.2 (n, r)-sized arrays in all at n = 300, r = 200); checked in
+tests/analysis/test_block_cg.py."""
 
 _SMALL_ARRAYS = 4
 
@@ -154,42 +135,22 @@ class Preconditioner(Protocol):
 class CgOptions:
     """How to solve with CG (the ``cg=`` options of ``gp_inference`` and ``linearized_predictions``).
 
-        Attributes:
-            rtol: stop at ‖b − A x‖ / ‖b‖ ≤ rtol per column. Default: ``DEFAULT_RTOL``.
-            max_iterations: per solve. Default: None, meaning min(10·n, ``DEFAULT_MAX_ITERATIONS``) (rounding makes
-                CG need more than the n steps of exact arithmetic on an ill-conditioned kernel).
-            preconditioner: "auto" (NOTE [cg method]
-        ``DEFAULT_METHOD`` is "block": it took fewer products in every case of this A/B (dense TRACE kernel of the
-        benchmark MLP 784-512-512-10 read as trace / k, ridge 1e-3 × the mean diagonal, rtol 1e-8;
-        benchmarks/bench_solvers.py --section block, load 6-7 on 2 cores), products for block / batched:
-
-        ====== ======================== ======================== ============================ ==========================
-        N      ridge, k = 10, none      ridge, k = 10, Nyström   variance, m = 200, none      variance, m = 200, Nyström
-        ====== ======================== ======================== ============================ ==========================
-        500    178 / 259 (19 / 25 it.)  263 / 300                700 / 4400 (3 / 21 it.)      800 / 3699
-        1000   227 / 340 (25 / 33 it.)  308 / 364                1203 / 5635 (6 / 29 it.)     1300 / 4700
-        2000   301 / 460 (33 / 45 it.)  366 / 451                2000 / 7600 (9 / 37 it.)     2100 / 5992
-        ====== ======================== ======================== ============================ ==========================
-
-        The shared space resolves the NTK's k outlying class-mean modes once for all columns instead of once per
-        column; a variance's columns Θ(x, x*) are nearly dependent, so its blocks lose rank and its iterations stay
-        few. The price is O(n·s²) of small dense algebra per iteration, nothing beside an operator's product (a
-        pass over the data) but visible on a dense kernel with many columns: the m = 200 variance at N = 2000 took
-        18 s block against 5 s batched there (dense products are cheap), the k = 10 ridge 0.6 s against 0.9 s.
-        One column (a FULL solve) is the same CG either way.
-
-    NOTE [cg default]), "nystrom" (NOTE [nystrom preconditioner]), "none", or a
-                built ``Preconditioner``. Default: "auto".
-            landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
-            landmark_method: "uniform" or "pivoted_cholesky". seed: the uniform landmarks' generator.
-            diagonal: (n,) the kernel's diagonal, for "pivoted_cholesky" on an operator.
-            max_seconds: stop after this much wall time (checked once per iteration, the preconditioner's build
-                included), with ``stop_reason`` "time_limit" and ``converged`` False unless the residual made it.
-                Default: None (no limit).
-            method: "block" (one Krylov space shared by the r columns, NOTE [block cg] in ``block_cg.py``) or
-                "batched" (a Krylov space per column, NOTE [cg]). Default: ``DEFAULT_METHOD`` (NOTE [cg method]).
-            memory_budget_bytes: the solve's vectors (``cg_memory_bytes``) are refused above it. Default: None
-                (``default_memory_budget()``).
+    Attributes:
+        rtol: stop at ‖b − A x‖ / ‖b‖ ≤ rtol per column. Default: ``DEFAULT_RTOL``.
+        max_iterations: per solve. Default: None, meaning min(10·n, ``DEFAULT_MAX_ITERATIONS``) (rounding makes
+            CG need more than the n steps of exact arithmetic on an ill-conditioned kernel).
+        preconditioner: "auto" (NOTE [cg default]), "nystrom" (NOTE [nystrom preconditioner]), "none", or a
+            built ``Preconditioner``. Default: "auto".
+        landmarks: m for "nystrom". Default: None (``DEFAULT_LANDMARKS``, capped at n).
+        landmark_method: "uniform" or "pivoted_cholesky". seed: the uniform landmarks' generator.
+        diagonal: (n,) the kernel's diagonal, for "pivoted_cholesky" on an operator.
+        max_seconds: stop after this much wall time (checked once per iteration, the preconditioner's build
+            included), with ``stop_reason`` "time_limit" and ``converged`` False unless the residual made it.
+            Default: None (no limit).
+        method: "block" (one Krylov space shared by the r columns, NOTE [block cg] in ``block_cg.py``) or
+            "batched" (a Krylov space per column, NOTE [cg]). Default: ``DEFAULT_METHOD`` (NOTE [cg method]).
+        memory_budget_bytes: the solve's vectors (``cg_memory_bytes``) are refused above it. Default: None
+            (``default_memory_budget()``).
     """
 
     rtol: float = DEFAULT_RTOL
