@@ -15,6 +15,8 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   The default preconditioner is "shared" (NOTE [shared nystrom] in analysis/solve/preconditioners.py,
   ``--shared-landmarks`` examples, default 1000); ``--max-minutes`` stops CG with a reported "time_limit".
 - ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first).
+- ``block``: the A/B of ``CgOptions.method`` (block against batched CG) on the dense TRACE kernel at each ``--n``:
+  kernel ridge with k = 10 target columns and a GP variance's ``--block-m`` columns, iterations and products.
 - ``chunk``: the A/B of the operator's chunk size (``MAX_CHUNK_BYTES``), each configuration in its own process.
 - ``ray``: s / product of ``ray_ntk_operator`` (``--shards`` one-thread Ray actors, default 2) against the
   in-process ``ntk_operator`` with ``--threads`` threads on the benchmark MLP at ``--ray-n`` (default 4000),
@@ -235,6 +237,41 @@ def section_preconditioners(n: int, ridge: float, rtol: float) -> None:
         print(f"  {label:<48} {result.iterations:>5} iterations  converged {result.converged}")
 
 
+def section_block(ns: list[int], m: int, ridge: float, rtol: float, repeats: int) -> None:
+    """The A/B of ``CgOptions.method`` (NOTE [cg method]): block against batched CG, alternated in this process,
+    on the dense TRACE kernel of the benchmark MLP (products cost the same in both, so the count is the measure
+    and the wall the check): kernel ridge with its k = 10 target columns, and the GP variance's m columns
+    Θ(x, x*) / k. Iterations and products do not depend on the load; walls do (printed beside)."""
+    model = make_mlp()
+    print(f"block vs batched CG, dense TRACE kernel (read as trace / k), MLP 784-512-512-10, ridge {ridge} × mean "
+          f"diagonal, rtol {rtol}, {repeats} alternations")  # fmt: skip
+    print(f"{'N':>6} {'solve':>14} {'pre':>10} {'method':>8} {'iters':>6} {'products':>9} {'wall s':>8} "
+          f"{'max resid':>10} {'load':>16}")  # fmt: skip
+    for n in ns:
+        x = make_inputs("mlp", n + m)
+        theta = compute_ntk(model, x, mode="trace", dtype="float64").theta.numpy() / K
+        a, cross = theta[:n, :n], theta[:n, n:]  # cross: Θ(x, x*) / k, the variance's right-hand sides
+        lam = ridge * float(np.mean(np.diag(a)))
+        op = kernel_operator(a, k=1, name="a", operation="bench")
+        cases = {"ridge k=10": _labels(x[:n]), f"variance m={m}": cross}
+        for label, rhs in cases.items():
+            for pre in ("none", "nystrom"):
+                runs: dict[str, list] = {"block": [], "batched": []}
+                for _ in range(repeats):
+                    for method in runs:
+                        options = CgOptions(rtol=rtol, preconditioner=pre, method=method)  # type: ignore[arg-type]
+                        start = time.perf_counter()
+                        result = conjugate_gradients(op, rhs, ridge=lam, options=options)
+                        runs[method].append((time.perf_counter() - start, result))
+                for method, timed in runs.items():
+                    wall = float(np.median([t for t, _ in timed]))
+                    result = timed[0][1]
+                    load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+                    print(f"{n:>6} {label:>14} {pre:>10} {method:>8} {result.iterations:>6} {result.products:>9} "
+                          f"{wall:>8.3f} {result.residual.max():>10.1e} {load:>16}"
+                          f"{'' if result.converged else '  NOT CONVERGED'}")  # fmt: skip
+
+
 def _chunk_one(n: int, chunk: int, products: int) -> None:
     """One configuration in a process of its own (VmHWM only grows): s / product and the peak."""
     model = make_mlp()
@@ -329,7 +366,7 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sections = ["dense", "scale", "features", "chunk", "preconditioners", "ray"]
+    sections = ["dense", "scale", "features", "chunk", "preconditioners", "ray", "block"]
     parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
@@ -354,6 +391,8 @@ def main() -> None:
     parser.add_argument("--products", type=int, default=3, help="--section chunk and ray")
     parser.add_argument("--ray-n", type=int, default=4000, help="--section ray")
     parser.add_argument("--shards", type=int, default=2, help="--section ray: one-thread actors")
+    parser.add_argument("--block-m", type=int, default=200, help="--section block: the variance's test points")
+    parser.add_argument("--repeats", type=int, default=2, help="--section block: alternations")
     parser.add_argument("--chunk-one", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -362,6 +401,8 @@ def main() -> None:
         return
     if "preconditioners" in args.section:
         section_preconditioners(args.n[0], args.ridge, args.scale_rtol)
+    if "block" in args.section:
+        section_block(args.n, args.block_m, args.ridge, args.rtol, args.repeats)
     if "chunk" in args.section:
         section_chunk(args.scale_n, args.chunks, args.products)
     if "dense" in args.section:

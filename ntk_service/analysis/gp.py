@@ -21,9 +21,11 @@ import numpy as np
 import scipy.linalg
 
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
+from ntk_service.analysis.gp_variance import cross_columns, posterior_blocks, prior_at_test
 from ntk_service.analysis.layout import add_to_diagonal, to_float64, to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
 from ntk_service.analysis.solve import CgOptions, SolveResult, conjugate_gradients, is_operator, kernel_operator
+from ntk_service.analysis.solve.cg import check_cg_memory
 from ntk_service.analysis.solve.operators import check_ridge
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
@@ -44,12 +46,16 @@ class GpPosterior:
     Attributes:
         mean: (M, k) posterior mean on the test inputs.
         covariance: (M·k, M·k) example-major (row m·k + a) for FULL; (M, M) shared by all outputs for TRACE;
-            None without ``k_test_test``.
+            None without ``k_test_test`` or when it is only the example diagonal (CG).
         ridge: the λ added (after ``ridge_scale``). jitter: the extra diagonal a retried Cholesky needed (0 if
             none). solver: "cholesky", "cholesky+jitter", "eigen pseudo-inverse", "cg" or "cg (not converged:
             ...)". lambda_min: of Θ + λI; NaN after CG (it is not computed).
         solve: the CG solve (weights α = ``solve.solution``, iterations, residual, ``converged``, time); None for
             the direct paths.
+        variance: each test example's posterior covariance block: (M, k, k) FULL (its diagonal the variances of
+            the k outputs), (M,) TRACE (shared by all outputs); None without ``k_test_test``.
+        variance_solve: the CG solve for the variance's M·k (TRACE: M) columns (NOTE [gp variance by cg]); None
+            for the direct paths and without ``k_test_test``.
     """
 
     mean: np.ndarray
@@ -59,6 +65,8 @@ class GpPosterior:
     solver: str
     lambda_min: float
     solve: SolveResult | None = None
+    variance: np.ndarray | None = None
+    variance_solve: SolveResult | None = None
 
 
 def _solver(matrix: np.ndarray, rcond: float | None) -> tuple[Any, float, str, float]:
@@ -100,29 +108,36 @@ def gp_inference(
         k_train_train: Θ (N, N, k, k) FULL or (N, N) TRACE.
         y_train: (N, k) targets ((N,) for k = 1).
         k_test_train: Θ* (M, N, k, k) or (M, N).
-        k_test_test: Θ** (M, M, k, k) or (M, M), for the covariance. Default: None (mean only).
+        k_test_test: Θ** (M, M, k, k) or (M, M), for the covariance and the variance; with CG also only its
+            example diagonal (M, k, k) (``compute_ntk(model, x_test, mode="example_diagonal")``; TRACE: that or
+            the (M,) diagonal of the trace kernel), for the variance (NOTE [gp variance by cg]). Default: None
+            (mean only).
         ridge (float): λ ≥ 0. Default: 0.
         ridge_scale (str): "absolute" (λI) or "relative" (λ · mean diagonal entry of Θ as used). Default: absolute.
         mode: checked against the shapes. Default: inferred.
         rcond: for the pseudo-inverse fallback. Default: n·eps.
-        solver (str): "direct" (NOTE [gp solve]), "cg" (preconditioned CG, NOTE [cg] in ``solve/cg.py``; mean
-            only) or "auto" (CG when k_train_train is an operator, else direct). The kernels may then be
+        solver (str): "direct" (NOTE [gp solve]), "cg" (preconditioned CG, NOTE [cg] in ``solve/cg.py``) or
+            "auto" (CG when k_train_train is an operator, else direct). The kernels may then be
             ``NtkOperator``s or any objects with ``shape`` and ``matvec`` (NOTE [operator layout]). Default: auto.
         cg (CgOptions): rtol, iterations, preconditioner for CG. Default: CgOptions().
         warm_start: (N·k, 1) FULL or (N, k) TRACE, a previous ``solve.solution``, for CG. Default: None.
 
     Returns:
-        GpPosterior: mean (M, k); covariance (M·k, M·k) FULL or (M, M) TRACE, or None; and the solve's path.
+        GpPosterior: mean (M, k); covariance (M·k, M·k) FULL or (M, M) TRACE, or None; variance (M, k, k) FULL
+        or (M,) TRACE, or None; and the solve's path.
 
     Raises:
         ShapeMismatch: kernels that are not square where they must be, or that do not match each other or y.
-        InvalidInput: a negative or NaN ridge, an unknown ridge_scale or solver; with CG: k_test_test (not
-            supported), ridge_scale="relative" on an operator (its diagonal is unknown).
+        InvalidInput: a negative or NaN ridge, an unknown ridge_scale or solver; with CG: k_test_test as an
+            operator (pass its example diagonal), ridge_scale="relative" on an operator (its diagonal is unknown).
         NonFiniteInput: NaN in an input.
+        MemoryEstimateExceeded: with CG and k_test_test, the variance's n × M·k vectors over
+            ``cg.memory_budget_bytes`` (before any product).
 
     Cost: O((N·k)³) for the factorization, O(M·k·(N·k)²) for the covariance. CG: (iterations + landmarks + 1)
     products per target column (FULL has one column of N·k; TRACE k columns of N, each product k passes) plus
-    one product with k_test_train.
+    one product with k_test_train; the variance adds M·k products with k_test_train's transpose (none for a
+    dense one) and a solve of M·k columns (block CG: s ≤ M·k products per iteration).
     """
     if solver not in ("auto", "direct", "cg"):
         raise InvalidInput(f"{_OPERATION}: unknown solver {solver!r}; expected 'auto', 'direct' or 'cg'")
@@ -176,7 +191,22 @@ def gp_inference(
             )
         covariance = test.matrix - cross.matrix @ solve(cross.matrix.T)
         covariance = (covariance + covariance.T) / 2
-    return GpPosterior(mean=mean, covariance=covariance, ridge=lam, jitter=jitter, solver=solver, lambda_min=lambda_min)
+    return GpPosterior(
+        mean=mean,
+        covariance=covariance,
+        ridge=lam,
+        jitter=jitter,
+        solver=solver,
+        lambda_min=lambda_min,
+        variance=None if covariance is None else _blocks(covariance, cross.n, k, full),
+    )
+
+
+def _blocks(covariance: np.ndarray, m: int, k: int, full: bool) -> np.ndarray:
+    """The example-diagonal blocks of a covariance: (M, k, k) FULL, (M,) TRACE."""
+    if not full:
+        return np.diag(covariance).copy()
+    return np.stack([covariance[i * k : (i + 1) * k, i * k : (i + 1) * k] for i in range(m)]).reshape(m, k, k)
 
 
 def _gp_by_cg(
@@ -190,12 +220,8 @@ def _gp_by_cg(
     options: CgOptions,
     warm_start: Any,
 ) -> GpPosterior:
-    """The posterior mean by CG on (Θ + λI) α = y, then Θ* α (NOTE [cg], NOTE [operator layout])."""
-    if k_test_test is not None:
-        raise InvalidInput(
-            f"{_OPERATION}: solver='cg' computes the posterior mean only; drop k_test_test, or use solver='direct' "
-            "on dense kernels for the covariance"
-        )
+    """The posterior mean by CG on (Θ + λI) α = y, then Θ* α (NOTE [cg], NOTE [operator layout]); with
+    k_test_test the variance (NOTE [gp variance by cg])."""
     check_ridge(ridge, operation=_OPERATION)
     y = to_float64(y_train, name="y_train", operation=_OPERATION)
     y = y[:, None] if y.ndim == 1 else y
@@ -213,10 +239,33 @@ def _gp_by_cg(
     lam = ridge_value(diagonal, ridge, ridge_scale, operation=_OPERATION)
     full = train.mode is KernelMode.FULL
     rhs = y.reshape(-1, 1) if full else y
+    prior = None
+    if k_test_test is not None:  # checked, and the memory estimated, before any product
+        prior = prior_at_test(k_test_test, m=cross.n, k=k, mode=train.mode, operation=_OPERATION)
+        dense_bytes = 0 if prior.matrix is None else 2 * prior.matrix.size * 8
+        check_cg_memory(train.rows, cross.rows, options, operation=_OPERATION, extra_bytes=dense_bytes)
     result = conjugate_gradients(train, rhs, ridge=lam, options=options, x0=warm_start)
     mean = cross.apply(result.solution).reshape(cross.n, k)
-    worst = float(result.residual.max()) if result.residual.size else 0.0
-    solver = "cg" if result.converged else f"cg (not converged: {result.stop_reason}, residual {worst:.3g})"
+    variance = covariance = variance_solve = None
+    if prior is not None:
+        b = cross_columns(k_test_train, cross, k=k, operation=_OPERATION)
+        variance_solve = conjugate_gradients(train, b, ridge=lam, options=options)
+        variance = posterior_blocks(prior, b, variance_solve.solution, m=cross.n, k=k, full=full)
+        if prior.matrix is not None:
+            covariance = prior.matrix - b.T @ variance_solve.solution
+            covariance = (covariance + covariance.T) / 2
+    solves = [s for s in (result, variance_solve) if s is not None]
+    failed = [s for s in solves if not s.converged]
+    worst = max((float(s.residual.max()) for s in solves if s.residual.size), default=0.0)
+    solver = "cg" if not failed else f"cg (not converged: {failed[0].stop_reason}, residual {worst:.3g})"
     return GpPosterior(
-        mean=mean, covariance=None, ridge=lam, jitter=0.0, solver=solver, lambda_min=float("nan"), solve=result
+        mean=mean,
+        covariance=covariance,
+        ridge=lam,
+        jitter=0.0,
+        solver=solver,
+        lambda_min=float("nan"),
+        solve=result,
+        variance=variance,
+        variance_solve=variance_solve,
     )

@@ -201,7 +201,7 @@ def test_bad_input_is_refused_with_what_to_fix() -> None:
         gp_inference(train_op, y[:, :2], cross_op)
     with pytest.raises(ShapeMismatch, match="columns"):
         gp_inference(train_op, y, ntk_operator(model, x_test))  # Θ(x_test, x_test) is not Θ(x_test, x_train)
-    with pytest.raises(InvalidInput, match="mean only"):
+    with pytest.raises(InvalidInput, match="k_test_test is an operator, whose diagonal is not known"):
         gp_inference(train_op, y, cross_op, ntk_operator(model, x_test))
     with pytest.raises(InvalidInput, match="relative"):
         gp_inference(train_op, y, cross_op, ridge=0.1, ridge_scale="relative")

@@ -1,4 +1,4 @@
-"""Solvers on kernels seen through products: preconditioned CG, Nyström preconditioners, Lanczos functions.
+"""Solvers on kernels seen through products: preconditioned (block) CG, Nyström preconditioners, Lanczos functions.
 
 ``gp_inference(solver="cg")``, ``linearized_predictions`` and ``max_learning_rate`` on operators, and
 ``spectrum(bottom=...)``, are built on these; they are public for a solve the analyses do not cover. Every kernel
@@ -8,10 +8,13 @@ reaches them through ``kernel_operator`` (NOTE [operator layout] in ``operators.
 from ntk_service.analysis.solve.cg import (
     AUTO_NYSTROM_MIN_SIZE,
     DEFAULT_MAX_ITERATIONS,
+    DEFAULT_METHOD,
     DEFAULT_RTOL,
+    CgMethod,
     CgOptions,
     Preconditioner,
     SolveResult,
+    cg_memory_bytes,
     conjugate_gradients,
 )
 from ntk_service.analysis.solve.lanczos import LanczosResult, lanczos_functions
@@ -28,7 +31,9 @@ __all__ = [
     "AUTO_NYSTROM_MIN_SIZE",
     "DEFAULT_LANDMARKS",
     "DEFAULT_MAX_ITERATIONS",
+    "DEFAULT_METHOD",
     "DEFAULT_RTOL",
+    "CgMethod",
     "CgOptions",
     "KernelOperator",
     "LandmarkMethod",
@@ -36,6 +41,7 @@ __all__ = [
     "NystromPreconditioner",
     "Preconditioner",
     "SolveResult",
+    "cg_memory_bytes",
     "check_ridge",
     "conjugate_gradients",
     "is_operator",

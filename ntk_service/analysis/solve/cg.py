@@ -1,15 +1,35 @@
 """Preconditioned conjugate gradients on a kernel seen through products: (A + λI) X = B, B (n, r).
 
 NOTE [cg]
-    The r right-hand sides (the k target columns of a TRACE kernel, or one FULL column) run as one block: every
-    iteration applies the operator once to the block of columns still moving (one product per column, so a
-    converged column costs nothing more), with each column's own CG scalars (the "batched" form; O'Leary's block CG
-    shares one Krylov space across columns and is left for later). Vectors, scalars and sums are float64 whatever
-    the operator computes in. A column stops when its recursive residual ‖r‖ / ‖b‖ ≤ rtol; then the true residual
-    ‖b − (A + λI) x‖ / ‖b‖ is recomputed with one more product, and if rounding has pulled it above rtol, CG
-    restarts from x (a warm start) up to ``_RESTARTS`` times. ``converged`` is that true residual against rtol:
-    a solve that runs out of iterations, or meets pᵀ(A + λI)p ≤ 0 (an operator that is not positive definite),
-    says so in its result and in ``stop_reason``; nothing is dropped silently.
+    The r right-hand sides (the k target columns of a TRACE kernel, one FULL column, a GP variance's M·k columns)
+    run as one block, by one of two sweeps (``block_cg.py``): "block" shares one Krylov space across the columns
+    (NOTE [block cg]; s ≤ r products per iteration), "batched" gives each column its own CG scalars (one product
+    per moving column). Either way a converged column costs nothing more. Vectors, scalars and sums are float64
+    whatever the operator computes in. A column stops when its recursive residual ‖r‖ / ‖b‖ ≤ rtol; then the
+    true residual ‖b − (A + λI) x‖ / ‖b‖ is recomputed with one more product, and if rounding has pulled it
+    above rtol, CG restarts from x (a warm start) up to ``_RESTARTS`` times. ``converged`` is that true
+    residual against rtol: a solve that runs out of iterations, or meets pᵀ(A + λI)p ≤ 0 (an operator that is
+    not positive definite), says so in its result and in ``stop_reason``; nothing is dropped silently.
+
+NOTE [cg method]
+    ``DEFAULT_METHOD`` is "block": it took fewer products in every case of this A/B (dense TRACE kernel of the
+    benchmark MLP 784-512-512-10 read as trace / k, ridge 1e-3 × the mean diagonal, rtol 1e-8;
+    benchmarks/bench_solvers.py --section block, load 6-7 on 2 cores), products for block / batched:
+
+    ====== ======================== ======================== ============================ ==========================
+    N      ridge, k = 10, none      ridge, k = 10, Nyström   variance, m = 200, none      variance, m = 200, Nyström
+    ====== ======================== ======================== ============================ ==========================
+    500    178 / 259 (19 / 25 it.)  263 / 300                700 / 4400 (3 / 21 it.)      800 / 3699
+    1000   227 / 340 (25 / 33 it.)  308 / 364                1203 / 5635 (6 / 29 it.)     1300 / 4700
+    2000   301 / 460 (33 / 45 it.)  366 / 451                2000 / 7600 (9 / 37 it.)     2100 / 5992
+    ====== ======================== ======================== ============================ ==========================
+
+    The shared space resolves the NTK's k outlying class-mean modes once for all columns instead of once per
+    column; a variance's columns Θ(x, x*) are nearly dependent, so its blocks lose rank and its iterations stay
+    few. The price is O(n·s²) of small dense algebra per iteration, nothing beside an operator's product (a
+    pass over the data) but visible on a dense kernel with many columns: the m = 200 variance at N = 2000 took
+    18 s block against 5 s batched there (dense products are cheap), the k = 10 ridge 0.6 s against 0.9 s.
+    One column (a FULL solve) is the same CG either way.
 
 NOTE [cg default]
     ``preconditioner="auto"`` (the default) is no preconditioner below n = ``AUTO_NYSTROM_MIN_SIZE`` rows and the
@@ -45,16 +65,23 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from ntk_service.analysis.solve.block_cg import batched_sweep, block_sweep
 from ntk_service.analysis.solve.operators import KernelOperator, check_ridge
 from ntk_service.analysis.solve.preconditioners import LandmarkMethod, nystrom_preconditioner
-from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
+from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, NonFiniteInput, ShapeMismatch, format_bytes
+from ntk_service.kernels.planning import default_memory_budget
 
 __all__ = [
+    "CG_ARRAYS",
     "DEFAULT_MAX_ITERATIONS",
+    "DEFAULT_METHOD",
     "DEFAULT_RTOL",
+    "CgMethod",
     "CgOptions",
     "Preconditioner",
     "SolveResult",
+    "cg_memory_bytes",
+    "check_cg_memory",
     "conjugate_gradients",
 ]
 
@@ -69,10 +96,30 @@ AUTO_NYSTROM_MIN_SIZE = 50_000
 """Rows n from which ``preconditioner="auto"`` builds a Nyström preconditioner (NOTE [cg default]): it did not pay
 at n = 20,000 and paid at n = 100,000 on the benchmark MLP."""
 
+CgMethod = Literal["block", "batched"]
+"""How CG runs several columns (NOTE [block cg] in ``block_cg.py``)."""
+
+DEFAULT_METHOD: CgMethod = "block"
+"""The sweep ``CgOptions`` uses unless told (NOTE [cg method])."""
+
+CG_ARRAYS = 11
+"""(n, r) float64 arrays a solve holds at its peak (B, X, R, the directions, their products, Z and the
+temporaries of an update; tracemalloc measured 7.3-9.9 for r ≪ n), beside ``_SMALL_ARRAYS`` (r, r) ones (block
+CG's Gram matrices and coefficients: 11.2 (n, r)-sized arrays in all at n = 300, r = 200); checked in
+tests/analysis/test_block_cg.py."""
+
+_SMALL_ARRAYS = 4
+
 _RESTARTS = 3
 """Warm restarts when the recomputed residual is above rtol although the recursive one was below (NOTE [cg])."""
 
 _OPERATION = "conjugate_gradients"
+
+
+def cg_memory_bytes(n: int, r: int) -> int:
+    """The peak bytes of CG's vectors for B (n, r): ``CG_ARRAYS`` (n, r) and ``_SMALL_ARRAYS`` (r, r) float64
+    blocks (the operator's and the preconditioner's own memory not included)."""
+    return (CG_ARRAYS * n * r + _SMALL_ARRAYS * r * r) * 8
 
 
 class Preconditioner(Protocol):
@@ -100,6 +147,10 @@ class CgOptions:
         max_seconds: stop after this much wall time (checked once per iteration, the preconditioner's build
             included), with ``stop_reason`` "time_limit" and ``converged`` False unless the residual made it.
             Default: None (no limit).
+        method: "block" (one Krylov space shared by the r columns, NOTE [block cg] in ``block_cg.py``) or
+            "batched" (a Krylov space per column, NOTE [cg]). Default: ``DEFAULT_METHOD`` (NOTE [cg method]).
+        memory_budget_bytes: the solve's vectors (``cg_memory_bytes``) are refused above it. Default: None
+            (``default_memory_budget()``).
     """
 
     rtol: float = DEFAULT_RTOL
@@ -110,6 +161,8 @@ class CgOptions:
     seed: int = 0
     diagonal: Any = None
     max_seconds: float | None = None
+    method: CgMethod = DEFAULT_METHOD
+    memory_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +214,26 @@ def _build_preconditioner(op: KernelOperator, ridge: float, options: CgOptions) 
     return choice, 0
 
 
+def check_cg_memory(n: int, r: int, options: CgOptions, *, operation: str, extra_bytes: int = 0) -> int:
+    """The estimate ``cg_memory_bytes(n, r) + extra_bytes``, checked against the budget.
+
+    Raises:
+        MemoryEstimateExceeded: over ``options.memory_budget_bytes`` (default: ``default_memory_budget()``).
+    """
+    estimate = cg_memory_bytes(n, r) + int(extra_bytes)
+    budget = default_memory_budget() if options.memory_budget_bytes is None else int(options.memory_budget_bytes)
+    if estimate > budget:
+        fits = max(0, (budget - int(extra_bytes)) // ((CG_ARRAYS * n + _SMALL_ARRAYS * r) * 8))
+        raise MemoryEstimateExceeded(
+            f"{operation}: CG on {r} right-hand sides of {n} rows needs about {format_bytes(estimate)}, over the "
+            f"memory budget of {format_bytes(budget)}; solve at most {fits} columns at a time (e.g. fewer test "
+            "points) or raise memory_budget_bytes",
+            estimate_bytes=estimate,
+            budget_bytes=budget,
+        )
+    return estimate
+
+
 def conjugate_gradients(
     op: KernelOperator,
     rhs: Any,
@@ -181,7 +254,8 @@ def conjugate_gradients(
 
     Raises:
         ShapeMismatch: B or x0 not matching the operator. InvalidInput: a negative or NaN ridge, rtol ≤ 0,
-        max_iterations < 0. NonFiniteInput: NaN in B or x0.
+        max_iterations < 0, an unknown method. NonFiniteInput: NaN in B or x0. MemoryEstimateExceeded: the
+        vectors for B would not fit (``check_cg_memory``).
     """
     options = options or CgOptions()
     lam = check_ridge(ridge, operation=_OPERATION)
@@ -207,60 +281,56 @@ def conjugate_gradients(
         raise ShapeMismatch(f"{_OPERATION}: x0 has shape {np.shape(x0)}; expected {b.shape} like the right-hand side")
     if not (np.all(np.isfinite(b)) and np.all(np.isfinite(x))):
         raise NonFiniteInput(f"{_OPERATION}: the right-hand side or x0 holds NaN or inf")
+    if options.method not in ("block", "batched"):
+        raise InvalidInput(f"{_OPERATION}: unknown method {options.method!r}; expected 'block' or 'batched'")
+    check_cg_memory(n, b.shape[1], options, operation=_OPERATION)
     start = time.perf_counter()
     max_iterations = min(10 * n, DEFAULT_MAX_ITERATIONS) if options.max_iterations is None else options.max_iterations
     pre, products = _build_preconditioner(op, lam, options)
     bnorm = np.linalg.norm(b, axis=0)
     bnorm_safe = np.where(bnorm > 0, bnorm, 1.0)
 
-    def product(v: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    def product(v: np.ndarray, cols: np.ndarray | None) -> np.ndarray:
+        """(A + λI) V for V (n, s), counting s products; with ``cols``, scattered into an (n, r) block."""
         nonlocal products
-        products += cols.size
-        out = np.zeros_like(v)
-        if cols.size:
-            out[:, cols] = op.apply(v[:, cols]) + lam * v[:, cols]
+        products += v.shape[1]
+        av = op.apply(v) + lam * v if v.shape[1] else np.zeros_like(v)
+        if cols is None:
+            return av
+        out = np.zeros_like(b)
+        out[:, cols] = av
         return out
 
     def out_of_time() -> bool:
         return options.max_seconds is not None and time.perf_counter() - start > options.max_seconds
 
-    everything = np.arange(b.shape[1])
+    sweep = block_sweep if options.method == "block" else batched_sweep
     iterations, stop_reason = 0, "max_iterations"
-    moving = everything[bnorm > 0]
+    moving = np.arange(b.shape[1])[bnorm > 0]
     x[:, bnorm == 0] = 0.0
-    r = b - product(x, moving) if np.any(x[:, moving]) else b.copy()
+    r = b - product(x[:, moving], moving) if np.any(x[:, moving]) else b.copy()
     residual = np.linalg.norm(r, axis=0) / bnorm_safe
     for _ in range(_RESTARTS + 1):
         active = moving[residual[moving] > options.rtol]
         if active.size == 0:
             stop_reason = "converged"
             break
-        z = r if pre is None else pre.apply(r)
-        p = z.copy()
-        rz = np.sum(r * z, axis=0)
-        while active.size and iterations < max_iterations:
-            if out_of_time():
-                stop_reason = "time_limit"
-                break
-            ap = product(p, active)
-            pap = np.sum(p[:, active] * ap[:, active], axis=0)
-            if np.any(pap <= 0):
-                stop_reason = "breakdown: pᵀ(A + λI)p ≤ 0, the kernel (plus ridge) is not positive definite"
-                break
-            alpha = rz[active] / pap
-            x[:, active] += alpha * p[:, active]
-            r[:, active] -= alpha * ap[:, active]
-            iterations += 1
-            residual[active] = np.linalg.norm(r[:, active], axis=0) / bnorm_safe[active]
-            active = active[residual[active] > options.rtol]
-            if active.size == 0:
-                break
-            z_active = r[:, active] if pre is None else pre.apply(r[:, active])
-            rz_new = np.sum(r[:, active] * z_active, axis=0)
-            p[:, active] = z_active + (rz_new / rz[active]) * p[:, active]
-            rz[active] = rz_new
+        done, reason = sweep(
+            x,
+            r,
+            residual,
+            active,
+            bnorm=bnorm_safe,
+            rtol=options.rtol,
+            product=lambda v: product(v, None),
+            pre=pre,
+            max_iterations=max_iterations - iterations,
+            out_of_time=out_of_time,
+        )
+        iterations += done
+        stop_reason = reason or "converged"
         # the true residual (NOTE [cg]): one more product per moving column
-        r = b - product(x, moving)
+        r = b - product(x[:, moving], moving)
         residual = np.linalg.norm(r, axis=0) / bnorm_safe
         residual[bnorm == 0] = 0.0
         if stop_reason.startswith("breakdown") or stop_reason == "time_limit" or iterations >= max_iterations:
