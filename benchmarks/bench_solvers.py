@@ -18,15 +18,22 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
 - ``chunk``: the A/B of the operator's chunk size (``MAX_CHUNK_BYTES``), each configuration in its own process.
 - ``features``: ``ntk_features`` error against the exact FULL kernel by D on an N-subset, and the GP test mean with
   the feature kernel against the exact kernel's.
+- ``sketch``: the A/B of ``ntk_features``' two sketches (``sketch="gaussian" | "structured"``) on the benchmark MLP
+  at ``--sketch-n`` examples: seconds per call and the relative error of the FULL feature kernel at each D, the
+  two alternated in one process (load average printed beside). A Gaussian D over ``--gaussian-max-dim`` (its D
+  forward-mode products take minutes) is not run: its time is extrapolated from the largest D run (the cost is
+  linear in D, by blocks of columns) and its error is Wick's expectation (NOTE [sketch error]), marked "est".
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
     .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 60   # the goal run
+    .venv/bin/python benchmarks/bench_solvers.py --section sketch --sketch-dims 256 1024 4096        # ~2.5 min
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -286,9 +293,41 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
               f"{np.median(secs):>8.2f}")  # fmt: skip
 
 
+def section_sketch(n: int, dims: list[int], seeds: int, gaussian_max_dim: int) -> None:
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    exact = compute_ntk(model, x, mode="full", dtype="float64").theta
+    norm = float(exact.norm())
+    # Wick's expectation for the Gaussian sketch: E‖ΦΦᵀ − Θ‖²_F = (‖Θ‖²_F + (tr Θ)²) / D (NOTE [sketch error])
+    wick = (norm**2 + float(torch.einsum("nnaa->", exact)) ** 2) ** 0.5 / norm
+    print(f"sketches, MLP 784-512-512-10, N = {n}, float32, FULL feature kernel against the exact float64 kernel; "
+          f"rms relative error over {seeds} seeds (Gaussian expectation {wick:.2f}/√D)")  # fmt: skip
+    print(f"{'D':>6} {'sketch':>11} {'s/call':>8} {'rel err':>8} {'×√D':>6}  load")
+    per_column = 0.0
+    for d in dims:
+        runs: dict[str, tuple[list[float], list[float]]] = {"structured": ([], []), "gaussian": ([], [])}
+        for s in range(seeds):
+            for sketch, (secs, errs) in runs.items():  # alternated: both see the same load
+                if sketch == "gaussian" and d > gaussian_max_dim:
+                    continue
+                start = time.perf_counter()
+                phi = ntk_features(model, x, dim=d, seed=s, sketch=sketch)
+                secs.append(time.perf_counter() - start)
+                errs.append(float((feature_kernel(phi.double()) - exact).norm()) / norm)
+        for sketch, (secs, errs) in runs.items():
+            if secs:
+                sec, err, mark = float(np.median(secs)), float(np.sqrt(np.mean(np.square(errs)))), ""
+                if sketch == "gaussian":
+                    per_column = sec / d
+            else:
+                sec, err, mark = per_column * d, wick / d**0.5, " est"
+            load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+            print(f"{d:>6} {sketch:>11} {sec:>8.2f} {err:>8.4f} {err * d**0.5:>6.2f}  {load}{mark}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sections = ["dense", "scale", "features", "chunk", "preconditioners"]
+    sections = ["dense", "scale", "features", "chunk", "preconditioners", "sketch"]
     parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
@@ -307,6 +346,10 @@ def main() -> None:
     parser.add_argument("--features-n", type=int, default=100)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--sketch-n", type=int, default=200)
+    parser.add_argument("--sketch-dims", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--sketch-seeds", type=int, default=2)
+    parser.add_argument("--gaussian-max-dim", type=int, default=1024, help="--section sketch: larger D estimated")
     parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256], help="--section chunk")
@@ -337,6 +380,8 @@ def main() -> None:
         )
     if "features" in args.section:
         section_features(args.features_n, args.dims, args.seeds, args.features_ridge)
+    if "sketch" in args.section:
+        section_sketch(args.sketch_n, args.sketch_dims, args.sketch_seeds, args.gaussian_max_dim)
 
 
 if __name__ == "__main__":
