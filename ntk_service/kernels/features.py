@@ -141,7 +141,8 @@ def ntk_features(
         MemoryEstimateExceeded: Φ, the draws and one example's passes exceed the budget (the message gives the
             estimate).
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``;
-            UnsupportedModel also for an operation without forward-mode AD (the Gaussian sketch).
+            UnsupportedModel also for an operation without forward-mode AD (the Gaussian sketch) and for a model
+            that refuses vmap over examples (the structured sketch: use "gaussian").
     """
     d = _check_dim(dim)
     kind = _check_sketch(sketch)
@@ -152,6 +153,12 @@ def ntk_features(
     if private is None:
         raise UnsupportedModel(f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed); use compute_ntk")
     problem = build_problem(private, xt, None, params=params, dtype=compute_dtype)
+    if kind is SketchKind.STRUCTURED and problem.per_example_loop:
+        raise UnsupportedModel(
+            f"{_OPERATION}: sketch='structured' captures the layers' δ and inputs under torch.func.vmap over the "
+            "examples, which this model refuses (data-dependent control flow, e.g. a branch on an attention mask's "
+            "values); pass sketch='gaussian', whose forward-mode products take the batch as it is"
+        )
     if kind is SketchKind.STRUCTURED:
         phi = structured_features(problem, xt, dim=d, seed=seed, memory_budget_bytes=budget, operation=_OPERATION)
     else:

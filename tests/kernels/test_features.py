@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, UnknownMode
+from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, UnknownMode, UnsupportedModel
 from ntk_service.kernels import MAX_FEATURE_DIM, SketchKind, feature_kernel, ntk_features
 from tests.reference import reference_ntk
 
@@ -141,6 +141,31 @@ def test_a_parameter_subset_sketches_that_subset_s_kernel(sketch: SketchKind) ->
         0,
     )
     assert np.linalg.norm(est - exact) / np.linalg.norm(exact) < 0.1
+
+
+class _BranchesOnValues(nn.Module):
+    """A forward that branches on the input's values: vmap over examples refuses it (NOTE [per-example loop])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x > 5).all():
+            x = 2 * x
+        return self.lin(torch.tanh(x))
+
+
+def test_a_model_refusing_vmap_gets_the_gaussian_sketch_only() -> None:
+    torch.manual_seed(0)
+    model, x = _BranchesOnValues().double(), _x(4)
+    with pytest.raises(UnsupportedModel, match="refuses .* pass sketch='gaussian'"):
+        ntk_features(model, x, dim=8, sketch="structured")
+    exact = _matrix(reference_ntk(model, x))
+    est = np.mean(
+        [_matrix(feature_kernel(ntk_features(model, x, dim=256, seed=s, sketch="gaussian"))) for s in range(8)], 0
+    )
+    assert np.linalg.norm(est - exact) / np.linalg.norm(exact) < 0.15
 
 
 def test_limits_and_bad_input() -> None:
