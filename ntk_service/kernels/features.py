@@ -163,7 +163,7 @@ def ntk_features(
         phi = structured_features(problem, xt, dim=d, seed=seed, memory_budget_bytes=budget, operation=_OPERATION)
     else:
         phi = _gaussian_features(problem, xt, d, seed, budget)
-    return phi.detach() / math.sqrt(d)
+    return phi.detach().div_(math.sqrt(d))  # in place: Φ is the largest tensor of the call
 
 
 def _gaussian_features(problem: NtkProblem, xt: Batch, d: int, seed: int, budget: int) -> torch.Tensor:

@@ -76,11 +76,16 @@ def _stacked(seed: int, name: str, dim: int, shape: tuple[int, int], dtype: torc
     return torch.cat(blocks)[:dim].transpose(0, 1)
 
 
+def _width(terms: StructuredTerms, term: FactoredTerm) -> int:
+    """S^A's width: the embedding's rows for ids, else da (+ 1 for a folded bias)."""
+    return _index_rows(terms, term) if term.index else term.dims[2] + (term.bias is not None)
+
+
 def _factor_draws(seed: int, dim: int, terms: StructuredTerms, dtype: torch.dtype) -> list[_FactorDraws]:
     out = []
     for term in terms.factored:
-        g, _, da, dd = term.dims
-        width = _index_rows(terms, term) if term.index else da + (term.bias is not None)
+        g, _, _, dd = term.dims
+        width = _width(terms, term)
         delta = _stacked(seed, f"{term.name}\x00delta", dim, (g, dd), dtype)
         out.append(_FactorDraws(delta, _stacked(seed, f"{term.name}\x00input", dim, (g, width), dtype)))
     return out
@@ -90,7 +95,6 @@ def _factored_columns(side: FactorSide, term: FactoredTerm, draws: _FactorDraws,
     """Σ_g Σ_t (S^D D_c[g, t]) ⊙ (S^A A[g, t]) for the columns ``cols``: (n, k, c)."""
     s_d, s_a = draws.delta[:, cols], draws.inputs[:, cols]  # (G, c, dd), (G, c, width)
     d = side.d.tensor  # (n, k, G, T, dd)
-    n = d.shape[0]
     if term.index:  # ids (n, 1, T): S^A one-hot(id) is column id of S^A
         v = s_a[0].T[side.a]  # (n, 1, T, c)
     else:
@@ -101,7 +105,7 @@ def _factored_columns(side: FactorSide, term: FactoredTerm, draws: _FactorDraws,
     if side.d.shared:  # the same δ for every example (the head's identity): project it once
         d = d[:1]
     u = d @ s_d.transpose(-1, -2).unsqueeze(0)  # (n or 1, k, G, T, c)
-    return (u * v.unsqueeze(1)).sum((2, 3)).expand(n, -1, -1)
+    return (u * v.unsqueeze(1)).sum((2, 3))  # v (n, 1, G, T, c) broadcasts a shared u over the examples
 
 
 def _column_bytes(problem: NtkProblem, terms: StructuredTerms) -> float:
@@ -126,11 +130,14 @@ def structured_features(
     alg = Structured(STRUCTURED_SKETCH_OPTIONS)
     terms = alg.terms(problem, take(x, 0, 1))
     n, k, item = batch_size(x), problem.k, problem.itemsize
-    largest = max((problem.params[j].numel() for j in terms.fallback), default=0)
-    largest = max([largest, *(t.numel for t in terms.jacobian)])
-    draws_bytes = sum(g * dim * (dd + da + 1) for g, _, da, dd in (t.dims for t in terms.factored)) * item
-    fixed = n * k * dim * item + draws_bytes + BLOCK * largest * (item + 8)
+    jacobian_numel = [problem.params[name].numel() for name in terms.fallback] + [t.numel for t in terms.jacobian]
+    draws_bytes = sum(t.dims[0] * dim * (t.dims[3] + _width(terms, t)) for t in terms.factored) * item
+    fixed = n * k * dim * item + draws_bytes + BLOCK * max(jacobian_numel, default=0) * (item + 8)
     available = memory_budget_bytes - fixed
+    # R of the Jacobian parameters drawn once when it takes at most a quarter of what is left, else per chunk
+    keep_r = dim * sum(jacobian_numel) * item <= available / 4
+    if keep_r:
+        available -= dim * sum(jacobian_numel) * item
     per_column = _column_bytes(problem, terms)
     # columns per step: all of them when their products for the whole batch take at most half of what is left
     cols = min(dim, max(BLOCK, BLOCK * int(available / (2 * n * per_column * BLOCK)))) if available > 0 else BLOCK
@@ -146,6 +153,10 @@ def structured_features(
             budget_bytes=memory_budget_bytes,
         )
     factor_draws = _factor_draws(seed, dim, terms, problem.dtype)
+    kept_r: dict[str, torch.Tensor] = {}  # name -> R (D, p), when kept
+    if keep_r:
+        names = [*terms.fallback, *(t.name for t in terms.jacobian)]
+        kept_r = {name: _jacobian_columns(problem, seed, name, 0, dim) for name in names}
     phi = torch.zeros(n, k, dim, dtype=problem.dtype)
     for i in range(0, n, chunk):
         side = alg.left(problem, take(x, i, i + chunk))
@@ -157,9 +168,19 @@ def structured_features(
                 for term, fs, dr in zip(terms.factored, side.factored, factor_draws, strict=True):
                     out[:, :, span] += _factored_columns(fs, term, dr, span)
             for name, j in side.jacobians.items():  # J R with the Gaussian sketch's R (module docstring)
-                shape, p = tuple(problem.params[name].shape), problem.params[name].numel()
+                if name in kept_r:
+                    out += j.tensor @ kept_r[name].T
+                    continue
                 for block in range(math.ceil(dim / BLOCK)):
                     start, stop = block * BLOCK, min(dim, (block + 1) * BLOCK)
-                    r = gaussian_block(seed, name, block, shape, problem.dtype).reshape(BLOCK, p)[: stop - start]
-                    out[:, :, start:stop] += j.tensor @ r.T
+                    out[:, :, start:stop] += j.tensor @ _jacobian_columns(problem, seed, name, start, stop).T
     return phi
+
+
+def _jacobian_columns(problem: NtkProblem, seed: int, name: str, start: int, stop: int) -> torch.Tensor:
+    """Columns start:stop of the Gaussian sketch's R for parameter ``name`` (start a multiple of ``BLOCK``):
+    (stop − start, p), the tangents of ``features._tangents`` flattened."""
+    shape, p = tuple(problem.params[name].shape), problem.params[name].numel()
+    blocks = range(start // BLOCK, math.ceil(stop / BLOCK))
+    r = torch.cat([gaussian_block(seed, name, b, shape, problem.dtype).reshape(BLOCK, p) for b in blocks])
+    return r[: stop - start]

@@ -154,6 +154,8 @@ def test_uncovered_parameters_get_the_gaussian_sketch_columns() -> None:
     structured = ntk_features(model, ids, dim=40, seed=5, params=params, sketch="structured")
     gaussian = ntk_features(model, ids, dim=40, seed=5, params=params, sketch="gaussian")
     torch.testing.assert_close(structured, gaussian, rtol=1e-10, atol=1e-12)
+    tight = ntk_features(model, ids, dim=40, seed=5, params=params, sketch="structured", memory_budget_bytes=10_000)
+    torch.testing.assert_close(tight, gaussian, rtol=1e-10, atol=1e-12)  # R drawn per block, not kept: the same
     other = ntk_features(model, ids, dim=40, seed=5, params=["inner.*"], sketch="structured")
     assert not torch.allclose(other, ntk_features(model, ids, dim=40, seed=5, params=["inner.*"], sketch="gaussian"))
 
