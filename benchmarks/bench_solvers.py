@@ -23,6 +23,7 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   two alternated in one process (load average printed beside). A Gaussian D over ``--gaussian-max-dim`` (its D
   forward-mode products take minutes) is not run: its time is extrapolated from the largest D run (the cost is
   linear in D, by blocks of columns) and its error is Wick's expectation (NOTE [sketch error]), marked "est".
+  ``--sketch-model cnn`` runs the benchmark CNN instead.
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
@@ -46,7 +47,7 @@ import numpy as np  # noqa: E402
 import scipy.linalg  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks._models import make_inputs, make_mlp  # noqa: E402
+from benchmarks._models import make_cnn, make_inputs, make_mlp  # noqa: E402
 from ntk_service.analysis import CgOptions, gp_inference  # noqa: E402
 from ntk_service.analysis.solve import (  # noqa: E402
     conjugate_gradients,
@@ -293,14 +294,15 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
               f"{np.median(secs):>8.2f}")  # fmt: skip
 
 
-def section_sketch(n: int, dims: list[int], seeds: int, gaussian_max_dim: int) -> None:
-    model = make_mlp()
-    x = make_inputs("mlp", n)
+def section_sketch(n: int, dims: list[int], seeds: int, gaussian_max_dim: int, name: str) -> None:
+    model = make_mlp() if name == "mlp" else make_cnn()
+    x = make_inputs(name, n)
     exact = compute_ntk(model, x, mode="full", dtype="float64").theta
     norm = float(exact.norm())
     # Wick's expectation for the Gaussian sketch: E‖ΦΦᵀ − Θ‖²_F = (‖Θ‖²_F + (tr Θ)²) / D (NOTE [sketch error])
     wick = (norm**2 + float(torch.einsum("nnaa->", exact)) ** 2) ** 0.5 / norm
-    print(f"sketches, MLP 784-512-512-10, N = {n}, float32, FULL feature kernel against the exact float64 kernel; "
+    label = "MLP 784-512-512-10" if name == "mlp" else "CNN conv 3->32, conv/2 32->32, Linear 6272->10"
+    print(f"sketches, {label}, N = {n}, float32, FULL feature kernel against the exact float64 kernel; "
           f"rms relative error over {seeds} seeds (Gaussian expectation {wick:.2f}/√D)")  # fmt: skip
     print(f"{'D':>6} {'sketch':>11} {'s/call':>8} {'rel err':>8} {'×√D':>6}  load")
     per_column = 0.0
@@ -349,6 +351,7 @@ def main() -> None:
     parser.add_argument("--sketch-n", type=int, default=200)
     parser.add_argument("--sketch-dims", type=int, nargs="+", default=[256, 1024, 4096])
     parser.add_argument("--sketch-seeds", type=int, default=2)
+    parser.add_argument("--sketch-model", default="mlp", choices=["mlp", "cnn"], help="benchmarks/_models.py")
     parser.add_argument("--gaussian-max-dim", type=int, default=1024, help="--section sketch: larger D estimated")
     parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
     parser.add_argument("--threads", type=int, default=2)
@@ -381,7 +384,7 @@ def main() -> None:
     if "features" in args.section:
         section_features(args.features_n, args.dims, args.seeds, args.features_ridge)
     if "sketch" in args.section:
-        section_sketch(args.sketch_n, args.sketch_dims, args.sketch_seeds, args.gaussian_max_dim)
+        section_sketch(args.sketch_n, args.sketch_dims, args.sketch_seeds, args.gaussian_max_dim, args.sketch_model)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""``ntk_features``: sketched NTK features Φ (N, k, D) with E[Φ(x1) Φ(x2)ᵀ] = Θ(x1, x2), never building J.
+"""``ntk_features``: sketched NTK features Φ (N, k, D) with E[Φ(x1) Φ(x2)ᵀ] = Θ(x1, x2), never building the whole J.
 
-Φ(x) = J(x) R / √D for a Gaussian R (P, D), R_pd ~ N(0, 1) i.i.d.: E[R Rᵀ] = D·I, so E[Φ1 Φ2ᵀ] = J1 Jᵀ2 = Θ for
-every pair of inputs, FULL per output pair, and TRACE by summing Φ1[:, a] · Φ2[:, a] over the outputs a
-(``feature_kernel``). Each column J r_d is one forward-mode product (``jvp`` with tangent r_d), vmapped over a
-block of columns: time D·N·[FP] (forward mode), memory one block of tangents (``BLOCK``·P floats) plus one
-chunk of forward-mode activations; J is never formed.
+The Gaussian sketch: Φ(x) = J(x) R / √D for a Gaussian R (P, D), R_pd ~ N(0, 1) i.i.d.: E[R Rᵀ] = D·I, so
+E[Φ1 Φ2ᵀ] = J1 Jᵀ2 = Θ for every pair of inputs, FULL per output pair, and TRACE by summing Φ1[:, a] · Φ2[:, a]
+over the outputs a (``feature_kernel``). Each column J r_d is one forward-mode product (``jvp`` with tangent r_d),
+vmapped over a block of columns: time D·N·[FP] (forward mode), memory one block of tangents (``BLOCK``·P floats)
+plus one chunk of forward-mode activations; J is never formed.
 
 Two sketches (``SketchKind``, the ``sketch`` option): "gaussian" as above; "structured" sketches the weights the
 structured engine factors (Linear, Conv, Embedding: J_c = Σ_t δ_c[t] ⊗ a[t]) by a Kronecker product of two small
