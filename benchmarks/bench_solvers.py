@@ -23,11 +23,18 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   alternated ``--products`` times in one process, the load average beside each pair.
 - ``features``: ``ntk_features`` error against the exact FULL kernel by D on an N-subset, and the GP test mean with
   the feature kernel against the exact kernel's.
+- ``sketch``: the A/B of ``ntk_features``' two sketches (``sketch="gaussian" | "structured"``) on the benchmark MLP
+  at ``--sketch-n`` examples: seconds per call and the relative error of the FULL feature kernel at each D, the
+  two alternated in one process (load average printed beside). A Gaussian D over ``--gaussian-max-dim`` (its D
+  forward-mode products take minutes) is not run: its time is extrapolated from the largest D run (the cost is
+  linear in D, by blocks of columns) and its error is Wick's expectation (NOTE [sketch error]), marked "est".
+  ``--sketch-model cnn`` runs the benchmark CNN instead.
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
     .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 60   # the goal run
     .venv/bin/python benchmarks/bench_solvers.py --section ray --ray-n 4000 --products 5
+    .venv/bin/python benchmarks/bench_solvers.py --section sketch --sketch-dims 256 1024 4096        # ~2.5 min
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import numpy as np  # noqa: E402
 import scipy.linalg  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks._models import make_inputs, make_mlp  # noqa: E402
+from benchmarks._models import make_cnn, make_inputs, make_mlp  # noqa: E402
 from ntk_service.analysis import CgOptions, gp_inference  # noqa: E402
 from ntk_service.analysis.solve import (  # noqa: E402
     conjugate_gradients,
@@ -364,9 +371,42 @@ def section_features(n: int, dims: list[int], seeds: int, ridge: float) -> None:
               f"{np.median(secs):>8.2f}")  # fmt: skip
 
 
+def section_sketch(n: int, dims: list[int], seeds: int, gaussian_max_dim: int, name: str) -> None:
+    model = make_mlp() if name == "mlp" else make_cnn()
+    x = make_inputs(name, n)
+    exact = compute_ntk(model, x, mode="full", dtype="float64").theta
+    norm = float(exact.norm())
+    # Wick's expectation for the Gaussian sketch: E‖ΦΦᵀ − Θ‖²_F = (‖Θ‖²_F + (tr Θ)²) / D (NOTE [sketch error])
+    wick = (norm**2 + float(torch.einsum("nnaa->", exact)) ** 2) ** 0.5 / norm
+    label = "MLP 784-512-512-10" if name == "mlp" else "CNN conv 3->32, conv/2 32->32, Linear 6272->10"
+    print(f"sketches, {label}, N = {n}, float32, FULL feature kernel against the exact float64 kernel; "
+          f"rms relative error over {seeds} seeds (Gaussian expectation {wick:.2f}/√D)")  # fmt: skip
+    print(f"{'D':>6} {'sketch':>11} {'s/call':>8} {'rel err':>8} {'×√D':>6}  load")
+    per_column = 0.0
+    for d in dims:
+        runs: dict[str, tuple[list[float], list[float]]] = {"structured": ([], []), "gaussian": ([], [])}
+        for s in range(seeds):
+            for sketch, (secs, errs) in runs.items():  # alternated: both see the same load
+                if sketch == "gaussian" and d > gaussian_max_dim:
+                    continue
+                start = time.perf_counter()
+                phi = ntk_features(model, x, dim=d, seed=s, sketch=sketch)
+                secs.append(time.perf_counter() - start)
+                errs.append(float((feature_kernel(phi.double()) - exact).norm()) / norm)
+        for sketch, (secs, errs) in runs.items():
+            if secs:
+                sec, err, mark = float(np.median(secs)), float(np.sqrt(np.mean(np.square(errs)))), ""
+                if sketch == "gaussian":
+                    per_column = sec / d
+            else:
+                sec, err, mark = per_column * d, wick / d**0.5, " est"
+            load = " ".join(f"{v:.1f}" for v in os.getloadavg())
+            print(f"{d:>6} {sketch:>11} {sec:>8.2f} {err:>8.4f} {err * d**0.5:>6.2f}  {load}{mark}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sections = ["dense", "scale", "features", "chunk", "preconditioners", "ray", "block"]
+    sections = ["dense", "scale", "features", "chunk", "preconditioners", "ray", "block", "sketch"]
     parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
@@ -385,6 +425,11 @@ def main() -> None:
     parser.add_argument("--features-n", type=int, default=100)
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--sketch-n", type=int, default=200)
+    parser.add_argument("--sketch-dims", type=int, nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--sketch-seeds", type=int, default=2)
+    parser.add_argument("--sketch-model", default="mlp", choices=["mlp", "cnn"], help="benchmarks/_models.py")
+    parser.add_argument("--gaussian-max-dim", type=int, default=1024, help="--section sketch: larger D estimated")
     parser.add_argument("--features-ridge", type=float, default=1e-3, help="GP ridge × mean diagonal (features)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 256], help="--section chunk")
@@ -423,6 +468,8 @@ def main() -> None:
         section_ray(args.ray_n, args.shards, args.products, args.mode)
     if "features" in args.section:
         section_features(args.features_n, args.dims, args.seeds, args.features_ridge)
+    if "sketch" in args.section:
+        section_sketch(args.sketch_n, args.sketch_dims, args.sketch_seeds, args.gaussian_max_dim, args.sketch_model)
 
 
 if __name__ == "__main__":

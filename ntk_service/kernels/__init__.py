@@ -3,7 +3,7 @@
 ``compute_ntk`` is the entry point; see its docstring and ``KernelMode`` for shapes. Beside it (docs/kernel_family.md):
 ``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
 ``ntk_operator`` and ``dataset_operator`` (matrix-free Θ·v, in memory or over a data set read in chunks),
-``ntk_features`` (sketched features), ``mode="pseudo"`` (the pseudo-NTK) and
+``ntk_features`` (sketched features, Gaussian or structured: ``SketchKind``), ``mode="pseudo"`` (the pseudo-NTK) and
 ``compute_ntk_groups`` (Θ per layer or parameter group).
 """
 
@@ -16,7 +16,7 @@ from ntk_service.kernels.device import (
     parse_device,
     place_module,
 )
-from ntk_service.kernels.features import MAX_FEATURE_DIM, feature_kernel, ntk_features
+from ntk_service.kernels.features import DEFAULT_SKETCH, MAX_FEATURE_DIM, SketchKind, feature_kernel, ntk_features
 from ntk_service.kernels.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
@@ -32,6 +32,7 @@ from ntk_service.kernels.types import NtkImplementation, NtkResult
 __all__ = [
     "DEFAULT_DEVICE",
     "DEFAULT_IMPLEMENTATION",
+    "DEFAULT_SKETCH",
     "DerivedMode",
     "MAX_FEATURE_DIM",
     "KernelKind",
@@ -45,6 +46,7 @@ __all__ = [
     "NtkResult",
     "ParameterGroups",
     "SideCache",
+    "SketchKind",
     "StructuredOptions",
     "compute_nngp",
     "compute_ntk",

@@ -1,16 +1,19 @@
-"""``ntk_features``: sketched NTK features Φ (N, k, D) with E[Φ(x1) Φ(x2)ᵀ] = Θ(x1, x2), never building J.
+"""``ntk_features``: sketched NTK features Φ (N, k, D) with E[Φ(x1) Φ(x2)ᵀ] = Θ(x1, x2), never building the whole J.
 
-Φ(x) = J(x) R / √D for a Gaussian R (P, D), R_pd ~ N(0, 1) i.i.d.: E[R Rᵀ] = D·I, so E[Φ1 Φ2ᵀ] = J1 Jᵀ2 = Θ for
-every pair of inputs, FULL per output pair, and TRACE by summing Φ1[:, a] · Φ2[:, a] over the outputs a
-(``feature_kernel``). Each column J r_d is one forward-mode product (``jvp`` with tangent r_d), vmapped over a
-block of columns: time D·N·[FP] (forward mode), memory one block of tangents (``_BLOCK``·P floats) plus one
-chunk of forward-mode activations; J is never formed.
+The Gaussian sketch: Φ(x) = J(x) R / √D for a Gaussian R (P, D), R_pd ~ N(0, 1) i.i.d.: E[R Rᵀ] = D·I, so
+E[Φ1 Φ2ᵀ] = J1 Jᵀ2 = Θ for every pair of inputs, FULL per output pair, and TRACE by summing Φ1[:, a] · Φ2[:, a]
+over the outputs a (``feature_kernel``). Each column J r_d is one forward-mode product (``jvp`` with tangent r_d),
+vmapped over a block of columns: time D·N·[FP] (forward mode), memory one block of tangents (``BLOCK``·P floats)
+plus one chunk of forward-mode activations; J is never formed.
 
-NOTE [sketch determinism]
-    R is generated per parameter tensor and per block of ``_BLOCK`` columns, from a ``torch.Generator`` seeded
-    with blake2b(seed, parameter name, block index): the same (seed, D, params) gives the same Φ in every process,
-    on every chunking of the examples and every memory budget, and the first D columns of a larger D are the
-    D-column sketch (Φ grows by appending columns). Generation is in float64 on the CPU, then cast.
+Two sketches (``SketchKind``, the ``sketch`` option): "gaussian" as above; "structured" sketches the weights the
+structured engine factors (Linear, Conv, Embedding: J_c = Σ_t δ_c[t] ⊗ a[t]) by a Kronecker product of two small
+Gaussian sketches of δ and a, never forming J, and every other parameter by J R with the same R as "gaussian"
+(``product_sketch.py``: its cost, and NOTE [product sketch error] for its larger variance per column).
+``DEFAULT_SKETCH`` says which is the default and why. Both are unbiased and deterministic: the same (seed, D,
+params, sketch) gives the same Φ in every process and on every chunking of the examples (NOTE [sketch
+determinism] in ``sketch_draws.py``: bit for bit in one process and across processes with the same torch build and
+threads; across chunkings to rounding, as BLAS may sum a batch's products in another order).
 
 NOTE [sketch error]
     For a Gaussian sketch each entry of Φ1 Φ2ᵀ is unbiased with variance (Θ_ij² + Θ_ii Θ_jj) / D (Wick's
@@ -18,14 +21,15 @@ NOTE [sketch error]
     about √(1 + (tr Θ)² / ‖Θ‖²_F); tests/kernels/test_features.py checks both the rate and that constant.
 
     >>> phi = ntk_features(model, x, dim=1024, seed=0)          # (N, k, 1024)  # doctest: +SKIP
+    >>> ntk_features(model, x, dim=1024, sketch="gaussian")     # the same E[Φ Φᵀ], other draws  # doctest: +SKIP
     >>> feature_kernel(phi).shape, feature_kernel(phi, mode="trace").shape      # (N, N, k, k), (N, N)
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -49,32 +53,51 @@ from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.preparation import build_problem
 from ntk_service.kernels.private_module import check_model, private_copy
 from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.product_sketch import structured_features
+from ntk_service.kernels.sketch_draws import BLOCK, gaussian_block
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["MAX_FEATURE_DIM", "feature_kernel", "ntk_features"]
+__all__ = ["DEFAULT_SKETCH", "MAX_FEATURE_DIM", "SketchKind", "feature_kernel", "ntk_features"]
+
+
+class SketchKind(StrEnum):
+    """How ``ntk_features`` draws Φ (module docstring)."""
+
+    GAUSSIAN = "gaussian"
+    """Φ = J R / √D by D forward-mode products; the smallest variance per column, the cost of D forward passes."""
+
+    STRUCTURED = "structured"
+    """A Kronecker sketch of δ ⊗ a for the weights the structured engine factors, the Gaussian R for the rest."""
+
 
 MAX_FEATURE_DIM = 65_536
 """The largest D accepted: past it a sketch costs more forward-mode passes than most exact kernels of the same
 inputs (D passes against N·k for the Jacobian), so a larger D is a mistake more often than a need."""
 
-_BLOCK = 32
-"""Columns of R generated, and pushed through one vmapped jvp, together (NOTE [sketch determinism])."""
+DEFAULT_SKETCH = SketchKind.STRUCTURED
+"""Structured: on the benchmark MLP 784-512-512-10 (N = 200, float32) it is 18× to ~100× faster than the Gaussian
+sketch at D = 256 ... 4096, for an error only ~5 % larger at equal D (its variance per column is larger, NOTE
+[product sketch error], but there the trace term both share dominates), so at equal time its error is several times
+smaller (docs/benchmarks.md, ``bench_solvers.py --section sketch``). Models without factored weights get the same
+numbers either way, up to how J R is summed."""
 
 _OPERATION = "ntk_features"
 
 
-def _block_seed(seed: int, name: str, block: int) -> int:
-    digest = hashlib.blake2b(f"{seed}\x00{name}\x00{block}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
 def _tangents(problem: NtkProblem, seed: int, block: int) -> NamedTensors:
-    """R's columns block·_BLOCK ... (block+1)·_BLOCK − 1 as tangents: name -> (_BLOCK, *param_shape)."""
-    out = {}
-    for name, p in problem.params.items():
-        g = torch.Generator().manual_seed(_block_seed(seed, name, block))
-        out[name] = torch.randn((_BLOCK, *p.shape), generator=g, dtype=torch.float64).to(problem.dtype)
-    return out
+    """R's columns block·BLOCK ... (block+1)·BLOCK − 1 as tangents: name -> (BLOCK, *param_shape)."""
+    return {
+        name: gaussian_block(seed, name, block, tuple(p.shape), problem.dtype) for name, p in problem.params.items()
+    }
+
+
+def _check_sketch(sketch: object) -> SketchKind:
+    try:
+        return SketchKind(sketch)
+    except ValueError:
+        raise InvalidInput(
+            f"{_OPERATION}: sketch must be one of {[s.value for s in SketchKind]}, got {sketch!r}"
+        ) from None
 
 
 def _check_dim(dim: object) -> int:
@@ -95,30 +118,34 @@ def ntk_features(
     params: Sequence[str] | None = None,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
+    sketch: SketchKind | str = DEFAULT_SKETCH,
 ) -> torch.Tensor:
-    """Sketched NTK features Φ = J R / √D of the examples x (module docstring).
+    """Sketched NTK features Φ (N, k, D) of the examples x with E[Φ1 Φ2ᵀ] = Θ (module docstring).
 
     Args:
         model (nn.Module): maps (N, *input) to (N, *out); run in eval semantics on a private copy.
         x (Tensor): (N, *input).
         dim (int): D, the sketch size, in [1, ``MAX_FEATURE_DIM``].
-        seed (int): picks R (NOTE [sketch determinism]). Default: 0.
+        seed (int): picks the sketch (NOTE [sketch determinism]). Default: 0.
         params (list of str, optional): a parameter subset (globs): features of that subset's kernel. Default: all.
         dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
         memory_budget_bytes (int, optional): peak memory. Default: ``default_memory_budget()``.
+        sketch (SketchKind or str): "gaussian" or "structured" (``SketchKind``). Default: ``DEFAULT_SKETCH``.
 
     Returns:
         Tensor (N, k, D): E[Φ(x1)[n] Φ(x2)[m]ᵀ] = Θ(x1, x2)[n, m] (FULL, (k, k)) for features of x1 and x2
-        computed with the same seed, dim and params; ``feature_kernel`` forms the kernel.
+        computed with the same seed, dim, params and sketch; ``feature_kernel`` forms the kernel.
 
     Raises:
-        InvalidInput: dim outside [1, MAX_FEATURE_DIM] or not an integer.
-        MemoryEstimateExceeded: Φ, one block of tangents and one example's forward-mode activations exceed the
-            budget (the message gives the estimate).
+        InvalidInput: dim outside [1, MAX_FEATURE_DIM] or not an integer; an unknown sketch.
+        MemoryEstimateExceeded: Φ, the draws and one example's passes exceed the budget (the message gives the
+            estimate).
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``;
-            UnsupportedModel also for an operation without forward-mode AD.
+            UnsupportedModel also for an operation without forward-mode AD (the Gaussian sketch) and for a model
+            that refuses vmap over examples (the structured sketch: use "gaussian").
     """
     d = _check_dim(dim)
+    kind = _check_sketch(sketch)
     budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     check_model(model)
     compute_dtype, xt, _ = validate_inputs(model, x, None, dtype)
@@ -126,11 +153,26 @@ def ntk_features(
     if private is None:
         raise UnsupportedModel(f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed); use compute_ntk")
     problem = build_problem(private, xt, None, params=params, dtype=compute_dtype)
+    if kind is SketchKind.STRUCTURED and problem.per_example_loop:
+        raise UnsupportedModel(
+            f"{_OPERATION}: sketch='structured' captures the layers' δ and inputs under torch.func.vmap over the "
+            "examples, which this model refuses (data-dependent control flow, e.g. a branch on an attention mask's "
+            "values); pass sketch='gaussian', whose forward-mode products take the batch as it is"
+        )
+    if kind is SketchKind.STRUCTURED:
+        phi = structured_features(problem, xt, dim=d, seed=seed, memory_budget_bytes=budget, operation=_OPERATION)
+    else:
+        phi = _gaussian_features(problem, xt, d, seed, budget)
+    return phi.detach().div_(math.sqrt(d))  # in place: Φ is the largest tensor of the call
+
+
+def _gaussian_features(problem: NtkProblem, xt: Batch, d: int, seed: int, budget: int) -> torch.Tensor:
+    """J R (N, k, D), unscaled, by D forward-mode products in blocks of ``BLOCK`` columns."""
     n, k, item = batch_size(xt), problem.k, problem.itemsize
     # Φ itself; one block of tangents (and its float64 draw); per example: primal and tangent activations and
     # outputs for every column of the block at once
-    fixed = n * k * d * item + _BLOCK * problem.num_params * (item + 8)
-    per_example = _BLOCK * (2 * problem.saved_bytes + 2 * k * item)
+    fixed = n * k * d * item + BLOCK * problem.num_params * (item + 8)
+    per_example = BLOCK * (2 * problem.saved_bytes + 2 * k * item)
     chunk = int((budget - fixed) // per_example) if budget > fixed else 0
     if chunk < 1:
         needed = int(fixed + per_example)
@@ -142,7 +184,7 @@ def ntk_features(
             estimate_bytes=needed,
             budget_bytes=budget,
         )
-    phi = torch.empty(n, k, d, dtype=compute_dtype)
+    phi = torch.empty(n, k, d, dtype=problem.dtype)
 
     def columns(tangent: NamedTensors, xb: Batch) -> torch.Tensor:
         out: torch.Tensor = jvp(lambda p: problem.f_batch(p, xb), (problem.params,), (tangent,))[1]
@@ -151,8 +193,8 @@ def ntk_features(
     # jvp's dual levels are process-global (ntk_vector_products.py); padding lookups constant as in reverse mode
     with _FORWARD_AD_LOCK, math_attention(), padding_as_constant():
         try:
-            for block in range((d + _BLOCK - 1) // _BLOCK):
-                start, stop = block * _BLOCK, min(d, (block + 1) * _BLOCK)
+            for block in range((d + BLOCK - 1) // BLOCK):
+                start, stop = block * BLOCK, min(d, (block + 1) * BLOCK)
                 tangents = {name: t[: stop - start] for name, t in _tangents(problem, seed, block).items()}
                 for i in range(0, n, chunk):
                     xb = take(xt, i, i + chunk)
@@ -164,7 +206,7 @@ def ntk_features(
                 f"{_OPERATION}: the model uses an operation without forward-mode AD ({reason}); sketched features "
                 "need jvp. Compute the exact kernel with compute_ntk(implementation='jacobian_contraction') instead"
             ) from exc
-    return phi.detach() / math.sqrt(d)
+    return phi
 
 
 def feature_kernel(
