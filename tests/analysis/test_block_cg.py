@@ -254,3 +254,18 @@ def test_bad_variance_input_says_what_to_pass() -> None:
     dense = reference_ntk(model, x, mode="trace").numpy()
     with pytest.raises(InvalidInput, match="rmatvec"):
         gp_inference(dense, y, no_transpose, np.ones(6), solver="cg")
+
+
+def test_auto_runs_batched_on_a_dense_kernel_and_block_on_an_operator() -> None:
+    # NOTE [cg method]: on a dense kernel a product is cheap and block CG's small algebra is not; on an operator
+    # every product is a pass over the data and block CG's fewer products win
+    model, (x, _) = _mlp(), _data()
+    dense = compute_ntk(model, x, mode="trace").theta.numpy()
+    b = np.random.default_rng(3).standard_normal((14, K))
+    expected = np.linalg.solve(dense / K + 1e-2 * np.eye(14), b)  # TRACE read as (trace / k) ⊗ I_k
+    for kernel, method in ((dense, "batched"), (ntk_operator(model, x, mode="trace"), "block")):
+        result = conjugate_gradients(
+            kernel_operator(kernel, k=K, name="theta", operation="t"), b, ridge=1e-2, options=CgOptions(rtol=1e-12)
+        )
+        assert result.method == method and result.converged
+        assert _rel(result.solution, expected) < 1e-9

@@ -12,7 +12,9 @@ NOTE [cg]
     not positive definite), says so in its result and in ``stop_reason``; nothing is dropped silently.
 
 NOTE [cg method]
-    ``DEFAULT_METHOD`` is "block": it took fewer products in every case of this A/B (dense TRACE kernel of the
+    ``DEFAULT_METHOD`` is "auto": "block" on an operator (a product is a pass over the data, so the count of
+    products decides), "batched" on a dense kernel (a product is one cheap matrix product, so block CG's small
+    algebra decides). Block CG took fewer products in every case of this A/B (dense TRACE kernel of the
     benchmark MLP 784-512-512-10 read as trace / k, ridge 1e-3 × the mean diagonal, rtol 1e-8;
     benchmarks/bench_solvers.py --section block, load 6-7 on 2 cores), products for block / batched:
 
@@ -29,7 +31,7 @@ NOTE [cg method]
     few. The price is O(n·s²) of small dense algebra per iteration, nothing beside an operator's product (a
     pass over the data) but visible on a dense kernel with many columns: the m = 200 variance at N = 2000 took
     18 s block against 5 s batched there (dense products are cheap), the k = 10 ridge 0.6 s against 0.9 s.
-    One column (a FULL solve) is the same CG either way.
+    One column (a FULL solve) is the same CG either way. ``SolveResult.method`` says which ran.
 
 NOTE [cg default]
     ``preconditioner="auto"`` (the default) is no preconditioner below n = ``AUTO_NYSTROM_MIN_SIZE`` rows and the
@@ -96,10 +98,10 @@ AUTO_NYSTROM_MIN_SIZE = 50_000
 """Rows n from which ``preconditioner="auto"`` builds a Nyström preconditioner (NOTE [cg default]): it did not pay
 at n = 20,000 and paid at n = 100,000 on the benchmark MLP."""
 
-CgMethod = Literal["block", "batched"]
-"""How CG runs several columns (NOTE [block cg] in ``block_cg.py``)."""
+CgMethod = Literal["auto", "block", "batched"]
+"""How CG runs several columns (NOTE [block cg] in ``block_cg.py``); "auto" by the kind of kernel (NOTE [cg method])."""
 
-DEFAULT_METHOD: CgMethod = "block"
+DEFAULT_METHOD: CgMethod = "auto"
 """The sweep ``CgOptions`` uses unless told (NOTE [cg method])."""
 
 CG_ARRAYS = 11
@@ -147,8 +149,9 @@ class CgOptions:
         max_seconds: stop after this much wall time (checked once per iteration, the preconditioner's build
             included), with ``stop_reason`` "time_limit" and ``converged`` False unless the residual made it.
             Default: None (no limit).
-        method: "block" (one Krylov space shared by the r columns, NOTE [block cg] in ``block_cg.py``) or
-            "batched" (a Krylov space per column, NOTE [cg]). Default: ``DEFAULT_METHOD`` (NOTE [cg method]).
+        method: "block" (one Krylov space shared by the r columns, NOTE [block cg] in ``block_cg.py``),
+            "batched" (a Krylov space per column, NOTE [cg]) or "auto" (block on an operator, batched on a dense
+            kernel). Default: ``DEFAULT_METHOD`` ("auto", NOTE [cg method]).
         memory_budget_bytes: the solve's vectors (``cg_memory_bytes``) are refused above it. Default: None
             (``default_memory_budget()``).
     """
@@ -176,6 +179,7 @@ class SolveResult:
         iterations: CG iterations (all restarts). products: operator products (columns), the preconditioner's
             included. passes: VJP + JVP passes over the data those products cost (0 for a dense kernel).
         rtol: the target. time_s: wall time, the preconditioner's build included. preconditioner: its name.
+        method: "block" or "batched", the sweep that ran (NOTE [cg method]).
     """
 
     solution: np.ndarray
@@ -188,6 +192,7 @@ class SolveResult:
     rtol: float
     time_s: float
     preconditioner: str
+    method: str = "batched"
 
 
 def _build_preconditioner(op: KernelOperator, ridge: float, options: CgOptions) -> tuple[Any, int]:
@@ -281,8 +286,8 @@ def conjugate_gradients(
         raise ShapeMismatch(f"{_OPERATION}: x0 has shape {np.shape(x0)}; expected {b.shape} like the right-hand side")
     if not (np.all(np.isfinite(b)) and np.all(np.isfinite(x))):
         raise NonFiniteInput(f"{_OPERATION}: the right-hand side or x0 holds NaN or inf")
-    if options.method not in ("block", "batched"):
-        raise InvalidInput(f"{_OPERATION}: unknown method {options.method!r}; expected 'block' or 'batched'")
+    if options.method not in ("auto", "block", "batched"):
+        raise InvalidInput(f"{_OPERATION}: unknown method {options.method!r}; expected 'auto', 'block' or 'batched'")
     check_cg_memory(n, b.shape[1], options, operation=_OPERATION)
     start = time.perf_counter()
     max_iterations = min(10 * n, DEFAULT_MAX_ITERATIONS) if options.max_iterations is None else options.max_iterations
@@ -304,7 +309,10 @@ def conjugate_gradients(
     def out_of_time() -> bool:
         return options.max_seconds is not None and time.perf_counter() - start > options.max_seconds
 
-    sweep = block_sweep if options.method == "block" else batched_sweep
+    method = options.method
+    if method == "auto":
+        method = "batched" if op.matrix is not None else "block"
+    sweep = block_sweep if method == "block" else batched_sweep
     iterations, stop_reason = 0, "max_iterations"
     moving = np.arange(b.shape[1])[bnorm > 0]
     x[:, bnorm == 0] = 0.0
@@ -355,4 +363,5 @@ def conjugate_gradients(
         rtol=float(options.rtol),
         time_s=time.perf_counter() - start,
         preconditioner="none" if pre is None else str(pre.name),
+        method=method,
     )
