@@ -154,6 +154,7 @@ def features_submit(
     dim: Annotated[int, typer.Option(help="D, features per output.", show_default=False)],
     seed: Annotated[int, typer.Option(help="The sketch's seed (same seed, D, params: same Φ).")] = 0,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
+    sketch: Annotated[str | None, typer.Option(help="structured or gaussian. Default: the server's.")] = None,
     version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Then print progress until the job ends.")] = False,
     json_output: JsonFlag = False,
@@ -167,6 +168,7 @@ def features_submit(
         seed=seed,
         dtype=cast(Literal["float32", "float64"], dtype),
         version=version,
+        sketch=cast(Literal["structured", "gaussian"] | None, sketch),
     )
     if not wants_json(ctx, json_output):
         typer.echo(f"submitted features job {job['id']}")

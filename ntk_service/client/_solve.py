@@ -298,13 +298,16 @@ class SolveJobsClient(BaseClient):
         params: list[str] | None = None,
         dtype: Literal["float32", "float64"] = "float32",
         rows_per_chunk: int | None = None,
+        sketch: Literal["structured", "gaussian"] | None = None,
     ) -> dict[str, Any]:
         """Queue a features job (POST /v1/feature-jobs): Φ (N, k, D) of the rows, stored as zarr on the server.
 
         Args:
             model: the registered model. dataset: a data set id or {"dataset", "start", "stop"}. dim: D.
-            seed: the sketch (the same seed, D and params give the same Φ). version, params, dtype,
-                rows_per_chunk: as the route's fields.
+            seed: the sketch's draw (the same seed, D, params and sketch give the same Φ). version, params, dtype,
+                rows_per_chunk: as the route's fields. sketch: "structured" (a Kronecker sketch of the weights'
+                δ ⊗ a, much faster) or "gaussian" (Φ = J R / √D). Default: None, the server's default
+                ("structured"). Kernels from two jobs need the same model version, dim, seed, params and sketch.
 
         Returns:
             dict: the queued job.
@@ -321,6 +324,7 @@ class SolveJobsClient(BaseClient):
             "params": params,
             "dtype": dtype,
             "rows_per_chunk": rows_per_chunk,
+            "sketch": sketch,
         }
         return cast(
             dict[str, Any],

@@ -1,10 +1,14 @@
 """Feature jobs: sketched NTK features Φ (N, k, D) of a data set's rows (``ntk_features``), written as a zarr array.
 
 Rows are read from the data set's memory map ``rows_per_chunk`` at a time; each chunk's Φ is one ``ntk_features``
-call with the job's seed, D and params, written to its own zarr chunk (a Zarr v3 group ``features.zarr`` holding
-the array ``phi`` with ``dimension_names`` ("example", "output", "feature"), so xarray opens it directly). The
-sketch R depends only on (seed, D, params), never on the chunking (NOTE [sketch determinism] in
-``kernels/features.py``): the same spec gives the same Φ on any worker and any chunk size.
+call with the job's seed, D, params and sketch kind, written to its own zarr chunk (a Zarr v3 group
+``features.zarr`` holding the array ``phi`` with ``dimension_names`` ("example", "output", "feature"), so xarray
+opens it directly). The sketch's draws depend only on (seed, D, params, sketch), never on the chunking (NOTE
+[sketch determinism] in ``kernels/sketch_draws.py``): the same spec gives the same Φ on any worker, and on any
+chunk size to float rounding (BLAS may sum in another order for another batch size).
+
+A spec stored before the ``sketch`` field existed reads as "gaussian", the only sketch of that time, so such a job
+reruns to the same Φ; a new job takes the library's ``DEFAULT_SKETCH`` unless it names one.
 
 ``feature_block`` forms Φ1 Φ2ᵀ for row ranges of two feature arrays block by block, so a kernel from features reads
 only the rows it returns.
@@ -24,9 +28,17 @@ import zarr
 from torch import nn
 
 from ntk_service.errors import InvalidInput, ShapeMismatch
-from ntk_service.kernels.features import MAX_FEATURE_DIM, feature_kernel, ntk_features
+from ntk_service.kernels.features import MAX_FEATURE_DIM, SketchKind, feature_kernel, ntk_features
 
-__all__ = ["FEATURES_ARRAY", "FeaturesSpec", "feature_block", "open_features", "run_features"]
+__all__ = [
+    "FEATURES_ARRAY",
+    "PAIRED_FIELDS",
+    "FeaturesSpec",
+    "check_pairable",
+    "feature_block",
+    "open_features",
+    "run_features",
+]
 
 FEATURES_ARRAY = "phi"
 """The array's name inside ``features.zarr``."""
@@ -50,6 +62,7 @@ class FeaturesSpec:
         model, version: the model version. dataset, start, n: the rows ``[start, start + n)``. k: outputs.
         dim: D. seed: the sketch's seed. params: parameter globs (None: all). dtype: "float32" / "float64".
         rows_per_chunk: rows per ``ntk_features`` call and per stored chunk. memory_budget_bytes: per call.
+        sketch: "structured" or "gaussian" (``SketchKind``); "gaussian" for a spec stored without it.
     """
 
     model: str
@@ -64,6 +77,7 @@ class FeaturesSpec:
     dtype: str = "float32"
     rows_per_chunk: int = 256
     memory_budget_bytes: int | None = None
+    sketch: str = SketchKind.GAUSSIAN.value
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,6 +137,7 @@ def run_features(
             params=spec.params,
             dtype=spec.dtype,
             memory_budget_bytes=spec.memory_budget_bytes,
+            sketch=spec.sketch,
         )
         array[lo:hi] = phi.detach().cpu().numpy().astype(dtype, copy=False)
         report({"rows_done": hi, "rows_total": spec.n})
@@ -132,6 +147,22 @@ def run_features(
 def open_features(path: Path) -> zarr.Array[Any]:
     """The stored Φ (n, k, D) of a finished job, read only."""
     return zarr.open_group(str(path), mode="r")[FEATURES_ARRAY]  # type: ignore[return-value]
+
+
+PAIRED_FIELDS = ("model", "version", "dim", "seed", "params", "sketch")
+"""What two features jobs must share for Φ1 Φ2ᵀ to estimate Θ: one model version and one draw of the sketch."""
+
+
+def check_pairable(spec1: dict[str, Any], spec2: dict[str, Any]) -> None:
+    """Raises InvalidInput naming every field of ``PAIRED_FIELDS`` in which two stored features specs differ
+    (a spec stored without ``sketch`` reads as "gaussian")."""
+    one, two = (FeaturesSpec(**spec).to_dict() for spec in (spec1, spec2))
+    differ = [f"{name} {one[name]!r} vs {two[name]!r}" for name in PAIRED_FIELDS if one[name] != two[name]]
+    if differ:
+        raise InvalidInput(
+            f"kernel from features: the two jobs differ in {', '.join(differ)}; Φ1 Φ2ᵀ estimates Θ only for "
+            "features of one model version drawn with the same sketch (dim, seed, params and sketch alike)"
+        )
 
 
 def feature_block(

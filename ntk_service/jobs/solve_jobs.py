@@ -66,6 +66,7 @@ from ntk_service.jobs.solve_job import (
     check_targets,
     run_solve,
 )
+from ntk_service.kernels.features import DEFAULT_SKETCH, SketchKind
 
 __all__ = ["SolveJobs"]
 
@@ -266,6 +267,7 @@ class SolveJobs:
         params: list[str] | None = None,
         dtype: str = "float32",
         rows_per_chunk: int | None = None,
+        sketch: str = DEFAULT_SKETCH.value,
     ) -> dict[str, Any]:
         """Check and queue a features job: Φ (n, k, D) of the rows, as zarr (``jobs/features_job.py``).
 
@@ -273,7 +275,8 @@ class SolveJobs:
             model, version: the registered model (None: latest). dataset: (id, (start, stop) or None).
             dim: D in [1, MAX_FEATURE_DIM]. seed: the sketch (the same seed, D and params: the same Φ anywhere).
             params: parameter globs. dtype: "float32" or "float64". rows_per_chunk: rows per stored chunk.
-                Default: about 8 MiB per chunk.
+                Default: about 8 MiB per chunk. sketch: "structured" or "gaussian" (``SketchKind``). Default:
+                ``DEFAULT_SKETCH``.
 
         Returns:
             dict: the queued job.
@@ -284,6 +287,7 @@ class SolveJobs:
         """
         d = check_dim(dim)
         check_choice(dtype, ("float32", "float64"), "dtype")
+        check_choice(sketch, tuple(s.value for s in SketchKind), "sketch")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise InvalidInput(f"features job: seed must be an integer in [0, 2**63), got {seed!r}")
         lo, hi = _rows(dataset[1], int(self.datasets.get(dataset[0]).shape[0]), "dataset")
@@ -302,6 +306,7 @@ class SolveJobs:
             dtype=dtype,
             rows_per_chunk=int(rows_per_chunk or default_rows_per_chunk(k, d, itemsize)),
             memory_budget_bytes=self.memory_budget_bytes,
+            sketch=sketch,
         )
         return self._queue("features", self._fits_on_disk("features", spec.to_dict()))
 

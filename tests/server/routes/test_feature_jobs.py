@@ -13,6 +13,9 @@ import xarray as xr
 
 from ntk_service.client import Client
 from ntk_service.errors import InvalidInput
+from ntk_service.jobs.features_job import FeaturesSpec, check_pairable
+from ntk_service.kernels import ntk_features
+from ntk_service.registry import build_model
 from tests.conftest import LiveServer, start_live_server
 from tests.jobs.conftest import TINY_MLP, tiny_model_from_weights
 from tests.reference import reference_ntk
@@ -71,7 +74,8 @@ def test_kernels_from_features_average_to_the_reference_kernel(setup: dict[str, 
     """
     client, ids, model = setup["client"], setup["ids"], setup["model"]
     seeds = range(20, 28)
-    pairs = [(_features(client, ids["x"], s), _features(client, ids["t"], s)) for s in seeds]
+    gaussian = {"sketch": "gaussian"}  # the tolerance below is the Gaussian sketch's variance
+    pairs = [(_features(client, ids["x"], s, **gaussian), _features(client, ids["t"], s, **gaussian)) for s in seeds]
     estimates = np.stack([client.feature_kernel(a, b, mode="full") for a, b in pairs])
     assert estimates.shape == (len(seeds), N, M, K, K)
     xt, tt = torch.from_numpy(setup["x"]).double(), torch.from_numpy(setup["t"]).double()
@@ -95,3 +99,33 @@ def test_a_feature_dimension_over_the_limit_is_a_422(setup: dict[str, Any]) -> N
     assert caught.value.http_status == 422  # type: ignore[attr-defined]
     with pytest.raises(InvalidInput, match="outside the data set of 6 rows"):
         client.submit_features_job("tiny", dataset={"dataset": ids["x"], "start": 4, "stop": 9}, dim=8)
+
+
+def test_the_sketch_kind_is_a_job_field_and_only_matching_jobs_pair_into_a_kernel(setup: dict[str, Any]) -> None:
+    client, ids = setup["client"], setup["ids"]
+    model, _ = build_model(TINY_MLP, seed=0)  # the server's module: the draws are keyed by parameter names
+    weights = client.download_weights("tiny")
+    model.load_state_dict({name: torch.as_tensor(np.asarray(value)) for name, value in weights.items()})
+    model, x = model.double(), torch.from_numpy(setup["x"]).double()
+    jobs = {kind: _features(client, ids["x"], seed=31, sketch=kind) for kind in ("structured", "gaussian")}
+    default = _features(client, ids["x"], seed=31)
+    assert client.features_job(default)["spec"]["sketch"] == "structured"  # the library's DEFAULT_SKETCH
+    for kind, job in jobs.items():  # the job's Φ is the library's for that kind (the numerics: tests/kernels)
+        assert client.features_job(job)["spec"]["sketch"] == kind
+        expected = ntk_features(model, x, dim=D, seed=31, sketch=kind).numpy()
+        np.testing.assert_allclose(client.features_result(job), expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(InvalidInput, match="differ in sketch 'structured' vs 'gaussian'") as caught:
+        client.feature_kernel(jobs["structured"], jobs["gaussian"])
+    assert caught.value.http_status == 422  # type: ignore[attr-defined]
+    with pytest.raises(InvalidInput, match="differ in seed 31 vs 32"):
+        client.feature_kernel(jobs["gaussian"], _features(client, ids["t"], seed=32, sketch="gaussian"))
+    with pytest.raises(InvalidInput, match="sketch"):
+        client.submit_features_job("tiny", dataset=ids["x"], dim=8, sketch="srht")  # type: ignore[arg-type]
+
+
+def test_a_spec_stored_before_the_sketch_field_reads_as_gaussian() -> None:
+    stored = {"model": "m", "version": 1, "dataset": "d", "start": 0, "n": 4, "k": 2, "dim": 8, "seed": 3}
+    assert FeaturesSpec(**stored).sketch == "gaussian"  # the only sketch then: a rerun gives the same Φ
+    check_pairable(stored, {**stored, "sketch": "gaussian", "n": 9})
+    with pytest.raises(InvalidInput, match="sketch 'gaussian' vs 'structured'"):
+        check_pairable(stored, {**stored, "sketch": "structured"})
