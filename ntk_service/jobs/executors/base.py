@@ -29,7 +29,7 @@ from ntk_service.jobs.panels import DIAGONAL_MIN_ROWS, DIAGONAL_SPLIT, Panel, di
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray, mirror_theta
-from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
+from ntk_service.kernels import NtkOptions, SideCache, compute_ntk, device_memory_budget
 from ntk_service.kernels.batch import Batch
 from ntk_service.kernels.modes import KernelMode, result_shape
 
@@ -162,18 +162,25 @@ def compute_panel(
         right,
         mode=spec.mode,
         output=spec.output,
-        implementation=spec.implementation,
         params=spec.params,
-        dtype=spec.dtype,
-        memory_budget_bytes=spec.memory_budget_bytes,
+        options=_engine_options(spec, device, allow_tf32),
         side_cache=side_cache,
-        device=device,
-        allow_tf32=allow_tf32,
         # Keys name data-set rows, not panel rows: two jobs over different row ranges of one data set never collide.
         x1_key=(spec.weights_sha256, spec.x1_sha256, spec.x1_start + r0, spec.x1_start + r1),
         x2_key=None if right is None else (spec.weights_sha256, other_sha, other_start + c0, other_start + c1),
     )
     return result.theta.detach().cpu().numpy(), result.implementation.value
+
+
+def _engine_options(spec: JobSpec, device: torch.device | str | None, allow_tf32: bool) -> NtkOptions:
+    """How every block of the job is computed: its implementation, dtype and memory budget on ``device``."""
+    return NtkOptions(
+        implementation=spec.implementation,
+        dtype=spec.dtype,
+        memory_budget_bytes=spec.memory_budget_bytes,
+        device=device,
+        allow_tf32=allow_tf32,
+    )
 
 
 def _caches(side_cache: SideCache | None) -> bool:
@@ -203,6 +210,8 @@ def _diagonal_panel(
     def key(a: tuple[int, int]) -> tuple[str, str, int, int]:
         return (spec.weights_sha256, spec.x1_sha256, spec.x1_start + a[0], spec.x1_start + a[1])
 
+    options = _engine_options(spec, device, allow_tf32)
+
     for ia, a in enumerate(blocks):
         for b in blocks[ia:]:
             result = compute_ntk(
@@ -211,13 +220,9 @@ def _diagonal_panel(
                 None if b == a else _rows(x1, *b),
                 mode=spec.mode,
                 output=spec.output,
-                implementation=spec.implementation,
                 params=spec.params,
-                dtype=spec.dtype,
-                memory_budget_bytes=spec.memory_budget_bytes,
+                options=options,
                 side_cache=side_cache,
-                device=device,
-                allow_tf32=allow_tf32,
                 x1_key=key(a),
                 x2_key=None if b == a else key(b),
             )
