@@ -177,9 +177,10 @@ class SolveJobsClient(BaseClient):
         *,
         poll_s: float = 0.5,
         timeout_s: float | None = None,
-        progress: TextIO | None = sys.stderr,
+        progress: TextIO | Literal["stderr"] | None = "stderr",
     ) -> dict[str, Any]:
-        """Follow the job until it finishes, writing ``format_solve_progress`` lines to ``progress`` (None: quiet).
+        """Follow the job until it finishes, writing ``format_solve_progress`` lines to ``progress``: a stream,
+        "stderr" (the default: ``sys.stderr`` as it is at the call) or None (quiet).
 
         It reads the server's event stream (``GET /v1/solve-jobs/{id}/events``: a line per CG report, no polling
         delay) and falls back to polling every ``poll_s`` seconds when the stream breaks (a restarting server or
@@ -200,16 +201,18 @@ class SolveJobsClient(BaseClient):
         job_id: str,
         poll_s: float,
         timeout_s: float | None,
-        progress: TextIO | None,
+        progress: TextIO | Literal["stderr"] | None,
     ) -> dict[str, Any]:
+        # "stderr" is looked up now, not bound when the module was imported: the stream may have been replaced since
+        out = sys.stderr if progress == "stderr" else progress
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         shown = [""]
 
         def show(job: dict[str, Any]) -> None:
             line = format_solve_progress(job)
-            if progress is not None and line != shown[0]:
-                progress.write(line + "\n")
-                progress.flush()
+            if out is not None and line != shown[0]:
+                out.write(line + "\n")
+                out.flush()
                 shown[0] = line
 
         while True:
@@ -349,7 +352,12 @@ class SolveJobsClient(BaseClient):
         return self._delete("feature-jobs", job_id)
 
     def wait_features_job(
-        self, job_id: str, *, poll_s: float = 0.5, timeout_s: float | None = None, progress: TextIO | None = sys.stderr
+        self,
+        job_id: str,
+        *,
+        poll_s: float = 0.5,
+        timeout_s: float | None = None,
+        progress: TextIO | Literal["stderr"] | None = "stderr",
     ) -> dict[str, Any]:
         """As ``wait_solve_job`` for a features job."""
         return self._wait("/v1/feature-jobs", self.features_job, job_id, poll_s, timeout_s, progress)
