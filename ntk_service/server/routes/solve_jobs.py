@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.config import Settings
-from ntk_service.errors import PayloadTooLarge, ServiceUnavailable, format_bytes
+from ntk_service.errors import JobNotFound, PayloadTooLarge, ServiceUnavailable, format_bytes
 from ntk_service.jobs import JobManager
 from ntk_service.jobs.disk import ResultBytes, result_bytes
 from ntk_service.jobs.solve_jobs import SolveJobs
@@ -137,7 +137,10 @@ async def job_events(jobs: SolveJobs, job: dict[str, Any]) -> AsyncIterator[Serv
             return
         while jobs.version(job["id"]) == seen:
             await asyncio.sleep(EVENT_POLL_S)
-        job = await anyio.to_thread.run_sync(jobs.get, job["id"], kind)
+        try:
+            job = await anyio.to_thread.run_sync(jobs.get, job["id"], kind)
+        except JobNotFound:  # finished and deleted between two looks: the stream ends; a GET now says 404
+            return
 
 
 async def _existing_solve_job(job_id: SolveJobId, jobs: SolveJobsDep) -> dict[str, Any]:
