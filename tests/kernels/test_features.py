@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, UnknownMode, UnsupportedModel
@@ -98,15 +99,16 @@ def test_the_same_seed_gives_the_same_sketch_on_any_chunking(sketch: SketchKind)
 
 _OTHER_PROCESS = """
 import sys, torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from ntk_service.kernels import ntk_features
 folder, threads = sys.argv[1], int(sys.argv[2])
 torch.set_num_threads(threads)
 model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-model.load_state_dict(torch.load(folder + "/model.pt", weights_only=True))
-x = torch.load(folder + "/x.pt", weights_only=True)
+model.load_state_dict(load_file(folder + "/model.safetensors"))
+x = load_file(folder + "/x.safetensors")["x"]
 out = {s: ntk_features(model, x, dim=70, seed=3, sketch=s) for s in ("gaussian", "structured")}
-torch.save(out, folder + "/phi.pt")
+save_file({s: phi.contiguous() for s, phi in out.items()}, folder + "/phi.safetensors")
 """
 
 
@@ -114,12 +116,12 @@ def test_the_same_seed_gives_the_same_bits_in_another_process(tmp_path: Path) ->
     """Another interpreter (another PYTHONHASHSEED: nothing may hang on Python's salted hash) gives the same bits
     with the same threads; NOTE [sketch determinism]."""
     model, x = _mlp(), _x(6)
-    torch.save(model.state_dict(), tmp_path / "model.pt")
-    torch.save(x, tmp_path / "x.pt")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "model.safetensors")
+    save_file({"x": x.contiguous()}, tmp_path / "x.safetensors")
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "12345"}
     command = [sys.executable, "-c", _OTHER_PROCESS, str(tmp_path), str(torch.get_num_threads())]
     subprocess.run(command, check=True, env=env, capture_output=True, cwd=tmp_path)
-    theirs = torch.load(tmp_path / "phi.pt", weights_only=True)
+    theirs = load_file(tmp_path / "phi.safetensors")  # plain tensors: nothing is unpickled
     for sketch in SKETCHES:
         ours = ntk_features(model, x, dim=70, seed=3, sketch=sketch)
         assert torch.equal(theirs[sketch.value], ours), sketch  # bit for bit
