@@ -7,7 +7,6 @@ tests through its views (``view``, ``T``): the model and data are shipped once."
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 
@@ -28,7 +27,6 @@ from ntk_service.errors import (
 )
 from ntk_service.jobs.executors import RayNtkOperator, ray_ntk_operator
 from ntk_service.kernels import ntk_operator
-from tests.conftest import REPO_ROOT
 from tests.reference import reference_ntk
 
 K = 3
@@ -61,20 +59,6 @@ def _matrix(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, mode: s
 def _rel(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.ndarray) -> float:
     got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
-
-
-@pytest.fixture(scope="module")
-def ray_instance() -> Iterator[object]:
-    ray = pytest.importorskip("ray", reason="ray_ntk_operator needs the ntk-service[ray] extra")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # the actors import ntk_service from this checkout
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
