@@ -398,26 +398,65 @@ def _diagonal_ab(model: nn.Module, x: torch.Tensor, tile_size: int, floor: _Floo
     )
 
 
-def _ray(model: nn.Module, x: torch.Tensor, tmp: Path, tile_size: int) -> None:
+def _ray_cpu_s() -> dict[str, float]:
+    """CPU seconds, user + system, of this process's Ray descendants by kind: the panel actors and the rest (raylet,
+    GCS, agents, idle workers). Linux ``/proc``; a process that exits between two readings drops out of the sum."""
+    from ntk_service.jobs.executors.ray import _command, _descendants
+
+    found = {"actors": 0.0, "ray": 0.0}
+    for pid in _descendants(os.getpid()):
+        command = _command(pid)
+        try:
+            seconds = _proc_cpu_s(pid)
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        found["actors" if "PanelWorker" in command else "ray"] += seconds
+    return found
+
+
+def _ray(model: nn.Module, x: torch.Tensor, tmp: Path, tile_size: int, repeat: int = 3) -> None:
+    """Local (2 torch threads) against Ray (two 1-CPU actors), alternated ``repeat`` times: L, R, R', L, R, R', ...
+
+    R: Ray at its own panel size (the cost model asks ``PANELS_PER_WORKER`` panels per actor); R': Ray at the local
+    run's panel size, which shows the tail of a few large panels on two actors. Each round starts its own local Ray
+    (ray.init and the actors' start-up are not timed: a warm-up job runs first; a job's model set-up on the actors
+    is timed) and shuts it down before the next local run, so no local run shares the machine with Ray's processes.
+    Prints each run's wall and CPU seconds (driver; actors; the rest of Ray) and the median ratio of throughputs."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    local_wall, local = _tiled(model, x, tmp, "ray-local", tile_size=tile_size)
-    panel = local.attrs["spec"]["panel_tiles"]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        executor = RayExecutor(num_cpus=1)  # two actors of one CPU (one torch thread) each
-        _tiled(model, x[: 2 * tile_size], tmp, "ray-warm", tile_size=tile_size, executor=executor)  # starts actors
-        wall, on_ray = _tiled(model, x, tmp, "ray", tile_size=tile_size, panel_tiles=panel, executor=executor)
-        executor.close()
-    finally:
-        ray.shutdown()
-    rel = np.abs(on_ray.to_numpy() - local.to_numpy()).max() / np.abs(local.to_numpy()).max()
-    print(
-        f"\nRay, 2 actors x 1 thread vs local executor x 2 threads, N = {len(x)}, panels of {panel}²: "
-        f"{wall:.2f} s vs {local_wall:.2f} s, throughput ratio ray/local = {local_wall / wall:.2f} "
-        f"(issue: ≥ 0.9; max |ray - local| / max |theta| = {rel:.2g})"
-    )
+    _tiled(model, x[: 2 * tile_size], tmp, "ray-local-warm", tile_size=tile_size)
+    print(f"\nRay, 2 actors x 1 thread vs local executor x 2 threads, N = {len(x)}, alternated {repeat} times:")
+    ratios: dict[str, list[float]] = {"own": [], "local's": []}
+    for round_ in range(repeat):
+        local_wall, local_cpu, local = _tiled_cpu(model, x, tmp, f"ray-local-{round_}", tile_size=tile_size)
+        panel = local.attrs["spec"]["panel_tiles"]
+        print(f"  local, panels of {panel}²: {local_wall:.2f} s wall, {local_cpu:.2f} s cpu, "
+              f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            executor = RayExecutor(num_cpus=1)  # two actors of one CPU (one torch thread) each
+            _tiled(model, x[: 2 * tile_size], tmp, f"ray-warm-{round_}", tile_size=tile_size, executor=executor)
+            for sizes, options in (("own", {}), ("local's", {"panel_tiles": panel})):
+                before = _ray_cpu_s()
+                wall, cpu, on_ray = _tiled_cpu(
+                    model, x, tmp, f"ray-{sizes}-{round_}", tile_size=tile_size, executor=executor, **options
+                )
+                after = _ray_cpu_s()
+                rel = np.abs(on_ray.to_numpy() - local.to_numpy()).max() / np.abs(local.to_numpy()).max()
+                ratios[sizes].append(local_wall / wall)
+                print(
+                    f"  ray at {sizes} panel size ({on_ray.attrs['spec']['panel_tiles']}²): {wall:.2f} s wall, "
+                    f"cpu {cpu:.2f} s driver + {after['actors'] - before['actors']:.2f} s actors + "
+                    f"{after['ray'] - before['ray']:.2f} s rest of Ray; ratio ray/local {local_wall / wall:.2f}, "
+                    f"max |ray - local| / max |theta| = {rel:.2g}, load {os.getloadavg()[0]:.1f}"
+                )
+            executor.close()
+        finally:
+            ray.shutdown()
+    for sizes, values in ratios.items():
+        print(f"  median throughput ratio ray/local, ray at {sizes} panel size: {float(np.median(values)):.2f} "
+              f"(issue: ≥ 0.9) of {', '.join(f'{v:.2f}' for v in values)}")  # fmt: skip
 
 
 if __name__ == "__main__":

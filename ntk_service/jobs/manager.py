@@ -206,14 +206,22 @@ class _Callbacks:
 
     def __init__(self, manager: JobManager, job_id: str, implementations: set[str]) -> None:
         self.manager, self.job_id, self.implementations = manager, job_id, implementations
+        self.generation = manager._generation
 
     def claim(self, panel: Panel) -> tuple[Tile, ...]:
-        claimed = set(self.manager.store.claim_tiles(self.job_id, [t.id for t in panel.tiles]))
+        manager = self.manager
+        with manager._recording:
+            if manager._generation != self.generation:
+                return ()  # given up by a stop (NOTE [stop timeout]): claim nothing more
+            claimed = set(manager.store.claim_tiles(self.job_id, [t.id for t in panel.tiles]))
         return tuple(t for t in panel.tiles if t.id in claimed)
 
     def done(self, outcome: PanelOutcome) -> None:
         manager = self.manager
-        manager.store.mark_tiles_done(self.job_id, outcome.tile_ids, elapsed_s=outcome.elapsed_s)
+        with manager._recording:
+            if manager._generation != self.generation:
+                return  # a stop gave up on this panel and un-counted its attempt: NOTE [stop timeout]
+            manager.store.mark_tiles_done(self.job_id, outcome.tile_ids, elapsed_s=outcome.elapsed_s)
         if outcome.implementation not in self.implementations:
             self.implementations.add(outcome.implementation)
             manager.store.set_implementation_used(self.job_id, ",".join(sorted(self.implementations)))
@@ -288,6 +296,8 @@ class JobManager:
         self._readers: dict[str, int] = {}
         self._deleting: set[str] = set()
         self._thread: threading.Thread | None = None
+        self._recording = threading.Lock()  # a panel's record against a stop that gives up on it
+        self._generation = 0  # runs whose panels may still be recorded: NOTE [stop timeout]
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
 
@@ -340,14 +350,33 @@ class JobManager:
             self.store.mark_result_deleted(job_id)
 
     def stop(self, timeout: float | None = 60.0) -> None:
-        """Stop after the tiles being computed finish (they are recorded); unfinished jobs resume at next start."""
+        """Stop after the panels being computed finish (they are recorded); unfinished jobs resume at next start.
+
+        Args:
+            timeout: seconds to wait for those panels (None: as long as they take). A panel still computing then
+                is given up (NOTE [stop timeout]): it is not recorded even if it finishes later, its tiles go back
+                to pending without the attempt it counted, and the next start computes them once.
+        """
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.warning("jobs: a tile still runs after %.0f s; it will be redone at the next start", timeout)
+                logger.warning("jobs: a panel still runs after %.0f s; it will be redone at the next start", timeout)
+                self._give_up_running()
             self._thread = None
         self.executor.close()
+
+    def _give_up_running(self) -> None:
+        # NOTE [stop timeout]
+        #     A stop that stops waiting for a panel leaves its tiles ``running`` with an attempt counted, and the
+        #     next start would count a second one for the same computation. So the panels out now are given up,
+        #     under the lock every record takes: their callbacks (of the current generation) record nothing from
+        #     here on, and their tiles go back to pending with that attempt taken back. A chunk such a panel still
+        #     writes is overwritten with the same bits by the re-run (NOTE [resume]), and only then recorded.
+        with self._recording:
+            self._generation += 1
+            for record in self.store.list_jobs(statuses=[JobStatus.RUNNING]):
+                self.store.release_running_tiles(record.id, uncount=True)
 
     # -- submit / read ----------------------------------------------------------------------------------------------
 

@@ -258,10 +258,18 @@ class JobStore:
                 (elapsed_s, time.time(), job_id, tile_id),
             )
 
-    def release_running_tiles(self, job_id: str) -> int:
-        """Put tiles left ``running`` (by a process that died or stopped) back to pending; returns how many."""
+    def release_running_tiles(self, job_id: str, *, uncount: bool = False) -> int:
+        """Put tiles left ``running`` (by a process that died or stopped) back to pending; returns how many.
+
+        Args:
+            job_id: the job. uncount: also take back the attempt their claim counted (a computation given up
+                by a clean stop, NOTE [stop timeout] in manager.py). Default: False (a crash's tiles keep it).
+        """
+        attempts = ", attempts = MAX(attempts - 1, 0)" if uncount else ""
         with self._write() as conn:
-            cur = conn.execute("UPDATE tiles SET state = 'pending' WHERE job_id = ? AND state = 'running'", (job_id,))
+            cur = conn.execute(
+                f"UPDATE tiles SET state = 'pending'{attempts} WHERE job_id = ? AND state = 'running'", (job_id,)
+            )
             return cur.rowcount
 
     def tile_attempts(self, job_id: str) -> dict[int, int]:

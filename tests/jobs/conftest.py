@@ -1,9 +1,12 @@
-"""Fixtures of the job tests: a real registry and data-set store in a temporary data directory, and a manager."""
+"""Fixtures of the job tests: a real registry and data-set store in a temporary data directory, a manager, and a
+real local Ray instance."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,7 @@ from torch import nn
 from ntk_service.jobs import JobManager, JobRecord, LocalExecutor
 from ntk_service.jobs.executors.base import Executor
 from ntk_service.registry import DatasetStore, ModelRegistry
+from tests.conftest import REPO_ROOT
 
 TINY_MLP = {"family": "mlp", "input_dim": 4, "hidden": [6], "output_dim": 3, "activation": "tanh", "bias": True}
 """k = 3 outputs, P = 51: every tile takes milliseconds."""
@@ -102,3 +106,32 @@ def wait_finished(manager: JobManager, job_id: str, timeout: float = 60.0) -> Jo
             return record
         time.sleep(0.02)
     raise AssertionError(f"job {job_id} not finished after {timeout} s: {manager.get(job_id)}")
+
+
+@contextmanager
+def ray_test_environment() -> Iterator[Any]:
+    """The ``ray`` module (the test is skipped without it), with the environment Ray's workers need while it is
+    entered: usage stats off, and ``PYTHONPATH`` naming the repository root, since workers unpickle the tests'
+    factory models and import ``ntk_service`` from this checkout."""
+    ray = pytest.importorskip("ray", reason="the Ray executor needs the ntk-service[ray] extra")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        yield ray
+
+
+@pytest.fixture(scope="module")
+def ray_cpus() -> float:
+    """The CPUs of a module's local Ray instance; a test module overrides this fixture to get another count."""
+    return 2
+
+
+@pytest.fixture(scope="module")
+def ray_instance(ray_cpus: float) -> Iterator[Any]:
+    """A local Ray instance of ``ray_cpus`` CPUs, shared by a test module and shut down after it."""
+    with ray_test_environment() as ray:
+        ray.init(num_cpus=ray_cpus, include_dashboard=False, log_to_driver=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()

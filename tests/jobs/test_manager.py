@@ -173,6 +173,30 @@ def test_resume_computes_only_missing_tiles_and_matches_an_uninterrupted_run(
     np.testing.assert_array_equal(second.read_result(job.id), second.read_result(again.id))
 
 
+def test_a_stop_that_gives_up_on_a_panel_counts_no_attempt_for_it(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    gate = _Gate(free=4)
+    first = make_manager(LocalExecutor(run_compute=gate))
+    job = first.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=3, panel_tiles=1)  # 10 tiles
+    assert gate.blocked.wait(30)
+    runner = first._thread
+    assert runner is not None
+    first.stop(timeout=0.2)  # the fifth panel is still blocked: stop gives up on it
+    assert runner.is_alive()
+    attempts = first.store.tile_attempts(job.id)
+    assert first.get(job.id).tiles_done == 4 and sorted(attempts.values()) == [0] * 6 + [1] * 4
+    second = make_manager()  # the next start
+    assert wait_finished(second, job.id).status is JobStatus.SUCCEEDED
+    gate.go.set()  # the given-up panel finishes now: it writes the same bits and records nothing
+    runner.join(30)
+    assert not runner.is_alive()
+    assert set(second.store.tile_attempts(job.id).values()) == {1}  # each tile computed once on record
+    _, model = jobs_env.registry.load_module("tiny")
+    expected = reference_ntk(model, torch.from_numpy(jobs_env.x1), mode="trace").numpy()
+    np.testing.assert_allclose(second.read_result(job.id), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_every_tile_recorded_done_is_on_disk_when_it_is_recorded(
     jobs_env: JobsEnv, make_manager: Callable[..., JobManager], workers: int

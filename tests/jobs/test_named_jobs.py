@@ -4,7 +4,6 @@ returns; bad sides are refused at submission (422 over HTTP) naming the array.""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor
 from ntk_service.jobs.executors import RayExecutor
 from ntk_service.registry import DatasetStore, ModelRegistry
-from tests.conftest import REPO_ROOT, LiveServer
+from tests.conftest import LiveServer
 from tests.jobs.conftest import wait_finished
 from tests.jobs.token_models import TOKEN_FACTORY, VOCAB, build, token_inputs
 from tests.reference import assert_matches, reference_ntk
@@ -157,20 +156,6 @@ def test_bad_sides_are_refused_at_submission(tmp_path: Path, env: tuple[ModelReg
         assert len(manager.list()) == 1  # nothing else was stored
     finally:
         manager.stop()
-
-
-@pytest.fixture(scope="module")
-def ray_instance() -> Iterator[object]:
-    ray = pytest.importorskip("ray", reason="the Ray executor needs the ntk-service[ray] extra")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # Workers build the factory model, so they must import `tests` from the repository root.
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
 
 
 def test_a_ray_job_over_named_arrays_equals_the_reference(

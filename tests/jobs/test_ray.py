@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,25 +23,10 @@ from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import KernelMode
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.results import compute_ntk_tiled, open_result
-from tests.conftest import REPO_ROOT
 from tests.jobs.conftest import wait_finished
 from tests.reference import reference_ntk
 
 KILLER = "tests.jobs.factories:build_kill_once"
-
-
-@pytest.fixture(scope="module")
-def ray_instance() -> Iterator[object]:
-    ray = pytest.importorskip("ray", reason="the Ray executor needs the ntk-service[ray] extra")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # Workers unpickle the test's factory model, so they must import `tests` from the repository root.
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
 
 
 def test_ray_job_equals_the_local_job_after_a_worker_is_killed(ray_instance: object, tmp_path: Path) -> None:

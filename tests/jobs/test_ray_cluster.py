@@ -4,7 +4,6 @@ equals compute_ntk. One Ray start for the module (about 6 s and 0.8 GB here)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +17,7 @@ from ntk_service.jobs import JobManager, JobStatus
 from ntk_service.jobs.executors import RayExecutor
 from ntk_service.kernels import compute_ntk
 from ntk_service.registry import DatasetStore, ModelRegistry
-from tests.conftest import REPO_ROOT
-from tests.jobs.conftest import SLOW_MODEL, wait_finished
+from tests.jobs.conftest import SLOW_MODEL, ray_test_environment, wait_finished
 from tests.reference import reference_ntk
 
 SLOW = "tests.server.slow_factory:build"
@@ -27,12 +25,8 @@ SLOW = "tests.server.slow_factory:build"
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Any, Any]]:
-    ray = pytest.importorskip("ray", reason="the Ray executor needs the ntk-service[ray] extra")
-    cluster_utils = pytest.importorskip("ray.cluster_utils")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # Workers unpickle the test's factory model, so they must import `tests` from the repository root.
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+    with ray_test_environment() as ray:
+        cluster_utils = pytest.importorskip("ray.cluster_utils")
         built = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         worker = built.add_node(num_cpus=1)
         try:

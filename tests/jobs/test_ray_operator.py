@@ -8,8 +8,12 @@ tests through its views (``view``, ``T``): the model and data are shipped once."
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +24,7 @@ from ntk_service.analysis import gp_inference, max_learning_rate, spectrum
 from ntk_service.analysis.solve import CgOptions
 from ntk_service.errors import (
     InvalidInput,
+    JobFailed,
     NoMatchingParameters,
     NonFiniteInput,
     OptionalDependencyMissing,
@@ -27,9 +32,10 @@ from ntk_service.errors import (
     UnknownMode,
 )
 from ntk_service.jobs.executors import RayNtkOperator, ray_ntk_operator
+from ntk_service.jobs.executors.ray import _command, _descendants
 from ntk_service.kernels import ntk_operator
-from tests.conftest import REPO_ROOT
 from tests.reference import reference_ntk
+from tests.server.slow_factory import SlowLinear
 
 K = 3
 ACTOR_CPUS = 0.25
@@ -61,20 +67,6 @@ def _matrix(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor | None, mode: s
 def _rel(got: torch.Tensor | np.ndarray, expected: torch.Tensor | np.ndarray) -> float:
     got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
     return float(np.linalg.norm(got - expected) / np.linalg.norm(expected))
-
-
-@pytest.fixture(scope="module")
-def ray_instance() -> Iterator[object]:
-    ray = pytest.importorskip("ray", reason="ray_ntk_operator needs the ntk-service[ray] extra")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        # the actors import ntk_service from this checkout
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        try:
-            yield ray
-        finally:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -202,6 +194,61 @@ def test_bad_inputs_are_refused_clearly(test_train: RayNtkOperator) -> None:
     # an error of the engine in an actor comes back as itself, not wrapped by Ray
     with pytest.raises(NoMatchingParameters):
         ray_ntk_operator(_mlp(), x_test, params=["nothing.*"], shards=1, num_cpus=ACTOR_CPUS)
+
+
+def _shard_worker_pids() -> dict[int, str]:
+    """The live Ray ShardWorker processes under this test process: {pid: command line (Ray's process title)}."""
+    found = {}
+    for pid in _descendants(os.getpid()):
+        command = _command(pid)
+        if "ShardWorker" in command:
+            found[pid] = command
+    return found
+
+
+def test_an_actor_killed_mid_product_fails_the_product_clearly(ray_instance: object, tmp_path: Path) -> None:
+    """A shard's actor process killed while a product waits on it: the product raises JobFailed saying so (it does
+    not hang, nor return the other shard's part as the sum), and so does the next product."""
+    gate = tmp_path / "gate"
+    gate.touch()  # open while the operator is built and its first product runs
+    torch.manual_seed(0)
+    model = SlowLinear(4, 2, delay_s=0.0, gate=str(gate)).double()
+    x = torch.randn(6, 4, dtype=torch.float64)
+    v = torch.randn(6, 2, dtype=torch.float64)
+    before = set(_shard_worker_pids())
+    with ray_ntk_operator(model, x, shards=2, num_cpus=ACTOR_CPUS) as op:
+        theta = reference_ntk(model, x, mode="full").permute(0, 2, 1, 3).reshape(12, 12)  # k = 2
+        assert _rel(op.matvec(v), (theta @ v.reshape(-1)).reshape(6, 2)) < 1e-12
+        ours = set(_shard_worker_pids()) - before
+        assert len(ours) == 2
+        gate.unlink()  # the next product's pullbacks wait in the model's forward
+        outcome: dict[str, BaseException] = {}
+
+        def product() -> None:
+            try:
+                op.matvec(v)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=product)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = [pid for pid, command in _shard_worker_pids().items() if pid in ours and "pullback" in command]
+            if running:
+                break
+            time.sleep(0.05)
+        assert running, _shard_worker_pids()
+        os.kill(running[0], signal.SIGKILL)
+        time.sleep(0.5)
+        gate.touch()  # the other shard's call completes
+        thread.join(60)
+        assert not thread.is_alive(), "the product hung on a dead actor"
+        error = outcome.get("error")
+        assert isinstance(error, JobFailed), error
+        assert "the actor of a shard died" in error.message and "build it again" in error.message
+        with pytest.raises(JobFailed, match="the actor of a shard died"):
+            op.matvec(v)
 
 
 def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,11 @@ solvers use (``matvec``, ``rmatvec``, ``shape``, ``k``, ``mode``, ``dtype``, ``i
 ``conjugate_gradients`` take it as they take an ``NtkOperator``. ``view`` gives the other kernels of the same actors
 (train-train from a test-train build, another mode) without shipping anything again.
 
-No fault tolerance: a lost actor fails the product with JobFailed (build the operator again). Reduction is on the
+NOTE [ray operator faults]: no fault tolerance. A lost actor (its process killed, its node gone) fails the
+product, and every later one, with a JobFailed saying so; it never hangs and never returns a sum without its
+shard, since a product gathers every shard's part or raises. The actors are not restarted (Ray's default
+``max_restarts=0``): a restarted actor would come back without its shard's operator, and rebuilding it would
+need the driver to keep every shard and the model to ship again; build the operator again instead. Reduction is on the
 driver (S·P floats arrive there); a tree or an allreduce among the actors would pay only for S in the tens.
 
 NOTE [ray operator placement]: this module lives in ``jobs/executors`` because it needs ``import_ray`` and the
@@ -288,9 +292,19 @@ class RayNtkOperator:
 
 
 def _get(ray: Any, refs: list[Any]) -> list[Any]:
-    """The actors' results, with an actor's domain error re-raised as itself (Ray wraps it)."""
+    """The actors' results, with an actor's domain error re-raised as itself (Ray wraps it).
+
+    Raises:
+        JobFailed: an actor died (NOTE [ray operator faults]), or a call failed otherwise.
+    """
     try:
         return list(ray.get(refs))
+    except ray.exceptions.RayActorError as exc:
+        raise JobFailed(
+            f"{_OPERATION}: the actor of a shard died during a product (its process was killed, e.g. out of "
+            "memory, or its node was lost); its shard exists nowhere else, so no product of this operator can be "
+            "completed: close it and build it again with ray_ntk_operator"
+        ) from exc
     except Exception as exc:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, NtkServiceError):
