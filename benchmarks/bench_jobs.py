@@ -17,6 +17,8 @@ is on every line.
   panel per tile (``panel_tiles=1``, what every job ran before panels).
 - ``diag``: an in-process A/B of the diagonal panels (``DIAGONAL_SPLIT`` blocks against one ``x2=None`` call
   each): CPU and wall seconds over the job's diagonal panels, alternated, each with a fresh side cache.
+- ``writes``: an in-process A/B of one panel's result writes (13² chunks with their ledger entries): plain files
+  in place against through Zarr (a temporary file and a rename each), alternated, median ratio.
 - ``server``: the same kernel as a job of a real ``ntk-service`` process (local executor), submit to succeeded,
   with the server's resident-memory high-water mark (``VmHWM``) during the job.
 - ``cnn``: the CNN of benchmarks/_models.py (contraction-dominated), ``compute_ntk_tiled`` against its floor.
@@ -296,7 +298,7 @@ def main() -> None:
     parser.add_argument("--cnn-block", type=int, default=512, help="the CNN floor's block side. Default: 512")
     parser.add_argument("--ray-n", type=int, default=4096, help="examples of the Ray run. Default: 4096")
     parser.add_argument("--repeat", type=int, default=2, help="timings of the floor's block (best). Default: 2")
-    parser.add_argument("--only", default="tiled,diag,server,cnn,ray,bytes", help="comma-separated parts to run")
+    parser.add_argument("--only", default="tiled,diag,writes,server,cnn,ray,bytes", help="comma-separated parts to run")
     parser.add_argument("--small", action="store_true", help="a quick run: N = 1024, blocks of 256, tiles of 64")
     parser.add_argument("--scale", action="store_true", help="the data-set-scale scenario through a real server")
     parser.add_argument("--slice", type=int, default=1000, help="--scale: rows and columns of the checked block")
@@ -335,6 +337,8 @@ def main() -> None:
                   f"load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=floor.cpu)  # fmt: skip
         if "diag" in parts and floor is not None:
             _diagonal_ab(mlp, x, args.tile_size, floor)
+        if "writes" in parts:
+            _writes_ab(args.n, args.tile_size, tmp)
         if "server" in parts and floor is not None:
             wall, cpu, panel, hwm_kib, idle_kib = _server_job(args.n, args.tile_size, tmp)
             memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
@@ -357,6 +361,35 @@ def main() -> None:
                 f"(a panel call; {once:,} once per actor per job): {before / after:,.0f}x fewer"
             )
     print(f"\nload average {os.getloadavg()[0]:.1f} (after)")
+
+
+def _writes_ab(n: int, tile_size: int, tmp: Path, panel_tiles: int = 13, pairs: int = 7) -> None:
+    """In-process A/B of a panel's result writes: ``panel_tiles²`` float32 trace chunks and their ledger entries
+    written as plain files (NOTE [raw chunk writes] in jobs/results.py) against through Zarr (a temporary file and
+    a rename per chunk and per ledger entry, what every result was written with before), alternated, each pair
+    into fresh results; the median of the per-pair ratios, and what the saving is over the job's tiles."""
+    from ntk_service.jobs.results import ResultArray
+
+    side = panel_tiles * tile_size
+    plan = plan_tiles(n=side, m=side, tile_size=tile_size, mode=KernelMode.TRACE)
+    block = np.random.default_rng(0).standard_normal((tile_size, tile_size)).astype(np.float32)
+    blocks = [(tile, block) for tile in plan.tiles]
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for pair in range(pairs):
+        for raw in (True, False) if pair % 2 == 0 else (False, True):
+            path = tmp / f"writes-{pair}-{raw}.zarr"
+            ResultArray.create(path, plan=plan, k=10, dtype="float32", attributes={})
+            array = ResultArray.open(path, plan=plan, raw_writes=raw)
+            seconds[raw].append(_timed(lambda array=array: array.write_tiles(blocks)))
+    ratio = float(np.median([r / z for r, z in zip(seconds[True], seconds[False], strict=True)]))
+    per_chunk = {raw: float(np.median(v)) / len(blocks) * 1e3 for raw, v in seconds.items()}
+    job_tiles = len(plan_tiles(n=n, m=None, tile_size=tile_size, mode=KernelMode.TRACE).tiles)
+    print(
+        f"writes of a panel of {panel_tiles}² chunks of {tile_size}² float32 (A/B, {pairs} pairs): through Zarr "
+        f"{per_chunk[False]:.2f} ms a chunk with its ledger entry, plain files {per_chunk[True]:.2f} ms: median "
+        f"ratio {ratio:.2f}x; over the {job_tiles} tiles of N = {n}: {per_chunk[False] * job_tiles / 1e3:.2f} s "
+        f"against {per_chunk[True] * job_tiles / 1e3:.2f} s, load {os.getloadavg()[0]:.1f}"
+    )
 
 
 def _diagonal_ab(model: nn.Module, x: torch.Tensor, tile_size: int, floor: _Floor) -> None:
