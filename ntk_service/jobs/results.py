@@ -403,9 +403,9 @@ class ResultArray:
         else:
             data = np.full(chunks, self._array.fill_value, dtype=dtype)
             data[tuple(slice(0, n) for n in block.shape)] = block
-        index = (tile.i,) if self.plan.mode is KernelMode.EXAMPLE_DIAGONAL else (tile.i, tile.j)
+        index: tuple[int, ...] = (tile.i,) if self.plan.mode is KernelMode.EXAMPLE_DIAGONAL else (tile.i, tile.j)
         index += (0,) * (len(chunks) - len(index))
-        self._write_file(self.path / _THETA / "c" / "/".join(map(str, index)), memoryview(data).cast("B"))
+        self._write_file(self.path / _THETA / "c" / "/".join(map(str, index)), data.data.cast("B"))
 
     def _write_file(self, path: Path, data: bytes | memoryview) -> None:
         # In place and never truncated (NOTE [raw chunk writes]): the file ends up exactly len(data) long, since
