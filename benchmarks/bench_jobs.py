@@ -17,9 +17,14 @@ is on every line.
   panel per tile (``panel_tiles=1``, what every job ran before panels).
 - ``diag``: an in-process A/B of the diagonal panels (``DIAGONAL_SPLIT`` blocks against one ``x2=None`` call
   each): CPU and wall seconds over the job's diagonal panels, alternated, each with a fresh side cache.
+- ``writes``: an in-process A/B of one panel's result writes (13² chunks with their ledger entries): plain files
+  in place against through Zarr (a temporary file and a rename each), alternated, median ratio.
 - ``server``: the same kernel as a job of a real ``ntk-service`` process (local executor), submit to succeeded,
   with the server's resident-memory high-water mark (``VmHWM``) during the job.
-- ``cnn``: the CNN of benchmarks/_models.py (contraction-dominated), ``compute_ntk_tiled`` against its floor.
+- ``cnn``: a CNN whose kernel is dominated by its contraction (``_contraction_cnn``: small spatial, wide channels;
+  its per-pair time is nearly flat from blocks of 256 up, so one block's per-pair rate is a fair floor),
+  ``compute_ntk_tiled`` against its floor. (The CNN of benchmarks/_models.py is dominated by its sides: a 256² block
+  costs 2.9x a 768² block per pair, so a one-block floor says nothing about a job of it.)
 - ``ray``: ``compute_ntk_tiled`` on a local Ray with two one-CPU actors (1 torch thread each) against the local
   executor with 2 torch threads: throughput ratio (issue: ≥ 0.9).
 - ``bytes``: bytes shipped per Ray task: before (one task per tile: the pickled JobWork with the whole TilePlan and
@@ -61,7 +66,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._models import make_cnn, make_inputs, make_mlp  # noqa: E402
+from benchmarks._models import make_inputs, make_mlp  # noqa: E402
 from ntk_service.client import Client  # noqa: E402
 from ntk_service.jobs import plan_panels, plan_tiles  # noqa: E402
 from ntk_service.jobs.executors import RayExecutor  # noqa: E402
@@ -70,6 +75,17 @@ from ntk_service.registry import ModelRegistry  # noqa: E402
 from ntk_service.results import compute_ntk_tiled, open_result  # noqa: E402
 
 MLP = {"family": "mlp", "input_dim": 784, "hidden": [512, 512], "output_dim": 10, "activation": "relu", "bias": True}
+
+
+def _contraction_cnn(n: int) -> tuple[nn.Module, torch.Tensor]:
+    """A CNN whose trace kernel is its contraction: (n, 16, 8, 8) -> conv 3x3 16->64 (6x6), ReLU, conv 3x3 64->64
+    (4x4), ReLU, flatten, Linear 1024->10; 56,458 parameters. CPU time per pair, 1 thread (contended): 26.5 µs at
+    256² blocks, 26.7 at 512², 22.1 at 1024² (the _models.py CNN: 18.8, 9.1, 6.5 at 256², 512², 768²)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(16, 64, 3), nn.ReLU(), nn.Conv2d(64, 64, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64 * 4 * 4, 10)
+    )
+    return model, torch.randn(n, 16, 8, 8, generator=torch.Generator().manual_seed(1))
 
 
 def _proc_kib(pid: int, field: str) -> int:
@@ -293,10 +309,10 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=2048, help="the floor's block side. Default: 2048")
     parser.add_argument("--tile-size", type=int, default=256, help="examples per tile side. Default: 256")
     parser.add_argument("--cnn-n", type=int, default=2048, help="examples of the CNN run. Default: 2048")
-    parser.add_argument("--cnn-block", type=int, default=512, help="the CNN floor's block side. Default: 512")
+    parser.add_argument("--cnn-block", type=int, default=1024, help="the CNN floor's block side. Default: 1024")
     parser.add_argument("--ray-n", type=int, default=4096, help="examples of the Ray run. Default: 4096")
     parser.add_argument("--repeat", type=int, default=2, help="timings of the floor's block (best). Default: 2")
-    parser.add_argument("--only", default="tiled,diag,server,cnn,ray,bytes", help="comma-separated parts to run")
+    parser.add_argument("--only", default="tiled,diag,writes,server,cnn,ray,bytes", help="comma-separated parts to run")
     parser.add_argument("--small", action="store_true", help="a quick run: N = 1024, blocks of 256, tiles of 64")
     parser.add_argument("--scale", action="store_true", help="the data-set-scale scenario through a real server")
     parser.add_argument("--slice", type=int, default=1000, help="--scale: rows and columns of the checked block")
@@ -335,13 +351,15 @@ def main() -> None:
                   f"load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=floor.cpu)  # fmt: skip
         if "diag" in parts and floor is not None:
             _diagonal_ab(mlp, x, args.tile_size, floor)
+        if "writes" in parts:
+            _writes_ab(args.n, args.tile_size, tmp)
         if "server" in parts and floor is not None:
             wall, cpu, panel, hwm_kib, idle_kib = _server_job(args.n, args.tile_size, tmp)
             memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
             _line(f"server job, trace MLP, panels of {panel}² tiles", wall, floor.wall,
                   f"(issue: ≤ 1.2x) {memory}, load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=floor.cpu)  # fmt: skip
         if "cnn" in parts:
-            cnn, xc = make_cnn(), make_inputs("cnn", args.cnn_n)
+            cnn, xc = _contraction_cnn(args.cnn_n)
             cnn_floor = _Floor(cnn, xc, args.cnn_block, args.cnn_n, args.repeat)
             _tiled(cnn, xc[: 2 * args.tile_size], tmp, "cnn-warm", tile_size=args.tile_size)
             wall, cpu, view = _tiled_cpu(cnn, xc, tmp, "cnn", tile_size=args.tile_size)
@@ -357,6 +375,35 @@ def main() -> None:
                 f"(a panel call; {once:,} once per actor per job): {before / after:,.0f}x fewer"
             )
     print(f"\nload average {os.getloadavg()[0]:.1f} (after)")
+
+
+def _writes_ab(n: int, tile_size: int, tmp: Path, panel_tiles: int = 13, pairs: int = 7) -> None:
+    """In-process A/B of a panel's result writes: ``panel_tiles²`` float32 trace chunks and their ledger entries
+    written as plain files (NOTE [raw chunk writes] in jobs/results.py) against through Zarr (a temporary file and
+    a rename per chunk and per ledger entry, what every result was written with before), alternated, each pair
+    into fresh results; the median of the per-pair ratios, and what the saving is over the job's tiles."""
+    from ntk_service.jobs.results import ResultArray
+
+    side = panel_tiles * tile_size
+    plan = plan_tiles(n=side, m=side, tile_size=tile_size, mode=KernelMode.TRACE)
+    block = np.random.default_rng(0).standard_normal((tile_size, tile_size)).astype(np.float32)
+    blocks = [(tile, block) for tile in plan.tiles]
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for pair in range(pairs):
+        for raw in (True, False) if pair % 2 == 0 else (False, True):
+            path = tmp / f"writes-{pair}-{raw}.zarr"
+            ResultArray.create(path, plan=plan, k=10, dtype="float32", attributes={})
+            array = ResultArray.open(path, plan=plan, raw_writes=raw)
+            seconds[raw].append(_timed(lambda array=array: array.write_tiles(blocks)))
+    ratio = float(np.median([r / z for r, z in zip(seconds[True], seconds[False], strict=True)]))
+    per_chunk = {raw: float(np.median(v)) / len(blocks) * 1e3 for raw, v in seconds.items()}
+    job_tiles = len(plan_tiles(n=n, m=None, tile_size=tile_size, mode=KernelMode.TRACE).tiles)
+    print(
+        f"writes of a panel of {panel_tiles}² chunks of {tile_size}² float32 (A/B, {pairs} pairs): through Zarr "
+        f"{per_chunk[False]:.2f} ms a chunk with its ledger entry, plain files {per_chunk[True]:.2f} ms: median "
+        f"ratio {ratio:.2f}x; over the {job_tiles} tiles of N = {n}: {per_chunk[False] * job_tiles / 1e3:.2f} s "
+        f"against {per_chunk[True] * job_tiles / 1e3:.2f} s, load {os.getloadavg()[0]:.1f}"
+    )
 
 
 def _diagonal_ab(model: nn.Module, x: torch.Tensor, tile_size: int, floor: _Floor) -> None:

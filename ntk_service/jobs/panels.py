@@ -67,9 +67,12 @@ DEFAULT_PANEL_SECONDS = 4.0
 vanish beside it and the sides are built over large blocks, short enough that progress, cancellation and a
 resumed job's lost work stay within seconds."""
 
-NOMINAL_FLOP_RATE = 1e11
-"""FLOP/s the cost model assumes: half the ~200 GFLOP/s float32 matmul rate of a 2-core machine with 2 threads, since
-side building runs well below the matmul peak. Only the panel size depends on it, never a result's value."""
+NOMINAL_FLOP_RATE = 3e11
+"""FLOP/s the cost model assumes, in the engine's own FLOP estimate (``estimate_panel_flops``), measured: the idle
+2-core development machine computed a 2048 × 2048 trace block of the MLP 784-512-512-10 (1.62e11 estimated FLOPs)
+in 0.50 s with 2 threads (docs/jobs.md, stop 33 floor), 3.2e11 FLOP/s, rounded down. The earlier uncalibrated 1e11
+made a "4 s" panel about 1.2 s of work. Only the panel size depends on it, never a result's value; another machine
+(a GPU actor, many cores) should pass its own ``flop_rate`` or a ``panel_tiles``."""
 
 DIAGONAL_SPLIT = 4
 """Row blocks a symmetric job's diagonal panel is cut into (``diagonal_blocks``): one ``x2=None`` call over a band

@@ -7,12 +7,12 @@ Layout (format version ``FORMAT_VERSION``, documented in docs/results.md)::
       tiles/done              uint8 (n_row_blocks · n_col_blocks,), one chunk per tile id: 1 once its chunk is written
 
 ``theta`` has the full kernel shape ((N, M, k, k) FULL, (N, M) TRACE, (N, M, k) OUTPUT_DIAGONAL, (N, k, k)
-EXAMPLE_DIAGONAL) and chunks equal to the tile size, so each tile write touches exactly one chunk file (Zarr writes it
-atomically: a temporary file, then a rename). Separate processes (Ray workers) may write different chunks at once.
-The ledger ``tiles/done`` is written right after a tile's chunk, by whoever wrote the chunk, so a result carries its
-own completion record: ``compute_ntk_tiled`` resumes from it and ``open_result`` can tell a finished result from a
-half-written one. (An all-zero chunk is never stored, so completion cannot be read from the chunks themselves.) The
-server keeps its own record in SQLite as well (``store.py``). The group's metadata is consolidated, so
+EXAMPLE_DIAGONAL) and chunks equal to the tile size, so each tile write touches exactly one chunk file (see NOTE
+[raw chunk writes]). Separate processes (Ray workers) may write different chunks at once. The ledger ``tiles/done``
+is written right after a panel's chunks, by whoever wrote them, so a result carries its own completion record:
+``compute_ntk_tiled`` resumes from it and ``open_result`` can tell a finished result from a half-written one. (An
+all-zero chunk is never stored by Zarr, so completion cannot be read from the chunks themselves.) The server keeps
+its own record in SQLite as well (``store.py``). The group's metadata is consolidated, so
 ``xarray.open_zarr(path)`` opens it without a warning.
 
 Results written before format version 1 were a bare array ``<job dir>/theta.zarr``; ``migrate_legacy`` turns one
@@ -26,6 +26,25 @@ NOTE [symmetric reads]
     blocks already are, so this changes no bit there). Every read of the lower half is therefore a copy of a stored
     upper value, and ``read()`` of the whole array is exactly symmetric. Plain Zarr readers see zeros below the
     diagonal tiles; ``ntk_service.results.open_result`` mirrors them.
+
+NOTE [raw chunk writes]
+    ``write_tiles`` writes a chunk's file itself: the block's bytes, padded to the chunk shape with the fill value,
+    in place (no temporary file, no rename), then each tile's 1-byte ledger file the same way. This is the layout
+    Zarr itself writes for an uncompressed array (one ``bytes`` codec, little-endian, default ``c/i/j`` keys), so
+    any Zarr reader reads it; an array with any other codec or key encoding is written through Zarr. Zarr's own
+    write costs about 15x more per chunk (its async codec pipeline, then a temporary file and a rename: see
+    docs/jobs.md, "Writes"). Dropping the rename is safe because of what holds around it:
+    - A chunk is read as a tile's value only once the ledger says the tile is done, and the ledger byte is written
+      after the whole chunk (one byte: never torn). A process killed mid-write leaves a short or mixed chunk whose
+      tile is not done; resume recomputes the tile and rewrites the chunk in full.
+    - Readers of an unfinished result (``open_result(allow_incomplete=True)``) read only the chunks of done tiles
+      (``read_only_done``), so a short chunk is never decoded. A server reads a job's result only once it has
+      succeeded (every tile done).
+    - A rewrite never truncates: the file is opened without ``O_TRUNC`` and written to its full length, so a chunk
+      rewritten after it was recorded (a Ray call re-run after its node was lost, whose first run still writes)
+      always has its full size and holds one run's bytes or the other's, which are equal with the same torch
+      threads.
+    - Like Zarr's writes, none is fsynced: a crash of the process loses nothing recorded, a power cut may.
 """
 
 from __future__ import annotations
@@ -41,6 +60,9 @@ from typing import Any
 import numpy as np
 import zarr
 import zarr.errors
+from zarr.codecs import BytesCodec
+from zarr.core.chunk_grids import RegularChunkGrid
+from zarr.core.chunk_key_encodings import DefaultChunkKeyEncoding
 
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs.planner import Tile, TilePlan, chunk_shape, plan_tiles
@@ -235,12 +257,17 @@ class ResultArray:
         (64, 32, 10, 10)
     """
 
-    def __init__(self, path: Path, plan: TilePlan, group: Any) -> None:
+    def __init__(self, path: Path, plan: TilePlan, group: Any, *, raw_writes: bool = True) -> None:
         self.path = Path(path)
         self.plan = plan
         self._group = group
         self._array = group[_THETA]
         self._ledger = group[_LEDGER]
+        self._raw_theta = raw_writes and _is_raw(self._array)
+        self._raw_ledger = raw_writes and _is_raw(self._ledger)
+        self._made_dirs: set[Path] = set()
+        self._only_done: dict[tuple[int, int], int] | None = None
+        self._done_ids: frozenset[int] = frozenset()
 
     @classmethod
     def create(cls, path: Path, *, plan: TilePlan, k: int, dtype: str, attributes: dict[str, Any]) -> ResultArray:
@@ -280,12 +307,17 @@ class ResultArray:
         return cls(path, plan, zarr.open_group(str(path), mode="r+"))
 
     @classmethod
-    def open(cls, path: Path, *, plan: TilePlan | None = None, writable: bool = True) -> ResultArray:
+    def open(
+        cls, path: Path, *, plan: TilePlan | None = None, writable: bool = True, raw_writes: bool = True
+    ) -> ResultArray:
         """Open an existing group (any process with the path may write tiles to it).
 
         Args:
             plan: the TilePlan. Default: rebuilt from the group's attributes.
             writable: open for writing tiles. Default: True.
+            raw_writes: write chunks and ledger entries as plain files where the layout allows (NOTE [raw chunk
+                writes]); False writes every one through Zarr, as results were written before (the A/B in
+                benchmarks/bench_jobs.py). Default: True.
 
         Raises:
             InvalidInput: no result group at ``path``, or one of an unknown format version.
@@ -305,7 +337,7 @@ class ResultArray:
                 f"open_result: the result at {str(path)!r} was never fully created (its creation was cut off: theta "
                 "or tiles/done is missing) and holds no tile; run compute_ntk_tiled with this out again to start it"
             )
-        return cls(path, plan, group)
+        return cls(path, plan, group, raw_writes=raw_writes)
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -338,7 +370,8 @@ class ResultArray:
 
     def write_tiles(self, blocks: Sequence[tuple[Tile, np.ndarray]]) -> None:
         """Write a panel's tiles: every chunk first, then their ledger entries (a crash in between leaves chunks
-        that no ledger entry claims: they are computed again, never skipped).
+        that no ledger entry claims: they are computed again, never skipped). Chunks and ledger entries are written
+        as plain files where the array's layout allows (NOTE [raw chunk writes]).
 
         Args:
             blocks: ``(tile, theta)`` pairs, each as for ``write_tile``.
@@ -347,17 +380,77 @@ class ResultArray:
         for tile, theta in blocks:
             block = symmetrize_tile(theta, mode) if tile.is_diagonal else theta
             r0, r1 = tile.rows
-            if mode is KernelMode.EXAMPLE_DIAGONAL:
+            if self._raw_theta:
+                self._write_raw_chunk(tile, block)
+            elif mode is KernelMode.EXAMPLE_DIAGONAL:
                 self._array[r0:r1] = block
             else:
                 c0, c1 = tile.cols
                 self._array[r0:r1, c0:c1] = block
         for tile, _ in blocks:
-            self._ledger[tile.id] = 1
+            if self._raw_ledger:
+                self._write_file(self.path / _LEDGER / "c" / str(tile.id), b"\x01")
+            else:
+                self._ledger[tile.id] = 1
+
+    def _write_raw_chunk(self, tile: Tile, block: np.ndarray) -> None:
+        # The chunk's bytes as Zarr stores them uncompressed: C order, little-endian, padded to the chunk shape with
+        # the fill value (edge tiles); see NOTE [raw chunk writes].
+        chunks = tuple(self._array.chunks)
+        dtype = np.dtype(self._array.dtype).newbyteorder("<")
+        if tuple(block.shape) == chunks:
+            data = np.ascontiguousarray(block, dtype=dtype)
+        else:
+            data = np.full(chunks, self._array.fill_value, dtype=dtype)
+            data[tuple(slice(0, n) for n in block.shape)] = block
+        index: tuple[int, ...] = (tile.i,) if self.plan.mode is KernelMode.EXAMPLE_DIAGONAL else (tile.i, tile.j)
+        index += (0,) * (len(chunks) - len(index))
+        self._write_file(self.path / _THETA / "c" / "/".join(map(str, index)), data.data.cast("B"))
+
+    def _write_file(self, path: Path, data: bytes | memoryview) -> None:
+        # In place and never truncated (NOTE [raw chunk writes]): the file ends up exactly len(data) long, since
+        # every write of a chunk writes its full length.
+        if path.parent not in self._made_dirs:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._made_dirs.add(path.parent)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
 
     def done_tile_ids(self) -> set[int]:
         """Ids of the tiles whose chunk is written, from the ledger."""
         return {int(i) for i in np.flatnonzero(np.asarray(self._ledger[:]))}
+
+    def read_only_done(self, done_tile_ids: set[int]) -> None:
+        """From now on read only the chunks of the tiles in ``done_tile_ids`` and read every other tile as 0 (an
+        unfinished result: a tile not done may have a chunk cut off mid-write, see NOTE [raw chunk writes])."""
+        self._only_done = {(t.i, t.j): t.id for t in self.plan.tiles}
+        self._done_ids = frozenset(done_tile_ids)
+
+    def _stored(self, rows: tuple[int, int], cols: tuple[int, int] | None) -> np.ndarray:
+        # The stored values of a block (no mirroring); with read_only_done, only the done tiles' chunks are read.
+        r0, r1 = rows
+        if self._only_done is None:
+            return np.asarray(self._array[r0:r1] if cols is None else self._array[r0:r1, cols[0] : cols[1]])
+        t = self.plan.tile_size
+        c0, c1 = cols if cols is not None else (0, 1)
+        head = (r1 - r0,) if cols is None else (r1 - r0, c1 - c0)
+        out = np.zeros(head + self.shape[len(head) :], dtype=self.dtype)
+        for i in range(r0 // t, -(-r1 // t)):
+            a0, a1 = max(r0, i * t), min(r1, (i + 1) * t)
+            if cols is None:
+                if self._only_done.get((i, i)) in self._done_ids:
+                    out[a0 - r0 : a1 - r0] = self._array[a0:a1]
+                continue
+            for j in range(c0 // t, -(-c1 // t)):
+                b0, b1 = max(c0, j * t), min(c1, (j + 1) * t)
+                if self._only_done.get((i, j)) in self._done_ids:
+                    out[a0 - r0 : a1 - r0, b0 - c0 : b1 - c0] = self._array[a0:a1, b0:b1]
+        return out
 
     def read(self, *, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> np.ndarray:
         """Read the whole result or a block of it, mirroring the lower half of symmetric jobs.
@@ -381,20 +474,39 @@ class ResultArray:
         if plan.mode is KernelMode.EXAMPLE_DIAGONAL:
             if cols is not None:
                 raise InvalidInput("job result: mode 'example_diagonal' has no column axis; omit cols")
-            return np.asarray(self._array[r0:r1])
+            return self._stored((r0, r1), None)
         c0, c1 = cols if cols is not None else (0, plan.m)
         if not plan.symmetric:
-            return np.asarray(self._array[r0:r1, c0:c1])
+            return self._stored((r0, r1), (c0, c1))
         t = plan.tile_size
         below = (np.arange(r0, r1) // t)[:, None] > (np.arange(c0, c1) // t)[None, :]
         if below.all():
-            return np.ascontiguousarray(mirror_theta(np.asarray(self._array[c0:c1, r0:r1]), plan.mode))
-        out = np.asarray(self._array[r0:r1, c0:c1])
+            return np.ascontiguousarray(mirror_theta(self._stored((c0, c1), (r0, r1)), plan.mode))
+        out = self._stored((r0, r1), (c0, c1))
         if not below.any():
             return out
-        mirrored = mirror_theta(np.asarray(self._array[c0:c1, r0:r1]), plan.mode)
+        mirrored = mirror_theta(self._stored((c0, c1), (r0, r1)), plan.mode)
         below = below.reshape(below.shape + (1,) * (out.ndim - 2))
         return np.where(below, mirrored, out)
+
+
+def _is_raw(array: Any) -> bool:
+    # Zarr stores a chunk of this array as its bare little-endian bytes under the default "c/i/j" key: what
+    # ResultArray writes itself (NOTE [raw chunk writes]).
+    metadata = array.metadata
+    if getattr(metadata, "zarr_format", None) != 3 or len(metadata.codecs) != 1:
+        return False
+    codec = metadata.codecs[0]
+    encoding = metadata.chunk_key_encoding
+    dtype = np.dtype(array.dtype)
+    return (
+        isinstance(codec, BytesCodec)
+        and (dtype.itemsize == 1 or (codec.endian is not None and codec.endian.value == "little"))
+        and isinstance(encoding, DefaultChunkKeyEncoding)
+        and encoding.separator == "/"
+        and isinstance(metadata.chunk_grid, RegularChunkGrid)
+        and dtype.byteorder in ("=", "<", "|")
+    )
 
 
 def _create_ledger(group: Any, plan: TilePlan) -> None:

@@ -235,7 +235,10 @@ def open_result(
             "data directory once (it migrates results in place to the result group format) and open result.zarr"
         )
     store = ResultArray.open(path, writable=False)
-    done, total = len(store.done_tile_ids()), len(store.plan.tiles)
+    done_ids = store.done_tile_ids()
+    done, total = len(done_ids), len(store.plan.tiles)
+    if done < total:
+        store.read_only_done(done_ids)  # a tile not done may have a chunk cut off mid-write: read it as 0
     if done < total and not allow_incomplete:
         raise InvalidInput(
             f"open_result: the result at {str(path)!r} is incomplete ({done}/{total} tiles written); resume it "

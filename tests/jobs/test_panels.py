@@ -19,7 +19,7 @@ from ntk_service.errors import InvalidInput
 from ntk_service.jobs import JobManager, JobStatus, LocalExecutor, plan_panels, plan_tiles
 from ntk_service.jobs.executors.base import JobWork, compute_panel
 from ntk_service.jobs.manager import plan_of
-from ntk_service.jobs.panels import diagonal_blocks, panel_count, panel_tiles_for
+from ntk_service.jobs.panels import NOMINAL_FLOP_RATE, diagonal_blocks, panel_count, panel_tiles_for
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.store import JobStore
 from ntk_service.kernels import KernelMode, SideCache
@@ -86,6 +86,24 @@ def test_panel_size_is_the_largest_within_the_target_and_a_quarter_of_the_budget
     # At least 8 panels (two workers): 16 row blocks in bands of s make b(b+1)/2 panels, b = ceil(16 / s) ≥ 4: s ≤ 5.
     cheap = {"k": 1, "itemsize": 4, "flops_of": lambda r, c: 1.0, "memory_budget_bytes": None}
     assert panel_tiles_for(plan, **cheap, min_panels=8) == 5  # type: ignore[arg-type]
+
+
+def test_panel_size_follows_the_flop_rate() -> None:
+    plan = plan_tiles(n=8192, m=None, tile_size=256, mode=KernelMode.TRACE)  # 32 row blocks
+
+    def flops_of(rows: int, cols: int) -> float:
+        return 1e5 * rows * cols
+
+    sizes = {
+        rate: panel_tiles_for(plan, k=1, itemsize=4, flops_of=flops_of, memory_budget_bytes=None, flop_rate=rate)
+        for rate in (1e11, 4e11, 16e11)
+    }
+    # (256 s)² · 1e5 / rate ≤ 4 s  ⇔  s ≤ √(4 rate / 1e5) / 256: 7.8, 15.6, 31.3 tiles. Four times the rate is
+    # twice the side: the same seconds of work per panel.
+    assert sizes == {1e11: 7, 4e11: 15, 16e11: 31}
+    # The default is the calibrated rate (NOMINAL_FLOP_RATE): 3e11 gives s ≤ 13.5.
+    assert NOMINAL_FLOP_RATE == 3e11
+    assert panel_tiles_for(plan, k=1, itemsize=4, flops_of=flops_of, memory_budget_bytes=None) == 13
 
 
 def test_claim_and_record_are_one_transaction_each(tmp_path: Path) -> None:

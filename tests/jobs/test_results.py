@@ -8,10 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from zarr.codecs import GzipCodec
 
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs.planner import plan_tiles
-from ntk_service.jobs.results import FORMAT_VERSION, ResultArray, migrate_legacy, mirror_theta, parse_range
+from ntk_service.jobs.results import (
+    FORMAT_VERSION,
+    ResultArray,
+    _consolidate,
+    migrate_legacy,
+    mirror_theta,
+    parse_range,
+)
 from ntk_service.kernels import KernelMode
 
 MODES = [KernelMode.FULL, KernelMode.TRACE, KernelMode.OUTPUT_DIAGONAL]
@@ -136,3 +144,75 @@ def test_a_migration_cut_off_anywhere_is_finished_by_the_next_and_is_idempotent(
     array = ResultArray.open(group_path, writable=False)
     assert array.done_tile_ids() == done
     np.testing.assert_array_equal(array.read()[np.triu_indices(10)], theta[np.triu_indices(10)])
+
+
+def _chunk_bytes(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("mode", "m", "dtype"),
+    [
+        (KernelMode.FULL, 7, "float64"),
+        (KernelMode.TRACE, 7, "float32"),
+        (KernelMode.OUTPUT_DIAGONAL, 7, "float32"),
+        (KernelMode.EXAMPLE_DIAGONAL, None, "float64"),
+    ],
+)
+def test_raw_chunk_files_are_the_bytes_zarr_itself_writes(
+    tmp_path: Path, mode: KernelMode, m: int | None, dtype: str
+) -> None:
+    # NOTE [raw chunk writes]: the reference is zarr-python writing the same blocks into an array of the same
+    # layout; edge tiles (10 = 4 + 4 + 2 rows, 7 = 4 + 3 columns) are padded as Zarr pads them.
+    n, k = 10, 2
+    plan = plan_tiles(n=n, m=m, tile_size=4, mode=mode)
+    shape = plan.result_shape(k)
+    theta = np.random.default_rng(4).standard_normal(shape).astype(dtype)
+    if mode is KernelMode.EXAMPLE_DIAGONAL:
+        theta = theta + mirror_theta(theta, mode)  # exactly symmetric, as its (diagonal) tiles are stored
+    array = ResultArray.create(tmp_path / "a.zarr", plan=plan, k=k, dtype=dtype, attributes={})
+    reference = zarr.create_array(
+        str(tmp_path / "ref.zarr"), shape=shape, chunks=array._array.chunks, dtype=dtype, fill_value=0, compressors=None
+    )
+    for tile in plan.tiles:
+        index = (slice(*tile.rows),) if mode is KernelMode.EXAMPLE_DIAGONAL else (slice(*tile.rows), slice(*tile.cols))
+        array.write_tile(tile, theta[index])
+        reference[index] = theta[index]
+    written = _chunk_bytes(tmp_path / "a.zarr" / "theta" / "c")
+    assert written == _chunk_bytes(tmp_path / "ref.zarr" / "c") and len(written) == len(plan.tiles)
+    np.testing.assert_array_equal(zarr.open_array(str(tmp_path / "a.zarr" / "theta"), mode="r")[...], theta)
+    ledger = zarr.open_array(str(tmp_path / "a.zarr" / "tiles" / "done"), mode="r")[...]
+    np.testing.assert_array_equal(ledger, np.ones(len(plan.tiles), dtype=np.uint8))
+    assert not list((tmp_path / "a.zarr").rglob("*.partial"))
+
+
+def test_a_rewritten_chunk_keeps_its_full_size_and_holds_the_new_bytes(tmp_path: Path) -> None:
+    plan = plan_tiles(n=4, m=4, tile_size=4, mode=KernelMode.TRACE)
+    array = ResultArray.create(tmp_path / "a.zarr", plan=plan, k=1, dtype="float32", attributes={})
+    rng = np.random.default_rng(5)
+    first, second = rng.standard_normal((2, 4, 4)).astype(np.float32)
+    array.write_tile(plan.tiles[0], first)
+    chunk = tmp_path / "a.zarr" / "theta" / "c" / "0" / "0"
+    chunk.write_bytes(chunk.read_bytes() + b"longer than a chunk")  # a rewrite must not leave old bytes beyond it
+    array.write_tile(plan.tiles[0], second)
+    assert chunk.stat().st_size == 4 * 4 * 4 + len(b"longer than a chunk")
+    chunk.write_bytes(chunk.read_bytes()[:64])
+    np.testing.assert_array_equal(ResultArray.open(tmp_path / "a.zarr").read(), second)
+
+
+def test_an_array_with_a_compressor_is_written_through_zarr(tmp_path: Path) -> None:
+    # A layout ResultArray does not write itself (here: gzip-compressed chunks) goes through Zarr, and reads back.
+    plan = plan_tiles(n=8, m=8, tile_size=4, mode=KernelMode.TRACE)
+    ResultArray.create(tmp_path / "a.zarr", plan=plan, k=1, dtype="float64", attributes={})
+    group = zarr.open_group(str(tmp_path / "a.zarr"), mode="r+")
+    group.create_array(
+        "theta", shape=(8, 8), chunks=(4, 4), dtype="float64", fill_value=0, compressors=GzipCodec(), overwrite=True
+    )
+    _consolidate(tmp_path / "a.zarr")  # what ResultArray.open reads the layout from
+    theta = np.random.default_rng(6).standard_normal((8, 8))
+    array = ResultArray.open(tmp_path / "a.zarr", plan=plan)
+    for tile in plan.tiles:
+        array.write_tile(tile, theta[slice(*tile.rows), slice(*tile.cols)])
+    assert (tmp_path / "a.zarr" / "theta" / "c" / "0" / "0").read_bytes()[:2] == b"\x1f\x8b"  # gzip's magic
+    np.testing.assert_array_equal(ResultArray.open(tmp_path / "a.zarr").read(), theta)
+    assert array.done_tile_ids() == {t.id for t in plan.tiles}

@@ -305,3 +305,26 @@ def test_mapping_inputs_and_output_path(tmp_path: Path, mode: KernelMode) -> Non
         assert dict(zarr.open_group(str(out), mode="r").attrs)["spec"]["output"] == "logits[:, 1]"
         with pytest.raises(InvalidInput, match="holds a different computation.*output"):
             compute_ntk_tiled(model, x1, side2, output="logits[:, 2]", **kwargs)  # resume checks the path too
+
+
+def test_a_chunk_cut_off_mid_write_reads_as_zero_until_resume_rewrites_it(tmp_path: Path, x: torch.Tensor) -> None:
+    # NOTE [raw chunk writes]: chunks are written in place, so a kill mid-write can leave a short chunk whose tile
+    # is not in the ledger. An incomplete read must not decode it, and resume must recompute and rewrite it.
+    model = _model()
+    out = tmp_path / "k.zarr"
+    options = {"mode": "trace", "tile_size": 4, "dtype": "float64", "progress": False}
+    compute_ntk_tiled(model, x, out=out, **options)  # type: ignore[arg-type]
+    tile = next(t for t in plan_tiles(n=11, m=None, tile_size=4, mode=KernelMode.TRACE).tiles if (t.i, t.j) == (0, 1))
+    chunk = out / "theta" / "c" / "0" / "1"
+    full_size = chunk.stat().st_size
+    chunk.write_bytes(chunk.read_bytes()[: full_size // 3])  # cut off mid-write
+    (out / "tiles" / "done" / "c" / str(tile.id)).unlink()  # so its ledger entry was never written
+    reference = reference_ntk(model, x, mode="trace").numpy()
+    partial = np.asarray(open_result(out, allow_incomplete=True)[...])
+    expected = reference.copy()
+    expected[0:4, 4:8] = expected[4:8, 0:4] = 0  # the tile and its mirror read as 0
+    np.testing.assert_allclose(partial, expected, rtol=1e-10, atol=1e-12)
+    assert (partial[0:4, 4:8] == 0).all() and (partial[4:8, 0:4] == 0).all()
+    resumed = compute_ntk_tiled(model, x, out=out, **options)  # type: ignore[arg-type]
+    assert chunk.stat().st_size == full_size
+    np.testing.assert_allclose(resumed.to_numpy(), reference, rtol=1e-10, atol=1e-12)
