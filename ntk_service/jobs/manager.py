@@ -866,16 +866,23 @@ class JobManager:
             used = set((record.implementation_used or "").split(",")) - {""}
             self.executor.run(work, module, x1, x2, panels, _Callbacks(self, job_id, used))
         except Exception as exc:  # noqa: BLE001 - any failure of a tile fails the job with its message
+            self._end_run(job_id)
             message = exc.message if isinstance(exc, NtkServiceError) else f"{type(exc).__name__}: {exc}"
             if not self._stopping.is_set():
                 logger.warning("jobs: %s failed: %s", job_id, message)
                 self.store.set_status(job_id, JobStatus.FAILED, error=message)
         else:
+            self._end_run(job_id)
             self._finish(job_id, used)
         finally:
-            with self._lock:
-                self._runs.pop(job_id, None)
+            self._end_run(job_id)
             self._bump(job_id)
+
+    def _end_run(self, job_id: str) -> None:
+        # Before the final status is set: whoever sees a finished job must not also see its run (``delete`` would
+        # answer "its tiles are still finishing" for a job that succeeded). Nothing writes once executor.run returned.
+        with self._lock:
+            self._runs.pop(job_id, None)
 
     def _finish(self, job_id: str, used: set[str]) -> None:
         if self._is_cancelled(job_id):
