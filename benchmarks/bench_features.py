@@ -102,32 +102,43 @@ def exact_gp(theta_path: Path, theta_test: np.ndarray, y: np.ndarray, lam: float
     """The exact GP test mean Θ_t (Θ + λI)⁻¹ y by Cholesky; one copy of Θ in memory, factored in place."""
     a = np.load(theta_path)
     a[np.diag_indices_from(a)] += lam
-    factor = scipy.linalg.cho_factor(a, overwrite_a=True, check_finite=False)
+    # a.T: the same symmetric matrix, Fortran-ordered, so LAPACK factors it in place instead of copying 3.2 GB
+    factor = scipy.linalg.cho_factor(a.T, overwrite_a=True, check_finite=False)
     alpha = scipy.linalg.cho_solve(factor, y, check_finite=False)
     del a, factor
     return theta_test @ alpha
 
 
+def trace_gp(kernel: np.ndarray, kernel_test: np.ndarray, y: np.ndarray, lam: float) -> np.ndarray:
+    """The GP mean K_t (K + λI)⁻¹ Y of the TRACE kernel K (N × N), one scalar kernel for the k outputs Y (N, k)."""
+    a = kernel.copy()
+    a[np.diag_indices_from(a)] += lam
+    return kernel_test @ scipy.linalg.cho_solve(scipy.linalg.cho_factor(a, check_finite=False), y)
+
+
 def feature_gp(phi: np.ndarray, phi_test: np.ndarray, y: np.ndarray, lams: list[float]) -> list[np.ndarray]:
-    """Φ_t (ΦᵀΦ + λI)⁻¹ Φᵀ y (= the dense feature kernel's GP mean) per λ; ΦᵀΦ accumulated in float64."""
+    """Φ_t (ΦᵀΦ + λI)⁻¹ Φᵀ y (= the dense feature kernel's GP mean) per λ; ΦᵀΦ summed in float64."""
     d = phi.shape[1]
-    gram = np.zeros((d, d))
+    gram, rhs = np.zeros((d, d)), np.zeros(d)
     for i in range(0, phi.shape[0], 2000):
-        block = phi[i : i + 2000].astype(np.float64)
+        # float32 products of 2000 rows summed in float64: rounding ~1e-6 of the largest eigenvalue, far below λ
+        block = phi[i : i + 2000]
         gram += block.T @ block
-    rhs = phi.T.astype(np.float64) @ y
+        rhs += block.T.astype(np.float64) @ y[i : i + 2000]
     means = []
     for lam in lams:
         a = gram.copy()
         a[np.diag_indices_from(a)] += lam
-        factor = scipy.linalg.cho_factor(a, overwrite_a=True, check_finite=False)
+        factor = scipy.linalg.cho_factor(a.T, overwrite_a=True, check_finite=False)  # a.T: in place, as above
         means.append(phi_test.astype(np.float64) @ scipy.linalg.cho_solve(factor, rhs, check_finite=False))
         del a, factor
     return means
 
 
-def kernel_errors(phi: np.ndarray, theta: np.ndarray, norm: float, trace: np.ndarray) -> tuple[float, float]:
-    """‖ΦΦᵀ − Θ‖_F / ‖Θ‖_F (FULL) and the TRACE kernel's, in row blocks of the Gram (float32 products)."""
+def kernel_errors(
+    phi: np.ndarray, theta: np.ndarray, norm: float, trace: np.ndarray
+) -> tuple[float, float, np.ndarray]:
+    """‖ΦΦᵀ − Θ‖_F / ‖Θ‖_F (FULL), the TRACE kernel's, and the TRACE feature kernel (N × N); float32 products."""
     sq = 0.0
     for i in range(0, phi.shape[0], 1000):
         block = (phi[i : i + 1000] @ phi.T).astype(np.float64)
@@ -135,8 +146,8 @@ def kernel_errors(phi: np.ndarray, theta: np.ndarray, norm: float, trace: np.nda
         sq += float(np.einsum("ij,ij->", block, block))
     n = trace.shape[0]
     flat = phi.reshape(n, -1)  # (N, k·D): Σ_a Φ[n, a]·Φ[m, a] is one dot product
-    trace_err = np.linalg.norm((flat @ flat.T).astype(np.float64) - trace) / np.linalg.norm(trace)
-    return (sq**0.5) / norm, float(trace_err)
+    trace_phi = (flat @ flat.T).astype(np.float64)
+    return (sq**0.5) / norm, float(np.linalg.norm(trace_phi - trace) / np.linalg.norm(trace)), trace_phi
 
 
 def main() -> None:
@@ -162,6 +173,15 @@ def main() -> None:
     norm = float(np.sqrt(sum(float(np.einsum("ij,ij->", b, b)) for b in np.array_split(theta, 20))))
     tr = float(np.trace(theta))
     lams = [r * tr / (n * K) for r in args.ridges]
+    # the TRACE kernel's test rows Σ_a Θ(x*, x)[a, a]; its ridge is the same multiple of its own mean diagonal
+    trace_test = np.einsum("iaja->ij", theta_test.reshape(m, K, n, K))
+    trace_lams = [r * tr / n for r in args.ridges]
+    trace_exact = []
+    for r, lam in zip(args.ridges, trace_lams, strict=True):
+        mean = trace_gp(trace, trace_test, onehot[:n], lam)
+        trace_exact.append(mean)
+        print(f"exact TRACE GP ridge {r:g}: test MSE {np.mean((mean - truth) ** 2):.4f}, "
+              f"accuracy {np.mean(mean.argmax(1) == test_classes):.3f}")  # fmt: skip
     print(f"MLP 784-512-512-10, N = {n} train + {m} test, mixture s = {args.separation:g}, FULL; label variance "
           f"{np.var(truth):.4f}; (tr Θ)²/‖Θ‖²_F = {(tr / norm) ** 2:.0f}, Gaussian-sketch constant "
           f"√(1 + that) = {(1 + (tr / norm) ** 2) ** 0.5:.2f}")  # fmt: skip
@@ -180,6 +200,7 @@ def main() -> None:
         print(f"exact GP ridge {r:g}: test MSE {exact[r][0]:.4f}, accuracy {exact[r][1]:.3f}")
 
     gp_head = " ".join(f"{'MSE/acc r=' + format(r, 'g'):>18}" for r in args.ridges)
+    gp_head += " " + " ".join(f"{'TRACE r=' + format(r, 'g'):>18}" for r in args.ridges)
     print(f"{'D':>6} {'seed':>4} {'FULL err':>9} {'×√D':>6} {'TRACE err':>10} {gp_head} {'s/call':>7} "
           f"{'Φ MiB':>7} {'peak MiB':>8}  load")  # fmt: skip
     model = make_mlp()
@@ -192,10 +213,15 @@ def main() -> None:
             mib = phi_all.numel() * phi_all.element_size() / 2**20
             phi_np = phi_all.numpy()
             phi, phi_test = phi_np[:n].reshape(n * K, d), phi_np[n:].reshape(m * K, d)
-            full_err, trace_err = kernel_errors(phi, theta, norm, trace)
+            full_err, trace_err, trace_phi = kernel_errors(phi, theta, norm, trace)
             cells = []
             for mean in feature_gp(phi, phi_test, y, lams):
                 mean = mean.reshape(m, K)
+                cells.append(f"{np.mean((mean - truth) ** 2):.4f}/{np.mean(mean.argmax(1) == test_classes):.3f}")
+            flat, flat_test = phi_np[:n].reshape(n, -1), phi_np[n:].reshape(m, -1)
+            trace_phi_test = (flat_test @ flat.T).astype(np.float64)
+            for lam in trace_lams:
+                mean = trace_gp(trace_phi, trace_phi_test, onehot[:n], lam)
                 cells.append(f"{np.mean((mean - truth) ** 2):.4f}/{np.mean(mean.argmax(1) == test_classes):.3f}")
             gp_cells = " ".join(f"{c:>18}" for c in cells)
             print(f"{d:>6} {s:>4} {full_err:>9.4f} {full_err * d**0.5:>6.2f} {trace_err:>10.4f} {gp_cells} "
