@@ -39,7 +39,7 @@ def test_basis_and_eigenvalues_equal_the_dense_nystrom_approximation_whatever_th
     m = 5
     pre = streamed_nystrom_preconditioner(model, x, ridge=1e-3, outputs=K, landmarks=m, oversample=3.0)
     assert pre.landmarks.shape == (15,) and pre.outputs == K and pre.column_passes == 2 and pre.products == 0
-    assert pre.build_seconds > 0 and "streamed 3x" in pre.name
+    assert pre.build_seconds > 0 and "streamed 3x, float64 basis, s=15, rank=5" in pre.name
     values, vectors = _dense_top(trace, pre.landmarks, m)
     np.testing.assert_allclose(pre.eigenvalues, values, rtol=1e-8)
     assert np.linalg.norm(pre.basis.T @ pre.basis - np.eye(m)) <= 1e-8

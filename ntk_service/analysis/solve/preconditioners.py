@@ -99,7 +99,8 @@ class NystromPreconditioner:
     @property
     def name(self) -> str:
         shared = f", shared by {self.outputs} outputs" if self.outputs > 1 else ""
-        return f"nystrom({self.method}, m={self.landmarks.size}, rank={self.eigenvalues.size}{shared})"
+        columns = "s" if self.column_passes else "m"  # the streamed builder keeps m modes of s columns
+        return f"nystrom({self.method}, {columns}={self.landmarks.size}, rank={self.eigenvalues.size}{shared})"
 
     def apply(self, r: np.ndarray) -> np.ndarray:
         """P⁻¹ R for R (n, r): (n, r)."""

@@ -172,7 +172,8 @@ def streamed_nystrom_preconditioner(
     Returns:
         NystromPreconditioner with ``outputs = k``, basis (N, m') (m' ≤ m: modes below N·eps of the largest are
         dropped), eigenvalues (m',) of Â descending, ``landmarks`` the s example indices, method
-        "streamed 4x, float64 basis" (the oversampling and the dtype), ``products`` 0, ``build_seconds`` and ``column_passes`` 2.
+        "streamed 4x, float64 basis" (the oversampling and the dtype), ``products`` 0, ``build_seconds``,
+        ``column_passes`` 2.
 
     Raises:
         InvalidInput: m outside [1, N], oversample < 1, bad rows_per_chunk or basis_dtype (``plan_streamed_nystrom``).
