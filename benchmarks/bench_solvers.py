@@ -12,9 +12,12 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   float32... 8 TB in float64). Reports wall time, iterations, time per product, peak memory (VmHWM), and from the
   measured per-product time an estimate for ``--estimate-n`` (default 100,000) and for the TRACE solve there
   (k passes per product and k target columns: k² passes per iteration against 1).
-  The default preconditioner is "shared" (NOTE [shared nystrom] in analysis/solve/preconditioners.py,
-  ``--shared-landmarks`` examples, default 1000); ``--max-minutes`` stops CG with a reported "time_limit".
-- ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first).
+  The default preconditioner is "streamed" (NOTE [streamed nystrom] in analysis/solve/streamed_nystrom.py:
+  ``--shared-landmarks`` modes, default 1000, kept of ``--oversample`` × as many landmark examples, default 4,
+  basis ``--basis-dtype``); "shared" is the uniform one (NOTE [shared nystrom]); several given run in turn on the
+  same data (the iteration A/B). ``--max-minutes`` bounds each, build included, CG stopping with "time_limit".
+- ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first),
+  the streamed 4m -> m ones in both basis dtypes among them.
 - ``block``: the A/B of ``CgOptions.method`` (block against batched CG) on the dense TRACE kernel at each ``--n``:
   kernel ridge with k = 10 target columns and a GP variance's ``--block-m`` columns, iterations and products.
 - ``chunk``: the A/B of the operator's chunk size (``MAX_CHUNK_BYTES``), each configuration in its own process.
@@ -32,7 +35,7 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
-    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 60   # the goal run
+    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 45 --scale-rtol 3e-5
     .venv/bin/python benchmarks/bench_solvers.py --section ray --ray-n 4000 --products 5
     .venv/bin/python benchmarks/bench_solvers.py --section sketch --sketch-dims 256 1024 4096        # ~2.5 min
 """
@@ -246,11 +249,16 @@ def section_preconditioners(n: int, ridge: float, rtol: float) -> None:
           f"ridge {ridge} × mean diagonal")  # fmt: skip
     rng = np.random.default_rng(0)
     shared = {}
-    for m in (100, 300, 1000):
+    for m in (n // 20, n // 10, 100, 300, 1000):
         if m <= n:
             chosen = np.sort(rng.choice(n, size=m, replace=False))
             pre = shared_nystrom_preconditioner(op, ridge=lam, trace_columns=trace[:, chosen], landmark_indices=chosen)
             shared[f"shared, m = {m} examples (one compute_ntk trace call)"] = pre
+            if 4 * m <= n:  # NOTE [streamed nystrom]: 4m landmark examples, top m modes, in both basis dtypes
+                for dtype in ("float64", "float32"):
+                    shared[f"streamed, 4m -> m = {m}, {dtype} basis"] = streamed_nystrom_preconditioner(
+                        model, x, ridge=lam, outputs=K, landmarks=m, basis_dtype=dtype, dtype="float64"
+                    )
     options: dict[str, object] = {"none": "none", "block-Jacobi (k backward passes)": _BlockJacobi(a, lam, n)}
     for m in (100, 300):
         options[f"Nyström uniform, m = {m} (m products)"] = nystrom_preconditioner(op, ridge=lam, landmarks=m)
