@@ -60,7 +60,9 @@ class StreamedNystromPlan:
     Attributes:
         examples: N. outputs: k. rank: m, the modes kept. columns: s = min(N, round(oversample·m)), the landmark
             examples. rows_per_chunk: rows of C computed at once. basis_dtype: of U (N, m).
-        estimate_bytes: the basis, one chunk (float64 and float32) and ``_SQUARE_COPIES`` s × s float64 arrays.
+        estimate_bytes: the basis, one chunk (float64 and float32) and ``_SQUARE_COPIES`` s × s float64 arrays;
+            not ``compute_ntk``'s own workspace for a chunk, which its memory budget bounds (the N = 10,000,
+            s = 4000 build peaked at 2.3 GB: docs/benchmarks.md, issue 26).
     """
 
     examples: int
