@@ -12,9 +12,12 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   float32... 8 TB in float64). Reports wall time, iterations, time per product, peak memory (VmHWM), and from the
   measured per-product time an estimate for ``--estimate-n`` (default 100,000) and for the TRACE solve there
   (k passes per product and k target columns: k² passes per iteration against 1).
-  The default preconditioner is "shared" (NOTE [shared nystrom] in analysis/solve/preconditioners.py,
-  ``--shared-landmarks`` examples, default 1000); ``--max-minutes`` stops CG with a reported "time_limit".
-- ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first).
+  The default preconditioner is "streamed" (NOTE [streamed nystrom] in analysis/solve/streamed_nystrom.py:
+  ``--shared-landmarks`` modes, default 1000, kept of ``--oversample`` × as many landmark examples, default 4,
+  basis ``--basis-dtype``); "shared" is the uniform one (NOTE [shared nystrom]); several given run in turn on the
+  same data (the iteration A/B). ``--max-minutes`` bounds each, build included, CG stopping with "time_limit".
+- ``preconditioners``: the A/B of preconditioners by CG iterations on the dense FULL kernel at ``--n`` (the first),
+  the streamed 4m -> m ones in both basis dtypes among them.
 - ``block``: the A/B of ``CgOptions.method`` (block against batched CG) on the dense TRACE kernel at each ``--n``:
   kernel ridge with k = 10 target columns and a GP variance's ``--block-m`` columns, iterations and products.
 - ``chunk``: the A/B of the operator's chunk size (``MAX_CHUNK_BYTES``), each configuration in its own process.
@@ -32,7 +35,7 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
-    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 60   # the goal run
+    .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 45 --scale-rtol 3e-5
     .venv/bin/python benchmarks/bench_solvers.py --section ray --ray-n 4000 --products 5
     .venv/bin/python benchmarks/bench_solvers.py --section sketch --sketch-dims 256 1024 4096        # ~2.5 min
 """
@@ -60,6 +63,7 @@ from ntk_service.analysis.solve import (  # noqa: E402
     kernel_operator,
     nystrom_preconditioner,
     shared_nystrom_preconditioner,
+    streamed_nystrom_preconditioner,
 )
 from ntk_service.jobs.executors import import_ray, ray_ntk_operator  # noqa: E402
 from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_operator  # noqa: E402
@@ -131,71 +135,89 @@ def section_scale(
     rtol: float,
     estimate_n: int,
     max_iterations: int,
-    preconditioner: str,
+    preconditioners: list[str],
     max_minutes: float | None,
     shared_landmarks: int,
+    oversample: float,
+    basis_dtype: str,
 ) -> None:
-    """FULL kernel ridge on N examples by operator CG. ``preconditioner`` "shared" is the Nyström preconditioner
-    of Θ_trace / k on ``shared_landmarks`` examples shared by the k outputs (NOTE [shared nystrom]), its columns
-    from one ``compute_ntk(..., mode="trace")`` call; "nystrom" spends ``landmarks`` products on FULL columns."""
+    """FULL kernel ridge on N examples by operator CG, once per entry of ``preconditioners`` (in this process, on
+    the same data: iteration counts are the A/B, load-independent; walls are not). "streamed" (the default) is
+    ``streamed_nystrom_preconditioner`` (NOTE [streamed nystrom]): ``shared_landmarks`` modes kept of
+    round(``oversample``·m) landmark examples, trace columns streamed in row chunks, basis ``basis_dtype``;
+    "shared" is the PR-before path, m uniform landmark examples, their (N, m) trace columns held whole (NOTE
+    [shared nystrom]); "nystrom" spends ``landmarks`` products on FULL columns. ``max_minutes`` bounds each
+    configuration, build included."""
     model = make_mlp()
     x = make_inputs("mlp", n + 1000)
     x_train, x_test = x[:n], x[n:]
     y = _labels(x_train)
-    start = time.perf_counter()
     train_op = ntk_operator(model, x_train)  # float32 products, float64 CG (NOTE [cg]); chunks ≤ MAX_CHUNK_BYTES
     cross_op = ntk_operator(model, x_test, x_train)
     # λ relative to the mean diagonal, from 64 examples' exact diagonal (the operator does not know it)
     diag = compute_ntk(model, x_train[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
     lam = ridge * float(diag)
-    build_s, pre = 0.0, preconditioner  # type: ignore[assignment]
-    if preconditioner == "shared":
-        build = time.perf_counter()
-        chosen = np.sort(np.random.default_rng(0).choice(n, size=min(shared_landmarks, n), replace=False))
-        # float64 columns written chunk by chunk: compute_ntk's workspace is one chunk's, and no float32 copy of
-        # the whole (N, m) block lives beside the float64 one
-        columns = np.empty((n, chosen.size))
-        for i in range(0, n, 10_000):
-            block = compute_ntk(model, x_train[i : i + 10_000], x_train[chosen], mode="trace").theta
-            columns[i : i + 10_000] = block.double().numpy()
-        pre = shared_nystrom_preconditioner(
-            kernel_operator(train_op, k=K, name="train", operation="bench"),
-            ridge=lam,
-            trace_columns=columns,
-            landmark_indices=chosen,
-        )
-        del columns
-        build_s = time.perf_counter() - build
-    options = CgOptions(
-        rtol=rtol,
-        landmarks=landmarks,
-        max_iterations=max_iterations,
-        preconditioner=pre,  # type: ignore[arg-type]
-        max_seconds=None if max_minutes is None else max(1.0, max_minutes * 60 - (time.perf_counter() - start)),
-    )
-    post = gp_inference(train_op, y, cross_op, ridge=lam, cg=options)
-    wall = time.perf_counter() - start
-    solve = post.solve
-    assert solve is not None
-    per = solve.time_s / max(solve.products, 1)  # the shared build is timed apart (build_s)
-    accuracy = float(np.mean(post.mean.argmax(1) == _labels(x_test).argmax(1)))
     print(f"FULL kernel ridge by operator CG, MLP 784-512-512-10, N = {n} (kernel never formed: "
-          f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32), chunk {train_op.examples_per_chunk} examples")  # fmt: skip
-    verdict = "converged" if solve.converged else f"NOT CONVERGED ({solve.stop_reason})"
-    print(f"  wall {wall:.1f} s, iterations {solve.iterations}, products {solve.products} "
-          f"({solve.preconditioner}, built in {build_s:.1f} s), {per:.3f} s/product, "
-          f"residual {solve.residual.max():.2e}, {verdict}, peak {_peak_mib():.0f} MiB, "
-          f"test accuracy {accuracy:.3f}")  # fmt: skip
-    product_s = solve.products * per
-    print(f"  limited by: products {product_s:.0f} s ({100 * product_s / wall:.0f} % of the wall; each a VJP and "
-          f"a JVP over all N examples), preconditioner build {build_s:.0f} s, the rest (CG vectors, the "
-          f"preconditioner's applications, the test predictions) {wall - product_s - build_s:.0f} s")  # fmt: skip
-    scale = estimate_n / n
-    est = solve.products * per * scale
-    print(f"  estimate at N = {estimate_n}: {per * scale:.2f} s/product (linear in N) × {solve.products} products "
-          f"(this run's count; iterations grow with N at a fixed ridge) = {est / 60:.1f} min; TRACE there: "
-          f"{K}× the passes per product and {K} target columns = {K * K}× per iteration: "
-          f"≈ {est * K * K / 3600:.1f} h for the same iteration count")  # fmt: skip
+          f"{(n * K) ** 2 * 4 / 1e12:.3g} TB in float32), chunk {train_op.examples_per_chunk} examples, rtol {rtol}, "
+          f"load {' '.join(f'{v:.1f}' for v in os.getloadavg())}")  # fmt: skip
+    for preconditioner in preconditioners:
+        start = time.perf_counter()
+        build_s, pre = 0.0, preconditioner  # type: ignore[assignment]
+        if preconditioner == "shared":
+            chosen = np.sort(np.random.default_rng(0).choice(n, size=min(shared_landmarks, n), replace=False))
+            # float64 columns written chunk by chunk: compute_ntk's workspace is one chunk's, and no float32 copy
+            # of the whole (N, m) block lives beside the float64 one
+            columns = np.empty((n, chosen.size))
+            for i in range(0, n, 10_000):
+                block = compute_ntk(model, x_train[i : i + 10_000], x_train[chosen], mode="trace").theta
+                columns[i : i + 10_000] = block.double().numpy()
+            pre = shared_nystrom_preconditioner(
+                kernel_operator(train_op, k=K, name="train", operation="bench"),
+                ridge=lam,
+                trace_columns=columns,
+                landmark_indices=chosen,
+            )
+            del columns
+            build_s = time.perf_counter() - start
+        elif preconditioner == "streamed":
+            pre = streamed_nystrom_preconditioner(
+                model,
+                x_train,
+                ridge=lam,
+                outputs=K,
+                landmarks=min(shared_landmarks, n),
+                oversample=oversample,
+                basis_dtype=basis_dtype,
+            )
+            build_s = pre.build_seconds  # type: ignore[attr-defined]
+        options = CgOptions(
+            rtol=rtol,
+            landmarks=landmarks,
+            max_iterations=max_iterations,
+            preconditioner=pre,  # type: ignore[arg-type]
+            max_seconds=None if max_minutes is None else max(1.0, max_minutes * 60 - (time.perf_counter() - start)),
+        )
+        post = gp_inference(train_op, y, cross_op, ridge=lam, cg=options)
+        wall = time.perf_counter() - start
+        solve = post.solve
+        assert solve is not None
+        per = solve.time_s / max(solve.products, 1)  # the preconditioner's build is timed apart (build_s)
+        accuracy = float(np.mean(post.mean.argmax(1) == _labels(x_test).argmax(1)))
+        verdict = "converged" if solve.converged else f"NOT CONVERGED ({solve.stop_reason})"
+        print(f"  {solve.preconditioner}: wall {wall:.1f} s, iterations {solve.iterations}, products "
+              f"{solve.products} (preconditioner built in {build_s:.1f} s), {per:.3f} s/product, "
+              f"residual {solve.residual.max():.2e}, {verdict}, peak {_peak_mib():.0f} MiB, "
+              f"test accuracy {accuracy:.3f}, load {' '.join(f'{v:.1f}' for v in os.getloadavg())}")  # fmt: skip
+        product_s = solve.products * per
+        print(f"  limited by: products {product_s:.0f} s ({100 * product_s / wall:.0f} % of the wall; each a VJP "
+              f"and a JVP over all N examples), preconditioner build {build_s:.0f} s, the rest (CG vectors, the "
+              f"preconditioner's applications, the test predictions) {wall - product_s - build_s:.0f} s")  # fmt: skip
+        scale = estimate_n / n
+        est = solve.products * per * scale
+        print(f"  estimate at N = {estimate_n}: {per * scale:.2f} s/product (linear in N) × {solve.products} "
+              f"products (this run's count; iterations grow with N at a fixed ridge) = {est / 60:.1f} min; TRACE "
+              f"there: {K}× the passes per product and {K} target columns = {K * K}× per iteration: "
+              f"≈ {est * K * K / 3600:.1f} h for the same iteration count", flush=True)  # fmt: skip
 
 
 class _BlockJacobi:
@@ -227,11 +249,16 @@ def section_preconditioners(n: int, ridge: float, rtol: float) -> None:
           f"ridge {ridge} × mean diagonal")  # fmt: skip
     rng = np.random.default_rng(0)
     shared = {}
-    for m in (100, 300, 1000):
+    for m in (n // 20, n // 10, 100, 300, 1000):
         if m <= n:
             chosen = np.sort(rng.choice(n, size=m, replace=False))
             pre = shared_nystrom_preconditioner(op, ridge=lam, trace_columns=trace[:, chosen], landmark_indices=chosen)
             shared[f"shared, m = {m} examples (one compute_ntk trace call)"] = pre
+            if 4 * m <= n:  # NOTE [streamed nystrom]: 4m landmark examples, top m modes, in both basis dtypes
+                for dtype in ("float64", "float32"):
+                    shared[f"streamed, 4m -> m = {m}, {dtype} basis"] = streamed_nystrom_preconditioner(
+                        model, x, ridge=lam, outputs=K, landmarks=m, basis_dtype=dtype, dtype="float64"
+                    )
     options: dict[str, object] = {"none": "none", "block-Jacobi (k backward passes)": _BlockJacobi(a, lam, n)}
     for m in (100, 300):
         options[f"Nyström uniform, m = {m} (m products)"] = nystrom_preconditioner(op, ridge=lam, landmarks=m)
@@ -412,10 +439,18 @@ def main() -> None:
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
     parser.add_argument("--ridge", type=float, default=1e-3, help="λ relative to the mean diagonal entry")
     parser.add_argument("--landmarks", type=int, default=100, help="FULL columns of --preconditioner nystrom")
-    parser.add_argument("--shared-landmarks", type=int, default=1000, help="examples of --preconditioner shared")
     parser.add_argument(
-        "--preconditioner", default="shared", choices=["auto", "none", "nystrom", "shared"], help="--section scale"
+        "--shared-landmarks", type=int, default=1000, help="modes m of --preconditioner shared / streamed"
     )
+    parser.add_argument(
+        "--preconditioner",
+        nargs="+",
+        default=["streamed"],
+        choices=["auto", "none", "nystrom", "shared", "streamed"],
+        help="--section scale: each in turn on the same data",
+    )
+    parser.add_argument("--oversample", type=float, default=4.0, help="--preconditioner streamed: s = oversample·m")
+    parser.add_argument("--basis-dtype", default="float64", choices=["float64", "float32"], help="streamed basis")
     parser.add_argument("--max-minutes", type=float, default=None, help="--section scale: stop CG (reported)")
     parser.add_argument("--rtol", type=float, default=1e-8)
     parser.add_argument("--scale-n", type=int, default=2000)
@@ -463,6 +498,8 @@ def main() -> None:
             args.preconditioner,
             args.max_minutes,
             args.shared_landmarks,
+            args.oversample,
+            args.basis_dtype,
         )
     if "ray" in args.section:
         section_ray(args.ray_n, args.shards, args.products, args.mode)

@@ -26,12 +26,19 @@ from ntk_service.analysis.solve.preconditioners import (
     nystrom_preconditioner,
     shared_nystrom_preconditioner,
 )
+from ntk_service.analysis.solve.streamed_nystrom import (
+    DEFAULT_OVERSAMPLE,
+    StreamedNystromPlan,
+    plan_streamed_nystrom,
+    streamed_nystrom_preconditioner,
+)
 
 __all__ = [
     "AUTO_NYSTROM_MIN_SIZE",
     "DEFAULT_LANDMARKS",
     "DEFAULT_MAX_ITERATIONS",
     "DEFAULT_METHOD",
+    "DEFAULT_OVERSAMPLE",
     "DEFAULT_RTOL",
     "CgMethod",
     "CgOptions",
@@ -41,6 +48,7 @@ __all__ = [
     "NystromPreconditioner",
     "Preconditioner",
     "SolveResult",
+    "StreamedNystromPlan",
     "cg_memory_bytes",
     "check_ridge",
     "conjugate_gradients",
@@ -48,5 +56,7 @@ __all__ = [
     "kernel_operator",
     "lanczos_functions",
     "nystrom_preconditioner",
+    "plan_streamed_nystrom",
     "shared_nystrom_preconditioner",
+    "streamed_nystrom_preconditioner",
 ]

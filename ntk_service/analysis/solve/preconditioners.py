@@ -64,6 +64,9 @@ LandmarkMethod = Literal["gaussian", "uniform", "pivoted_cholesky"]
 
 _OPERATION = "nystrom_preconditioner"
 
+_APPLY_ROWS = 8192
+"""Rows of a float32 basis upcast at once in ``apply`` (64 MB at m = 1000)."""
+
 _BASIS_COPIES = 3
 """float64 (rows, m) arrays alive at once while a preconditioner is built: the columns, the factor and the
 basis U (``_basis`` never forms an SVD's workspace) (NOTE [shared nystrom])."""
@@ -78,6 +81,9 @@ class NystromPreconditioner:
         shift: μ (the ridge). landmarks: (m,) the column indices used. method: how they were chosen.
         products: operator products spent building it. outputs: k when the basis is over examples and shared by
             the k outputs of a FULL kernel (NOTE [shared nystrom]; basis (N, m'), applied as P_s ⊗ I_k), else 1.
+        build_seconds: wall time of the build when the builder measured it (the streamed one), else 0.
+        column_passes: passes of trace columns over the N examples spent instead of products (the streamed
+            builder's two, NOTE [streamed nystrom] in ``streamed_nystrom.py``), else 0.
     """
 
     basis: np.ndarray
@@ -87,11 +93,14 @@ class NystromPreconditioner:
     method: str
     products: int
     outputs: int = 1
+    build_seconds: float = 0.0
+    column_passes: int = 0
 
     @property
     def name(self) -> str:
         shared = f", shared by {self.outputs} outputs" if self.outputs > 1 else ""
-        return f"nystrom({self.method}, m={self.landmarks.size}, rank={self.eigenvalues.size}{shared})"
+        columns = "s" if self.column_passes else "m"  # the streamed builder keeps m modes of s columns
+        return f"nystrom({self.method}, {columns}={self.landmarks.size}, rank={self.eigenvalues.size}{shared})"
 
     def apply(self, r: np.ndarray) -> np.ndarray:
         """P⁻¹ R for R (n, r): (n, r)."""
@@ -104,10 +113,20 @@ class NystromPreconditioner:
 
     def _apply(self, r: np.ndarray) -> np.ndarray:
         u = self.basis
-        coeffs = u.T @ r
         floor = float(self.eigenvalues[-1]) + self.shift
-        scaled = coeffs * (floor / (self.eigenvalues + self.shift))[:, None]
-        out: np.ndarray = r + u @ (scaled - coeffs)
+        factor = (floor / (self.eigenvalues + self.shift) - 1.0)[:, None]
+        if u.dtype == np.float64:
+            out: np.ndarray = r + u @ (factor * (u.T @ r))
+            return out
+        # a float32 basis in float64 row blocks: numpy would otherwise upcast a whole (n, m) copy per product
+        blocks = range(0, u.shape[0], _APPLY_ROWS)
+        coeffs = np.zeros((u.shape[1], r.shape[1]))
+        for i in blocks:
+            coeffs += u[i : i + _APPLY_ROWS].astype(np.float64).T @ r[i : i + _APPLY_ROWS]
+        delta = factor * coeffs
+        out = r.copy()
+        for i in blocks:
+            out[i : i + _APPLY_ROWS] += u[i : i + _APPLY_ROWS].astype(np.float64) @ delta
         return out
 
 
