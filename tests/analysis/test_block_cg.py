@@ -45,7 +45,7 @@ def test_block_cg_equals_the_dense_solve(r: int, preconditioner: str) -> None:
     expected = scipy.linalg.solve(a + lam * np.eye(150), b, assume_a="pos")
     assert result.converged and result.stop_reason == "converged"
     assert _rel(result.solution, expected) <= 1e-8
-    assert np.all(_true_residual(a, lam, result.solution, b) <= 1e-11)
+    assert np.all(_true_residual(a, lam, result.solution, b) <= 1.01e-11)  # rtol, plus the recursion's rounding
     truth = _true_residual(a, lam, result.solution, b)
     np.testing.assert_allclose(result.residual, truth, rtol=0.05)  # rounding near 1e-12
     assert result.preconditioner.startswith("nystrom" if preconditioner == "nystrom" else "none")
