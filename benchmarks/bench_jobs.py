@@ -6,12 +6,13 @@
     .venv/bin/python benchmarks/bench_jobs.py --scale --n 20000        # a real server: job, streamed download, xarray
 
 The floor: one ``block × block`` off-diagonal kernel of the model timed here (``compute_ntk``, best of ``--repeat``
-after a warm-up), divided by its block² pairs and multiplied by the pairs the symmetric job computes
-(N·(N+1)/2). Each line prints wall time, the floor, wall / floor, and CPU / floor CPU (user + system seconds of
-all threads of the process doing the work: this process, or the server's): on a shared machine the CPU ratio is
-the signal, since load on other cores stretches wall time but barely moves CPU time. ``cores`` is CPU seconds
-per wall second: on an idle machine, how many cores the path kept busy (the floor keeps them all). The load average
-is on every line.
+after a warm-up), divided by its block² pairs and multiplied by the pairs the symmetric job computes (N·(N+1)/2),
+timed just before and just after each path and averaged (the shared host's speed drifts by tens of per cent over
+minutes). ``--rounds`` repeats the tiled and server runs. Each line prints wall time, its floor, wall / floor, and
+CPU / floor CPU (user + system seconds of all threads of the process doing the work: this process, or the server's):
+on a shared machine the CPU ratio is the signal, since load on other cores stretches wall time but barely moves CPU
+time. ``cores`` is CPU seconds per wall second: on an idle machine, how many cores the path kept busy (the floor
+keeps them all). The load average is on every line.
 
 - ``tiled``: ``compute_ntk_tiled`` of the trace MLP 784-512-512-10 with panels from the cost model, and with a
   panel per tile (``panel_tiles=1``, what every job ran before panels).
@@ -220,18 +221,33 @@ def _proc_cpu_s(pid: int) -> float:
 
 
 class _Floor:
-    """The floor of a symmetric job: wall and CPU seconds of the pairs it needs, at one block's rate per pair."""
+    """The floor of a symmetric job: wall and CPU seconds of the pairs it needs, at one block's rate per pair.
+
+    The host's speed drifts by tens of per cent over minutes on the shared machine, so a path is compared with
+    the floor timed just before and just after it (``around``), never with one timed minutes earlier.
+    """
 
     def __init__(self, model: nn.Module, x: torch.Tensor, block: int, n: int, repeat: int) -> None:
-        left, right = x[:block], x[block : 2 * block]
-        compute_ntk(model, left, right, mode="trace")  # warm-up: one-time imports and allocations
+        self.model, self.left, self.right = model, x[:block], x[block : 2 * block]
+        self.repeat, self.scale = repeat, n * (n + 1) / 2 / (block * block)
+        compute_ntk(model, self.left, self.right, mode="trace")  # warm-up: one-time imports and allocations
+        self.wall, self.cpu = self.sample()
+
+    def sample(self) -> tuple[float, float]:
+        """(wall, CPU) seconds of the job's pairs at the block's rate now: the best of ``repeat`` timings."""
         runs = []
-        for _ in range(repeat):
+        for _ in range(self.repeat):
             cpu, wall = _cpu_s(), time.perf_counter()
-            compute_ntk(model, left, right, mode="trace")
+            compute_ntk(self.model, self.left, self.right, mode="trace")
             runs.append((time.perf_counter() - wall, _cpu_s() - cpu))
-        scale = n * (n + 1) / 2 / (len(left) * len(right))
-        self.wall, self.cpu = (min(r[0] for r in runs) * scale, min(r[1] for r in runs) * scale)
+        return min(r[0] for r in runs) * self.scale, min(r[1] for r in runs) * self.scale
+
+    def around(self, run: Callable[[], Any]) -> tuple[Any, float, float]:
+        """``run()``'s value and the floor's (wall, CPU) seconds: the mean of the samples just before and after it."""
+        before = self.sample()
+        value = run()
+        after = self.sample()
+        return value, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
 
 
 def _tiled(model: nn.Module, x: torch.Tensor, tmp: Path, name: str, **options: Any) -> tuple[float, Any]:
@@ -254,8 +270,7 @@ def _line(name: str, wall: float, floor: float, extra: str = "", *, cpu: float =
 def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, float, int, int, int]:
     """A trace job of the MLP on a real server: (wall s, the server's CPU s, panel_tiles, VmHWM KiB during the job,
     idle RSS KiB)."""
-    data_dir = tmp / "server-data"
-    data_dir.mkdir()
+    data_dir = Path(tempfile.mkdtemp(prefix="server-data-", dir=tmp))  # a fresh one per round
     process, url = _start_server(data_dir)
     try:
         x = make_inputs("mlp", n).numpy()
@@ -312,6 +327,7 @@ def main() -> None:
     parser.add_argument("--cnn-block", type=int, default=1024, help="the CNN floor's block side. Default: 1024")
     parser.add_argument("--ray-n", type=int, default=4096, help="examples of the Ray run. Default: 4096")
     parser.add_argument("--repeat", type=int, default=2, help="timings of the floor's block (best). Default: 2")
+    parser.add_argument("--rounds", type=int, default=1, help="tiled and server runs, alternated. Default: 1")
     parser.add_argument("--only", default="tiled,diag,writes,server,cnn,ray,bytes", help="comma-separated parts to run")
     parser.add_argument("--small", action="store_true", help="a quick run: N = 1024, blocks of 256, tiles of 64")
     parser.add_argument("--scale", action="store_true", help="the data-set-scale scenario through a real server")
@@ -339,33 +355,43 @@ def main() -> None:
             print(f"{'floor: one ' + str(args.block) + '² block per pair x N(N+1)/2 pairs':<58} {'':>9} "
                   f"{floor.wall:>9.2f}   cpu {floor.cpu:.2f} s, cores {floor.cpu / floor.wall:.2f}, "
                   f"load {os.getloadavg()[0]:.1f}")  # fmt: skip
-        if "tiled" in parts and floor is not None:
-            _tiled(mlp, x[: 2 * args.tile_size], tmp, "warm", tile_size=args.tile_size)
-            wall, cpu, view = _tiled_cpu(mlp, x, tmp, "panels", tile_size=args.tile_size)
-            panel = view.attrs["spec"]["panel_tiles"]
-            load = f"(issue: ≤ 1.2x) load {os.getloadavg()[0]:.1f}"
-            _line(f"compute_ntk_tiled, trace MLP, panels of {panel}² tiles", wall, floor.wall, load, cpu=cpu,
-                  floor_cpu=floor.cpu)  # fmt: skip
-            wall, cpu, _ = _tiled_cpu(mlp, x, tmp, "tiles", tile_size=args.tile_size, panel_tiles=1)
-            _line("compute_ntk_tiled, trace MLP, a panel per tile (before)", wall, floor.wall,
-                  f"load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=floor.cpu)  # fmt: skip
-        if "diag" in parts and floor is not None:
-            _diagonal_ab(mlp, x, args.tile_size, floor)
-        if "writes" in parts:
-            _writes_ab(args.n, args.tile_size, tmp)
-        if "server" in parts and floor is not None:
-            wall, cpu, panel, hwm_kib, idle_kib = _server_job(args.n, args.tile_size, tmp)
-            memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
-            _line(f"server job, trace MLP, panels of {panel}² tiles", wall, floor.wall,
-                  f"(issue: ≤ 1.2x) {memory}, load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=floor.cpu)  # fmt: skip
+        for round_ in range(args.rounds):
+            if "tiled" in parts and floor is not None:
+                if round_ == 0:
+                    _tiled(mlp, x[: 2 * args.tile_size], tmp, "warm", tile_size=args.tile_size)
+                (wall, cpu, view), fl, fl_cpu = floor.around(
+                    lambda r=round_: _tiled_cpu(mlp, x, tmp, f"panels-{r}", tile_size=args.tile_size)
+                )
+                panel = view.attrs["spec"]["panel_tiles"]
+                load = f"(issue: ≤ 1.2x) load {os.getloadavg()[0]:.1f}"
+                _line(f"compute_ntk_tiled, trace MLP, panels of {panel}² tiles", wall, fl, load, cpu=cpu,
+                      floor_cpu=fl_cpu)  # fmt: skip
+                (wall, cpu, _), fl, fl_cpu = floor.around(
+                    lambda r=round_: _tiled_cpu(mlp, x, tmp, f"tiles-{r}", tile_size=args.tile_size, panel_tiles=1)
+                )
+                _line("compute_ntk_tiled, trace MLP, a panel per tile (before)", wall, fl,
+                      f"load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=fl_cpu)  # fmt: skip
+            if "diag" in parts and floor is not None and round_ == 0:
+                _diagonal_ab(mlp, x, args.tile_size, floor)
+            if "writes" in parts and round_ == 0:
+                _writes_ab(args.n, args.tile_size, tmp)
+            if "server" in parts and floor is not None:
+                (wall, cpu, panel, hwm_kib, idle_kib), fl, fl_cpu = floor.around(
+                    lambda: _server_job(args.n, args.tile_size, tmp)
+                )
+                memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
+                extra = f"(issue: ≤ 1.2x) {memory}, load {os.getloadavg()[0]:.1f}"
+                _line(f"server job, trace MLP, panels of {panel}² tiles", wall, fl, extra, cpu=cpu, floor_cpu=fl_cpu)
         if "cnn" in parts:
             cnn, xc = _contraction_cnn(args.cnn_n)
             cnn_floor = _Floor(cnn, xc, args.cnn_block, args.cnn_n, args.repeat)
             _tiled(cnn, xc[: 2 * args.tile_size], tmp, "cnn-warm", tile_size=args.tile_size)
-            wall, cpu, view = _tiled_cpu(cnn, xc, tmp, "cnn", tile_size=args.tile_size)
+            (wall, cpu, view), fl, fl_cpu = cnn_floor.around(
+                lambda: _tiled_cpu(cnn, xc, tmp, "cnn", tile_size=args.tile_size)
+            )
             panel = view.attrs["spec"]["panel_tiles"]
-            _line(f"compute_ntk_tiled, trace CNN N={args.cnn_n}, panels of {panel}²", wall, cnn_floor.wall,
-                  f"(≤ 1.1x) load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=cnn_floor.cpu)  # fmt: skip
+            _line(f"compute_ntk_tiled, trace CNN N={args.cnn_n}, panels of {panel}²", wall, fl,
+                  f"(≤ 1.1x) load {os.getloadavg()[0]:.1f}", cpu=cpu, floor_cpu=fl_cpu)  # fmt: skip
         if "ray" in parts:
             _ray(mlp, make_inputs("mlp", args.ray_n), tmp, args.tile_size)
         if "bytes" in parts:
