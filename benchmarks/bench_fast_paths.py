@@ -33,9 +33,9 @@ from _models import MODELS, make_inputs  # noqa: E402
 
 from ntk_service.kernels import KernelMode  # noqa: E402
 from ntk_service.kernels.blocks import run_blocks  # noqa: E402
-from ntk_service.kernels.device import device_memory_budget  # noqa: E402
 from ntk_service.kernels.planning import plan_blocks  # noqa: E402
-from ntk_service.kernels.problem_pool import prepared_problem  # noqa: E402
+from ntk_service.kernels.runtime.device import device_memory_budget  # noqa: E402
+from ntk_service.kernels.runtime.problem_pool import prepared_problem  # noqa: E402
 from ntk_service.kernels.structured import FAST_PATHS, Structured, StructuredOptions  # noqa: E402
 
 CASES: dict[str, tuple[str, KernelMode, int, bool]] = {

@@ -35,10 +35,10 @@ from _models import MODELS, make_inputs  # noqa: E402
 from torchfunc_tutorial import tutorial_ntk  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
-from ntk_service.kernels.allocator import TRIM_THRESHOLD_BYTES  # noqa: E402
 from ntk_service.kernels.jacobian_contraction import JacobianContraction, jacobians  # noqa: E402
 from ntk_service.kernels.modes import KernelMode  # noqa: E402
-from ntk_service.kernels.problem_pool import prepared_problem  # noqa: E402
+from ntk_service.kernels.runtime.allocator import TRIM_THRESHOLD_BYTES  # noqa: E402
+from ntk_service.kernels.runtime.problem_pool import prepared_problem  # noqa: E402
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc malloc.h
 _GLIBC_MMAP_MAX = 65536  # glibc's default M_MMAP_MAX

@@ -32,7 +32,7 @@ from _models import MODELS, make_inputs  # noqa: E402
 from _peer import PeerSession  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
-from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
+from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
 
 
 @torch.no_grad()

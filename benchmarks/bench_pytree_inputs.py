@@ -6,9 +6,9 @@ named), and the overhead of the mapping path against the plain-tensor path on th
    Jacobian contraction take the per-example loop, the others are refused and reported so) and without it (every
    implementation runs batched).
 2. The same model and examples, alternating in one process: ``compute_ntk(bert, {"input_ids": ids},
-   output="logits[:, 2, :4]")`` (the mapping path: ``batch.py`` leaves, ``outputs.py`` selection) against
-   ``compute_ntk(Plain(bert), ids)`` (a wrapper whose forward takes the tensor and returns the same logits: the
-   plain-tensor path). The ratio of medians is the mapping path's overhead (target <= 1.05).
+   output="logits[:, 2, :4]")`` (the mapping path: ``problem/batch.py`` leaves, ``problem/outputs.py``
+   selection) against ``compute_ntk(Plain(bert), ids)`` (a wrapper whose forward takes the tensor and returns the
+   same logits: the plain-tensor path). The ratio of medians is the mapping path's overhead (target <= 1.05).
 
     .venv/bin/python benchmarks/bench_pytree_inputs.py                       # N = 32, M = 16, 10 rounds
     .venv/bin/python benchmarks/bench_pytree_inputs.py --n 4 --m 2 --rounds 2

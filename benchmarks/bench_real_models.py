@@ -16,7 +16,8 @@ contender (a faster algorithm can pass 100 %).
 CPU s: the process's user + system time over the call, sys s the system part, faults the minor page faults
 (ours and the tutorial only; medians per call). Allocator: the process keeps freed memory for the next call
 (``retain_freed_memory``, as the server) and by default large buffers too (``reuse_large_buffers``, NOTE [large
-buffers] in allocator.py; ``--no-reuse-large-buffers`` for glibc's fresh mappings), the same for every contender.
+buffers] in runtime/allocator.py; ``--no-reuse-large-buffers`` for glibc's fresh mappings), the same for every
+contender.
 Calibration: per case, each of our implementations' estimated FLOPs, AUTO's weight per FLOP and the weighted
 cost, beside the measured seconds per estimated TFLOP and the weight that time implies relative to the Jacobian
 contraction (``auto`` counts as the implementation it ran); AUTO's choice is right where the cheapest weighted
@@ -65,9 +66,9 @@ from _peer import PeerSession, PeerUnavailableError  # noqa: E402
 from torchfunc_tutorial import tutorial_ntk  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
-from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, reuse_large_buffers  # noqa: E402
 from ntk_service.kernels.choice import _algorithms, _weight  # noqa: E402  (AUTO's cost model, for the calibration)
-from ntk_service.kernels.problem_pool import prepared_problem  # noqa: E402
+from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, reuse_large_buffers  # noqa: E402
+from ntk_service.kernels.runtime.problem_pool import prepared_problem  # noqa: E402
 
 OURS = ("auto", "structured", "jacobian_contraction")
 PEERS = {"nt_sd": "structured_derivatives", "nt_jc": "jacobian_contraction"}
@@ -136,7 +137,7 @@ def _memory(name: str, n: int, mode: str, contender: str, reuse: bool, runs: int
         [
             f"import sys, json; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT.parent)!r}]",
             "import torch; torch.set_num_threads(2)",
-            "from ntk_service.kernels.allocator import retain_freed_memory, reuse_large_buffers",
+            "from ntk_service.kernels.runtime.allocator import retain_freed_memory, reuse_large_buffers",
             f"{'reuse_large_buffers' if reuse else 'retain_freed_memory'}()",
             "from bench_real_models import _call, _high_water_kib",
             "from _models import MODELS, make_inputs",

@@ -45,11 +45,11 @@ from _models import MODELS, make_inputs  # noqa: E402
 from _peer import PeerSession, PeerUnavailableError  # noqa: E402
 
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
-from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
 from ntk_service.kernels.choice import ALGORITHMS  # noqa: E402
 from ntk_service.kernels.modes import KernelMode  # noqa: E402
-from ntk_service.kernels.preparation import prepare_problem  # noqa: E402
-from ntk_service.kernels.private_module import eval_semantics  # noqa: E402
+from ntk_service.kernels.problem.preparation import prepare_problem  # noqa: E402
+from ntk_service.kernels.problem.private_module import eval_semantics  # noqa: E402
+from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES  # noqa: E402
 
 THREADS = 2
 """Intra-op threads for our side: the machine's cores (the peer's XLA uses all cores too)."""

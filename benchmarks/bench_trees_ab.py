@@ -53,7 +53,7 @@ def serve_tree(tree: str) -> None:
 def _start(spec: str) -> tuple[str, subprocess.Popen[str]]:
     """``NAME=TREE[:VAR=VALUE,...]``: a server process for TREE with extra environment (VAR= unsets VAR)."""
     sys.path[:0] = [str(ROOT.parent)]
-    from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
+    from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES
 
     name, _, rest = spec.partition("=")
     tree, _, extra = rest.partition(":")

@@ -22,8 +22,8 @@ import numpy as np
 from ntk_service.analysis.layout import to_float64, to_kernel_matrix
 from ntk_service.analysis.solve import KernelOperator, is_operator, kernel_operator
 from ntk_service.errors import InvalidInput, ShapeMismatch
-from ntk_service.kernels.linear_operator import NtkOperator
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.operators.linear_operator import NtkOperator
 
 __all__ = ["PriorAtTest", "cross_columns", "posterior_blocks", "prior_at_test"]
 

@@ -28,7 +28,7 @@ from ntk_service.analysis.distance import kernel_distance, relative_change
 from ntk_service.analysis.linearize import linearize
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.api import compute_ntk
-from ntk_service.kernels.parameter_selection import select_parameters
+from ntk_service.kernels.problem.parameter_selection import select_parameters
 
 __all__ = ["DEFAULT_LEARNING_RATE", "TrainingComparison", "compare_training"]
 

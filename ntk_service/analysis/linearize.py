@@ -36,9 +36,9 @@ from torch import nn
 from torch.func import functional_call, jvp
 
 from ntk_service.errors import InvalidInput, NoMatchingParameters, UnsupportedModel
-from ntk_service.kernels.math_attention import attention_scope
-from ntk_service.kernels.parameter_selection import select_parameters
-from ntk_service.kernels.private_module import eval_semantics, private_copy
+from ntk_service.kernels.problem.math_attention import attention_scope
+from ntk_service.kernels.problem.parameter_selection import select_parameters
+from ntk_service.kernels.problem.private_module import eval_semantics, private_copy
 
 __all__ = ["TaylorExpansion", "linearize", "taylor_expand"]
 
@@ -155,7 +155,7 @@ class TaylorExpansion(nn.Module):
     def forward(self, x: Any) -> torch.Tensor:
         """The expansion's output at the batch ``x`` (the model's output shape)."""
         base = self._lin_base[0]
-        # fused attention kernels have no forward-mode AD: attention runs on its math path (math_attention.py)
+        # fused attention kernels have no forward-mode AD: attention runs on its math path (problem/math_attention.py)
         with attention_scope(base), contextlib.nullcontext() if self._lin_copyable else eval_semantics(base):
             terms = self._series(x)(self._lin_theta0)
         out = terms[0]
@@ -179,7 +179,7 @@ def linearize(model: nn.Module, params: Sequence[str] | None = None) -> TaylorEx
         model (nn.Module): the network; θ0 = its current parameters, copied (later changes to the model do not
             move the expansion). It runs in eval semantics: dropout off, BatchNorm on its running statistics
             (the buffers, copied too), even where the model is in train mode. Attention modules run on their math
-            path (fused attention kernels have no forward-mode AD; ``kernels/math_attention.py``).
+            path (fused attention kernels have no forward-mode AD; ``kernels/problem/math_attention.py``).
         params (list of str | None): glob patterns of the parameters that move (e.g. ``["2.*"]``); the others,
             and every parameter with ``requires_grad=False``, stay at θ0 and are not parameters of the result.
             Default: None (all trainable parameters).

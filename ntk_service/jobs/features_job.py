@@ -4,7 +4,7 @@ Rows are read from the data set's memory map ``rows_per_chunk`` at a time; each 
 call with the job's seed, D, params and sketch kind, written to its own zarr chunk (a Zarr v3 group
 ``features.zarr`` holding the array ``phi`` with ``dimension_names`` ("example", "output", "feature"), so xarray
 opens it directly). The sketch's draws depend only on (seed, D, params, sketch), never on the chunking (NOTE
-[sketch determinism] in ``kernels/sketch_draws.py``): the same spec gives the same Φ on any worker, and on any
+[sketch determinism] in ``kernels/sketch/sketch_draws.py``): the same spec gives the same Φ on any worker, and on any
 chunk size to float rounding (BLAS may sum in another order for another batch size).
 
 A spec stored before the ``sketch`` field existed reads as "gaussian", the only sketch of that time, so such a job
@@ -28,7 +28,7 @@ import zarr
 from torch import nn
 
 from ntk_service.errors import InvalidInput, ShapeMismatch
-from ntk_service.kernels.features import MAX_FEATURE_DIM, SketchKind, feature_kernel, ntk_features
+from ntk_service.kernels.sketch.features import MAX_FEATURE_DIM, SketchKind, feature_kernel, ntk_features
 
 __all__ = [
     "FEATURES_ARRAY",

@@ -73,9 +73,9 @@ from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
 from ntk_service.jobs.store import JobStore
 from ntk_service.kernels import compute_ntk
-from ntk_service.kernels.batch import Batch, embedding_feeds
 from ntk_service.kernels.modes import KernelMode, parse_mode
-from ntk_service.kernels.outputs import parse_output, select_output
+from ntk_service.kernels.problem.batch import Batch, embedding_feeds
+from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
 __all__ = ["DISK_FREE_FRACTION", "DatasetSource", "Deletion", "DiskUsage", "JobManager", "ModelSource", "plan_of"]

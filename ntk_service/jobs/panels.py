@@ -34,13 +34,13 @@ from torch import nn
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.kernels.algorithm import NtkAlgorithm
-from ntk_service.kernels.batch import Batch
 from ntk_service.kernels.choice import loop_implementation
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
-from ntk_service.kernels.outputs import parse_output
-from ntk_service.kernels.problem_pool import prepared_problem
+from ntk_service.kernels.problem.batch import Batch
+from ntk_service.kernels.problem.outputs import parse_output
+from ntk_service.kernels.runtime.problem_pool import prepared_problem
 from ntk_service.kernels.structured import Structured
 from ntk_service.kernels.types import NtkImplementation
 

@@ -47,7 +47,7 @@ from ntk_service.analysis.solve import (
     nystrom_preconditioner,
 )
 from ntk_service.errors import InvalidInput, ShapeMismatch
-from ntk_service.kernels.streaming_operator import DEFAULT_EXAMPLES_PER_CHUNK, dataset_operator
+from ntk_service.kernels.operators.streaming_operator import DEFAULT_EXAMPLES_PER_CHUNK, dataset_operator
 
 __all__ = [
     "DEFAULT_PROGRESS_EVERY",

@@ -66,7 +66,7 @@ from ntk_service.jobs.solve_job import (
     check_targets,
     run_solve,
 )
-from ntk_service.kernels.features import DEFAULT_SKETCH, SketchKind
+from ntk_service.kernels.sketch.features import DEFAULT_SKETCH, SketchKind
 
 __all__ = ["SolveJobs"]
 

@@ -50,9 +50,9 @@ from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
 from ntk_service.jobs.view import ResultView, open_result
 from ntk_service.kernels import compute_ntk, model_device, parse_device, place_module
-from ntk_service.kernels.batch import Batch, batch_size, check_sides, leaves, take
 from ntk_service.kernels.modes import KernelMode, parse_mode
-from ntk_service.kernels.outputs import parse_output, select_output
+from ntk_service.kernels.problem.batch import Batch, batch_size, check_sides, leaves, take
+from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
 __all__ = ["compute_ntk_tiled", "module_sha256", "tensor_sha256"]

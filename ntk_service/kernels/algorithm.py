@@ -12,9 +12,9 @@ from typing import Any, Protocol
 
 import torch
 
-from ntk_service.kernels.batch import Batch
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.types import NtkImplementation
 
 __all__ = ["NtkAlgorithm", "Side", "side_nbytes"]

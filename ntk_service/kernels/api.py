@@ -32,20 +32,20 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import nn
 
-from ntk_service.kernels.allocator import retain_freed_memory
-from ntk_service.kernels.batch import Inputs, batch_size
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.choice import ALGORITHMS, choose, loop_implementation
-from ntk_service.kernels.device import device_memory_budget, model_device, parse_device, tf32_policy
-from ntk_service.kernels.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
+from ntk_service.kernels.family.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
+from ntk_service.kernels.family.pseudo import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, Shorthands, resolve_options
-from ntk_service.kernels.outputs import OutputPath, parse_output
-from ntk_service.kernels.parameter_selection import select_parameters
-from ntk_service.kernels.private_module import check_model
-from ntk_service.kernels.problem_pool import prepared_problem
-from ntk_service.kernels.pseudo import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
-from ntk_service.kernels.side_cache import SideCache
+from ntk_service.kernels.problem.batch import Inputs, batch_size
+from ntk_service.kernels.problem.outputs import OutputPath, parse_output
+from ntk_service.kernels.problem.parameter_selection import select_parameters
+from ntk_service.kernels.problem.private_module import check_model
+from ntk_service.kernels.runtime.allocator import retain_freed_memory
+from ntk_service.kernels.runtime.device import device_memory_budget, model_device, parse_device, tf32_policy
+from ntk_service.kernels.runtime.problem_pool import prepared_problem
+from ntk_service.kernels.runtime.side_cache import SideCache
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
@@ -84,13 +84,13 @@ def compute_ntk(
             meaning x2 = x1: the x1 side is computed once and the result is exactly symmetric.
         mode (KernelMode or str): "full" (N, M, k, k), "trace" (N, M) (the plain sum over outputs;
             neural-tangents divides by k), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k),
-            "pseudo" (N, M): the pseudo-NTK (1/k) Σ_ab Θ_ab from one gradient per example (``pseudo.py``).
+            "pseudo" (N, M): the pseudo-NTK (1/k) Σ_ab Θ_ab from one gradient per example (``family/pseudo.py``).
             Default: "full".
         params (list of str, optional): glob patterns over parameter names, e.g. ``["head.*"]``: the kernel
             of that subset only. Tied weights count once. Default: None (all parameters).
         output (str, optional): which tensor of forward's return value is f: a key or attribute name
             (``"logits"`` of a dict or a Hugging Face ``ModelOutput``) or a path with indexing, e.g.
-            ``"logits[:, 0]"`` (parsed, never evaluated: ``outputs.py``); k = its size per example. Default:
+            ``"logits[:, 0]"`` (parsed, never evaluated: ``problem/outputs.py``); k = its size per example. Default:
             None (forward returns a tensor).
         options (NtkOptions, optional): how to compute: implementation, dtype, memory budget, device, TF32 and
             the structured engine's fast paths (``options.py``). Default: None, ``NtkOptions()`` (auto, the
@@ -120,7 +120,7 @@ def compute_ntk(
     loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
     opts = resolve_options(options, loose, operation="compute_ntk")
     device_of = model
-    if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel (k = 1) of Σ_a f_a / √k: see pseudo.py
+    if kernel_mode is DerivedMode.PSEUDO:  # the TRACE kernel (k = 1) of Σ_a f_a / √k: see family/pseudo.py
         check_model(model)
         if params is not None:
             select_parameters(model, params)  # bad globs are reported in the model's own names
@@ -178,7 +178,7 @@ def compute_ntk_groups(
     Raises:
         InvalidInput: as for ``compute_ntk``; NoMatchingParameters for a glob that matches nothing or an empty
             group, OverlappingGroups for a parameter in two groups, UnknownImplementation for
-            "ntk_vector_products" (NOTE [group kernels] in groups.py).
+            "ntk_vector_products" (NOTE [group kernels] in family/groups.py).
         MemoryEstimateExceeded: the G results and block buffers would not fit the budget (before allocating).
     """
     kernel_mode = parse_any_mode(mode, operation="compute_ntk_groups")

@@ -15,12 +15,12 @@ from collections.abc import Hashable
 import torch
 
 from ntk_service.kernels.algorithm import NtkAlgorithm, Side
-from ntk_service.kernels.batch import Batch, batch_size, take
-from ntk_service.kernels.groups import ParameterGroups
+from ntk_service.kernels.family.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.planning import BlockPlan
-from ntk_service.kernels.problem import NtkProblem
-from ntk_service.kernels.side_cache import SideCache
+from ntk_service.kernels.problem.batch import Batch, batch_size, take
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.side_cache import SideCache
 
 __all__ = ["run_blocks"]
 

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation, UnsupportedModel
 from ntk_service.kernels.algorithm import NtkAlgorithm
-from ntk_service.kernels.device import model_device
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, plan_blocks
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import model_device
 from ntk_service.kernels.structured import Structured, StructuredOptions
 from ntk_service.kernels.types import NtkImplementation
 

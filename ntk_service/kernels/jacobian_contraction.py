@@ -21,7 +21,7 @@ taken only while its whole side fits under that threshold (``joint_pays``), wher
 NOTE [Jacobian chunks]: one ``vmap(jacrev)`` call holds the saved tensors of all its examples and k cotangents
 of each, ~3.6x the Jacobian itself on the benchmark ResNet (11 MiB against 3 MiB per example), so there a call takes
 at most ``CHUNK_BYTES`` of transient (71 examples). The bound was 384 MiB (35 examples) when every large buffer
-was a fresh mapping (NOTE [large buffers] in allocator.py): on the ResNet at N = 128 a side took 5.07 CPU s and
+was a fresh mapping (NOTE [large buffers] in runtime/allocator.py): on the ResNet at N = 128 a side took 5.07 CPU s and
 896k page faults in one call, against 3.07 s and 131k faults in chunks of 35. With large buffers reused, a call's
 overhead is what chunks cost: the ResNet's N = 128 TRACE kernel took 3.63 user s in 4 calls of 32 per side,
 3.35 in 2 of 64, 3.16 in one call, the tutorial (one call, BatchNorm's own kernel) 3.55 (one process,
@@ -53,13 +53,13 @@ from collections.abc import Callable
 import torch
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.affine_batchnorm import batchnorm_scope
-from ntk_service.kernels.allocator import MMAP_THRESHOLD_BYTES
-from ntk_service.kernels.batch import Batch, batch_size, concat, one_example, take
-from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.math_attention import math_attention
+from ntk_service.kernels.family.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.affine_batchnorm import batchnorm_scope
+from ntk_service.kernels.problem.batch import Batch, batch_size, concat, one_example, take
+from ntk_service.kernels.problem.math_attention import math_attention
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
 __all__ = [

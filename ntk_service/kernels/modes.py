@@ -13,7 +13,7 @@ PSEUDO              (N, M)         (1/k) Σ_ab Θ[n, m, a, b]  (the pseudo-NTK; 
 =================== ============== ==================================================================
 
 ``DerivedMode`` holds the modes that are not contractions of the engine but the kernel of a derived model
-(``pseudo.py``): the implementations, planner and jobs only ever see a ``KernelMode``.
+(``family/pseudo.py``): the implementations, planner and jobs only ever see a ``KernelMode``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class DerivedMode(StrEnum):
 
     PSEUDO = "pseudo"
     """(N, M): (1/k) Σ_ab Θ_ab, the pseudo-NTK (Mohamadi, Bae & Sutherland 2023): the NTK of Σ_a f_a / √k, one
-    gradient per example instead of k (``pseudo.py``)."""
+    gradient per example instead of k (``family/pseudo.py``)."""
 
 
 def parse_any_mode(mode: KernelMode | DerivedMode | str, *, operation: str = "compute_ntk") -> KernelMode | DerivedMode:

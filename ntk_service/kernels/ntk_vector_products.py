@@ -8,7 +8,7 @@ Time N·k·[FP]·(1+2k)/k + 2·N·M·k·[FP]; memory n·k·P for the rows plus n
 Best when P is huge relative to [FP] (wide layers, few examples) or k is large.
 
 Forward-mode products run under ``math_attention()``: attention's fused eval kernels have no forward-mode AD, its
-math path has (``math_attention.py``).
+math path has (``problem/math_attention.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch
 from torch.func import jvp, vmap
 
 from ntk_service.errors import UnsupportedModel
-from ntk_service.kernels.batch import Batch, batch_size
-from ntk_service.kernels.embedding_padding import padding_as_constant
 from ntk_service.kernels.jacobian_contraction import jacobians
-from ntk_service.kernels.math_attention import math_attention
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, batch_size
+from ntk_service.kernels.problem.embedding_padding import padding_as_constant
+from ntk_service.kernels.problem.math_attention import math_attention
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
 __all__ = ["NtkVectorProducts"]

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ntk_service.errors import InvalidInput
-from ntk_service.kernels.device import parse_device
+from ntk_service.kernels.runtime.device import parse_device
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 
@@ -63,8 +63,8 @@ class NtkOptions:
             available at call time on the computing device (``device.device_memory_budget``).
         device: "cpu", "cuda" or "cuda:N" (or a ``torch.device``), checked to exist when the value is built.
             Default: None, the model's device.
-        allow_tf32: let float32 matmuls and convolutions on CUDA use TF32 tensor cores (NOTE [TF32] in device.py).
-            Default: False.
+        allow_tf32: let float32 matmuls and convolutions on CUDA use TF32 tensor cores (NOTE [TF32] in
+            runtime/device.py). Default: False.
         structured: the structured engine's fast paths (``StructuredOptions``). Default: every fast path on.
 
     Raises:

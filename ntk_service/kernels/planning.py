@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from ntk_service.errors import MemoryEstimateExceeded, format_bytes
 from ntk_service.kernels.algorithm import NtkAlgorithm
-from ntk_service.kernels.allocator import free_heap_bytes
 from ntk_service.kernels.modes import KernelMode, result_shape
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.allocator import free_heap_bytes
 
 __all__ = ["DEFAULT_MEMORY_FRACTION", "STREAMED_SIDE_BYTES", "BlockPlan", "default_memory_budget", "plan_blocks"]
 

@@ -50,7 +50,7 @@ from ntk_service.kernels import (
 )
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.options import DTYPES
-from ntk_service.kernels.outputs import parse_output, select_output
+from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.compute import ComputeLimiter
 from ntk_service.server.deps import ComputeDep, DatasetsDep, MetricsDep, RegistryDep, SettingsDep, SideCacheDep

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, ValidationError
 
 from ntk_service.errors import InvalidInput, MalformedRequest
-from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
+from ntk_service.kernels.family.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.architectures import ArchitectureSpec
 from ntk_service.registry.store import MAX_LABEL_LENGTH

@@ -11,7 +11,7 @@ from torch import nn
 
 from ntk_service.analysis import linearized_predictions
 from ntk_service.errors import InvalidInput, ShapeMismatch
-from ntk_service.kernels.linear_operator import ntk_operator
+from ntk_service.kernels.operators.linear_operator import ntk_operator
 from tests.reference import reference_ntk
 
 N, M, K = 6, 3, 3

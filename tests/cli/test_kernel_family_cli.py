@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from ntk_service.cli import app
 from ntk_service.cli._kernel_family import MAX_SEEDS
-from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
+from ntk_service.kernels.family.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from ntk_service.registry.zoo import build_model
 from tests.conftest import LiveServer
 from tests.reference import reference_ntk

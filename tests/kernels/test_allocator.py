@@ -1,4 +1,4 @@
-"""glibc malloc tuning (allocator.py): large buffers reused across calls and returned on request, measured in a
+"""glibc malloc tuning (runtime/allocator.py): large buffers reused across calls and returned on request, measured in a
 fresh process each (the settings are process-wide) by its page faults and resident memory."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 _PROGRAM = """
 import json, resource, sys, torch
-from ntk_service.kernels.allocator import release_freed_memory, retain_freed_memory, reuse_large_buffers
+from ntk_service.kernels.runtime.allocator import release_freed_memory, retain_freed_memory, reuse_large_buffers
 assert (retain_freed_memory if sys.argv[1] == "retain" else reuse_large_buffers)()
 
 def rss_kib():
@@ -54,7 +54,7 @@ def test_large_buffers_are_reused_across_calls_and_released_on_request() -> None
 
 _BUDGET_PROGRAM = """
 import json, torch
-from ntk_service.kernels import allocator, planning
+from ntk_service.kernels.runtime import allocator, planning
 assert allocator.reuse_large_buffers()
 before = allocator.free_heap_bytes()
 torch.ones(64 * 2**20)  # 256 MiB from the heap, freed at once and kept there

@@ -15,8 +15,8 @@ from torch import nn
 from benchmarks._models import MODELS, ResNet, TransformerClassifier, make_inputs, randomize_batchnorm
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
 from ntk_service.kernels.choice import ALGORITHMS, plan_choice
-from ntk_service.kernels.math_attention import math_attention
-from ntk_service.kernels.problem_pool import prepared_problem
+from ntk_service.kernels.problem.math_attention import math_attention
+from ntk_service.kernels.runtime.problem_pool import prepared_problem
 from tests.reference import assert_matches, reference_ntk
 
 pytestmark = pytest.mark.filterwarnings(

@@ -12,7 +12,7 @@ from torch import nn
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
 from ntk_service.kernels.choice import ALGORITHMS
-from ntk_service.kernels.private_module import private_copy
+from ntk_service.kernels.problem.private_module import private_copy
 from tests.kernels.zoo import ZOO, ZooEntry, zoo_case
 from tests.reference import assert_matches, reference_ntk
 

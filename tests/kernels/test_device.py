@@ -15,7 +15,7 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput, UnknownDevice
 from ntk_service.kernels import compute_ntk, device_memory_budget, model_device, parse_device, place_module, warm_up
-from ntk_service.kernels.device import MEMORY_BUDGETS, Tf32Policy, cuda_memory_budget, host_memory_budget
+from ntk_service.kernels.runtime.device import MEMORY_BUDGETS, Tf32Policy, cuda_memory_budget, host_memory_budget
 from tests.reference import assert_matches, reference_ntk
 
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

@@ -1,5 +1,5 @@
-"""``padding_as_constant`` (embedding_padding.py): an embedding's padding lookups are constants in forward mode as in
-reverse mode, so NTK-vector products and the operator agree with the per-example reverse-mode reference."""
+"""``padding_as_constant`` (problem/embedding_padding.py): an embedding's padding lookups are constants in forward
+mode as in reverse mode, so NTK-vector products and the operator agree with the per-example reverse-mode reference."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from ntk_service.errors import (
     UnsupportedModel,
 )
 from ntk_service.kernels import SideCache, compute_ntk
-from ntk_service.kernels.inputs import validate_inputs
+from ntk_service.kernels.problem.inputs import validate_inputs
 from ntk_service.kernels.structured import Structured
 from tests.reference import reference_ntk
 

@@ -1,5 +1,5 @@
 """The Jacobian build in chunks of examples and with eval BatchNorm as its affine map (jacobian_contraction.py,
-affine_batchnorm.py), against the independent float64 reference."""
+problem/affine_batchnorm.py), against the independent float64 reference."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._models import ResNet, randomize_batchnorm
-from ntk_service.kernels.affine_batchnorm import affine_batchnorm
-from ntk_service.kernels.groups import ParameterGroups
+from ntk_service.kernels.family.groups import ParameterGroups
 from ntk_service.kernels.jacobian_contraction import (
     JacobianContraction,
     contract_groups,
@@ -22,7 +21,8 @@ from ntk_service.kernels.jacobian_contraction import (
     split_chunks,
 )
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.problem_pool import prepared_problem
+from ntk_service.kernels.problem.affine_batchnorm import affine_batchnorm
+from ntk_service.kernels.runtime.problem_pool import prepared_problem
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel
 
 

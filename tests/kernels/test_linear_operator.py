@@ -11,7 +11,7 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, NonFiniteInput, ShapeMismatch, UnknownMode
 from ntk_service.kernels import ntk_operator
-from ntk_service.kernels.linear_operator import MAX_CHUNK_BYTES
+from ntk_service.kernels.operators.linear_operator import MAX_CHUNK_BYTES
 from tests.kernels.zoo import ZOO
 from tests.reference import reference_jacobian, reference_ntk
 

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ntk_service.kernels.math_attention import math_attention
+from ntk_service.kernels.problem.math_attention import math_attention
 
 
 def _by_hand(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput, UnknownLayer, UnsupportedModel
 from ntk_service.kernels import DerivedMode, KernelMode, MonteCarloResult, compute_ntk, monte_carlo_ntk
-from ntk_service.kernels.monte_carlo import MAX_MONTE_CARLO_SEEDS
+from ntk_service.kernels.family.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from tests.kernels.zoo import ZOO, ZooEntry
 from tests.reference import assert_matches, reference_ntk
 

@@ -12,11 +12,12 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import choice, compute_ntk, problem_pool
+from ntk_service.kernels import choice, compute_ntk
 from ntk_service.kernels.choice import ALGORITHMS
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import plan_blocks
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime import problem_pool
 from ntk_service.kernels.types import NtkImplementation
 from tests.reference import assert_matches, reference_ntk
 
@@ -185,7 +186,7 @@ def test_kept_choices_are_the_plans_a_fresh_problem_would_make(monkeypatch: pyte
 _FAULTS = """
 import resource, sys, torch
 if sys.argv[1] == "retain":
-    from ntk_service.kernels.allocator import retain_freed_memory
+    from ntk_service.kernels.runtime.allocator import retain_freed_memory
     assert retain_freed_memory()
 for _ in range(3):
     torch.ones(1024, 1024)  # 4 MiB, allocated, touched and freed

@@ -1,4 +1,4 @@
-"""The structured sketch (product_sketch.py) against the exact float64 kernel of tests/reference.py: its error's
+"""The structured sketch (sketch/product_sketch.py) against the exact float64 kernel of tests/reference.py: its error's
 rate in D and its constant (Isserlis' theorem on hand-computed δ and a, NOTE [product sketch error]), unbiasedness
 over seeds on Linear layers over sequences, convolutions and models mixing covered and uncovered parameters, and
 the uncovered parameters' columns being the Gaussian sketch's."""

@@ -19,7 +19,7 @@ from ntk_service.kernels import (
     ntk_operator,
 )
 from ntk_service.kernels.choice import ALGORITHMS
-from ntk_service.kernels.outputs import parse_output, select_output
+from ntk_service.kernels.problem.outputs import parse_output, select_output
 from tests.reference import assert_matches, reference_ntk
 
 IMPLEMENTATIONS = [*ALGORITHMS, NtkImplementation.AUTO]

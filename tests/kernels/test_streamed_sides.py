@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from ntk_service.kernels import problem_pool
-from ntk_service.kernels.batch import Batch
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.jacobian_contraction import JacobianChunks, JacobianContraction
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import plan_blocks
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime import problem_pool
 from tests.reference import assert_matches, reference_ntk
 
 

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk
-from ntk_service.kernels.preparation import prepare_problem
-from ntk_service.kernels.private_module import eval_semantics
+from ntk_service.kernels.problem.preparation import prepare_problem
+from ntk_service.kernels.problem.private_module import eval_semantics
 from ntk_service.kernels.structured import Structured, StructuredOptions, StructuredTerms, structured_terms
 from ntk_service.kernels.structured.options import Form
 from tests.kernels.conftest import structured_ntk

@@ -13,9 +13,9 @@ import ntk_service.kernels.structured as structured_package
 from ntk_service.kernels import KernelMode, compute_ntk
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.planning import plan_blocks
-from ntk_service.kernels.preparation import prepare_problem
-from ntk_service.kernels.private_module import eval_semantics
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.preparation import prepare_problem
+from ntk_service.kernels.problem.private_module import eval_semantics
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.structured import FAST_PATHS, Structured, StructuredOptions
 from tests.kernels.conftest import AUTOGRAD_CAPTURE, structured_ntk
 from tests.reference import assert_matches, reference_ntk

@@ -1,7 +1,7 @@
 """One view of a kernel for the solvers: a float64 block product V ↦ A V on the layout of NOTE [layout].
 
 A kernel reaches the solvers as a dense array (what ``compute_ntk`` returns), an ``NtkOperator``
-(``kernels/linear_operator.py``), a ``scipy.sparse.linalg.LinearOperator`` or any object with ``shape`` and
+(``kernels/operators/linear_operator.py``), a ``scipy.sparse.linalg.LinearOperator`` or any object with ``shape`` and
 ``matvec`` on flat vectors (a stored kernel, an operator over a data set). ``kernel_operator`` turns each into a
 ``KernelOperator`` whose ``apply`` takes and returns float64 blocks, so CG, Lanczos and the preconditioners never
 ask what they were given.
@@ -27,8 +27,8 @@ import torch
 
 from ntk_service.analysis.layout import to_kernel_matrix
 from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
-from ntk_service.kernels.linear_operator import NtkOperator
 from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.operators.linear_operator import NtkOperator
 
 __all__ = ["KernelOperator", "check_ridge", "is_operator", "kernel_operator"]
 

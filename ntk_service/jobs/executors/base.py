@@ -30,8 +30,8 @@ from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray, mirror_theta
 from ntk_service.kernels import NtkOptions, SideCache, compute_ntk, device_memory_budget
-from ntk_service.kernels.batch import Batch
 from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.kernels.problem.batch import Batch
 
 __all__ = [
     "Executor",

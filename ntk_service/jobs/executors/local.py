@@ -37,7 +37,7 @@ from ntk_service.jobs.executors.base import (
 from ntk_service.jobs.panels import Panel
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import SideCache, parse_device
-from ntk_service.kernels.batch import Batch
+from ntk_service.kernels.problem.batch import Batch
 
 __all__ = ["LocalExecutor", "RunCompute"]
 
@@ -63,7 +63,7 @@ class LocalExecutor(Executor):
         side_cache_bytes: size of the per-job SideCache (``NTK_JOB_SIDE_CACHE_BYTES``). Default: None, a quarter
             of the job's memory budget (``default_side_cache_bytes``).
         device: where panels run, "cpu", "cuda" or "cuda:N" (checked here). Default: "cpu".
-        allow_tf32: let float32 panels on CUDA use TF32 (NOTE [TF32] in kernels/device.py). Default: False.
+        allow_tf32: let float32 panels on CUDA use TF32 (NOTE [TF32] in kernels/runtime/device.py). Default: False.
 
     Raises:
         UnknownDevice: a device this machine does not have.

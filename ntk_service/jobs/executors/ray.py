@@ -5,8 +5,9 @@
 - ``ray.init(address=NTK_RAY_ADDRESS)`` connects to a cluster (``"auto"`` or ``"ray://head:10001"``); without an
   address a local Ray instance is started on first use. A Ray already initialised in this process is reused.
 - NOTE [panel workers]: one actor per ``num_cpus`` CPUs of the cluster (per ``num_gpus`` GPUs), created on the first
-  job and kept until ``close``. Each keeps the job's model, its problem pool (``kernels/problem_pool.py``: the model's
-  set-up is done once per actor, not once per task) and its side cache. Per job run the data sets go to the object
+  job and kept until ``close``. Each keeps the job's model, its problem pool
+  (``kernels/runtime/problem_pool.py``: the model's set-up is done once per actor, not once per task) and its side
+  cache. Per job run the data sets go to the object
   store once, as numpy arrays (which workers read zero-copy), the model once as a data-free module tree and its
   weights as numpy (``weights.py``: zero-copy too, one copy per node however many actors), and the JobWork once;
   a call carries their references (in a list, so Ray does not resolve them per call) and a panel description
@@ -64,7 +65,7 @@ from ntk_service.kernels import (
     place_module,
     retain_freed_memory,
 )
-from ntk_service.kernels.batch import Batch
+from ntk_service.kernels.problem.batch import Batch
 
 __all__ = ["DEFAULT_MAX_RETRIES", "PanelWorker", "RayExecutor", "assigned_device", "batch_as_numpy", "import_ray"]
 
@@ -206,7 +207,7 @@ class RayExecutor(Executor):
         address: Ray cluster address for ``ray.init`` (None: reuse an initialised Ray, else start a local one).
         num_cpus: CPUs reserved per actor (also its torch threads). Default: 1.
         num_gpus: GPUs reserved per actor; > 0 runs the panels on the CUDA device Ray assigns. Default: 0.
-        allow_tf32: let float32 panels on CUDA use TF32 (NOTE [TF32] in kernels/device.py). Default: False.
+        allow_tf32: let float32 panels on CUDA use TF32 (NOTE [TF32] in kernels/runtime/device.py). Default: False.
         max_retries: restarts of an actor whose process died, and retries of its call. Default:
             ``DEFAULT_MAX_RETRIES``.
         max_in_flight: calls out at once. Default: ``_CALLS_PER_ACTOR`` per actor.

@@ -55,9 +55,8 @@ from ntk_service.errors import InvalidInput, JobFailed, NtkServiceError, Optiona
 from ntk_service.jobs.executors.ray import batch_as_numpy, import_ray
 from ntk_service.jobs.executors.weights import pack_module, unpack_module
 from ntk_service.kernels import model_device, place_module
-from ntk_service.kernels.batch import Inputs, batch_size, take
-from ntk_service.kernels.inputs import validate_inputs
-from ntk_service.kernels.linear_operator import (
+from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.operators.linear_operator import (
     NtkOperator,
     apply_in_mode,
     as_operand,
@@ -65,9 +64,10 @@ from ntk_service.kernels.linear_operator import (
     parse_operator_mode,
     scipy_view,
 )
-from ntk_service.kernels.modes import DerivedMode, KernelMode
-from ntk_service.kernels.outputs import parse_output
-from ntk_service.kernels.private_module import check_model
+from ntk_service.kernels.problem.batch import Inputs, batch_size, take
+from ntk_service.kernels.problem.inputs import validate_inputs
+from ntk_service.kernels.problem.outputs import parse_output
+from ntk_service.kernels.problem.private_module import check_model
 
 __all__ = ["DEFAULT_SHARDS", "RayNtkOperator", "ShardWorker", "ray_ntk_operator"]
 

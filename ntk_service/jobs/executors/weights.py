@@ -10,7 +10,7 @@ uint8 bytes with their dtype and shape (numpy has no bfloat16), and a tensor sha
 is packed once and is one tensor again after unpacking, so the kernel still counts it once.
 
 NOTE [read-only weights]: the object store's buffers are read-only. ``unpack_module`` wraps them without a copy;
-the engine never writes a module's tensors (NOTE [private module] in kernels/private_module.py: a computation's
+the engine never writes a module's tensors (NOTE [private module] in kernels/problem/private_module.py: a computation's
 private copy shares them, ``functional_call`` swaps parameters in and out and reads them), and a GPU actor copies
 them to its device. torch's warning about non-writable numpy arrays is silenced for that wrap only.
 """

@@ -32,11 +32,11 @@ import math
 
 import torch
 
-from ntk_service.kernels.batch import Batch, batch_size, concat, take
-from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.math_attention import attention_scope
+from ntk_service.kernels.family.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, batch_size, concat, take
+from ntk_service.kernels.problem.math_attention import attention_scope
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.structured.capture import capture
 from ntk_service.kernels.structured.contraction import (
     Accumulator,
@@ -116,7 +116,7 @@ class Structured:
             terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, take(x, 0, 2)))
         with attention_scope(
             problem.module, problem.calls_attention
-        ):  # fallback jacrev under vmap: see math_attention.py
+        ):  # fallback jacrev under vmap: see problem/math_attention.py
             cap, terms = capture(problem, terms, self.options, x)
         problem.analyses[self._key] = terms  # the same plan, or the new one the block taught
         return _side(problem, terms, cap, self.options, batch_size(x))
@@ -203,7 +203,7 @@ class Structured:
         groups: ParameterGroups,
     ) -> torch.Tensor:
         """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
-        kernels] in groups.py); in FULL each group's last plain factored term rides along in the pass that writes
+        kernels] in family/groups.py); in FULL each group's last plain factored term rides along in the pass that writes
         its block (``fused_finish``, as ``pair`` does), so G groups cost G result-sized writes, not 2·G."""
         terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
         factored: list[list[tuple[FactorSide, FactorSide, bool, bool]]] = [[] for _ in groups.names]

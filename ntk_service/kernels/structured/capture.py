@@ -52,8 +52,8 @@ import torch
 from torch import nn
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.batch import Batch, batch_size
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, batch_size
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.structured.chain import run_chain
 from ntk_service.kernels.structured.descriptors import Capture, Delta, Layout
 from ntk_service.kernels.structured.options import StructuredOptions

@@ -37,7 +37,7 @@ from torch.func import functional_call
 from torch.nn.modules import module as torch_module
 from torch.overrides import TorchFunctionMode
 
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.structured.descriptors import Delta, Layout
 
 __all__ = ["FIXED_PIPELINE_ATTRIBUTE", "Chain", "run_chain", "sequential_chain"]

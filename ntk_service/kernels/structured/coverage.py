@@ -23,8 +23,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ntk_service.kernels.batch import Batch, take
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, take
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.structured.chain import sequential_chain
 from ntk_service.kernels.structured.options import StructuredOptions
 from ntk_service.kernels.structured.plan import FactoredTerm, JacobianTerm, StructuredTerms, StructurePlan, Use
@@ -266,7 +266,7 @@ def analyze(problem: NtkProblem, options: StructuredOptions, example: Batch | No
             the plan's starting facts).
         example: (1, *input) one example; default: zeros of the input shape (float, else int64 token ids).
     """
-    if example is None and problem.template is not None:  # a tuple or mapping of inputs (kernels/batch.py)
+    if example is None and problem.template is not None:  # a tuple or mapping of inputs (kernels/problem/batch.py)
         example = problem.template
     if example is None:
         example = torch.zeros((1, *problem.input_shape), dtype=problem.dtype)

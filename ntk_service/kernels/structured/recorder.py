@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ntk_service.errors import UnsupportedModel
-from ntk_service.kernels.batch import Batch, batch_size, take
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, batch_size, take
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.structured.plan import StructurePlan
 from ntk_service.kernels.types import NamedTensors
 

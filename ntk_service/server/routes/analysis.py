@@ -24,7 +24,7 @@ from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
 from ntk_service.kernels import NtkResult, ntk_operator
 from ntk_service.kernels.modes import parse_any_mode
-from ntk_service.kernels.outputs import parse_output, select_output
+from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.server.analysis_schemas import (
     AnalysisKernelOptions,

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, PayloadTooLarge, format_bytes
 from ntk_service.jobs.features_job import check_pairable, feature_block
-from ntk_service.kernels.features import DEFAULT_SKETCH, MAX_FEATURE_DIM, SketchKind
+from ntk_service.kernels.sketch.features import DEFAULT_SKETCH, MAX_FEATURE_DIM, SketchKind
 from ntk_service.server.deps import ReadAccess, SettingsDep, WriteAccess
 from ntk_service.server.media import collection_response, json_response, negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob

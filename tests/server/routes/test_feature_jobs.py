@@ -67,7 +67,7 @@ def test_kernels_from_features_average_to_the_reference_kernel(setup: dict[str, 
     """The mean over S seeds of Φ1 Φ2ᵀ against the exact Θ(x, t).
 
     Tolerance: for a Gaussian sketch each entry of Φ1 Φ2ᵀ is unbiased with variance (Θ12_ij² + Θ11_ii Θ22_jj) / D
-    (Wick's theorem, NOTE [sketch error] in kernels/features.py), so E‖Φ1Φ2ᵀ − Θ12‖²_F = (‖Θ12‖²_F + tr Θ11 ·
+    (Wick's theorem, NOTE [sketch error] in kernels/sketch/features.py), so E‖Φ1Φ2ᵀ − Θ12‖²_F = (‖Θ12‖²_F + tr Θ11 ·
     tr Θ22) / D exactly, and the mean of S independent seeds divides it by S. Markov's inequality on the squared
     error gives P(error > 3·rms) ≤ 1/9 for any seeds; the seeds are fixed, so the test is deterministic, and the
     bound is not tuned to them (here the error is 0.94 rms).

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ntk_service.errors import EmptyBatch, InvalidInput, NonFiniteInput, ShapeMismatch
-from ntk_service.kernels.batch import Batch, as_batch, check_sides, is_batch
+from ntk_service.kernels.problem.batch import Batch, as_batch, check_sides, is_batch
 
 __all__ = ["validate_inputs"]
 

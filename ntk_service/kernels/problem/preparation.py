@@ -9,12 +9,12 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ntk_service.kernels.batch import Batch, batch_size, check_ids, concat, take, template
-from ntk_service.kernels.inputs import validate_inputs
-from ntk_service.kernels.outputs import OutputPath
-from ntk_service.kernels.parameter_selection import select_parameters
-from ntk_service.kernels.probe import PROBE_EXAMPLES, probe_model
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, batch_size, check_ids, concat, take, template
+from ntk_service.kernels.problem.inputs import validate_inputs
+from ntk_service.kernels.problem.outputs import OutputPath
+from ntk_service.kernels.problem.parameter_selection import select_parameters
+from ntk_service.kernels.problem.probe import PROBE_EXAMPLES, probe_model
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = ["build_problem", "prepare_problem"]

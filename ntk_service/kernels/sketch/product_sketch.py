@@ -40,9 +40,9 @@ from dataclasses import dataclass
 import torch
 
 from ntk_service.errors import MemoryEstimateExceeded, format_bytes
-from ntk_service.kernels.batch import Batch, batch_size, take
-from ntk_service.kernels.problem import NtkProblem
-from ntk_service.kernels.sketch_draws import BLOCK, gaussian_block
+from ntk_service.kernels.problem.batch import Batch, batch_size, take
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.sketch.sketch_draws import BLOCK, gaussian_block
 from ntk_service.kernels.structured import Structured, StructuredOptions
 from ntk_service.kernels.structured.descriptors import FactorSide
 from ntk_service.kernels.structured.plan import FactoredTerm, StructuredTerms

@@ -53,17 +53,17 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
-from ntk_service.kernels.batch import Batch, Inputs, batch_size, take
-from ntk_service.kernels.embedding_padding import padding_as_constant
-from ntk_service.kernels.inputs import validate_inputs
-from ntk_service.kernels.math_attention import attention_scope
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
-from ntk_service.kernels.outputs import parse_output
 from ntk_service.kernels.planning import default_memory_budget
-from ntk_service.kernels.preparation import build_problem
-from ntk_service.kernels.private_module import check_model, private_copy
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
+from ntk_service.kernels.problem.embedding_padding import padding_as_constant
+from ntk_service.kernels.problem.inputs import validate_inputs
+from ntk_service.kernels.problem.math_attention import attention_scope
+from ntk_service.kernels.problem.outputs import parse_output
+from ntk_service.kernels.problem.preparation import build_problem
+from ntk_service.kernels.problem.private_module import check_model, private_copy
+from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = [

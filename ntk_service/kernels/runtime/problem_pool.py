@@ -31,14 +31,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ntk_service.kernels.batch import Batch, check_ids, to_device
-from ntk_service.kernels.batch import signature as input_signature
-from ntk_service.kernels.device import model_device, place_module
-from ntk_service.kernels.inputs import validate_inputs
-from ntk_service.kernels.outputs import OutputPath
-from ntk_service.kernels.preparation import build_problem
-from ntk_service.kernels.private_module import check_model, eval_semantics, private_copy
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.batch import Batch, check_ids, to_device
+from ntk_service.kernels.problem.batch import signature as input_signature
+from ntk_service.kernels.problem.inputs import validate_inputs
+from ntk_service.kernels.problem.outputs import OutputPath
+from ntk_service.kernels.problem.preparation import build_problem
+from ntk_service.kernels.problem.private_module import check_model, eval_semantics, private_copy
+from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import model_device, place_module
 
 __all__ = [
     "IDLE_PER_SIGNATURE",

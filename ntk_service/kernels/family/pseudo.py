@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import nn
 
-from ntk_service.kernels.outputs import OutputPath, select_output
+from ntk_service.kernels.problem.outputs import OutputPath, select_output
 
 __all__ = ["SUMMED_OUTPUTS_PREFIX", "SummedOutputs", "pseudo_key", "pseudo_params"]
 
@@ -33,7 +33,7 @@ class SummedOutputs(nn.Module):
 
     Args:
         model: the model f; a batch (n, *input) maps to (n, *out), k = prod(out).
-        output: which tensor of what ``model`` returns is f (``outputs.py``). Default: None (a tensor).
+        output: which tensor of what ``model`` returns is f (``problem/outputs.py``). Default: None (a tensor).
     """
 
     def __init__(self, model: nn.Module, output: OutputPath | None = None) -> None:

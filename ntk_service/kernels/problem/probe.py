@@ -12,7 +12,7 @@ from torch.func import vmap
 from torch.utils.flop_counter import FlopCounterMode
 
 from ntk_service.errors import InvalidInput, ShapeMismatch, UnsupportedModel
-from ntk_service.kernels.batch import (
+from ntk_service.kernels.problem.batch import (
     Batch,
     batch_size,
     call_module,
@@ -23,9 +23,9 @@ from ntk_service.kernels.batch import (
     leaves,
     one_example,
 )
-from ntk_service.kernels.math_attention import math_attention
-from ntk_service.kernels.outputs import select_output
-from ntk_service.kernels.problem import NtkProblem
+from ntk_service.kernels.problem.math_attention import math_attention
+from ntk_service.kernels.problem.outputs import select_output
+from ntk_service.kernels.problem.problem import NtkProblem
 
 __all__ = ["PROBE_EXAMPLES", "probe_model"]
 

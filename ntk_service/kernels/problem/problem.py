@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ntk_service.kernels.batch import Batch, IdTables, batch_size, call_module, unsqueeze
-from ntk_service.kernels.outputs import OutputPath, select_output
+from ntk_service.kernels.problem.batch import Batch, IdTables, batch_size, call_module, unsqueeze
+from ntk_service.kernels.problem.outputs import OutputPath, select_output
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = ["NtkProblem", "as_outputs"]
