@@ -21,7 +21,8 @@ keeps them all). The load average is on every line.
 - ``writes``: an in-process A/B of one panel's result writes (13² chunks with their ledger entries): plain files
   in place against through Zarr (a temporary file and a rename each), alternated, median ratio.
 - ``server``: the same kernel as a job of a real ``ntk-service`` process (local executor), submit to succeeded,
-  with the server's resident-memory high-water mark (``VmHWM``) during the job.
+  with the server's resident-memory high-water mark (``VmHWM``) during the job; ``server-tiles`` (not in the
+  default set) the same job with a panel per tile, as every job ran before panels.
 - ``cnn``: a CNN whose kernel is dominated by its contraction (``_contraction_cnn``: small spatial, wide channels;
   its per-pair time is nearly flat from blocks of 256 up, so one block's per-pair rate is a fair floor),
   ``compute_ntk_tiled`` against its floor. (The CNN of benchmarks/_models.py is dominated by its sides: a 256² block
@@ -267,9 +268,11 @@ def _line(name: str, wall: float, floor: float, extra: str = "", *, cpu: float =
     print(f"{name:<58} {wall:>9.2f} {floor:>9.2f} {wall / floor:>8.2f}x {cpu_ratio} {busy}  {extra}")
 
 
-def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, float, int, int, int]:
-    """A trace job of the MLP on a real server: (wall s, the server's CPU s, panel_tiles, VmHWM KiB during the job,
-    idle RSS KiB)."""
+def _server_job(
+    n: int, tile_size: int, tmp: Path, panel_tiles: int | None = None
+) -> tuple[float, float, int, int, int]:
+    """A trace job of the MLP on a real server, its panels from the server's cost model or ``panel_tiles``: (wall s,
+    the server's CPU s, panel_tiles, VmHWM KiB during the job, idle RSS KiB)."""
     data_dir = Path(tempfile.mkdtemp(prefix="server-data-", dir=tmp))  # a fresh one per round
     process, url = _start_server(data_dir)
     try:
@@ -283,7 +286,8 @@ def _server_job(n: int, tile_size: int, tmp: Path) -> tuple[float, float, int, i
             idle_kib = _proc_kib(process.pid, "VmRSS")
             _reset_high_water(process.pid)
             cpu, started = _proc_cpu_s(process.pid), time.perf_counter()
-            job = client.wait(client.submit_job("mlp", dataset, mode="trace", tile_size=tile_size), progress=False)
+            submitted = client.submit_job("mlp", dataset, mode="trace", tile_size=tile_size, panel_tiles=panel_tiles)
+            job = client.wait(submitted, progress=False)
             wall, cpu = time.perf_counter() - started, _proc_cpu_s(process.pid) - cpu
             if job["status"] != "succeeded":
                 raise SystemExit(f"server job failed: {job['error']}")
@@ -350,7 +354,11 @@ def main() -> None:
     mlp, x = make_mlp(), make_inputs("mlp", args.n)
     with tempfile.TemporaryDirectory(dir=os.environ.get("NTK_BENCH_TMP")) as name:
         tmp = Path(name)
-        floor = _Floor(mlp, x, args.block, args.n, args.repeat) if parts & {"tiled", "server", "diag"} else None
+        floor = (
+            _Floor(mlp, x, args.block, args.n, args.repeat)
+            if parts & {"tiled", "server", "server-tiles", "diag"}
+            else None
+        )
         if floor is not None:
             print(f"{'floor: one ' + str(args.block) + '² block per pair x N(N+1)/2 pairs':<58} {'':>9} "
                   f"{floor.wall:>9.2f}   cpu {floor.cpu:.2f} s, cores {floor.cpu / floor.wall:.2f}, "
@@ -382,6 +390,13 @@ def main() -> None:
                 memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
                 extra = f"(issue: ≤ 1.2x) {memory}, load {os.getloadavg()[0]:.1f}"
                 _line(f"server job, trace MLP, panels of {panel}² tiles", wall, fl, extra, cpu=cpu, floor_cpu=fl_cpu)
+            if "server-tiles" in parts and floor is not None:
+                (wall, cpu, _, hwm_kib, idle_kib), fl, fl_cpu = floor.around(
+                    lambda: _server_job(args.n, args.tile_size, tmp, panel_tiles=1)
+                )
+                memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
+                extra = f"{memory}, load {os.getloadavg()[0]:.1f}"
+                _line("server job, trace MLP, a panel per tile (before)", wall, fl, extra, cpu=cpu, floor_cpu=fl_cpu)
         if "cnn" in parts:
             cnn, xc = _contraction_cnn(args.cnn_n)
             cnn_floor = _Floor(cnn, xc, args.cnn_block, args.cnn_n, args.repeat)

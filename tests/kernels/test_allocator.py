@@ -54,7 +54,8 @@ def test_large_buffers_are_reused_across_calls_and_released_on_request() -> None
 
 _BUDGET_PROGRAM = """
 import json, torch
-from ntk_service.kernels.runtime import allocator, planning
+from ntk_service.kernels import planning
+from ntk_service.kernels.runtime import allocator
 assert allocator.reuse_large_buffers()
 before = allocator.free_heap_bytes()
 torch.ones(64 * 2**20)  # 256 MiB from the heap, freed at once and kept there
