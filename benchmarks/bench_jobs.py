@@ -322,6 +322,9 @@ def _bytes_per_task(model: nn.Module, x: torch.Tensor, tile_size: int) -> tuple[
     return before, after, once
 
 
+_PARTS = {"tiled", "diag", "writes", "server", "server-tiles", "cnn", "ray", "bytes"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=8192, help="examples of the MLP runs (N). Default: 8192")
@@ -344,6 +347,8 @@ def main() -> None:
     if args.small:
         args.n, args.block, args.tile_size, args.cnn_n, args.cnn_block, args.ray_n = 1024, 256, 64, 256, 64, 512
     parts = set(args.only.split(","))
+    if unknown := parts - _PARTS:
+        parser.error(f"--only: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(sorted(_PARTS))}")
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
     print(
@@ -383,20 +388,18 @@ def main() -> None:
                 _diagonal_ab(mlp, x, args.tile_size, floor)
             if "writes" in parts and round_ == 0:
                 _writes_ab(args.n, args.tile_size, tmp)
-            if "server" in parts and floor is not None:
+            # "server": panels from the server's cost model; "server-tiles": a panel per tile, as before panels.
+            for part, panel_tiles in (("server", None), ("server-tiles", 1)):
+                if part not in parts or floor is None:
+                    continue
                 (wall, cpu, panel, hwm_kib, idle_kib), fl, fl_cpu = floor.around(
-                    lambda: _server_job(args.n, args.tile_size, tmp)
+                    lambda p=panel_tiles: _server_job(args.n, args.tile_size, tmp, panel_tiles=p)
                 )
                 memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
-                extra = f"(issue: ≤ 1.2x) {memory}, load {os.getloadavg()[0]:.1f}"
-                _line(f"server job, trace MLP, panels of {panel}² tiles", wall, fl, extra, cpu=cpu, floor_cpu=fl_cpu)
-            if "server-tiles" in parts and floor is not None:
-                (wall, cpu, _, hwm_kib, idle_kib), fl, fl_cpu = floor.around(
-                    lambda: _server_job(args.n, args.tile_size, tmp, panel_tiles=1)
-                )
-                memory = f"server RSS idle {idle_kib / 1024:.0f} MiB, high-water in the job {hwm_kib / 1024:.0f} MiB"
-                extra = f"{memory}, load {os.getloadavg()[0]:.1f}"
-                _line("server job, trace MLP, a panel per tile (before)", wall, fl, extra, cpu=cpu, floor_cpu=fl_cpu)
+                issue = "(issue: ≤ 1.2x) " if panel_tiles is None else ""
+                label = f"panels of {panel}² tiles" if panel_tiles is None else "a panel per tile (before)"
+                _line(f"server job, trace MLP, {label}", wall, fl, f"{issue}{memory}, load {os.getloadavg()[0]:.1f}",
+                      cpu=cpu, floor_cpu=fl_cpu)  # fmt: skip
         if "cnn" in parts:
             cnn, xc = _contraction_cnn(args.cnn_n)
             cnn_floor = _Floor(cnn, xc, args.cnn_block, args.cnn_n, args.repeat)
