@@ -11,21 +11,26 @@ NOTE [block cg]
     TRACE targets, the M·k columns of Θ(x, x*) for a GP variance) resolve the kernel's few large outlying modes
     once between them instead of once each. Plain block CG divides by PᵀQ, singular as soon as the block loses
     rank (two equal columns, a column that has converged, residuals that align); the breakdown-free variant of
-    Ji and Li (2017) orthonormalizes Z + Pβ rank-revealingly (NOTE [svqb]) and keeps only the directions
-    above ``RANK_TOL`` × the largest, so s ≤ r shrinks instead of blowing up. The columns are scaled to unit norm
-    first, so a column with a small residual is not mistaken for a dependent one. A converged column leaves the
-    block (its x is final; the stopping rule is per column, as in the batched sweep), and P stays orthonormal,
-    so PᵀQ has the spectrum of A + λI restricted to span(P) and a Cholesky that fails means the operator is not
-    positive definite ("breakdown"). One iteration costs s products (one per direction): the sweep pays off when
-    the shared space lets it stop after fewer iterations × s than the batched sweep's Σ over columns.
+    Ji and Li (2017) orthonormalizes Z + Pβ rank-revealingly and keeps only the directions that matter (NOTE
+    [rank decision]), so s ≤ r shrinks instead of blowing up. A converged column leaves the block (its x is
+    final; the stopping rule is per column, as in the batched sweep), and P stays orthonormal, so PᵀQ has the
+    spectrum of A + λI restricted to span(P) and a Cholesky that fails means the operator is not positive
+    definite ("breakdown"). One iteration costs s products (one per direction): the sweep pays off when the
+    shared space lets it stop after fewer iterations × s than the batched sweep's Σ over columns.
 
-NOTE [svqb]
-    The orthonormalization is SVQB (Stathopoulos and Wu 2002) done twice: the eigendecomposition of the small
-    Gram matrix WᵀW (s × s) gives W V Σ⁻¹, dropping the directions with σ below ``RANK_TOL`` σ_max, and a second
-    pass restores orthonormality to rounding (the first leaves about eps · (σ_max / σ_min)²). It is two (n, s)
-    matrix products and an s × s eigh: LAPACK's column-pivoted QR (geqp3, BLAS-2 bound) took 1.7-47× as long (median
-    about 14×) on (1000-2000, 10) and (2000, 200) blocks on the contended 2-core machine, and as long as the
-    dense product of the A/B itself.
+NOTE [rank decision]
+    Which directions of W = Z + Pβ to keep decides whether block CG converges at all. The columns are scaled to
+    unit norm (a column with a small residual is not a dependent one), then a Householder QR and an SVD of its
+    triangle give the singular directions to rounding (unlike the Gram matrix's eigenvalues, which lose
+    everything below √eps of the largest). A direction is dropped when it is numerically zero (``RANK_TOL``) or
+    when its part of every column, times that column's relative residual, is at most ``DEPENDENT_SHARE`` × rtol:
+    then it cannot carry any column across rtol. The second rule is the one that matters. Equal right-hand sides
+    stay equal only up to the recursion's rounding, which is eps × ‖b‖ in absolute terms and so grows relative to
+    a shrinking residual; measured against the unit columns alone, that noise looks like a real direction late
+    in the solve, and chasing it costs products. A fixed relative cut instead drops real directions of columns
+    whose residuals have aligned; each drop loses their conjugacy and restarts part of the search, which on an
+    ill-conditioned kernel multiplies the iterations many times over.
+    P = Q U is orthonormal to rounding whatever the kept singular values, so nothing is divided by a small σ.
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ import scipy.linalg
 
 __all__ = ["RANK_TOL", "Sweep", "batched_sweep", "block_sweep", "orthonormal_basis"]
 
-RANK_TOL = 1e-6
+RANK_TOL = 1e-12
 """Directions of the unit-column block whose singular value is below this fraction of the largest are dropped
-(NOTE [svqb]): rounding puts a dependent column (equal right-hand sides) near √eps ≈ 1e-8 in the Gram matrix's
-eigenvalues, so the cut sits above that; a column's search loses at most this fraction of it, which the next
-iteration's residual picks up."""
+(NOTE [rank decision]): a few hundred times the rounding of the QR and SVD that measure them."""
+
+DEPENDENT_SHARE = 1e-2
+"""A direction is dropped when its part of every column's relative residual is at most this fraction of rtol
+(NOTE [rank decision]): it could not move any column across rtol."""
 
 BREAKDOWN = "breakdown: pᵀ(A + λI)p ≤ 0, the kernel (plus ridge) is not positive definite"
 
@@ -52,19 +59,28 @@ Sweep = Callable[..., tuple[int, str | None]]
 """``batched_sweep`` or ``block_sweep``: returns (iterations run, a stop reason or None when all converged)."""
 
 
-def orthonormal_basis(w: np.ndarray) -> np.ndarray:
-    """An orthonormal basis (n, s) of span(w) for w (n, r), s ≤ r, dropping directions below ``RANK_TOL``
-    (NOTE [block cg], NOTE [svqb]); (n, 0) for a zero block."""
+def orthonormal_basis(w: np.ndarray, shares: np.ndarray | None = None, floor: float = 0.0) -> np.ndarray:
+    """An orthonormal basis (n, s) of span(w) for w (n, r), s ≤ r (NOTE [block cg], NOTE [rank decision]).
+
+    Args:
+        w: (n, r) the block. shares: (r,) each column's size in the problem's units (its relative residual);
+            with it, a direction whose part in every column, times that column's share, is at most ``floor`` is
+            dropped. Default: None (only directions below ``RANK_TOL`` × the largest are dropped).
+
+    Returns:
+        (n, s) float64 with orthonormal columns to rounding; (n, 0) for a zero block.
+    """
     norms = np.linalg.norm(w, axis=0)
     nonzero = norms > 0
     if not np.any(nonzero):
         return np.zeros((w.shape[0], 0))
-    q = w[:, nonzero] / norms[nonzero]
-    for _ in range(2):
-        values, vectors = np.linalg.eigh(q.T @ q)  # ascending; σ² of q
-        keep = values > (RANK_TOL**2) * values[-1]
-        q = q @ (vectors[:, keep] / np.sqrt(values[keep]))
-    return q
+    basis, triangle = np.linalg.qr(w[:, nonzero] / norms[nonzero])
+    left, sigma, right = np.linalg.svd(triangle)  # unit column j = Σ_i (basis @ left)_i σ_i right_ij
+    keep = sigma > RANK_TOL * sigma[0]
+    if shares is not None:
+        part = sigma[:, None] * np.abs(right) * shares[nonzero][None, :]  # direction i's size in column j
+        keep &= part.max(axis=1) > floor
+    return np.asarray(basis @ left[:, keep])
 
 
 def _precondition(pre: object, r: np.ndarray) -> np.ndarray:
@@ -128,7 +144,8 @@ def block_sweep(
 ) -> tuple[int, str | None]:
     """Breakdown-free block CG on the ``active`` columns of X (n, r): one Krylov space for all, s ≤ r products
     per iteration (NOTE [block cg])."""
-    p = orthonormal_basis(_precondition(pre, r[:, active]))
+    floor = DEPENDENT_SHARE * rtol
+    p = orthonormal_basis(_precondition(pre, r[:, active]), residual[active], floor)
     iterations = 0
     while active.size and iterations < max_iterations:
         if out_of_time():
@@ -151,5 +168,5 @@ def block_sweep(
             break
         z = _precondition(pre, r[:, active])
         beta = scipy.linalg.cho_solve(factor, q.T @ z)  # (s, a)
-        p = orthonormal_basis(z - p @ beta)
+        p = orthonormal_basis(z - p @ beta, residual[active], floor)
     return iterations, None if not active.size else "max_iterations"
