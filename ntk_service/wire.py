@@ -77,7 +77,7 @@ _SAFETENSORS_ITEMSIZE = {
 }  # fmt: skip
 """Bytes per element of each safetensors dtype, to check a header's shapes before the loader allocates."""
 
-MAX_DIMS = 64
+_MAX_DIMS = 64
 """The most dimensions a wire tensor may have: numpy's own limit (``np.zeros([0] * 65)`` raises)."""
 
 _MAX_ARRAY_BYTES = np.iinfo(np.intp).max
@@ -194,7 +194,7 @@ def tensor_from_json(obj: object, *, name: str) -> np.ndarray:
 def _check_shape(shape: tuple[int, ...] | list[int], dtype: str, itemsize: int, *, name: str) -> None:
     """Check that numpy can represent an array of this shape, before anything is allocated.
 
-    Besides non-negative dimensions and at most ``MAX_DIMS`` of them, numpy requires the product of the non-zero
+    Besides non-negative dimensions and at most ``_MAX_DIMS`` of them, numpy requires the product of the non-zero
     dimensions times the item size to fit a signed 64-bit integer, *even when a zero dimension leaves the array
     empty*: a body of no values may still declare such a shape, and numpy then raises a bare ``ValueError``.
 
@@ -205,10 +205,10 @@ def _check_shape(shape: tuple[int, ...] | list[int], dtype: str, itemsize: int, 
         name (str): the field, for the message (e.g. ``"y_train.shape"``).
 
     Raises:
-        InvalidInput: a negative dimension, more than ``MAX_DIMS`` dimensions, or a shape beyond numpy's size bound.
+        InvalidInput: a negative dimension, more than ``_MAX_DIMS`` dimensions, or a shape beyond numpy's size bound.
     """
-    if len(shape) > MAX_DIMS:
-        raise InvalidInput(f"{name}: at most {MAX_DIMS} dimensions, got {len(shape)}")
+    if len(shape) > _MAX_DIMS:
+        raise InvalidInput(f"{name}: at most {_MAX_DIMS} dimensions, got {len(shape)}")
     if any(d < 0 for d in shape):
         raise InvalidInput(f"{name}: dimensions must be >= 0, got {_json_preview(list(shape))}")
     if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:
