@@ -206,7 +206,7 @@ export function jobDetail(job, { handlers, names }) {
           { type: "button", "data-download": "safetensors", onclick: () => handlers.download(job, "safetensors") },
           ".safetensors",
         ),
-        el("span", { class: "muted" }, " (large kernels: ntk-service jobs download, which streams to a file)"),
+        el("span", { class: "muted" }, " (large kernels: ntk-service jobs result JOB -o theta.npy, which streams to a file)"),
       ),
       el(
         "div",
