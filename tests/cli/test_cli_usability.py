@@ -10,7 +10,6 @@ import select
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
