@@ -12,6 +12,10 @@ Example::
 
 Where things live: the engine in ``ntk_service.kernels`` (``compute_ntk``), the exception tree in
 ``ntk_service.errors``, the wire codecs in ``ntk_service.wire``, the server in ``ntk_service.server``.
+
+Importing it before torch sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment says otherwise (NOTE [OpenMP wait
+policy] in ``ntk_service._openmp``): on a machine shared with other torch processes that keeps kernels from running
+10x slower.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ from __future__ import annotations
 import importlib as _importlib
 import typing as _typing
 
-from ntk_service.errors import NtkServiceError
+from ntk_service._openmp import apply_wait_policy as _apply_wait_policy
+
+_apply_wait_policy()  # before anything below can import torch
+
+from ntk_service.errors import NtkServiceError  # noqa: E402
 
 if _typing.TYPE_CHECKING:
     from ntk_service.client import Client, KernelResult

@@ -71,6 +71,19 @@ _NPY_MAX_HEADER_BYTES = 10_000
 _SAFETENSORS_MAX_HEADER_BYTES = 100 * 2**20
 """The safetensors format's own cap on the JSON header (100 MiB)."""
 
+_SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "F64": 8, "I64": 8, "U64": 8,
+}  # fmt: skip
+"""Bytes per element of each safetensors dtype, to check a header's shapes before the loader allocates."""
+
+_MAX_DIMS = 64
+"""The most dimensions a wire tensor may have: numpy's own limit (``np.zeros([0] * 65)`` raises)."""
+
+_MAX_ARRAY_BYTES = np.iinfo(np.intp).max
+"""numpy's bound on the product of an array's non-zero dimensions times the item size, even when a zero dimension
+makes the array empty: ``np.zeros((0, 2**62, 4))`` raises "array is too big"."""
+
 
 def to_wire_dtype(array: np.ndarray, *, name: str = "tensor") -> np.ndarray:
     """Return ``array`` as a C-contiguous, native-byte-order array with a dtype in ``WIRE_DTYPES``.
@@ -157,14 +170,13 @@ def tensor_from_json(obj: object, *, name: str) -> np.ndarray:
     shape, dtype, data = obj["shape"], obj["dtype"], obj["data"]
     if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
         raise MalformedRequest(f"{name}.shape: expected a list of integers like [2, 3], got {_json_preview(shape)}")
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"{name}.shape: dimensions must be >= 0, got {shape}")
     if not isinstance(dtype, str):
         raise MalformedRequest(
             f"{name}.dtype: expected a string, one of {list(WIRE_DTYPES)}, got {_json_preview(dtype)}"
         )
     if dtype not in WIRE_DTYPES:
         raise InvalidInput(f"{name}.dtype: expected one of {list(WIRE_DTYPES)}, got {dtype!r}")
+    _check_shape(shape, dtype, np.dtype(dtype).itemsize, name=f"{name}.shape")
     if not isinstance(data, list):
         raise MalformedRequest(
             f"{name}.data: expected a flat list of numbers in row-major order, got {_json_type(data)}"
@@ -177,6 +189,34 @@ def tensor_from_json(obj: object, *, name: str) -> np.ndarray:
             "data must be the flat, row-major list of all values"
         )
     return _numbers_to_array(data, dtype, shape, name=name)
+
+
+def _check_shape(shape: tuple[int, ...] | list[int], dtype: str, itemsize: int, *, name: str) -> None:
+    """Check that numpy can represent an array of this shape, before anything is allocated.
+
+    Besides non-negative dimensions and at most ``_MAX_DIMS`` of them, numpy requires the product of the non-zero
+    dimensions times the item size to fit a signed 64-bit integer, *even when a zero dimension leaves the array
+    empty*: a body of no values may still declare such a shape, and numpy then raises a bare ``ValueError``.
+
+    Args:
+        shape (tuple[int, ...] | list[int]): the declared dimensions (Python ints).
+        dtype (str): the declared dtype's name, for the message.
+        itemsize (int): its bytes per element.
+        name (str): the field, for the message (e.g. ``"y_train.shape"``).
+
+    Raises:
+        InvalidInput: a negative dimension, more than ``_MAX_DIMS`` dimensions, or a shape beyond numpy's size bound.
+    """
+    if len(shape) > _MAX_DIMS:
+        raise InvalidInput(f"{name}: at most {_MAX_DIMS} dimensions, got {len(shape)}")
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{name}: dimensions must be >= 0, got {_json_preview(list(shape))}")
+    if math.prod(d for d in shape if d) * itemsize > _MAX_ARRAY_BYTES:
+        raise InvalidInput(
+            f"{name}: {_json_preview(list(shape))} of {dtype} is beyond the largest array numpy can describe: the "
+            f"non-zero dimensions times {itemsize} bytes must stay below 2**63, even when a 0 dimension leaves the "
+            "array empty; send the shape of the data you have"
+        )
 
 
 def _numbers_to_array(data: list[Any], dtype: str, shape: list[int], *, name: str) -> np.ndarray:
@@ -277,6 +317,7 @@ def decode_npy(body: bytes, *, name: str = "body") -> np.ndarray:
             f"{name}: .npy arrays of object or structured dtype ({dtype}) are refused; "
             f"send a plain numeric array of {', '.join(WIRE_DTYPES)}"
         )
+    _check_shape(shape, str(dtype), dtype.itemsize, name=f"{name}: .npy header shape")
     offset = stream.tell()
     count = math.prod(shape)
     if len(body) - offset != count * dtype.itemsize:
@@ -352,7 +393,8 @@ def decode_safetensors(body: bytes, *, name: str = "body") -> tuple[dict[str, np
 
 
 def _safetensors_metadata(body: bytes, *, name: str) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors header (the numpy loader drops it)."""
+    """The ``__metadata__`` of a safetensors header (the numpy loader drops it), after checking the declared shapes
+    (an empty tensor may declare one numpy cannot describe: ``_check_shape``)."""
     problem = f"{name}: expected an application/x-safetensors body (8-byte header length, then a JSON header)"
     if len(body) < 8:
         raise MalformedRequest(f"{problem}, got {len(body)} bytes")
@@ -363,6 +405,11 @@ def _safetensors_metadata(body: bytes, *, name: str) -> dict[str, str]:
         header = json.loads(body[8 : 8 + size])
     except (ValueError, UnicodeDecodeError) as exc:
         raise MalformedRequest(f"{problem}; the header is not valid JSON: {exc}") from exc
+    for key, entry in header.items() if isinstance(header, dict) else ():
+        shape = entry.get("shape") if isinstance(entry, dict) and key != "__metadata__" else None
+        kind = str(entry.get("dtype")) if isinstance(entry, dict) else ""
+        if isinstance(shape, list) and all(_is_int(d) for d in shape) and kind in _SAFETENSORS_ITEMSIZE:
+            _check_shape(shape, kind, _SAFETENSORS_ITEMSIZE[kind], name=f"{name}[{key!r}].shape")
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if metadata is None:
         return {}

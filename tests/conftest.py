@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+import ntk_service  # noqa: F401  (first: sets OMP_WAIT_POLICY=PASSIVE before any test module imports torch)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READ_KEY = "read-key"
 WRITE_KEY = "write-key"

@@ -256,6 +256,33 @@ def test_tensor_from_json_accepts_ints_for_floats_and_huge_ints_as_float64() -> 
     np.testing.assert_array_equal(out, [1.0, 2.5, float(2**70)])
 
 
+# ---- shapes numpy cannot describe, even when they hold no values (the fuzzer's 500) ----
+
+_BEYOND_NUMPY = [59, 0, 5401, 10325661109373530, 3]
+"""Zero values, yet numpy's np.zeros(shape) raises "array is too big": the product of the non-zero dimensions
+times the item size overflows 2**63."""
+
+
+def test_empty_json_tensor_with_a_shape_beyond_numpy_is_invalid_input() -> None:
+    with pytest.raises(InvalidInput, match=r"y_train.shape: \[59,0,5401,10325661109373530,3\] of int64 .*2\*\*63"):
+        tensor_from_json({"shape": _BEYOND_NUMPY, "dtype": "int64", "data": []}, name="y_train")
+    with pytest.raises(InvalidInput, match="at most 64 dimensions, got 65"):
+        tensor_from_json({"shape": [0] * 65, "dtype": "float32", "data": []}, name="x1")
+    # The bound is numpy's own: the largest empty shape numpy holds still decodes.
+    largest = [0, 2**63 // 8 - 1]
+    assert tensor_from_json({"shape": largest, "dtype": "int64", "data": []}, name="x1").shape == tuple(largest)
+
+
+def test_empty_npy_and_safetensors_with_a_shape_beyond_numpy_are_invalid_input() -> None:
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<f4", "fortran_order": False, "shape": (0, 2**62, 2**62)})
+    with pytest.raises(InvalidInput, match=r"x1: .npy header shape: .* of float32 is beyond the largest array"):
+        decode_npy(buffer.getvalue(), name="x1")
+    header = orjson.dumps({"x": {"dtype": "F32", "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}})
+    with pytest.raises(InvalidInput, match=r"weights\['x'\].shape: .* of F32 is beyond the largest array"):
+        decode_safetensors(struct.pack("<Q", len(header)) + header, name="weights")
+
+
 def test_json_dumps_handles_any_array_layout_and_numpy_scalars() -> None:
     body = json_dumps({"a": np.arange(4, dtype=">i8")[::2], "b": np.float32(1.5), "c": np.int64(3)})
     assert orjson.loads(body) == {"a": [0, 2], "b": 1.5, "c": 3}

@@ -37,6 +37,23 @@ __all__ = [
 DEFAULT_URL = "http://127.0.0.1:8000"
 """Where ``ntk-service serve`` listens by default (NTK_HOST / NTK_PORT defaults)."""
 
+EXAMPLES = """\b
+Examples:
+  ntk-service serve                                            # the server: http://127.0.0.1:8000, console at /
+  export NTK_URL=http://127.0.0.1:8000 NTK_API_KEY=...         # where and who, for the commands below
+  ntk-service models register mlp -a '{"family": "mlp", "input_dim": 4, "hidden": [64], "output_dim": 3}'
+  ntk-service models list
+  ntk-service kernel mlp --x1 x.npy --mode trace -o theta.npy  # x.npy: (N, 4) float32
+  ntk-service jobs submit mlp --x1 x.npy --mode trace --watch  # a whole data set's kernel
+  ntk-service jobs list
+  ntk-service jobs result JOB_ID -o theta.npy                  # or -o kernel.zarr.zip: the Zarr group
+  ntk-service --json jobs status JOB_ID                        # any command: JSON on stdout
+
+\b
+Server: NTK_URL, else http://$NTK_HOST:$NTK_PORT (as `serve` binds), else http://127.0.0.1:8000.
+Each command has its own --help; docs/client.md has the whole tour."""
+"""The top-level ``--help`` epilog (``\\b`` keeps click from rewrapping the lines)."""
+
 EXIT_SERVICE_ERROR = 1
 """The server (or the connection to it) failed the request."""
 
@@ -52,13 +69,14 @@ class UsageError(Exception):
 class CliState:
     """Global options, shared by every command through ``ctx.obj``."""
 
-    url: str = DEFAULT_URL
+    url: str | None = None
     api_key: str | None = None
     json_output: bool = False
     _client: Client | None = field(default=None, repr=False)
 
     def client(self) -> Client:
-        """The client for ``--url`` / ``--api-key``, built on first use (imports httpx and numpy only then)."""
+        """The client for ``--url`` / ``--api-key``, built on first use (imports httpx and numpy only then); without
+        ``--url`` or ``NTK_URL`` it connects where ``NTK_HOST`` / ``NTK_PORT`` say (``Client``'s own default)."""
         if self._client is None:
             from ntk_service.client import Client
 
@@ -118,6 +136,7 @@ app = typer.Typer(
     name="ntk-service",
     cls=_ErrorReportingGroup,
     help="Empirical neural tangent kernels of PyTorch models: run the server, or talk to one.",
+    epilog=EXAMPLES,
     no_args_is_help=True,
     rich_markup_mode=None,
     add_completion=False,
@@ -134,7 +153,15 @@ def _version(value: bool) -> None:
 @app.callback()
 def _global_options(
     ctx: typer.Context,
-    url: Annotated[str, typer.Option(envvar="NTK_URL", help="Server base URL.")] = DEFAULT_URL,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            envvar="NTK_URL",
+            help="Server base URL. Default: $NTK_URL, else http://$NTK_HOST:$NTK_PORT when either is set (where "
+            "`serve` listens), else http://127.0.0.1:8000.",
+            show_default=False,
+        ),
+    ] = None,
     api_key: Annotated[
         str | None, typer.Option(envvar="NTK_API_KEY", help="API key (sent as a Bearer token).", show_default=False)
     ] = None,
@@ -143,7 +170,7 @@ def _global_options(
         bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
 ) -> None:
-    state = CliState(url=url, api_key=api_key or None, json_output=json_output)
+    state = CliState(url=url or None, api_key=api_key or None, json_output=json_output)
     ctx.obj = state
     ctx.call_on_close(state.close)
 

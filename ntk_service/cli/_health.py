@@ -12,9 +12,9 @@ __all__ = ["health"]
 @app.command()
 def health(ctx: typer.Context, json_output: JsonFlag = False) -> None:
     """Check that the server answers (GET /healthz, no key needed); exit 1 if it does not."""
-    state = state_of(ctx)
-    status = state.client().health()
+    client = state_of(ctx).client()
+    status = client.health()
     if wants_json(ctx, json_output):
-        print_json({"url": state.url, **status})
+        print_json({"url": client.url, **status})
     else:
-        typer.echo(f"{state.url}: {status.get('status', 'ok')}")
+        typer.echo(f"{client.url}: {status.get('status', 'ok')}")

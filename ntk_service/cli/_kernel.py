@@ -3,6 +3,7 @@ kernel per parameter group, written as one safetensors file)."""
 
 from __future__ import annotations
 
+import warnings
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
@@ -119,21 +120,25 @@ def kernel(
         _kernel_groups(ctx, model, side1, side2, _parse_groups(groups), rest, mode, implementation, dtype, version,
                        output, json_output)  # fmt: skip
         return
-    result = (
-        state_of(ctx)
-        .client()
-        .ntk_result(
-            model,
-            side1,
-            side2,
-            mode=mode.value,
-            implementation=implementation.value,
-            params=globs,
-            dtype=None if dtype is None else dtype.value,
-            version=version,
-            output=model_output,
+    with warnings.catch_warnings():  # the server's note is printed below as one line, not as a Python warning
+        warnings.simplefilter("ignore", UserWarning)
+        result = (
+            state_of(ctx)
+            .client()
+            .ntk_result(
+                model,
+                side1,
+                side2,
+                mode=mode.value,
+                implementation=implementation.value,
+                params=globs,
+                dtype=None if dtype is None else dtype.value,
+                version=version,
+                output=model_output,
+            )
         )
-    )
+    if result.note:
+        typer.echo(f"note: {result.note}", err=True)
     theta = result.theta
     if output is not None:
         try:

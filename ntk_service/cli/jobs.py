@@ -1,16 +1,22 @@
-"""``ntk-service jobs submit|status|watch|result|cancel|delete``: batch kernels of whole data sets.
+"""``ntk-service jobs submit|list|status|watch|result|cancel|delete``: batch kernels of whole data sets.
 
 $ ntk-service jobs submit mlp --x1 dataset:ds_ab12 --mode trace --watch
-$ ntk-service jobs status                      # every job
+$ ntk-service jobs list                        # every job: status, tiles, duration, result size
+$ ntk-service jobs status 3f2a...              # one job's record
 $ ntk-service jobs watch 3f2a...               # a live progress bar with ETA until the job ends
 $ ntk-service jobs result 3f2a... -o theta.npy --rows 0:512
+$ ntk-service jobs result 3f2a... -o kernel.zarr.zip   # the result's Zarr group (xarray opens it)
 $ ntk-service jobs cancel 3f2a...
 $ ntk-service jobs delete 3f2a...              # a finished job: its result leaves the server's disk
+
+The progress bar goes to stderr, so ``--json ... --watch`` still draws it on a terminal (stdout keeps the JSON).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
@@ -34,7 +40,7 @@ jobs_app = typer.Typer(
 
 JobIdArg = Annotated[str, typer.Argument(help="The job id (from `jobs submit` or `jobs status`).", show_default=False)]
 
-_LIST_COLUMNS = ("id", "status", "model", "mode", "tiles_done", "tiles_total", "eta_s", "created_at")
+_LIST_COLUMNS = ("id", "status", "model", "version", "mode", "tiles", "duration", "eta", "size", "created_at")
 
 _SIDE_HELP = (
     "a data set id (dataset:<id> or <id>, dataset:<id>[a:b] for rows a..b-1), or a .npy file of shape "
@@ -71,7 +77,42 @@ def _dataset_id(ctx: typer.Context, value: str, *, option: str) -> str | dict[st
 
 
 def _watch(ctx: typer.Context, job_id: str, json_output: bool) -> JobInfo:
-    return state_of(ctx).client().wait(job_id, progress=not wants_json(ctx, json_output))
+    # The bar is drawn on stderr: with --json it stays off stdout, so it is drawn whenever stderr is a terminal.
+    progress = not wants_json(ctx, json_output) or sys.stderr.isatty()
+    return state_of(ctx).client().wait(job_id, progress=progress)
+
+
+def _seconds(text: str | None) -> float | None:
+    return None if text is None else datetime.fromisoformat(text).timestamp()
+
+
+def _span(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    seconds = max(0, round(seconds))
+    return (
+        f"{seconds}s"
+        if seconds < 60
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+        if seconds < 3600
+        else (f"{seconds // 3600}h{seconds % 3600 // 60:02d}m")
+    )
+
+
+def _list_row(job: Mapping[str, Any], now: float) -> dict[str, Any]:
+    """A job as a row of ``jobs list``: tiles done/total, run time so far, ETA, size on disk (or "deleted")."""
+    from ntk_service.errors import format_bytes
+
+    started, finished = _seconds(job.get("started_at")), _seconds(job.get("finished_at"))
+    ran = None if started is None else (finished if finished is not None else now) - started
+    size = "deleted" if job.get("result_deleted_at") else format_bytes(int(job.get("estimate_bytes", 0)))
+    return {
+        **job,
+        "tiles": f"{job.get('tiles_done')}/{job.get('tiles_total')}",
+        "duration": _span(ran),
+        "eta": None if job.get("status") != "running" else _span(job.get("eta_s")),
+        "size": size,
+    }
 
 
 def _show(ctx: typer.Context, job: Mapping[str, Any], json_output: bool) -> None:
@@ -146,22 +187,28 @@ def submit(
         print_json(job)
 
 
-@jobs_app.command("status")
-def status(
-    ctx: typer.Context,
-    job_id: Annotated[str | None, typer.Argument(help="A job id. Default: list every job.")] = None,
-    json_output: JsonFlag = False,
-) -> None:
-    """Show one job (status, progress, ETA, error), or list all jobs."""
-    client = state_of(ctx).client()
-    if job_id is not None:
-        _show(ctx, client.get_job(job_id), json_output)
-        return
-    jobs = client.list_jobs()
+@jobs_app.command("list")
+def list_jobs(ctx: typer.Context, json_output: JsonFlag = False) -> None:
+    """List every job, newest first: status, tiles done, duration, ETA, result size on disk."""
+    jobs = state_of(ctx).client().list_jobs()
     if wants_json(ctx, json_output):
         print_json(jobs)
     else:
-        print_table(jobs, _LIST_COLUMNS, empty="no jobs")
+        now = datetime.now().timestamp()
+        print_table([_list_row(job, now) for job in jobs], _LIST_COLUMNS, empty="no jobs")
+
+
+@jobs_app.command("status")
+def status(
+    ctx: typer.Context,
+    job_id: Annotated[str | None, typer.Argument(help="A job id. Default: list every job (as `jobs list`).")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Show one job (status, progress, ETA, error, where its result lies), or list all jobs."""
+    if job_id is None:
+        list_jobs(ctx, json_output)
+        return
+    _show(ctx, state_of(ctx).client().get_job(job_id), json_output)
 
 
 @jobs_app.command("watch")
@@ -178,21 +225,42 @@ def watch_job(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = Fals
 def result(
     ctx: typer.Context,
     job_id: JobIdArg,
-    output: Annotated[Path, typer.Option("--output", "-o", help="Write theta to this .npy file.", dir_okay=False)],
-    rows: Annotated[str | None, typer.Option(help="Row range a:b. Default: all rows.")] = None,
-    cols: Annotated[str | None, typer.Option(help="Column range c:d. Default: all columns.")] = None,
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Write theta to this .npy file; a name ending in .zip gets the result's Zarr group instead, zipped "
+            "(dimension names and attributes; xarray.open_zarr(zarr.storage.ZipStore(path)) opens it).",
+            dir_okay=False,
+        ),
+    ],
+    rows: Annotated[str | None, typer.Option(help="Row range a:b (.npy only). Default: all rows.")] = None,
+    cols: Annotated[str | None, typer.Option(help="Column range c:d (.npy only). Default: all columns.")] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Download a succeeded job's kernel (or the block rows × cols) to a .npy file, streamed to disk."""
+    """Download a succeeded job's kernel (or the block rows × cols) to a .npy file, or its Zarr group to a .zip,
+    streamed to disk."""
+    client = state_of(ctx).client()
+    zipped = output.name.endswith(".zip")
+    if zipped and (rows is not None or cols is not None):
+        raise UsageError("--rows/--cols: a .zip download is the whole Zarr group; slice it after opening it")
     try:
-        theta = state_of(ctx).client().download_result(job_id, output, rows=rows, cols=cols)
+        if zipped:
+            client.download_zarr(job_id, output)
+            job = client.get_job(job_id)
+            shape, dtype = list(job["result_shape"]), str(job["dtype"])
+        else:
+            theta = client.download_result(job_id, output, rows=rows, cols=cols)
+            shape, dtype = list(theta.shape), str(theta.dtype)
     except OSError as exc:
         raise UsageError(f"-o: cannot write {str(output)!r} ({exc.strerror or exc})") from exc
-    summary = {"job": job_id, "shape": list(theta.shape), "dtype": str(theta.dtype), "output": str(output)}
+    summary = {"job": job_id, "shape": list(shape), "dtype": dtype, "output": str(output)}
     if wants_json(ctx, json_output):
         print_json(summary)
     else:
-        typer.echo(f"wrote {output}: {tuple(theta.shape)} {theta.dtype}")
+        what = "the Zarr group of " if zipped else ""
+        typer.echo(f"wrote {output}: {what}{tuple(shape)} {dtype}")
 
 
 @jobs_app.command("cancel")

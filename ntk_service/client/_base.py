@@ -38,6 +38,7 @@ __all__ = [
     "URL_ENV",
     "BaseClient",
     "TransportFormat",
+    "url_from_environment",
 ]
 
 TransportFormat = Literal["safetensors", "npy", "json"]
@@ -48,6 +49,32 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 
 URL_ENV = "NTK_URL"
 """Environment variable ``Client()`` takes the server URL from when ``url`` is not given (the CLI reads it too)."""
+
+_BIND_ALL = frozenset({"", "0.0.0.0", "::", "[::]"})
+"""Hosts a server binds to listen everywhere: a client on the same machine connects through loopback."""
+
+
+def url_from_environment(environ: Mapping[str, str]) -> str:
+    """The server URL a client uses when none is given: ``NTK_URL``; else the address ``ntk-service serve`` binds
+    from ``NTK_HOST`` / ``NTK_PORT`` (loopback for a server listening everywhere); else ``DEFAULT_URL``.
+
+    So ``NTK_PORT=9000 make serve`` and a client in a shell with the same variables find each other.
+
+    Args:
+        environ (Mapping[str, str]): the environment, e.g. ``os.environ``.
+
+    Returns:
+        str: e.g. ``"http://127.0.0.1:9000"``.
+    """
+    if environ.get(URL_ENV):
+        return environ[URL_ENV]
+    host, port = environ.get("NTK_HOST", "").strip(), environ.get("NTK_PORT", "").strip()
+    if not host and not port:
+        return DEFAULT_URL
+    host = "127.0.0.1" if host in _BIND_ALL else host
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"http://{host}:{port or 8000}"
+
 
 API_KEY_ENV = "NTK_API_KEY"
 """Environment variable ``Client()`` takes the API key from when ``api_key`` is not given: keys stay out of
@@ -89,7 +116,7 @@ class BaseClient:
 
     Args:
         url (str | None): the server's base URL, e.g. ``"http://127.0.0.1:8000"``. Default: ``$NTK_URL``, else
-            ``DEFAULT_URL``.
+            ``http://$NTK_HOST:$NTK_PORT`` when either is set (``url_from_environment``), else ``DEFAULT_URL``.
         api_key (str | None): sent as ``Authorization: Bearer <key>``. Default: ``$NTK_API_KEY``, else none (an
             open server).
         timeout (float | httpx.Timeout): read timeout in seconds (connect stays short), or a full
@@ -125,7 +152,7 @@ class BaseClient:
         if not isinstance(timeout, httpx.Timeout):
             timeout = httpx.Timeout(timeout, connect=min(DEFAULT_CONNECT_TIMEOUT_S, timeout))
         # The environment is read here, once, only for what the caller left out (as the CLI's options do).
-        url = url if url is not None else os.environ.get(URL_ENV) or DEFAULT_URL
+        url = url if url is not None else url_from_environment(os.environ)
         explicit_key = api_key is not None
         api_key = api_key if explicit_key else os.environ.get(API_KEY_ENV) or None
         headers = {"User-Agent": f"ntk-service-client/{__version__}"}

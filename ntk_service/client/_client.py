@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
@@ -84,6 +85,9 @@ class KernelResult:
         model: the model's name.
         version: the model version used.
         elapsed_ms: server-side compute time in milliseconds.
+        dtype: the dtype theta was computed in ("" from a server that does not say).
+        note: the server's note when float64 inputs were computed in float32 (also issued as a UserWarning), or
+            None.
     """
 
     theta: Any
@@ -92,6 +96,8 @@ class KernelResult:
     model: str
     version: int
     elapsed_ms: float
+    dtype: str = ""
+    note: str | None = None
 
 
 class Client(KernelFamilyClient, GroupsClient, JobsClient, SolveJobsClient, AnalysisClient, ServiceClient):
@@ -400,7 +406,8 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, SolveJobsClient, Anal
                 Default: "auto".
             params (Sequence[str] | None): glob patterns over parameter names, e.g. ``["head.*"]``.
                 Default: all parameters.
-            dtype (str | None): "float32" or "float64". Default: the model's dtype.
+            dtype (str | None): "float32" or "float64", what theta is computed in. Default: float32 (float64
+                inputs are then computed in float32, and the server's note says so: a UserWarning here).
             version (int | None): the model version. Default: the latest.
             as_torch (bool): return a torch tensor instead of a numpy array. Default: False.
             output (str | None): for a model returning a dict (a Hugging Face model's logits): the tensor the
@@ -471,7 +478,10 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, SolveJobsClient, Anal
             response = self._request(
                 "POST", path, content=content, content_type=content_type, accept=accept, params=options
             )
-        return _kernel_result(response, model=model, as_torch=as_torch)
+        result = _kernel_result(response, model=model, as_torch=as_torch)
+        if result.note:  # float64 inputs computed in float32: say so where the user sees it
+            warnings.warn(f"ntk of {model!r}: {result.note}", UserWarning, stacklevel=2)
+        return result
 
 
 # ---- helpers ----
@@ -565,7 +575,9 @@ def _kernel_result(response: httpx.Response, *, model: str, as_torch: bool) -> K
     if _media(response) == wire.MEDIA_JSON:
         body = _decode_json(response)
         theta = wire.tensor_from_json(body.get("theta"), name="theta")
-        meta = {key: body.get(key) for key in ("mode", "implementation", "model", "version", "elapsed_ms")}
+        meta = {
+            key: body.get(key) for key in ("mode", "implementation", "model", "version", "elapsed_ms", "dtype", "note")
+        }
     else:
         tensors, meta_strings = _decode_tensors(response, npy_name="theta")
         if "theta" not in tensors:
@@ -584,6 +596,8 @@ def _kernel_result(response: httpx.Response, *, model: str, as_torch: bool) -> K
         model=str(meta.get("model") or model),
         version=int(meta.get("version") or 0),
         elapsed_ms=float(meta.get("elapsed_ms") or 0.0),
+        dtype=str(meta.get("dtype") or ""),
+        note=str(meta["note"]) if meta.get("note") else None,
     )
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
-from ntk_service.client._results import FETCH_BLOCK_BYTES, RemoteResult, download_to, fetch_npy
+from ntk_service.client._results import FETCH_BLOCK_BYTES, RemoteResult, download_to, download_zarr, fetch_npy
 from ntk_service.client._types import DtypeName, ImplementationName, JobDeletion, JobInfo, JobModeName
 from ntk_service.errors import JobFailed, JobNotFinished, NtkServiceError, ServiceUnavailable
 
@@ -334,6 +334,26 @@ class JobsClient(BaseClient):
         """
         params = {"rows": _range(rows, "rows"), "cols": _range(cols, "cols")}
         return download_to(self, _job_id(job), Path(path), params)
+
+    def download_zarr(self, job: str | Mapping[str, Any], path: str | Path) -> Path:
+        """Stream a succeeded job's result group, zipped, to ``path`` (``GET /v1/jobs/{id}/zarr``): the same Zarr
+        group as on the server's disk, with its dimension names and attributes (docs/results.md).
+
+        Open it with ``xarray.open_zarr(zarr.storage.ZipStore(path, mode="r"))`` (a symmetric result holds only the
+        tiles on and above the diagonal there), or with ``client.result_array(job).to_xarray(path)``, which
+        downloads and mirrors in one call.
+
+        Args:
+            job: the job id or record.
+            path: the zip file to write (``<path>.part`` until complete).
+
+        Returns:
+            Path: ``path``.
+
+        Raises:
+            JobNotFinished, JobNotFound, ResultNotFound; NtkServiceError when the download is cut off.
+        """
+        return download_zarr(self, _job_id(job), Path(path))
 
     def result_array(self, job: str | Mapping[str, Any], *, fetch_block_bytes: int = FETCH_BLOCK_BYTES) -> RemoteResult:
         """A succeeded job's kernel as a lazy array: ``remote[a:b, c:d]`` fetches only that block (``?rows=&cols=``),

@@ -1,18 +1,24 @@
-"""Job results from the client: streamed ``.npy`` downloads to a file, and a lazy array read slice by slice.
+"""Job results from the client: streamed ``.npy`` downloads to a file, a lazy array read slice by slice, and the
+result's Zarr group itself, for xarray.
 
     >>> theta = client.download_result(job, "theta.npy")   # streamed to disk; a read-only np.memmap   # doctest: +SKIP
     >>> remote = client.result_array(job)                   # nothing downloaded yet                 # doctest: +SKIP
     >>> remote[1000:2000, :500].shape                        # one GET ?rows=1000:2000&cols=0:500      # doctest: +SKIP
     (1000, 500)
+    >>> da = remote.to_xarray("kernel.zarr.zip")             # the group, zipped; dims, attrs, mirrored # doctest: +SKIP
 
 Neither holds a whole result in memory twice: downloads go to disk chunk by chunk (the server streams the result
-row block by row block), and slices fetch only their block (the server mirrors symmetric results).
+row block by row block), and slices fetch only their block (the server mirrors symmetric results). ``to_xarray``
+downloads the same Zarr group the server keeps (``GET /v1/jobs/{id}/zarr``, a stored zip) and opens it in place
+with ``zarr.storage.ZipStore``: nothing is extracted. It needs xarray and zarr (``pip install
+'ntk-service[xarray]'``; with dask the DataArray stays lazy).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -23,12 +29,24 @@ import numpy as np
 from ntk_service import wire
 from ntk_service.client import _base
 from ntk_service.client._base import _RETRY_STATUSES, _error_from_response
-from ntk_service.errors import NtkServiceError, ServiceUnavailable
+from ntk_service.errors import NtkServiceError, OptionalDependencyMissing, ServiceUnavailable
 
 if TYPE_CHECKING:
     from ntk_service.client._jobs import JobsClient
 
-__all__ = ["FETCH_BLOCK_BYTES", "RemoteResult", "download_to", "fetch_npy", "stream_npy"]
+__all__ = [
+    "FETCH_BLOCK_BYTES",
+    "ZIP_MEDIA",
+    "RemoteResult",
+    "download_to",
+    "download_zarr",
+    "fetch_npy",
+    "open_zarr_zip",
+    "stream_npy",
+]
+
+ZIP_MEDIA = "application/zip"
+"""The media type of ``GET /v1/jobs/{id}/zarr``."""
 
 FETCH_BLOCK_BYTES = 64 * 2**20
 """A strided or indexed slice of a RemoteResult (``remote[::10, ::10]``) fetches at most this much at a time (at
@@ -40,8 +58,11 @@ class _Sink(Protocol):
     def write(self, chunk: bytes, /) -> int: ...
 
 
-def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], sink: _Sink) -> int:
-    """GET ``path`` as ``application/x-npy`` and copy the body into ``sink`` as it arrives; returns the bytes.
+def stream_npy(
+    client: JobsClient, path: str, params: Mapping[str, str | None], sink: _Sink, *, accept: str = wire.MEDIA_NPY
+) -> int:
+    """GET ``path`` as ``accept`` (``.npy`` by default) and copy the body into ``sink`` as it arrives; returns the
+    bytes.
 
     A 429 or 503 before any data is retried as ``Client._request`` retries (``max_retries``, ``Retry-After``).
 
@@ -57,7 +78,7 @@ def stream_npy(client: JobsClient, path: str, params: Mapping[str, str | None], 
     attempt = 0
     try:
         while not started:
-            with client._http.stream("GET", path, params=query, headers={"Accept": wire.MEDIA_NPY}) as response:
+            with client._http.stream("GET", path, params=query, headers={"Accept": accept}) as response:
                 if response.status_code >= 400:
                     response.read()
                     # 429/503 before any data (e.g. the server is starting): retried as every client call is.
@@ -179,6 +200,72 @@ class RemoteResult:
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         whole = self[...]
         return whole if dtype is None else whole.astype(dtype)
+
+    def to_xarray(self, path: str | Path) -> Any:
+        """Download the result's Zarr group (the same group as on the server's disk, zipped) to ``path`` and open it
+        as an ``xarray.DataArray``.
+
+        Args:
+            path (str | Path): the zip file to write (``<path>.part`` until complete); kept, since the DataArray
+                reads from it (lazily, with dask installed). E.g. ``"kernel.zarr.zip"``.
+
+        Returns:
+            xarray.DataArray ``theta``: dims as the mode has them (``("x1", "x2")`` trace, ``("x1", "x2", "out1",
+            "out2")`` full, ...), attrs of the result (model, version, weights_sha256, mode, dtype, n, m, k,
+            data-set rows, implementation, versions, ...: docs/results.md), and for a symmetric result the tiles
+            below the diagonal filled from their mirror, so every value is the kernel's.
+
+        Raises:
+            OptionalDependencyMissing: xarray or zarr is not installed. JobNotFinished, JobNotFound,
+            ResultNotFound: the server's errors. NtkServiceError: the download was cut off or is not a zip.
+        """
+        return open_zarr_zip(download_zarr(self._client, self.job_id, Path(path)))
+
+
+def download_zarr(client: JobsClient, job_id: str, path: Path) -> Path:
+    """Stream a succeeded job's result group, zipped (``GET /v1/jobs/{id}/zarr``), to ``path`` (via ``<path>.part``,
+    renamed once it is a complete zip file); returns ``path``."""
+    part = path.with_name(path.name + ".part")
+    try:
+        with part.open("wb") as sink:
+            stream_npy(client, f"/v1/jobs/{job_id}/zarr", {}, sink, accept=ZIP_MEDIA)
+        if not zipfile.is_zipfile(part):  # a zip ends with its directory: a cut-off body has none
+            raise NtkServiceError(f"GET /v1/jobs/{job_id}/zarr: the download is not a complete zip file")
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+    return path
+
+
+def open_zarr_zip(path: str | Path) -> Any:
+    """A result group in a zip file (``download_zarr``) as an ``xarray.DataArray``, mirrored below the diagonal.
+
+    Opened in place with ``zarr.storage.ZipStore`` (read-only; nothing is extracted). NOTE [symmetric reads] in
+    ``ntk_service/jobs/results.py``: a symmetric result stores only the tiles on and above the diagonal, and a tile
+    below it is its mirror's transpose (the output axes swapped too for "full").
+
+    Raises:
+        OptionalDependencyMissing: xarray or zarr is not installed.
+    """
+    try:
+        import xarray as xr  # optional: only this conversion needs them
+        import zarr
+    except ImportError as exc:
+        raise OptionalDependencyMissing(
+            "to_xarray: needs xarray and zarr; pip install 'ntk-service[xarray]' (or xarray zarr dask)"
+        ) from exc
+    dataset = xr.open_zarr(zarr.storage.ZipStore(Path(path), mode="r"))
+    theta = dataset["theta"]
+    theta.attrs = {key: value for key, value in dataset.attrs.items() if key != "spec"}
+    if not theta.attrs.get("symmetric") or "x2" not in theta.dims:
+        return theta
+    swap = {"x1": "x2", "x2": "x1"} | ({"out1": "out2", "out2": "out1"} if "out1" in theta.dims else {})
+    mirror = theta.rename({a: f"{b}_" for a, b in swap.items()}).rename({f"{b}_": b for b in swap.values()})
+    tiles = np.arange(theta.sizes["x1"]) // int(theta.attrs["tile_size"])
+    below = xr.DataArray(tiles[:, None] > tiles[None, :], dims=("x1", "x2"))
+    full = theta.where(~below, mirror.transpose(*theta.dims))
+    full.attrs = theta.attrs
+    return full
 
 
 class _ArraySink:

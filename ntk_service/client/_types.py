@@ -11,7 +11,7 @@ OpenAPI document (the fields and the ``Literal`` values).
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict, final
+from typing import Literal, NotRequired, TypedDict, final
 
 __all__ = [
     "AlignmentVariantName",
@@ -194,6 +194,7 @@ class JobInfo(TypedDict):
     error: str | None
     result_shape: list[int]
     estimate_bytes: int
+    result_path: NotRequired[str | None]
     executor: str
     created_at: str
     started_at: str | None

@@ -47,6 +47,15 @@ noticeable share of a small kernel, and what is available does not move much wit
 _budget_reading: tuple[float, int] = (-math.inf, 0)  # (time.monotonic() of the reading, budget)
 
 
+_CHEAPER_MODES = {
+    KernelMode.FULL: "a cheaper mode (trace, output_diagonal)",
+    KernelMode.OUTPUT_DIAGONAL: "mode trace",
+    KernelMode.TRACE: "",
+    KernelMode.EXAMPLE_DIAGONAL: "",
+}
+"""What a memory refusal suggests instead of each mode: only modes whose result is smaller (none below trace)."""
+
+
 def default_memory_budget() -> int:
     """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory, plus the memory malloc keeps
     free for this process (``allocator.free_heap_bytes``); read at most every ``BUDGET_REFRESH_SECONDS``."""
@@ -184,11 +193,12 @@ def plan_blocks(
             first = False
     result_only = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize * groups
     per_group = f" and {groups} parameter groups" if groups > 1 else ""
+    cheaper = _CHEAPER_MODES[mode]
     raise MemoryEstimateExceeded(
         f"compute_ntk: {alg.implementation.value} needs at least {format_bytes(smallest)} for mode "
         f"{mode.value} with N={n}, M={m}, k={problem.k}, P={problem.num_params}{per_group} (the result alone is "
-        f"{format_bytes(result_only)}), over the memory budget of {format_bytes(budget_bytes)}; use a cheaper "
-        "mode (trace, output_diagonal), fewer examples, a parameter subset, or a batch job",
+        f"{format_bytes(result_only)}), over the memory budget of {format_bytes(budget_bytes)}; use "
+        f"{cheaper + ', ' if cheaper else ''}fewer examples, a parameter subset, or a batch job",
         estimate_bytes=int(smallest),
         budget_bytes=int(budget_bytes),
     )

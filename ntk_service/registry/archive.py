@@ -13,7 +13,9 @@ What is checked before any entry is read (NOTE [archive threat model] in exporte
 - only stored or deflated entries, none encrypted.
 
 Reading an entry decompresses at most its declared size (zipfile stops there) and checks that exactly that many
-bytes came and that the CRC matches, so a header that lies about the size is refused (InvalidInput, 422).
+bytes came and that the CRC matches, so a header that lies about the size is refused (InvalidInput, 422). The
+entries record which of them were read (``names_read``): what is stored of an upload is those and nothing else
+(program_archive.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import io
 import re
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ntk_service.errors import InvalidInput, MalformedRequest, PayloadTooLarge
 
@@ -56,10 +58,15 @@ class ArchiveEntries:
     infos: dict[str, zipfile.ZipInfo]
     _zip: zipfile.ZipFile
     operation: str
+    _read: dict[str, None] = field(default_factory=dict, compare=False, repr=False)
 
     def names(self) -> list[str]:
         """Entry names relative to the root, in archive order."""
         return list(self.infos)
+
+    def names_read(self) -> list[str]:
+        """The entries ``read`` has returned so far, in the order they were first read."""
+        return list(self._read)
 
     def size(self, name: str) -> int:
         """The declared (and, once read, verified) uncompressed size of an entry, in bytes."""
@@ -87,6 +94,7 @@ class ArchiveEntries:
                 f"{self.operation}: entry {info.filename} declares {info.file_size} bytes but holds {len(data)}; "
                 "write the archive again with torch.export.save"
             )
+        self._read[name] = None
         return data
 
 

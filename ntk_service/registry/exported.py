@@ -28,6 +28,8 @@ archive's ``guards_code``. So this module never calls ``torch.export.load`` and 
    which fx writes into that source as comments) is dropped;
 5. only then torch's own deserializer (``ExportedProgramDeserializer().deserialize``) on the validated JSON, with
    the tensors from step 3 and no sample inputs, under a lock (it keeps a process-wide "current deserializer").
+6. what is stored is only what steps 2-5 read (``source``, ``program_json``): NOTE [stored archives] in
+   program_archive.py.
 """
 
 from __future__ import annotations
@@ -40,10 +42,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch._export.serde import schema
-from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass
+from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass, _to_json_bytes
 
 from ntk_service.errors import InvalidInput
-from ntk_service.registry.archive import ArchiveLimits, read_archive
+from ntk_service.registry.archive import ArchiveEntries, ArchiveLimits, read_archive
 from ntk_service.registry.op_allowlist import check_graph_ops
 from ntk_service.registry.payloads import MAX_JSON_BYTES, read_json, read_tensors
 from ntk_service.registry.program_checks import (
@@ -93,6 +95,10 @@ class ExportedProgram:
             for one positional tensor (then input_shape/input_dtype/vocab_size describe it). With inputs,
             input_shape and input_dtype are the first input's.
         returns_tensor: forward returns one tensor; False: a container of tensors (a dict: ``output=`` selects).
+        source: the checked archive it was read from; ``source.names_read()`` are the entries the loader read.
+        program_json: models/model.json as torch's deserializer was given it (checked, metadata and guards
+            emptied, re-serialized from torch's schema). With ``source``, all a stored copy may hold
+            (program_archive.py).
     """
 
     module: nn.Module
@@ -104,6 +110,8 @@ class ExportedProgram:
     vocab_size: int | None = None
     inputs: InputSpec | None = None
     returns_tensor: bool = True
+    source: ArchiveEntries | None = None
+    program_json: bytes = b""
 
 
 def load_exported(
@@ -144,6 +152,7 @@ def load_exported(
     check_expressions(program, operation)
     check_treespecs(program, operation)
     strip_metadata(program)
+    program["guards_code"] = []  # exec'd by ExportedProgram.module(); the service checks input shapes itself
     user_inputs = check_signature(graph_module, operation)
     kind, names = input_names(graph_module, user_inputs, operation)
     metas = [input_meta(graph_module, user_input, operation) for user_input in user_inputs]
@@ -173,7 +182,7 @@ def load_exported(
             for name, user_input, (shape, dtype) in zip(names, user_inputs, metas, strict=True)
         )
         inputs, vocab_size = InputSpec(kind, leaves), leaves[0].vocab_size
-    module = _deserialize(dict(program), state_dict, constants, params, operation)
+    module, program_json = _deserialize(dict(program), state_dict, constants, params, operation)
     return ExportedProgram(
         module,
         state_dict,
@@ -184,6 +193,8 @@ def load_exported(
         vocab_size,
         inputs,
         output_is_tensor(graph_module),
+        entries,
+        program_json,
     )
 
 
@@ -202,11 +213,11 @@ def _deserialize(
     constants: dict[str, torch.Tensor],
     params: set[str],
     operation: str,
-) -> nn.Module:
-    program["guards_code"] = []  # exec'd by ExportedProgram.module(); the service checks input shapes itself
+) -> tuple[nn.Module, bytes]:
     weights = {k: nn.Parameter(v) if k in params else v for k, v in state_dict.items()}
     try:
         serialized = _dict_to_dataclass(schema.ExportedProgram, program)  # type: ignore[no-untyped-call]
+        program_json = _to_json_bytes(serialized)  # exactly the fields torch reads, before it builds anything
         with _DESERIALIZE_LOCK:
             exported = ExportedProgramDeserializer().deserialize(serialized, weights, dict(constants), None)
         module = exported.module()
@@ -222,7 +233,7 @@ def _deserialize(
             "write it with torch.export.save from the same torch version as the server's "
             f"({torch.__version__})"
         ) from exc
-    return module
+    return module, program_json
 
 
 def example_batch(program: ExportedProgram, n: int = 2) -> Any:

@@ -6,7 +6,7 @@
     >>> record, module = registry.load_module("mlp-a")  # eval mode; (N, 4) -> (N, 2)
 
 Layout: ``registry.sqlite3`` (see database.py), ``weights/<sha256>.safetensors``, content-addressed, so versions
-with identical weights share one file, and ``programs/<sha256>.pt2``, the torch.export archives of ``exported``
+with identical weights share one file, and ``programs/<sha256>.checked.pt2``, the torch.export archives of ``exported``
 models (programs.py; read only by exported.py's checked loader). Rows <-> records: version_rows.py. Crash safety:
 NOTE [crash safety] in files.py.
 """
@@ -192,7 +192,8 @@ class ModelRegistry:
         """Create a model from a ``torch.export.save`` archive; version 1 holds the weights it was exported with.
 
         The archive is loaded by ``load_exported`` (nothing in it is unpickled or executed; NOTE [archive threat
-        model] in exported.py) and stored as ``programs/<sha256>.pt2``: the program is fixed per model, later
+        model] in exported.py) and stored as ``programs/<sha256>.checked.pt2``, holding only what that loader read
+        (NOTE [stored archives] in program_archive.py): the program is fixed per model, later
         versions are weights (``add_version``) checked against its signature.
 
         Args:
@@ -212,9 +213,9 @@ class ModelRegistry:
         self._check_name(name, op)
         label = _check_label(label, op)
         self._check_free(name, op)
-        module, spec, normalized = load_program(archive, operation=op)
+        module, spec, normalized, stored = load_program(archive, operation=op)
         tensors = canonical_tensors(module, operation=op)
-        return self._create(name, normalized, module, spec, tensors, seed=None, label=label, op=op, program=archive)
+        return self._create(name, normalized, module, spec, tensors, seed=None, label=label, op=op, program=stored)
 
     def _create(
         self,

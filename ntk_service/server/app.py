@@ -12,6 +12,7 @@ they exist. Nothing is built at import time, so two apps in one process (tests) 
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -26,6 +27,7 @@ from ntk_service.errors import UnknownDevice
 from ntk_service.kernels import SideCache, parse_device, reuse_large_buffers, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
+from ntk_service.server.banner import startup_lines
 from ntk_service.server.compute import ComputeLimiter, configure_torch_threads
 from ntk_service.server.docs import install_docs
 from ntk_service.server.error_responses import install_error_handlers
@@ -126,10 +128,11 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             "the server is reachable from this machine only"
         )
     logger.info(
-        "ntk-service ready: data in %s, %d compute slot(s) on %s",
+        "ntk-service ready: data in %s, %d compute slot(s) on %s\n%s",
         settings.data_dir,
         settings.compute_concurrency,
         app.state.device,
+        startup_lines(settings.host, settings.port, hostname=socket.gethostname()),
     )
     app.state.ready = True
     try:

@@ -49,15 +49,28 @@ class KeyRing:
     def is_open(self) -> bool:
         return not self._scopes
 
-    def authorize(self, token: str | None, needed: Scope, *, operation: str) -> Principal:
+    def authorize(self, token: str | None, needed: Scope, *, operation: str, header_sent: bool = False) -> Principal:
         """The caller of ``token`` if its scope covers ``needed``.
 
+        Args:
+            token (str | None): the key of an ``Authorization: Bearer <key>`` header, or None.
+            needed (Scope): "read" or "write".
+            operation (str): prefix of error messages, e.g. "GET /v1/models".
+            header_sent (bool): an ``Authorization`` header came but not in the Bearer form (so ``token`` is None):
+                the message says which form is expected (never what was sent: it may hold the key). Default: False.
+
         Raises:
-            AuthenticationError: no token, or a token that is not a configured key (401).
+            AuthenticationError: no token, a header of another form, or a token that is not a configured key (401).
             PermissionDenied: a valid key whose scope is too small (403).
         """
         if self.is_open:
             return OPEN_PRINCIPAL
+        if not token and header_sent:
+            raise AuthenticationError(
+                f"{operation}: the Authorization header is not of the form 'Bearer <key>'; send "
+                "'Authorization: Bearer <key>' (the word Bearer, one space, then the key; not Basic, Token or the "
+                "key alone)"
+            )
         if not token:
             raise AuthenticationError(
                 f"{operation}: no API key; send 'Authorization: Bearer <key>' with a key from the operator"

@@ -64,7 +64,8 @@ def _authorizer(needed: Scope) -> Any:
     ) -> Principal:
         keyring: KeyRing = request.app.state.keyring
         token = credentials.credentials if credentials is not None else None
-        return keyring.authorize(token, needed, operation=f"{request.method} {request.url.path}")
+        sent = "authorization" in request.headers  # HTTPBearer gives None for a header without "Bearer <key>"
+        return keyring.authorize(token, needed, operation=f"{request.method} {request.url.path}", header_sent=sent)
 
     return authorize
 

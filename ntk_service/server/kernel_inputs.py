@@ -408,17 +408,22 @@ async def read_object(request: Request, *, operation: str, expected: str = "") -
     return data
 
 
-def check_budget(estimate: int, budget: int | None, *, what: str, operation: str) -> None:
+def check_budget(estimate: int, budget: int | None, *, what: str, operation: str, mode: str | None = None) -> None:
     """Refuse float64 work of ``estimate`` bytes over the memory budget (None: the machine's default budget).
+
+    Args:
+        mode: the kernel mode the work is on; "full" adds mode 'trace' to the advice (a k²-times smaller kernel).
+            Default: None (no mode to change).
 
     Raises:
         MemoryEstimateExceeded: with the estimate and the budget.
     """
     limit = default_memory_budget() if budget is None else budget
     if estimate > limit:
+        advice = "use fewer examples or mode 'trace'" if mode == "full" else "use fewer examples"
         raise MemoryEstimateExceeded(
             f"{operation}: {what} needs about {format_bytes(estimate)} in float64, over the memory budget of "
-            f"{format_bytes(limit)} (NTK_MEMORY_BUDGET_BYTES); use fewer examples or mode 'trace'",
+            f"{format_bytes(limit)} (NTK_MEMORY_BUDGET_BYTES); {advice}",
             estimate_bytes=estimate,
             budget_bytes=limit,
         )

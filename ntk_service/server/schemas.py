@@ -211,6 +211,11 @@ class KernelPublic(BaseModel):
     model: str = Field(description="The model's name.")
     version: int = Field(description="The model version used.")
     elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
+    dtype: Literal["float32", "float64"] | None = Field(default=None, description="The dtype Θ was computed in.")
+    note: str | None = Field(
+        default=None,
+        description='Present when float64 inputs were computed in float32 (no dtype="float64" in the request).',
+    )
 
 
 class ModelCreate(BaseModel):

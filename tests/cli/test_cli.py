@@ -230,9 +230,12 @@ def test_serve_runs_a_real_server(tmp_path: Path) -> None:
     log_path = tmp_path / "serve.log"
     # --port overrides the env's NTK_PORT
     process, port = launch_serve(
-        command, tmp_path / "data", log_path, NTK_API_KEYS="cli-key:write", NTK_LOG_LEVEL="warning", NTK_PORT="1"
+        command, tmp_path / "data", log_path, NTK_API_KEYS="cli-key:write", NTK_LOG_LEVEL="info", NTK_PORT="1"
     )
     try:
+        log = log_path.read_text(errors="replace")  # the start-up log says where the console, docs and API are
+        assert f"console:   http://127.0.0.1:{port}/\n" in log and f"API docs:  http://127.0.0.1:{port}/docs\n" in log
+        assert f"clients:   export NTK_URL=http://127.0.0.1:{port}   " in log
         runner = CliRunner()
         env_cli = {"NTK_URL": f"http://127.0.0.1:{port}", "NTK_API_KEY": "cli-key"}
         result = runner.invoke(app, ["models", "register", "m", "-a", json.dumps(MLP)], env=env_cli)

@@ -130,6 +130,18 @@ def test_model_with_wrong_output_batch_is_refused() -> None:
         compute_ntk(Pooled(), torch.randn(4, 3))
 
 
+def test_one_example_without_its_batch_dimension_is_named_so() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    with pytest.raises(UnsupportedModel) as info:
+        compute_ntk(model, torch.randn(4))  # one example of shape (4,), not a batch
+    message = str(info.value)
+    assert message.startswith("compute_ntk: x1 has shape (4,), whose first dimension is the batch (4 examples of ")
+    assert "the model returned (3,)" in message
+    assert "if (4,) is one example, pass x1.unsqueeze(0) (shape (1, 4)): inputs are batches (N, *input)" in message
+    theta = compute_ntk(model, torch.randn(4).unsqueeze(0)).theta  # what the message says works
+    assert theta.shape == (1, 1, 3, 3)
+
+
 def test_not_a_module() -> None:
     with pytest.raises(UnsupportedModel, match="must be a torch.nn.Module, got function"):
         compute_ntk(lambda x: x, torch.randn(2, 3))  # type: ignore[arg-type]

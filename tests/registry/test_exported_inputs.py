@@ -68,7 +68,7 @@ def test_keyword_inputs_and_a_dict_output_are_recorded_and_their_kernels_equal_t
         input_shape={"ids": (4,), "feats": (3,), "mask": (4,)},
         input_dtype={"ids": "int64", "mask": "int64"},  # feats: float32 by default
     )
-    loaded, spec, architecture = load_program(archive, operation=OP)
+    loaded, spec, architecture, _ = load_program(archive, operation=OP)
     expected = InputSpec(
         "mapping",
         (InputLeaf("ids", (4,), "int64", 11), InputLeaf("feats", (3,), "float32"), InputLeaf("mask", (4,), "int64")),

@@ -32,7 +32,7 @@ def test_program_versions_survive_a_restart_and_are_swept_with_the_model(tmp_pat
     first = registry.register_program("g", export_archive(module, x), label="epoch 0")
     assert first.architecture["family"] == "exported" and first.architecture["input_shape"] == [5]
     assert first.output_dim == 2 and [p.name for p in first.parameters] == [n for n, _ in module.named_parameters()]
-    assert _programs(tmp_path) == [f"{first.architecture['program_sha256']}.pt2"]
+    assert _programs(tmp_path) == [f"{first.architecture['program_sha256']}.checked.pt2"]
     train_steps(module, x, 2)  # type: ignore[arg-type]
     second = registry.add_version("g", safetensors.torch.save(module.state_dict()), label="epoch 1")
     assert (second.version, second.architecture) == (2, first.architecture)

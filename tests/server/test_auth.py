@@ -34,10 +34,14 @@ def test_wrong_key_is_401(live_server: LiveServer, method: str, path: str) -> No
     }
 
 
-def test_non_bearer_scheme_is_401(live_server: LiveServer) -> None:
+@pytest.mark.parametrize("header", ["Basic {key}", "{key}", "Token {key}", "Bearer", "bearer"])
+def test_non_bearer_scheme_is_401_naming_the_form_expected(live_server: LiveServer, header: str) -> None:
     with live_server.client(None) as client:
-        response = client.get("/v1/models", headers={"Authorization": f"Basic {live_server.read_key}"})
+        response = client.get("/v1/models", headers={"Authorization": header.format(key=live_server.read_key)})
     assert response.status_code == 401
+    message = response.json()["error"]["message"]
+    assert message.startswith("GET /v1/models: the Authorization header is not of the form 'Bearer <key>'; send")
+    assert live_server.read_key not in message  # what was sent may hold the key: never echoed
 
 
 @pytest.mark.parametrize(("method", "path"), WRITE_ROUTES)

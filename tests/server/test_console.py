@@ -23,8 +23,10 @@ import httpx
 import numpy as np
 import pytest
 import safetensors.torch
+import torch
 
 from ntk_service import wire
+from ntk_service.client import Client
 from ntk_service.registry import build_model
 from ntk_service.server.routes.console import ASSETS
 from tests.browser import Browser, Page, require_chromium
@@ -69,9 +71,13 @@ def _submit(client: httpx.Client, model: str, dataset: str, **options: Any) -> d
     return job
 
 
+DISK_BUDGET = 64 * 2**20
+"""The module server's NTK_JOB_DISK_BUDGET_BYTES: the jobs header shows the results' use against it."""
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    live = start_live_server(tmp_path_factory.mktemp("console") / "data")
+    live = start_live_server(tmp_path_factory.mktemp("console") / "data", job_disk_budget_bytes=str(DISK_BUDGET))
     yield live
     live.stop()
 
@@ -241,7 +247,8 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
     (tmp_path / "gate").touch()
     page.wait_until(
         f"(() => {{ const row = document.querySelector('tr[data-job=\"{slow['id']}\"]');"
-        " return row.dataset.status === 'succeeded' || row.querySelector('.eta-cell').textContent.endsWith(' s'); })()",
+        " return row.dataset.status === 'succeeded'"
+        " || /^ETA \\d/.test(row.querySelector('.time-cell .eta')?.textContent); })()",
         timeout_s=120,
         what="the slow job's ETA shown",
     )
@@ -441,3 +448,160 @@ def test_console_follows_a_job_across_a_server_restart(browser: Browser, tmp_pat
         _check_requests_stayed_home(page, second, keys=(second.write_key, second.read_key))
     finally:
         second.stop()
+
+
+class _TwoHeads(torch.nn.Module):
+    """An exported model returning a dict (a token model's ``output=``): logits and an auxiliary head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(4, 6)
+        self.gate = torch.nn.Parameter(torch.tensor(0.5))
+        self.logits = torch.nn.Linear(6, 3)
+        self.aux = torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = x + self.gate * torch.tanh(self.body(x)).sum(-1, keepdim=True)
+        h = torch.relu(self.body(h))
+        return {"logits": self.logits(h), "aux": self.aux(h)}
+
+
+class _Pair(torch.nn.Module):
+    """A model taking two tensors by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 2)
+        self.b = torch.nn.Linear(2, 2)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.a(a) * torch.sigmoid(self.b(b))
+        return out
+
+
+def _kernel(client: httpx.Client, job_id: str) -> np.ndarray:
+    return wire.decode_npy(client.get(f"/v1/jobs/{job_id}/result", headers={"Accept": wire.MEDIA_NPY}).content)
+
+
+@pytest.mark.slow
+def test_console_shows_what_a_lab_reads(
+    server: LiveServer, seeded: dict[str, Any], browser: Browser, tmp_path: Path
+) -> None:
+    """Issue 41: an exported model as a class and a short operator summary, both inputs of a two-input model, job
+    time, throughput, size and the disk against the budget, output= of a job on a dict-returning model, a
+    sequential heatmap with a scale for a non-negative kernel, the spectrum's progress, checkpoint comparison."""
+    torch.manual_seed(0)
+    dataset = seeded["dataset"]["id"]
+    with Client(server.url, api_key=server.write_key) as remote:
+        remote.register_module("two-heads", _TwoHeads(), input_shape=(4,))
+        remote.register_module("pair", _Pair(), input_shape={"a": (3,), "b": (2,)})
+    with server.client() as client:
+        older = _submit(client, "mlp-a", dataset, version=1, tile_size=4)  # the seeded full job's rows, on v1
+        heads = _submit(client, "two-heads", dataset, mode="trace", output="logits", tile_size=4)
+        rng = np.random.default_rng(7)
+        wide = client.post(
+            "/v1/datasets",
+            content=wire.encode_npy(rng.standard_normal((1500, 4)).astype(np.float32)),
+            params={"name": "wide"},
+            headers={"Content-Type": wire.MEDIA_NPY},
+        ).json()
+        big = _submit(client, "mlp-a", wide["id"], mode="trace", tile_size=500)  # a 1500 x 1500 trace kernel
+        for job in (older, heads, big):
+            _wait_for_status(client, job["id"], "succeeded", timeout_s=180)
+        jobs = client.get("/v1/jobs").json()["data"]
+        new = _kernel(client, seeded["full"]["id"])
+        old = _kernel(client, older["id"])
+        corner = _kernel(client, heads["id"])
+    page = browser.new_page()
+    page.navigate(f"{server.url}/")
+    _enter_key(page, server.write_key)
+    page.wait_until(f"!!document.querySelector('tr[data-job=\"{big['id']}\"]')", what="the new jobs listed")
+
+    # the exported model: "exported <class>: <layer ops> + <the rest>", not a sha256 and a list of ATen names
+    arch = _texts(page, 'tr[data-model="two-heads"] td.arch > span')[0]
+    assert arch == "exported program: linear + add, mul, relu, sum, tanh", arch  # no class recorded on this server
+    assert "torch.ops" not in arch and not re.search(r"[0-9a-f]{16}", arch)
+    assert _texts(page, 'tr[data-model="two-heads"] td.arch details.operators summary') == ["6 operators"]
+    row_height = page.evaluate("document.querySelector('tr[data-model=\"two-heads\"]').getBoundingClientRect().height")
+    assert row_height < 80, row_height  # one line and two closed summaries, not 25-30 lines of operator names
+    with_class = page.evaluate(
+        "import(new URL('console/format.js', document.baseURI)).then((fmt) => fmt.architecture({family: 'exported',"
+        " class_name: 'GPT2LMHeadModel', operators: ['torch.ops.aten.linear.default',"
+        " 'torch.ops.aten.scaled_dot_product_attention.default', 'torch.ops.aten.embedding.default',"
+        " 'torch.ops.aten.layer_norm.default', 'torch.ops.aten.add.Tensor', 'torch.ops.aten.view.default',"
+        " 'torch.ops.aten.gelu.default', 'torch.ops.aten.mul.Tensor', 'torch.ops.aten.permute.default',"
+        " 'torch.ops.aten.softmax.int']}))"
+    )
+    assert with_class == (
+        "exported GPT2LMHeadModel: embedding, layer_norm, linear, scaled_dot_product_attention"
+        " + 6 elementwise and shape ops"
+    )
+    # a two-input model shows both inputs
+    assert _texts(page, 'tr[data-model="pair"] td.inputs div') == ["a (3) float32", "b (2) float32"]
+
+    # jobs: output= of the dict model's job; duration and throughput; the size on disk; the disk against the budget
+    assert _texts(page, f'tr[data-job="{heads["id"]}"] .output') == ["output=logits"]
+    time_cell = _texts(page, f'tr[data-job="{older["id"]}"] td.time-cell')[0]
+    assert re.fullmatch(r"\d+\.\d s[0-9.,]+ tiles/s", time_cell), time_cell  # tenths: a small job is quick
+    size = _texts(page, f'tr[data-job="{older["id"]}"] td.size-cell')[0]
+    assert size == "1.7 KiB", size  # 8 x 8 x 3 x 3 float32 in 3 upper tiles of 4: 3 x 576 B
+    used = sum(j["estimate_bytes"] for j in jobs if not j["result_deleted_at"])
+    page.wait_until(f"document.getElementById('jobs-disk').dataset.used === '{used}'", what="the disk use shown")
+    assert _texts(page, "#jobs-disk")[0].endswith(f"of the 64.0 MiB budget ({round(100 * used / DISK_BUDGET)} %)")
+
+    # a trace kernel's corner: every entry > 0, drawn with a sequential colour map and its scale
+    assert corner.min() > 0
+    page.evaluate(f"document.querySelector('tr[data-job=\"{heads['id']}\"] [data-action=details]').click(); true")
+    page.wait_until("document.getElementById('heatmap-figure').dataset.colours", what="the heatmap drawn")
+    assert page.evaluate("document.getElementById('heatmap-figure').dataset.colours") == "sequential"
+    caption = _texts(page, "#heatmap-figure figcaption")[0]
+    assert f"viridis from {corner.min():.3g} (dark) to {corner.max():.3g} (light)" in caption.replace("e+", "e+"), (
+        caption
+    )
+    page.wait_until("!!document.querySelector('#spectrum-figure img')", what="the spectrum drawn")
+    heads_shot = page.screenshot(tmp_path / "console-heatmap.png")
+
+    # the spectrum of a larger kernel: its progress shows at once (what, and the seconds so far), then the plot
+    shown = page.evaluate(
+        f"document.querySelector('tr[data-job=\"{big['id']}\"] [data-action=details]').click();"
+        " document.querySelector('#spectrum-figure progress') !== null"
+        " && document.querySelector('#spectrum-figure .progress-text').textContent"
+    )
+    assert shown.startswith("computing the top 20 eigenvalues of the 1500 × 1500 kernel") and shown.endswith(": 0 s")
+    progress_shot = page.screenshot(tmp_path / "console-spectrum-progress.png")
+    page.wait_until("!!document.querySelector('#spectrum-figure img')", timeout_s=120, what="the big spectrum drawn")
+    assert re.search(r"Computed in [0-9.]+ s\.$", _texts(page, "#spectrum-figure figcaption")[0])
+
+    # checkpoint comparison: the seeded full job (v2) against the same rows' kernel on v1, checked with numpy
+    full_id = seeded["full"]["id"]
+    page.evaluate(f"document.querySelector('tr[data-job=\"{full_id}\"] [data-action=details]').click(); true")
+    page.wait_until(
+        f"document.querySelector('#checkpoints tr[data-other=\"{older['id']}\"] .distance')?.textContent !== '—'"
+        f" && !!document.querySelector('#checkpoints tr[data-other=\"{older['id']}\"] .distance')",
+        what="the checkpoint distance",
+    )
+    a, b = new.astype(np.float64).ravel(), old.astype(np.float64).ravel()
+    distance = 1 - a @ b / (np.linalg.norm(a) * np.linalg.norm(b))
+    change = np.linalg.norm(b - a) / np.linalg.norm(a)
+    row = _texts(page, f'#checkpoints tr[data-other="{older["id"]}"] td')
+    np.testing.assert_allclose(float(row[1]), distance, rtol=2e-3)
+    np.testing.assert_allclose(float(row[2]), change, rtol=2e-3)
+    assert _texts(page, f'#checkpoints tr[data-other="{older["id"]}"] th')[0] == "v1"
+    # the colour map follows the signs: the full kernel's corner against numpy
+    page.wait_until("document.getElementById('heatmap-figure').dataset.colours", what="the full heatmap drawn")
+    k = new.shape[2]
+    block = new[: 48 // k, : 48 // k]
+    expected = "sequential" if block.min() >= 0 else "diverging"
+    assert page.evaluate("document.getElementById('heatmap-figure').dataset.colours") == expected
+    page.evaluate("document.getElementById('job-detail').scrollIntoView(); true")
+    overflow = page.evaluate("document.documentElement.scrollWidth - document.documentElement.clientWidth")
+    assert overflow <= 0, f"the page is {overflow} px wider than a 1366 px screen"
+    detail_shot = page.screenshot(tmp_path / "console-checkpoints.png")
+    page.evaluate("window.scrollTo(0, 0); true")
+    top_shot = page.screenshot(tmp_path / "console-lab.png")
+    full_shot = page.screenshot(tmp_path / "console-lab-full.png", full_page=True)
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    for path in (heads_shot, progress_shot, detail_shot, top_shot, full_shot):
+        shutil.copy(path, SCREENSHOT_DIR / path.name)
+    print(f"\nconsole screenshots in {SCREENSHOT_DIR}")
+    _check_requests_stayed_home(page, server, keys=(server.write_key, server.read_key))

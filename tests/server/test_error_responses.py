@@ -160,6 +160,25 @@ def test_413_memory_estimate_carries_estimate_and_budget(client: httpx.Client) -
     error = response.json()["error"]
     assert error["budget_bytes"] == 256 * 2**20
     assert error["estimate_bytes"] > error["budget_bytes"]
+    assert "use a cheaper mode (trace, output_diagonal), fewer examples" in message  # full: trace is smaller
+
+
+def test_413_in_trace_mode_does_not_suggest_trace(client: httpx.Client) -> None:
+    # the (9000, 9000) float32 trace result alone is 309 MiB, over the test server's 256 MiB budget
+    x1 = tensor_json(np.zeros((9000, 4), np.float32))
+    response = _ntk(client, {"x1": x1, "mode": "trace"}, headers={"Accept": wire.MEDIA_NPY})
+    message = _error(response, 413, "memory_estimate_exceeded")
+    assert "for mode trace" in message and "the result alone is 308.99 MiB" in message
+    assert "trace," not in message.split("memory budget")[1]  # nothing cheaper than trace to suggest
+    assert message.endswith(
+        "over the memory budget of 256.00 MiB; use fewer examples, a parameter subset, or a batch job"
+    )
+    # the analysis routes' own estimate: a 3500x3500 float64 eigh (3 copies, 294 MiB) of a trace kernel
+    spectrum = client.post(
+        "/v1/models/errors-mlp/spectrum", json={"x": tensor_json(np.zeros((3500, 4), np.float32)), "mode": "trace"}
+    )
+    message = _error(spectrum, 413, "memory_estimate_exceeded")
+    assert message.endswith("over the memory budget of 256.00 MiB (NTK_MEMORY_BUDGET_BYTES); use fewer examples")
 
 
 # ---------------------------------------------------------------- 415

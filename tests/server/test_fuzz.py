@@ -5,6 +5,9 @@ examples, boundary coverage, random fuzzing, stateful sequences through inferred
 deterministic mode, so a run is reproducible; it fails on any 5xx and on any response that the document does not
 describe (status code, content type, headers, body schema). The budget is fixed by ``MAX_EXAMPLES`` (about a
 minute on an idle 2-core machine); a failure prints schemathesis' report with a ``curl`` line to reproduce it.
+
+Each case a run has found is kept in ``FUZZER_FINDINGS`` and replayed on every run (against the session's server,
+in well under a second), since a seeded fuzzer need not reach the same case again once the schema changes.
 """
 
 from __future__ import annotations
@@ -50,6 +53,36 @@ TIME_BUDGET_S = 420
 """Hard stop for the schemathesis process: with the kernel family and analysis routes (33 operations) the run took
 about 130 s on an idle 2-core machine at 40 examples and over 180 s under contention; a run cut short prints what it
 had found."""
+
+
+FUZZER_FINDINGS = [
+    pytest.param(
+        "/v1/models/{model}/predict",
+        {
+            "x_train": {"shape": [1, 4], "dtype": "float32", "data": [0.0, 1.0, 2.0, 3.0]},
+            "y_train": {"data": [], "shape": [59, 0, 5401, 10325661109373530, 3], "dtype": "int64"},
+            "times": [1.0],
+            "learning_rate": 0.1,
+        },
+        422,
+        "y_train.shape: [59,0,5401,10325661109373530,3] of int64 is beyond the largest array numpy can describe",
+        id="empty-y_train-with-a-shape-numpy-cannot-describe",
+    ),
+]
+"""(path, JSON body, expected status, expected message fragment): cases the fuzzer found answering 5xx."""
+
+
+@pytest.mark.parametrize(("path", "body", "status", "message"), FUZZER_FINDINGS)
+def test_fuzzer_findings_stay_fixed(live_server: LiveServer, path: str, body: dict, status: int, message: str) -> None:
+    with live_server.client("write") as client:
+        model = "fuzz-findings-mlp"
+        if client.get(f"/v1/models/{model}").status_code == 404:
+            architecture = {"family": "mlp", "input_dim": 4, "hidden": [8], "output_dim": 3}
+            response = client.post("/v1/models", json={"name": model, "architecture": architecture})
+            assert response.status_code == 201, response.text
+        response = client.post(path.format(model=model), json=body)
+    assert response.status_code == status, response.text
+    assert message in response.json()["error"]["message"], response.text
 
 
 def _schemathesis() -> str:

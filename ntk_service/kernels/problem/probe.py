@@ -88,9 +88,13 @@ def probe_model(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch]
         ) from exc
     if not isinstance(batched, torch.Tensor) or batched.ndim < 1 or batched.shape[0] != n:
         got = tuple(batched.shape) if isinstance(batched, torch.Tensor) else type(batched).__name__
+        side, whole = sides[0] if sides else ("x1", x)
+        shape = tuple(whole.shape) if isinstance(whole, torch.Tensor) else tuple(x.shape)
         raise UnsupportedModel(
-            f"compute_ntk: for a batch of {n} examples the model returned {got}; expected a tensor (N, *out) "
-            "with one output row per example"
+            f"compute_ntk: {side} has shape {shape}, whose first dimension is the batch ({shape[0]} examples of "
+            f"shape {shape[1:]}), but on the first {n} of them the model returned {got}, not a tensor (N, *out) with "
+            f"one output row per example; if {shape} is one example, pass {side}.unsqueeze(0) (shape "
+            f"{(1, *shape)}): inputs are batches (N, *input)"
         )
     problem.out_shape = tuple(batched.shape[1:])
     _check_independent(problem, x, batched, n)

@@ -118,7 +118,39 @@ function countJobs() {
   $("jobs-count").textContent = `${all.length} job(s), ${active} queued or running`;
 }
 
+// The results' share of the disk, as the server counts it (every stored result, solve and features jobs' too):
+// three gauges of GET /metrics (no key needed). A page that cannot read them says nothing about the disk.
+async function loadDisk() {
+  let text;
+  try {
+    text = await (await api.request("GET", "metrics", { accept: "text/plain" })).text();
+  } catch {
+    $("jobs-disk").textContent = "";
+    return;
+  }
+  const gauge = (name) => {
+    const match = text.match(new RegExp(`^${name} ([0-9.e+-]+)$`, "m"));
+    return match ? Number(match[1]) : null;
+  };
+  const used = gauge("ntk_job_results_bytes");
+  const budget = gauge("ntk_job_disk_budget_bytes");
+  const available = gauge("ntk_job_disk_available_bytes");
+  if (used === null) return;
+  const node = $("jobs-disk");
+  if (budget !== null && budget >= 0) {
+    const share = budget > 0 ? ` (${Math.round((100 * used) / budget)} %)` : "";
+    node.textContent = `disk: ${fmt.bytes(used)} of the ${fmt.bytes(budget)} budget${share}`;
+    node.dataset.budget = String(budget);
+  } else {
+    const left = available === null ? "" : `, ${fmt.bytes(available)} more may be used`;
+    node.textContent = `disk: ${fmt.bytes(used)} of results, no budget (90 % of the free space)${left}`;
+    delete node.dataset.budget;
+  }
+  node.dataset.used = String(used);
+}
+
 async function loadJobs() {
+  loadDisk();
   const jobs = (await api.getJson("v1/jobs")).data;
   const sameRows = jobs.length === state.jobs.size && jobs.every((j) => state.jobs.has(j.id));
   if (sameRows && document.querySelector("#jobs-body tbody")) {
@@ -215,7 +247,45 @@ function renderDetail(job) {
   if (job.status === "succeeded" && !job.result_deleted_at) {
     drawSpectrum(job);
     drawHeatmap(job);
+    showCheckpoints(job);
   }
+}
+
+// The other versions' kernels over the same rows: succeeded jobs of the same model, mode, rows and shape.
+function comparable(job) {
+  const same = (a, b) => (!a && !b) || (a && b && a.dataset === b.dataset && a.start === b.start && a.stop === b.stop);
+  return [...state.jobs.values()]
+    .filter(
+      (o) =>
+        o.id !== job.id &&
+        o.model === job.model &&
+        o.status === "succeeded" &&
+        !o.result_deleted_at &&
+        o.mode === job.mode &&
+        o.output === job.output &&
+        same(o.x1, job.x1) &&
+        same(o.x2, job.x2) &&
+        o.result_shape.join() === job.result_shape.join(),
+    )
+    .sort((a, b) => a.version - b.version || a.created_at.localeCompare(b.created_at));
+}
+
+function showCheckpoints(job) {
+  const rows = comparable(job).map((other) => ({ job: other, result: null, error: null }));
+  const render = () => state.detail === job.id && views.checkpoints(job, rows, compare);
+  const compare = async (other) => {
+    const row = rows.find((r) => r.job.id === other.id);
+    try {
+      row.result = await api.postJson(`v1/jobs/${encodeURIComponent(job.id)}/distance`, { other: other.id });
+    } catch (error) {
+      row.error = `distance: ${error.message}`;
+    }
+    render();
+  };
+  render();
+  // small kernels are compared at once (a few streamed passes); large ones wait for the button
+  const entries = job.result_shape.reduce((a, b) => a * b, 1);
+  if (entries <= AUTO_SPECTRUM_SIDE * AUTO_SPECTRUM_SIDE) rows.slice(0, 3).forEach((r) => compare(r.job));
 }
 
 function publish(id, job, blob, alt, caption) {
@@ -240,17 +310,25 @@ function drawSpectrum(job) {
 }
 
 async function computeSpectrum(job) {
-  views.figureNote("spectrum-figure", "computing the spectrum…");
+  const side = job.result_shape[0] * (job.mode === "full" ? job.result_shape[2] : 1);
+  const what = `computing the top 20 eigenvalues of the ${side} × ${side} kernel (Lanczos, reading the stored kernel)`;
+  const started = Date.now();
+  views.figureProgress("spectrum-figure", what, started);
+  const ticker = setInterval(() => views.figureProgress("spectrum-figure", what, started), 1000);
   try {
     const s = await api.postJson(`v1/jobs/${encodeURIComponent(job.id)}/spectrum`, { top: 20 });
+    clearInterval(ticker);
     const values = s.eigenvalues.data;
     const blob = await plots.spectrum(values, `spectrum of Θ (${s.method}, ${values.length} of ${s.n} eigenvalues)`);
     const condition = s.condition_number === null ? "" : `, condition number ${s.condition_number.toPrecision(3)}`;
     const alt = `Eigenvalues of the kernel of job ${job.id}, descending, log scale`;
     const caption = `Top eigenvalues of Θ: λ_max = ${s.lambda_max.toPrecision(4)}${condition}.`;
-    publish("spectrum-figure", job, blob, alt, caption);
+    const took = ` Computed in ${((Date.now() - started) / 1000).toFixed(1)} s.`;
+    publish("spectrum-figure", job, blob, alt, caption + took);
   } catch (error) {
     views.figureError("spectrum-figure", `spectrum: ${error.message}`);
+  } finally {
+    clearInterval(ticker);
   }
 }
 
@@ -266,11 +344,16 @@ async function drawHeatmap(job) {
   try {
     const response = await api.request("GET", `v1/jobs/${encodeURIComponent(job.id)}/result?rows=0:${rows}&cols=0:${cols}`);
     const theta = (await response.json()).theta;
-    const blob = await plots.heatmap(theta, `Θ[0:${rows}, 0:${cols}]`);
+    const drawn = await plots.heatmap(theta, `Θ[0:${rows}, 0:${cols}]`);
     const layout = k > 1 ? `, drawn as the (${rows}·${k}) × (${cols}·${k}) matrix with row n·k + a` : "";
     const alt = `Heatmap of the corner rows 0 to ${rows}, columns 0 to ${cols} of Θ`;
-    const caption = `The corner [0:${rows}, 0:${cols}] of the ${n} × ${m} kernel${layout}; blue negative, red positive.`;
-    publish("heatmap-figure", job, blob, alt, caption);
+    const colours =
+      drawn.kind === "sequential"
+        ? `every entry ≥ 0: viridis from ${drawn.low.toPrecision(3)} (dark) to ${drawn.high.toPrecision(3)} (light)`
+        : "entries of both signs: blue negative, red positive, centred on 0";
+    const caption = `The corner [0:${rows}, 0:${cols}] of the ${n} × ${m} kernel${layout}; ${colours}.`;
+    publish("heatmap-figure", job, drawn.blob, alt, caption);
+    document.getElementById("heatmap-figure")?.setAttribute("data-colours", drawn.kind);
   } catch (error) {
     views.figureError("heatmap-figure", `heatmap: ${error.message}`);
   }

@@ -24,8 +24,31 @@ function toBlob(c) {
   );
 }
 
-// Diverging blue - white - red, centred on 0 (kernels have signed off-diagonal entries), as RdBu_r.
-function diverging(t) {
+// Sequential viridis (perceptually uniform, dark to light), for kernels whose entries are all ≥ 0: a trace kernel's
+// entries are positive and close to each other, which a diverging map centred on 0 draws as one flat colour.
+const VIRIDIS = [
+  [68, 1, 84],
+  [72, 40, 120],
+  [62, 74, 137],
+  [49, 104, 142],
+  [38, 130, 142],
+  [31, 158, 137],
+  [53, 183, 121],
+  [109, 205, 89],
+  [180, 222, 44],
+  [253, 231, 37],
+];
+
+export function sequential(t) {
+  const x = Math.min(1, Math.max(0, t)) * (VIRIDIS.length - 1);
+  const i = Math.min(VIRIDIS.length - 2, Math.floor(x));
+  const u = x - i;
+  const mix = VIRIDIS[i].map((a, c) => Math.round(a + (VIRIDIS[i + 1][c] - a) * u));
+  return `rgb(${mix[0]}, ${mix[1]}, ${mix[2]})`;
+}
+
+// Diverging blue - white - red, centred on 0, as RdBu_r: for kernels with entries of both signs.
+export function diverging(t) {
   const blue = [33, 102, 172];
   const white = [247, 247, 247];
   const red = [178, 24, 43];
@@ -62,12 +85,10 @@ export function heatmap(theta, title) {
   const width = Math.max(320, left + m.cols * cell + 110);
   const height = top + m.rows * cell + 40;
   const [c, ctx] = canvas(width, height);
-  let bound = 0;
-  for (let i = 0; i < m.rows; i++) for (let j = 0; j < m.cols; j++) bound = Math.max(bound, Math.abs(m.at(i, j)));
-  bound = bound || 1;
+  const scale = colourScale(m);
   for (let i = 0; i < m.rows; i++) {
     for (let j = 0; j < m.cols; j++) {
-      ctx.fillStyle = diverging(m.at(i, j) / bound);
+      ctx.fillStyle = scale.colour(m.at(i, j));
       ctx.fillRect(left + j * cell, top + i * cell, cell, cell);
     }
   }
@@ -85,19 +106,40 @@ export function heatmap(theta, title) {
   ctx.fillText(String(m.cols - 1), right - cell / 2, bottom + 16);
   ctx.fillText("column", (left + right) / 2, bottom + 16);
   ctx.textAlign = "left";
-  // colour bar
+  // colour bar: the scale's top, middle and bottom values beside it
   const barX = left + m.cols * cell + 20;
   const barH = Math.max(80, m.rows * cell);
   for (let y = 0; y < barH; y++) {
-    ctx.fillStyle = diverging(1 - (2 * y) / (barH - 1));
+    ctx.fillStyle = scale.colour(scale.high - ((scale.high - scale.low) * y) / (barH - 1));
     ctx.fillRect(barX, top + y, 14, 1);
   }
+  ctx.strokeStyle = INK;
+  ctx.strokeRect(barX, top, 14, barH);
   ctx.fillStyle = INK;
-  ctx.fillText(label(bound), barX + 20, top + 10);
-  ctx.fillText("0", barX + 20, top + barH / 2 + 4);
-  ctx.fillText(label(-bound), barX + 20, top + barH);
+  ctx.fillText(label(scale.high), barX + 20, top + 10);
+  ctx.fillText(label((scale.high + scale.low) / 2), barX + 20, top + barH / 2 + 4);
+  ctx.fillText(label(scale.low), barX + 20, top + barH);
   ctx.fillText("Θ", barX + 2, top - 8);
-  return toBlob(c);
+  return toBlob(c).then((blob) => ({ blob, kind: scale.kind, low: scale.low, high: scale.high }));
+}
+
+// How values become colours: sequential from the smallest to the largest entry when none is negative (the scale
+// shows where they lie), diverging and centred on 0 when the signs differ.
+export function colourScale(m) {
+  let low = Infinity;
+  let high = -Infinity;
+  for (let i = 0; i < m.rows; i++) {
+    for (let j = 0; j < m.cols; j++) {
+      low = Math.min(low, m.at(i, j));
+      high = Math.max(high, m.at(i, j));
+    }
+  }
+  if (low >= 0) {
+    const span = high - low || 1;
+    return { kind: "sequential", low, high, colour: (v) => sequential((v - low) / span) };
+  }
+  const bound = Math.max(Math.abs(low), Math.abs(high)) || 1;
+  return { kind: "diverging", low: -bound, high: bound, colour: (v) => diverging(v / bound) };
 }
 
 export function spectrum(eigenvalues, title) {

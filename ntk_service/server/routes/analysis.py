@@ -195,6 +195,7 @@ async def predict(
             settings.memory_budget_bytes,
             what=f"the analysis of a {size}x{size} kernel",
             operation=operation,
+            mode=options.mode,
         )
         return record, train, test
 
@@ -298,6 +299,7 @@ async def kernel_spectrum(
             settings.memory_budget_bytes,
             what=f"the spectrum of a {size}x{size} kernel",
             operation=operation,
+            mode=options.mode,
         )
         return record, x
 
@@ -416,6 +418,7 @@ async def compare(
             settings.memory_budget_bytes,
             what=f"{len(records)} kernels of {size}x{size}",
             operation=operation,
+            mode=options.mode,
         )
         return records, x
 

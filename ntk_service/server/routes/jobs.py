@@ -6,6 +6,7 @@
     GET    /v1/jobs/{id}/events           text/event-stream: a "progress" event per change, "end" when finished
     GET    /v1/jobs/{id}/result           the kernel, whole or ?rows=a:b&cols=c:d, by Accept (409 until succeeded);
                                           .npy streams row block by row block
+    GET    /v1/jobs/{id}/zarr             the result's Zarr group as a zip, streamed (jobs/result_archive.py)
     DELETE /v1/jobs/{id}                  a queued/running job: cancel (running tiles finish, no new tile starts);
                                           a finished one: delete its result (?keep_record=true keeps the record)
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import pathlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
@@ -40,7 +42,8 @@ from ntk_service.errors import Busy, InvalidInput, NotAcceptable, ResultNotFound
 from ntk_service.jobs import JobManager, JobRecord
 from ntk_service.jobs.disk import ResultBytes
 from ntk_service.jobs.executors import Executor, LocalExecutor, RayExecutor, import_ray
-from ntk_service.jobs.results import ResultArray, parse_range
+from ntk_service.jobs.result_archive import ZIP_MEDIA, zip_stream
+from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, parse_range
 from ntk_service.jobs.solve_jobs import SolveJobs
 from ntk_service.kernels import KernelMode, NtkImplementation
 from ntk_service.server.compute import ComputeLimiter
@@ -152,6 +155,11 @@ class JobPublic(BaseModel):
     error: str | None = Field(description="Why it failed; null otherwise.")
     result_shape: list[int] = Field(description="The stored kernel's shape, e.g. (N, M) for trace.")
     estimate_bytes: int = Field(description="The result's size on disk.")
+    result_path: str | None = Field(
+        default=None,
+        description="Where the result group lies on the server's disk (xarray.open_zarr opens it there; elsewhere "
+        "download GET /v1/jobs/{job_id}/zarr); null once deleted.",
+    )
     executor: str = Field(description='"local" or "ray".')
     created_at: str = Field(description="Submission time (UTC, ISO 8601).")
     started_at: str | None = Field(description="When the first tile started; null while queued.")
@@ -176,8 +184,8 @@ def _iso(timestamp: float | None) -> str | None:
     return None if timestamp is None else datetime.fromtimestamp(timestamp, UTC).isoformat()
 
 
-def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
-    """The JSON form of a job (``JobPublic``)."""
+def job_public(record: JobRecord, eta_s: float | None, results_dir: pathlib.Path | None = None) -> dict[str, Any]:
+    """The JSON form of a job (``JobPublic``); ``results_dir`` (the manager's) gives ``result_path``."""
     spec = record.spec
     x1 = {"dataset": spec.x1_dataset, "start": spec.x1_start, "stop": spec.x1_start + spec.n}
     x2 = {"dataset": spec.x2_dataset, "start": spec.x2_start, "stop": spec.x2_start + spec.m}
@@ -203,6 +211,9 @@ def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
         "error": record.error,
         "result_shape": record.result_shape,
         "estimate_bytes": record.estimate_bytes,
+        "result_path": None
+        if results_dir is None or record.result_deleted_at is not None
+        else str(results_dir / record.id / RESULT_GROUP_NAME),
         "executor": record.executor,
         "created_at": _iso(record.created_at),
         "started_at": _iso(record.started_at),
@@ -213,7 +224,7 @@ def job_public(record: JobRecord, eta_s: float | None) -> dict[str, Any]:
 
 def _describe(manager: JobManager, job_id: str) -> dict[str, Any]:
     record = manager.get(job_id)
-    return job_public(record, manager.eta_s(record))
+    return job_public(record, manager.eta_s(record), manager.results_dir)
 
 
 async def _jobs(request: Request) -> JobManager:
@@ -348,13 +359,17 @@ async def submit_job(request: Request, _: WriteAccess, manager: JobsDep) -> Resp
             x2_rows=None if body.x2 is None else body.x2.rows(manager),
         )
     )
-    return json_response(job_public(record, None), status_code=202, headers={"Location": f"/v1/jobs/{record.id}"})
+    return json_response(
+        job_public(record, None, manager.results_dir), status_code=202, headers={"Location": f"/v1/jobs/{record.id}"}
+    )
 
 
 @router.get("", response_model=JobsPublic, summary="List jobs, newest first")
 async def list_jobs(_: ReadAccess, manager: JobsDep) -> Response:
     records = await anyio.to_thread.run_sync(manager.list)
-    return json_response({"data": [job_public(r, manager.eta_s(r)) for r in records], "count": len(records)})
+    return json_response(
+        {"data": [job_public(r, manager.eta_s(r), manager.results_dir) for r in records], "count": len(records)}
+    )
 
 
 @router.get("/{job_id}", response_model=JobPublic, summary="Show a job: status, progress, ETA")
@@ -454,6 +469,28 @@ async def job_result(
 
 
 _SLICE_HINT = ", or download a slice with ?rows=a:b&cols=c:d"
+
+
+@router.get(
+    "/{job_id}/zarr",
+    summary="Download a succeeded job's result as its Zarr group, zipped (xarray opens it)",
+    description="The same group as on the server's disk (dimension names, attributes, tile ledger), stored "
+    "uncompressed and streamed: open it with xarray.open_zarr(zarr.storage.ZipStore(path)) or "
+    "client.result_array(job).to_xarray(path). A symmetric result holds only the tiles on and above the diagonal.",
+    response_class=Response,
+    responses={200: {"content": {ZIP_MEDIA: {"schema": {"type": "string", "format": "binary"}}}}, 409: {}},
+)
+async def job_result_zarr(job_id: JobIdParam, _: ReadAccess, manager: JobsDep) -> Response:
+    _record, array = await anyio.to_thread.run_sync(manager.open_result, job_id)
+    pieces = zip_stream(array.path)
+
+    async def body() -> AsyncIterator[bytes]:
+        with manager.reading(job_id):
+            while (piece := await anyio.to_thread.run_sync(next, pieces, None)) is not None:
+                yield piece
+
+    disposition = f'attachment; filename="{job_id}.zarr.zip"'
+    return StreamingResponse(body(), media_type=ZIP_MEDIA, headers={"Content-Disposition": disposition})
 
 
 @dataclass(frozen=True, slots=True)
@@ -574,7 +611,7 @@ async def delete_job(
         record = manager.get(job_id)
         if cancel_only or not record.is_finished:
             cancelled = manager.cancel(job_id)
-            return json_response(job_public(cancelled, manager.eta_s(cancelled)))
+            return json_response(job_public(cancelled, manager.eta_s(cancelled), manager.results_dir))
         deletion = manager.delete(job_id, keep_record=keep_record)
         kind = "result" if deletion.record_kept else "job"
         return json_response({"id": job_id, "deleted": kind, "freed_bytes": deletion.freed_bytes})

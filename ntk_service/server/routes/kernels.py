@@ -42,6 +42,7 @@ from ntk_service.server.kernel_inputs import (
 )
 from ntk_service.server.media import encode_theta, json_too_large, negotiate
 from ntk_service.server.params import INT64_MAX, MAX_GLOBS, Glob, NamePath
+from ntk_service.server.precision import downcast_note
 from ntk_service.server.schemas import MAX_OUTPUT_PATH, KernelModeValue, KernelPublic, KernelRequest, openapi_body
 
 __all__ = ["router"]
@@ -130,13 +131,19 @@ async def compute_kernel(
         result, seconds = run_kernel(
             module, x1, x2, call, record=record, options=engine, side_cache=ctx.side_cache, operation=operation
         )
-        meta = {
+        computed = str(result.stacked.dtype if isinstance(result, NtkGroupsResult) else result.theta.dtype)
+        computed = computed.removeprefix("torch.")
+        meta: dict[str, str | int | float] = {
             "mode": result.mode.value,
             "implementation": result.implementation.value,
             "model": record.name,
             "version": record.version,
             "elapsed_ms": round(seconds * 1000, 3),
+            "dtype": computed,
         }
+        note = downcast_note({"x1": x1.array, "x2": None if x2 is None else x2.array}, computed)
+        if note is not None:
+            meta["note"] = note
         if isinstance(result, NtkGroupsResult):
             response = encode_groups(result, response_type, meta, cap=cap, operation=operation)
         else:
