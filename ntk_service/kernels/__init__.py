@@ -8,9 +8,9 @@
 """
 
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, compute_ntk_groups, warm_up
-from ntk_service.kernels.family.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.family.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
 from ntk_service.kernels.family.nngp import NngpResult, compute_nngp
+from ntk_service.kernels.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.operators.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.operators.streaming_operator import dataset_operator

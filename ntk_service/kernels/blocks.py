@@ -15,7 +15,7 @@ from collections.abc import Hashable
 import torch
 
 from ntk_service.kernels.algorithm import NtkAlgorithm, Side
-from ntk_service.kernels.family.groups import ParameterGroups
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode, result_shape
 from ntk_service.kernels.planning import BlockPlan
 from ntk_service.kernels.problem.batch import Batch, batch_size, take

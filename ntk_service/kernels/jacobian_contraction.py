@@ -53,7 +53,7 @@ from collections.abc import Callable
 import torch
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.family.groups import ParameterGroups
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.problem.batch import Batch, batch_size, concat, one_example, take

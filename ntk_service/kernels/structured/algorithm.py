@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from ntk_service.kernels.family.groups import ParameterGroups
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.batch import Batch, batch_size, concat, take
 from ntk_service.kernels.problem.math_attention import attention_scope
@@ -203,7 +203,7 @@ class Structured:
         groups: ParameterGroups,
     ) -> torch.Tensor:
         """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
-        kernels] in family/groups.py); in FULL each group's last plain factored term rides along in the pass that writes
+        kernels] in groups.py); in FULL each group's last plain factored term rides along in the pass that writes
         its block (``fused_finish``, as ``pair`` does), so G groups cost G result-sized writes, not 2·G."""
         terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
         factored: list[list[tuple[FactorSide, FactorSide, bool, bool]]] = [[] for _ in groups.names]
