@@ -29,7 +29,12 @@ from ntk_service.kernels.problem.math_attention import math_attention
 from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
-__all__ = ["NtkVectorProducts"]
+__all__ = ["NTK_VECTOR_PRODUCTS_WEIGHT", "NtkVectorProducts"]
+
+NTK_VECTOR_PRODUCTS_WEIGHT = 3.0
+"""AUTO's cost of one estimated FLOP of the NTK-vector products, relative to the Jacobian contraction's: forward-mode
+products run at a lower fraction of peak than a contraction's dense matmuls on the CPU (measured with
+benchmarks/bench_kernels.py; NOTE [auto choice] in choice.py)."""
 
 _FORWARD_AD_LOCK = threading.Lock()
 """Serializes forward-mode AD across threads: torch.func.jvp's dual levels are process-global, and two threads
@@ -74,10 +79,14 @@ def _jvp_at(problem: NtkProblem, x: Batch, tangent: NamedTensors) -> torch.Tenso
 
 
 class NtkVectorProducts:
-    """The NtkAlgorithm of NTK-vector products (see the module docstring)."""
+    """The NtkAlgorithm of NTK-vector products (see the module docstring). No optional capability: its right side is
+    the inputs themselves (no pass to share with x1's), and it forms no per-parameter terms (Θ·e by one JVP of a VJP
+    over all parameters at once) to split by group."""
 
     implementation = NtkImplementation.NTK_VECTOR_PRODUCTS
     right_is_left = False
+    joint_pass: None = None
+    group_kernels: None = None
 
     def left(self, problem: NtkProblem, x: Batch) -> VjpRows:
         return x, _rows(problem, x)
@@ -129,3 +138,6 @@ class NtkVectorProducts:
         k, fp = problem.k, problem.forward_flops
         pairs = n if mode is KernelMode.EXAMPLE_DIAGONAL else n * m
         return n * fp * (1 + 2 * k) + 2 * pairs * k * fp
+
+    def cost_weight(self, problem: NtkProblem) -> float:
+        return NTK_VECTOR_PRODUCTS_WEIGHT
