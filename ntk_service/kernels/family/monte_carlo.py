@@ -56,11 +56,11 @@ from ntk_service.kernels.family.nngp import compute_nngp, feature_kernel, featur
 from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode, result_shape
 from ntk_service.kernels.options import NtkOptions
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, call_module, take, unsqueeze
 from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.kernels.problem.private_module import check_model
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
 from ntk_service.kernels.types import NamedTensors
 

@@ -47,10 +47,10 @@ from torch import nn
 
 from ntk_service.errors import MemoryEstimateExceeded, UnknownLayer, UnsupportedModel, format_bytes
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
 from ntk_service.kernels.problem.outputs import parse_output
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
 
 __all__ = ["NngpResult", "compute_nngp", "feature_kernel", "features", "find_layer"]

@@ -55,7 +55,6 @@ from ntk_service.errors import (
 )
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
 from ntk_service.kernels.problem.inputs import validate_inputs
@@ -64,6 +63,7 @@ from ntk_service.kernels.problem.outputs import parse_output
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = [

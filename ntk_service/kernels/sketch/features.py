@@ -45,7 +45,6 @@ from ntk_service.errors import (
 )
 from ntk_service.kernels.modes import KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import Batch, batch_size, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
 from ntk_service.kernels.problem.inputs import validate_inputs
@@ -53,6 +52,7 @@ from ntk_service.kernels.problem.math_attention import math_attention
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.sketch.product_sketch import structured_features
 from ntk_service.kernels.sketch.sketch_draws import BLOCK, gaussian_block
 from ntk_service.kernels.types import NamedTensors
