@@ -189,9 +189,12 @@ class ModeSpec:
 
     @property
     def example_swap(self) -> tuple[int, ...]:
-        """The axis permutation taking Θ(x1, x2) to Θ(x2, x1): the example axes swapped, and for all outputs the
-        output axes too (Θ[n, m, a, b] = Θ[m, n, b, a]). Only for ``pairs`` modes."""
-        return {Outputs.ALL: (1, 0, 3, 2), Outputs.DIAGONAL: (1, 0, 2), Outputs.SUM: (1, 0)}[self.outputs]
+        """The axis permutation taking the kernel to its transpose as a matrix: Θ(x1, x2) to Θ(x2, x1) for example
+        pairs (the example axes swapped, and for all outputs the output axes too: Θ[n, m, a, b] = Θ[m, n, b, a]);
+        for a per-example mode each example's block transposed (its output axes swapped, if it has two)."""
+        if self.pairs:
+            return {Outputs.ALL: (1, 0, 3, 2), Outputs.DIAGONAL: (1, 0, 2), Outputs.SUM: (1, 0)}[self.outputs]
+        return {Outputs.ALL: (0, 2, 1), Outputs.DIAGONAL: (0, 1), Outputs.SUM: (0,)}[self.outputs]
 
     @property
     def is_matrix(self) -> bool:

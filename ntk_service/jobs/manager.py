@@ -587,7 +587,7 @@ class JobManager:
         x1_start = inputs.x1_rows[0]
         x1 = self._tensor(inputs.x1_dataset, x1_start, x1_start + 1)
         x2 = None
-        if inputs.x2_rows is not None and mode is not KernelMode.EXAMPLE_DIAGONAL:
+        if inputs.x2_rows is not None and mode.spec.pairs:
             x2 = self._tensor(str(inputs.x2_dataset), inputs.x2_rows[0], inputs.x2_rows[0] + 1)
         try:
             compute_ntk(

@@ -146,7 +146,7 @@ def compute_panel(
         implementation that ran.
     """
     spec = work.spec
-    if panel.is_diagonal and spec.mode != KernelMode.EXAMPLE_DIAGONAL.value and _caches(side_cache):
+    if panel.is_diagonal and KernelMode(spec.mode).spec.pairs and _caches(side_cache):
         blocks = diagonal_blocks(panel, work.plan.tile_size, split=work.diagonal_split, min_rows=work.diagonal_min_rows)
         if len(blocks) > 1:
             return _diagonal_panel(model, x1, work, panel, blocks, side_cache, device, allow_tf32)
