@@ -124,7 +124,13 @@ def plan_blocks(
 
     Raises:
         MemoryEstimateExceeded: even one example per block does not fit; carries the estimate and the budget.
+        ValueError: a derived mode: the caller computes the base kernel of its derived model (``derived.py``).
     """
+    if mode.spec.derived:  # a caller that did not apply the mode's output map would get the wrong kernel
+        raise ValueError(
+            f"plan_blocks: mode {mode.value!r} is derived; plan its base mode {mode.spec.contraction.value!r} for "
+            "the derived model (derived.derived_model)"
+        )
     symmetric = symmetric or not mode.spec.pairs
     joint_pass = alg.joint_pass
     joint = not symmetric and joint_pass is not None and joint_pass.joint_pays(problem, n, m)
