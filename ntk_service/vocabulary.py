@@ -218,42 +218,28 @@ class ModeSpec:
         return tuple(sizes[axis] for axis in self.shape)
 
 
-def _contracted(mode: KernelMode, examples: Examples, outputs: Outputs, entry: str) -> ModeSpec:
-    return ModeSpec(mode.value, examples, outputs, entry)
+_CONTRACTED_ROWS = (
+    ModeSpec("full", Examples.PAIRS, Outputs.ALL, "Θ[n, m, a, b] = J_a(x1[n]) · J_b(x2[m])"),
+    ModeSpec("trace", Examples.PAIRS, Outputs.SUM, "Σ_a Θ[n, m, a, a], the plain **sum** over outputs"),
+    ModeSpec("example_diagonal", Examples.SAME, Outputs.ALL, "Θ(x1[n], x1[n]): the N same-example blocks (x2 unused)"),
+    ModeSpec(
+        "output_diagonal", Examples.PAIRS, Outputs.DIAGONAL, 'Θ[n, m, a, a] (the torch.func tutorial\'s "diagonal")'
+    ),
+)
+"""The contracted modes: (wire name, example axes, output axes, entry)."""
+
+_DERIVED_ROWS = ((DerivedMode.PSEUDO, KernelMode.TRACE, "(1/k) Σ_ab Θ[n, m, a, b], the pseudo-NTK"),)
+"""The derived modes: (mode, base mode, entry); the axes are the base mode's."""
 
 
 def _derived(mode: DerivedMode, base: KernelMode, entry: str) -> ModeSpec:
-    axes = _ROWS[base.value]
+    axes = next(row for row in _CONTRACTED_ROWS if row.name == base.value)
     return ModeSpec(mode.value, axes.examples, axes.outputs, entry, base=base)
 
 
-_ROWS: dict[str, ModeSpec] = {
-    spec.name: spec
-    for spec in (
-        _contracted(KernelMode.FULL, Examples.PAIRS, Outputs.ALL, "Θ[n, m, a, b] = J_a(x1[n]) · J_b(x2[m])"),
-        _contracted(KernelMode.TRACE, Examples.PAIRS, Outputs.SUM, "Σ_a Θ[n, m, a, a], the plain **sum** over outputs"),
-        _contracted(
-            KernelMode.EXAMPLE_DIAGONAL,
-            Examples.SAME,
-            Outputs.ALL,
-            "Θ(x1[n], x1[n]): the N same-example blocks (x2 unused)",
-        ),
-        _contracted(
-            KernelMode.OUTPUT_DIAGONAL,
-            Examples.PAIRS,
-            Outputs.DIAGONAL,
-            'Θ[n, m, a, a] (what the torch.func tutorial calls "diagonal")',
-        ),
-    )
+MODES: dict[str, ModeSpec] = {row.name: row for row in _CONTRACTED_ROWS} | {
+    mode.value: _derived(mode, base, entry) for mode, base, entry in _DERIVED_ROWS
 }
-_ROWS.update(
-    {
-        spec.name: spec
-        for spec in (_derived(DerivedMode.PSEUDO, KernelMode.TRACE, "(1/k) Σ_ab Θ[n, m, a, b], the pseudo-NTK"),)
-    }
-)
-
-MODES: dict[str, ModeSpec] = _ROWS
 """Every mode by wire name, contracted modes first (the order of the docs' tables and of help texts)."""
 
 MODE_NAMES: tuple[str, ...] = tuple(MODES)
