@@ -36,7 +36,7 @@ from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.choice import loop_implementation
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
-from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.kernels.modes import KernelMode, contraction, result_shape
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.problem.batch import Batch
 from ntk_service.kernels.problem.outputs import parse_output
@@ -206,9 +206,10 @@ def estimate_panel_flops(
     with prepared_problem(model, example, None, params=params, dtype=dtype, output=parse_output(output)) as prepared:
         problem = prepared.problem
         implementation = loop_implementation(implementation, problem)
+        core = contraction(mode)  # what the implementations contract for it (NOTE [mode contractions])
         if implementation is NtkImplementation.AUTO:
-            return min(alg.flops(problem, rows, cols, mode) for alg in _ALGORITHMS.values())
-        return _ALGORITHMS[implementation].flops(problem, rows, cols, mode)
+            return min(alg.flops(problem, rows, cols, core) for alg in _ALGORITHMS.values())
+        return _ALGORITHMS[implementation].flops(problem, rows, cols, core)
 
 
 def panel_tiles_for(
