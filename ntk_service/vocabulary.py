@@ -179,8 +179,8 @@ class ModeSpec:
 
     @property
     def shape_text(self) -> str:
-        """The shape as docs write it, e.g. "(N, M, k, k)"."""
-        return "(" + ", ".join(self.shape) + ")"
+        """The shape as docs write it, e.g. "(N, M, k, k)", "(N,)"."""
+        return "(" + ", ".join(self.shape) + ("," if len(self.shape) == 1 else "") + ")"
 
     @property
     def dimension_names(self) -> tuple[str, ...]:
