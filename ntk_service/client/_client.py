@@ -192,9 +192,7 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, SolveJobsClient, Anal
         if isinstance(input_shape, Mapping) or isinstance(input_dtype, Mapping) or not is_describable(module):
             data = export_module(module, input_shape=input_shape, input_dtype=input_dtype)
             return self.register_program(name, data, label=label)
-        architecture = describe_module(
-            module, input_shape=cast(Sequence[int], input_shape), input_dtype=cast(str, input_dtype)
-        )
+        architecture = describe_module(module, input_shape=input_shape, input_dtype=input_dtype)
         content = _encode_weights(module.state_dict(), {"architecture": json.dumps(architecture)})
         response = self._request(
             "POST",

@@ -246,7 +246,7 @@ class KernelFamilyClient(BaseClient):
         Returns:
             (N, k) for "full", (N,) otherwise ((M, ...) with ``transpose``).
         """
-        body = {
+        body: dict[str, Any] = {
             "x1": _side(x1, "x1"),
             "x2": _side(x2, "x2"),
             "v": _side(v, "v"),

@@ -92,12 +92,12 @@ def _tangents(problem: NtkProblem, seed: int, block: int) -> NamedTensors:
 
 
 def _check_sketch(sketch: object) -> SketchKind:
-    try:
-        return SketchKind(sketch)
-    except ValueError:
-        raise InvalidInput(
-            f"{_OPERATION}: sketch must be one of {[s.value for s in SketchKind]}, got {sketch!r}"
-        ) from None
+    if isinstance(sketch, str):  # a SketchKind is a str too
+        try:
+            return SketchKind(sketch)
+        except ValueError:
+            pass
+    raise InvalidInput(f"{_OPERATION}: sketch must be one of {[s.value for s in SketchKind]}, got {sketch!r}")
 
 
 def _check_dim(dim: object) -> int:
