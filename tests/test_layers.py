@@ -30,26 +30,27 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 
 PACKAGE_LAYERS: dict[str, tuple[str, ...]] = {
     "errors": (),
+    "_tensors": (),  # is_torch_tensor without importing torch
     "root": ("errors",),  # ntk_service/__init__.py: __version__; Client is a lazy re-export (__getattr__)
     "vocabulary": ("errors",),  # torch-free words shared by every layer: modes, implementations
     "wire": ("errors",),
     "config": ("errors",),
     "layers": ("errors",),
-    "plot": ("errors",),
+    "plot": ("errors", "_tensors"),
     "kernels": ("vocabulary",),  # pure math: no HTTP, no SQL, no settings
-    "analysis": ("kernels", "wire"),
+    "analysis": ("kernels", "wire", "_tensors"),
     "registry": ("kernels", "layers", "config", "wire"),
     "jobs": ("registry", "analysis", "config", "wire"),
     "results": ("jobs",),
     "server": ("jobs", "root", "config", "wire"),
-    "client": ("root", "vocabulary", "wire"),  # imports without torch or fastapi
+    "client": ("root", "vocabulary", "wire", "_tensors"),  # imports without torch or fastapi
     "cli": ("client", "server", "plot"),
     "main": ("cli",),
 }
 """Layer -> the layers it may import directly (DESIGN.md §2); see NOTE [layer table]."""
 
 KERNEL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("words", ("modes", "types")),
+    ("words", ("modes", "types", "_moved")),
     ("problem", ("problem",)),
     ("primitives", ("algorithm", "groups", "derived", "planning")),
     ("runtime", ("runtime",)),

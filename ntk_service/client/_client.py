@@ -28,6 +28,7 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.client._analysis import (
     AnalysisClient,
     JobKernelDistance,
@@ -497,7 +498,7 @@ def _to_numpy(value: Any, *, name: str) -> np.ndarray:
     """A numpy array from numpy, torch (any device, no grad) or nested lists, without importing torch."""
     if isinstance(value, np.ndarray):
         return value
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
+    if is_torch_tensor(value):
         value = value.detach().cpu()
         try:
             return np.asarray(value.numpy())
