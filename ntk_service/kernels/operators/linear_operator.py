@@ -56,9 +56,9 @@ from ntk_service.errors import (
 )
 from ntk_service.kernels.derived import map_of, outputs_of
 from ntk_service.kernels.modes import DerivedMode, KernelMode, Outputs, contraction, parse_any_mode
-from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
+from ntk_service.kernels.problem.forward_mode import forward_mode
 from ntk_service.kernels.problem.inputs import validate_inputs
 from ntk_service.kernels.problem.math_attention import attention_scope
 from ntk_service.kernels.problem.outputs import parse_output
@@ -368,17 +368,11 @@ class NtkOperator:
         """J(rows) tangent: P floats by name -> (N, k), in chunks of examples."""
         problem, chunk = self._sides.problem, self._sides.chunk
         out = []
-        with _FORWARD_AD_LOCK:  # torch.func.jvp's dual levels are process-global (ntk_vector_products.py)
-            try:
-                for i in range(0, batch_size(rows), chunk):
-                    x = take(rows, i, i + chunk)
-                    out.append(jvp(lambda p, x=x: problem.f_batch(p, x), (problem.params,), (tangent,))[1])
-            except NotImplementedError as exc:
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise UnsupportedModel(
-                    f"{_OPERATION}: the model uses an operation without forward-mode AD ({reason}); build the kernel "
-                    "with compute_ntk(implementation='jacobian_contraction') instead"
-                ) from exc
+        advice = "build the kernel with compute_ntk(implementation='jacobian_contraction') instead"
+        with forward_mode(_OPERATION, advice):
+            for i in range(0, batch_size(rows), chunk):
+                x = take(rows, i, i + chunk)
+                out.append(jvp(lambda p, x=x: problem.f_batch(p, x), (problem.params,), (tangent,))[1])
         return torch.cat(out).detach()
 
 
