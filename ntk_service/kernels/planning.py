@@ -13,11 +13,10 @@ plan fits. See NOTE [auto choice] in api.py.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any
 
 from ntk_service.errors import MemoryEstimateExceeded, format_bytes
+from ntk_service.kernels._moved import moved
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.modes import KernelMode, contraction, result_shape
 from ntk_service.kernels.problem.problem import NtkProblem
@@ -166,21 +165,8 @@ def plan_blocks(
     )
 
 
-_MOVED = {"DEFAULT_MEMORY_FRACTION", "BUDGET_REFRESH_SECONDS", "default_memory_budget"}
-"""Names that moved to ``runtime/device.py`` (reading the host's memory is the runtime's, not the planner's)."""
-
-
-def __getattr__(name: str) -> Any:
-    """Deprecated aliases of the moved names, for one release (PEP 562: resolved on first use, so the planner
-    imports nothing from ``runtime/``)."""
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(
-        f"ntk_service.kernels.planning.{name} is deprecated and will be removed in the next release; use "
-        f"ntk_service.kernels.runtime.device.{name} (default_memory_budget also as ntk_service.kernels.{name})",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    from ntk_service.kernels.runtime import device
-
-    return getattr(device, name)
+__getattr__ = moved(
+    __name__,
+    "ntk_service.kernels.runtime.device",  # reading the host's memory is the runtime's, not the planner's
+    ("DEFAULT_MEMORY_FRACTION", "BUDGET_REFRESH_SECONDS", "default_memory_budget"),
+)

@@ -1,20 +1,10 @@
-"""Deprecated home of the pseudo-NTK's derived model: ``ntk_service.kernels.derived`` (the derived modes, an engine
-primitive below ``api.py``).
-
-Kept for one release; importing it warns ``DeprecationWarning``.
-"""
+"""Deprecated home of the pseudo-NTK's derived model, now ``ntk_service.kernels.derived`` (the derived modes, an
+engine primitive below ``api.py``); each name read here warns ``DeprecationWarning`` (kept for one release)."""
 
 from __future__ import annotations
 
-import warnings
+from ntk_service.kernels._moved import moved
 
-from ntk_service.kernels.derived import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
-
-__all__ = ["SUMMED_OUTPUTS_PREFIX", "SummedOutputs", "pseudo_key", "pseudo_params"]
-
-warnings.warn(
-    "ntk_service.kernels.family.pseudo is deprecated and will be removed in the next release; import from "
-    "ntk_service.kernels.derived",
-    DeprecationWarning,
-    stacklevel=2,
+__getattr__ = moved(
+    __name__, "ntk_service.kernels.derived", ("SUMMED_OUTPUTS_PREFIX", "SummedOutputs", "pseudo_key", "pseudo_params")
 )
