@@ -54,7 +54,14 @@ from ntk_service.errors import InvalidInput, UnsupportedModel
 from ntk_service.kernels.api import compute_ntk
 from ntk_service.kernels.blocks import reduce_outputs
 from ntk_service.kernels.derived import map_of, outputs_of
-from ntk_service.kernels.family.nngp import compute_nngp, feature_kernel, features, find_layer, kernel_shape
+from ntk_service.kernels.family.nngp import (
+    compute_nngp,
+    example_counts,
+    feature_kernel,
+    features,
+    find_layer,
+    kernel_shape,
+)
 from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
 from ntk_service.kernels.modes import DerivedMode, KernelMode, contraction, parse_any_mode, result_shape
 from ntk_service.kernels.options import NtkOptions
@@ -341,9 +348,7 @@ def monte_carlo_ntk(
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=_OPERATION)
-    symmetric = x2t is None or not kernel_mode.spec.pairs
-    n = batch_size(x1t)
-    m = n if x2t is None else batch_size(x2t)
+    symmetric, n, m = example_counts(x1t, x2t, kernel_mode)
     per_model, fixed = _bytes(problem, kind, kernel_mode, n, 0 if symmetric else m, layer, first, x1t)
     fits = int((budget - fixed) // per_model) if budget > fixed else 0
     chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))

@@ -54,7 +54,7 @@ from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
 
-__all__ = ["NngpResult", "compute_nngp", "feature_kernel", "features", "find_layer"]
+__all__ = ["NngpResult", "compute_nngp", "example_counts", "feature_kernel", "features", "find_layer"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,12 @@ def find_layer(module: nn.Module, layer: str, *, operation: str) -> nn.Module:
         shown = ", ".join(names[:16]) + (", ..." if len(names) > 16 else "")
         raise UnknownLayer(f"{operation}: layer {layer!r} is not a module of the model; its modules are: {shown}")
     return modules[layer]
+
+
+def example_counts(x1: Batch, x2: Batch | None, mode: KernelMode | DerivedMode) -> tuple[bool, int, int]:
+    """(symmetric, N, M) of prepared inputs: symmetric when x2 is x1 or the mode uses no x2 (M = N then)."""
+    n = batch_size(x1)
+    return x2 is None or not mode.spec.pairs, n, n if x2 is None else batch_size(x2)
 
 
 def _chunk(problem: NtkProblem, budget: float) -> int:
@@ -225,9 +231,7 @@ def compute_nngp(
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=operation)
-        symmetric = x2t is None or not kernel_mode.spec.pairs
-        n = batch_size(x1t)
-        m = n if x2t is None else batch_size(x2t)
+        symmetric, n, m = example_counts(x1t, x2t, kernel_mode)
         # d is known only after a forward for a layer: one example first, then the estimate, then the rest
         first = take(x1t, 0, 1)
         d = problem.k if layer is None else features(problem, first, layer, chunk=1, operation=operation).shape[1]
