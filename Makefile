@@ -20,9 +20,11 @@ $(STAMP): pyproject.toml constraints.txt
 serve: $(STAMP)
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(VENV)/bin/ntk-service serve
 
+# mypy: strict, on the package (pyproject.toml [tool.mypy]); tests are checked by the suite, not by mypy.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint Dockerfile
 
 # The documentation site (docs/ + the API reference from the docstrings) into site/; --strict (mkdocs.yml) fails

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.errors import InvalidInput, NonFiniteInput, OptionalDependencyMissing, ShapeMismatch
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ def _kernel_matrix(theta: Any) -> np.ndarray:
     """``analysis.as_matrix`` with numpy alone: (N·k, M·k) float64 with row n·k + a for a FULL kernel, the (N, M)
     TRACE kernel itself. Not imported from ``ntk_service.analysis``, which loads the engine (torch) for its modes:
     plotting a kernel file must work in a client-only install with the [plot] extra (tests/cli/test_plot_cli.py)."""
-    if hasattr(theta, "detach") and hasattr(theta, "cpu"):  # a torch tensor, without importing torch here
+    if is_torch_tensor(theta):
         theta = theta.detach().cpu().double().numpy()
     matrix = np.asarray(theta, dtype=np.float64)
     if matrix.ndim == 4 and matrix.shape[2] == matrix.shape[3]:
@@ -191,7 +192,17 @@ def plot_training(
     return fig
 
 
-_COMPARISON_FIELDS = ("steps", "train_gap", "test_gap", "network_loss", "linearized_loss", "kernel_steps")
+_COMPARISON_FIELDS = (
+    "steps",
+    "train_gap",
+    "test_gap",
+    "network_loss",
+    "linearized_loss",
+    "kernel_steps",
+    "kernel_distance",
+    "kernel_mode",
+)
+"""The fields of ``analysis.TrainingComparison`` the plot reads (checked on entry: the plot is drawn from them)."""
 
 
 def _comparisons(comparisons: Any) -> list[Any]:
@@ -263,7 +274,7 @@ def plot_lazy_training(
     loss_ax.set_title("loss (dotted: linearized)")
     kernel_ax.set_yscale("log")
     kernel_ax.set_ylabel("1 − cos(Θ_0, Θ_s)")
-    kernel_ax.set_title(f"kernel distance ({items[0].kernel_mode})" if hasattr(items[0], "kernel_mode") else "")
+    kernel_ax.set_title(f"kernel distance ({items[0].kernel_mode})")
     for ax in (gap_ax, loss_ax, kernel_ax):
         ax.set_xlabel("step")
         ax.grid(True, which="both", alpha=0.3)

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.analysis.layout import to_float64
 from ntk_service.analysis.tiles import DEFAULT_BLOCK_ROWS, iter_tiles
 from ntk_service.errors import InvalidInput, ShapeMismatch
@@ -51,7 +52,7 @@ def as_targets(y: Any, *, classes: int | None = None, operation: str = _OPERATIO
     Raises:
         InvalidInput: labels out of range, or another rank.
     """
-    raw = np.asarray(y.detach().cpu() if hasattr(y, "detach") else y)
+    raw = np.asarray(y.detach().cpu() if is_torch_tensor(y) else y)
     if raw.ndim == 1 and raw.dtype.kind in "iub":
         labels = raw.astype(np.int64)
         if classes is None:
@@ -98,7 +99,7 @@ def alignment(kernel: Any, y: Any, *, variant: Variant | str, block_rows: int = 
     if variant not in VARIANTS:
         raise InvalidInput(f"{_OPERATION}: unknown variant {variant!r}; name one of {', '.join(VARIANTS)}")
     stream = iter_tiles(kernel, name="kernel", operation=_OPERATION, block_rows=block_rows)
-    raw = np.asarray(y.detach().cpu() if hasattr(y, "detach") else y)
+    raw = np.asarray(y.detach().cpu() if is_torch_tensor(y) else y)
     n = raw.shape[0] if raw.ndim else 0
     if stream.shape is not None and (stream.shape[0] != stream.shape[1] or stream.shape[0] != n):
         raise ShapeMismatch(

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from scipy.integrate import solve_ivp
 
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.analysis.layout import to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
 from ntk_service.analysis.solve.krylov import operator_lambda_max
@@ -91,7 +92,7 @@ def class_indices(y: Any, *, n: int | None, k: int | None, name: str, operation:
         InvalidInput: a float or bool dtype (class probabilities are not supported), an index out of range.
         ShapeMismatch: not (N,).
     """
-    if hasattr(y, "detach") and hasattr(y, "cpu"):  # a torch tensor, without importing torch here
+    if is_torch_tensor(y):
         y = y.detach().cpu().numpy()
     array = np.asarray(y)
     if array.dtype.kind not in "iu":

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import scipy.linalg
 
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
 from ntk_service.analysis.gp_variance import cross_columns, posterior_blocks, prior_at_test
 from ntk_service.analysis.layout import add_to_diagonal, to_float64, to_kernel_matrix, to_targets
@@ -147,7 +148,7 @@ def gp_inference(
         )
     if is_operator(k_train_train) or is_operator(k_test_train):
         raise InvalidInput(f"{_OPERATION}: solver='direct' needs dense kernels; use solver='cg' for operators")
-    y_raw = np.asarray(y_train.detach().cpu() if hasattr(y_train, "detach") else y_train)
+    y_raw = np.asarray(y_train.detach().cpu() if is_torch_tensor(y_train) else y_train)
     k_hint = y_raw.shape[1] if y_raw.ndim == 2 else 1
     train = to_kernel_matrix(
         k_train_train,

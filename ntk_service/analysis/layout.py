@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
 
@@ -33,7 +34,7 @@ def to_float64(value: Any, *, name: str, operation: str) -> np.ndarray:
     Raises:
         InvalidInput: not numeric. NonFiniteInput: NaN or ±inf entries.
     """
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch here
+    if is_torch_tensor(value):
         value = value.detach().cpu().double().numpy()
     try:
         array = np.asarray(value, dtype=np.float64)

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.analysis.cross_entropy import cross_entropy_dynamics, cross_entropy_on_operator
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
 from ntk_service.analysis.layout import to_float64, to_kernel_matrix, to_targets
@@ -291,7 +292,7 @@ def linearized_predictions(
             k_train_train, y_train, time_array, learning_rate, loss, k_test_train, f0_train, f0_test, ridge,
             ridge_scale, flow, mode, rcond, cg or CgOptions(),
         )  # fmt: skip
-    y_raw = np.asarray(y_train.detach().cpu() if hasattr(y_train, "detach") else y_train)
+    y_raw = np.asarray(y_train.detach().cpu() if is_torch_tensor(y_train) else y_train)
     k_hint = y_raw.shape[1] if y_raw.ndim == 2 else 1
     kernel = to_kernel_matrix(
         k_train_train,

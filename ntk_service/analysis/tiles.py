@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.analysis.layout import infer_mode, to_float64
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
@@ -47,7 +48,7 @@ class TileStream:
 
 
 def _is_in_memory(kernel: Any) -> bool:
-    return isinstance(kernel, np.ndarray | list) or (hasattr(kernel, "detach") and hasattr(kernel, "cpu"))
+    return isinstance(kernel, np.ndarray | list) or is_torch_tensor(kernel)
 
 
 def iter_tiles(kernel: Any, *, name: str, operation: str, block_rows: int = DEFAULT_BLOCK_ROWS) -> TileStream:

@@ -13,27 +13,15 @@ import typer
 from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_side
 from ntk_service.cli._output import print_table
+from ntk_service.vocabulary import ImplementationName, ModeName, mode_help
 
 __all__ = ["Dtype", "Implementation", "Mode", "kernel"]
 
+Mode = ModeName
+"""The kernel modes' wire values (``ntk_service.vocabulary``, torch-free): the choices of ``--mode``."""
 
-class Mode(StrEnum):
-    """Wire values of the kernel modes (the engine's ``KernelMode``, without importing torch)."""
-
-    FULL = "full"  # (N, M, k, k)
-    TRACE = "trace"  # (N, M)
-    EXAMPLE_DIAGONAL = "example_diagonal"  # (N, k, k)
-    OUTPUT_DIAGONAL = "output_diagonal"  # (N, M, k)
-    PSEUDO = "pseudo"  # (N, M): (1/k) Σ_ab Θ_ab
-
-
-class Implementation(StrEnum):
-    """Wire values of the implementations (the engine's ``NtkImplementation``); auto picks by cost."""
-
-    AUTO = "auto"
-    JACOBIAN_CONTRACTION = "jacobian_contraction"
-    NTK_VECTOR_PRODUCTS = "ntk_vector_products"
-    STRUCTURED = "structured"
+Implementation = ImplementationName
+"""The implementations' wire values; auto picks by cost."""
 
 
 class Dtype(StrEnum):
@@ -60,10 +48,8 @@ def kernel(
     x2: Annotated[
         str | None, typer.Option("--x2", help="x2: " + _SIDE_HELP.format(rows="M") + ". Default: x1.")
     ] = None,
-    mode: Annotated[Mode, typer.Option(help="Kernel mode (shapes below).")] = Mode.FULL,
-    implementation: Annotated[
-        Implementation, typer.Option(help="Algorithm; auto picks by cost.")
-    ] = Implementation.AUTO,
+    mode: Annotated[Mode, typer.Option(help="Kernel mode: " + mode_help() + ".")] = "full",
+    implementation: Annotated[Implementation, typer.Option(help="Algorithm; auto picks by cost.")] = "auto",
     params: Annotated[
         list[str] | None,
         typer.Option(
@@ -100,11 +86,7 @@ def kernel(
     ] = None,
     json_output: JsonFlag = False,
 ) -> None:
-    """Compute the empirical NTK of MODEL between x1 and x2 (needs a read key).
-
-    theta has shape (N, M, k, k) for full, (N, M) for trace, (N, k, k) for example_diagonal and (N, M, k) for
-    output_diagonal.
-    """
+    """Compute the empirical NTK of MODEL between x1 and x2 (needs a read key); theta's shape is the mode's."""
     import numpy as np
 
     side1 = read_side(x1, option="--x1")
@@ -129,8 +111,8 @@ def kernel(
                 model,
                 side1,
                 side2,
-                mode=mode.value,
-                implementation=implementation.value,
+                mode=mode,
+                implementation=implementation,
                 params=globs,
                 dtype=None if dtype is None else dtype.value,
                 version=version,

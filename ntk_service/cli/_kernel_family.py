@@ -18,6 +18,7 @@ import typer
 from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_side
 from ntk_service.cli._kernel import Dtype, Mode
+from ntk_service.vocabulary import OPERATOR_MODES, OperatorModeName, mode_help
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
     from ntk_service.client import DtypeName
@@ -45,12 +46,11 @@ class KernelKind(StrEnum):
     NNGP = "nngp"
 
 
-class OperatorMode(StrEnum):
-    """The modes that are linear operators."""
+OPERATOR_NAMES = tuple(m.value for m in OPERATOR_MODES)
 
-    FULL = "full"
-    TRACE = "trace"
-    PSEUDO = "pseudo"
+OperatorMode = OperatorModeName
+"""The modes whose kernel is a linear operator (``ntk_service.vocabulary.OPERATOR_MODES``): the choices of
+``matvec --mode``."""
 
 
 def _save(path: Path, array: Any) -> None:
@@ -123,7 +123,7 @@ def nngp(
     x1: X1Option,
     x2: X2Option = None,
     layer: Annotated[str | None, typer.Option(help="A module name: its output's features. Default: outputs.")] = None,
-    mode: Annotated[Mode, typer.Option(help="Kernel mode, with d features in place of k.")] = Mode.FULL,
+    mode: Annotated[Mode, typer.Option(help="Kernel mode, with d features in place of k.")] = "full",
     dtype: DtypeOption = None,
     version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
     output: OutputOption = None,
@@ -135,7 +135,7 @@ def nngp(
     result = (
         state_of(ctx)
         .client()
-        .nngp_result(model, side1, side2, layer=layer, mode=mode.value, dtype=_dtype(dtype), version=version)
+        .nngp_result(model, side1, side2, layer=layer, mode=mode, dtype=_dtype(dtype), version=version)
     )
     summary = {"mode": result.mode, "layer": result.layer, "features": result.features, "model": result.model}
     _emit(ctx, "kernel", result.kernel, output, {**summary, "elapsed_ms": result.elapsed_ms}, json_output)
@@ -149,7 +149,7 @@ def monte_carlo(
     seeds: Annotated[str, typer.Option(help="Seeds, e.g. 0-15 or 1,2,5: one network of MODEL's architecture each.")],
     x2: X2Option = None,
     kernel: Annotated[KernelKind, typer.Option(help="The kernel averaged.")] = KernelKind.NTK,
-    mode: Annotated[Mode, typer.Option(help="Kernel mode.")] = Mode.FULL,
+    mode: Annotated[Mode, typer.Option(help="Kernel mode.")] = "full",
     layer: Annotated[str | None, typer.Option(help="--kernel nngp only: a module's features.")] = None,
     dtype: DtypeOption = None,
     output: OutputOption = None,
@@ -168,7 +168,7 @@ def monte_carlo(
             side2,
             seeds=_seeds(seeds),
             kernel=kernel.value,
-            mode=mode.value,
+            mode=mode,
             layer=layer,
             dtype=_dtype(dtype),
         )
@@ -186,7 +186,7 @@ def matvec(
     x1: X1Option,
     v: Annotated[Path, typer.Option("--v", help=".npy vector: (M, k) for full, (M,) for trace and pseudo.")],
     x2: X2Option = None,
-    mode: Annotated[OperatorMode, typer.Option(help="Operator mode.")] = OperatorMode.FULL,
+    mode: Annotated[OperatorMode, typer.Option(help="Operator mode: " + mode_help(OPERATOR_NAMES) + ".")] = "full",
     transpose: Annotated[bool, typer.Option(help="Θ(x2, x1) v instead of Θ(x1, x2) v.")] = False,
     dtype: DtypeOption = None,
     version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
@@ -204,6 +204,6 @@ def matvec(
     side2 = read_side(x2, option="--x2") if x2 is not None else None
     client = state_of(ctx).client()
     product = client.matvec(
-        model, side1, side2, v=vector, mode=mode.value, transpose=transpose, dtype=_dtype(dtype), version=version
+        model, side1, side2, v=vector, mode=mode, transpose=transpose, dtype=_dtype(dtype), version=version
     )
-    _emit(ctx, "product", product, output, {"mode": mode.value, "model": model}, json_output)
+    _emit(ctx, "product", product, output, {"mode": mode, "model": model}, json_output)

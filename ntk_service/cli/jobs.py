@@ -18,19 +18,23 @@ import sys
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._datasets import read_dataset_file
-from ntk_service.cli._kernel import Dtype, Implementation, Mode
+from ntk_service.cli._kernel import Dtype, Implementation
 from ntk_service.cli._output import print_record, print_table
+from ntk_service.vocabulary import CONTRACTED_MODES, ContractedModeName, mode_help
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
-    from ntk_service.client import JobInfo, JobModeName
+    from ntk_service.client import JobInfo
 
 __all__ = ["jobs_app"]
+
+_JOB_MODES = tuple(m.value for m in CONTRACTED_MODES)
+"""What a job stores: the contracted modes (not "pseudo")."""
 
 jobs_app = typer.Typer(
     help="Batch kernel jobs over whole data sets: tiled, resumable, with progress; results downloadable by slice.",
@@ -130,10 +134,10 @@ def submit(
     x2: Annotated[
         str | None, typer.Option("--x2", help="x2: " + _SIDE_HELP.format(rows="M") + ". Default: x1 (symmetric).")
     ] = None,
-    mode: Annotated[Mode, typer.Option(help="Kernel mode.")] = Mode.FULL,
-    implementation: Annotated[Implementation, typer.Option(help="Algorithm; auto picks by cost.")] = (
-        Implementation.AUTO
-    ),
+    mode: Annotated[
+        ContractedModeName, typer.Option(help="Kernel mode (the contracted ones): " + mode_help(_JOB_MODES) + ".")
+    ] = "full",
+    implementation: Annotated[Implementation, typer.Option(help="Algorithm; auto picks by cost.")] = "auto",
     dtype: Annotated[Dtype, typer.Option(help="Compute and storage dtype.")] = Dtype.FLOAT32,
     params: Annotated[
         list[str] | None, typer.Option("--params", help="Parameter name globs, repeatable or comma-separated.")
@@ -166,8 +170,8 @@ def submit(
             model,
             _dataset_id(ctx, x1, option="--x1"),
             None if x2 is None else _dataset_id(ctx, x2, option="--x2"),
-            mode=cast("JobModeName", mode.value),  # the server refuses "pseudo" with its message
-            implementation=implementation.value,
+            mode=mode,
+            implementation=implementation,
             dtype=dtype.value,
             params=globs,
             version=version,

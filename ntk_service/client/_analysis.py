@@ -21,6 +21,7 @@ from urllib.parse import quote
 import numpy as np
 
 from ntk_service import wire
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.client._base import BaseClient, _named_side_json
 from ntk_service.client._types import (
     AlignmentVariantName,
@@ -160,7 +161,7 @@ def _side(value: Any, name: str) -> Any:
                 f"{name}: a data set slice is {{'dataset': id, 'start': i, 'stop': j}}; got {sorted(value)}"
             )
         return {key: value[key] for key in ("dataset", "start", "stop") if value.get(key) is not None}
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
+    if is_torch_tensor(value):
         value = value.detach().cpu().numpy()
     return wire.tensor_to_json(np.asarray(value))
 
@@ -168,7 +169,7 @@ def _side(value: Any, name: str) -> Any:
 def _targets(y: Any, loss: str) -> np.ndarray:
     """y_train as sent: float64 targets, or for cross-entropy the labels' own dtype (integers travel as int64;
     anything else reaches the server as it is and is refused there with the reason)."""
-    if hasattr(y, "detach") and hasattr(y, "cpu"):
+    if is_torch_tensor(y):
         y = y.detach().cpu().numpy()
     return np.asarray(y) if loss == "cross_entropy" else np.asarray(y, dtype=np.float64)
 

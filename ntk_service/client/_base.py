@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 
 from ntk_service import __version__, wire
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.errors import (
     Busy,
     DiskEstimateExceeded,
@@ -326,7 +327,7 @@ def _named_side_json(value: Mapping[str, Any], name: str) -> dict[str, Any]:
         raise ValueError(f"{name}: named inputs need string keys, one array each; got keys {list(value)}")
     out = {}
     for key, array in value.items():
-        if hasattr(array, "detach") and hasattr(array, "cpu"):  # torch, without importing it
+        if is_torch_tensor(array):
             array = array.detach().cpu().numpy()
         out[key] = wire.tensor_to_json(np.asarray(array))
     return out

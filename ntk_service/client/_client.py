@@ -29,6 +29,7 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.client._analysis import (
     AnalysisClient,
     JobKernelDistance,
@@ -198,9 +199,7 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, SolveJobsClient, Anal
         if isinstance(input_shape, Mapping) or isinstance(input_dtype, Mapping) or not is_describable(module):
             data = export_module(module, input_shape=input_shape, input_dtype=input_dtype)
             return self.register_program(name, data, label=label)
-        architecture = describe_module(
-            module, input_shape=cast(Sequence[int], input_shape), input_dtype=cast(str, input_dtype)
-        )
+        architecture = describe_module(module, input_shape=input_shape, input_dtype=input_dtype)
         content = _encode_weights(module.state_dict(), {"architecture": json.dumps(architecture)})
         response = self._request(
             "POST",
@@ -509,7 +508,7 @@ def _to_numpy(value: Any, *, name: str) -> np.ndarray:
     """A numpy array from numpy, torch (any device, no grad) or nested lists, without importing torch."""
     if isinstance(value, np.ndarray):
         return value
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
+    if is_torch_tensor(value):
         value = value.detach().cpu()
         try:
             return np.asarray(value.numpy())

@@ -18,6 +18,7 @@ from urllib.parse import quote
 import numpy as np
 
 from ntk_service import wire
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors, _media
 from ntk_service.errors import NtkServiceError
 
@@ -53,7 +54,7 @@ def _side(value: Any, name: str) -> dict[str, Any] | np.ndarray:
     """A data set slice as given (the server validates it), anything array-like as an array."""
     if isinstance(value, Mapping):
         return dict(value)
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch, without importing it
+    if is_torch_tensor(value):
         value = value.detach().cpu().numpy()
     return np.asarray(value)
 

@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
+from ntk_service._tensors import is_torch_tensor
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors, _media, _named_side_json
 from ntk_service.client._types import DtypeName, FamilyKernelName, KernelModeName, OperatorModeName
 
@@ -79,7 +80,7 @@ def _side(value: Any, name: str) -> dict[str, Any] | None:
         return None
     if isinstance(value, Mapping):
         return dict(value) if "dataset" in value else _named_side_json(value, name)
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # torch, without importing it
+    if is_torch_tensor(value):
         value = value.detach().cpu().numpy()
     return wire.tensor_to_json(np.asarray(value))
 
@@ -246,7 +247,7 @@ class KernelFamilyClient(BaseClient):
         Returns:
             (N, k) for "full", (N,) otherwise ((M, ...) with ``transpose``).
         """
-        body = {
+        body: dict[str, Any] = {
             "x1": _side(x1, "x1"),
             "x2": _side(x2, "x2"),
             "v": _side(v, "v"),

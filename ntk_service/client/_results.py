@@ -30,6 +30,7 @@ from ntk_service import wire
 from ntk_service.client import _base
 from ntk_service.client._base import _RETRY_STATUSES, _error_from_response
 from ntk_service.errors import NtkServiceError, OptionalDependencyMissing, ServiceUnavailable
+from ntk_service.vocabulary import MODES
 
 if TYPE_CHECKING:
     from ntk_service.client._jobs import JobsClient
@@ -168,7 +169,7 @@ class RemoteResult:
             parts = parts[:at] + (slice(None),) * (self.ndim - len(parts) + 1) + parts[at + 1 :]
         if len(parts) > self.ndim:
             raise IndexError(f"RemoteResult: {len(parts)} indices for a result of {self.ndim} dimensions")
-        example_axes = 1 if self.mode == "example_diagonal" else 2
+        example_axes = 2 if MODES[self.mode].pairs else 1
         parts = parts + (slice(None),) * max(0, example_axes - len(parts))
         r0, r1, row_local = _bounds(parts[0], self.shape[0], "rows")
         cols = None

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Literal, NotRequired, TypedDict, final
 
+from ntk_service.vocabulary import ContractedModeName, ImplementationName, ModeName, OperatorModeName
+
 __all__ = [
     "AlignmentVariantName",
     "AnalysisModeName",
@@ -41,24 +43,20 @@ __all__ = [
     "SpectrumMethodName",
 ]
 
-KernelModeName = Literal["full", "trace", "example_diagonal", "output_diagonal", "pseudo"]
-"""A kernel mode: "full" (N, M, k, k), "trace" (N, M), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k),
-"pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
+KernelModeName = ModeName
+"""A kernel mode (``ntk_service.vocabulary.MODES``): "full" (N, M, k, k), "trace" (N, M), "example_diagonal"
+(N, k, k), "output_diagonal" (N, M, k), "pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
 
-JobModeName = Literal["full", "trace", "example_diagonal", "output_diagonal"]
-"""The modes a batch job stores (every kernel mode but "pseudo")."""
+JobModeName = ContractedModeName
+"""The modes a batch job stores (the contracted modes: every kernel mode but "pseudo")."""
 
 AnalysisModeName = Literal["full", "trace"]
 """The modes an analysis (predict, spectrum, compare) computes Θ in."""
 
-ImplementationName = Literal["auto", "jacobian_contraction", "ntk_vector_products", "structured"]
-"""How a kernel is computed; "auto" picks by cost (a result names the one that ran, never "auto")."""
 
 DtypeName = Literal["float32", "float64"]
 """A compute dtype."""
 
-OperatorModeName = Literal["full", "trace", "pseudo"]
-"""The modes of one operator product Θ v (``matvec``)."""
 
 FamilyKernelName = Literal["ntk", "nngp"]
 """Which kernel ``monte_carlo`` averages."""

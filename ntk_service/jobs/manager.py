@@ -135,7 +135,7 @@ def _check_named_sides(ds1: Any, ds2: Any) -> None:
             f"jobs: data set {named.id!r} holds named arrays but {single.id!r} holds one array; give both sides "
             "the same inputs (both named arrays with the same names, or both one array)"
         )
-    if a1 is None:
+    if a1 is None or a2 is None:
         return
     s1, s2 = {a.name: tuple(a.shape[1:]) for a in a1}, {a.name: tuple(a.shape[1:]) for a in a2}
     missing, extra = sorted(s1.keys() - s2.keys()), sorted(s2.keys() - s1.keys())
@@ -498,7 +498,7 @@ class JobManager:
     def _panel_tiles(
         self,
         module: nn.Module,
-        example: torch.Tensor,
+        example: Batch,
         plan: TilePlan,
         k: int,
         implementation: NtkImplementation,
@@ -587,7 +587,7 @@ class JobManager:
         x1_start = inputs.x1_rows[0]
         x1 = self._tensor(inputs.x1_dataset, x1_start, x1_start + 1)
         x2 = None
-        if inputs.x2_rows is not None and mode is not KernelMode.EXAMPLE_DIAGONAL:
+        if inputs.x2_rows is not None and mode.spec.pairs:
             x2 = self._tensor(str(inputs.x2_dataset), inputs.x2_rows[0], inputs.x2_rows[0] + 1)
         try:
             compute_ntk(

@@ -36,7 +36,7 @@ from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.choice import loop_implementation
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
-from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.kernels.modes import KernelMode, contraction, result_shape
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.problem.batch import Batch
 from ntk_service.kernels.problem.outputs import parse_output
@@ -116,7 +116,7 @@ class Panel:
     def block_of(self, tile: Tile, theta: np.ndarray, mode: KernelMode) -> np.ndarray:
         """The part of the panel's result ``theta`` that is ``tile``'s block (a view)."""
         r0, r1 = tile.rows[0] - self.rows[0], tile.rows[1] - self.rows[0]
-        if mode is KernelMode.EXAMPLE_DIAGONAL:
+        if not mode.spec.pairs:
             return theta[r0:r1]
         c0, c1 = tile.cols[0] - self.cols[0], tile.cols[1] - self.cols[0]
         return theta[r0:r1, c0:c1]
@@ -165,7 +165,7 @@ def plan_panels(plan: TilePlan, *, panel_tiles: int) -> tuple[Panel, ...]:
     groups: dict[tuple[int, int], list[Tile]] = {}
     for tile in plan.tiles:
         groups.setdefault((tile.i // panel_tiles, tile.j // panel_tiles), []).append(tile)
-    diagonal_only = plan.mode is KernelMode.EXAMPLE_DIAGONAL
+    diagonal_only = not plan.mode.spec.pairs
     bands = sorted({band for band, _ in groups})
     panels: list[Panel] = []
     for band in bands:
@@ -206,9 +206,10 @@ def estimate_panel_flops(
     with prepared_problem(model, example, None, params=params, dtype=dtype, output=parse_output(output)) as prepared:
         problem = prepared.problem
         implementation = loop_implementation(implementation, problem)
+        core = contraction(mode)  # what the implementations contract for it (NOTE [mode contractions])
         if implementation is NtkImplementation.AUTO:
-            return min(alg.flops(problem, rows, cols, mode) for alg in _ALGORITHMS.values())
-        return _ALGORITHMS[implementation].flops(problem, rows, cols, mode)
+            return min(alg.flops(problem, rows, cols, core) for alg in _ALGORITHMS.values())
+        return _ALGORITHMS[implementation].flops(problem, rows, cols, core)
 
 
 def panel_tiles_for(
@@ -241,7 +242,7 @@ def panel_tiles_for(
     best = 1
     for side in range(2, blocks + 1):
         examples = min(side * plan.tile_size, max(plan.n, plan.m))
-        cols = examples if plan.mode is not KernelMode.EXAMPLE_DIAGONAL else 0
+        cols = examples if plan.mode.spec.pairs else 0
         result_bytes = math.prod(result_shape(plan.mode, examples, max(cols, 1), k)) * itemsize
         if memory_budget_bytes is not None and result_bytes > memory_budget_bytes / 4:
             break
@@ -258,7 +259,7 @@ def panel_tiles_for(
 def panel_count(plan: TilePlan, panel_tiles: int) -> int:
     """How many panels ``plan_panels(plan, panel_tiles=panel_tiles)`` makes (without making them)."""
     bands = math.ceil(math.ceil(plan.n / plan.tile_size) / panel_tiles)
-    if plan.mode is KernelMode.EXAMPLE_DIAGONAL:
+    if not plan.mode.spec.pairs:
         return bands
     if plan.symmetric:
         return bands * (bands + 1) // 2

@@ -18,6 +18,7 @@ id is ``i · n_col_blocks + j``, so the same job always has the same ids, on eve
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ntk_service.errors import InvalidInput
@@ -82,10 +83,7 @@ class TilePlan:
 
     def tile_elements(self, tile: Tile, k: int) -> int:
         """Number of stored values in ``tile`` for ``k`` outputs."""
-        per_pair = {KernelMode.FULL: k * k, KernelMode.TRACE: 1, KernelMode.OUTPUT_DIAGONAL: k}
-        if self.mode is KernelMode.EXAMPLE_DIAGONAL:
-            return tile.n_rows * k * k
-        return tile.n_rows * tile.n_cols * per_pair[self.mode]
+        return math.prod(result_shape(self.mode, tile.n_rows, tile.n_cols, k))
 
     def stored_bytes(self, k: int, itemsize: int) -> int:
         """Bytes the planned tiles take uncompressed: the disk estimate of the job."""
@@ -128,9 +126,9 @@ def plan_tiles(*, n: int, m: int | None, tile_size: int, mode: KernelMode) -> Ti
     if tile_size < 1:
         raise InvalidInput(f"plan_tiles: tile_size must be ≥ 1, got {tile_size}; omit it for the default")
     nb = -(-n // tile_size)
-    if mode is KernelMode.EXAMPLE_DIAGONAL:
+    if not mode.spec.pairs:
         if m is not None:
-            raise InvalidInput("plan_tiles: mode 'example_diagonal' computes Θ(x1_n, x1_n) and uses no x2; omit x2")
+            raise InvalidInput(f"plan_tiles: mode {mode.value!r} computes Θ(x1_n, x1_n) and uses no x2; omit x2")
         tiles = tuple(
             Tile(id=i, i=i, j=i, rows=_bounds(i, n, tile_size), cols=_bounds(i, n, tile_size), is_diagonal=True)
             for i in range(nb)

@@ -99,17 +99,11 @@ FORMAT_VERSION = 1
 _THETA = "theta"
 _LEDGER = "tiles/done"
 
-_DIMENSIONS = {
-    KernelMode.FULL: ("x1", "x2", "out1", "out2"),
-    KernelMode.TRACE: ("x1", "x2"),
-    KernelMode.OUTPUT_DIAGONAL: ("x1", "x2", "out"),
-    KernelMode.EXAMPLE_DIAGONAL: ("x1", "out1", "out2"),
-}
-
 
 def dimension_names(mode: KernelMode) -> tuple[str, ...]:
-    """The ``dimension_names`` of ``theta``: ("x1", "x2", "out1", "out2") FULL, ("x1", "x2") TRACE, ..."""
-    return _DIMENSIONS[mode]
+    """The ``dimension_names`` of ``theta``: ("x1", "x2", "out1", "out2") FULL, ("x1", "x2") TRACE, ... (the mode's
+    row of ``vocabulary.MODES``)."""
+    return mode.spec.dimension_names
 
 
 def provenance() -> dict[str, str]:
@@ -124,28 +118,26 @@ def provenance() -> dict[str, str]:
 
 
 def mirror_theta(theta: np.ndarray, mode: KernelMode) -> np.ndarray:
-    """Θ(x2, x1) from a block Θ(x1, x2): (R, C, ...) -> (C, R, ...), see NOTE [symmetric reads]."""
-    if mode is KernelMode.FULL:
-        return theta.transpose(1, 0, 3, 2)
-    if mode is KernelMode.EXAMPLE_DIAGONAL:
-        return theta.transpose(0, 2, 1)
-    return np.swapaxes(theta, 0, 1)
+    """Θ(x2, x1) from a block Θ(x1, x2): (R, C, ...) -> (C, R, ...), see NOTE [symmetric reads]; the mode's
+    ``example_swap`` (per-example blocks are transposed)."""
+    return theta.transpose(mode.spec.example_swap)
 
 
 def _upper_mask(shape: tuple[int, ...], mode: KernelMode) -> np.ndarray:
-    # True where an entry is on or above the diagonal of the kernel seen as a (N·k × N·k) matrix.
-    if mode is KernelMode.EXAMPLE_DIAGONAL:
-        _, k, _ = shape
-        return np.triu(np.ones((k, k), dtype=bool))[None]
-    n_idx = np.arange(shape[0])[:, None]
-    m_idx = np.arange(shape[1])[None, :]
-    if mode is KernelMode.FULL:
-        k = shape[2]
-        a_le_b = np.triu(np.ones((k, k), dtype=bool))
-        full: np.ndarray = (n_idx < m_idx)[:, :, None, None] | ((n_idx == m_idx)[:, :, None, None] & a_le_b[None, None])
-        return full
-    mask: np.ndarray = n_idx <= m_idx
-    return mask[:, :, None] if mode is KernelMode.OUTPUT_DIAGONAL else mask
+    # True where an entry is on or above the diagonal of the kernel seen as a (N·k × N·k) matrix: an example pair
+    # above the diagonal, or on it with a ≤ b (every entry of a diagonal or summed output).
+    pairs = mode.spec.pairs
+    examples = 2 if pairs else 1
+    if pairs:
+        n_idx, m_idx = np.arange(shape[0])[:, None], np.arange(shape[1])[None, :]
+        above, on = n_idx < m_idx, n_idx == m_idx
+    else:
+        above, on = np.zeros(shape[0], dtype=bool), np.ones(shape[0], dtype=bool)
+    outputs = shape[examples:]
+    a_le_b = np.triu(np.ones(outputs, dtype=bool)) if len(outputs) == 2 else np.ones(outputs, dtype=bool)
+    spread = (..., *(None,) * len(outputs))
+    mask: np.ndarray = above[spread] | (on[spread] & a_le_b)
+    return mask
 
 
 def symmetrize_tile(theta: np.ndarray, mode: KernelMode) -> np.ndarray:
@@ -382,7 +374,7 @@ class ResultArray:
             r0, r1 = tile.rows
             if self._raw_theta:
                 self._write_raw_chunk(tile, block)
-            elif mode is KernelMode.EXAMPLE_DIAGONAL:
+            elif not mode.spec.pairs:
                 self._array[r0:r1] = block
             else:
                 c0, c1 = tile.cols
@@ -403,7 +395,7 @@ class ResultArray:
         else:
             data = np.full(chunks, self._array.fill_value, dtype=dtype)
             data[tuple(slice(0, n) for n in block.shape)] = block
-        index: tuple[int, ...] = (tile.i,) if self.plan.mode is KernelMode.EXAMPLE_DIAGONAL else (tile.i, tile.j)
+        index: tuple[int, ...] = (tile.i, tile.j) if self.plan.mode.spec.pairs else (tile.i,)
         index += (0,) * (len(chunks) - len(index))
         self._write_file(self.path / _THETA / "c" / "/".join(map(str, index)), data.data.cast("B"))
 
@@ -471,9 +463,9 @@ class ResultArray:
         """
         plan = self.plan
         r0, r1 = rows if rows is not None else (0, plan.n)
-        if plan.mode is KernelMode.EXAMPLE_DIAGONAL:
+        if not plan.mode.spec.pairs:
             if cols is not None:
-                raise InvalidInput("job result: mode 'example_diagonal' has no column axis; omit cols")
+                raise InvalidInput(f"job result: mode {plan.mode.value!r} has no column axis; omit cols")
             return self._stored((r0, r1), None)
         c0, c1 = cols if cols is not None else (0, plan.m)
         if not plan.symmetric:

@@ -50,7 +50,7 @@ from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
 from ntk_service.jobs.view import ResultView, open_result
 from ntk_service.kernels import compute_ntk, model_device, parse_device, place_module
-from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.modes import KernelMode, Outputs, parse_mode
 from ntk_service.kernels.problem.batch import Batch, batch_size, check_sides, leaves, take
 from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
@@ -219,7 +219,8 @@ def compute_ntk_tiled(
         device=dev if isinstance(runner, LocalExecutor) else None,
     )
     # TRACE sums the outputs away; k (for the metadata) then comes from one forward pass of one example.
-    k = _outputs(model, t1, output) if kernel_mode is KernelMode.TRACE else int(probe.theta.shape[-1])
+    summed = kernel_mode.spec.outputs is Outputs.SUM
+    k = _outputs(model, t1, output) if summed else int(probe.theta.shape[-1])
     if panel_tiles is None and existing is not None:
         panel_tiles = int((existing.attributes.get("spec") or {}).get("panel_tiles", 1))
     if panel_tiles is None:

@@ -246,7 +246,7 @@ def open_result(
             "missing tiles as 0"
         )
     plan = store.plan
-    cols = None if plan.mode is KernelMode.EXAMPLE_DIAGONAL else (0, plan.m)
+    cols = (0, plan.m) if plan.mode.spec.pairs else None
     if read_block_bytes < 1:
         raise InvalidInput(f"open_result: read_block_bytes must be ≥ 1, got {read_block_bytes}")
     return ResultView(store, (0, plan.n), cols, read_block_bytes=read_block_bytes)

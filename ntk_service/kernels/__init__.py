@@ -8,17 +8,17 @@
 """
 
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, compute_ntk_groups, warm_up
-from ntk_service.kernels.family.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.family.monte_carlo import KernelKind, MonteCarloResult, monte_carlo_ntk
 from ntk_service.kernels.family.nngp import NngpResult, compute_nngp
+from ntk_service.kernels.groups import NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.operators.linear_operator import NtkOperator, ntk_operator
 from ntk_service.kernels.operators.streaming_operator import dataset_operator
 from ntk_service.kernels.options import NtkOptions
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.runtime.allocator import release_freed_memory, retain_freed_memory, reuse_large_buffers
 from ntk_service.kernels.runtime.device import (
     DEFAULT_DEVICE,
+    default_memory_budget,
     device_memory_budget,
     model_device,
     parse_device,

@@ -4,6 +4,16 @@ An implementation turns a block of examples into a *side* (whatever it needs fro
 VJP rows, layer activations and cotangents, or just the inputs), then contracts a left side of x1 with a right
 side of x2 into one block of theta. The block runner (``blocks.py``) walks the blocks, reuses sides, exploits
 symmetry; the planner (``planning.py``) sizes the blocks from the memory and cost estimates below.
+
+The three implementations (``jacobian_contraction.py``, ``ntk_vector_products.py``, ``structured/``) have one
+shape: the members of ``NtkAlgorithm`` in its order. Two capabilities are optional, and each is declared as data,
+an attribute that is the capability or None, never found by probing for a method:
+
+- ``joint_pass`` (``JointPass``): both sides of a one-block kernel from one pass over x1 and x2 together, where
+  it pays (``BlockPlan.joint_sides``). The Jacobian contraction and structured have it; the NTK-vector products'
+  right side is its inputs, so there is nothing to share.
+- ``group_kernels`` (``GroupKernels``): one block per parameter group from the same sides (``compute_ntk_groups``,
+  NOTE [group kernels] in groups.py). The NTK-vector products form no per-parameter terms, so they have none.
 """
 
 from __future__ import annotations
@@ -12,12 +22,13 @@ from typing import Any, Protocol
 
 import torch
 
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.batch import Batch
 from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.types import NtkImplementation
 
-__all__ = ["NtkAlgorithm", "Side", "side_nbytes"]
+__all__ = ["GroupKernels", "JointPass", "NtkAlgorithm", "Side", "side_nbytes"]
 
 Side = Any
 """What an implementation keeps from a block of examples; any nesting of tuples, dicts and tensors."""
@@ -34,13 +45,51 @@ def side_nbytes(side: Side) -> int:
     return 0
 
 
+class JointPass(Protocol):
+    """The capability of building the sides of x1 and x2 in one pass (``NtkAlgorithm.joint_pass``)."""
+
+    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[Side, Side]:
+        """(side of x1, side of x2), both built by one ``left`` pass over x1 and x2 together (views of that side)."""
+        ...
+
+    def joint_pays(self, problem: NtkProblem, n: int, m: int) -> bool:
+        """Whether one pass over n + m examples beats two passes (False where two are cheaper)."""
+        ...
+
+
+class GroupKernels(Protocol):
+    """The capability of contracting one block per parameter group (``NtkAlgorithm.group_kernels``)."""
+
+    def pair_groups(
+        self, problem: NtkProblem, left: Side, right: Side, mode: KernelMode, groups: ParameterGroups
+    ) -> torch.Tensor:
+        """``pair`` per group, each term added into its group's accumulator: (G, *block)."""
+        ...
+
+    def diagonal_groups(self, problem: NtkProblem, left: Side, groups: ParameterGroups) -> torch.Tensor:
+        """``diagonal`` per group: (G, n, k, k)."""
+        ...
+
+
 class NtkAlgorithm(Protocol):
-    """One NTK implementation. All sizes are in bytes, all costs in FLOPs (see ``planning.py``)."""
+    """One NTK implementation. All sizes are in bytes, all costs in FLOPs (see ``planning.py``). The engine asks it
+    for the four contractions of NOTE [mode contractions] (modes.py): ``pair`` with FULL, TRACE or
+    OUTPUT_DIAGONAL, ``diagonal`` for EXAMPLE_DIAGONAL; ``pair_bytes`` and ``flops`` get those modes too."""
 
     implementation: NtkImplementation
 
     right_is_left: bool
     """True when the right side of a block equals its left side (so x2 = x1 reuses it)."""
+
+    @property
+    def joint_pass(self) -> JointPass | None:
+        """Its joint pass over x1 and x2, or None where it has none."""
+        ...
+
+    @property
+    def group_kernels(self) -> GroupKernels | None:
+        """Its per-group contraction, or None: then it does not serve ``compute_ntk_groups``."""
+        ...
 
     def left(self, problem: NtkProblem, x: Batch) -> Side:
         """The x1-side of a block x (n, *input)."""
@@ -70,11 +119,7 @@ class NtkAlgorithm(Protocol):
         """Estimated FLOPs of the whole (N = n, M = m) kernel, for AUTO's choice."""
         ...
 
-    # Optional: ``joint_sides(problem, x1, x2) -> (side of x1, side of x2)``, both built by one ``left`` pass over
-    # x1 and x2 together (views of that side). An algorithm with it (and ``right_is_left``) gets both sides of a
-    # one-block kernel from one pass (``BlockPlan.joint_sides``). With it, optionally
-    # ``joint_pays(problem, n, m) -> bool``: False where two passes are cheaper (default: always True).
-    # Optional: ``cost_weight(problem) -> float``, AUTO's cost of one estimated FLOP (default: api._EFFICIENCY).
-    # Optional: ``pair_groups(problem, left, right, mode, groups) -> (G, *block)`` and ``diagonal_groups(problem,
-    # left, groups) -> (G, n, k, k)``: the block per parameter group (``groups.ParameterGroups``), each term added
-    # into its group's accumulator. Only algorithms with them serve ``compute_ntk_groups``.
+    def cost_weight(self, problem: NtkProblem) -> float:
+        """AUTO's cost of one estimated FLOP on the CPU, relative to the Jacobian contraction's (NOTE [auto choice]
+        in choice.py): its FLOPs run at another fraction of the machine's peak."""
+        ...

@@ -34,8 +34,8 @@ from torch import nn
 
 from ntk_service.kernels.blocks import run_blocks
 from ntk_service.kernels.choice import ALGORITHMS, choose, loop_implementation
-from ntk_service.kernels.family.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
-from ntk_service.kernels.family.pseudo import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
+from ntk_service.kernels.derived import SUMMED_OUTPUTS_PREFIX, SummedOutputs, pseudo_key, pseudo_params
+from ntk_service.kernels.groups import GroupSpec, NtkGroupsResult, ParameterGroups, parameter_groups
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.options import DEFAULT_IMPLEMENTATION, NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.problem.batch import Inputs, batch_size

@@ -1,11 +1,13 @@
 """The block runner: walks theta block by block for any NtkAlgorithm, reusing sides and exploiting symmetry.
 
 When x2 is x1 only blocks on and above the diagonal are contracted; each is mirrored below it, and diagonal
-blocks are symmetrized as (B + Bᵀ)/2, so the result is exactly symmetric (IEEE addition commutes). When x1 and x2
-are one block each and the plan allows it (``BlockPlan.joint_sides``), both sides come from one pass over x1 and
-x2 together, unless a side cache is in play for a keyed side: a cached side must not depend on which other examples
-shared its pass (its bits would then depend on hits and misses). A cache that holds nothing (``max_bytes`` 0) or
-sides without keys leave the joint pass alone.
+blocks are symmetrized as (B + Bᵀ)/2, so the result is exactly symmetric (IEEE addition commutes); the mirror is
+the mode's ``example_swap`` (its row of ``vocabulary.MODES``). A per-example mode is the implementation's
+per-example blocks, reduced to the mode's outputs when it keeps fewer (NOTE [mode contractions] in modes.py).
+When x1 and x2 are one block each and the plan allows it (``BlockPlan.joint_sides``), both sides come from one
+pass over x1 and x2 together (the algorithm's ``joint_pass``), unless a side cache is in play for a keyed side: a
+cached side must not depend on which other examples shared its pass (its bits would then depend on hits and
+misses). A cache that holds nothing (``max_bytes`` 0) or sides without keys leave the joint pass alone.
 """
 
 from __future__ import annotations
@@ -14,26 +16,31 @@ from collections.abc import Hashable
 
 import torch
 
-from ntk_service.kernels.algorithm import NtkAlgorithm, Side
-from ntk_service.kernels.family.groups import ParameterGroups
-from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.errors import UnknownImplementation
+from ntk_service.kernels.algorithm import GroupKernels, NtkAlgorithm, Side
+from ntk_service.kernels.groups import ParameterGroups
+from ntk_service.kernels.modes import KernelMode, Outputs, contraction, result_shape
 from ntk_service.kernels.planning import BlockPlan
 from ntk_service.kernels.problem.batch import Batch, batch_size, take
 from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.runtime.side_cache import SideCache
 
-__all__ = ["run_blocks"]
+__all__ = ["reduce_outputs", "run_blocks"]
 
 
 def _swap_examples(block: torch.Tensor, mode: KernelMode, lead: int = 0) -> torch.Tensor:
-    """The block of Θ(x2, x1) from one of Θ(x1, x2): swap the example axes (and the output axes for FULL), after
-    ``lead`` leading axes (1 for a stack of group blocks)."""
-    first = tuple(range(lead))
-    if mode is KernelMode.FULL:
-        return block.permute(*first, *(lead + i for i in (1, 0, 3, 2)))
-    if mode is KernelMode.TRACE:
-        return block.transpose(lead, lead + 1)
-    return block.permute(*first, *(lead + i for i in (1, 0, 2)))
+    """The block of Θ(x2, x1) from one of Θ(x1, x2): the mode's ``example_swap`` (the example axes, and the output
+    axes for all outputs), after ``lead`` leading axes (1 for a stack of group blocks)."""
+    return block.permute(*range(lead), *(lead + i for i in mode.spec.example_swap))
+
+
+def reduce_outputs(blocks: torch.Tensor, outputs: Outputs) -> torch.Tensor:
+    """Per-example blocks (..., k, k) reduced to ``outputs``: unchanged for all of them, (..., k) their diagonal,
+    (...) its sum (NOTE [mode contractions] in modes.py)."""
+    if outputs is Outputs.ALL:
+        return blocks
+    diagonal = blocks.diagonal(dim1=-2, dim2=-1)
+    return diagonal if outputs is Outputs.DIAGONAL else diagonal.sum(-1)
 
 
 def _symmetrize_into(out: torch.Tensor, block: torch.Tensor, mode: KernelMode, lead: int) -> None:
@@ -94,17 +101,23 @@ def run_blocks(
         alg: the implementation.
         problem: the prepared model.
         x1: (N, *input). x2: (M, *input), or None for x2 = x1.
-        mode: the kernel mode.
+        mode: the kernel mode; the algorithm contracts its ``contraction`` (NOTE [mode contractions]).
         plan: block sizes from ``plan_blocks``.
         side_cache: optional LRU of sides across calls; used for a side only when its key is given.
         x1_key, x2_key: content keys of x1 and x2 for ``side_cache``.
         groups: a partition of the problem's parameters: one kernel per group from the same sides, through the
-            algorithm's ``pair_groups`` / ``diagonal_groups``.
+            algorithm's ``group_kernels``.
 
     Returns:
-        theta: (N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k) OUTPUT_DIAGONAL; with
-        ``groups`` (G, *that), one per group.
+        theta: the mode's shape ((N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k)
+        OUTPUT_DIAGONAL); with ``groups`` (G, *that), one per group.
+
+    Raises:
+        UnknownImplementation: ``groups`` for an algorithm without ``group_kernels``.
     """
+    spec, core = mode.spec, contraction(mode)
+    if not spec.pairs:
+        x2 = None  # a per-example mode uses x1 alone
     n = batch_size(x1)
     symmetric = x2 is None
     xr = x1 if x2 is None else x2
@@ -117,30 +130,36 @@ def run_blocks(
     stack = () if groups is None else (len(groups),)
     theta = torch.empty((*stack, *result_shape(mode, n, m, problem.k)), dtype=problem.dtype)
 
+    by_group = None if groups is None else (_group_kernels(alg), groups)
+
     def pair(left: Side, right: Side) -> torch.Tensor:
-        if groups is None:
-            return alg.pair(problem, left, right, mode)
-        return alg.pair_groups(problem, left, right, mode, groups)  # type: ignore[attr-defined,no-any-return]
+        if by_group is None:
+            return alg.pair(problem, left, right, core)
+        kernels, parts = by_group
+        return kernels.pair_groups(problem, left, right, core, parts)
 
     def diagonal(left: Side) -> torch.Tensor:
-        if groups is None:
-            return alg.diagonal(problem, left)
-        return alg.diagonal_groups(problem, left, groups)  # type: ignore[attr-defined,no-any-return]
+        if by_group is None:
+            return reduce_outputs(alg.diagonal(problem, left), spec.outputs)
+        kernels, parts = by_group
+        return reduce_outputs(kernels.diagonal_groups(problem, left, parts), spec.outputs)
 
     bn, bm = plan.block_n, plan.block_m
     if side_cache is not None and side_cache.max_bytes <= 0:
         side_cache = None  # a disabled cache: never consulted, never in the way of the joint pass
     cached = side_cache is not None and (x1_key is not None or x2_key is not None)
-    if plan.joint_sides and x2 is not None and not cached:  # cached sides must not be views of a joint one
+    joint_pass = alg.joint_pass
+    # cached sides must not be views of a joint one
+    if plan.joint_sides and joint_pass is not None and x2 is not None and not cached:
         with torch.no_grad():
-            left, right = alg.joint_sides(problem, x1, x2)  # type: ignore[attr-defined]
+            left, right = joint_pass.joint_sides(problem, x1, x2)
             return pair(left, right).contiguous()
     with torch.no_grad():
         for i0 in range(0, n, bn):
             i1 = min(i0 + bn, n)
             keep_left = symmetric and alg.right_is_left and plan.keep_right_sides  # it is a later row's right side
             left = sides.get(x1, i0, i1, left=True, key=x1_key, keep=keep_left)
-            if mode is KernelMode.EXAMPLE_DIAGONAL:
+            if not spec.pairs:
                 theta[(*head, slice(i0, i1))] = diagonal(left)
                 continue
             for j0 in range(i0 if symmetric else 0, m, bm):
@@ -160,3 +179,14 @@ def run_blocks(
                 del right, block
             del left
     return theta
+
+
+def _group_kernels(alg: NtkAlgorithm) -> GroupKernels:
+    """The per-group contraction of ``alg``; raises UnknownImplementation where it has none (the caller's choice
+    keeps to ``choice.GROUP_ALGORITHMS``, so this names a bug of a caller that does not)."""
+    if alg.group_kernels is None:
+        raise UnknownImplementation(
+            f"run_blocks: implementation {alg.implementation.value!r} forms no per-parameter terms, so it cannot "
+            "compute kernels per parameter group; use one of choice.GROUP_ALGORITHMS"
+        )
+    return alg.group_kernels

@@ -6,8 +6,9 @@ constants, same logic), so ``api.py`` holds only the public functions.
 
 NOTE [auto choice]: AUTO plans every implementation for the memory budget and takes the one with the fewest
 estimated FLOPs (``NtkAlgorithm.flops``, from P, k, N, M and the counted forward FLOPs) among those that fit.
-Forward-mode products run at a lower fraction of peak than the dense matmuls of a contraction on CPU, so their
-FLOPs are weighted by ``_EFFICIENCY`` (measured with benchmarks/bench_kernels.py). It never times the candidates.
+Forward-mode products run at a lower fraction of peak than the dense matmuls of a contraction on CPU, so on the CPU
+each implementation's FLOPs are weighted by its ``cost_weight`` (the NTK-vector products' 3.0, measured with
+benchmarks/bench_kernels.py, against the Jacobian contraction's 1.0). It never times the candidates.
 Structured's weight depends on how it captures (``Structured.cost_weight``, measured with
 benchmarks/bench_real_models.py, alternating in one process): 1.05 for the batched capture, whose k reverse
 passes run at a lower rate per FLOP than ``vmap(jacrev)`` on deep convolutional models (the ResNet: ~2.5 against
@@ -29,6 +30,7 @@ from __future__ import annotations
 from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation, UnsupportedModel
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
+from ntk_service.kernels.modes import contraction
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, plan_blocks
 from ntk_service.kernels.problem.problem import NtkProblem
@@ -45,7 +47,7 @@ ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
 }
 """The dispatch table: one NtkAlgorithm per concrete implementation."""
 
-GROUP_ALGORITHMS = {impl: alg for impl, alg in ALGORITHMS.items() if hasattr(alg, "pair_groups")}
+GROUP_ALGORITHMS = {impl: alg for impl, alg in ALGORITHMS.items() if alg.group_kernels is not None}
 """The implementations that form per-parameter terms and so serve ``compute_ntk_groups`` (NOTE [group kernels])."""
 
 
@@ -58,30 +60,21 @@ def _algorithms(structured: StructuredOptions | None, groups: int) -> dict[NtkIm
     return {**table, NtkImplementation.STRUCTURED: Structured(structured)}
 
 
-_EFFICIENCY: dict[NtkImplementation, float] = {
-    NtkImplementation.JACOBIAN_CONTRACTION: 1.0,
-    NtkImplementation.NTK_VECTOR_PRODUCTS: 3.0,
-}
-"""Relative cost of one estimated FLOP per implementation without a ``cost_weight``; see NOTE [auto choice]."""
-
-
 def _weight(impl: NtkImplementation, alg: NtkAlgorithm, problem: NtkProblem) -> float:
-    """The cost of one estimated FLOP of ``alg`` on ``problem`` (NOTE [auto choice]): on the CPU its ``cost_weight``
-    if it has one, else ``_EFFICIENCY``; elsewhere the device kind's table (both measured on this CPU only)."""
+    """The cost of one estimated FLOP of ``alg`` on ``problem`` (NOTE [auto choice]): on the CPU its ``cost_weight``;
+    elsewhere the device kind's table (the CPU's weights are measured on this CPU only)."""
     kind = model_device(problem.module).type
     if kind != "cpu":
         return _EFFICIENCY_BY_DEVICE.get(kind, {}).get(impl, 1.0)
-    cost_weight = getattr(alg, "cost_weight", None)
-    return float(cost_weight(problem)) if cost_weight is not None else _EFFICIENCY.get(impl, 1.0)
+    return alg.cost_weight(problem)
 
 
 _EFFICIENCY_BY_DEVICE: dict[str, dict[NtkImplementation, float]] = {
-    "cpu": _EFFICIENCY,
     # Not measured: no GPU has run this engine yet (docs/gpu.md), so every estimated FLOP weighs 1 on CUDA.
     # benchmarks/bench_gpu.py prints the ratios to set these from when a GPU is available.
     "cuda": {},
 }
-"""AUTO's weights per device kind (``torch.device.type``); a missing implementation weighs 1."""
+"""AUTO's weights per device kind (``torch.device.type``) off the CPU; a missing implementation weighs 1."""
 
 
 _CHOICES_PER_PROBLEM = 64
@@ -155,7 +148,8 @@ def plan_choice(
         return alg, plan, plan.first_choice
     best: tuple[float, NtkAlgorithm, BlockPlan] | None = None
     refusal: MemoryEstimateExceeded | None = None
-    costs = {impl: alg.flops(problem, n, m, mode) * _weight(impl, alg, problem) for impl, alg in candidates.items()}
+    core = contraction(mode)  # what the implementations contract for the mode (NOTE [mode contractions])
+    costs = {impl: alg.flops(problem, n, m, core) * _weight(impl, alg, problem) for impl, alg in candidates.items()}
     for impl, alg in candidates.items():
         try:
             plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget, groups=kernels)

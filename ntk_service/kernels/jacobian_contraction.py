@@ -53,7 +53,8 @@ from collections.abc import Callable
 import torch
 from torch.func import jacrev, vmap
 
-from ntk_service.kernels.family.groups import ParameterGroups
+from ntk_service.kernels.algorithm import GroupKernels, JointPass
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.problem.batch import Batch, batch_size, concat, one_example, take
@@ -64,6 +65,7 @@ from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
 __all__ = [
     "CHUNK_BYTES",
+    "JACOBIAN_CONTRACTION_WEIGHT",
     "JacobianChunks",
     "JacobianContraction",
     "Jacobians",
@@ -290,43 +292,35 @@ def contract_groups_diagonal(j1: Jacobians, groups: ParameterGroups) -> torch.Te
     return out
 
 
+JACOBIAN_CONTRACTION_WEIGHT = 1.0
+"""AUTO's cost of one estimated FLOP of the Jacobian contraction: the reference the other weights are relative to
+(NOTE [auto choice] in choice.py)."""
+
+
 class JacobianContraction:
-    """The NtkAlgorithm of Jacobian contraction (see the module docstring)."""
+    """The NtkAlgorithm of Jacobian contraction (see the module docstring); it has both optional capabilities."""
 
     implementation = NtkImplementation.JACOBIAN_CONTRACTION
     right_is_left = True
 
+    @property
+    def joint_pass(self) -> JointPass:
+        return self
+
+    @property
+    def group_kernels(self) -> GroupKernels:
+        return self
+
     def left(self, problem: NtkProblem, x: Batch) -> JacobianChunks:
         return jacobian_chunks(problem, x)
 
-    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[JacobianChunks, JacobianChunks]:
-        """The Jacobians of x1 and of x2 from one pass over both (views)."""
-        return split_chunks(self.left(problem, concat(x1, x2)), batch_size(x1))
-
     right = left
-
-    def joint_pays(self, problem: NtkProblem, n: int, m: int) -> bool:
-        """Whether one pass over x1 and x2 together beats two (NOTE [joint pass of Jacobians])."""
-        return self.side_bytes(problem, n + m, left=True)[0] <= MMAP_THRESHOLD_BYTES
 
     def pair(self, problem: NtkProblem, left: JacobianChunks, right: JacobianChunks, mode: KernelMode) -> torch.Tensor:
         return contract(left, right, mode)
 
     def diagonal(self, problem: NtkProblem, left: JacobianChunks) -> torch.Tensor:
         return contract_diagonal(left)
-
-    def pair_groups(
-        self,
-        problem: NtkProblem,
-        left: JacobianChunks,
-        right: JacobianChunks,
-        mode: KernelMode,
-        groups: ParameterGroups,
-    ) -> torch.Tensor:
-        return contract_groups(left, right, mode, groups)
-
-    def diagonal_groups(self, problem: NtkProblem, left: JacobianChunks, groups: ParameterGroups) -> torch.Tensor:
-        return contract_groups_diagonal(left, groups)
 
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:
         kept = n * problem.k * problem.num_params * problem.itemsize
@@ -353,3 +347,27 @@ class JacobianContraction:
             KernelMode.EXAMPLE_DIAGONAL: 2 * n * k * k * p,
         }[mode]
         return sides + contraction
+
+    def cost_weight(self, problem: NtkProblem) -> float:
+        return JACOBIAN_CONTRACTION_WEIGHT
+
+    def joint_sides(self, problem: NtkProblem, x1: Batch, x2: Batch) -> tuple[JacobianChunks, JacobianChunks]:
+        """The Jacobians of x1 and of x2 from one pass over both (views)."""
+        return split_chunks(self.left(problem, concat(x1, x2)), batch_size(x1))
+
+    def joint_pays(self, problem: NtkProblem, n: int, m: int) -> bool:
+        """Whether one pass over x1 and x2 together beats two (NOTE [joint pass of Jacobians])."""
+        return self.side_bytes(problem, n + m, left=True)[0] <= MMAP_THRESHOLD_BYTES
+
+    def pair_groups(
+        self,
+        problem: NtkProblem,
+        left: JacobianChunks,
+        right: JacobianChunks,
+        mode: KernelMode,
+        groups: ParameterGroups,
+    ) -> torch.Tensor:
+        return contract_groups(left, right, mode, groups)
+
+    def diagonal_groups(self, problem: NtkProblem, left: JacobianChunks, groups: ParameterGroups) -> torch.Tensor:
+        return contract_groups_diagonal(left, groups)

@@ -1,6 +1,7 @@
 """Kernel modes: which part of Θ(x1, x2) = J(x1) J(x2)ᵀ a call returns.
 
-Names are chosen so no one can confuse the two diagonals:
+The modes, their table and their parsers live in ``ntk_service.vocabulary`` (torch-free, shared with the client,
+the CLI and the server's schemas); this module is the engine's name for them:
 
 =================== ============== ==================================================================
 mode                shape          entry
@@ -13,65 +14,41 @@ PSEUDO              (N, M)         (1/k) Σ_ab Θ[n, m, a, b]  (the pseudo-NTK; 
 =================== ============== ==================================================================
 
 ``DerivedMode`` holds the modes that are not contractions of the engine but the kernel of a derived model
-(``family/pseudo.py``): the implementations, planner and jobs only ever see a ``KernelMode``.
+(``derived.py``): the implementations, planner and jobs only ever see a ``KernelMode``.
+
+NOTE [mode contractions]: the implementations contract four things: a block of example pairs with all outputs, their
+diagonal or its sum (``NtkAlgorithm.pair`` with FULL, OUTPUT_DIAGONAL, TRACE) and the per-example blocks of all
+outputs (``NtkAlgorithm.diagonal``, EXAMPLE_DIAGONAL). A mode's row says which one it is (``ModeSpec.contraction``):
+a per-example mode of fewer outputs is the per-example block reduced per example (``blocks.reduce_outputs``), an n·k²
+block, never a FULL one; the block runner and the planner ask the implementations for that contraction only.
 """
 
 from __future__ import annotations
 
-from enum import StrEnum
+from ntk_service.vocabulary import (
+    DerivedMode,
+    Examples,
+    KernelMode,
+    ModeSpec,
+    Outputs,
+    parse_any_mode,
+    parse_mode,
+    result_shape,
+)
 
-from ntk_service.errors import UnknownMode
-
-__all__ = ["DerivedMode", "KernelMode", "parse_any_mode", "parse_mode", "result_shape"]
-
-
-class KernelMode(StrEnum):
-    """What part of the kernel to compute; each is contracted directly, never reduced from a FULL block."""
-
-    FULL = "full"
-    """(N, M, k, k): every output pair of every example pair."""
-    TRACE = "trace"
-    """(N, M): Σ_a Θ_aa, the plain sum over the k outputs (neural-tangents' ``trace_axes`` divides by k)."""
-    EXAMPLE_DIAGONAL = "example_diagonal"
-    """(N, k, k): Θ(x1_n, x1_n) for each example of x1 alone; needs only N per-example terms."""
-    OUTPUT_DIAGONAL = "output_diagonal"
-    """(N, M, k): Θ_aa for every example pair; the torch.func tutorial's ``compute='diagonal'``."""
-
-
-class DerivedMode(StrEnum):
-    """Modes computed as an engine kernel of a derived model, never by the implementations themselves."""
-
-    PSEUDO = "pseudo"
-    """(N, M): (1/k) Σ_ab Θ_ab, the pseudo-NTK (Mohamadi, Bae & Sutherland 2023): the NTK of Σ_a f_a / √k, one
-    gradient per example instead of k (``family/pseudo.py``)."""
+__all__ = [
+    "DerivedMode",
+    "Examples",
+    "KernelMode",
+    "ModeSpec",
+    "Outputs",
+    "contraction",
+    "parse_any_mode",
+    "parse_mode",
+    "result_shape",
+]
 
 
-def parse_any_mode(mode: KernelMode | DerivedMode | str, *, operation: str = "compute_ntk") -> KernelMode | DerivedMode:
-    """The KernelMode or DerivedMode for ``mode`` or its wire value; raises UnknownMode naming the valid ones."""
-    for kind in (KernelMode, DerivedMode):
-        try:
-            return kind(mode)
-        except ValueError:
-            pass
-    valid = ", ".join(repr(m.value) for m in (*KernelMode, *DerivedMode))
-    raise UnknownMode(f"{operation}: unknown mode {mode!r}; expected one of {valid}") from None
-
-
-def parse_mode(mode: KernelMode | str) -> KernelMode:
-    """The KernelMode for ``mode`` or its wire value; raises UnknownMode naming the valid ones."""
-    try:
-        return KernelMode(mode)
-    except ValueError:
-        valid = ", ".join(repr(m.value) for m in KernelMode)
-        raise UnknownMode(f"compute_ntk: unknown mode {mode!r}; expected one of {valid}") from None
-
-
-def result_shape(mode: KernelMode | DerivedMode, n: int, m: int, k: int) -> tuple[int, ...]:
-    """Shape of theta for ``mode`` with N = n, M = m examples and k outputs."""
-    if mode is KernelMode.FULL:
-        return (n, m, k, k)
-    if mode is KernelMode.TRACE or mode is DerivedMode.PSEUDO:
-        return (n, m)
-    if mode is KernelMode.EXAMPLE_DIAGONAL:
-        return (n, k, k)
-    return (n, m, k)
+def contraction(mode: KernelMode | DerivedMode) -> KernelMode:
+    """What the implementations contract for ``mode`` (NOTE [mode contractions])."""
+    return mode.spec.contraction

@@ -13,48 +13,43 @@ math path has (``problem/math_attention.py``).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch.func import jvp, vmap
 
-from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.jacobian_contraction import jacobians
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.batch import Batch, batch_size
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
+from ntk_service.kernels.problem.forward_mode import FORWARD_AD_LOCK, forward_mode
 from ntk_service.kernels.problem.math_attention import math_attention
 from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
 
-__all__ = ["NtkVectorProducts"]
+__all__ = ["NTK_VECTOR_PRODUCTS_WEIGHT", "NtkVectorProducts"]
 
-_FORWARD_AD_LOCK = threading.Lock()
-"""Serializes forward-mode AD across threads: torch.func.jvp's dual levels are process-global, and two threads
-in jvp at once fail with "no level exists" (measured with 4 threads on one model). VJP rows still run in parallel."""
+NTK_VECTOR_PRODUCTS_WEIGHT = 3.0
+"""AUTO's cost of one estimated FLOP of the NTK-vector products, relative to the Jacobian contraction's: forward-mode
+products run at a lower fraction of peak than a contraction's dense matmuls on the CPU (measured with
+benchmarks/bench_kernels.py; NOTE [auto choice] in choice.py)."""
+
+_FORWARD_AD_LOCK = FORWARD_AD_LOCK
+"""The lock's old name here (``problem/forward_mode.py`` holds it now), kept for old imports for one release."""
 
 
 @contextmanager
 def _forward_ad() -> Iterator[None]:
-    """Forward-mode AD under ``_FORWARD_AD_LOCK``, attention on its math path (``math_attention``, this thread only)
-    and the lookups of an embedding's padding index constant, as reverse mode holds them (``padding_as_constant``);
-    an operation of the model without a forward-mode formula (the old ``torch.nn.utils.weight_norm``'s kernel, some
-    custom ops) is the model's limit, not a server fault.
+    """A forward-mode pass (``forward_mode``) with attention on its math path (``math_attention``, this thread only)
+    and the lookups of an embedding's padding index constant, as reverse mode holds them (``padding_as_constant``).
 
     Raises:
         UnsupportedModel: torch has no forward-mode AD for an operation the model uses.
     """
-    with _FORWARD_AD_LOCK, math_attention(), padding_as_constant():
-        try:
-            yield
-        except NotImplementedError as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UnsupportedModel(
-                f"compute_ntk (ntk_vector_products): the model uses an operation without forward-mode AD ({reason}); "
-                "use implementation='jacobian_contraction' or 'structured'"
-            ) from exc
+    advice = "use implementation='jacobian_contraction' or 'structured'"
+    with forward_mode("compute_ntk (ntk_vector_products)", advice), math_attention(), padding_as_constant():
+        yield
 
 
 VjpRows = tuple[Batch, NamedTensors]
@@ -74,10 +69,14 @@ def _jvp_at(problem: NtkProblem, x: Batch, tangent: NamedTensors) -> torch.Tenso
 
 
 class NtkVectorProducts:
-    """The NtkAlgorithm of NTK-vector products (see the module docstring)."""
+    """The NtkAlgorithm of NTK-vector products (see the module docstring). No optional capability: its right side is
+    the inputs themselves (no pass to share with x1's), and it forms no per-parameter terms (Θ·e by one JVP of a VJP
+    over all parameters at once) to split by group."""
 
     implementation = NtkImplementation.NTK_VECTOR_PRODUCTS
     right_is_left = False
+    joint_pass: None = None
+    group_kernels: None = None
 
     def left(self, problem: NtkProblem, x: Batch) -> VjpRows:
         return x, _rows(problem, x)
@@ -129,3 +128,6 @@ class NtkVectorProducts:
         k, fp = problem.k, problem.forward_flops
         pairs = n if mode is KernelMode.EXAMPLE_DIAGONAL else n * m
         return n * fp * (1 + 2 * k) + 2 * pairs * k * fp
+
+    def cost_weight(self, problem: NtkProblem) -> float:
+        return NTK_VECTOR_PRODUCTS_WEIGHT

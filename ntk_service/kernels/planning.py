@@ -13,21 +13,16 @@ plan fits. See NOTE [auto choice] in api.py.
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass
 
 from ntk_service.errors import MemoryEstimateExceeded, format_bytes
+from ntk_service.kernels._moved import moved
 from ntk_service.kernels.algorithm import NtkAlgorithm
-from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.kernels.modes import KernelMode, contraction, result_shape
 from ntk_service.kernels.problem.problem import NtkProblem
-from ntk_service.kernels.runtime.allocator import free_heap_bytes
+from ntk_service.vocabulary import MODES
 
-__all__ = ["DEFAULT_MEMORY_FRACTION", "STREAMED_SIDE_BYTES", "BlockPlan", "default_memory_budget", "plan_blocks"]
-
-DEFAULT_MEMORY_FRACTION = 0.5
-"""Default budget: half of the memory available now, leaving room for the process, other requests and the OS."""
-
+__all__ = ["STREAMED_SIDE_BYTES", "BlockPlan", "plan_blocks"]
 
 STREAMED_SIDE_BYTES = 768 * 2**20
 """Largest right side (what it keeps: the Jacobians, for the Jacobian contraction) built whole when x1 is one block.
@@ -40,45 +35,14 @@ built in two halves, never more parts: a ``vmap(jacrev)`` call's efficiency fall
 (transformer N = M = 128 TRACE, idle, one process: 2 parts of 64 cost 2.5 % more than one call, 4 of 32 15 %,
 3 of 43 36 %). Larger sides are cut by the memory budget's blocks instead."""
 
-BUDGET_REFRESH_SECONDS = 0.5
-"""How long ``default_memory_budget`` reuses its reading: /proc/meminfo costs ~0.15 ms on a cold cache, a
-noticeable share of a small kernel, and what is available does not move much within half a second."""
 
-_budget_reading: tuple[float, int] = (-math.inf, 0)  # (time.monotonic() of the reading, budget)
-
-
-_CHEAPER_MODES = {
-    KernelMode.FULL: "a cheaper mode (trace, output_diagonal)",
-    KernelMode.OUTPUT_DIAGONAL: "mode trace",
-    KernelMode.TRACE: "",
-    KernelMode.EXAMPLE_DIAGONAL: "",
-}
-"""What a memory refusal suggests instead of each mode: only modes whose result is smaller (none below trace)."""
-
-
-def default_memory_budget() -> int:
-    """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory, plus the memory malloc keeps
-    free for this process (``allocator.free_heap_bytes``); read at most every ``BUDGET_REFRESH_SECONDS``."""
-    global _budget_reading
-    now = time.monotonic()
-    read_at, budget = _budget_reading
-    if now - read_at < BUDGET_REFRESH_SECONDS:
-        return budget
-    # memory malloc keeps free for this process is reusable by it, though MemAvailable counts it as used
-    budget = int((_available_bytes() + free_heap_bytes()) * DEFAULT_MEMORY_FRACTION)
-    _budget_reading = (now, budget)
-    return budget
-
-
-def _available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def _cheaper_modes(mode: KernelMode, n: int, m: int, k: int) -> str:
+    """What a memory refusal suggests instead of ``mode``: the modes of example pairs whose result is smaller
+    (read off the mode table, so a new mode is suggested where it fits), e.g. "mode trace or output_diagonal"."""
+    size = math.prod(result_shape(mode, n, m, k))
+    smaller = [spec.name for spec in MODES.values() if not spec.derived and spec.pairs
+               and math.prod(spec.result_shape(n, m, k)) < size]  # fmt: skip
+    return f"mode {' or '.join(smaller)}" if smaller else ""
 
 
 @dataclass(frozen=True)
@@ -91,7 +55,7 @@ class BlockPlan:
         keep_right_sides: keep every right side after first use (computed once each).
         estimate_bytes: estimated peak memory, result included.
         joint_sides: one block each of x1 and x2 (x2 given), and the algorithm builds both sides in one pass
-            over x1 and x2 together (``joint_sides`` in algorithm.py): one forward and reverse pass instead of two.
+            over x1 and x2 together (its ``joint_pass``, algorithm.py): one forward and reverse pass instead of two.
         first_choice: the planner's first candidate, which any larger budget picks too.
     """
 
@@ -123,13 +87,14 @@ def _estimate(
 ) -> float:
     """Peak bytes of a plan; with ``groups`` kernels from the same sides, the result and every block
     contraction's buffers are held once per group (the sides once)."""
+    core = contraction(mode)
     result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize * groups
     left_peak, _ = alg.side_bytes(problem, bn, left=True)
-    if mode is KernelMode.EXAMPLE_DIAGONAL:
-        return result + left_peak + alg.pair_bytes(problem, bn, bn, mode) * groups
+    if not mode.spec.pairs:
+        return result + left_peak + alg.pair_bytes(problem, bn, bn, core) * groups
     right_peak, right_kept = alg.side_bytes(problem, bm, left=False)
     kept_total = right_kept * math.ceil(m / bm) if keep else 0.0
-    return result + left_peak + kept_total + right_peak + alg.pair_bytes(problem, bn, bm, mode) * groups
+    return result + left_peak + kept_total + right_peak + alg.pair_bytes(problem, bn, bm, core) * groups
 
 
 def _streamed_block(alg: NtkAlgorithm, problem: NtkProblem, m: int, bound: int) -> int:
@@ -156,8 +121,8 @@ def plan_blocks(
         alg: the implementation.
         problem: the prepared model.
         n, m: N and M (m = n when symmetric).
-        mode: the kernel mode.
-        symmetric: x2 is x1 (square blocks, only blocks on and above the diagonal).
+        mode: the kernel mode; the implementation is asked about its contraction (NOTE [mode contractions]).
+        symmetric: x2 is x1 (square blocks, only blocks on and above the diagonal); a per-example mode uses no x2.
         budget_bytes: the memory budget.
         groups: the number of kernels computed from the same sides (``compute_ntk_groups``); 1 for one kernel.
         streamed_side_bytes: with x1 in one block, an x2 side larger than this is built in two halves (NOTE
@@ -168,13 +133,20 @@ def plan_blocks(
 
     Raises:
         MemoryEstimateExceeded: even one example per block does not fit; carries the estimate and the budget.
+        ValueError: a derived mode: the caller computes the base kernel of its derived model (``derived.py``).
     """
-    joint = not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL and hasattr(alg, "joint_sides")
-    joint = joint and getattr(alg, "joint_pays", lambda *_: True)(problem, n, m)
+    if mode.spec.derived:  # a caller that did not apply the mode's output map would get the wrong kernel
+        raise ValueError(
+            f"plan_blocks: mode {mode.value!r} is derived; plan its base mode {mode.spec.contraction.value!r} for "
+            "the derived model (derived.derived_model)"
+        )
+    symmetric = symmetric or not mode.spec.pairs
+    joint_pass = alg.joint_pass
+    joint = not symmetric and joint_pass is not None and joint_pass.joint_pays(problem, n, m)
     if joint:
         result = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize * groups
         joint_peak, _ = alg.side_bytes(problem, n + m, left=True)
-        estimate = result + joint_peak + alg.pair_bytes(problem, n, m, mode) * groups
+        estimate = result + joint_peak + alg.pair_bytes(problem, n, m, contraction(mode)) * groups
         if estimate <= budget_bytes:
             return BlockPlan(n, m, False, int(estimate), joint_sides=True, first_choice=True)
     smallest = math.inf
@@ -184,7 +156,7 @@ def plan_blocks(
         bm = bn if symmetric else min(size, m)
         single_pass = bn >= n  # every right side is used once: nothing to keep
         for keep in (False,) if single_pass else (True, False):
-            if single_pass and not symmetric and mode is not KernelMode.EXAMPLE_DIAGONAL:
+            if single_pass and not symmetric:
                 bm = _streamed_block(alg, problem, m, streamed_side_bytes)
             estimate = _estimate(alg, problem, n, m, bn, bm, mode, keep, groups)
             smallest = min(smallest, estimate)
@@ -193,7 +165,7 @@ def plan_blocks(
             first = False
     result_only = math.prod(result_shape(mode, n, m, problem.k)) * problem.itemsize * groups
     per_group = f" and {groups} parameter groups" if groups > 1 else ""
-    cheaper = _CHEAPER_MODES[mode]
+    cheaper = _cheaper_modes(mode, n, m, problem.k)
     raise MemoryEstimateExceeded(
         f"compute_ntk: {alg.implementation.value} needs at least {format_bytes(smallest)} for mode "
         f"{mode.value} with N={n}, M={m}, k={problem.k}, P={problem.num_params}{per_group} (the result alone is "
@@ -202,3 +174,10 @@ def plan_blocks(
         estimate_bytes=int(smallest),
         budget_bytes=int(budget_bytes),
     )
+
+
+__getattr__ = moved(
+    __name__,
+    "ntk_service.kernels.runtime.device",  # reading the host's memory is the runtime's, not the planner's
+    ("DEFAULT_MEMORY_FRACTION", "BUDGET_REFRESH_SECONDS", "default_memory_budget"),
+)

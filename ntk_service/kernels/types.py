@@ -1,49 +1,18 @@
-"""Shared types of the kernel engine: the implementation enum, the result, and tensor aliases."""
+"""Shared types of the kernel engine: the result and tensor aliases; the implementation enum (``NtkImplementation``)
+and its parser live in ``ntk_service.vocabulary`` and are the engine's names here too."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
 
-from ntk_service.errors import UnknownImplementation
-from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.vocabulary import DerivedMode, KernelMode, NtkImplementation, parse_implementation
 
 __all__ = ["NamedTensors", "NtkImplementation", "NtkResult", "parse_implementation"]
 
 NamedTensors = dict[str, torch.Tensor]
 """Parameters (or per-parameter Jacobians) by their ``named_parameters()`` name."""
-
-
-class NtkImplementation(StrEnum):
-    """How the kernel is computed. All give the same numbers; they differ in time and memory.
-
-    Attributes:
-        AUTO: pick from the cost model (P, k, N, M, per-layer shapes, the counted forward cost).
-        JACOBIAN_CONTRACTION: build J per block with ``vmap(jacrev)``, one einsum per parameter tensor. Best for
-            small k and an expensive forward pass. Time (N+M)·k·[FP] + N·M·k²·P; memory (n+m)·k·P per block.
-        NTK_VECTOR_PRODUCTS: J(x2) is never built: ``jvp`` on x2 of the ``vjp`` rows of x1. Best for a cheap
-            forward pass and huge P. Time N·M·k·[FP]; memory of one block of VJPs.
-        STRUCTURED: per-layer structure rules (a Linear layer's Jacobian is δ aᵀ, so its term is (δ1·δ2)(a1·a2)).
-            Fastest where rules cover the parameters; the rest falls back to the Jacobian path.
-    """
-
-    AUTO = "auto"
-    JACOBIAN_CONTRACTION = "jacobian_contraction"
-    NTK_VECTOR_PRODUCTS = "ntk_vector_products"
-    STRUCTURED = "structured"
-
-
-def parse_implementation(implementation: NtkImplementation | str) -> NtkImplementation:
-    """The NtkImplementation for ``implementation`` or its wire value; raises UnknownImplementation."""
-    try:
-        return NtkImplementation(implementation)
-    except ValueError:
-        valid = ", ".join(repr(i.value) for i in NtkImplementation)
-        raise UnknownImplementation(
-            f"compute_ntk: unknown implementation {implementation!r}; expected one of {valid}"
-        ) from None
 
 
 @dataclass(frozen=True)

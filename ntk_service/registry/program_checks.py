@@ -165,7 +165,8 @@ def check_signature(graph_module: Mapping[str, Any], operation: str) -> list[Map
             f"{operation}: the program's outputs are {kinds}; it must return a tensor (or a dict of tensors) and "
             "mutate nothing (a buffer_mutation output means forward writes a buffer: export the module in eval mode)"
         )
-    if not user_inputs or not all(isinstance(u, Mapping) and "as_tensor" in u for u in user_inputs):
+    tensors = [u for u in user_inputs if isinstance(u, Mapping) and "as_tensor" in u]
+    if not user_inputs or len(tensors) != len(user_inputs):
         raise UnsupportedModel(
             f"{operation}: the program takes {len(user_inputs)} inputs ({str(user_inputs)[:200]}); the service's "
             "models take tensors: x of shape (N, *input_shape), or several (N, ...) tensors as positional or "
@@ -174,7 +175,7 @@ def check_signature(graph_module: Mapping[str, Any], operation: str) -> list[Map
     graph = graph_module.get("graph")
     if isinstance(graph, Mapping) and graph.get("custom_obj_values"):
         raise UnsupportedModel(f"{operation}: the graph holds custom objects; they are refused")
-    return [u["as_tensor"] for u in user_inputs]
+    return [u["as_tensor"] for u in tensors]
 
 
 def _call_spec(graph_module: Mapping[str, Any], key: str) -> Any:

@@ -177,7 +177,7 @@ ComputeContextDep = Annotated[ComputeContext, Depends(_compute_context)]
 """A route's :class:`ComputeContext`; declare it after the access dependency (auth is checked first)."""
 
 
-def inline(array: np.ndarray) -> KernelInput:
+def inline(array: np.ndarray | NamedArrays) -> KernelInput:
     """An inline side: never keyed (see the module docstring)."""
     return KernelInput(array, None)
 
@@ -482,7 +482,8 @@ async def read_kernel_request(request: Request, query: dict[str, Any], *, operat
     """
     if content_type(request) in BINARY_TENSOR_TYPES:
         tensors = await read_tensors(request, operation=operation, npy_name="x1")
-        x1, x2 = split_sides(tensors, ("x1", "x2"), operation=operation)
+        x1, *others = split_sides(tensors, ("x1", "x2"), operation=operation)
+        x2 = others[0]
         options = validate_body(KernelOptions, query, operation=operation)
     else:
         data = await read_object(request, operation=operation, expected=" with x1 (and x2, mode, ...)")
@@ -499,7 +500,9 @@ async def read_kernel_request(request: Request, query: dict[str, Any], *, operat
     return KernelCall(x1, x2, options, parse_any_mode(options.mode, operation=operation))
 
 
-def split_sides(tensors: dict[str, np.ndarray], sides: tuple[str, ...], *, operation: str) -> tuple[SideSource, ...]:
+def split_sides(
+    tensors: dict[str, np.ndarray], sides: tuple[str, ...], *, operation: str
+) -> tuple[SideSource, *tuple[SideSource | None, ...]]:
     """The sides of a safetensors body: a tensor named after the side (``x1``), or named inputs ``x1.<name>``
     (``x1.input_ids``, ``x1.attention_mask``); the first side is required, the others optional (None).
 
@@ -528,7 +531,7 @@ def split_sides(tensors: dict[str, np.ndarray], sides: tuple[str, ...], *, opera
             f"{operation}: the safetensors body has no tensor {sides[0]!r} nor '{sides[0]}.<name>' tensors (it has "
             f"{sorted(tensors)[:8] or 'none'}); name the tensor {sides[0]!r}"
         )
-    return tuple(found.get(side) for side in sides)
+    return (found[sides[0]], *(found.get(side) for side in sides[1:]))
 
 
 def engine_options(options: KernelOptions, settings: Settings) -> NtkOptions:

@@ -26,6 +26,7 @@ from ntk_service.server.params import (
     NonNegativeInt64,
     VersionInt,
 )
+from ntk_service.vocabulary import OPERATOR_MODES, ModeName, OperatorModeName, mode_help
 
 __all__ = [
     "ArchitecturesPublic",
@@ -62,9 +63,9 @@ __all__ = [
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
-KernelModeValue = Literal["full", "trace", "example_diagonal", "output_diagonal", "pseudo"]
-"""The wire values of KernelMode and DerivedMode as one Literal, so a bad mode gets one plain message
-("mode: Input should be 'full', 'trace', ..."), not one per enum of a union (tested against the enums)."""
+KernelModeValue = ModeName
+"""The wire values of KernelMode and DerivedMode as one Literal (``vocabulary.ModeName``), so a bad mode gets one
+plain message ("mode: Input should be 'full', 'trace', ..."), not one per enum of a union (tested against the enums)."""
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
@@ -160,8 +161,7 @@ class KernelOptions(BaseModel):
 
     mode: KernelModeValue = Field(
         default="full",
-        description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k) | "
-        "pseudo (N,M): (1/k) Σ_ab Θ_ab.",
+        description=mode_help() + " (pseudo: (1/k) Σ_ab Θ_ab).",
     )
     implementation: NtkImplementation = Field(
         default=NtkImplementation.AUTO,
@@ -406,8 +406,9 @@ class MatvecOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["full", "trace", "pseudo"] = Field(
-        default="full", description="full: v is (M, k); trace and pseudo: v is (M,)."
+    mode: OperatorModeName = Field(
+        default="full",
+        description=mode_help(tuple(OPERATOR_MODES)) + "; v is (M, k) for a kernel of k × k blocks (full), else (M,).",
     )
     transpose: bool = Field(default=False, description="Θᵀ w = Θ(x2, x1) w instead of Θ v.")
     params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
@@ -431,7 +432,7 @@ class MatvecRequest(MatvecOptions):
 
 class MatvecPublic(BaseModel):
     product: TensorJson = Field(description="Θ(x1, x2) v: (N, k) full, (N,) trace and pseudo; (M, ...) transposed.")
-    mode: Literal["full", "trace", "pseudo"] = Field(description="The mode computed.")
+    mode: OperatorModeName = Field(description="The mode computed.")
     model: str = Field(description="The model's name.")
     version: int = Field(description="The model version used.")
     elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)

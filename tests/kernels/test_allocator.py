@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from ntk_service.kernels.runtime.device import DEFAULT_MEMORY_FRACTION
+
 _PROGRAM = """
 import json, resource, sys, torch
 from ntk_service.kernels.runtime.allocator import release_freed_memory, retain_freed_memory, reuse_large_buffers
@@ -54,14 +56,13 @@ def test_large_buffers_are_reused_across_calls_and_released_on_request() -> None
 
 _BUDGET_PROGRAM = """
 import json, torch
-from ntk_service.kernels import planning
-from ntk_service.kernels.runtime import allocator
+from ntk_service.kernels.runtime import allocator, device
 assert allocator.reuse_large_buffers()
 before = allocator.free_heap_bytes()
 torch.ones(64 * 2**20)  # 256 MiB from the heap, freed at once and kept there
 kept = allocator.free_heap_bytes()
-available = planning._available_bytes()
-budget = planning.default_memory_budget()
+available = device._available_bytes()
+budget = device.default_memory_budget()
 allocator.release_freed_memory()
 print(json.dumps({"before": before, "kept": kept, "available": available, "budget": budget,
                   "after": allocator.free_heap_bytes()}))
@@ -76,12 +77,6 @@ def test_memory_the_heap_keeps_counts_in_the_budget() -> None:
     out = subprocess.run([sys.executable, "-c", _BUDGET_PROGRAM], capture_output=True, text=True, check=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["kept"] - r["before"] >= 255 * 2**20, r
-    expected = (r["available"] + r["kept"]) * planning_fraction()
+    expected = (r["available"] + r["kept"]) * DEFAULT_MEMORY_FRACTION
     assert abs(r["budget"] - expected) < 64 * 2**20, r  # MemAvailable may move a little between the two reads
     assert r["after"] == 0, r  # released: back with the OS, no longer counted
-
-
-def planning_fraction() -> float:
-    from ntk_service.kernels.planning import DEFAULT_MEMORY_FRACTION
-
-    return DEFAULT_MEMORY_FRACTION

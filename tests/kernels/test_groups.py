@@ -25,7 +25,7 @@ from ntk_service.kernels import (
     compute_ntk_groups,
     parameter_groups,
 )
-from ntk_service.kernels.family.groups import GroupSpec
+from ntk_service.kernels.groups import GroupSpec
 from ntk_service.kernels.structured import StructuredOptions
 from tests.kernels.zoo import ZOO, TiedAutoencoder, ZooEntry, zoo_case
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._models import ResNet, randomize_batchnorm
-from ntk_service.kernels.family.groups import ParameterGroups
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.jacobian_contraction import (
     JacobianContraction,
     contract_groups,

@@ -28,7 +28,8 @@ import torch
 from ntk_service import wire
 from ntk_service.client import Client
 from ntk_service.registry import build_model
-from ntk_service.server.routes.console import ASSETS
+from ntk_service.server.routes.console import ASSETS, GENERATED
+from ntk_service.vocabulary import MODES
 from tests.browser import Browser, Page, require_chromium
 from tests.conftest import REPO_ROOT, LiveServer, start_live_server
 from tests.server.support import TINY_ARCHITECTURES, submit_slow_job
@@ -193,6 +194,11 @@ def test_console_page_is_static_and_locked_down(server: LiveServer) -> None:
             assert "innerHTML" not in asset.text and "eval(" not in asset.text, name
         imports = {m for name in ASSETS for m in re.findall(r'from "\./([\w.]+)"', client.get(f"/console/{name}").text)}
         assert imports <= set(ASSETS), imports - set(ASSETS)
+        modes = client.get("/console/modes.js").text.split("export const MODES = ", 1)[1].rstrip().rstrip(";")
+        assert json.loads(modes) == {
+            name: {"shape": list(s.shape), "pairs": s.pairs, "outputs": s.outputs.value, "matrix": s.is_matrix}
+            for name, s in MODES.items()
+        }
         missing = client.get("/console/..%2Fconfig.py")
         assert missing.status_code == 404
         assert client.get("/console/index.html").status_code == 404  # the page is only at /
@@ -214,7 +220,7 @@ def test_every_console_file_is_package_data() -> None:
     package = REPO_ROOT / "ntk_service"
     shipped = {path.name for pattern in globs for path in package.glob(pattern) if path.parent.name == "console"}
     on_disk = {path.name for path in (package / "server" / "console").iterdir()}
-    assert shipped == on_disk == set(ASSETS) | {"index.html"}
+    assert shipped == on_disk == (set(ASSETS) - set(GENERATED)) | {"index.html"}
 
 
 @pytest.mark.slow

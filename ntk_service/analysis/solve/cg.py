@@ -71,7 +71,7 @@ from ntk_service.analysis.solve.block_cg import batched_sweep, block_sweep
 from ntk_service.analysis.solve.operators import KernelOperator, check_ridge
 from ntk_service.analysis.solve.preconditioners import LandmarkMethod, nystrom_preconditioner
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, NonFiniteInput, ShapeMismatch, format_bytes
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = [
     "CG_ARRAYS",

@@ -46,7 +46,7 @@ import numpy as np
 from ntk_service.analysis.solve.operators import KernelOperator
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = [
     "DEFAULT_LANDMARKS",

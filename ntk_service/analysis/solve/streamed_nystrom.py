@@ -35,7 +35,7 @@ from torch import nn
 from ntk_service.analysis.solve.preconditioners import NystromPreconditioner
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, format_bytes
 from ntk_service.kernels.api import compute_ntk
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = ["DEFAULT_OVERSAMPLE", "StreamedNystromPlan", "plan_streamed_nystrom", "streamed_nystrom_preconditioner"]
 

@@ -31,7 +31,10 @@ from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray, mirror_theta
 from ntk_service.kernels import NtkOptions, SideCache, compute_ntk, device_memory_budget
 from ntk_service.kernels.modes import KernelMode, result_shape
+from ntk_service.kernels.options import DTYPES
 from ntk_service.kernels.problem.batch import Batch
+from ntk_service.kernels.runtime.device import parse_device
+from ntk_service.kernels.types import parse_implementation
 
 __all__ = [
     "Executor",
@@ -146,7 +149,7 @@ def compute_panel(
         implementation that ran.
     """
     spec = work.spec
-    if panel.is_diagonal and spec.mode != KernelMode.EXAMPLE_DIAGONAL.value and _caches(side_cache):
+    if panel.is_diagonal and KernelMode(spec.mode).spec.pairs and _caches(side_cache):
         blocks = diagonal_blocks(panel, work.plan.tile_size, split=work.diagonal_split, min_rows=work.diagonal_min_rows)
         if len(blocks) > 1:
             return _diagonal_panel(model, x1, work, panel, blocks, side_cache, device, allow_tf32)
@@ -175,10 +178,10 @@ def compute_panel(
 def _engine_options(spec: JobSpec, device: torch.device | str | None, allow_tf32: bool) -> NtkOptions:
     """How every block of the job is computed: its implementation, dtype and memory budget on ``device``."""
     return NtkOptions(
-        implementation=spec.implementation,
-        dtype=spec.dtype,
+        implementation=parse_implementation(spec.implementation),
+        dtype=DTYPES[spec.dtype],
         memory_budget_bytes=spec.memory_budget_bytes,
-        device=device,
+        device=None if device is None else parse_device(device, operation="jobs"),
         allow_tf32=allow_tf32,
     )
 

@@ -52,15 +52,24 @@ from torch.func import functional_call, jacrev, stack_module_state, vmap
 
 from ntk_service.errors import InvalidInput, UnsupportedModel
 from ntk_service.kernels.api import compute_ntk
-from ntk_service.kernels.family.nngp import compute_nngp, feature_kernel, features, find_layer, kernel_shape
+from ntk_service.kernels.blocks import reduce_outputs
+from ntk_service.kernels.derived import map_of, outputs_of
+from ntk_service.kernels.family.nngp import (
+    compute_nngp,
+    example_counts,
+    feature_kernel,
+    features,
+    find_layer,
+    kernel_shape,
+)
 from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
-from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode, result_shape
+from ntk_service.kernels.modes import DerivedMode, KernelMode, contraction, parse_any_mode, result_shape
 from ntk_service.kernels.options import NtkOptions
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, call_module, take, unsqueeze
 from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.kernels.problem.private_module import check_model
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
 from ntk_service.kernels.types import NamedTensors
 
@@ -223,25 +232,22 @@ class _Ensemble:
 
 
 def _ntk_of(j1: NamedTensors, j2: NamedTensors | None, mode: KernelMode | DerivedMode, k: int) -> torch.Tensor:
-    """One model's kernel from its Jacobians name -> (n, k, p) (j2 None: x2 = x1)."""
-    if mode is KernelMode.EXAMPLE_DIAGONAL:
-        return contract_diagonal(j1)
-    if mode is DerivedMode.PSEUDO:
-        g1 = {n: j.sum(1, keepdim=True) for n, j in j1.items()}
-        g2 = g1 if j2 is None else {n: j.sum(1, keepdim=True) for n, j in j2.items()}
-        return _symmetrized(contract(g1, g2, KernelMode.TRACE) / k, mode, j2 is None)
+    """One model's kernel from its Jacobians name -> (n, k, p) (j2 None: x2 = x1): a contracted mode by its
+    contraction (NOTE [mode contractions] in modes.py), a derived mode as its base mode of the mapped Jacobians
+    (J_g = W J, ``derived.OUTPUT_MAPS``)."""
+    if isinstance(mode, DerivedMode):
+        output_map = map_of(mode)
+        g1 = {name: output_map.apply(j) for name, j in j1.items()}
+        g2 = None if j2 is None else {name: output_map.apply(j) for name, j in j2.items()}
+        return _ntk_of(g1, g2, contraction(mode), output_map.size(k))
+    if not mode.spec.pairs:
+        return reduce_outputs(contract_diagonal(j1), mode.spec.outputs)
     return _symmetrized(contract(j1, j1 if j2 is None else j2, mode), mode, j2 is None)
 
 
-def _symmetrized(theta: torch.Tensor, mode: KernelMode | DerivedMode, symmetric: bool) -> torch.Tensor:
+def _symmetrized(theta: torch.Tensor, mode: KernelMode, symmetric: bool) -> torch.Tensor:
     """(Θ + Θ(x2, x1))/2 when x2 = x1: exactly symmetric (IEEE addition commutes), as ``compute_ntk``'s."""
-    if not symmetric:
-        return theta
-    if mode is KernelMode.FULL:
-        return (theta + theta.permute(1, 0, 3, 2)) / 2
-    if mode is KernelMode.OUTPUT_DIAGONAL:
-        return (theta + theta.permute(1, 0, 2)) / 2
-    return (theta + theta.T) / 2
+    return (theta + theta.permute(*mode.spec.example_swap)) / 2 if symmetric else theta
 
 
 class _Accumulator:
@@ -342,9 +348,7 @@ def monte_carlo_ntk(
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=_OPERATION)
-    symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
-    n = batch_size(x1t)
-    m = n if x2t is None else batch_size(x2t)
+    symmetric, n, m = example_counts(x1t, x2t, kernel_mode)
     per_model, fixed = _bytes(problem, kind, kernel_mode, n, 0 if symmetric else m, layer, first, x1t)
     fits = int((budget - fixed) // per_model) if budget > fixed else 0
     chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
@@ -464,7 +468,7 @@ def _bytes(
     m_all = m if m else n
     if kind is KernelKind.NTK:
         k = problem.k
-        shape = result_shape(mode if isinstance(mode, KernelMode) else KernelMode.TRACE, n, m_all, k)
+        shape = result_shape(mode, n, m_all, outputs_of(mode, k))
         jac = (n + m) * k * problem.num_params * item
         transient = (n + m) * problem.saved_bytes * (1 + k)
     else:

@@ -46,14 +46,15 @@ import torch
 from torch import nn
 
 from ntk_service.errors import MemoryEstimateExceeded, UnknownLayer, UnsupportedModel, format_bytes
-from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.derived import map_of, outputs_of
+from ntk_service.kernels.modes import DerivedMode, KernelMode, Outputs, contraction, parse_any_mode, result_shape
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
 from ntk_service.kernels.problem.outputs import parse_output
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
 
-__all__ = ["NngpResult", "compute_nngp", "feature_kernel", "features", "find_layer"]
+__all__ = ["NngpResult", "compute_nngp", "example_counts", "feature_kernel", "features", "find_layer"]
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ def find_layer(module: nn.Module, layer: str, *, operation: str) -> nn.Module:
         shown = ", ".join(names[:16]) + (", ..." if len(names) > 16 else "")
         raise UnknownLayer(f"{operation}: layer {layer!r} is not a module of the model; its modules are: {shown}")
     return modules[layer]
+
+
+def example_counts(x1: Batch, x2: Batch | None, mode: KernelMode | DerivedMode) -> tuple[bool, int, int]:
+    """(symmetric, N, M) of prepared inputs: symmetric when x2 is x1 or the mode uses no x2 (M = N then)."""
+    n = batch_size(x1)
+    return x2 is None or not mode.spec.pairs, n, n if x2 is None else batch_size(x2)
 
 
 def _chunk(problem: NtkProblem, budget: float) -> int:
@@ -152,34 +159,34 @@ def _layer_output(captured: list[object], n: int, layer: str, operation: str) ->
 
 
 def feature_kernel(f1: torch.Tensor, f2: torch.Tensor | None, mode: KernelMode | DerivedMode) -> torch.Tensor:
-    """The kernel of features f1 (N, d) and f2 (M, d) (None: f2 = f1, the result exactly symmetric) for ``mode``.
+    """The kernel of features f1 (N, d) and f2 (M, d) (None: f2 = f1, the result exactly symmetric) for ``mode``:
+    a contracted mode by its axes (``vocabulary.MODES``), a derived mode as its base mode of the mapped features
+    (``derived.OUTPUT_MAPS``).
 
     Returns:
         (N, M, d, d) FULL, (N, M) TRACE, (N, d, d) EXAMPLE_DIAGONAL, (N, M, d) OUTPUT_DIAGONAL, (N, M) PSEUDO.
     """
-    if mode is KernelMode.EXAMPLE_DIAGONAL:
-        return f1[:, :, None] * f1[:, None, :]
+    if isinstance(mode, DerivedMode):
+        output_map = map_of(mode)
+        mapped = None if f2 is None else output_map.apply(f2)
+        return feature_kernel(output_map.apply(f1), mapped, contraction(mode))
+    outputs = mode.spec.outputs
+    if not mode.spec.pairs:  # each example with itself, only the entries the mode keeps (a layer's d may be large)
+        if outputs is Outputs.ALL:
+            return f1[:, :, None] * f1[:, None, :]
+        return f1 * f1 if outputs is Outputs.DIAGONAL else (f1 * f1).sum(1)
     other = f1 if f2 is None else f2
-    if mode is KernelMode.FULL:  # products of two scalars: exactly symmetric when f2 is f1
+    if outputs is Outputs.ALL:  # products of two scalars: exactly symmetric when f2 is f1
         return f1[:, None, :, None] * other[None, :, None, :]
-    if mode is KernelMode.OUTPUT_DIAGONAL:
+    if outputs is Outputs.DIAGONAL:
         return f1[:, None, :] * other[None, :, :]
-    if mode is KernelMode.TRACE:
-        gram = f1 @ other.T
-        return gram if f2 is not None else (gram + gram.T) / 2  # a matmul's round-off is not symmetric
-    sums1 = f1.sum(1)
-    return sums1[:, None] * (sums1 if f2 is None else f2.sum(1))[None, :] / f1.shape[1]
+    gram = f1 @ other.T
+    return gram if f2 is not None else (gram + gram.T) / 2  # a matmul's round-off is not symmetric
 
 
 def kernel_shape(mode: KernelMode | DerivedMode, n: int, m: int, d: int) -> tuple[int, ...]:
-    """Shape of a feature kernel for ``mode``."""
-    return {
-        KernelMode.FULL: (n, m, d, d),
-        KernelMode.TRACE: (n, m),
-        KernelMode.EXAMPLE_DIAGONAL: (n, d, d),
-        KernelMode.OUTPUT_DIAGONAL: (n, m, d),
-        DerivedMode.PSEUDO: (n, m),
-    }[mode]
+    """Shape of a feature kernel for ``mode`` (a derived mode's over its mapped features)."""
+    return result_shape(mode, n, m, outputs_of(mode, d))
 
 
 def compute_nngp(
@@ -224,9 +231,7 @@ def compute_nngp(
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=operation)
-        symmetric = x2t is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL
-        n = batch_size(x1t)
-        m = n if x2t is None else batch_size(x2t)
+        symmetric, n, m = example_counts(x1t, x2t, kernel_mode)
         # d is known only after a forward for a layer: one example first, then the estimate, then the rest
         first = take(x1t, 0, 1)
         d = problem.k if layer is None else features(problem, first, layer, chunk=1, operation=operation).shape[1]

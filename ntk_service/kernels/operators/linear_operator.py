@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from torch.func import jvp, vjp
 
+from ntk_service import vocabulary
 from ntk_service.errors import (
     InvalidInput,
     MemoryEstimateExceeded,
@@ -53,17 +54,18 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
-from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
-from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.derived import map_of, outputs_of
+from ntk_service.kernels.modes import DerivedMode, KernelMode, Outputs, contraction, parse_any_mode
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
+from ntk_service.kernels.problem.forward_mode import forward_mode
 from ntk_service.kernels.problem.inputs import validate_inputs
 from ntk_service.kernels.problem.math_attention import attention_scope
 from ntk_service.kernels.problem.outputs import parse_output
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = [
@@ -77,8 +79,9 @@ __all__ = [
     "scipy_view",
 ]
 
-OPERATOR_MODES = (KernelMode.FULL, KernelMode.TRACE, DerivedMode.PSEUDO)
-"""The modes that are linear maps between the x2 side and the x1 side (the diagonals are not)."""
+OPERATOR_MODES = vocabulary.OPERATOR_MODES
+"""The modes that are linear maps between the x2 side and the x1 side (the diagonals are not): the rows of
+``vocabulary.MODES`` whose kernel is a matrix."""
 
 MAX_CHUNK_BYTES = 256 * 2**20
 """The activations of one chunk of examples (what a VJP / JVP call holds beyond the parameter-space vectors) are
@@ -116,10 +119,10 @@ def as_operand(
     Raises:
         ShapeMismatch: another shape, or not a float tensor. NonFiniteInput: NaN or inf.
     """
-    full = mode is KernelMode.FULL
+    full = mode.spec.outputs is Outputs.ALL
     t = torch.as_tensor(v)
     flat = full and t.ndim == 1
-    expected = (columns, k) if full else (columns,)
+    expected = (columns, outputs_of(mode, k)) if full else (columns,)
     if not t.is_floating_point() or (tuple(t.shape) != expected and not (flat and t.numel() == math.prod(expected))):
         flat_hint = f" or flat ({math.prod(expected)},)" if full else ""
         raise ShapeMismatch(
@@ -143,12 +146,18 @@ def apply_in_mode(
 
     t: (M, k) for FULL, (M,) for TRACE and PSEUDO (as ``as_operand`` returns it). Returns (N, k) or (N,).
     TRACE is Σ_a J_a(rows) J_a(cols)ᵀ t, one product per output (memory O(P); it has no single-pass form);
-    PSEUDO one product with t on every output, averaged.
+    a derived mode is its base mode of the product W J(rows) J(cols)ᵀ Wᵀ (``derived.OUTPUT_MAPS``): PSEUDO one
+    product with t / √k on every output, summed and divided by √k.
     """
-    if mode is KernelMode.FULL:
+    if isinstance(mode, DerivedMode):
+        output_map = map_of(mode)
+
+        def mapped(c: torch.Tensor) -> torch.Tensor:  # (M, k') -> (N, k')
+            return output_map.apply(product(output_map.adjoint(c, k)))
+
+        return apply_in_mode(mapped, t, mode=contraction(mode), k=output_map.size(k), rows=rows)
+    if mode.spec.outputs is Outputs.ALL:
         return product(t)
-    if mode is DerivedMode.PSEUDO:
-        return product(t[:, None].expand(-1, k)).sum(1) / k
     out = torch.zeros(rows, dtype=t.dtype)
     for a in range(k):
         cot = torch.zeros(t.shape[0], k, dtype=t.dtype)
@@ -223,7 +232,7 @@ class NtkOperator:
         self.estimate_bytes = sides.estimate
         rows, cols = (sides.x2, sides.x1) if transposed else (sides.x1, sides.x2)
         self._rows, self._cols = rows, cols
-        per = self.k if mode is KernelMode.FULL else 1
+        per = outputs_of(mode, self.k) if mode.spec.outputs is Outputs.ALL else 1
         self.shape = (batch_size(rows) * per, batch_size(cols) * per)
 
     # --- the torch view ---------------------------------------------------------------------------------------
@@ -359,17 +368,11 @@ class NtkOperator:
         """J(rows) tangent: P floats by name -> (N, k), in chunks of examples."""
         problem, chunk = self._sides.problem, self._sides.chunk
         out = []
-        with _FORWARD_AD_LOCK:  # torch.func.jvp's dual levels are process-global (ntk_vector_products.py)
-            try:
-                for i in range(0, batch_size(rows), chunk):
-                    x = take(rows, i, i + chunk)
-                    out.append(jvp(lambda p, x=x: problem.f_batch(p, x), (problem.params,), (tangent,))[1])
-            except NotImplementedError as exc:
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise UnsupportedModel(
-                    f"{_OPERATION}: the model uses an operation without forward-mode AD ({reason}); build the kernel "
-                    "with compute_ntk(implementation='jacobian_contraction') instead"
-                ) from exc
+        advice = "build the kernel with compute_ntk(implementation='jacobian_contraction') instead"
+        with forward_mode(_OPERATION, advice):
+            for i in range(0, batch_size(rows), chunk):
+                x = take(rows, i, i + chunk)
+                out.append(jvp(lambda p, x=x: problem.f_batch(p, x), (problem.params,), (tangent,))[1])
         return torch.cat(out).detach()
 
 

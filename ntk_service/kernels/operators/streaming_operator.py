@@ -24,10 +24,10 @@ from torch import nn
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.operators.linear_operator import NtkOperator, _Sides, parse_operator_mode
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.inputs import validate_inputs
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = ["DEFAULT_EXAMPLES_PER_CHUNK", "RowSource", "dataset_operator"]
 

@@ -9,12 +9,13 @@
     UnknownDevice: compute_ntk: device 'cuda' was asked for but CUDA is not available here ...
 
 NOTE [device budgets]: the planner sizes blocks for the memory of the device that computes, and host and device
-budgets are separate numbers. On the CPU the budget is ``planning.default_memory_budget()`` (half of
-MemAvailable). On a CUDA device it is half of what this process can still get there: the driver's free memory
-(``torch.cuda.mem_get_info``) plus what torch's caching allocator holds but no tensor uses (reserved minus
-allocated), which the allocator hands out before asking the driver. A kernel on the GPU therefore never plans
-against host RAM, and the host budget (results copied back to the CPU, job tiles written to disk) never counts
-GPU memory. The readers are a table (``MEMORY_BUDGETS``) passed as an argument, so tests choose them explicitly.
+budgets are separate numbers. On the CPU the budget is ``default_memory_budget()`` (half of MemAvailable, plus
+what malloc keeps free for this process). On a CUDA device it is half of what this process can still get there:
+the driver's free memory (``torch.cuda.mem_get_info``) plus what torch's caching allocator holds but no tensor uses
+(reserved minus allocated), which the allocator hands out before asking the driver. A kernel on the GPU therefore
+never plans against host RAM, and the host budget (results copied back to the CPU, job tiles written to disk)
+never counts GPU memory. The readers are a table (``MEMORY_BUDGETS``) passed as an argument, so tests choose them
+explicitly.
 
 NOTE [TF32]: on Ampere and later GPUs, float32 matmuls and convolutions may run on TF32 tensor cores (10-bit
 mantissa inputs, ~1e-3 relative error): fast, but not float32. Kernels here are float32 unless TF32 is allowed
@@ -29,8 +30,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import math
+import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 
@@ -38,15 +42,18 @@ import torch
 from torch import nn
 
 from ntk_service.errors import UnknownDevice, UnsupportedModel
-from ntk_service.kernels.planning import DEFAULT_MEMORY_FRACTION, default_memory_budget
+from ntk_service.kernels.runtime.allocator import free_heap_bytes
 
 __all__ = [
+    "BUDGET_REFRESH_SECONDS",
     "CUDA_MEMORY_FRACTION",
     "DEFAULT_DEVICE",
+    "DEFAULT_MEMORY_FRACTION",
     "MEMORY_BUDGETS",
     "BudgetSource",
     "Tf32Policy",
     "cuda_memory_budget",
+    "default_memory_budget",
     "device_memory_budget",
     "host_memory_budget",
     "model_device",
@@ -57,6 +64,9 @@ __all__ = [
 
 DEFAULT_DEVICE = "cpu"
 """Kernels run on the CPU unless a device is asked for: every machine has one, and results need no copy."""
+
+DEFAULT_MEMORY_FRACTION = 0.5
+"""Default budget: half of the memory available now, leaving room for the process, other requests and the OS."""
 
 CUDA_MEMORY_FRACTION = DEFAULT_MEMORY_FRACTION
 """The share of a GPU's obtainable memory a kernel may plan for: the host's half, since the planner's estimates
@@ -152,12 +162,44 @@ def place_module(module: nn.Module, device: torch.device) -> nn.Module:
         ) from exc
 
 
+BUDGET_REFRESH_SECONDS = 0.5
+"""How long ``default_memory_budget`` reuses its reading: /proc/meminfo costs ~0.15 ms on a cold cache, a
+noticeable share of a small kernel, and what is available does not move much within half a second."""
+
+_budget_reading: tuple[float, int] = (-math.inf, 0)  # (time.monotonic() of the reading, budget)
+
+
+def default_memory_budget() -> int:
+    """``DEFAULT_MEMORY_FRACTION`` of MemAvailable (Linux), else of physical memory, plus the memory malloc keeps
+    free for this process (``allocator.free_heap_bytes``); read at most every ``BUDGET_REFRESH_SECONDS``."""
+    global _budget_reading
+    now = time.monotonic()
+    read_at, budget = _budget_reading
+    if now - read_at < BUDGET_REFRESH_SECONDS:
+        return budget
+    # memory malloc keeps free for this process is reusable by it, though MemAvailable counts it as used
+    budget = int((_available_bytes() + free_heap_bytes()) * DEFAULT_MEMORY_FRACTION)
+    _budget_reading = (now, budget)
+    return budget
+
+
+def _available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 BudgetSource = Callable[[torch.device], int]
 """A device's default memory budget in bytes, read now (see NOTE [device budgets])."""
 
 
 def host_memory_budget(device: torch.device) -> int:
-    """The host budget: ``planning.default_memory_budget()`` (half of MemAvailable, re-read every 0.5 s)."""
+    """The host budget: ``default_memory_budget()`` (half of MemAvailable, re-read every 0.5 s)."""
     return default_memory_budget()
 
 

@@ -44,15 +44,15 @@ from ntk_service.errors import (
     format_bytes,
 )
 from ntk_service.kernels.modes import KernelMode, parse_any_mode
-from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import Batch, batch_size, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
+from ntk_service.kernels.problem.forward_mode import forward_mode
 from ntk_service.kernels.problem.inputs import validate_inputs
 from ntk_service.kernels.problem.math_attention import math_attention
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
 from ntk_service.kernels.problem.problem import NtkProblem
+from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.sketch.product_sketch import structured_features
 from ntk_service.kernels.sketch.sketch_draws import BLOCK, gaussian_block
 from ntk_service.kernels.types import NamedTensors
@@ -92,12 +92,12 @@ def _tangents(problem: NtkProblem, seed: int, block: int) -> NamedTensors:
 
 
 def _check_sketch(sketch: object) -> SketchKind:
-    try:
-        return SketchKind(sketch)
-    except ValueError:
-        raise InvalidInput(
-            f"{_OPERATION}: sketch must be one of {[s.value for s in SketchKind]}, got {sketch!r}"
-        ) from None
+    if isinstance(sketch, str):  # a SketchKind is a str too
+        try:
+            return SketchKind(sketch)
+        except ValueError:
+            pass
+    raise InvalidInput(f"{_OPERATION}: sketch must be one of {[s.value for s in SketchKind]}, got {sketch!r}")
 
 
 def _check_dim(dim: object) -> int:
@@ -190,22 +190,19 @@ def _gaussian_features(problem: NtkProblem, xt: Batch, d: int, seed: int, budget
         out: torch.Tensor = jvp(lambda p: problem.f_batch(p, xb), (problem.params,), (tangent,))[1]
         return out  # (n_chunk, k)
 
-    # jvp's dual levels are process-global (ntk_vector_products.py); padding lookups constant as in reverse mode
-    with _FORWARD_AD_LOCK, math_attention(), padding_as_constant():
-        try:
-            for block in range((d + BLOCK - 1) // BLOCK):
-                start, stop = block * BLOCK, min(d, (block + 1) * BLOCK)
-                tangents = {name: t[: stop - start] for name, t in _tangents(problem, seed, block).items()}
-                for i in range(0, n, chunk):
-                    xb = take(xt, i, i + chunk)
-                    # (cols, n_chunk, k) -> (n_chunk, k, cols)
-                    phi[i : i + chunk, :, start:stop] = vmap(columns, in_dims=(0, None))(tangents, xb).permute(1, 2, 0)
-        except NotImplementedError as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UnsupportedModel(
-                f"{_OPERATION}: the model uses an operation without forward-mode AD ({reason}); sketched features "
-                "need jvp. Compute the exact kernel with compute_ntk(implementation='jacobian_contraction') instead"
-            ) from exc
+    advice = (
+        "sketched features need jvp. Compute the exact kernel with compute_ntk(implementation='jacobian_contraction') "
+        "instead"
+    )
+    # padding lookups constant as in reverse mode
+    with forward_mode(_OPERATION, advice), math_attention(), padding_as_constant():
+        for block in range((d + BLOCK - 1) // BLOCK):
+            start, stop = block * BLOCK, min(d, (block + 1) * BLOCK)
+            tangents = {name: t[: stop - start] for name, t in _tangents(problem, seed, block).items()}
+            for i in range(0, n, chunk):
+                xb = take(xt, i, i + chunk)
+                # (cols, n_chunk, k) -> (n_chunk, k, cols)
+                phi[i : i + chunk, :, start:stop] = vmap(columns, in_dims=(0, None))(tangents, xb).permute(1, 2, 0)
     return phi
 
 

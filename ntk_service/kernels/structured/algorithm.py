@@ -32,7 +32,8 @@ import math
 
 import torch
 
-from ntk_service.kernels.family.groups import ParameterGroups
+from ntk_service.kernels.algorithm import GroupKernels, JointPass
+from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.batch import Batch, batch_size, concat, take
 from ntk_service.kernels.problem.math_attention import attention_scope
@@ -87,7 +88,7 @@ def structured_terms(
 
 
 class Structured:
-    """The NtkAlgorithm of structured derivatives (see the module docstring).
+    """The NtkAlgorithm of structured derivatives (see the module docstring); it has both optional capabilities.
 
     Args:
         options: the engine's fast paths and testing knobs, as data (``StructuredOptions``). Default: all on.
@@ -98,6 +99,14 @@ class Structured:
 
     def __init__(self, options: StructuredOptions | None = None) -> None:
         self.options = StructuredOptions() if options is None else options
+
+    @property
+    def joint_pass(self) -> JointPass:
+        return self
+
+    @property
+    def group_kernels(self) -> GroupKernels:
+        return self
 
     def terms(self, problem: NtkProblem, example: Batch | None = None) -> StructuredTerms:
         """The plan kept on ``problem`` for these options; analysed on first use (``analysis.analyze``)."""
@@ -128,6 +137,10 @@ class Structured:
         n = batch_size(x1)
         side = self.left(problem, concat(x1, x2))
         return side.sliced(0, n), side.sliced(n, None)
+
+    def joint_pays(self, problem: NtkProblem, n: int, m: int) -> bool:
+        """Always, where it fits the budget (NOTE [joint pass])."""
+        return True
 
     def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:
         if mode is KernelMode.FULL:
@@ -203,7 +216,7 @@ class Structured:
         groups: ParameterGroups,
     ) -> torch.Tensor:
         """One block per parameter group, (G, *block): each term into its group's accumulator (NOTE [group
-        kernels] in family/groups.py); in FULL each group's last plain factored term rides along in the pass that writes
+        kernels] in groups.py); in FULL each group's last plain factored term rides along in the pass that writes
         its block (``fused_finish``, as ``pair`` does), so G groups cost G result-sized writes, not 2·G."""
         terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
         factored: list[list[tuple[FactorSide, FactorSide, bool, bool]]] = [[] for _ in groups.names]

@@ -3,6 +3,7 @@
 
 import * as api from "./api.js";
 import * as fmt from "./format.js";
+import { MODES } from "./modes.js";
 import * as plots from "./plots.js";
 import * as views from "./views.js";
 
@@ -14,6 +15,12 @@ const REFRESH_MS = 10_000;
 // Lanczos reads the whole stored kernel (several passes) and holds a compute slot meanwhile.
 const AUTO_SPECTRUM_SIDE = 4096;
 const HEATMAP_SIDE = 48; // rows (and columns) of the drawn matrix at most: 48 examples of a trace kernel, 48/k of a full one
+
+// The modes whose kernel is a matrix (a spectrum and a heatmap are defined for them), and the outputs per example
+// row of such a matrix: k where each entry is a k × k block, else 1.
+const MATRIX_MODES = Object.keys(MODES).filter((name) => MODES[name].matrix);
+const isMatrix = (job) => MODES[job.mode]?.matrix === true;
+const outputsPerRow = (job) => (MODES[job.mode].outputs === "all" ? job.result_shape[job.result_shape.length - 1] : 1);
 
 const state = {
   access: { scope: null, open: false, canWrite: false, keyId: null },
@@ -296,11 +303,11 @@ function publish(id, job, blob, alt, caption) {
 }
 
 function drawSpectrum(job) {
-  if (!["full", "trace"].includes(job.mode)) {
-    views.figureError("spectrum-figure", `A spectrum needs a full or trace kernel; this job stored ${job.mode}.`);
+  if (!isMatrix(job)) {
+    views.figureError("spectrum-figure", `A spectrum needs a ${MATRIX_MODES.join(" or ")} kernel; this job stored ${job.mode}.`);
     return;
   }
-  const side = job.result_shape[0] * (job.mode === "full" ? job.result_shape[2] : 1);
+  const side = job.result_shape[0] * outputsPerRow(job);
   if (side <= AUTO_SPECTRUM_SIDE) {
     computeSpectrum(job);
     return;
@@ -333,12 +340,12 @@ async function computeSpectrum(job) {
 }
 
 async function drawHeatmap(job) {
-  if (!["full", "trace"].includes(job.mode)) {
-    views.figureError("heatmap-figure", `A heatmap needs a full or trace kernel; this job stored ${job.mode}.`);
+  if (!isMatrix(job)) {
+    views.figureError("heatmap-figure", `A heatmap needs a ${MATRIX_MODES.join(" or ")} kernel; this job stored ${job.mode}.`);
     return;
   }
   const [n, m] = job.result_shape;
-  const k = job.mode === "full" ? job.result_shape[2] : 1;
+  const k = outputsPerRow(job);
   const rows = Math.min(n, Math.max(1, Math.floor(HEATMAP_SIDE / k)));
   const cols = Math.min(m, Math.max(1, Math.floor(HEATMAP_SIDE / k)));
   try {

@@ -2,7 +2,8 @@
 built at install time) that shows the models, data sets and jobs through the same API, under the same keys.
 
     GET /                      the page (Content-Security-Policy: scripts, styles and requests only from here)
-    GET /console/{asset}       its stylesheet and scripts, from a fixed table (never a path the client chose)
+    GET /console/{asset}       its stylesheet and scripts, from a fixed table (never a path the client chose);
+                               ``modes.js`` is made from the table of modes (``ntk_service.vocabulary.MODES``)
     GET /v1/whoami             the caller's scope (read key: the page disables what would change something)
 
 The page and its assets carry no data, so they need no key (a browser cannot send a header when it navigates):
@@ -12,6 +13,8 @@ the page asks for a key when the API answers 401, keeps it in ``sessionStorage``
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from importlib.resources import files
 from typing import Annotated, Literal
 
@@ -23,8 +26,9 @@ from ntk_service.errors import NotFound
 from ntk_service.server.auth import KeyRing
 from ntk_service.server.deps import ReadAccess
 from ntk_service.server.media import json_response
+from ntk_service.vocabulary import MODES
 
-__all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "WhoAmIPublic", "console_file", "router"]
+__all__ = ["ASSETS", "CONTENT_SECURITY_POLICY", "GENERATED", "WhoAmIPublic", "console_file", "modes_js", "router"]
 
 router = APIRouter(tags=["console"])
 
@@ -57,8 +61,24 @@ ASSETS: dict[str, str] = {
     "format.js": "text/javascript; charset=utf-8",
     "plots.js": "text/javascript; charset=utf-8",
     "views.js": "text/javascript; charset=utf-8",
+    "modes.js": "text/javascript; charset=utf-8",
 }
 """Every file under ``/console/`` and its media type; anything else is 404."""
+
+
+def modes_js() -> bytes:
+    """``modes.js``: the table of modes as a JavaScript module, so the page reads what each mode is (its axes,
+    whether its kernel is a matrix) from the same table as the server, never from a list of its own."""
+    table = {
+        name: {"shape": spec.shape, "pairs": spec.pairs, "outputs": spec.outputs.value, "matrix": spec.is_matrix}
+        for name, spec in MODES.items()
+    }
+    header = "// Made by the server from ntk_service.vocabulary.MODES (not a file: never edit a copy of it).\n"
+    return (header + f"export const MODES = {json.dumps(table)};\n").encode()
+
+
+GENERATED: dict[str, Callable[[], bytes]] = {"modes.js": modes_js}
+"""The assets made by the server rather than read from the package."""
 
 _PAGE = "index.html"
 
@@ -77,6 +97,8 @@ def console_file(name: str) -> bytes:
     """
     if name != _PAGE and name not in ASSETS:
         raise _unknown(name)
+    if name in GENERATED:
+        return GENERATED[name]()
     return (files("ntk_service.server") / "console" / name).read_bytes()
 
 

@@ -425,9 +425,10 @@ async def job_result(
         record, array = manager.open_result(job_id)
         spec = record.spec
         r = parse_range(rows, spec.n, axis="rows")
-        if spec.mode == KernelMode.EXAMPLE_DIAGONAL and cols is not None:
-            raise InvalidInput("job result: mode 'example_diagonal' has no column axis; omit cols")
-        c = None if spec.mode == KernelMode.EXAMPLE_DIAGONAL else parse_range(cols, spec.m, axis="cols")
+        pairs = KernelMode(spec.mode).spec.pairs
+        if not pairs and cols is not None:
+            raise InvalidInput(f"job result: mode {spec.mode!r} has no column axis; omit cols")
+        c = parse_range(cols, spec.m, axis="cols") if pairs else None
         shape = list(record.result_shape)
         shape[0] = r[1] - r[0]
         if c is not None:

@@ -69,8 +69,8 @@ async def solve(name: NamePath, request: Request, _: ReadAccess, ctx: ComputeCon
         if raw.get("x_test") is not None:
             test = load_side(parse_side(raw["x_test"], side="x_test", operation=operation), record, ctx.datasets,
                              side="x_test", operation=operation)  # fmt: skip
-        n, k = int(train.array.shape[0]), int(record.output_dim)
-        m = 0 if test is None else int(test.array.shape[0])
+        n, k = train.n, int(record.output_dim)
+        m = 0 if test is None else test.n
         check_targets(y, n=n, k=k, name="y_train")
         vectors = _CG_VECTORS + (min(body.landmarks or 0, n * k) if body.preconditioner == "nystrom" else 0)
         check_budget(

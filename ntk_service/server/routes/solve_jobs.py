@@ -220,7 +220,7 @@ async def list_solve_jobs(_: ReadAccess, jobs: SolveJobsDep) -> Response:
     return collection_response(await anyio.to_thread.run_sync(jobs.list, "solve"))
 
 
-_NOT_FOUND = {404: {"description": "No solve job with this id."}}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No solve job with this id."}}
 
 
 @router.get("/{job_id}", summary="A solve job and its progress", responses=_NOT_FOUND)
