@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 PACKAGE_LAYERS: dict[str, tuple[str, ...]] = {
     "errors": (),
     "_tensors": (),  # is_torch_tensor without importing torch
-    "root": ("errors",),  # ntk_service/__init__.py: __version__; Client is a lazy re-export (__getattr__)
+    "_openmp": (),  # the OpenMP wait policy, set before anything imports torch
+    "root": ("errors", "_openmp"),  # ntk_service/__init__.py: __version__; Client is a lazy re-export (__getattr__)
     "vocabulary": ("errors",),  # torch-free words shared by every layer: modes, implementations
     "wire": ("errors",),
     "config": ("errors",),
