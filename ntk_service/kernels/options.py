@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -114,6 +115,49 @@ class NtkOptions:
             fields = [f.name for f in dataclasses.fields(self)]
             raise InvalidInput(f"NtkOptions.replace: unknown fields {unknown}; the fields are {fields}")
         return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        """These options as plain JSON values: ``NtkOptions.from_json`` inverts it (job records store it).
+
+        ``structured`` lists only the switches that differ from ``StructuredOptions()``.
+        """
+        default = StructuredOptions()
+        return {
+            "implementation": self.implementation.value,
+            "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "device": None if self.device is None else str(self.device),
+            "allow_tf32": self.allow_tf32,
+            "structured": {
+                f.name: getattr(self.structured, f.name)
+                for f in dataclasses.fields(StructuredOptions)
+                if getattr(self.structured, f.name) != getattr(default, f.name)
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> NtkOptions:
+        """The options ``to_json`` wrote (fields left out take their defaults).
+
+        Raises:
+            InvalidInput: a key that is not a field, or a value the constructor refuses (a device this machine
+                does not have included).
+        """
+        if not isinstance(data, Mapping):
+            raise InvalidInput(f"NtkOptions.from_json: expected an object of fields, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise InvalidInput(f"NtkOptions.from_json: unknown fields {unknown}; the fields are {names}")
+        fields = dict(data)
+        switches = fields.pop("structured", None) or {}
+        known = {f.name for f in dataclasses.fields(StructuredOptions)}
+        if not isinstance(switches, Mapping) or set(switches) - known:
+            raise InvalidInput(
+                f"NtkOptions.from_json: structured must be an object of StructuredOptions fields {sorted(known)}, "
+                f"got {switches!r}"[:300]
+            )
+        return cls(**fields, structured=StructuredOptions(**switches))
 
 
 def _parse_dtype(dtype: object) -> torch.dtype | None:
