@@ -15,10 +15,13 @@ What it counts, per request:
   from the route handler's first entry to its last return (dependencies and middleware excluded); "request" is
   all of it.
   **module changes** = len(walk) - 1; **re-entries of server/kernel_inputs.py** = how many times the walk
-  enters it.
-- **mode checks**: calls that parse or validate ``mode``: ``parse_any_mode`` / ``parse_mode``, a ``KernelMode``
-  / ``DerivedMode`` built from a value that is not already a member (outside those two), pydantic
-  ``model_validate`` of data holding ``mode``, FastAPI's validation of a ``mode`` query parameter.
+  enters it; **request-path helper entries** = the same for kernel_inputs.py, reading.py and computing.py
+  together (the first before issue 40, the other two after).
+- **route steps**: how many times the walk leaves the route's module for another (the route's own calls out).
+- **mode checks**: calls that parse or validate ``mode``: ``parse_any_mode`` / ``parse_mode`` /
+  ``parse_kernel_mode``, a ``KernelMode`` / ``DerivedMode`` built from a value that is not already a member
+  (outside those parsers), pydantic ``model_validate`` of data holding ``mode``, FastAPI's validation of a ``mode``
+  query parameter.
 - **output checks**: calls of ``check_output`` and ``parse_output`` (``output`` is not sent; both run anyway).
 - **record reads**: calls of ``ModelRegistry.get``.
 - **thread hops**: calls of ``anyio.to_thread.run_sync`` (starlette's ``run_in_threadpool`` goes through it).
@@ -60,8 +63,11 @@ from ntk_service.server.app import create_app  # noqa: E402
 PACKAGE = str(Path(ntk_service.__file__).resolve().parent) + "/"
 MODEL = {"family": "mlp", "input_dim": 4, "hidden": [8], "output_dim": 3, "activation": "tanh"}
 MODE_CLASSES = (KernelMode, DerivedMode)
-MODE_PARSERS = ("parse_any_mode", "parse_mode")
+MODE_PARSERS = ("parse_any_mode", "parse_mode", "parse_kernel_mode")
 OUTPUT_CHECKS = ("check_output", "parse_output")
+ROUTE = "server/routes/kernels.py"
+REQUEST_PATH = ("server/kernel_inputs.py", "server/reading.py", "server/computing.py")
+"""The server's request-path helpers: kernel_inputs.py before issue 40, reading.py and computing.py after."""
 
 
 def _module(code: types.CodeType) -> str | None:
@@ -193,6 +199,9 @@ def _summary(trace: Trace) -> dict[str, Any]:
             "module_changes": max(len(collapsed) - 1, 0),
             "modules": len(set(collapsed)),
             "kernel_inputs_entries": sum(1 for m in collapsed if m == "server/kernel_inputs.py"),
+            "request_path_entries": sum(1 for m in collapsed if m in REQUEST_PATH),
+            "route_steps": sum(1 for a, b in zip(collapsed, collapsed[1:], strict=False) if a == ROUTE and b != ROUTE),
+            "entries": dict(Counter(collapsed).most_common()),
             "walk": collapsed,
         }
 
@@ -279,17 +288,20 @@ def main() -> None:
         ("module changes (route scope)", lambda r: r["route scope"]["module_changes"]),
         ("distinct modules (route scope)", lambda r: r["route scope"]["modules"]),
         ("kernel_inputs.py entries (route scope)", lambda r: r["route scope"]["kernel_inputs_entries"]),
+        ("request-path helper entries (route scope)", lambda r: r["route scope"]["request_path_entries"]),
+        ("route steps (calls out of the route module)", lambda r: r["route scope"]["route_steps"]),
         ("mode checks", lambda r: r["mode_checks"]),
         ("output checks", lambda r: r["output_checks"]),
         ("model record reads", lambda r: r["record_reads"]),
         ("thread hops", lambda r: r["thread_hops"]),
     ]
-    print(f"{'':40s} {'json':>6s} {'binary':>6s}")
+    print(f"{'':44s} {'json':>6s} {'binary':>6s}")
     for label, get in rows:
-        print(f"{label:40s} {get(result['json']):>6} {get(result['binary']):>6}")
+        print(f"{label:44s} {get(result['json']):>6} {get(result['binary']):>6}")
     for kind in ("json", "binary"):
         print(f"\n{kind}: mode checks {result[kind]['mode_checks_by_site']}")
         print(f"{kind}: output checks {result[kind]['output_checks_by_site']}")
+        print(f"{kind}: entries per module (route scope) {result[kind]['route scope']['entries']}")
         if args.walk:
             print(f"{kind}: walk (route scope): " + " -> ".join(result[kind]["route scope"]["walk"]))
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
 from ntk_service.errors import InvalidInput, NoMatchingParameters, NtkServiceError, UnknownMode
@@ -32,6 +33,7 @@ from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.problem.outputs import OutputPath, parse_output
 
 __all__ = [
+    "MODES_BY_VALUE",
     "MODULE_GROUPS",
     "SPEC_KEYWORDS",
     "Groups",
@@ -48,8 +50,10 @@ MODULE_GROUPS = "modules"
 Groups = Literal["modules"] | tuple[tuple[str, tuple[str, ...]], ...]
 """``KernelSpec.groups`` once normalised: "modules", or (name, globs) pairs in the order given."""
 
-_MODES: dict[str, KernelMode | DerivedMode] = {m.value: m for m in (*KernelMode, *DerivedMode)}
-"""Every mode by its wire value."""
+MODES_BY_VALUE: Mapping[str, KernelMode | DerivedMode] = MappingProxyType(
+    {m.value: m for m in (*KernelMode, *DerivedMode)}
+)
+"""Every mode by its wire value: the enum of a value a schema has validated already is a lookup here."""
 
 SPEC_KEYWORDS = ("mode", "params", "output", "groups", "rest", "layer")
 """The keywords of the public functions that are shorthands for ``KernelSpec`` fields (NOTE [loose keywords])."""
@@ -63,9 +67,9 @@ def parse_kernel_mode(mode: object) -> KernelMode | DerivedMode:
     """
     if isinstance(mode, KernelMode | DerivedMode):
         return mode
-    found = _MODES.get(mode) if isinstance(mode, str) else None
+    found = MODES_BY_VALUE.get(mode) if isinstance(mode, str) else None
     if found is None:
-        valid = ", ".join(repr(value) for value in _MODES)
+        valid = ", ".join(repr(value) for value in MODES_BY_VALUE)
         raise UnknownMode(f"unknown mode {mode!r}; expected one of {valid}")
     return found
 
@@ -142,7 +146,7 @@ class KernelSpec:
     """
 
     mode: KernelMode | DerivedMode = KernelMode.FULL
-    params: tuple[str, ...] | None = None
+    params: Sequence[str] | None = None  # a tuple once built
     output: str | None = None
     groups: Groups | None = None
     rest: bool = False
@@ -151,7 +155,8 @@ class KernelSpec:
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # normalised once here: every reader sees enums, tuples and a parsed path
-        set_field(self, "mode", parse_kernel_mode(self.mode))
+        if not isinstance(self.mode, KernelMode | DerivedMode):  # a member is normal already
+            set_field(self, "mode", parse_kernel_mode(self.mode))
         set_field(self, "params", _globs(self.params))
         if self.output is not None and not isinstance(self.output, str):
             raise InvalidInput(f"output must be a string path like 'logits[:, 0]', got {type(self.output).__name__}")

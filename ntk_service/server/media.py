@@ -29,6 +29,7 @@ from ntk_service.server.error_responses import error_response
 
 __all__ = [
     "BINARY_TENSOR_TYPES",
+    "MIN_JSON_BYTES_PER_VALUE",
     "BodyLimitMiddleware",
     "collection_response",
     "encode_theta",
@@ -42,6 +43,10 @@ __all__ = [
     "read_tensors",
     "require_content_type",
 ]
+
+MIN_JSON_BYTES_PER_VALUE = 4
+"""The shortest a float can be in JSON data ("0.0,"): an answer whose value count times this exceeds the JSON cap
+is refused before computing; otherwise the encoded length decides."""
 
 BINARY_TENSOR_TYPES = (wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
 """Binary media types a tensor body or response may use."""

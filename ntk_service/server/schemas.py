@@ -8,10 +8,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PlainValidator,
+    StrictInt,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+)
 
 from ntk_service.errors import InvalidInput, MalformedRequest
 from ntk_service.kernels.family.monte_carlo import MAX_MONTE_CARLO_SEEDS
+from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.spec import MODES_BY_VALUE
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.architectures import ArchitectureSpec
 from ntk_service.registry.store import MAX_LABEL_LENGTH
@@ -37,6 +49,7 @@ __all__ = [
     "KernelOptions",
     "KernelPublic",
     "KernelGroups",
+    "KernelModeField",
     "KernelModeValue",
     "KernelRequest",
     "LayerName",
@@ -65,6 +78,17 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 KernelModeValue = Literal["full", "trace", "example_diagonal", "output_diagonal", "pseudo"]
 """The wire values of KernelMode and DerivedMode as one Literal, so a bad mode gets one plain message
 ("mode: Input should be 'full', 'trace', ..."), not one per enum of a union (tested against the enums)."""
+
+_MODE_VALUE: TypeAdapter[KernelModeValue] = TypeAdapter(KernelModeValue)
+
+
+def _mode(value: Any) -> KernelMode | DerivedMode:
+    return MODES_BY_VALUE[_MODE_VALUE.validate_python(value)]
+
+
+KernelModeField = Annotated[KernelMode | DerivedMode, PlainValidator(_mode, json_schema_input_type=KernelModeValue)]
+"""A request's ``mode``: validated once as ``KernelModeValue`` (its schema, its one-line message), and held as the
+enum of that value (a lookup), so nothing downstream parses it again."""
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
@@ -158,8 +182,8 @@ class KernelOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: KernelModeValue = Field(
-        default="full",
+    mode: KernelModeField = Field(
+        default=KernelMode.FULL,
         description="full (N,M,k,k) | trace (N,M) | example_diagonal (N,k,k) | output_diagonal (N,M,k) | "
         "pseudo (N,M): (1/k) Σ_ab Θ_ab.",
     )
@@ -328,7 +352,7 @@ class NngpOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: KernelModeValue = Field(default="full", description="As for /ntk, with d features for k.")
+    mode: KernelModeField = Field(default=KernelMode.FULL, description="As for /ntk, with d features for k.")
     layer: LayerName | None = Field(
         default=None, description="A module name: its output's features. null = the outputs."
     )
@@ -368,7 +392,7 @@ class MonteCarloOptions(BaseModel):
     # strict: JSON true / "7" / 7.0 are not seeds (lax pydantic would turn true into 1, "7" into 7)
     seeds: MonteCarloSeeds = Field(description=f"Distinct seeds, one network each (1 to {MAX_MONTE_CARLO_SEEDS}).")
     kernel: Literal["ntk", "nngp"] = Field(default="ntk", description="The kernel averaged.")
-    mode: KernelModeValue = Field(default="full", description="As for /ntk.")
+    mode: KernelModeField = Field(default=KernelMode.FULL, description="As for /ntk.")
     layer: LayerName | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
     params: Globs | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
     dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)

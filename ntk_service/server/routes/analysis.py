@@ -22,10 +22,11 @@ from ntk_service import analysis, wire
 from ntk_service.analysis.cross_entropy import check_cross_entropy_plan, class_indices
 from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
-from ntk_service.kernels import NtkResult, ntk_operator
-from ntk_service.kernels.modes import parse_any_mode
-from ntk_service.kernels.problem.outputs import parse_output, select_output
+from ntk_service.kernels import KernelSpec, NtkResult, ntk_operator
+from ntk_service.kernels.problem.outputs import OutputPath, select_output
+from ntk_service.kernels.spec import SpecKeywords, resolve_spec
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
+from ntk_service.registry.input_contract import check_output, output_size
 from ntk_service.server.analysis_schemas import (
     AnalysisKernelOptions,
     CompareOptions,
@@ -38,25 +39,21 @@ from ntk_service.server.analysis_schemas import (
     json_float,
     spectrum_fields,
 )
-from ntk_service.server.deps import ReadAccess
-from ntk_service.server.kernel_inputs import (
-    MIN_JSON_BYTES_PER_VALUE,
+from ntk_service.server.computing import (
     ComputeContext,
     ComputeContextDep,
-    KernelCall,
     KernelInput,
     answer_json,
     check_budget,
-    engine_options,
     load_side,
-    output_size,
-    parse_side,
-    read_object,
     run_kernel,
     run_model,
 )
+from ntk_service.server.deps import ReadAccess
+from ntk_service.server.media import MIN_JSON_BYTES_PER_VALUE
 from ntk_service.server.params import NamePath
-from ntk_service.server.schemas import KernelOptions, openapi_body, validate_body
+from ntk_service.server.reading import engine_options, parse_side, read_object
+from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = ["router"]
 
@@ -85,14 +82,11 @@ def _side(raw: Any, label: str, record: ModelRecord, datasets: DatasetStore, ope
     return load_side(parsed, record, datasets, side=label, operation=operation)
 
 
-def _kernel_options(options: AnalysisKernelOptions | CompareOptions, version: int | None) -> KernelOptions:
-    return KernelOptions(
-        mode=options.mode,  # "full" | "trace", wire values of KernelMode
-        implementation=options.implementation,
-        params=options.params,
-        dtype="float64",
-        version=version,
-        output=getattr(options, "output", None),  # compare's records all return one tensor
+def _kernel_spec(options: AnalysisKernelOptions | CompareOptions, *, operation: str) -> KernelSpec:
+    """What an analysis's kernel is: the request's mode ("full" | "trace"), params and output."""
+    output = getattr(options, "output", None)  # compare's records all return one tensor
+    return resolve_spec(
+        None, SpecKeywords(mode=options.mode, params=options.params, output=output), operation=operation
     )
 
 
@@ -101,24 +95,23 @@ def _theta(
     module: torch.nn.Module,
     x1: KernelInput,
     x2: KernelInput | None,
-    options: KernelOptions,
+    options: AnalysisKernelOptions | CompareOptions,
     *,
     record: ModelRecord,
     operation: str,
 ) -> np.ndarray:
     """Θ(x1, x2) of ``record`` in float64 through the engine path of ``/ntk`` (side cache, memory budget), on the
     CPU without TF32 (the analyses' float64 linear algebra runs there)."""
-    call = KernelCall(x1.array, None if x2 is None else x2.array, options, parse_any_mode(options.mode))
-    engine = engine_options(options, ctx.settings).replace(device="cpu", allow_tf32=False)
-    result, _ = run_kernel(
-        module, x1, x2, call, record=record, options=engine, side_cache=ctx.side_cache, operation=operation
-    )
+    how = engine_options(ctx.settings, implementation=options.implementation, dtype="float64")
+    how = how.replace(device="cpu", allow_tf32=False)
+    spec = _kernel_spec(options, operation=operation)
+    result, _ = run_kernel(module, x1, x2, spec, how, record=record, side_cache=ctx.side_cache, operation=operation)
     assert isinstance(result, NtkResult)  # no groups in an analysis
     return np.asarray(result.theta.detach().cpu().numpy(), dtype=np.float64)
 
 
 def _forward64(
-    module: torch.nn.Module, x: KernelInput, record: ModelRecord, output: str | None, *, operation: str
+    module: torch.nn.Module, x: KernelInput, record: ModelRecord, output: OutputPath | None, *, operation: str
 ) -> np.ndarray:
     """f(x) in float64, (N, k), without touching the shared module (float copies of its tensors); ``output``
     selects f from a dict output (``select_output``)."""
@@ -137,7 +130,7 @@ def _forward64(
     else:
         args, kwargs = tuple(f64(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,))), {}
     with torch.no_grad():
-        out = select_output(functional_call(module, tensors, args, kwargs), parse_output(output, operation), operation)
+        out = select_output(functional_call(module, tensors, args, kwargs), output, operation)
     return np.asarray(out.reshape(x.n, -1).numpy(), dtype=np.float64)
 
 
@@ -161,14 +154,16 @@ async def predict(
         )
     options = validate_body(PredictOptions, rest, operation=operation)
     y_train = wire.tensor_from_json(raw["y_train"], name="y_train")
+    path = _kernel_spec(options, operation=operation).output_path
 
     settings = ctx.settings
 
     def prepare() -> tuple[ModelRecord, KernelInput, KernelInput | None]:
         record = ctx.registry.get(name, options.version)
+        check_output(options.output, record, operation=operation)
         train = _side(raw["x_train"], "x_train", record, ctx.datasets, operation)
         test = _side(raw["x_test"], "x_test", record, ctx.datasets, operation) if "x_test" in raw else None
-        n, k = train.n, output_size(options.output, record, operation=operation)
+        n, k = train.n, output_size(path, record, operation=operation)
         m = 0 if test is None else test.n
         if options.loss == "cross_entropy":  # class indices, checked before any kernel is computed
             class_indices(y_train, n=n, k=k, name="y_train", operation=operation)
@@ -199,17 +194,16 @@ async def predict(
         return record, train, test
 
     record, train, test = await anyio.to_thread.run_sync(prepare)
-    kernel_options = _kernel_options(options, record.version)
 
     def run() -> dict[str, Any]:
-        _, module = ctx.registry.load_module(record.name, record.version)
+        module = ctx.registry.module(record)
         start = time.perf_counter()
-        theta = _theta(ctx, module, train, None, kernel_options, record=record, operation=operation)
+        theta = _theta(ctx, module, train, None, options, record=record, operation=operation)
         theta_test = None
         if test is not None:
-            theta_test = _theta(ctx, module, test, train, kernel_options, record=record, operation=operation)
-        f0_train = _forward64(module, train, record, options.output, operation=operation)
-        f0_test = None if test is None else _forward64(module, test, record, options.output, operation=operation)
+            theta_test = _theta(ctx, module, test, train, options, record=record, operation=operation)
+        f0_train = _forward64(module, train, record, path, operation=operation)
+        f0_test = None if test is None else _forward64(module, test, record, path, operation=operation)
         kernel_s = time.perf_counter() - start
         start = time.perf_counter()
         out = analysis.linearized_predictions(
@@ -274,10 +268,13 @@ async def kernel_spectrum(
 
     settings = ctx.settings
 
+    spec = _kernel_spec(options, operation=operation)
+
     def prepare() -> tuple[ModelRecord, KernelInput]:
         record = ctx.registry.get(name, options.version)
+        check_output(options.output, record, operation=operation)
         x = _side(raw["x"], "x", record, ctx.datasets, operation)
-        size = x.n * (output_size(options.output, record, operation=operation) if options.mode == "full" else 1)
+        size = x.n * (output_size(spec.output_path, record, operation=operation) if options.mode == "full" else 1)
         if options.method == "operator":  # the operator's own plan is checked when it is built
             assert options.top is not None
             if options.top >= size:
@@ -304,29 +301,20 @@ async def kernel_spectrum(
     record, x = await anyio.to_thread.run_sync(prepare)
 
     def run() -> dict[str, Any]:
-        _, module = ctx.registry.load_module(record.name, record.version)
+        module = ctx.registry.module(record)
         start = time.perf_counter()
         if options.method == "operator":
 
             def matrix_free() -> analysis.Spectrum:
                 # float64 products, as the dense path's float64 kernel; the Lanczos steps are all the cost
-                op = ntk_operator(
-                    module,
-                    x.to_torch(record),
-                    mode=options.mode,
-                    params=options.params,
-                    output=options.output,
-                    dtype="float64",
-                    memory_budget_bytes=settings.memory_budget_bytes,
-                )
+                how = engine_options(settings, dtype="float64").replace(device=None)  # where the module is
+                op = ntk_operator(module, x.to_torch(record), spec=spec, options=how)
                 return analysis.spectrum(op, top=options.top)
 
             s, _ = run_model(matrix_free, record=record, operation=operation)
             kernel_s = 0.0  # never formed
         else:
-            theta = _theta(
-                ctx, module, x, None, _kernel_options(options, record.version), record=record, operation=operation
-            )
+            theta = _theta(ctx, module, x, None, options, record=record, operation=operation)
             kernel_s = time.perf_counter() - start
             start = time.perf_counter()
             s = analysis.spectrum(theta, top=options.top, method=options.method)
@@ -425,9 +413,8 @@ async def compare(
         start = time.perf_counter()
         kernels = []
         for record in records:
-            _, module = ctx.registry.load_module(record.name, record.version)
-            options_v = _kernel_options(options, record.version)
-            kernels.append(_theta(ctx, module, _rekey(x, record), None, options_v, record=record, operation=operation))
+            module = ctx.registry.module(record)
+            kernels.append(_theta(ctx, module, _rekey(x, record), None, options, record=record, operation=operation))
         kernel_s = time.perf_counter() - start
         start = time.perf_counter()
         count = len(kernels)

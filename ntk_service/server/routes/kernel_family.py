@@ -18,23 +18,16 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, UnsupportedModel, format_bytes
-from ntk_service.kernels import compute_nngp, monte_carlo_ntk, ntk_operator
+from ntk_service.kernels import KernelSpec, compute_nngp, monte_carlo_ntk, ntk_operator
+from ntk_service.kernels.spec import MODES_BY_VALUE
 from ntk_service.registry import ModelRecord
 from ntk_service.registry.exported import EXPORTED_FAMILY
 from ntk_service.registry.zoo import build_model
+from ntk_service.server.computing import ComputeContext, ComputeContextDep, KernelInput, load_sides, run_model
 from ntk_service.server.deps import ReadAccess
-from ntk_service.server.kernel_inputs import (
-    ComputeContext,
-    ComputeContextDep,
-    KernelInput,
-    check_output,
-    load_sides,
-    parse_sides,
-    read_object,
-    run_model,
-)
 from ntk_service.server.media import json_too_large, negotiate
 from ntk_service.server.params import NamePath
+from ntk_service.server.reading import engine_options, parse_sides, read_object
 from ntk_service.server.schemas import (
     MatvecOptions,
     MatvecPublic,
@@ -81,7 +74,8 @@ async def _begin(
     extra: tuple[str, ...] = (),
 ) -> _Call[OptionsT]:
     """Read x1, x2, the tensors named in ``extra`` and the options from the JSON body, negotiate the answer type,
-    then load the model record and both sides and check them against the model (in a worker thread)."""
+    then read the model record and load both sides, checked against the model and ``output`` against its outputs
+    (in a worker thread)."""
     data = await read_object(request, operation=operation, expected=" with x1 (and x2, ...)")
     for key in ("x1", *extra):
         if key not in data:
@@ -92,7 +86,8 @@ async def _begin(
         request, raw["x1"], raw.get("x2"), operation=operation, extra={key: raw[key] for key in extra}
     )
     media = negotiate(request, RESPONSE_TYPES, operation=operation)
-    record, first, second = await load_sides(ctx, name, options.version, x1, x2, operation=operation)
+    output = getattr(options, "output", None)  # the Monte Carlo options have none
+    record, first, second = await load_sides(ctx, name, options.version, x1, x2, output=output, operation=operation)
     return _Call(record, first, second, tensors, options, media)
 
 
@@ -160,22 +155,14 @@ async def nngp(
     call = await _begin(request, ctx, name, NngpOptions, operation=operation)
     record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
     _check_exported(record, layer=options.layer, monte_carlo=False, operation=operation)
-    check_output(options.output, record, operation=operation)
+    spec = KernelSpec(mode=options.mode, layer=options.layer, output=options.output)
+    how = engine_options(settings, dtype=options.dtype)
 
     def run() -> Response:
-        _, module = ctx.registry.load_module(record.name, record.version)
+        module = ctx.registry.module(record)
 
         def call() -> Any:
-            return compute_nngp(
-                module,
-                x1.to_torch(record),
-                _array(x2, record),
-                layer=options.layer,
-                mode=options.mode,
-                dtype=options.dtype,
-                memory_budget_bytes=settings.memory_budget_bytes,
-                output=options.output,
-            )
+            return compute_nngp(module, x1.to_torch(record), _array(x2, record), spec=spec, options=how)
 
         result, seconds = run_model(call, record=record, operation=operation)
         meta = {
@@ -214,6 +201,9 @@ async def monte_carlo(
     def build(seed: int) -> torch.nn.Module:
         return build_model(record.architecture, seed, allowed_factories=factories, operation=operation)[0]
 
+    spec = KernelSpec(mode=options.mode, params=options.params, layer=options.layer)
+    how = engine_options(settings, dtype=options.dtype).replace(device=None)  # computed where build puts them
+
     def run() -> Response:
         def call() -> Any:
             return monte_carlo_ntk(
@@ -221,12 +211,9 @@ async def monte_carlo(
                 x1.to_torch(record),
                 _array(x2, record),
                 seeds=options.seeds,
-                mode=options.mode,
                 kernel=options.kernel,
-                params=options.params,
-                layer=options.layer,
-                dtype=options.dtype,
-                memory_budget_bytes=settings.memory_budget_bytes,
+                spec=spec,
+                options=how,
             )
 
         result, seconds = run_model(call, record=record, operation=operation)
@@ -265,22 +252,14 @@ async def operator_matvec(
     call = await _begin(request, ctx, name, MatvecOptions, operation=operation, extra=("v",))
     record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
     v = torch.from_numpy(call.tensors["v"])
-    check_output(options.output, record, operation=operation)
+    spec = KernelSpec(mode=MODES_BY_VALUE[options.mode], params=options.params, output=options.output)
+    how = engine_options(settings, dtype=options.dtype)
 
     def run() -> Response:
-        _, module = ctx.registry.load_module(record.name, record.version)
+        module = ctx.registry.module(record)
 
         def call() -> torch.Tensor:
-            op = ntk_operator(
-                module,
-                x1.to_torch(record),
-                _array(x2, record),
-                mode=options.mode,
-                params=options.params,
-                dtype=options.dtype,
-                memory_budget_bytes=settings.memory_budget_bytes,
-                output=options.output,
-            )
+            op = ntk_operator(module, x1.to_torch(record), _array(x2, record), spec=spec, options=how)
             return op.rmatvec(v) if options.transpose else op.matvec(v)
 
         product, seconds = run_model(call, record=record, operation=operation)

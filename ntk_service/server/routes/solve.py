@@ -21,17 +21,10 @@ from ntk_service import wire
 from ntk_service.errors import InvalidInput
 from ntk_service.jobs.solve_job import SolveOptions, check_targets, run_solve
 from ntk_service.registry import ModelRecord
+from ntk_service.server.computing import ComputeContextDep, KernelInput, answer_json, check_budget, load_side
 from ntk_service.server.deps import ReadAccess
-from ntk_service.server.kernel_inputs import (
-    ComputeContextDep,
-    KernelInput,
-    answer_json,
-    check_budget,
-    load_side,
-    parse_side,
-    read_object,
-)
 from ntk_service.server.params import NamePath
+from ntk_service.server.reading import parse_side, read_object
 from ntk_service.server.routes.solve_jobs import SolveFields
 from ntk_service.server.schemas import openapi_body, validate_body
 
@@ -69,8 +62,8 @@ async def solve(name: NamePath, request: Request, _: ReadAccess, ctx: ComputeCon
         if raw.get("x_test") is not None:
             test = load_side(parse_side(raw["x_test"], side="x_test", operation=operation), record, ctx.datasets,
                              side="x_test", operation=operation)  # fmt: skip
-        n, k = int(train.array.shape[0]), int(record.output_dim)
-        m = 0 if test is None else int(test.array.shape[0])
+        n, k = train.n, int(record.output_dim)
+        m = 0 if test is None else test.n
         check_targets(y, n=n, k=k, name="y_train")
         vectors = _CG_VECTORS + (min(body.landmarks or 0, n * k) if body.preconditioner == "nystrom" else 0)
         check_budget(
