@@ -16,14 +16,11 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Request
 from starlette.responses import Response
-from torch.func import functional_call
 
 from ntk_service import analysis, wire
 from ntk_service.analysis.cross_entropy import check_cross_entropy_plan, class_indices
-from ntk_service.analysis.spectrum import DENSE_MAX_SIZE
 from ntk_service.errors import InvalidInput, PayloadTooLarge, ShapeMismatch, format_bytes
 from ntk_service.kernels import KernelSpec, NtkResult, ntk_operator
-from ntk_service.kernels.problem.outputs import OutputPath, select_output
 from ntk_service.kernels.spec import SpecKeywords, resolve_spec
 from ntk_service.registry import DatasetStore, ModelRecord, ModelRegistry
 from ntk_service.registry.input_contract import check_output, output_size
@@ -58,14 +55,6 @@ from ntk_service.server.schemas import openapi_body, validate_body
 __all__ = ["router"]
 
 router = APIRouter(tags=["analysis"])
-
-_PREDICT_COPIES = 5
-"""n×n float64 arrays alive at the peak of /predict: the engine's kernel, the analysis's matrix, and eigh's copy,
-eigenvectors and workspace (LAPACK's divide and conquer needs ~2·n² more); Θ(test, train) counts twice (the
-engine's and the matrix)."""
-
-_SPECTRUM_COPIES = {"eigh": 3, "lanczos": 2}
-"""n×n float64 arrays alive in /spectrum: the engine's kernel and the matrix, plus eigvalsh's copy for eigh."""
 
 
 async def _read(request: Request, tensors: tuple[str, ...], *, operation: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -110,30 +99,6 @@ def _theta(
     return np.asarray(result.theta.detach().cpu().numpy(), dtype=np.float64)
 
 
-def _forward64(
-    module: torch.nn.Module, x: KernelInput, record: ModelRecord, output: OutputPath | None, *, operation: str
-) -> np.ndarray:
-    """f(x) in float64, (N, k), without touching the shared module (float copies of its tensors); ``output``
-    selects f from a dict output (``select_output``)."""
-    tensors = {
-        name: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
-        for name, t in [*module.named_parameters(), *module.named_buffers()]
-    }
-    inputs = x.to_torch(record)
-
-    def f64(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float64) if t.is_floating_point() else t
-
-    if isinstance(inputs, dict):
-        args: tuple[Any, ...] = ()
-        kwargs = {key: f64(t) for key, t in inputs.items()}
-    else:
-        args, kwargs = tuple(f64(t) for t in (inputs if isinstance(inputs, tuple) else (inputs,))), {}
-    with torch.no_grad():
-        out = select_output(functional_call(module, tensors, args, kwargs), output, operation)
-    return np.asarray(out.reshape(x.n, -1).numpy(), dtype=np.float64)
-
-
 @router.post(
     "/v1/models/{name}/predict",
     summary="Outputs of the linearized network trained by gradient flow / descent, at the given times",
@@ -175,8 +140,6 @@ async def predict(
                 f"{operation}: y_train has shape {y_train.shape}; x_train has {n} examples and model {name!r} "
                 f"{k} outputs, so send y_train of shape ({n}, {k})"
             )
-        size = n * k if options.mode == "full" else n
-        cross = m * k * n * k if options.mode == "full" else m * n
         values = (len(options.times) + 1) * (n + m) * k  # train/test at each time, plus f0
         if values * MIN_JSON_BYTES_PER_VALUE > settings.max_json_response_bytes:
             raise PayloadTooLarge(
@@ -185,8 +148,9 @@ async def predict(
                 f"{format_bytes(settings.max_json_response_bytes)} (NTK_MAX_JSON_RESPONSE_BYTES); ask for fewer "
                 "times or fewer examples per request"
             )
+        size = n * k if options.mode == "full" else n
         check_budget(
-            8 * (_PREDICT_COPIES * size * size + 2 * cross),
+            analysis.linearized_memory_bytes(n, m, k, full=options.mode == "full"),
             settings.memory_budget_bytes,
             what=f"the analysis of a {size}x{size} kernel",
             operation=operation,
@@ -202,8 +166,8 @@ async def predict(
         theta_test = None
         if test is not None:
             theta_test = _theta(ctx, module, test, train, options, record=record, operation=operation)
-        f0_train = _forward64(module, train, record, path, operation=operation)
-        f0_test = None if test is None else _forward64(module, test, record, path, operation=operation)
+        f0_train = analysis.outputs_float64(module, train.to_torch(record), output=path)
+        f0_test = None if test is None else analysis.outputs_float64(module, test.to_torch(record), output=path)
         kernel_s = time.perf_counter() - start
         start = time.perf_counter()
         out = analysis.linearized_predictions(
@@ -265,37 +229,27 @@ async def kernel_spectrum(
         raise InvalidInput(f"{operation}: ridges (effective_dof) need every eigenvalue; drop top or the ridges")
     if options.method == "operator" and options.top is None:
         raise InvalidInput(f"{operation}: method 'operator' finds the top eigenvalues only; give top (e.g. top=10)")
-
-    settings = ctx.settings
-
     spec = _kernel_spec(options, operation=operation)
+    settings = ctx.settings
 
     def prepare() -> tuple[ModelRecord, KernelInput]:
         record = ctx.registry.get(name, options.version)
         check_output(options.output, record, operation=operation)
         x = _side(raw["x"], "x", record, ctx.datasets, operation)
         size = x.n * (output_size(spec.output_path, record, operation=operation) if options.mode == "full" else 1)
-        if options.method == "operator":  # the operator's own plan is checked when it is built
-            assert options.top is not None
-            if options.top >= size:
-                raise InvalidInput(
-                    f"{operation}: top={options.top} must be below the kernel's size {size} for method 'operator'; "
-                    "for every eigenvalue use method 'eigh'"
-                )
-            check_budget(
-                8 * _lanczos_vectors(options.top, size) * size,
-                settings.memory_budget_bytes,
-                what=f"the Lanczos basis of a {size}x{size} operator",
-                operation=operation,
+        matrix_free = options.method == "operator"  # the operator's own plan is checked when it is built
+        if matrix_free and options.top is not None and options.top >= size:
+            raise InvalidInput(
+                f"{operation}: top={options.top} must be below the kernel's size {size} for method 'operator'; "
+                "for every eigenvalue use method 'eigh'"
             )
-            return record, x
-        dense = options.top is None or options.method == "eigh" or (options.method == "auto" and size <= DENSE_MAX_SIZE)
-        check_budget(
-            8 * _SPECTRUM_COPIES["eigh" if dense else "lanczos"] * size * size,
-            settings.memory_budget_bytes,
-            what=f"the spectrum of a {size}x{size} kernel",
-            operation=operation,
+        estimate = analysis.spectrum_memory_bytes(size, top=options.top, method=options.method, operator=matrix_free)
+        what = (
+            f"the Lanczos basis of a {size}x{size} operator"
+            if matrix_free
+            else f"the spectrum of a {size}x{size} kernel"
         )
+        check_budget(estimate, settings.memory_budget_bytes, what=what, operation=operation)
         return record, x
 
     record, x = await anyio.to_thread.run_sync(prepare)
@@ -337,12 +291,6 @@ async def kernel_spectrum(
 
     hint = "ask for the top eigenvalues"
     return await answer_json(ctx.limiter, run, cap=settings.max_json_response_bytes, operation=operation, hint=hint)
-
-
-def _lanczos_vectors(top: int, size: int) -> int:
-    """Vectors of length n ARPACK's ``eigsh`` holds for ``top`` eigenvalues (ncv = max(2·top + 1, 20), capped
-    at n) plus its workspace, about as many again."""
-    return 2 * min(size, max(2 * top + 1, 20))
 
 
 def _rekey(x: KernelInput, record: ModelRecord) -> KernelInput:
@@ -400,7 +348,7 @@ async def compare(
             raise ShapeMismatch(f"{operation}: y has shape {y.shape}; x has {n} examples, send y with {n} rows")
         size = n * (records[0].output_dim if options.mode == "full" else 1)
         check_budget(
-            8 * (len(records) + 1) * size * size,
+            analysis.distances_memory_bytes(len(records), size),
             settings.memory_budget_bytes,
             what=f"{len(records)} kernels of {size}x{size}",
             operation=operation,
