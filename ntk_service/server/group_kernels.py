@@ -8,7 +8,9 @@ that object as JSON text) answers one kernel per group:
 - ``Accept: application/x-safetensors``: one tensor per group, named by the group, with the metadata as strings
   (``groups``: the names in order, as a JSON list; ``parameters``: a JSON object of the names in each group).
 
-A grouped answer is several tensors, so ``application/x-npy`` is not offered (406 naming the two that are).
+A grouped answer is several tensors, so ``application/x-npy`` is not offered (406 naming the two that are). The
+answer's schemas (``GroupKernelPublic``, ``KernelGroupsPublic``) are in ``schemas.py`` with the other kernel
+schemas (importable from here as before).
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, format_bytes
-from ntk_service.kernels import NtkGroupsResult, NtkImplementation
+from ntk_service.kernels import NtkGroupsResult
 from ntk_service.server.media import json_too_large
-from ntk_service.server.schemas import ELAPSED_DESCRIPTION, KernelModeValue, KernelOptions, TensorJson
+from ntk_service.server.schemas import GroupKernelPublic, KernelGroupsPublic, KernelOptions
 
 __all__ = [
     "GROUP_RESPONSE_TYPES",
@@ -43,28 +44,6 @@ MAX_GROUPS_QUERY_LENGTH = 16384
 
 _RESERVED_NAMES = frozenset({"__metadata__"})
 """Names a safetensors body cannot give a tensor (its header's metadata entry)."""
-
-
-class GroupKernelPublic(BaseModel):
-    """One group's kernel in the JSON answer."""
-
-    name: str = Field(description='The group\'s name: a key of `groups`, a module path for "modules", or "rest".')
-    parameters: list[str] = Field(description="The parameters the group holds (`named_parameters()` names).")
-    theta: TensorJson = Field(
-        description="Θ_g(x1, x2) of the group's parameters alone, in the mode's layout (as `theta` of the plain "
-        "kernel answer); the groups sum to the kernel of all their parameters."
-    )
-
-
-class KernelGroupsPublic(BaseModel):
-    """The JSON answer of a kernel request with ``groups``."""
-
-    groups: list[GroupKernelPublic] = Field(description="One kernel per group, in the order the groups were given.")
-    mode: KernelModeValue = Field(description="The mode computed.")
-    implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
-    model: str = Field(description="The model's name.")
-    version: int = Field(description="The model version used.")
-    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
 def parse_groups_query(value: str | None, *, operation: str) -> Any:

@@ -45,10 +45,12 @@ __all__ = [
     "DatasetRef",
     "DatasetsPublic",
     "Globs",
+    "GroupKernelPublic",
     "GroupName",
     "KernelOptions",
     "KernelPublic",
     "KernelGroups",
+    "KernelGroupsPublic",
     "KernelModeField",
     "KernelModeValue",
     "KernelRequest",
@@ -230,6 +232,28 @@ class KernelPublic(BaseModel):
         description="Θ(x1, x2): (N, M, k, k) full, (N, M) trace and pseudo, (N, k, k) example_diagonal, "
         "(N, M, k) output_diagonal."
     )
+    mode: KernelModeValue = Field(description="The mode computed.")
+    implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
+    model: str = Field(description="The model's name.")
+    version: int = Field(description="The model version used.")
+    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
+
+
+class GroupKernelPublic(BaseModel):
+    """One group's kernel in the JSON answer."""
+
+    name: str = Field(description='The group\'s name: a key of `groups`, a module path for "modules", or "rest".')
+    parameters: list[str] = Field(description="The parameters the group holds (`named_parameters()` names).")
+    theta: TensorJson = Field(
+        description="Θ_g(x1, x2) of the group's parameters alone, in the mode's layout (as `theta` of the plain "
+        "kernel answer); the groups sum to the kernel of all their parameters."
+    )
+
+
+class KernelGroupsPublic(BaseModel):
+    """The JSON answer of a kernel request with ``groups``."""
+
+    groups: list[GroupKernelPublic] = Field(description="One kernel per group, in the order the groups were given.")
     mode: KernelModeValue = Field(description="The mode computed.")
     implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
     model: str = Field(description="The model's name.")

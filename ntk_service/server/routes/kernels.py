@@ -26,13 +26,19 @@ from ntk_service.server.deps import ReadAccess
 from ntk_service.server.group_kernels import (
     GROUP_RESPONSE_TYPES,
     MAX_GROUPS_QUERY_LENGTH,
-    KernelGroupsPublic,
     encode_groups,
 )
 from ntk_service.server.media import encode_theta, negotiate
 from ntk_service.server.params import INT64_MAX, MAX_GLOBS, Glob, NamePath
 from ntk_service.server.reading import read_kernel_request
-from ntk_service.server.schemas import MAX_OUTPUT_PATH, KernelModeField, KernelPublic, KernelRequest, openapi_body
+from ntk_service.server.schemas import (
+    MAX_OUTPUT_PATH,
+    KernelGroupsPublic,
+    KernelModeField,
+    KernelPublic,
+    KernelRequest,
+    openapi_body,
+)
 
 __all__ = ["router"]
 
