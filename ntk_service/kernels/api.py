@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, operation_name
 from ntk_service.kernels.choice import ALGORITHMS
 from ntk_service.kernels.core import run, run_kernel
 from ntk_service.kernels.family.groups import GroupSpec, NtkGroupsResult
@@ -110,20 +110,17 @@ def compute_ntk(
             ``output`` path that is not in what forward returns (each naming the leaf).
         MemoryEstimateExceeded: even the smallest blocks would not fit the budget (before allocating).
     """
-    operation = "compute_ntk"
-    what = resolve_spec(spec, SpecKeywords(mode=mode, params=params, output=output), operation=operation)
-    how = resolve_options(
-        options,
-        Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options),
-        operation=operation,
-    )
-    refuse_fields(what, ("groups", "layer"), operation=operation)
-    result = run(
-        lambda call: run_kernel(model, x1, x2, call, side_cache=side_cache, keys=(x1_key, x2_key)),
-        what,
-        how,
-        device_of=model,
-    )
+    with operation_name("compute_ntk"):  # NOTE [operation names] in errors.py
+        what = resolve_spec(spec, SpecKeywords(mode=mode, params=params, output=output))
+        loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
+        how = resolve_options(options, loose)
+        refuse_fields(what, ("groups", "layer"))
+        result = run(
+            lambda call: run_kernel(model, x1, x2, call, side_cache=side_cache, keys=(x1_key, x2_key)),
+            what,
+            how,
+            device_of=model,
+        )
     assert isinstance(result, NtkResult)  # no groups: refused above
     return result
 
@@ -183,23 +180,19 @@ def compute_ntk_groups(
             UnknownImplementation for "ntk_vector_products" (NOTE [group kernels] in family/groups.py).
         MemoryEstimateExceeded: the G results and block buffers would not fit the budget (before allocating).
     """
-    operation = "compute_ntk_groups"
-    loose = SpecKeywords(mode=mode, output=output, groups=groups, rest=rest)
-    what = resolve_spec(spec, loose, operation=operation)
-    how = resolve_options(
-        options,
-        Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options),
-        operation=operation,
-    )
-    if what.groups is None:
-        raise InvalidInput(f'{operation}: groups is required: "modules" or {{"name": ["glob", ...]}}')
-    refuse_fields(what, ("params", "layer"), operation=operation)
-    result = run(
-        lambda call: run_kernel(model, x1, x2, call, side_cache=side_cache, keys=(x1_key, x2_key)),
-        what,
-        how,
-        device_of=model,
-    )
+    with operation_name("compute_ntk_groups"):  # NOTE [operation names] in errors.py
+        what = resolve_spec(spec, SpecKeywords(mode=mode, output=output, groups=groups, rest=rest))
+        loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
+        how = resolve_options(options, loose)
+        if what.groups is None:
+            raise InvalidInput(detail='groups is required: "modules" or {"name": ["glob", ...]}')
+        refuse_fields(what, ("params", "layer"))
+        result = run(
+            lambda call: run_kernel(model, x1, x2, call, side_cache=side_cache, keys=(x1_key, x2_key)),
+            what,
+            how,
+            device_of=model,
+        )
     assert isinstance(result, NtkGroupsResult)  # groups given: checked above
     return result
 

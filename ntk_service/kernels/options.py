@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, operation_name
 from ntk_service.kernels.runtime.device import parse_device
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
@@ -180,13 +180,14 @@ class Shorthands(NamedTuple):
     structured_options: StructuredOptions | None
 
 
-def resolve_options(options: NtkOptions | None, loose: Shorthands, *, operation: str) -> NtkOptions:
+def resolve_options(options: NtkOptions | None, loose: Shorthands, *, operation: str | None = None) -> NtkOptions:
     """The options of a call from ``options`` or from its loose keywords (NOTE [loose keywords]).
 
     Args:
         options (NtkOptions, optional): the call's ``options=``.
         loose (Shorthands): the call's loose keywords.
-        operation (str): the call, for messages, e.g. "compute_ntk".
+        operation (str, optional): names the errors here (NOTE [operation names] in errors.py). Default: None,
+            the caller's boundary names them.
 
     Returns:
         NtkOptions: ``options`` itself, or a value built from the loose keywords that were given.
@@ -197,12 +198,13 @@ def resolve_options(options: NtkOptions | None, loose: Shorthands, *, operation:
     given = {name: value for name, value in loose._asdict().items() if value is not None}
     if options is None:
         return NtkOptions(**{LOOSE_KEYWORDS[name]: value for name, value in given.items()})
-    if not isinstance(options, NtkOptions):
-        raise InvalidInput(f"{operation}: options must be an NtkOptions, got {type(options).__name__}")
-    if given:
+    if isinstance(options, NtkOptions) and not given:
+        return options
+    with operation_name(operation):
+        if not isinstance(options, NtkOptions):
+            raise InvalidInput(detail=f"options must be an NtkOptions, got {type(options).__name__}")
         shown = ", ".join(f"{LOOSE_KEYWORDS[name]}=..." for name in given)
         raise InvalidInput(
-            f"{operation}: {', '.join(sorted(given))} given together with options=; pass one or the other, "
+            detail=f"{', '.join(sorted(given))} given together with options=; pass one or the other, "
             f"e.g. options=options.replace({shown})"
         )
-    return options

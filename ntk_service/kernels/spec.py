@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, NamedTuple
 
-from ntk_service.errors import InvalidInput, NoMatchingParameters, NtkServiceError, UnknownMode
+from ntk_service.errors import InvalidInput, NoMatchingParameters, UnknownMode, operation_name
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.problem.outputs import OutputPath, parse_output
 
@@ -63,14 +63,14 @@ def parse_kernel_mode(mode: object) -> KernelMode | DerivedMode:
     """The ``KernelMode`` or ``DerivedMode`` for a member or its wire value.
 
     Raises:
-        UnknownMode: anything else (the message lists the modes; the caller's operation names it).
+        UnknownMode: anything else (the message lists the modes; the caller's boundary names the operation).
     """
     if isinstance(mode, KernelMode | DerivedMode):
         return mode
     found = MODES_BY_VALUE.get(mode) if isinstance(mode, str) else None
     if found is None:
         valid = ", ".join(repr(value) for value in MODES_BY_VALUE)
-        raise UnknownMode(f"unknown mode {mode!r}; expected one of {valid}")
+        raise UnknownMode(detail=f"unknown mode {mode!r}; expected one of {valid}")
     return found
 
 
@@ -78,9 +78,9 @@ def _globs(params: object) -> tuple[str, ...] | None:
     if params is None:
         return None
     if isinstance(params, str) or not isinstance(params, Sequence) or not all(isinstance(p, str) for p in params):
-        raise NoMatchingParameters(f"params must be a list of glob strings, got {params!r}")
+        raise NoMatchingParameters(detail=f"params must be a list of glob strings, got {params!r}")
     if not params:
-        raise NoMatchingParameters("params=[] selects nothing; pass None for all parameters")
+        raise NoMatchingParameters(detail="params=[] selects nothing; pass None for all parameters")
     return tuple(params)
 
 
@@ -89,7 +89,7 @@ def _groups(groups: object) -> Groups | None:
         return groups  # type: ignore[return-value]  # None or "modules"
     if isinstance(groups, str):
         raise InvalidInput(
-            f"groups={groups!r} is not a grouping; pass {MODULE_GROUPS!r} (one group per module) or a mapping "
+            detail=f"groups={groups!r} is not a grouping; pass {MODULE_GROUPS!r} (one group per module) or a mapping "
             '{"name": ["glob", ...]}, e.g. {"features": ["features.*"], "head": ["head.*"]}'
         )
     pairs = list(groups.items()) if isinstance(groups, Mapping) else None
@@ -97,26 +97,26 @@ def _groups(groups: object) -> Groups | None:
         pairs = list(groups)  # the normalised form itself
     if pairs is None:
         raise InvalidInput(
-            f"groups must be {MODULE_GROUPS!r} or a mapping of group names to lists of parameter globs, got "
+            detail=f"groups must be {MODULE_GROUPS!r} or a mapping of group names to lists of parameter globs, got "
             f"{type(groups).__name__}"
         )
     if not pairs:
-        raise InvalidInput("groups is empty; give at least one group")
+        raise InvalidInput(detail="groups is empty; give at least one group")
     out = []
     for name, patterns in pairs:
         if not isinstance(name, str) or not name:
-            raise InvalidInput(f"group names must be non-empty strings, got {name!r}")
+            raise InvalidInput(detail=f"group names must be non-empty strings, got {name!r}")
         if isinstance(patterns, str) or not isinstance(patterns, Sequence):
             raise NoMatchingParameters(
-                f"group {name!r} must be a list of parameter globs, got {patterns!r}"
+                detail=f"group {name!r} must be a list of parameter globs, got {patterns!r}"
                 + (f"; write [{patterns!r}]" if isinstance(patterns, str) else "")
             )
         if not patterns:
-            raise NoMatchingParameters(f"group {name!r} has no globs, so it selects nothing")
+            raise NoMatchingParameters(detail=f"group {name!r} has no globs, so it selects nothing")
         bad = next((p for p in patterns if not isinstance(p, str) or not p), None)
         if bad is not None or not all(isinstance(p, str) for p in patterns):
             raise NoMatchingParameters(
-                f"group {name!r} has a glob {bad!r} that is not a non-empty string; globs look like "
+                detail=f"group {name!r} has a glob {bad!r} that is not a non-empty string; globs look like "
                 '"features.*" or "head.weight"'
             )
         out.append((name, tuple(patterns)))
@@ -159,18 +159,20 @@ class KernelSpec:
             set_field(self, "mode", parse_kernel_mode(self.mode))
         set_field(self, "params", _globs(self.params))
         if self.output is not None and not isinstance(self.output, str):
-            raise InvalidInput(f"output must be a string path like 'logits[:, 0]', got {type(self.output).__name__}")
+            raise InvalidInput(
+                detail=f"output must be a string path like 'logits[:, 0]', got {type(self.output).__name__}"
+            )
         try:
             set_field(self, "output_path", parse_output(self.output, ""))
-        except InvalidInput as exc:  # parse_output names its call; here the caller's operation does
-            raise type(exc)(exc.message.removeprefix(": ")) from None
+        except InvalidInput as exc:  # parse_output starts with the name it is given: the boundary's instead
+            raise exc.leave_operation(drop=": ") from None
         set_field(self, "groups", _groups(self.groups))
         if not isinstance(self.rest, bool):
-            raise InvalidInput(f"rest must be True or False, got {self.rest!r}")
+            raise InvalidInput(detail=f"rest must be True or False, got {self.rest!r}")
         if self.rest and self.groups is None:
-            raise InvalidInput("rest=True needs groups")
+            raise InvalidInput(detail="rest=True needs groups")
         if self.layer is not None and not isinstance(self.layer, str):
-            raise InvalidInput(f"layer must be a module name (a string), got {type(self.layer).__name__}")
+            raise InvalidInput(detail=f"layer must be a module name (a string), got {type(self.layer).__name__}")
 
     @property
     def group_mapping(self) -> dict[str, list[str]] | Literal["modules"] | None:
@@ -228,19 +230,24 @@ _USED_BY = {
 """Which public functions use each field, for the message of a function that does not."""
 
 
-def refuse_fields(spec: KernelSpec, fields: Sequence[str], *, operation: str) -> None:
+def refuse_fields(spec: KernelSpec, fields: Sequence[str], *, operation: str | None = None) -> None:
     """Refuse the ``fields`` of ``spec`` a function does not use when they are set (away from their defaults):
     a value that would be ignored silently is refused instead.
+
+    Args:
+        operation (str, optional): names the errors here (NOTE [operation names] in errors.py). Default: None,
+            the caller's boundary names them.
 
     Raises:
         InvalidInput: naming the field and the functions that use it.
     """
     for name in fields:
         if getattr(spec, name) != getattr(_DEFAULT, name):
-            raise InvalidInput(
-                f"{operation}: {name}={getattr(spec, name)!r} is not used by {operation}; it is for "
-                f"{_USED_BY[name]}. Leave it unset"
-            )
+            with operation_name(operation):
+                raise InvalidInput(
+                    detail=f"{name}={getattr(spec, name)!r} is not used here; it is for {_USED_BY[name]}. "
+                    "Leave it unset"
+                )
 
 
 class SpecKeywords(NamedTuple):
@@ -254,35 +261,36 @@ class SpecKeywords(NamedTuple):
     layer: object = None
 
 
-def resolve_spec(spec: KernelSpec | None, loose: SpecKeywords, *, operation: str) -> KernelSpec:
+def resolve_spec(spec: KernelSpec | None, loose: SpecKeywords, *, operation: str | None = None) -> KernelSpec:
     """The spec of a call from ``spec`` or from its loose keywords (NOTE [loose keywords] in ``options.py``).
 
     Args:
         spec (KernelSpec, optional): the call's ``spec=``.
         loose (SpecKeywords): the call's keywords that are spec fields (a default value counts as not given).
-        operation (str): the call, for messages, e.g. "compute_ntk".
+        operation (str, optional): names the errors here (NOTE [operation names] in errors.py). Default: None,
+            the caller's boundary names them.
 
     Returns:
         KernelSpec: ``spec`` itself, or one built from the keywords that were given.
 
     Raises:
         InvalidInput: keywords given together with ``spec``, ``spec`` not a ``KernelSpec``, or a keyword the
-            spec refuses (UnknownMode, NoMatchingParameters, ...), each message starting with ``operation``.
+            spec refuses (UnknownMode, NoMatchingParameters, ...).
     """
     given = {name: value for name, value in loose._asdict().items() if value is not None and value is not False}
-    if spec is None:
-        try:
+    if isinstance(spec, KernelSpec) and not given:
+        return spec
+    with operation_name(operation):
+        if spec is None:
             return KernelSpec(**given)
-        except NtkServiceError as exc:  # the value does not know the call; the message starts with it
-            raise type(exc)(f"{operation}: {exc.message}") from None
-    if not isinstance(spec, KernelSpec):
-        raise InvalidInput(f"{operation}: spec must be a KernelSpec, got {type(spec).__name__}")
-    if given:
-        shown = ", ".join(f"{name}=..." for name in given)
-        raise InvalidInput(
-            f"{operation}: {', '.join(sorted(given))} given together with spec=; pass one or the other, "
-            f"e.g. spec=spec.replace({shown})"
-        )
+        if not isinstance(spec, KernelSpec):
+            raise InvalidInput(detail=f"spec must be a KernelSpec, got {type(spec).__name__}")
+        if given:
+            shown = ", ".join(f"{name}=..." for name in given)
+            raise InvalidInput(
+                detail=f"{', '.join(sorted(given))} given together with spec=; pass one or the other, "
+                f"e.g. spec=spec.replace({shown})"
+            )
     return spec
 
 

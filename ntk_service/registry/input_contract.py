@@ -7,8 +7,9 @@ A model record states one example's shape and dtype (``input_shape``, ``input_dt
 request is a 422 naming the side and what the model expects, never a failure deep in a forward pass; a job checks
 its rows the same way.
 
-    >>> check_input(np.zeros((2, 784), np.float32), record, side="x1", operation="ntk")    # doctest: +SKIP
-    >>> check_output("logits[:, 0]", record, operation="ntk")                             # doctest: +SKIP
+    >>> with operation_name("ntk of model 'm'"):        # errors here start with it (NOTE [operation names])
+    ...     check_input(np.zeros((2, 784), np.float32), record, side="x1")                  # doctest: +SKIP
+    ...     check_output("logits[:, 0]", record)                                           # doctest: +SKIP
     >>> output_size(parse_output("logits[:, 0]"), record)                                  # k, before computing
 """
 
@@ -41,7 +42,7 @@ def vocabulary(architecture: dict[str, Any]) -> int | None:
     return None
 
 
-def check_input(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: str, operation: str) -> None:
+def check_input(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: str) -> None:
     """Refuse inputs the model cannot take, before computing: per-example shape, dtype, token range; for a model
     with named inputs (``record.inputs``) the names, one N for every leaf, and each leaf's shape, dtype and ids.
     Integer leaves of a named int64 input are converted to int64 in place (the graph's embeddings take int64).
@@ -50,7 +51,6 @@ def check_input(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: s
         array (ndarray or dict of ndarray): one side, (N, *input) or named arrays name -> (N, *shape).
         record (ModelRecord): the model version.
         side (str): the side's name in messages, e.g. "x1".
-        operation (str): the operation messages start with.
 
     Raises:
         ShapeMismatch: not a batch (N, *input_shape), token ids (N, T) longer than the model's ``max_len``, or
@@ -59,66 +59,64 @@ def check_input(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: s
             named arrays for a model taking one tensor or the reverse; a missing or extra name.
     """
     if record.inputs is not None or isinstance(array, dict):
-        _check_named(array, record, side=side, operation=operation)
+        _check_named(array, record, side=side)
         return
     expected = tuple(record.input_shape)
     got = tuple(array.shape[1:])
     architecture = record.architecture
     is_sequence = architecture.get("family") == "transformer"
     if array.ndim < 1:
-        raise ShapeMismatch(f"{operation}: {side} must be a batch (N, {', '.join(map(str, expected))}), got a scalar")
+        raise ShapeMismatch(detail=f"{side} must be a batch (N, {', '.join(map(str, expected))}), got a scalar")
     if is_sequence:
         max_len = int(architecture["max_len"])
         if len(got) != 1 or not 1 <= got[0] <= max_len:
             raise ShapeMismatch(
-                f"{operation}: {side} has per-example shape {got}, model {record.name!r} "
+                detail=f"{side} has per-example shape {got}, model {record.name!r} "
                 f"expects token ids (T,) with 1 <= T <= {max_len}; send a batch (N, T)"
             )
     elif got != expected:
         raise ShapeMismatch(
-            f"{operation}: {side} has per-example shape {got}, model {record.name!r} expects {expected}; "
+            detail=f"{side} has per-example shape {got}, model {record.name!r} expects {expected}; "
             f"send a batch of shape (N, {', '.join(map(str, expected))})"
         )
-    _check_leaf(array, record.input_dtype, vocabulary(architecture), record, side=side, operation=operation)
+    _check_leaf(array, record.input_dtype, vocabulary(architecture), record, side=side)
 
 
-def _check_leaf(
-    array: np.ndarray, dtype: str, vocab: int | None, record: ModelRecord, *, side: str, operation: str
-) -> None:
+def _check_leaf(array: np.ndarray, dtype: str, vocab: int | None, record: ModelRecord, *, side: str) -> None:
     """One tensor's dtype against the model's, and its ids (every example) against the vocabulary."""
     is_integer_model = dtype == "int64"
     wanted = "integer token ids" if is_integer_model else "float32 or float64 values"
     if is_integer_model != (array.dtype.kind in "iu"):
         raise InvalidInput(
-            f"{operation}: {side} has dtype {array.dtype}, model {record.name!r} expects {dtype}; send {wanted}"
+            detail=f"{side} has dtype {array.dtype}, model {record.name!r} expects {dtype}; send {wanted}"
         )
     if vocab is not None and array.size:
         low, high = int(array.min()), int(array.max())
         if low < 0 or high >= vocab:
             raise InvalidInput(
-                f"{operation}: {side} has token ids in [{low}, {high}], model {record.name!r} "
+                detail=f"{side} has token ids in [{low}, {high}], model {record.name!r} "
                 f"has a vocabulary of {vocab} (ids 0..{vocab - 1})"
             )
 
 
-def _check_named(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: str, operation: str) -> None:
+def _check_named(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: str) -> None:
     spec = record.inputs
     if spec is None:
         raise InvalidInput(
-            f"{operation}: {side} is named arrays {sorted(array)[:8]}, model {record.name!r} takes one tensor x of "
+            detail=f"{side} is named arrays {sorted(array)[:8]}, model {record.name!r} takes one tensor x of "
             f"per-example shape {tuple(record.input_shape)}; send {side} as one tensor"
         )
     names = list(spec.names)
     example = "{" + ", ".join(f'"{n}": ...' for n in names) + "}"
     if not isinstance(array, dict):
         raise InvalidInput(
-            f"{operation}: {side} is one tensor, model {record.name!r} takes the named inputs {names}; send {side} "
+            detail=f"{side} is one tensor, model {record.name!r} takes the named inputs {names}; send {side} "
             f"as an object of named tensors {example}"
         )
     missing, extra = [n for n in names if n not in array], sorted(set(array) - set(names))
     if missing or extra:
         raise InvalidInput(
-            f"{operation}: {side} has the inputs {sorted(array)}, model {record.name!r} takes {names}"
+            detail=f"{side} has the inputs {sorted(array)}, model {record.name!r} takes {names}"
             + (f"; missing {missing}" if missing else "")
             + (f"; unexpected {extra}" if extra else "")
         )
@@ -127,24 +125,24 @@ def _check_named(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: 
         value = array[leaf.name]
         where = f"{side}[{leaf.name!r}]"
         if value.ndim < 1:
-            raise ShapeMismatch(f"{operation}: {where} must be a batch (N, *{leaf.shape}), got a scalar")
+            raise ShapeMismatch(detail=f"{where} must be a batch (N, *{leaf.shape}), got a scalar")
         if n is not None and value.shape[0] != n:
             raise ShapeMismatch(
-                f"{operation}: {where} has {value.shape[0]} examples, {side}[{names[0]!r}] has {n}; every input "
+                detail=f"{where} has {value.shape[0]} examples, {side}[{names[0]!r}] has {n}; every input "
                 "of a side needs the same N (dimension 0)"
             )
         n = value.shape[0]
         if tuple(value.shape[1:]) != leaf.shape:
             raise ShapeMismatch(
-                f"{operation}: {where} has per-example shape {tuple(value.shape[1:])}, model {record.name!r} "
+                detail=f"{where} has per-example shape {tuple(value.shape[1:])}, model {record.name!r} "
                 f"expects {leaf.shape}; send a batch of shape (N, {', '.join(map(str, leaf.shape))})"
             )
-        _check_leaf(value, leaf.dtype, leaf.vocab_size, record, side=where, operation=operation)
+        _check_leaf(value, leaf.dtype, leaf.vocab_size, record, side=where)
         if leaf.dtype == "int64" and value.dtype != np.int64:
             array[leaf.name] = value.astype(np.int64)  # the graph's embedding and masks take int64
 
 
-def check_output(output: str | None, record: ModelRecord, *, operation: str) -> None:
+def check_output(output: str | None, record: ModelRecord) -> None:
     """Refuse ``output`` for a model whose forward returns a tensor (the ``exported`` architecture lists the
     entries of a dict output in ``outputs``; factory models may return anything, so the engine decides).
 
@@ -155,12 +153,12 @@ def check_output(output: str | None, record: ModelRecord, *, operation: str) -> 
     if output is None or architecture.get("family") == "factory" or "outputs" in architecture:
         return
     raise InvalidInput(
-        f"{operation}: output={output!r} was given, but model {record.name!r} returns one tensor; drop output "
+        detail=f"output={output!r} was given, but model {record.name!r} returns one tensor; drop output "
         "(it selects from a model returning a dict, e.g. a Hugging Face ModelOutput)"
     )
 
 
-def output_size(path: OutputPath | None, record: ModelRecord, *, operation: str) -> int:
+def output_size(path: OutputPath | None, record: ModelRecord) -> int:
     """k of the kernel the parsed ``output`` path selects, known before any compute (the path passed
     :func:`check_output` already): the record's ``output_dim`` for a tensor output; for a dict output, the selection
     applied to empty (meta) tensors of the per-example shapes the exported architecture lists in ``outputs``. A
@@ -173,4 +171,7 @@ def output_size(path: OutputPath | None, record: ModelRecord, *, operation: str)
     if path is None or not isinstance(outputs, dict):
         return record.output_dim
     shapes = {key: torch.empty((1, *shape), device="meta") for key, shape in outputs.items()}
-    return int(select_output(shapes, path, operation).numel())
+    try:
+        return int(select_output(shapes, path, "").numel())
+    except InvalidInput as exc:  # select_output starts with the name it is given: the caller's boundary names it
+        raise exc.leave_operation(drop=": ") from None

@@ -138,12 +138,10 @@ def from_dataset(ref: DatasetRef, record: ModelRecord, datasets: DatasetStore) -
     return KernelInput(array, (*record.cache_key, "dataset", ref.dataset, ref.start, ref.stop))
 
 
-def load_side(
-    raw: SideSource, record: ModelRecord, datasets: DatasetStore, *, side: str, operation: str
-) -> KernelInput:
+def load_side(raw: SideSource, record: ModelRecord, datasets: DatasetStore, *, side: str) -> KernelInput:
     """The side loaded (data set rows read) and checked against the model (``check_input``); blocking."""
     item = from_dataset(raw, record, datasets) if isinstance(raw, DatasetRef) else inline(raw)
-    check_input(item.array, record, side=side, operation=operation)
+    check_input(item.array, record, side=side)
     return item
 
 
@@ -154,7 +152,6 @@ async def load_sides(
     x1: SideSource,
     x2: SideSource | None,
     *,
-    operation: str,
     output: str | None = None,
 ) -> tuple[ModelRecord, KernelInput, KernelInput | None]:
     """The model record (latest when ``version`` is None), read once, and both sides loaded and checked against
@@ -162,16 +159,16 @@ async def load_sides(
 
     def prepare() -> tuple[ModelRecord, KernelInput, KernelInput | None]:
         record = ctx.registry.get(name, version)
-        check_output(output, record, operation=operation)
-        first = load_side(x1, record, ctx.datasets, side="x1", operation=operation)
-        second = None if x2 is None else load_side(x2, record, ctx.datasets, side="x2", operation=operation)
+        check_output(output, record)
+        first = load_side(x1, record, ctx.datasets, side="x1")
+        second = None if x2 is None else load_side(x2, record, ctx.datasets, side="x2")
         return record, first, second
 
     return await anyio.to_thread.run_sync(prepare)
 
 
 async def load_kernel_sides(
-    ctx: ComputeContext, name: str, call: KernelCall, *, json_cap: int | None, operation: str
+    ctx: ComputeContext, name: str, call: KernelCall, *, json_cap: int | None
 ) -> tuple[ModelRecord, KernelInput, KernelInput | None]:
     """:func:`load_sides` for a kernel request, and, for a JSON answer (``json_cap`` not None), its size refused
     before computing when even the shortest JSON of that many values would pass the cap; one worker-thread hop.
@@ -183,25 +180,25 @@ async def load_kernel_sides(
 
     def prepare() -> tuple[ModelRecord, KernelInput, KernelInput | None]:
         record = ctx.registry.get(name, call.version)
-        check_output(spec.output, record, operation=operation)
-        first = load_side(call.x1, record, ctx.datasets, side="x1", operation=operation)
-        second = None if call.x2 is None else load_side(call.x2, record, ctx.datasets, side="x2", operation=operation)
+        check_output(spec.output, record)
+        first = load_side(call.x1, record, ctx.datasets, side="x1")
+        second = None if call.x2 is None else load_side(call.x2, record, ctx.datasets, side="x2")
         if json_cap is not None:
             n = first.n
             m = n if second is None else second.n
-            k = output_size(spec.output_path, record, operation=operation)
+            k = output_size(spec.output_path, record)
             numel = math.prod(result_shape(spec.mode, n, m, k))
             if isinstance(spec.groups, tuple):  # at least one kernel per group ("modules": known after the compute)
                 numel *= len(spec.groups) + int(spec.rest)
             if numel * MIN_JSON_BYTES_PER_VALUE > json_cap:
                 shortest = f"at least {format_bytes(numel * MIN_JSON_BYTES_PER_VALUE)}"
-                raise json_too_large(shortest, json_cap, operation=operation)
+                raise json_too_large(shortest, json_cap)
         return record, first, second
 
     return await anyio.to_thread.run_sync(prepare)
 
 
-def check_budget(estimate: int, budget: int | None, *, what: str, operation: str) -> None:
+def check_budget(estimate: int, budget: int | None, *, what: str) -> None:
     """Refuse float64 work of ``estimate`` bytes over the memory budget (None: the machine's default budget).
 
     Raises:
@@ -210,14 +207,14 @@ def check_budget(estimate: int, budget: int | None, *, what: str, operation: str
     limit = default_memory_budget() if budget is None else budget
     if estimate > limit:
         raise MemoryEstimateExceeded(
-            f"{operation}: {what} needs about {format_bytes(estimate)} in float64, over the memory budget of "
+            detail=f"{what} needs about {format_bytes(estimate)} in float64, over the memory budget of "
             f"{format_bytes(limit)} (NTK_MEMORY_BUDGET_BYTES); use fewer examples or mode 'trace'",
             estimate_bytes=estimate,
             budget_bytes=limit,
         )
 
 
-def run_model(fn: Callable[[], T], *, record: ModelRecord, operation: str, device: str = "cpu") -> tuple[T, float]:
+def run_model(fn: Callable[[], T], *, record: ModelRecord, device: str = "cpu") -> tuple[T, float]:
     """``fn()`` (a computation on ``record``'s model) and its wall time in seconds.
 
     Raises:
@@ -232,11 +229,11 @@ def run_model(fn: Callable[[], T], *, record: ModelRecord, operation: str, devic
         raise
     except torch.OutOfMemoryError as exc:
         raise ResourceLimit(
-            f"{operation}: {device} ran out of memory although the plan fit the memory budget; retry, send fewer "
+            detail=f"{device} ran out of memory although the plan fit the memory budget; retry, send fewer "
             "examples or a cheaper mode, or lower NTK_MEMORY_BUDGET_BYTES"
         ) from exc
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
-        raise InvalidInput(f"{operation}: model {record.name!r} failed on the inputs: {exc}") from exc
+        raise InvalidInput(detail=f"model {record.name!r} failed on the inputs: {exc}") from exc
     return out, time.perf_counter() - start
 
 
@@ -249,7 +246,6 @@ def run_kernel(
     *,
     record: ModelRecord,
     side_cache: SideCache | None,
-    operation: str,
 ) -> tuple[NtkResult | NtkGroupsResult, float]:
     """The engine call of a kernel (blocking: run it in a worker thread) and its wall time in seconds:
     ``compute_ntk``, or ``compute_ntk_groups`` when the spec has groups, with the request's two values. The side
@@ -273,12 +269,10 @@ def run_kernel(
         return engine(module, t1, t2, spec=spec, options=options, side_cache=side_cache, x1_key=x1.key, x2_key=x2_key)
 
     device = "cpu" if options.device is None else str(options.device)
-    return run_model(compute, record=record, operation=operation, device=device)
+    return run_model(compute, record=record, device=device)
 
 
-async def answer_json(
-    limiter: ComputeLimiter, run: Callable[[], dict[str, Any]], *, cap: int, operation: str, hint: str
-) -> Response:
+async def answer_json(limiter: ComputeLimiter, run: Callable[[], dict[str, Any]], *, cap: int, hint: str) -> Response:
     """``run()``'s body as JSON, computed and encoded in one worker-thread hop under the compute limiter (a hop
     back to the loop with a big body would stall it).
 
@@ -290,9 +284,9 @@ async def answer_json(
         response = json_response(run())
         if len(response.body) > cap:
             raise PayloadTooLarge(
-                f"{operation}: the response would be {format_bytes(len(response.body))}, over the server's JSON "
+                detail=f"the response would be {format_bytes(len(response.body))}, over the server's JSON "
                 f"limit of {format_bytes(cap)} (NTK_MAX_JSON_RESPONSE_BYTES); {hint}"
             )
         return response
 
-    return await limiter.run(respond, operation=operation)
+    return await limiter.run(respond)

@@ -46,7 +46,7 @@ _RESERVED_NAMES = frozenset({"__metadata__"})
 """Names a safetensors body cannot give a tensor (its header's metadata entry)."""
 
 
-def parse_groups_query(value: str | None, *, operation: str) -> Any:
+def parse_groups_query(value: str | None) -> Any:
     """The ``groups`` query value of a binary-body request: "modules", or a JSON object text (None when absent)."""
     if value is None or value == "modules":
         return value
@@ -56,26 +56,28 @@ def parse_groups_query(value: str | None, *, operation: str) -> Any:
         parsed = None
     if not isinstance(parsed, dict):
         raise InvalidInput(
-            f'{operation}: groups={value!r} in the query must be "modules" or a JSON object '
+            detail=f'groups={value!r} in the query must be "modules" or a JSON object '
             '{"name": ["glob", ...]}, e.g. groups={"head":["head.*"]} (URL-encoded)'
         )
     return parsed
 
 
-def check_group_options(options: KernelOptions, *, operation: str) -> None:
+def check_group_options(options: KernelOptions) -> None:
     """Refuse what a grouped request cannot mean before any work: params beside groups, rest without groups, a
     group name a safetensors answer cannot carry."""
     if options.groups is not None and options.params is not None:
-        raise InvalidInput(f"{operation}: params and groups both select parameters; put the globs in groups")
+        raise InvalidInput(detail="params and groups both select parameters; put the globs in groups")
     if options.rest and options.groups is None:
-        raise InvalidInput(f"{operation}: rest=true needs groups")
+        raise InvalidInput(detail="rest=true needs groups")
     if isinstance(options.groups, dict):
         bad = sorted(_RESERVED_NAMES & set(options.groups))
         if bad:
-            raise InvalidInput(f"{operation}: group name {bad[0]!r} is reserved by the safetensors format; rename it")
+            raise InvalidInput(detail=f"group name {bad[0]!r} is reserved by the safetensors format; rename it")
 
 
-def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:
+def encode_groups(
+    result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str | None = None
+) -> Response:
     """The group kernels as ``media``: safetensors (a tensor per group) or JSON (406 over ``cap`` bytes)."""
     arrays = {name: theta.detach().cpu().numpy() for name, theta in result.thetas.items()}
     parameters = {name: list(names) for name, names in result.parameters.items()}
@@ -91,6 +93,6 @@ def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, 
     body = wire.json_dumps({"groups": entries, **meta})
     if len(body) > cap:
         raise json_too_large(
-            format_bytes(len(body)), cap, operation=operation, hint=" (group kernels: safetensors, not npy)"
+            format_bytes(len(body)), cap, hint=" (group kernels: safetensors, not npy)", operation=operation
         )
     return Response(body, media_type=wire.MEDIA_JSON)

@@ -2,22 +2,54 @@
 request's two values), ``computing.py`` (the record, the sides loaded, the engine run under the limiter) and
 ``registry/input_contract.py`` (what a model takes: ``check_input``, ``check_output``).
 
-The names other modules import from here stay importable for one release; every other old name resolves with a
-DeprecationWarning naming its new home.
+The names other modules import from here stay importable for one release, with their old signatures: they take
+``operation=`` and name their errors with it, where the new homes leave that to the caller's boundary (NOTE
+[operation names] in errors.py). Every other old name resolves with a DeprecationWarning naming its new home.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from ntk_service.registry.input_contract import check_input
+import numpy as np
+from fastapi import Request
+
+from ntk_service.errors import operation_name
+from ntk_service.registry import ModelRecord, input_contract
+from ntk_service.registry.input_contract import NamedArrays
 from ntk_service.server import computing, reading
-from ntk_service.server.computing import check_budget, run_model
 from ntk_service.server.media import MIN_JSON_BYTES_PER_VALUE
-from ntk_service.server.reading import read_object
 
 __all__ = ["MIN_JSON_BYTES_PER_VALUE", "check_budget", "check_input", "read_object", "run_model"]
+
+T = TypeVar("T")
+
+
+def check_input(array: np.ndarray | NamedArrays, record: ModelRecord, *, side: str, operation: str) -> None:
+    """``registry.input_contract.check_input``, its errors named ``operation``."""
+    with operation_name(operation):
+        input_contract.check_input(array, record, side=side)
+
+
+def check_budget(estimate: int, budget: int | None, *, what: str, operation: str) -> None:
+    """``computing.check_budget``, its refusal named ``operation``."""
+    with operation_name(operation):
+        computing.check_budget(estimate, budget, what=what)
+
+
+def run_model(fn: Callable[[], T], *, record: ModelRecord, operation: str, device: str = "cpu") -> tuple[T, float]:
+    """``computing.run_model``, its errors named ``operation``."""
+    with operation_name(operation):
+        return computing.run_model(fn, record=record, device=device)
+
+
+async def read_object(request: Request, *, operation: str, expected: str = "") -> dict[str, Any]:
+    """``reading.read_object``, its errors named ``operation``."""
+    with operation_name(operation):
+        return await reading.read_object(request, expected=expected)
+
 
 _MOVED = {
     **{name: ("ntk_service.server.reading", reading) for name in ("INPUT_NAME", "SideSource", "parse_side")},

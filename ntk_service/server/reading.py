@@ -13,6 +13,7 @@ JSON text in the query, by pydantic here); the values are then built from what w
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 
 from ntk_service import wire
 from ntk_service.config import Settings
-from ntk_service.errors import InvalidInput, MalformedRequest
+from ntk_service.errors import InvalidInput, MalformedRequest, operation_part
 from ntk_service.kernels import NtkOptions
 from ntk_service.kernels.options import DTYPES
 from ntk_service.kernels.spec import KernelSpec, SpecKeywords, resolve_spec
@@ -32,7 +33,14 @@ from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.input_contract import NamedArrays
 from ntk_service.server.error_responses import format_validation_errors
 from ntk_service.server.group_kernels import check_group_options, parse_groups_query
-from ntk_service.server.media import BINARY_TENSOR_TYPES, content_type, parse_off_loop, read_json, read_tensors
+from ntk_service.server.media import (
+    BINARY_TENSOR_TYPES,
+    content_type,
+    parse_off_loop,
+    read_json,
+    read_tensors,
+    wire_detail,
+)
 from ntk_service.server.schemas import DatasetRef, KernelOptions, validate_body
 
 __all__ = [
@@ -56,7 +64,7 @@ INPUT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 """A named input: a Python identifier (forward's keyword argument), at most 64 characters."""
 
 
-async def read_object(request: Request, *, operation: str, expected: str = "") -> dict[str, Any]:
+async def read_object(request: Request, *, expected: str = "") -> dict[str, Any]:
     """The JSON body, which must be an object.
 
     Args:
@@ -66,55 +74,54 @@ async def read_object(request: Request, *, operation: str, expected: str = "") -
         UnsupportedMediaType: not application/json (415).
         MalformedRequest: invalid JSON, or not an object (400).
     """
-    data = await read_json(request, operation=operation)
+    data = await read_json(request)
     if not isinstance(data, dict):
-        raise MalformedRequest(f"{operation}: expected a JSON object{expected}, got {type(data).__name__}")
+        raise MalformedRequest(detail=f"expected a JSON object{expected}, got {type(data).__name__}")
     return data
 
 
 def _named_side(raw: dict[str, Any], *, side: str) -> NamedArrays:
     """``{"name": tensor, ...}``: one wire tensor per forward argument name."""
     if not raw:
-        raise InvalidInput(f"{side}: an empty object; send a tensor or an object of named tensors")
+        raise InvalidInput(detail=f"{side}: an empty object; send a tensor or an object of named tensors")
     arrays = {}
     for name, value in raw.items():
         if not isinstance(name, str) or not INPUT_NAME.match(name):
             raise InvalidInput(
-                f"{side}: input name {str(name)[:80]!r} is not an identifier (letters, digits, _; at most 64); name "
-                "each tensor after its forward argument"
+                detail=f"{side}: input name {str(name)[:80]!r} is not an identifier (letters, digits, _; at most "
+                "64); name each tensor after its forward argument"
             )
-        arrays[name] = wire.tensor_from_json(value, name=f"{side}[{name!r}]")
+        arrays[name] = wire_detail(functools.partial(wire.tensor_from_json, value, name=f"{side}[{name!r}]"))
     return arrays
 
 
-def parse_side(raw: Any, *, side: str, operation: str) -> SideSource:
+def parse_side(raw: Any, *, side: str) -> SideSource:
     """A JSON side: ``{"dataset": id, "start", "stop"}`` is a :class:`DatasetRef`, an object with ``data`` (or with
     ``shape`` and ``dtype``: one missing its data) a wire tensor, any other object named tensors
     (``{"input_ids": tensor, "attention_mask": tensor}``)."""
     if isinstance(raw, dict) and "dataset" in raw:
-        return validate_body(DatasetRef, raw, operation=f"{operation}: {side}")
+        with operation_part(side):
+            return validate_body(DatasetRef, raw)
     if isinstance(raw, dict) and "data" not in raw and not {"shape", "dtype"} <= set(raw):
-        return _named_side(raw, side=f"{operation}: {side}")
+        return _named_side(raw, side=side)
     return wire.tensor_from_json(raw, name=side)
 
 
 async def parse_sides(
-    request: Request, x1: Any, x2: Any, *, operation: str, extra: dict[str, Any] | None = None
+    request: Request, x1: Any, x2: Any, *, extra: dict[str, Any] | None = None
 ) -> tuple[SideSource, SideSource | None, dict[str, np.ndarray]]:
     """x1, x2 (None: absent) and the ``extra`` JSON tensors of a JSON body, parsed off the loop when it is large."""
     fields = extra or {}
 
     def parse() -> tuple[SideSource, SideSource | None, dict[str, np.ndarray]]:
-        first = parse_side(x1, side="x1", operation=operation)
-        second = None if x2 is None else parse_side(x2, side="x2", operation=operation)
+        first = parse_side(x1, side="x1")
+        second = None if x2 is None else parse_side(x2, side="x2")
         return first, second, {key: wire.tensor_from_json(value, name=key) for key, value in fields.items()}
 
     return await parse_off_loop(parse, size=len(await request.body()))  # the body is cached by now
 
 
-def split_sides(
-    tensors: dict[str, np.ndarray], sides: tuple[str, ...], *, operation: str
-) -> tuple[SideSource | None, ...]:
+def split_sides(tensors: dict[str, np.ndarray], sides: tuple[str, ...]) -> tuple[SideSource | None, ...]:
     """The sides of a safetensors body: a tensor named after the side (``x1``), or named inputs ``x1.<name>``
     (``x1.input_ids``, ``x1.attention_mask``); the first side is required, the others optional (None).
 
@@ -127,20 +134,20 @@ def split_sides(
         side, dot, name = key.partition(".")
         if side not in sides or (dot and not INPUT_NAME.match(name)):
             raise InvalidInput(
-                f"{operation}: the body has the tensor {key[:80]!r}; expected {' and '.join(sides)} (one tensor "
+                detail=f"the body has the tensor {key[:80]!r}; expected {' and '.join(sides)} (one tensor "
                 f"each) or named inputs like '{sides[0]}.input_ids' (identifiers after the dot)"
             )
         if dot:
             if isinstance(found.get(side), np.ndarray):
-                raise InvalidInput(f"{operation}: the body has both {side!r} and {key!r}; send one or the other")
+                raise InvalidInput(detail=f"the body has both {side!r} and {key!r}; send one or the other")
             found.setdefault(side, {})[name] = tensors[key]
         elif side in found:
-            raise InvalidInput(f"{operation}: the body has both {side!r} and named {side}.* tensors")
+            raise InvalidInput(detail=f"the body has both {side!r} and named {side}.* tensors")
         else:
             found[side] = tensors[key]
     if sides[0] not in found:
         raise InvalidInput(
-            f"{operation}: the safetensors body has no tensor {sides[0]!r} nor '{sides[0]}.<name>' tensors (it has "
+            detail=f"the safetensors body has no tensor {sides[0]!r} nor '{sides[0]}.<name>' tensors (it has "
             f"{sorted(tensors)[:8] or 'none'}); name the tensor {sides[0]!r}"
         )
     return tuple(found.get(side) for side in sides)
@@ -182,23 +189,21 @@ class KernelCall:
     options: NtkOptions
 
 
-def _query_options(query: dict[str, Any], *, operation: str) -> KernelOptions:
+def _query_options(query: dict[str, Any]) -> KernelOptions:
     """The options of a binary body from its query parameters, which FastAPI has validated already (``mode`` is
     an enum by then); only ``groups``, "modules" or JSON text in the query, is parsed and validated here."""
     fields = dict(query)
     if "groups" in fields:
         try:
-            groups = parse_groups_query(fields["groups"], operation=operation)
+            groups = parse_groups_query(fields["groups"])
             checked = KernelOptions.model_validate({"groups": groups})
         except ValidationError as exc:
-            raise InvalidInput(f"{operation}: {format_validation_errors(exc.errors())}") from exc
+            raise InvalidInput(detail=format_validation_errors(exc.errors())) from exc
         fields["groups"] = checked.groups
     return KernelOptions.model_construct(**fields)
 
 
-async def read_kernel_request(
-    request: Request, query: dict[str, Any], settings: Settings, *, operation: str
-) -> KernelCall:
+async def read_kernel_request(request: Request, query: dict[str, Any], settings: Settings) -> KernelCall:
     """The sides, the version and the two engine values of a kernel request, each option validated once: from a
     JSON body, or from a binary body (.npy: x1; safetensors: x1 and optional x2) plus the options in ``query``.
 
@@ -214,26 +219,26 @@ async def read_kernel_request(
             groups, an output path outside the grammar.
     """
     if content_type(request) in BINARY_TENSOR_TYPES:
-        tensors = await read_tensors(request, operation=operation, npy_name="x1")
-        first, x2 = split_sides(tensors, ("x1", "x2"), operation=operation)
+        tensors = await read_tensors(request, npy_name="x1")
+        first, x2 = split_sides(tensors, ("x1", "x2"))
         assert first is not None  # split_sides requires the first side
         x1: SideSource = first
-        wire_options = _query_options(query, operation=operation)
+        wire_options = _query_options(query)
     else:
-        data = await read_object(request, operation=operation, expected=" with x1 (and x2, mode, ...)")
+        data = await read_object(request, expected=" with x1 (and x2, mode, ...)")
         if query:
             raise InvalidInput(
-                f"{operation}: with a JSON body, put mode/implementation/params/dtype/version in the body, "
+                detail="with a JSON body, put mode/implementation/params/dtype/version in the body, "
                 "not in the query string (query options are for binary bodies)"
             )
         if "x1" not in data:
-            raise InvalidInput(f'{operation}: the body needs x1 (a tensor or {{"dataset": id, "start", "stop"}})')
+            raise InvalidInput(detail='the body needs x1 (a tensor or {"dataset": id, "start", "stop"})')
         x1_raw, x2_raw = data.pop("x1"), data.pop("x2", None)
-        wire_options = validate_body(KernelOptions, data, operation=operation)
-        x1, x2, _ = await parse_sides(request, x1_raw, x2_raw, operation=operation)
-    check_group_options(wire_options, operation=operation)
+        wire_options = validate_body(KernelOptions, data)
+        x1, x2, _ = await parse_sides(request, x1_raw, x2_raw)
+    check_group_options(wire_options)
     o = wire_options
     loose = SpecKeywords(mode=o.mode, params=o.params, output=o.output, groups=o.groups, rest=o.rest)
-    spec = resolve_spec(None, loose, operation=operation)
+    spec = resolve_spec(None, loose)
     options = engine_options(settings, implementation=o.implementation, dtype=o.dtype)
     return KernelCall(x1, x2, o.version, spec, options)

@@ -20,7 +20,7 @@ from pydantic import (
     ValidationError,
 )
 
-from ntk_service.errors import InvalidInput, MalformedRequest
+from ntk_service.errors import InvalidInput, MalformedRequest, operation_name
 from ntk_service.kernels.family.monte_carlo import MAX_MONTE_CARLO_SEEDS
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.spec import MODES_BY_VALUE
@@ -140,19 +140,25 @@ MonteCarloSeeds = Annotated[
 """Distinct seeds in [0, 2⁶³), one network each; 1 to MAX_MONTE_CARLO_SEEDS of them."""
 
 
-def validate_body(model: type[ModelT], data: Any, *, operation: str) -> ModelT:
+def validate_body(model: type[ModelT], data: Any, *, operation: str | None = None) -> ModelT:
     """``model.model_validate(data)``, with pydantic's errors turned into one readable line.
+
+    Args:
+        operation: names the errors here; None: the route's boundary does (NOTE [operation names] in errors.py).
 
     Raises:
         MalformedRequest: ``data`` is not a JSON object (400).
         InvalidInput: a field is missing or has a wrong value (422), e.g. ``"seed: Input should be ..."``.
     """
+    if operation is not None:  # a caller that names its operation here
+        with operation_name(operation):
+            return validate_body(model, data)
     if not isinstance(data, dict):
-        raise MalformedRequest(f"{operation}: expected a JSON object, got {type(data).__name__}")
+        raise MalformedRequest(detail=f"expected a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise InvalidInput(f"{operation}: {format_validation_errors(exc.errors())}") from exc
+        raise InvalidInput(detail=format_validation_errors(exc.errors())) from exc
 
 
 class TensorJson(BaseModel):

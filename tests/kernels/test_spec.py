@@ -136,15 +136,13 @@ def test_loose_keywords_or_spec_never_both() -> None:
 
 def test_fields_a_function_does_not_use_are_refused() -> None:
     model, (x1, _) = _model(), _inputs()
-    with pytest.raises(
-        InvalidInput, match="compute_ntk: groups=.* is not used by compute_ntk; it is for compute_ntk_groups"
-    ):
+    with pytest.raises(InvalidInput, match="compute_ntk: groups=.* is not used here; it is for compute_ntk_groups"):
         compute_ntk(model, x1, spec=KernelSpec(groups="modules"))
     with pytest.raises(InvalidInput, match="compute_ntk_groups: groups is required"):
         compute_ntk_groups(model, x1, mode="trace")
-    with pytest.raises(InvalidInput, match="compute_nngp: params=.* is not used by compute_nngp"):
+    with pytest.raises(InvalidInput, match="compute_nngp: params=.* is not used here"):
         compute_nngp(model, x1, spec=KernelSpec(params=["0.*"]))
-    with pytest.raises(InvalidInput, match="ntk_features: mode=.* is not used by ntk_features"):
+    with pytest.raises(InvalidInput, match="ntk_features: mode=.* is not used here"):
         ntk_features(model, x1, dim=8, spec=KernelSpec(mode="trace"))
     with pytest.raises(InvalidInput, match="dataset_operator: output='logits' is not used"):
         dataset_operator(model, x1.numpy(), spec=KernelSpec(output="logits"))

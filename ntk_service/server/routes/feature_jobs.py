@@ -180,7 +180,7 @@ async def _existing_feature_job(job_id: FeatureJobId, jobs: SolveJobsDep) -> dic
 ExistingFeatureJob = Annotated[dict[str, Any], Depends(_existing_feature_job)]
 """The features job; 404 before any response starts. Declared after the access dependency (resolved in order)."""
 
-_NOT_FOUND = {404: {"description": "No features job with this id."}}
+_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No features job with this id."}}
 
 
 @router.get("", summary="List features jobs")

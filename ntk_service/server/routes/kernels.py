@@ -20,6 +20,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from ntk_service import wire
+from ntk_service.errors import operation_name
 from ntk_service.kernels import NtkGroupsResult, NtkImplementation
 from ntk_service.server.computing import ComputeContextDep, load_kernel_sides, run_kernel
 from ntk_service.server.deps import ReadAccess
@@ -88,49 +89,47 @@ async def compute_kernel(
         str | None, Query(max_length=MAX_OUTPUT_PATH, description='Binary bodies only, e.g. "logits[:, 0]".')
     ] = None,
 ) -> Response:
-    operation = f"ntk of model {name!r}"
-    given = {
-        "mode": mode,
-        "implementation": implementation,
-        "params": params,
-        "dtype": dtype,
-        "version": version,
-        "groups": groups,
-        "rest": rest,
-        "output": output,
-    }
-    query = {key: value for key, value in given.items() if value is not None}
-    call = await read_kernel_request(request, query, ctx.settings, operation=operation)
-    spec = call.spec
-    offered = RESPONSE_TYPES if spec.groups is None else GROUP_RESPONSE_TYPES
-    response_type = negotiate(request, offered, operation=operation)
-
-    json_cap = ctx.settings.max_json_response_bytes
-    record, x1, x2 = await load_kernel_sides(
-        ctx, name, call, json_cap=json_cap if response_type == wire.MEDIA_JSON else None, operation=operation
-    )
-    cap = json_cap
-
-    def run() -> tuple[Response, NtkImplementation, str, float]:
-        # compute and encode in one worker-thread hop: each hop costs milliseconds on a loaded machine
-        module = ctx.registry.module(record)  # the record read above, not read again
-        result, seconds = run_kernel(
-            module, x1, x2, spec, call.options, record=record, side_cache=ctx.side_cache, operation=operation
-        )
-        meta = {
-            "mode": result.mode.value,
-            "implementation": result.implementation.value,
-            "model": record.name,
-            "version": record.version,
-            "elapsed_ms": round(seconds * 1000, 3),
+    with operation_name(f"ntk of model {name!r}"):  # NOTE [operation names] in errors.py
+        given = {
+            "mode": mode,
+            "implementation": implementation,
+            "params": params,
+            "dtype": dtype,
+            "version": version,
+            "groups": groups,
+            "rest": rest,
+            "output": output,
         }
-        if isinstance(result, NtkGroupsResult):
-            response = encode_groups(result, response_type, meta, cap=cap, operation=operation)
-        else:
-            theta = result.theta.detach().cpu().numpy()
-            response = encode_theta(theta, response_type, meta, cap=cap, operation=operation)
-        return response, result.implementation, result.mode.value, seconds
+        query = {key: value for key, value in given.items() if value is not None}
+        call = await read_kernel_request(request, query, ctx.settings)
+        spec = call.spec
+        offered = RESPONSE_TYPES if spec.groups is None else GROUP_RESPONSE_TYPES
+        response_type = negotiate(request, offered)
 
-    response, implementation_ran, mode_ran, seconds = await ctx.limiter.run(run, operation=operation)
-    ctx.metrics.compute_seconds.labels(implementation_ran.value, mode_ran).observe(seconds)
-    return response
+        json_cap = ctx.settings.max_json_response_bytes
+        record, x1, x2 = await load_kernel_sides(
+            ctx, name, call, json_cap=json_cap if response_type == wire.MEDIA_JSON else None
+        )
+        cap = json_cap
+
+        def run() -> tuple[Response, NtkImplementation, str, float]:
+            # compute and encode in one worker-thread hop: each hop costs milliseconds on a loaded machine
+            module = ctx.registry.module(record)  # the record read above, not read again
+            result, seconds = run_kernel(module, x1, x2, spec, call.options, record=record, side_cache=ctx.side_cache)
+            meta = {
+                "mode": result.mode.value,
+                "implementation": result.implementation.value,
+                "model": record.name,
+                "version": record.version,
+                "elapsed_ms": round(seconds * 1000, 3),
+            }
+            if isinstance(result, NtkGroupsResult):
+                response = encode_groups(result, response_type, meta, cap=cap)
+            else:
+                theta = result.theta.detach().cpu().numpy()
+                response = encode_theta(theta, response_type, meta, cap=cap)
+            return response, result.implementation, result.mode.value, seconds
+
+        response, implementation_ran, mode_ran, seconds = await ctx.limiter.run(run)
+        ctx.metrics.compute_seconds.labels(implementation_ran.value, mode_ran).observe(seconds)
+        return response
