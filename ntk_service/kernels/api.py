@@ -115,12 +115,7 @@ def compute_ntk(
         loose = Shorthands(implementation, dtype, memory_budget_bytes, device, allow_tf32, structured_options)
         how = resolve_options(options, loose)
         refuse_fields(what, ("groups", "layer"))
-        result = run(
-            lambda call: run_kernel(model, x1, x2, call, side_cache=side_cache, keys=(x1_key, x2_key)),
-            what,
-            how,
-            device_of=model,
-        )
+        result = _kernel(model, x1, x2, what, how, side_cache, (x1_key, x2_key))
     assert isinstance(result, NtkResult)  # no groups: refused above
     return result
 
@@ -187,14 +182,24 @@ def compute_ntk_groups(
         if what.groups is None:
             raise InvalidInput(detail='groups is required: "modules" or {"name": ["glob", ...]}')
         refuse_fields(what, ("params", "layer"))
-        result = run(
-            lambda call: run_kernel(model, x1, x2, call, side_cache=side_cache, keys=(x1_key, x2_key)),
-            what,
-            how,
-            device_of=model,
-        )
+        result = _kernel(model, x1, x2, what, how, side_cache, (x1_key, x2_key))
     assert isinstance(result, NtkGroupsResult)  # groups given: checked above
     return result
+
+
+def _kernel(
+    model: nn.Module,
+    x1: Inputs,
+    x2: Inputs | None,
+    spec: KernelSpec,
+    options: NtkOptions,
+    side_cache: SideCache | None,
+    keys: tuple[Hashable | None, Hashable | None],
+) -> NtkResult | NtkGroupsResult:
+    """The one call into the core both entry points make (``core.run`` with ``core.run_kernel``)."""
+    return run(
+        lambda call: run_kernel(model, x1, x2, call, side_cache=side_cache, keys=keys), spec, options, device_of=model
+    )
 
 
 def warm_up(device: torch.device | str | None = None) -> None:
