@@ -41,9 +41,22 @@ the same class, so ``except MemoryEstimateExceeded`` works on both sides of the 
 
 Messages start with the operation, then say what was expected, what came, and how to fix it, e.g.
 ``compute_ntk: x2 has per-example shape (3,), x1 has (784,); both sides must match``.
+
+NOTE [operation names]: the operation is named once, where it is known: at the boundary of a public call
+(``compute_ntk``) or of a request (a route: "ntk of model 'm'"). Code beneath raises its error with
+``detail=`` (the message without the operation) and :func:`operation_name` around the call adds the operation to
+every such error that leaves it, once (the innermost boundary names it; an error raised with a whole ``message``
+is never renamed). Nothing is threaded through the call chain and nothing is process-wide: the boundary is a
+``with`` block in the call that owns the name::
+
+    with operation_name(f"ntk of model {name!r}"):
+        ...                                   # raise InvalidInput(detail="x1 has 3 features, ...") anywhere below
+    # InvalidInput("ntk of model 'm': x1 has 3 features, ...")
 """
 
 from __future__ import annotations
+
+import contextlib
 
 __all__ = [
     "AuthenticationError",
@@ -82,21 +95,87 @@ __all__ = [
     "UnsupportedModel",
     "error_class_for",
     "format_bytes",
+    "operation_name",
+    "operation_part",
 ]
 
 
 class NtkServiceError(Exception):
-    """Base of every error the package raises on purpose."""
+    """Base of every error the package raises on purpose.
+
+    Args:
+        message (str): the whole message, starting with its operation.
+        detail (str, optional): instead of ``message``: the message without its operation, which the boundary of
+            the operation adds (NOTE [operation names]). Until then the message is the detail alone.
+
+    Attributes:
+        message (str): the message as it stands. operation (str | None): the operation a boundary named, or None.
+    """
 
     error_type: str = "ntk_service_error"
     http_status: int = 500
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+    def __init__(self, message: str = "", *, detail: str | None = None) -> None:
+        text = message if detail is None else detail
+        super().__init__(text)
+        self.message = text
+        self.operation: str | None = None
+        self._named = detail is None
+
+    def name_operation(self, operation: str) -> None:
+        """Start the message with ``operation`` if it was raised without one (``detail=``); once only."""
+        if self._named:
+            return
+        self.message = f"{operation}: {self.message}"
+        self.args = (self.message,)
+        self.operation = operation
+        self._named = True
+
+    def add_part(self, part: str) -> None:
+        """Put ``part`` (a side, a field) in front of a detail, which stays a detail (``operation_part``)."""
+        if not self._named:
+            self.message = f"{part}: {self.message}"
+            self.args = (self.message,)
+
+    def leave_operation(self, *, drop: str = "") -> NtkServiceError:
+        """Make the message a detail its boundary names (NOTE [operation names]), with ``drop`` removed from its
+        start: for an error of code that starts its messages with a name it is given (the wire codecs' "body: ",
+        or ``operation=""`` whose messages start ": ", dropped). Returns the error itself, to re-raise."""
+        self.message = self.message.removeprefix(drop) if drop else self.message
+        self.args = (self.message,)
+        self._named = False
+        return self
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r})"
+
+
+class _Boundary(contextlib.AbstractContextManager[None]):
+    """The ``with`` block of :func:`operation_name` (or, with ``part``, of :func:`operation_part`)."""
+
+    def __init__(self, name: str, *, part: bool = False) -> None:
+        self.name = name
+        self.part = part
+
+    def __exit__(self, kind: object, exc: BaseException | None, traceback: object) -> None:
+        if isinstance(exc, NtkServiceError):
+            if self.part:
+                exc.add_part(self.name)
+            else:
+                exc.name_operation(self.name)
+
+
+def operation_name(operation: str | None) -> contextlib.AbstractContextManager[None]:
+    """The boundary of an operation: every ``NtkServiceError`` raised inside without its operation leaves with
+    ``operation`` at the start of its message (NOTE [operation names]). None: no boundary (the caller's names it).
+    """
+    return contextlib.nullcontext() if operation is None else _Boundary(operation)
+
+
+def operation_part(part: str) -> contextlib.AbstractContextManager[None]:
+    """A part of an operation (a side, a field): every detail raised inside gets ``part: `` in front and stays a
+    detail, so the operation's boundary still names it (``op: part: detail``; NOTE [operation names])."""
+    return _Boundary(part, part=True)
 
 
 class InvalidInput(NtkServiceError, ValueError):
@@ -233,8 +312,15 @@ class PayloadTooLarge(ResourceLimit):
 
 
 class _EstimateExceeded(ResourceLimit):
-    def __init__(self, message: str, *, estimate_bytes: int | None = None, budget_bytes: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        detail: str | None = None,
+        estimate_bytes: int | None = None,
+        budget_bytes: int | None = None,
+    ) -> None:
+        super().__init__(message, detail=detail)
         self.estimate_bytes = estimate_bytes
         self.budget_bytes = budget_bytes
 
@@ -257,8 +343,8 @@ class Busy(NtkServiceError):
     error_type = "busy"
     http_status = 429
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
-        super().__init__(message)
+    def __init__(self, message: str = "", *, detail: str | None = None, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, detail=detail)
         self.retry_after_s = retry_after_s
 
 

@@ -53,10 +53,12 @@ PACKAGE_LAYERS: dict[str, tuple[str, ...]] = {
 KERNEL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("words", ("modes", "types", "_moved")),
     ("problem", ("problem",)),
+    ("spec", ("spec",)),  # KernelSpec: what to compute, normalised once
     ("primitives", ("algorithm", "groups", "derived", "planning")),
     ("runtime", ("runtime",)),
     ("implementations", ("jacobian_contraction", "ntk_vector_products", "structured")),
     ("dispatch", ("choice", "blocks", "options")),
+    ("core", ("core",)),  # the one private core every public function calls
     ("api", ("api",)),
     ("consumers", ("family", "operators", "sketch", "functional")),
 )
@@ -256,7 +258,7 @@ def test_the_scan_sees_the_package() -> None:
     assert "ntk_service.kernels.api" in modules() and "ntk_service.client" in modules()
     found = {(e.importer, e.imported) for e in edges()}
     assert ("ntk_service.wire", "ntk_service.errors") in found
-    assert ("ntk_service.kernels.api", "ntk_service.kernels.blocks") in found
+    assert ("ntk_service.kernels.core", "ntk_service.kernels.blocks") in found
     assert all(kernel_layer(m) is not None for m in modules() if m.startswith("ntk_service.kernels"))
 
 

@@ -11,6 +11,7 @@ whether numbers match (layout, the TRACE reading, losses and time scales, ridge,
     >>> out = linearized_predictions(theta, y, times=[0, 100, math.inf], learning_rate=0.1)
     >>> out.train.shape                                                 # (3, N, k)
     >>> spectrum(theta, top=20).eigenvalues                             # (20,) descending
+    >>> spectrum_memory_bytes(n * k, top=20)                            # its peak, checked before computing
     >>> alignment(theta, labels, variant="centered")                    # float
     >>> flin = linearize(model)                # an nn.Module: f0 + J(θ − θ0), train θ with any optimizer
     >>> cmp = compare_training(model, x, labels, loss=nn.CrossEntropyLoss(), steps=100)
@@ -20,22 +21,23 @@ whether numbers match (layout, the TRACE reading, losses and time scales, ridge,
 from __future__ import annotations
 
 from ntk_service.analysis.alignment import Variant, alignment
-from ntk_service.analysis.distance import kernel_distance, relative_change
+from ntk_service.analysis.distance import distances_memory_bytes, kernel_distance, relative_change
 from ntk_service.analysis.gp import GpPosterior, gp_inference
 from ntk_service.analysis.layout import as_matrix
 from ntk_service.analysis.lazy_training import TrainingComparison, compare_training
-from ntk_service.analysis.linearize import TaylorExpansion, linearize, taylor_expand
+from ntk_service.analysis.linearize import TaylorExpansion, linearize, outputs_float64, taylor_expand
 from ntk_service.analysis.linearized import (
     Flow,
     LinearizedPredictions,
     Loss,
+    linearized_memory_bytes,
     linearized_predictions,
     loss_scale,
     max_learning_rate,
 )
 from ntk_service.analysis.ridge import RidgeScale
 from ntk_service.analysis.solve import CgOptions, SolveResult
-from ntk_service.analysis.spectrum import Method, Spectrum, spectrum, stored_kernel_operator
+from ntk_service.analysis.spectrum import Method, Spectrum, spectrum, spectrum_memory_bytes, stored_kernel_operator
 from ntk_service.analysis.tiles import KernelTile
 
 __all__ = [
@@ -55,14 +57,18 @@ __all__ = [
     "alignment",
     "as_matrix",
     "compare_training",
+    "distances_memory_bytes",
     "gp_inference",
     "kernel_distance",
     "linearize",
+    "linearized_memory_bytes",
     "linearized_predictions",
     "loss_scale",
     "max_learning_rate",
+    "outputs_float64",
     "relative_change",
     "spectrum",
+    "spectrum_memory_bytes",
     "stored_kernel_operator",
     "taylor_expand",
 ]

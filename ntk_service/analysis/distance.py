@@ -16,7 +16,13 @@ import numpy as np
 from ntk_service.analysis.tiles import DEFAULT_BLOCK_ROWS, KernelTile, iter_tiles
 from ntk_service.errors import InvalidInput, ShapeMismatch
 
-__all__ = ["kernel_distance", "relative_change"]
+__all__ = ["distances_memory_bytes", "kernel_distance", "relative_change"]
+
+
+def distances_memory_bytes(count: int, size: int) -> int:
+    """Bytes of ``count`` dense float64 kernels of side ``size`` kept for their pairwise distances, plus one more
+    in flight (the next kernel while it is computed)."""
+    return 8 * (count + 1) * size * size
 
 
 def _paired(k1: Any, k2: Any, *, operation: str, block_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:

@@ -31,16 +31,18 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call, jvp
 
 from ntk_service.errors import InvalidInput, NoMatchingParameters, UnsupportedModel
 from ntk_service.kernels.problem.math_attention import attention_scope
+from ntk_service.kernels.problem.outputs import OutputPath, select_output
 from ntk_service.kernels.problem.parameter_selection import select_parameters
 from ntk_service.kernels.problem.private_module import eval_semantics, private_copy
 
-__all__ = ["TaylorExpansion", "linearize", "taylor_expand"]
+__all__ = ["TaylorExpansion", "linearize", "outputs_float64", "taylor_expand"]
 
 MAX_ORDER = 4
 """Highest Taylor order accepted: the nested jvp costs ~2^order forward passes, and beyond 4 terms the series of a
@@ -224,3 +226,44 @@ def taylor_expand(model: nn.Module, order: int = 2, params: Sequence[str] | None
     if isinstance(order, bool) or not isinstance(order, int) or not 1 <= order <= MAX_ORDER:
         raise InvalidInput(f"taylor_expand: order must be an integer from 1 to {MAX_ORDER}, got {order!r}")
     return TaylorExpansion(model, order=order, params=params, operation="taylor_expand")
+
+
+def outputs_float64(
+    model: nn.Module,
+    x: torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor],
+    *,
+    output: OutputPath | None = None,
+) -> np.ndarray:
+    """f(x; θ0) in float64, (N, k): the linearized network's f0 at the model's parameters, computed on float64
+    copies of its tensors (the model itself, which may be shared, is never touched or converted).
+
+    Args:
+        model (nn.Module): the network, in the mode it is in (the registry's modules are in eval mode).
+        x (Tensor, tuple or mapping): (N, *input), or forward's positional / keyword inputs; float leaves are
+            converted to float64, integer leaves (token ids) are passed as they are.
+        output (OutputPath, optional): which tensor of forward's return value is f (``problem/outputs.py``).
+            Default: None (forward returns a tensor).
+
+    Returns:
+        ndarray (N, k) float64, k = the selected output's size per example.
+
+    Raises:
+        InvalidInput: ``output`` does not select a tensor from what forward returned.
+    """
+    tensors = {
+        name: t.detach().to(torch.float64) if t.is_floating_point() else t.detach()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+    }
+
+    def f64(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float64) if t.is_floating_point() else t
+
+    if isinstance(x, dict):
+        args: tuple[Any, ...] = ()
+        kwargs = {key: f64(t) for key, t in x.items()}
+    else:
+        args, kwargs = tuple(f64(t) for t in (x if isinstance(x, tuple) else (x,))), {}
+    n = int(next(iter(kwargs.values())).shape[0]) if kwargs else int(args[0].shape[0])
+    with torch.no_grad():
+        out = select_output(functional_call(model, tensors, args, kwargs), output, "outputs_float64")
+    return np.asarray(out.reshape(n, -1).cpu().numpy(), dtype=np.float64)

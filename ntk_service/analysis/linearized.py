@@ -43,7 +43,16 @@ from ntk_service.analysis.solve.krylov import krylov_predictions, operator_lambd
 from ntk_service.errors import InvalidInput, ShapeMismatch, UnstableLearningRate
 from ntk_service.kernels.modes import KernelMode
 
-__all__ = ["Flow", "LinearizedPredictions", "Loss", "linearized_predictions", "loss_scale", "max_learning_rate"]
+__all__ = [
+    "PREDICTION_COPIES",
+    "Flow",
+    "LinearizedPredictions",
+    "Loss",
+    "linearized_memory_bytes",
+    "linearized_predictions",
+    "loss_scale",
+    "max_learning_rate",
+]
 
 Loss = Literal["mse", "sum", "half_mse", "cross_entropy"]
 """The training loss, named as PyTorch names its reduction (NOTE [losses and time scales]); "cross_entropy" is
@@ -53,6 +62,28 @@ Flow = Literal["gradient_flow", "gradient_descent"]
 """Continuous-time closed form, or the exact discrete iterate for integer step counts."""
 
 _OPERATION = "linearized_predictions"
+
+PREDICTION_COPIES = 5
+"""s×s float64 arrays alive at the peak of ``linearized_predictions`` on a dense kernel of size s: the caller's
+kernel, its matrix here, and eigh's copy, eigenvectors and workspace (LAPACK's divide and conquer needs ~2·s²
+more)."""
+
+
+def linearized_memory_bytes(n: int, m: int, k: int, *, full: bool) -> int:
+    """Peak bytes of ``linearized_predictions`` on dense float64 kernels, the caller's included: Θ(train, train)
+    of size s = N·k (FULL) or N (TRACE) ``PREDICTION_COPIES`` times, and Θ(test, train) (M·k × N·k, or M × N)
+    twice (the caller's and its matrix here).
+
+    Args:
+        n (int): N, the training examples. m (int): M, the test examples (0: none). k (int): outputs per example.
+        full (bool): a FULL kernel (True) or a TRACE one.
+
+    Returns:
+        int: bytes.
+    """
+    size = n * k if full else n
+    cross = m * k * n * k if full else m * n
+    return 8 * (PREDICTION_COPIES * size * size + 2 * cross)
 
 
 def loss_scale(loss: Loss | str, n_entries: int) -> float:

@@ -22,7 +22,16 @@ import scipy.sparse.linalg
 from ntk_service.analysis.layout import to_kernel_matrix
 from ntk_service.errors import InvalidInput, ShapeMismatch
 
-__all__ = ["DENSE_MAX_SIZE", "Method", "Spectrum", "spectrum", "stored_kernel_operator"]
+__all__ = [
+    "DENSE_MAX_SIZE",
+    "SPECTRUM_COPIES",
+    "Method",
+    "Spectrum",
+    "lanczos_vectors",
+    "spectrum",
+    "spectrum_memory_bytes",
+    "stored_kernel_operator",
+]
 
 Method = Literal["auto", "eigh", "lanczos"]
 
@@ -30,10 +39,43 @@ DENSE_MAX_SIZE = 4096
 """With ``method="auto"`` and ``top`` given, matrices larger than this use Lanczos: a dense eigh of n = 4096
 float64 takes ~3·n² floats (400 MB) and O(n³) time, while top-k Lanczos needs a few dozen products."""
 
+SPECTRUM_COPIES = {"eigh": 3, "lanczos": 2}
+"""n×n float64 arrays alive while ``spectrum`` runs on a dense kernel: the caller's kernel and the symmetrized
+matrix, plus eigvalsh's copy for eigh."""
+
 _STORED_BLOCK_ROWS = 256
 """Rows of a stored kernel read per block in ``stored_kernel_operator`` (memory: rows · N · k² floats)."""
 
 _OPERATION = "spectrum"
+
+
+def lanczos_vectors(top: int, size: int) -> int:
+    """Vectors of length n ARPACK's ``eigsh`` holds for ``top`` eigenvalues (ncv = max(2·top + 1, 20), capped at
+    n) plus its workspace, about as many again."""
+    return 2 * min(size, max(2 * top + 1, 20))
+
+
+def spectrum_memory_bytes(
+    size: int, *, top: int | None = None, method: Method | str = "auto", operator: bool = False
+) -> int:
+    """Peak float64 bytes of ``spectrum`` for an n = ``size`` kernel: with a dense kernel, ``SPECTRUM_COPIES`` of
+    it (the caller's included) for the method ``spectrum`` will take; with a matrix-free operator, its Lanczos
+    basis only (each product's own memory is the operator's, checked when it is built).
+
+    Args:
+        size (int): n, the kernel's side (N·k FULL, N TRACE).
+        top (int | None): as ``spectrum``; required with ``operator``. method (str): as ``spectrum``.
+        operator (bool): the kernel is an operator, never formed. Default: False.
+
+    Returns:
+        int: bytes.
+    """
+    if operator:
+        if top is None:
+            raise InvalidInput(f"{_OPERATION}: an operator's spectrum is its top eigenvalues; give top")
+        return 8 * lanczos_vectors(top, size) * size
+    dense = top is None or top >= size or method == "eigh" or (method == "auto" and size <= DENSE_MAX_SIZE)
+    return 8 * SPECTRUM_COPIES["eigh" if dense else "lanczos"] * size * size
 
 
 @dataclass(frozen=True)

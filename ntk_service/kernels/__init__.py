@@ -4,7 +4,8 @@
 ``compute_nngp`` (NNGP and feature kernels), ``monte_carlo_ntk`` (kernels averaged over initializations),
 ``ntk_operator`` and ``dataset_operator`` (matrix-free Θ·v, in memory or over a data set read in chunks),
 ``ntk_features`` (sketched features, Gaussian or structured: ``SketchKind``), ``mode="pseudo"`` (the pseudo-NTK) and
-``compute_ntk_groups`` (Θ per layer or parameter group).
+``compute_ntk_groups`` (Θ per layer or parameter group). What a call computes is one ``KernelSpec`` (``spec=``), how
+it computes one ``NtkOptions`` (``options=``): every public function takes both (``kernels/core.py``).
 """
 
 from ntk_service.kernels.api import DEFAULT_IMPLEMENTATION, compute_ntk, compute_ntk_groups, warm_up
@@ -32,6 +33,7 @@ from ntk_service.kernels.sketch.features import (
     feature_kernel,
     ntk_features,
 )
+from ntk_service.kernels.spec import KernelSpec
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, NtkResult
 
@@ -43,6 +45,7 @@ __all__ = [
     "MAX_FEATURE_DIM",
     "KernelKind",
     "KernelMode",
+    "KernelSpec",
     "MonteCarloResult",
     "NngpResult",
     "NtkGroupsResult",

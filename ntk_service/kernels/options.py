@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, operation_name
 from ntk_service.kernels.runtime.device import parse_device
 from ntk_service.kernels.structured import StructuredOptions
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
@@ -115,6 +116,49 @@ class NtkOptions:
             raise InvalidInput(f"NtkOptions.replace: unknown fields {unknown}; the fields are {fields}")
         return dataclasses.replace(self, **changes)
 
+    def to_json(self) -> dict[str, Any]:
+        """These options as plain JSON values: ``NtkOptions.from_json`` inverts it (job records store it).
+
+        ``structured`` lists only the switches that differ from ``StructuredOptions()``.
+        """
+        default = StructuredOptions()
+        return {
+            "implementation": self.implementation.value,
+            "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "device": None if self.device is None else str(self.device),
+            "allow_tf32": self.allow_tf32,
+            "structured": {
+                f.name: getattr(self.structured, f.name)
+                for f in dataclasses.fields(StructuredOptions)
+                if getattr(self.structured, f.name) != getattr(default, f.name)
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> NtkOptions:
+        """The options ``to_json`` wrote (fields left out take their defaults).
+
+        Raises:
+            InvalidInput: a key that is not a field, or a value the constructor refuses (a device this machine
+                does not have included).
+        """
+        if not isinstance(data, Mapping):
+            raise InvalidInput(f"NtkOptions.from_json: expected an object of fields, got {type(data).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise InvalidInput(f"NtkOptions.from_json: unknown fields {unknown}; the fields are {names}")
+        fields = dict(data)
+        switches = fields.pop("structured", None) or {}
+        known = {f.name for f in dataclasses.fields(StructuredOptions)}
+        if not isinstance(switches, Mapping) or set(switches) - known:
+            raise InvalidInput(
+                f"NtkOptions.from_json: structured must be an object of StructuredOptions fields {sorted(known)}, "
+                f"got {switches!r}"[:300]
+            )
+        return cls(**fields, structured=StructuredOptions(**switches))
+
 
 def _parse_dtype(dtype: object) -> torch.dtype | None:
     """None, or float32 / float64 as a ``torch.dtype``; raises InvalidInput otherwise."""
@@ -136,13 +180,14 @@ class Shorthands(NamedTuple):
     structured_options: StructuredOptions | None
 
 
-def resolve_options(options: NtkOptions | None, loose: Shorthands, *, operation: str) -> NtkOptions:
+def resolve_options(options: NtkOptions | None, loose: Shorthands, *, operation: str | None = None) -> NtkOptions:
     """The options of a call from ``options`` or from its loose keywords (NOTE [loose keywords]).
 
     Args:
         options (NtkOptions, optional): the call's ``options=``.
         loose (Shorthands): the call's loose keywords.
-        operation (str): the call, for messages, e.g. "compute_ntk".
+        operation (str, optional): names the errors here (NOTE [operation names] in errors.py). Default: None,
+            the caller's boundary names them.
 
     Returns:
         NtkOptions: ``options`` itself, or a value built from the loose keywords that were given.
@@ -153,12 +198,13 @@ def resolve_options(options: NtkOptions | None, loose: Shorthands, *, operation:
     given = {name: value for name, value in loose._asdict().items() if value is not None}
     if options is None:
         return NtkOptions(**{LOOSE_KEYWORDS[name]: value for name, value in given.items()})
-    if not isinstance(options, NtkOptions):
-        raise InvalidInput(f"{operation}: options must be an NtkOptions, got {type(options).__name__}")
-    if given:
+    if isinstance(options, NtkOptions) and not given:
+        return options
+    with operation_name(operation):
+        if not isinstance(options, NtkOptions):
+            raise InvalidInput(detail=f"options must be an NtkOptions, got {type(options).__name__}")
         shown = ", ".join(f"{LOOSE_KEYWORDS[name]}=..." for name in given)
         raise InvalidInput(
-            f"{operation}: {', '.join(sorted(given))} given together with options=; pass one or the other, "
+            detail=f"{', '.join(sorted(given))} given together with options=; pass one or the other, "
             f"e.g. options=options.replace({shown})"
         )
-    return options

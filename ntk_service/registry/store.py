@@ -411,14 +411,24 @@ class ModelRegistry:
             PermissionDenied: a factory model whose factory the operator no longer allows.
         """
         record = self.get(name, version)
+        return record, self.module(record)
+
+    def module(self, record: ModelRecord) -> nn.Module:
+        """The module of a record already read (``get``): from the LRU cache or built from its weights file,
+        without reading the record again. Shared between callers, as ``load_module``'s.
+
+        Raises:
+            PermissionDenied: a factory model whose factory the operator no longer allows.
+            NtkServiceError: the weights file is missing (the data directory was damaged).
+        """
 
         def build() -> nn.Module:
-            op = f"load_module {name!r} version {record.version}"
+            op = f"load_module {record.name!r} version {record.version}"
             module = self._skeleton(record, op)
             load_tensors(module, safetensors.torch.load_file(self._weights_file(record)), operation=op)
             return module.eval()
 
-        return record, self._cache.get_or_build(record.cache_key, build)
+        return self._cache.get_or_build(record.cache_key, build)
 
     def close(self) -> None:
         """Close the database connections and drop cached modules."""

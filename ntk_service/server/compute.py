@@ -74,20 +74,27 @@ class ComputeLimiter:
         rounds = (self._pending + 1) / self.concurrency
         return max(1.0, math.ceil(rounds * self._mean_seconds))
 
-    async def run(self, fn: Callable[[], T], *, operation: str) -> T:
+    async def run(self, fn: Callable[[], T], *, operation: str | None = None) -> T:
         """Run ``fn()`` in a worker thread once a slot is free; return its result (its exceptions propagate).
+
+        Args:
+            operation: names the refusal here; None: the route's boundary does (NOTE [operation names] in
+                errors.py).
 
         Raises:
             Busy: ``concurrency`` computations run and ``max_queue`` wait already (429, with Retry-After).
         """
         if self._pending >= self.concurrency + self.max_queue:
             self._metrics.computes_rejected.inc()
-            raise Busy(
-                f"{operation}: the server is at capacity "
+            busy = Busy(
+                detail="the server is at capacity "
                 f"({self.concurrency} computing, {self.max_queue} waiting); "
                 f"retry after the Retry-After delay, or send smaller requests",
                 retry_after_s=self.retry_after_s(),
             )
+            if operation is not None:
+                busy.name_operation(operation)
+            raise busy
         self._pending += 1
         self._metrics.computes_waiting.inc()
         waiting = True

@@ -8,7 +8,9 @@ that object as JSON text) answers one kernel per group:
 - ``Accept: application/x-safetensors``: one tensor per group, named by the group, with the metadata as strings
   (``groups``: the names in order, as a JSON list; ``parameters``: a JSON object of the names in each group).
 
-A grouped answer is several tensors, so ``application/x-npy`` is not offered (406 naming the two that are).
+A grouped answer is several tensors, so ``application/x-npy`` is not offered (406 naming the two that are). The
+answer's schemas (``GroupKernelPublic``, ``KernelGroupsPublic``) are in ``schemas.py`` with the other kernel
+schemas (importable from here as before).
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, Field
 from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, format_bytes
-from ntk_service.kernels import NtkGroupsResult, NtkImplementation
+from ntk_service.kernels import NtkGroupsResult
 from ntk_service.server.media import json_too_large
-from ntk_service.server.schemas import ELAPSED_DESCRIPTION, KernelModeValue, KernelOptions, TensorJson
+from ntk_service.server.schemas import GroupKernelPublic, KernelGroupsPublic, KernelOptions
 
 __all__ = [
     "GROUP_RESPONSE_TYPES",
@@ -45,29 +46,7 @@ _RESERVED_NAMES = frozenset({"__metadata__"})
 """Names a safetensors body cannot give a tensor (its header's metadata entry)."""
 
 
-class GroupKernelPublic(BaseModel):
-    """One group's kernel in the JSON answer."""
-
-    name: str = Field(description='The group\'s name: a key of `groups`, a module path for "modules", or "rest".')
-    parameters: list[str] = Field(description="The parameters the group holds (`named_parameters()` names).")
-    theta: TensorJson = Field(
-        description="Θ_g(x1, x2) of the group's parameters alone, in the mode's layout (as `theta` of the plain "
-        "kernel answer); the groups sum to the kernel of all their parameters."
-    )
-
-
-class KernelGroupsPublic(BaseModel):
-    """The JSON answer of a kernel request with ``groups``."""
-
-    groups: list[GroupKernelPublic] = Field(description="One kernel per group, in the order the groups were given.")
-    mode: KernelModeValue = Field(description="The mode computed.")
-    implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
-    model: str = Field(description="The model's name.")
-    version: int = Field(description="The model version used.")
-    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
-
-
-def parse_groups_query(value: str | None, *, operation: str) -> Any:
+def parse_groups_query(value: str | None) -> Any:
     """The ``groups`` query value of a binary-body request: "modules", or a JSON object text (None when absent)."""
     if value is None or value == "modules":
         return value
@@ -77,26 +56,28 @@ def parse_groups_query(value: str | None, *, operation: str) -> Any:
         parsed = None
     if not isinstance(parsed, dict):
         raise InvalidInput(
-            f'{operation}: groups={value!r} in the query must be "modules" or a JSON object '
+            detail=f'groups={value!r} in the query must be "modules" or a JSON object '
             '{"name": ["glob", ...]}, e.g. groups={"head":["head.*"]} (URL-encoded)'
         )
     return parsed
 
 
-def check_group_options(options: KernelOptions, *, operation: str) -> None:
+def check_group_options(options: KernelOptions) -> None:
     """Refuse what a grouped request cannot mean before any work: params beside groups, rest without groups, a
     group name a safetensors answer cannot carry."""
     if options.groups is not None and options.params is not None:
-        raise InvalidInput(f"{operation}: params and groups both select parameters; put the globs in groups")
+        raise InvalidInput(detail="params and groups both select parameters; put the globs in groups")
     if options.rest and options.groups is None:
-        raise InvalidInput(f"{operation}: rest=true needs groups")
+        raise InvalidInput(detail="rest=true needs groups")
     if isinstance(options.groups, dict):
         bad = sorted(_RESERVED_NAMES & set(options.groups))
         if bad:
-            raise InvalidInput(f"{operation}: group name {bad[0]!r} is reserved by the safetensors format; rename it")
+            raise InvalidInput(detail=f"group name {bad[0]!r} is reserved by the safetensors format; rename it")
 
 
-def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str) -> Response:
+def encode_groups(
+    result: NtkGroupsResult, media: str, meta: dict[str, Any], *, cap: int, operation: str | None = None
+) -> Response:
     """The group kernels as ``media``: safetensors (a tensor per group) or JSON (406 over ``cap`` bytes)."""
     arrays = {name: theta.detach().cpu().numpy() for name, theta in result.thetas.items()}
     parameters = {name: list(names) for name, names in result.parameters.items()}
@@ -112,6 +93,6 @@ def encode_groups(result: NtkGroupsResult, media: str, meta: dict[str, Any], *, 
     body = wire.json_dumps({"groups": entries, **meta})
     if len(body) > cap:
         raise json_too_large(
-            format_bytes(len(body)), cap, operation=operation, hint=" (group kernels: safetensors, not npy)"
+            format_bytes(len(body)), cap, hint=" (group kernels: safetensors, not npy)", operation=operation
         )
     return Response(body, media_type=wire.MEDIA_JSON)

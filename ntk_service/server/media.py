@@ -21,14 +21,17 @@ from ntk_service import wire
 from ntk_service.errors import (
     InvalidInput,
     NotAcceptable,
+    NtkServiceError,
     PayloadTooLarge,
     UnsupportedMediaType,
     format_bytes,
+    operation_name,
 )
 from ntk_service.server.error_responses import error_response
 
 __all__ = [
     "BINARY_TENSOR_TYPES",
+    "MIN_JSON_BYTES_PER_VALUE",
     "BodyLimitMiddleware",
     "collection_response",
     "encode_theta",
@@ -38,10 +41,15 @@ __all__ = [
     "negotiate",
     "parse_off_loop",
     "take_tensor",
+    "wire_detail",
     "read_json",
     "read_tensors",
     "require_content_type",
 ]
+
+MIN_JSON_BYTES_PER_VALUE = 4
+"""The shortest a float can be in JSON data ("0.0,"): an answer whose value count times this exceeds the JSON cap
+is refused before computing; otherwise the encoded length decides."""
 
 BINARY_TENSOR_TYPES = (wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
 """Binary media types a tensor body or response may use."""
@@ -57,8 +65,12 @@ def content_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
 
 
-def require_content_type(request: Request, allowed: Sequence[str], *, operation: str) -> str:
+def require_content_type(request: Request, allowed: Sequence[str], *, operation: str | None = None) -> str:
     """The request's media type if it is one of ``allowed``.
+
+    Args:
+        operation: names the error here; None: the route's boundary does (NOTE [operation names] in errors.py).
+            The same holds for every ``operation`` argument of this module.
 
     Raises:
         UnsupportedMediaType: missing or other Content-Type (415), naming the allowed ones.
@@ -66,11 +78,21 @@ def require_content_type(request: Request, allowed: Sequence[str], *, operation:
     media = content_type(request)
     if media not in allowed:
         got = repr(media) if media else "no Content-Type"
-        raise UnsupportedMediaType(
-            f"{operation}: expected Content-Type {' or '.join(allowed)}, got {got}; "
-            "set the Content-Type header to match the body"
-        )
+        with operation_name(operation):
+            raise UnsupportedMediaType(
+                detail=f"expected Content-Type {' or '.join(allowed)}, got {got}; "
+                "set the Content-Type header to match the body"
+            )
     return media
+
+
+def wire_detail(decode: Callable[[], T]) -> T:
+    """``decode()``, a wire codec given the name of what it decodes ("body", "x1"): its errors, which start with
+    that name, become details the operation's boundary names (NOTE [operation names] in errors.py)."""
+    try:
+        return decode()
+    except NtkServiceError as exc:
+        raise exc.leave_operation() from None
 
 
 async def parse_off_loop(fn: Callable[[], T], *, size: int) -> T:
@@ -84,19 +106,22 @@ async def parse_off_loop(fn: Callable[[], T], *, size: int) -> T:
     return await anyio.to_thread.run_sync(fn)
 
 
-async def read_json(request: Request, *, operation: str) -> Any:
+async def read_json(request: Request, *, operation: str | None = None) -> Any:
     """The parsed JSON body (orjson).
 
     Raises:
         UnsupportedMediaType: Content-Type is not application/json (415).
         MalformedRequest: the body is not valid JSON (400).
     """
-    require_content_type(request, (wire.MEDIA_JSON,), operation=operation)
+    if operation is not None:  # a caller that names its operation here
+        with operation_name(operation):
+            return await read_json(request)
+    require_content_type(request, (wire.MEDIA_JSON,))
     body = await request.body()
-    return await parse_off_loop(lambda: wire.json_loads(body, name=f"{operation}: body"), size=len(body))
+    return await parse_off_loop(lambda: wire_detail(lambda: wire.json_loads(body, name="body")), size=len(body))
 
 
-async def read_tensors(request: Request, *, operation: str, npy_name: str) -> dict[str, np.ndarray]:
+async def read_tensors(request: Request, *, npy_name: str, operation: str | None = None) -> dict[str, np.ndarray]:
     """Named arrays from an ``application/x-npy`` body (one array, named ``npy_name``) or a safetensors body.
 
     Raises:
@@ -104,18 +129,21 @@ async def read_tensors(request: Request, *, operation: str, npy_name: str) -> di
         MalformedRequest: the body cannot be decoded (400).
         InvalidInput: a dtype that cannot travel on the wire (422).
     """
-    media = require_content_type(request, BINARY_TENSOR_TYPES, operation=operation)
+    if operation is not None:  # a caller that names its operation here
+        with operation_name(operation):
+            return await read_tensors(request, npy_name=npy_name)
+    media = require_content_type(request, BINARY_TENSOR_TYPES)
     body = await request.body()
 
     def decode() -> dict[str, np.ndarray]:
         if media == wire.MEDIA_NPY:
-            return {npy_name: wire.decode_npy(body, name=f"{operation}: body")}
-        return wire.decode_safetensors(body, name=f"{operation}: body")[0]
+            return {npy_name: wire.decode_npy(body, name="body")}
+        return wire.decode_safetensors(body, name="body")[0]
 
-    return await parse_off_loop(decode, size=len(body))
+    return await parse_off_loop(lambda: wire_detail(decode), size=len(body))
 
 
-def take_tensor(tensors: dict[str, np.ndarray], name: str, *, operation: str) -> np.ndarray:
+def take_tensor(tensors: dict[str, np.ndarray], name: str, *, operation: str | None = None) -> np.ndarray:
     """Remove and return ``tensors[name]``.
 
     Raises:
@@ -123,10 +151,11 @@ def take_tensor(tensors: dict[str, np.ndarray], name: str, *, operation: str) ->
     """
     array = tensors.pop(name, None)
     if array is None:
-        raise InvalidInput(
-            f"{operation}: the safetensors body has no tensor {name!r} (it has {sorted(tensors) or 'none'}); "
-            f"name the tensor {name!r}"
-        )
+        with operation_name(operation):
+            raise InvalidInput(
+                detail=f"the safetensors body has no tensor {name!r} (it has {sorted(tensors) or 'none'}); "
+                f"name the tensor {name!r}"
+            )
     return array
 
 
@@ -160,13 +189,13 @@ def _quality(offer: str, ranges: list[tuple[str, float]]) -> float:
     return best[1] if best is not None else 0.0
 
 
-def negotiate(request: Request, offered: Sequence[str], *, operation: str) -> str:
+def negotiate(request: Request, offered: Sequence[str], *, operation: str | None = None) -> str:
     """The response media type: the offered type the client's ``Accept`` ranks highest (ties: offer order).
 
     Args:
         request: the request whose ``Accept`` header is read; absent or empty means ``offered[0]``.
         offered: media types this route can produce, preferred first.
-        operation: names the route in the error message.
+        operation: names the route in the error message (None: the route's boundary does).
 
     Raises:
         NotAcceptable: no offered type is acceptable (406), naming the offered ones.
@@ -178,9 +207,10 @@ def negotiate(request: Request, offered: Sequence[str], *, operation: str) -> st
     scored = [(_quality(offer, ranges), -i, offer) for i, offer in enumerate(offered)]
     q, _, best = max(scored)
     if q <= 0:
-        raise NotAcceptable(
-            f"{operation}: cannot produce any of Accept: {header!r}; this route offers {', '.join(offered)}"
-        )
+        with operation_name(operation):
+            raise NotAcceptable(
+                detail=f"cannot produce any of Accept: {header!r}; this route offers {', '.join(offered)}"
+            )
     return best
 
 
@@ -236,16 +266,19 @@ class BodyLimitMiddleware:
         await self.app(scope, receive_with_limit, send)
 
 
-def json_too_large(size: str, cap: int, *, operation: str, hint: str = "") -> NotAcceptable:
+def json_too_large(size: str, cap: int, *, hint: str = "", operation: str | None = None) -> NotAcceptable:
     """The 406 for a JSON kernel over ``NTK_MAX_JSON_RESPONSE_BYTES``, pointing to the binary types."""
-    return NotAcceptable(
-        f"{operation}: the JSON response would be {size}, over the server's JSON limit of {format_bytes(cap)} "
+    error = NotAcceptable(
+        detail=f"the JSON response would be {size}, over the server's JSON limit of {format_bytes(cap)} "
         f"(NTK_MAX_JSON_RESPONSE_BYTES); send 'Accept: {wire.MEDIA_NPY}' or 'Accept: {wire.MEDIA_SAFETENSORS}'" + hint
     )
+    if operation is not None:
+        error.name_operation(operation)
+    return error
 
 
 def encode_theta(
-    theta: np.ndarray, media: str, meta: dict[str, Any], *, cap: int, operation: str, hint: str = ""
+    theta: np.ndarray, media: str, meta: dict[str, Any], *, cap: int, hint: str = "", operation: str | None = None
 ) -> Response:
     """A kernel (or a block of one) as ``media``: ``.npy`` with ``X-NTK-*`` headers, safetensors (tensor ``theta``,
     metadata as strings) or JSON ``{"theta": tensor, **meta}`` (406 over ``cap`` bytes)."""

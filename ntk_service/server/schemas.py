@@ -8,10 +8,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictInt, Tag, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PlainValidator,
+    StrictInt,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+)
 
-from ntk_service.errors import InvalidInput, MalformedRequest
+from ntk_service.errors import InvalidInput, MalformedRequest, operation_name
 from ntk_service.kernels.family.monte_carlo import MAX_MONTE_CARLO_SEEDS
+from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.spec import MODES_BY_VALUE
 from ntk_service.kernels.types import NtkImplementation
 from ntk_service.registry.architectures import ArchitectureSpec
 from ntk_service.registry.store import MAX_LABEL_LENGTH
@@ -34,10 +46,13 @@ __all__ = [
     "DatasetRef",
     "DatasetsPublic",
     "Globs",
+    "GroupKernelPublic",
     "GroupName",
     "KernelOptions",
     "KernelPublic",
     "KernelGroups",
+    "KernelGroupsPublic",
+    "KernelModeField",
     "KernelModeValue",
     "KernelRequest",
     "LayerName",
@@ -66,6 +81,17 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 KernelModeValue = ModeName
 """The wire values of KernelMode and DerivedMode as one Literal (``vocabulary.ModeName``), so a bad mode gets one
 plain message ("mode: Input should be 'full', 'trace', ..."), not one per enum of a union (tested against the enums)."""
+
+_MODE_VALUE: TypeAdapter[KernelModeValue] = TypeAdapter(KernelModeValue)
+
+
+def _mode(value: Any) -> KernelMode | DerivedMode:
+    return MODES_BY_VALUE[_MODE_VALUE.validate_python(value)]
+
+
+KernelModeField = Annotated[KernelMode | DerivedMode, PlainValidator(_mode, json_schema_input_type=KernelModeValue)]
+"""A request's ``mode``: validated once as ``KernelModeValue`` (its schema, its one-line message), and held as the
+enum of that value (a lookup), so nothing downstream parses it again."""
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 """Model names: safe in URLs and file names, 1 to 64 characters."""
@@ -115,19 +141,25 @@ MonteCarloSeeds = Annotated[
 """Distinct seeds in [0, 2⁶³), one network each; 1 to MAX_MONTE_CARLO_SEEDS of them."""
 
 
-def validate_body(model: type[ModelT], data: Any, *, operation: str) -> ModelT:
+def validate_body(model: type[ModelT], data: Any, *, operation: str | None = None) -> ModelT:
     """``model.model_validate(data)``, with pydantic's errors turned into one readable line.
+
+    Args:
+        operation: names the errors here; None: the route's boundary does (NOTE [operation names] in errors.py).
 
     Raises:
         MalformedRequest: ``data`` is not a JSON object (400).
         InvalidInput: a field is missing or has a wrong value (422), e.g. ``"seed: Input should be ..."``.
     """
+    if operation is not None:  # a caller that names its operation here
+        with operation_name(operation):
+            return validate_body(model, data)
     if not isinstance(data, dict):
-        raise MalformedRequest(f"{operation}: expected a JSON object, got {type(data).__name__}")
+        raise MalformedRequest(detail=f"expected a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise InvalidInput(f"{operation}: {format_validation_errors(exc.errors())}") from exc
+        raise InvalidInput(detail=format_validation_errors(exc.errors())) from exc
 
 
 class TensorJson(BaseModel):
@@ -159,8 +191,8 @@ class KernelOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: KernelModeValue = Field(
-        default="full",
+    mode: KernelModeField = Field(
+        default=KernelMode.FULL,
         description=mode_help() + " (pseudo: (1/k) Σ_ab Θ_ab).",
     )
     implementation: NtkImplementation = Field(
@@ -216,6 +248,28 @@ class KernelPublic(BaseModel):
         default=None,
         description='Present when float64 inputs were computed in float32 (no dtype="float64" in the request).',
     )
+
+
+class GroupKernelPublic(BaseModel):
+    """One group's kernel in the JSON answer."""
+
+    name: str = Field(description='The group\'s name: a key of `groups`, a module path for "modules", or "rest".')
+    parameters: list[str] = Field(description="The parameters the group holds (`named_parameters()` names).")
+    theta: TensorJson = Field(
+        description="Θ_g(x1, x2) of the group's parameters alone, in the mode's layout (as `theta` of the plain "
+        "kernel answer); the groups sum to the kernel of all their parameters."
+    )
+
+
+class KernelGroupsPublic(BaseModel):
+    """The JSON answer of a kernel request with ``groups``."""
+
+    groups: list[GroupKernelPublic] = Field(description="One kernel per group, in the order the groups were given.")
+    mode: KernelModeValue = Field(description="The mode computed.")
+    implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
+    model: str = Field(description="The model's name.")
+    version: int = Field(description="The model version used.")
+    elapsed_ms: float = Field(description=ELAPSED_DESCRIPTION)
 
 
 class ModelCreate(BaseModel):
@@ -333,7 +387,7 @@ class NngpOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: KernelModeValue = Field(default="full", description="As for /ntk, with d features for k.")
+    mode: KernelModeField = Field(default=KernelMode.FULL, description="As for /ntk, with d features for k.")
     layer: LayerName | None = Field(
         default=None, description="A module name: its output's features. null = the outputs."
     )
@@ -373,7 +427,7 @@ class MonteCarloOptions(BaseModel):
     # strict: JSON true / "7" / 7.0 are not seeds (lax pydantic would turn true into 1, "7" into 7)
     seeds: MonteCarloSeeds = Field(description=f"Distinct seeds, one network each (1 to {MAX_MONTE_CARLO_SEEDS}).")
     kernel: Literal["ntk", "nngp"] = Field(default="ntk", description="The kernel averaged.")
-    mode: KernelModeValue = Field(default="full", description="As for /ntk.")
+    mode: KernelModeField = Field(default=KernelMode.FULL, description="As for /ntk.")
     layer: LayerName | None = Field(default=None, description="kernel=nngp only: the module whose features to use.")
     params: Globs | None = Field(default=None, description="kernel=ntk only: parameter globs; null = all.")
     dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)

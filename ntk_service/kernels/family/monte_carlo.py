@@ -40,6 +40,7 @@ c·(N+M)·k·P floats of Jacobians plus c copies of the parameters, and three ac
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -51,29 +52,29 @@ from torch import nn
 from torch.func import functional_call, jacrev, stack_module_state, vmap
 
 from ntk_service.errors import InvalidInput, UnsupportedModel
-from ntk_service.kernels.api import compute_ntk
 from ntk_service.kernels.blocks import reduce_outputs
+from ntk_service.kernels.core import Call, on_model_device, run, run_kernel
 from ntk_service.kernels.derived import map_of, outputs_of
 from ntk_service.kernels.family.nngp import (
-    compute_nngp,
     example_counts,
     feature_kernel,
     features,
     find_layer,
     kernel_shape,
+    run_nngp,
 )
 from ntk_service.kernels.jacobian_contraction import contract, contract_diagonal
-from ntk_service.kernels.modes import DerivedMode, KernelMode, contraction, parse_any_mode, result_shape
-from ntk_service.kernels.options import NtkOptions
+from ntk_service.kernels.modes import DerivedMode, KernelMode, contraction, result_shape
+from ntk_service.kernels.options import NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, call_module, take, unsqueeze
-from ntk_service.kernels.problem.outputs import parse_output, select_output
+from ntk_service.kernels.problem.outputs import select_output
 from ntk_service.kernels.problem.private_module import check_model
 from ntk_service.kernels.problem.problem import NtkProblem
-from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
-from ntk_service.kernels.types import NamedTensors
+from ntk_service.kernels.spec import KernelSpec, SpecKeywords, refuse_fields, resolve_spec
+from ntk_service.kernels.types import NamedTensors, NtkResult
 
-__all__ = ["MAX_MONTE_CARLO_SEEDS", "KernelKind", "MonteCarloResult", "monte_carlo_ntk"]
+__all__ = ["MAX_MONTE_CARLO_SEEDS", "KernelKind", "MonteCarloResult", "monte_carlo_ntk", "run_monte_carlo"]
 
 MAX_MONTE_CARLO_SEEDS = 1024
 """Most seeds one call takes: the standard error falls as 1/√S, so past ~1000 samples a wider net or a batch of
@@ -287,14 +288,16 @@ def monte_carlo_ntk(
     x2: Inputs | None = None,
     *,
     seeds: Sequence[int],
-    output: str | None = None,
-    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
     kernel: KernelKind | str = KernelKind.NTK,
+    models_per_chunk: int | None = None,
+    spec: KernelSpec | None = None,
+    options: NtkOptions | None = None,
+    output: str | None = None,
+    mode: KernelMode | DerivedMode | str | None = None,
     params: Sequence[str] | None = None,
     layer: str | None = None,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
-    models_per_chunk: int | None = None,
 ) -> MonteCarloResult:
     """The kernel averaged over the networks ``build(seed)`` for every seed, with its per-entry standard error.
 
@@ -304,21 +307,31 @@ def monte_carlo_ntk(
         x1 (Tensor, tuple or mapping): (N, *input), or forward's positional / keyword inputs, as ``compute_ntk``.
         x2 (same kind as x1, optional): (M, *input). Default: None, meaning x2 = x1 (exactly symmetric result).
         seeds (list of int): distinct seeds, 1 to ``MAX_MONTE_CARLO_SEEDS``.
-        output (str, optional): which tensor of forward's return value is f, as ``compute_ntk``. Default: None.
-        mode (str): any ``compute_ntk`` mode, "pseudo" included. Default: "full".
         kernel (str): "ntk" or "nngp" (``compute_nngp``'s kernel). Default: "ntk".
-        params (list of str, optional): NTK of a parameter subset (globs). Default: None (all).
-        layer (str, optional): for kernel="nngp", the module whose output gives the features. Default: None.
-        dtype (torch.dtype or str, optional): float32 or float64. Default: the first model's dtype.
-        memory_budget_bytes (int, optional): peak memory allowed. Default: ``default_memory_budget()``.
         models_per_chunk (int, optional): at most this many models per batched call (the result is the same
             for every value to a few ulps: NOTE [chunking and bits]). Default: None (as many as fit the budget).
+        spec (KernelSpec, optional): what each model's kernel is: ``mode``, ``output``, ``params`` (kernel="ntk")
+            or ``layer`` (kernel="nngp"). Default: None, the one the shorthands below give.
+        options (NtkOptions, optional): how: the dtype and the memory budget; the implementation for a model
+            computed on its own (NOTE [batched ensemble]). The models are computed where ``build`` puts them.
+            Default: None, the one the shorthands below give.
+        output (str, optional): shorthand for ``spec.output``, as ``compute_ntk``. Default: None.
+        mode (str): shorthand for ``spec.mode``: any ``compute_ntk`` mode, "pseudo" included. Default: "full".
+        params (list of str, optional): shorthand for ``spec.params``: NTK of a parameter subset (globs).
+            Default: None (all).
+        layer (str, optional): shorthand for ``spec.layer``: for kernel="nngp", the module whose output gives the
+            features. Default: None.
+        dtype (torch.dtype or str, optional): shorthand for ``options.dtype``: float32 or float64. Default: the
+            first model's dtype.
+        memory_budget_bytes (int, optional): shorthand for ``options.memory_budget_bytes``: peak memory allowed.
+            Default: ``default_memory_budget()``.
 
     Returns:
         MonteCarloResult: ``mean`` and ``stderr`` shaped as the mode's kernel ((N, M, k, k) for FULL, ...).
 
     Raises:
-        InvalidInput: seeds empty, over the limit, repeated or not integers; ``layer`` given for kernel="ntk".
+        InvalidInput: seeds empty, over the limit, repeated or not integers; ``layer`` given for kernel="ntk";
+            shorthands given with their value; a spec with groups; ``options.device`` other than the models'.
         UnknownLayer, UnknownMode, ShapeMismatch, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``
             and ``compute_nngp``; UnsupportedModel also when seeds build different architectures.
         MemoryEstimateExceeded: not even one model's kernel fits the budget.
@@ -333,35 +346,63 @@ def monte_carlo_ntk(
     """
     seed_list = _check_seeds(seeds)
     kind = _parse_kind(kernel)
-    kernel_mode = parse_any_mode(mode, operation=_OPERATION)
-    path = parse_output(output, operation=_OPERATION)
-    if layer is not None and kind is KernelKind.NTK:
-        raise InvalidInput(f"{_OPERATION}: layer={layer!r} names features, which only kernel='nngp' uses")
-    if params is not None and kind is KernelKind.NNGP:
-        raise InvalidInput(f"{_OPERATION}: params={params!r} selects NTK parameters; kernel='nngp' uses none")
+    loose = SpecKeywords(mode=mode, output=output, params=params, layer=layer)
+    what = resolve_spec(spec, loose, operation=_OPERATION)
+    how = resolve_options(options, Shorthands(None, dtype, memory_budget_bytes, None, None, None), operation=_OPERATION)
+    refuse_fields(what, ("groups", "rest"), operation=_OPERATION)
+    if what.layer is not None and kind is KernelKind.NTK:
+        raise InvalidInput(f"{_OPERATION}: layer={what.layer!r} names features, which only kernel='nngp' uses")
+    if what.params is not None and kind is KernelKind.NNGP:
+        raise InvalidInput(
+            f"{_OPERATION}: params={list(what.params)!r} selects NTK parameters; kernel='nngp' uses none"
+        )
     if models_per_chunk is not None and not _positive_int(models_per_chunk):
         raise InvalidInput(f"{_OPERATION}: models_per_chunk must be a positive integer, got {models_per_chunk!r}")
-    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
     first = _built(build, seed_list[0], None)
+    on_model_device(how, first, operation=_OPERATION)
+    ensemble = _Seeds(build, seed_list, first, kind, models_per_chunk)
+    return run(lambda call: run_monte_carlo(ensemble, x1, x2, call), what, how, device_of=first)
+
+
+@dataclass(frozen=True)
+class _Seeds:
+    """What ``monte_carlo_ntk`` averages over, checked: the builder, the seeds, the first model (built), the kernel
+    and the chunk limit."""
+
+    build: Callable[[int], nn.Module]
+    seeds: list[int]
+    first: nn.Module
+    kind: KernelKind
+    models_per_chunk: int | None
+
+
+def run_monte_carlo(seeds: _Seeds, x1: Inputs, x2: Inputs | None, call: Call) -> MonteCarloResult:
+    """``monte_carlo_ntk`` of a checked call (``kernels/core.py``): the implementation, never re-checking it."""
+    seed_list, first, kind, spec = seeds.seeds, seeds.first, seeds.kind, call.spec
+    kernel_mode, layer, budget = spec.mode, spec.layer, call.budget
     expected = _signature(first)
-    with prepared_problem(first, x1, x2, params=params, dtype=dtype, output=path) as prepared:
+    with prepared_problem(
+        first, x1, x2, params=spec.params, dtype=call.options.dtype, output=spec.output_path
+    ) as prepared:
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=_OPERATION)
     symmetric, n, m = example_counts(x1t, x2t, kernel_mode)
     per_model, fixed = _bytes(problem, kind, kernel_mode, n, 0 if symmetric else m, layer, first, x1t)
     fits = int((budget - fixed) // per_model) if budget > fixed else 0
-    chunk = min(len(seed_list), fits, models_per_chunk or len(seed_list))
+    chunk = min(len(seed_list), fits, seeds.models_per_chunk or len(seed_list))
     if _plain_tensors(first):  # the skeleton would lend every seed the first model's (NOTE [batched ensemble])
         chunk = 0
     if problem.per_example_loop:  # the ensemble vmaps over examples, which the model refuses: each on its own
         chunk = 0
     acc = _Accumulator()
     if chunk < 1:  # one model's Jacobians do not fit, or plain tensors: each kernel on its own
-        alone = _Alone(kind, kernel_mode, params, layer, problem.dtype, max(int(budget - fixed), 1), output)
+        left = max(int(budget - fixed), 1)
+        options = call.options.replace(dtype=problem.dtype, memory_budget_bytes=left)
+        alone = _Alone(kind, dataclasses.replace(call, options=options, budget=left))
         largest = 0
         for i, seed in enumerate(seed_list):
-            kernel_s, planned = alone.kernel(first if i == 0 else _built(build, seed, expected), x1t, x2t)
+            kernel_s, planned = alone.kernel(first if i == 0 else _built(seeds.build, seed, expected), x1t, x2t)
             acc.add(kernel_s)
             largest = max(largest, planned)
         estimate = fixed + largest  # the accumulators and the costliest single kernel's own plan
@@ -369,7 +410,7 @@ def monte_carlo_ntk(
         skeleton = copy.deepcopy(first).eval()  # not on meta: NOTE [batched ensemble]
         for start in range(0, len(seed_list), chunk):
             seeds_c = seed_list[start : start + chunk]
-            models = [first if start + i == 0 else _built(build, s, expected) for i, s in enumerate(seeds_c)]
+            models = [first if start + i == 0 else _built(seeds.build, s, expected) for i, s in enumerate(seeds_c)]
             ensemble = _Ensemble(skeleton, models, problem)
             del models
             for kernel_s in _chunk_kernels(
@@ -391,32 +432,19 @@ def monte_carlo_ntk(
 
 @dataclass(frozen=True)
 class _Alone:
-    """One model's kernel by ``compute_ntk`` / ``compute_nngp`` (the fallback of NOTE [batched ensemble])."""
+    """One model's kernel by the core of ``compute_ntk`` / ``compute_nngp`` (the fallback of NOTE [batched
+    ensemble]), with the call's spec and the dtype and budget left for it."""
 
     kind: KernelKind
-    mode: KernelMode | DerivedMode
-    params: Sequence[str] | None
-    layer: str | None
-    dtype: torch.dtype
-    budget: int
-    output: str | None = None
+    call: Call
 
     def kernel(self, model: nn.Module, x1: Batch, x2: Batch | None) -> tuple[torch.Tensor, int]:
         """The model's kernel and its planned peak bytes."""
         if self.kind is KernelKind.NTK:
-            options = NtkOptions(dtype=self.dtype, memory_budget_bytes=self.budget)
-            result = compute_ntk(model, x1, x2, mode=self.mode, params=self.params, output=self.output, options=options)
+            result = run_kernel(model, x1, x2, self.call)
+            assert isinstance(result, NtkResult)  # no groups: monte_carlo_ntk refuses them
             return result.theta, result.estimate_bytes
-        nngp = compute_nngp(
-            model,
-            x1,
-            x2,
-            layer=self.layer,
-            output=self.output,
-            mode=self.mode,
-            dtype=self.dtype,
-            memory_budget_bytes=self.budget,
-        )
+        nngp = run_nngp(model, x1, x2, self.call)
         return nngp.theta, nngp.estimate_bytes
 
 

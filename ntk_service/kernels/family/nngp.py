@@ -46,15 +46,16 @@ import torch
 from torch import nn
 
 from ntk_service.errors import MemoryEstimateExceeded, UnknownLayer, UnsupportedModel, format_bytes
+from ntk_service.kernels.core import Call, run
 from ntk_service.kernels.derived import map_of, outputs_of
-from ntk_service.kernels.modes import DerivedMode, KernelMode, Outputs, contraction, parse_any_mode, result_shape
+from ntk_service.kernels.modes import DerivedMode, KernelMode, Outputs, contraction, result_shape
+from ntk_service.kernels.options import NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
-from ntk_service.kernels.problem.outputs import parse_output
 from ntk_service.kernels.problem.problem import NtkProblem
-from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
+from ntk_service.kernels.spec import KernelSpec, SpecKeywords, refuse_fields, resolve_spec
 
-__all__ = ["NngpResult", "compute_nngp", "example_counts", "feature_kernel", "features", "find_layer"]
+__all__ = ["NngpResult", "compute_nngp", "example_counts", "feature_kernel", "features", "find_layer", "run_nngp"]
 
 
 @dataclass(frozen=True)
@@ -194,9 +195,11 @@ def compute_nngp(
     x1: Inputs,
     x2: Inputs | None = None,
     *,
+    spec: KernelSpec | None = None,
+    options: NtkOptions | None = None,
     layer: str | None = None,
     output: str | None = None,
-    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
+    mode: KernelMode | DerivedMode | str | None = None,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
 ) -> NngpResult:
@@ -206,13 +209,21 @@ def compute_nngp(
         model (nn.Module): maps a batch (N, *input) to (N, *out), run in eval semantics, never mutated.
         x1 (Tensor, tuple or mapping): (N, *input), or forward's positional / keyword inputs, as ``compute_ntk``.
         x2 (same kind as x1, optional): (M, *input). Default: None, meaning x2 = x1 (exactly symmetric result).
-        layer (str, optional): a ``named_modules()`` name, e.g. ``"features.3"``: the features are that module's
-            output, flattened per example to d values. Default: None (the model's k outputs).
-        output (str, optional): which tensor of forward's return value is f, as ``compute_ntk``. Default: None.
-        mode (KernelMode, DerivedMode or str): as ``compute_ntk``, with d in place of k (see the module table and
-            NOTE [NNGP normalization]). Default: "full".
-        dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
-        memory_budget_bytes (int, optional): peak memory allowed. Default: ``default_memory_budget()``.
+        spec (KernelSpec, optional): what to compute: ``mode``, ``layer`` and ``output`` (``params`` and
+            ``groups`` are the NTK's). Default: None, the one the shorthands below give.
+        options (NtkOptions, optional): how: the dtype, the memory budget and the device are used (a forward pass
+            has no implementation to choose). Default: None, the one the shorthands below give.
+        layer (str, optional): shorthand for ``spec.layer``: a ``named_modules()`` name, e.g. ``"features.3"``:
+            the features are that module's output, flattened per example to d values. Default: None (the model's
+            k outputs).
+        output (str, optional): shorthand for ``spec.output``: which tensor of forward's return value is f, as
+            ``compute_ntk``. Default: None.
+        mode (KernelMode, DerivedMode or str): shorthand for ``spec.mode``: as ``compute_ntk``, with d in place of
+            k (see the module table and NOTE [NNGP normalization]). Default: "full".
+        dtype (torch.dtype or str, optional): shorthand for ``options.dtype``: float32 or float64. Default: the
+            model's dtype.
+        memory_budget_bytes (int, optional): shorthand for ``options.memory_budget_bytes``: peak memory allowed.
+            Default: ``default_memory_budget()``.
 
     Returns:
         NngpResult: ``kernel`` (N, M, d, d) FULL, (N, M) TRACE, (N, d, d) EXAMPLE_DIAGONAL, (N, M, d)
@@ -220,14 +231,25 @@ def compute_nngp(
 
     Raises:
         UnknownLayer: ``layer`` is not a module of the model.
-        UnknownMode, ShapeMismatch, EmptyBatch, NonFiniteInput, UnsupportedModel: bad input (all InvalidInput).
+        UnknownMode, ShapeMismatch, EmptyBatch, NonFiniteInput, UnsupportedModel: bad input (all InvalidInput);
+            InvalidInput also for shorthands given with their value, or a spec with params or groups.
         MemoryEstimateExceeded: the result and features would not fit the budget (before allocating them).
     """
     operation = "compute_nngp"
-    kernel_mode = parse_any_mode(mode, operation=operation)
-    path = parse_output(output, operation=operation)
-    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
-    with prepared_problem(model, x1, x2, params=None, dtype=dtype, output=path) as prepared:
+    what = resolve_spec(spec, SpecKeywords(mode=mode, output=output, layer=layer), operation=operation)
+    loose = Shorthands(None, dtype, memory_budget_bytes, None, None, None)
+    how = resolve_options(options, loose, operation=operation)
+    refuse_fields(what, ("params", "groups", "rest"), operation=operation)
+    return run(lambda call: run_nngp(model, x1, x2, call), what, how, device_of=model)
+
+
+def run_nngp(model: nn.Module, x1: Inputs, x2: Inputs | None, call: Call) -> NngpResult:
+    """``compute_nngp`` of a checked call (``kernels/core.py``): the implementation, never re-checking the call."""
+    operation = "compute_nngp"
+    kernel_mode, layer, budget = call.spec.mode, call.spec.layer, call.budget
+    with prepared_problem(
+        model, x1, x2, params=None, dtype=call.options.dtype, device=call.device, output=call.spec.output_path
+    ) as prepared:
         problem, x1t, x2t = prepared.problem, prepared.x1, prepared.x2
         if layer is not None:
             find_layer(problem.module, layer, operation=operation)

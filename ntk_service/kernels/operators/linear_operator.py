@@ -54,18 +54,19 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
+from ntk_service.kernels.core import Call, on_model_device, run
 from ntk_service.kernels.derived import map_of, outputs_of
 from ntk_service.kernels.modes import DerivedMode, KernelMode, Outputs, contraction, parse_any_mode
+from ntk_service.kernels.options import NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
 from ntk_service.kernels.problem.forward_mode import forward_mode
 from ntk_service.kernels.problem.inputs import validate_inputs
 from ntk_service.kernels.problem.math_attention import attention_scope
-from ntk_service.kernels.problem.outputs import parse_output
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
 from ntk_service.kernels.problem.problem import NtkProblem
-from ntk_service.kernels.runtime.device import default_memory_budget
+from ntk_service.kernels.spec import KernelSpec, SpecKeywords, refuse_fields, resolve_spec
 from ntk_service.kernels.types import NamedTensors
 
 __all__ = [
@@ -76,6 +77,7 @@ __all__ = [
     "as_operand",
     "ntk_operator",
     "parse_operator_mode",
+    "run_operator",
     "scipy_view",
 ]
 
@@ -381,12 +383,14 @@ def ntk_operator(
     x1: Inputs,
     x2: Inputs | None = None,
     *,
-    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
+    spec: KernelSpec | None = None,
+    options: NtkOptions | None = None,
+    examples_per_chunk: int | None = None,
+    mode: KernelMode | DerivedMode | str | None = None,
     params: Sequence[str] | None = None,
     output: str | None = None,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
-    examples_per_chunk: int | None = None,
 ) -> NtkOperator:
     """Θ(x1, x2) as a matrix-free operator: products with one VJP and one JVP pass over the data.
 
@@ -396,42 +400,64 @@ def ntk_operator(
             positional / keyword inputs, as ``compute_ntk``.
         x2 (same kind as x1, optional): (M, *input): the columns. Default: None, meaning x2 = x1 (a symmetric
             operator).
-        mode (str): "full" (N·k, M·k), "trace" (N, M) or "pseudo" (N, M). Default: "full".
-        params (list of str, optional): the kernel of a parameter subset (globs). Default: None (all).
-        output (str, optional): which tensor of forward's return value is f, as ``compute_ntk``. Default: None.
-        dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
-        memory_budget_bytes (int, optional): peak memory of one product. Default: ``default_memory_budget()``.
+        spec (KernelSpec, optional): what: ``mode``, ``params`` and ``output``. Default: None, the one the
+            shorthands below give.
+        options (NtkOptions, optional): how: the dtype and the memory budget of one product; the operator runs
+            where the model is. Default: None, the one the shorthands below give.
         examples_per_chunk (int, optional): examples per VJP / JVP call at most (the budget may allow fewer).
             Default: None, meaning as many as ``MAX_CHUNK_BYTES`` of activations hold: the peak is O(P + chunk)
             whatever N is.
+        mode (str): shorthand for ``spec.mode``: "full" (N·k, M·k), "trace" (N, M) or "pseudo" (N, M). Default:
+            "full".
+        params (list of str, optional): shorthand for ``spec.params``: the kernel of a parameter subset (globs).
+            Default: None (all).
+        output (str, optional): shorthand for ``spec.output``: which tensor of forward's return value is f, as
+            ``compute_ntk``. Default: None.
+        dtype (torch.dtype or str, optional): shorthand for ``options.dtype``: float32 or float64. Default: the
+            model's dtype.
+        memory_budget_bytes (int, optional): shorthand for ``options.memory_budget_bytes``: peak memory of one
+            product. Default: ``default_memory_budget()``.
 
     Returns:
         NtkOperator: ``matvec`` (M, k) -> (N, k) (FULL) or (M,) -> (N,); ``rmatvec``; ``op @ v``; ``op.T``;
         ``as_linear_operator()`` for SciPy.
 
     Raises:
-        InvalidInput: examples_per_chunk < 1 or not an integer.
+        InvalidInput: examples_per_chunk < 1 or not an integer; shorthands given with their value; a spec with
+            groups or a layer; ``options.device`` other than the model's.
         UnknownMode: a mode that is not a linear operator (the diagonals) or no mode at all.
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``;
             UnsupportedModel also for a model that cannot be copied.
         MemoryEstimateExceeded: the parameter-space vectors and one example's activations exceed the budget.
     """
-    kernel_mode = parse_operator_mode(mode, operation=_OPERATION)
-    path = parse_output(output, operation=_OPERATION)
+    what = resolve_spec(spec, SpecKeywords(mode=mode, params=params, output=output), operation=_OPERATION)
+    how = resolve_options(options, Shorthands(None, dtype, memory_budget_bytes, None, None, None), operation=_OPERATION)
+    parse_operator_mode(what.mode, operation=_OPERATION)
+    refuse_fields(what, ("groups", "rest", "layer"), operation=_OPERATION)
     if examples_per_chunk is not None and (
         isinstance(examples_per_chunk, bool) or not isinstance(examples_per_chunk, int) or examples_per_chunk < 1
     ):
         raise InvalidInput(f"{_OPERATION}: examples_per_chunk must be an integer ≥ 1, got {examples_per_chunk!r}")
-    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    on_model_device(how, model, operation=_OPERATION)
+    return run(lambda call: run_operator(model, x1, x2, call, examples_per_chunk), what, how, device_of=model)
+
+
+def run_operator(
+    model: nn.Module, x1: Inputs, x2: Inputs | None, call: Call, examples_per_chunk: int | None
+) -> NtkOperator:
+    """``ntk_operator`` of a checked call (``kernels/core.py``): the implementation, never re-checking it."""
+    budget = call.budget
     check_model(model)
-    compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, dtype)
+    compute_dtype, x1t, x2t = validate_inputs(model, x1, x2, call.options.dtype)
     private = private_copy(model)
     if private is None:
         raise UnsupportedModel(
             f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed), and an operator keeps its own copy; "
             "use compute_ntk instead"
         )
-    problem = build_problem(private, x1t, x2t, params=params, dtype=compute_dtype, output=path)
+    problem = build_problem(
+        private, x1t, x2t, params=call.spec.params, dtype=compute_dtype, output=call.spec.output_path
+    )
     cols = x1t if x2t is None else x2t
     item = problem.itemsize
     # u, one chunk's gradients, the JVP's tangent (P each); v and the output; per example: the forward's saved
@@ -451,4 +477,4 @@ def ntk_operator(
     cap = max(1, int(MAX_CHUNK_BYTES // per_example)) if examples_per_chunk is None else examples_per_chunk
     chunk = min(chunk, cap, max(batch_size(x1t), batch_size(cols)))
     sides = _Sides(problem, x1t, cols, chunk, int(fixed + chunk * per_example))
-    return NtkOperator(sides, kernel_mode, transposed=False, symmetric=x2t is None)
+    return NtkOperator(sides, call.spec.mode, transposed=False, symmetric=x2t is None)

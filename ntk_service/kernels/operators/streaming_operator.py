@@ -22,14 +22,16 @@ import torch
 from torch import nn
 
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
+from ntk_service.kernels.core import Call, on_model_device, run
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 from ntk_service.kernels.operators.linear_operator import NtkOperator, _Sides, parse_operator_mode
+from ntk_service.kernels.options import NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.problem.inputs import validate_inputs
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
-from ntk_service.kernels.runtime.device import default_memory_budget
+from ntk_service.kernels.spec import KernelSpec, SpecKeywords, refuse_fields, resolve_spec
 
-__all__ = ["DEFAULT_EXAMPLES_PER_CHUNK", "RowSource", "dataset_operator"]
+__all__ = ["DEFAULT_EXAMPLES_PER_CHUNK", "RowSource", "dataset_operator", "run_dataset_operator"]
 
 DEFAULT_EXAMPLES_PER_CHUNK = 1024
 """Rows read per chunk unless the memory budget allows fewer: large enough that a chunk's VJP / JVP runs as one
@@ -74,10 +76,12 @@ def dataset_operator(
     x1: Any,
     x2: Any = None,
     *,
-    mode: KernelMode | DerivedMode | str = KernelMode.FULL,
+    spec: KernelSpec | None = None,
+    options: NtkOptions | None = None,
+    examples_per_chunk: int = DEFAULT_EXAMPLES_PER_CHUNK,
+    mode: KernelMode | DerivedMode | str | None = None,
     params: Sequence[str] | None = None,
     dtype: torch.dtype | str | None = None,
-    examples_per_chunk: int = DEFAULT_EXAMPLES_PER_CHUNK,
     memory_budget_bytes: int | None = None,
 ) -> NtkOperator:
     """Θ(x1, x2) as a matrix-free operator over row sources, read in chunks (module docstring).
@@ -85,28 +89,45 @@ def dataset_operator(
     Args:
         model (nn.Module): maps (n, *input) to (n, *out); run in eval semantics on a private copy.
         x1: (N, *input) rows, any sliceable array with ``shape``. x2: (M, *input), or None for x2 = x1.
-        mode (str): "full", "trace" or "pseudo" (as ``ntk_operator``). Default: "full".
-        params, dtype: as ``ntk_operator``.
+        spec (KernelSpec, optional): what: ``mode`` and ``params``. Default: None, the one the shorthands give.
+        options (NtkOptions, optional): how: the dtype and the memory budget of one product; the operator runs
+            where the model is. Default: None, the one the shorthands give.
         examples_per_chunk (int): rows per read at most. Default: ``DEFAULT_EXAMPLES_PER_CHUNK``.
-        memory_budget_bytes (int, optional): peak memory of one product. Default: ``default_memory_budget()``.
+        mode (str): shorthand for ``spec.mode``: "full", "trace" or "pseudo" (as ``ntk_operator``). Default:
+            "full".
+        params, dtype: shorthands for ``spec.params`` and ``options.dtype``, as ``ntk_operator``.
+        memory_budget_bytes (int, optional): shorthand for ``options.memory_budget_bytes``: peak memory of one
+            product. Default: ``default_memory_budget()``.
 
     Returns:
         NtkOperator: ``matvec`` (M, k) -> (N, k) (FULL) or (M,) -> (N,), ``rmatvec``, ``op.T``,
         ``as_linear_operator()``; accepted by every solver in ``ntk_service.analysis``.
 
     Raises:
-        InvalidInput: a source without shape or slicing, examples_per_chunk < 1. UnknownMode: a diagonal mode.
+        InvalidInput: a source without shape or slicing, examples_per_chunk < 1; shorthands given with their
+            value; a spec with output, groups or a layer; ``options.device`` other than the model's.
+        UnknownMode: a diagonal mode.
         ShapeMismatch: sides with different per-example shapes. MemoryEstimateExceeded: one product does not
             fit the budget even one example at a time. NonFiniteInput: NaN in a chunk (found when it is read).
     """
-    kernel_mode = parse_operator_mode(mode, operation=_OPERATION)
+    what = resolve_spec(spec, SpecKeywords(mode=mode, params=params), operation=_OPERATION)
+    how = resolve_options(options, Shorthands(None, dtype, memory_budget_bytes, None, None, None), operation=_OPERATION)
+    parse_operator_mode(what.mode, operation=_OPERATION)
+    refuse_fields(what, ("output", "groups", "rest", "layer"), operation=_OPERATION)
     if isinstance(examples_per_chunk, bool) or not isinstance(examples_per_chunk, int) or examples_per_chunk < 1:
         raise InvalidInput(f"{_OPERATION}: examples_per_chunk must be an integer ≥ 1, got {examples_per_chunk!r}")
     check_model(model)
-    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    on_model_device(how, model, operation=_OPERATION)
+    return run(lambda call: run_dataset_operator(model, x1, x2, call, examples_per_chunk), what, how, device_of=model)
+
+
+def run_dataset_operator(model: nn.Module, x1: Any, x2: Any, call: Call, examples_per_chunk: int) -> NtkOperator:
+    """``dataset_operator`` of a checked call (``kernels/core.py``): the implementation, never re-checking it."""
+    budget = call.budget
     if getattr(x1, "shape", None) is None or not hasattr(x1, "__getitem__"):
         RowSource(x1, "x1", torch.float64, model)  # raises, with the message
-    compute_dtype, first_t, _ = validate_inputs(model, _read(x1, slice(0, examples_per_chunk)), None, dtype)
+    first = _read(x1, slice(0, examples_per_chunk))
+    compute_dtype, first_t, _ = validate_inputs(model, first, None, call.options.dtype)
     rows = RowSource(x1, "x1", compute_dtype, model)
     cols = rows if x2 is None else RowSource(x2, "x2", compute_dtype, model)
     if cols.shape[1:] != rows.shape[1:]:
@@ -116,7 +137,7 @@ def dataset_operator(
     private = private_copy(model)
     if private is None:
         raise InvalidInput(f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed); an operator keeps a copy")
-    problem = build_problem(private, first_t, None, params=params, dtype=compute_dtype)
+    problem = build_problem(private, first_t, None, params=call.spec.params, dtype=compute_dtype)
     item = problem.itemsize
     n, m = rows.shape[0], cols.shape[0]
     # as ntk_operator: the parameter-space vectors, v and the outputs; per example its input and activations
@@ -135,4 +156,4 @@ def dataset_operator(
         )
     chunk = min(fits, examples_per_chunk, max(n, m))
     sides = _Sides(problem, rows, cols, chunk, int(fixed + chunk * per_example))  # type: ignore[arg-type]
-    return NtkOperator(sides, kernel_mode, transposed=False, symmetric=x2 is None)
+    return NtkOperator(sides, call.spec.mode, transposed=False, symmetric=x2 is None)

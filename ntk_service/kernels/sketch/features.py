@@ -43,7 +43,9 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
+from ntk_service.kernels.core import Call, on_model_device, run
 from ntk_service.kernels.modes import KernelMode, parse_any_mode
+from ntk_service.kernels.options import NtkOptions, Shorthands, resolve_options
 from ntk_service.kernels.problem.batch import Batch, batch_size, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
 from ntk_service.kernels.problem.forward_mode import forward_mode
@@ -52,12 +54,12 @@ from ntk_service.kernels.problem.math_attention import math_attention
 from ntk_service.kernels.problem.preparation import build_problem
 from ntk_service.kernels.problem.private_module import check_model, private_copy
 from ntk_service.kernels.problem.problem import NtkProblem
-from ntk_service.kernels.runtime.device import default_memory_budget
 from ntk_service.kernels.sketch.product_sketch import structured_features
 from ntk_service.kernels.sketch.sketch_draws import BLOCK, gaussian_block
+from ntk_service.kernels.spec import KernelSpec, SpecKeywords, refuse_fields, resolve_spec
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["DEFAULT_SKETCH", "MAX_FEATURE_DIM", "SketchKind", "feature_kernel", "ntk_features"]
+__all__ = ["DEFAULT_SKETCH", "MAX_FEATURE_DIM", "SketchKind", "feature_kernel", "ntk_features", "run_features"]
 
 
 class SketchKind(StrEnum):
@@ -115,10 +117,12 @@ def ntk_features(
     *,
     dim: int,
     seed: int = 0,
+    sketch: SketchKind | str = DEFAULT_SKETCH,
+    spec: KernelSpec | None = None,
+    options: NtkOptions | None = None,
     params: Sequence[str] | None = None,
     dtype: torch.dtype | str | None = None,
     memory_budget_bytes: int | None = None,
-    sketch: SketchKind | str = DEFAULT_SKETCH,
 ) -> torch.Tensor:
     """Sketched NTK features Φ (N, k, D) of the examples x with E[Φ1 Φ2ᵀ] = Θ (module docstring).
 
@@ -127,17 +131,25 @@ def ntk_features(
         x (Tensor): (N, *input).
         dim (int): D, the sketch size, in [1, ``MAX_FEATURE_DIM``].
         seed (int): picks the sketch (NOTE [sketch determinism]). Default: 0.
-        params (list of str, optional): a parameter subset (globs): features of that subset's kernel. Default: all.
-        dtype (torch.dtype or str, optional): float32 or float64. Default: the model's dtype.
-        memory_budget_bytes (int, optional): peak memory. Default: ``default_memory_budget()``.
         sketch (SketchKind or str): "gaussian" or "structured" (``SketchKind``). Default: ``DEFAULT_SKETCH``.
+        spec (KernelSpec, optional): what: ``params`` (features give every mode through ``feature_kernel``).
+            Default: None, the one the shorthands give.
+        options (NtkOptions, optional): how: the dtype and the memory budget; the features are computed where the
+            model is. Default: None, the one the shorthands give.
+        params (list of str, optional): shorthand for ``spec.params``: a parameter subset (globs): features of
+            that subset's kernel. Default: all.
+        dtype (torch.dtype or str, optional): shorthand for ``options.dtype``: float32 or float64. Default: the
+            model's dtype.
+        memory_budget_bytes (int, optional): shorthand for ``options.memory_budget_bytes``: peak memory. Default:
+            ``default_memory_budget()``.
 
     Returns:
         Tensor (N, k, D): E[Φ(x1)[n] Φ(x2)[m]ᵀ] = Θ(x1, x2)[n, m] (FULL, (k, k)) for features of x1 and x2
         computed with the same seed, dim, params and sketch; ``feature_kernel`` forms the kernel.
 
     Raises:
-        InvalidInput: dim outside [1, MAX_FEATURE_DIM] or not an integer; an unknown sketch.
+        InvalidInput: dim outside [1, MAX_FEATURE_DIM] or not an integer; an unknown sketch; shorthands given with
+            their value; a spec with a mode, output, groups or a layer; ``options.device`` other than the model's.
         MemoryEstimateExceeded: Φ, the draws and one example's passes exceed the budget (the message gives the
             estimate).
         ShapeMismatch, EmptyBatch, NonFiniteInput, NoMatchingParameters, UnsupportedModel: as ``compute_ntk``;
@@ -146,13 +158,22 @@ def ntk_features(
     """
     d = _check_dim(dim)
     kind = _check_sketch(sketch)
-    budget = default_memory_budget() if memory_budget_bytes is None else int(memory_budget_bytes)
+    what = resolve_spec(spec, SpecKeywords(params=params), operation=_OPERATION)
+    how = resolve_options(options, Shorthands(None, dtype, memory_budget_bytes, None, None, None), operation=_OPERATION)
+    refuse_fields(what, ("mode", "output", "groups", "rest", "layer"), operation=_OPERATION)
     check_model(model)
-    compute_dtype, xt, _ = validate_inputs(model, x, None, dtype)
+    on_model_device(how, model, operation=_OPERATION)
+    return run(lambda call: run_features(model, x, d, seed, kind, call), what, how, device_of=model)
+
+
+def run_features(model: nn.Module, x: torch.Tensor, d: int, seed: int, kind: SketchKind, call: Call) -> torch.Tensor:
+    """``ntk_features`` of a checked call (``kernels/core.py``): the implementation, never re-checking it."""
+    budget = call.budget
+    compute_dtype, xt, _ = validate_inputs(model, x, None, call.options.dtype)
     private = private_copy(model)
     if private is None:
         raise UnsupportedModel(f"{_OPERATION}: the model cannot be copied (copy.deepcopy failed); use compute_ntk")
-    problem = build_problem(private, xt, None, params=params, dtype=compute_dtype)
+    problem = build_problem(private, xt, None, params=call.spec.params, dtype=compute_dtype)
     if kind is SketchKind.STRUCTURED and problem.per_example_loop:
         raise UnsupportedModel(
             f"{_OPERATION}: sketch='structured' captures the layers' δ and inputs under torch.func.vmap over the "

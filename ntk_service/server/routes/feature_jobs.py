@@ -31,7 +31,7 @@ from ntk_service import wire
 from ntk_service.errors import InvalidInput, PayloadTooLarge, format_bytes
 from ntk_service.jobs.features_job import check_pairable, feature_block
 from ntk_service.kernels.sketch.features import DEFAULT_SKETCH, MAX_FEATURE_DIM, SketchKind
-from ntk_service.server.deps import ReadAccess, SettingsDep, WriteAccess
+from ntk_service.server.deps import ComputeDep, ReadAccess, SettingsDep, WriteAccess
 from ntk_service.server.media import collection_response, json_response, negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
 from ntk_service.server.routes.solve_jobs import CancelOnly, SolveJobsDep, SolveRows, cancel_or_delete, job_events
@@ -152,7 +152,9 @@ async def submit_feature_job(request: Request, _: WriteAccess, jobs: SolveJobsDe
     openapi_extra=openapi_body(FeatureKernelCreate),
     responses={404: {"description": "A features job does not exist."}},
 )
-async def feature_kernel_route(request: Request, _: ReadAccess, jobs: SolveJobsDep, settings: SettingsDep) -> Response:
+async def feature_kernel_route(
+    request: Request, _: ReadAccess, jobs: SolveJobsDep, settings: SettingsDep, limiter: ComputeDep
+) -> Response:
     operation = "POST /v1/feature-jobs/kernel"
     body = validate_body(FeatureKernelCreate, await read_json(request, operation=operation), operation=operation)
     media = negotiate(request, OFFERED, operation=operation)
@@ -168,7 +170,7 @@ async def feature_kernel_route(request: Request, _: ReadAccess, jobs: SolveJobsD
             _check_size(media, shape, 8, settings, operation)  # before any block is formed
             return feature_block(phi1, phi2, rows, cols, mode=body.mode)
 
-    return _encode(media, "theta", await anyio.to_thread.run_sync(compute))
+    return _encode(media, "theta", await limiter.run(compute, operation=operation))  # a compute: under the limiter
 
 
 async def _existing_feature_job(job_id: FeatureJobId, jobs: SolveJobsDep) -> dict[str, Any]:

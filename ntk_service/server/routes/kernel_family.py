@@ -17,24 +17,17 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import InvalidInput, UnsupportedModel, format_bytes
-from ntk_service.kernels import compute_nngp, monte_carlo_ntk, ntk_operator
+from ntk_service.errors import InvalidInput, UnsupportedModel, format_bytes, operation_name
+from ntk_service.kernels import KernelSpec, compute_nngp, monte_carlo_ntk, ntk_operator
+from ntk_service.kernels.spec import MODES_BY_VALUE
 from ntk_service.registry import ModelRecord
 from ntk_service.registry.exported import EXPORTED_FAMILY
 from ntk_service.registry.zoo import build_model
+from ntk_service.server.computing import ComputeContext, ComputeContextDep, KernelInput, load_sides, run_model
 from ntk_service.server.deps import ReadAccess
-from ntk_service.server.kernel_inputs import (
-    ComputeContext,
-    ComputeContextDep,
-    KernelInput,
-    check_output,
-    load_sides,
-    parse_sides,
-    read_object,
-    run_model,
-)
 from ntk_service.server.media import json_too_large, negotiate
 from ntk_service.server.params import NamePath
+from ntk_service.server.reading import engine_options, parse_sides, read_object
 from ntk_service.server.schemas import (
     MatvecOptions,
     MatvecPublic,
@@ -77,28 +70,25 @@ async def _begin(
     name: str,
     options_model: type[OptionsT],
     *,
-    operation: str,
     extra: tuple[str, ...] = (),
 ) -> _Call[OptionsT]:
     """Read x1, x2, the tensors named in ``extra`` and the options from the JSON body, negotiate the answer type,
-    then load the model record and both sides and check them against the model (in a worker thread)."""
-    data = await read_object(request, operation=operation, expected=" with x1 (and x2, ...)")
+    then read the model record and load both sides, checked against the model and ``output`` against its outputs
+    (in a worker thread)."""
+    data = await read_object(request, expected=" with x1 (and x2, ...)")
     for key in ("x1", *extra):
         if key not in data:
-            raise InvalidInput(f"{operation}: the body needs {key}")
+            raise InvalidInput(detail=f"the body needs {key}")
     raw = {key: data.pop(key) for key in ("x1", "x2", *extra) if key in data}
-    options = validate_body(options_model, data, operation=operation)
-    x1, x2, tensors = await parse_sides(
-        request, raw["x1"], raw.get("x2"), operation=operation, extra={key: raw[key] for key in extra}
-    )
-    media = negotiate(request, RESPONSE_TYPES, operation=operation)
-    record, first, second = await load_sides(ctx, name, options.version, x1, x2, operation=operation)
+    options = validate_body(options_model, data)
+    x1, x2, tensors = await parse_sides(request, raw["x1"], raw.get("x2"), extra={key: raw[key] for key in extra})
+    media = negotiate(request, RESPONSE_TYPES)
+    output = getattr(options, "output", None)  # the Monte Carlo options have none
+    record, first, second = await load_sides(ctx, name, options.version, x1, x2, output=output)
     return _Call(record, first, second, tensors, options, media)
 
 
-def _encode(
-    tensors: dict[str, np.ndarray | None], media: str, meta: dict[str, Any], *, cap: int, operation: str
-) -> Response:
+def _encode(tensors: dict[str, np.ndarray | None], media: str, meta: dict[str, Any], *, cap: int) -> Response:
     """JSON ``{name: tensor | null, **meta}`` (406 over ``cap`` bytes) or safetensors (metadata as strings)."""
     if media == wire.MEDIA_SAFETENSORS:
         present = {key: value for key, value in tensors.items() if value is not None}
@@ -109,11 +99,11 @@ def _encode(
         {**{key: None if v is None else wire.tensor_to_json(v) for key, v in tensors.items()}, **meta}
     )
     if len(body) > cap:
-        raise json_too_large(format_bytes(len(body)), cap, operation=operation)
+        raise json_too_large(format_bytes(len(body)), cap)
     return Response(body, media_type=wire.MEDIA_JSON)
 
 
-def _check_exported(record: ModelRecord, *, layer: str | None, monte_carlo: bool, operation: str) -> None:
+def _check_exported(record: ModelRecord, *, layer: str | None, monte_carlo: bool) -> None:
     """Refuse, with what to do instead, what a torch.export program cannot give: a fresh network per seed (it holds
     weights, not an initializer) and a layer's features (its graph calls ATen ops, never its submodules, so a
     forward hook on one would see nothing).
@@ -125,14 +115,14 @@ def _check_exported(record: ModelRecord, *, layer: str | None, monte_carlo: bool
         return
     if monte_carlo:
         raise UnsupportedModel(
-            f"{operation}: model {record.name!r} is an exported torch.export program, which holds weights but no "
+            detail=f"model {record.name!r} is an exported torch.export program, which holds weights but no "
             "initializer, so there is no fresh network per seed to average over; average the kernels of your own "
             "checkpoints instead (one upload_weights version per initialization, then /ntk or /nngp per version), "
             "or register the architecture with a family that initializes (sequential, mlp, cnn, transformer)"
         )
     if layer is not None:
         raise UnsupportedModel(
-            f"{operation}: layer {layer!r}: model {record.name!r} is an exported torch.export program, whose graph "
+            detail=f"layer {layer!r}: model {record.name!r} is an exported torch.export program, whose graph "
             "calls ATen operators and never its submodules, so a layer's features cannot be read; leave layer out "
             "for the NNGP of the outputs, or register the model with the sequential family to name its layers"
         )
@@ -156,40 +146,32 @@ async def nngp(
     _: ReadAccess,
     ctx: ComputeContextDep,
 ) -> Response:
-    operation = f"nngp of model {name!r}"
-    call = await _begin(request, ctx, name, NngpOptions, operation=operation)
-    record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
-    _check_exported(record, layer=options.layer, monte_carlo=False, operation=operation)
-    check_output(options.output, record, operation=operation)
+    with operation_name(f"nngp of model {name!r}"):  # NOTE [operation names] in errors.py
+        call = await _begin(request, ctx, name, NngpOptions)
+        record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
+        _check_exported(record, layer=options.layer, monte_carlo=False)
+        spec = KernelSpec(mode=options.mode, layer=options.layer, output=options.output)
+        how = engine_options(settings, dtype=options.dtype)
 
-    def run() -> Response:
-        _, module = ctx.registry.load_module(record.name, record.version)
+        def run() -> Response:
+            module = ctx.registry.module(record)
 
-        def call() -> Any:
-            return compute_nngp(
-                module,
-                x1.to_torch(record),
-                _array(x2, record),
-                layer=options.layer,
-                mode=options.mode,
-                dtype=options.dtype,
-                memory_budget_bytes=settings.memory_budget_bytes,
-                output=options.output,
-            )
+            def call() -> Any:
+                return compute_nngp(module, x1.to_torch(record), _array(x2, record), spec=spec, options=how)
 
-        result, seconds = run_model(call, record=record, operation=operation)
-        meta = {
-            "mode": result.mode.value,
-            "layer": result.layer,
-            "features": result.features,
-            "model": record.name,
-            "version": record.version,
-            "elapsed_ms": round(seconds * 1000, 3),
-        }
-        kernel = result.theta.detach().cpu().numpy()
-        return _encode({"kernel": kernel}, media, meta, cap=settings.max_json_response_bytes, operation=operation)
+            result, seconds = run_model(call, record=record)
+            meta = {
+                "mode": result.mode.value,
+                "layer": result.layer,
+                "features": result.features,
+                "model": record.name,
+                "version": record.version,
+                "elapsed_ms": round(seconds * 1000, 3),
+            }
+            kernel = result.theta.detach().cpu().numpy()
+            return _encode({"kernel": kernel}, media, meta, cap=settings.max_json_response_bytes)
 
-    return await ctx.limiter.run(run, operation=operation)
+        return await ctx.limiter.run(run)
 
 
 @router.post(
@@ -206,46 +188,47 @@ async def monte_carlo(
     ctx: ComputeContextDep,
 ) -> Response:
     operation = f"monte_carlo of model {name!r}"
-    call = await _begin(request, ctx, name, MonteCarloOptions, operation=operation)
-    record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
-    _check_exported(record, layer=options.layer, monte_carlo=True, operation=operation)
-    factories = settings.allowed_factories
+    with operation_name(operation):  # NOTE [operation names] in errors.py
+        call = await _begin(request, ctx, name, MonteCarloOptions)
+        record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
+        _check_exported(record, layer=options.layer, monte_carlo=True)
+        factories = settings.allowed_factories
 
-    def build(seed: int) -> torch.nn.Module:
-        return build_model(record.architecture, seed, allowed_factories=factories, operation=operation)[0]
+        def build(seed: int) -> torch.nn.Module:
+            return build_model(record.architecture, seed, allowed_factories=factories, operation=operation)[0]
 
-    def run() -> Response:
-        def call() -> Any:
-            return monte_carlo_ntk(
-                build,
-                x1.to_torch(record),
-                _array(x2, record),
-                seeds=options.seeds,
-                mode=options.mode,
-                kernel=options.kernel,
-                params=options.params,
-                layer=options.layer,
-                dtype=options.dtype,
-                memory_budget_bytes=settings.memory_budget_bytes,
-            )
+        spec = KernelSpec(mode=options.mode, params=options.params, layer=options.layer)
+        how = engine_options(settings, dtype=options.dtype).replace(device=None)  # computed where build puts them
 
-        result, seconds = run_model(call, record=record, operation=operation)
-        meta = {
-            "n_samples": result.n_samples,
-            "kernel": result.kernel.value,
-            "mode": result.mode.value,
-            "models_per_chunk": result.models_per_chunk,
-            "model": record.name,
-            "version": record.version,
-            "elapsed_ms": round(seconds * 1000, 3),
-        }
-        tensors = {
-            "mean": result.mean.detach().cpu().numpy(),
-            "stderr": None if result.stderr is None else result.stderr.detach().cpu().numpy(),
-        }
-        return _encode(tensors, media, meta, cap=settings.max_json_response_bytes, operation=operation)
+        def run() -> Response:
+            def call() -> Any:
+                return monte_carlo_ntk(
+                    build,
+                    x1.to_torch(record),
+                    _array(x2, record),
+                    seeds=options.seeds,
+                    kernel=options.kernel,
+                    spec=spec,
+                    options=how,
+                )
 
-    return await ctx.limiter.run(run, operation=operation)
+            result, seconds = run_model(call, record=record)
+            meta = {
+                "n_samples": result.n_samples,
+                "kernel": result.kernel.value,
+                "mode": result.mode.value,
+                "models_per_chunk": result.models_per_chunk,
+                "model": record.name,
+                "version": record.version,
+                "elapsed_ms": round(seconds * 1000, 3),
+            }
+            tensors = {
+                "mean": result.mean.detach().cpu().numpy(),
+                "stderr": None if result.stderr is None else result.stderr.detach().cpu().numpy(),
+            }
+            return _encode(tensors, media, meta, cap=settings.max_json_response_bytes)
+
+        return await ctx.limiter.run(run)
 
 
 @router.post(
@@ -261,36 +244,28 @@ async def operator_matvec(
     _: ReadAccess,
     ctx: ComputeContextDep,
 ) -> Response:
-    operation = f"operator matvec of model {name!r}"
-    call = await _begin(request, ctx, name, MatvecOptions, operation=operation, extra=("v",))
-    record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
-    v = torch.from_numpy(call.tensors["v"])
-    check_output(options.output, record, operation=operation)
+    with operation_name(f"operator matvec of model {name!r}"):  # NOTE [operation names] in errors.py
+        call = await _begin(request, ctx, name, MatvecOptions, extra=("v",))
+        record, x1, x2, options, media, settings = call.record, call.x1, call.x2, call.options, call.media, ctx.settings
+        v = torch.from_numpy(call.tensors["v"])
+        spec = KernelSpec(mode=MODES_BY_VALUE[options.mode], params=options.params, output=options.output)
+        how = engine_options(settings, dtype=options.dtype)
 
-    def run() -> Response:
-        _, module = ctx.registry.load_module(record.name, record.version)
+        def run() -> Response:
+            module = ctx.registry.module(record)
 
-        def call() -> torch.Tensor:
-            op = ntk_operator(
-                module,
-                x1.to_torch(record),
-                _array(x2, record),
-                mode=options.mode,
-                params=options.params,
-                dtype=options.dtype,
-                memory_budget_bytes=settings.memory_budget_bytes,
-                output=options.output,
-            )
-            return op.rmatvec(v) if options.transpose else op.matvec(v)
+            def call() -> torch.Tensor:
+                op = ntk_operator(module, x1.to_torch(record), _array(x2, record), spec=spec, options=how)
+                return op.rmatvec(v) if options.transpose else op.matvec(v)
 
-        product, seconds = run_model(call, record=record, operation=operation)
-        meta = {
-            "mode": options.mode,
-            "model": record.name,
-            "version": record.version,
-            "elapsed_ms": round(seconds * 1000, 3),
-        }
-        out = product.detach().cpu().numpy()
-        return _encode({"product": out}, media, meta, cap=settings.max_json_response_bytes, operation=operation)
+            product, seconds = run_model(call, record=record)
+            meta = {
+                "mode": options.mode,
+                "model": record.name,
+                "version": record.version,
+                "elapsed_ms": round(seconds * 1000, 3),
+            }
+            out = product.detach().cpu().numpy()
+            return _encode({"product": out}, media, meta, cap=settings.max_json_response_bytes)
 
-    return await ctx.limiter.run(run, operation=operation)
+        return await ctx.limiter.run(run)

@@ -17,7 +17,7 @@ from starlette.datastructures import UploadFile
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import InvalidInput, MalformedRequest
+from ntk_service.errors import InvalidInput, MalformedRequest, operation_name
 from ntk_service.registry.store import MAX_LABEL_LENGTH
 from ntk_service.registry.weights import safetensors_architecture
 from ntk_service.server.deps import ReadAccess, RegistryDep, WriteAccess
@@ -73,21 +73,22 @@ async def register_model(
     label: LabelQuery = None,
 ) -> Response:
     operation = "register model"
-    if content_type(request) == wire.MEDIA_SAFETENSORS:
-        if name is None:
-            raise InvalidInput(f"{operation}: a safetensors body needs the model's name as the query parameter ?name=")
-        data = await request.body()
-        architecture = safetensors_architecture(data, operation=operation)
-        weighted_name = name
-        record = await anyio.to_thread.run_sync(
-            lambda: registry.register_weights(weighted_name, architecture, data, label=label)
-        )
-    else:
-        body = validate_body(ModelCreate, await read_json(request, operation=operation), operation=operation)
-        record = await anyio.to_thread.run_sync(
-            lambda: registry.register(body.name, body.architecture, seed=body.seed, label=body.label)
-        )
-    return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{record.name}"})
+    with operation_name(operation):  # NOTE [operation names] in errors.py
+        if content_type(request) == wire.MEDIA_SAFETENSORS:
+            if name is None:
+                raise InvalidInput(detail="a safetensors body needs the model's name as the query parameter ?name=")
+            data = await request.body()
+            architecture = safetensors_architecture(data, operation=operation)
+            weighted_name = name
+            record = await anyio.to_thread.run_sync(
+                lambda: registry.register_weights(weighted_name, architecture, data, label=label)
+            )
+        else:
+            body = validate_body(ModelCreate, await read_json(request))
+            record = await anyio.to_thread.run_sync(
+                lambda: registry.register(body.name, body.architecture, seed=body.seed, label=body.label)
+            )
+        return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{record.name}"})
 
 
 MEDIA_MULTIPART = "multipart/form-data"
@@ -136,23 +137,23 @@ _EXPORTED_BODY = {
     openapi_extra=_EXPORTED_BODY,
 )
 async def register_exported(request: Request, _: WriteAccess, registry: RegistryDep) -> Response:
-    operation = "register exported model"
-    require_content_type(request, (MEDIA_MULTIPART,), operation=operation)
-    try:
-        async with request.form(max_files=1, max_fields=2) as form:
-            name, label, program = form.get("name"), form.get("label"), form.get("program")
-            if not isinstance(name, str) or not isinstance(program, UploadFile):
-                raise InvalidInput(
-                    f"{operation}: the form needs a text field 'name' and a file field 'program' (got fields "
-                    f"{sorted(form.keys())}); e.g. curl -F name=m -F program=@model.pt2 ..."
-                )
-            if label is not None and not isinstance(label, str):
-                raise InvalidInput(f"{operation}: 'label' must be a text field, not a file")
-            data = await program.read()
-    except HTTPException as exc:  # starlette's multipart parser: a malformed body or too many parts
-        raise MalformedRequest(f"{operation}: the multipart body cannot be parsed ({exc.detail})") from exc
-    record = await anyio.to_thread.run_sync(lambda: registry.register_program(name, data, label=label))
-    return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{record.name}"})
+    with operation_name("register exported model"):  # NOTE [operation names] in errors.py
+        require_content_type(request, (MEDIA_MULTIPART,))
+        try:
+            async with request.form(max_files=1, max_fields=2) as form:
+                name, label, program = form.get("name"), form.get("label"), form.get("program")
+                if not isinstance(name, str) or not isinstance(program, UploadFile):
+                    raise InvalidInput(
+                        detail=f"the form needs a text field 'name' and a file field 'program' (got fields "
+                        f"{sorted(form.keys())}); e.g. curl -F name=m -F program=@model.pt2 ..."
+                    )
+                if label is not None and not isinstance(label, str):
+                    raise InvalidInput(detail="'label' must be a text field, not a file")
+                data = await program.read()
+        except HTTPException as exc:  # starlette's multipart parser: a malformed body or too many parts
+            raise MalformedRequest(detail=f"the multipart body cannot be parsed ({exc.detail})") from exc
+        record = await anyio.to_thread.run_sync(lambda: registry.register_program(name, data, label=label))
+        return json_response(record.to_public(), status_code=201, headers={"Location": f"/v1/models/{record.name}"})
 
 
 @router.get("", response_model=ModelsPublic, summary="List models (latest version of each)")
@@ -200,12 +201,12 @@ async def list_versions(name: NameParam, _: ReadAccess, registry: RegistryDep) -
 async def upload_version(
     name: NameParam, request: Request, _: WriteAccess, registry: RegistryDep, label: LabelQuery = None
 ) -> Response:
-    operation = f"upload weights of model {name!r}"
-    require_content_type(request, (wire.MEDIA_SAFETENSORS,), operation=operation)
-    body = await request.body()
-    record = await anyio.to_thread.run_sync(lambda: registry.add_version(name, body, label=label))
-    location = f"/v1/models/{name}/versions/{record.version}"
-    return json_response(record.to_public(), status_code=201, headers={"Location": location})
+    with operation_name(f"upload weights of model {name!r}"):  # NOTE [operation names] in errors.py
+        require_content_type(request, (wire.MEDIA_SAFETENSORS,))
+        body = await request.body()
+        record = await anyio.to_thread.run_sync(lambda: registry.add_version(name, body, label=label))
+        location = f"/v1/models/{name}/versions/{record.version}"
+        return json_response(record.to_public(), status_code=201, headers={"Location": location})
 
 
 @router.get("/{name}/versions/{version}", response_model=ModelPublic, summary="Show one version")
