@@ -8,7 +8,9 @@ files, in the order the data flows through them:
 - ``options``: ``AttributionOptions`` (loss, features, D, ridge, ensemble; plain values a job can store);
 - ``targets``: the output function and loss-gradient weights per loss (the table of the math);
 - ``checkpoints``: state dicts checked against the model (``IncompatibleCheckpoint``) and loaded;
+- ``rows``: inputs read by rows, the compute dtype, the model's outputs (the shared input checks);
 - ``features``: the training side of a checkpoint (computed once, in chunks) and the test side;
+- ``exact``: the exact kernel's eigenvectors as features (NOTE [exact features]);
 - ``scoring``: the ridge solve, score tiles in bounded memory, self-influence, total influence;
 - ``answers``: top-k proponents and opponents from tiles;
 - ``attributor``: ``fit_attributor``, the two steps in one process;
@@ -27,10 +29,10 @@ from __future__ import annotations
 from ntk_service.attribution.answers import TopInfluences, top_influences
 from ntk_service.attribution.attributor import Attributor, fit_attributor
 from ntk_service.attribution.checkpoints import load_checkpoint
+from ntk_service.attribution.exact import exact_memory
 from ntk_service.attribution.features import (
     FeatureChunk,
     TrainFeatures,
-    exact_memory,
     target_features,
     train_feature_chunks,
     train_features,

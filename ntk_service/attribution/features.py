@@ -10,23 +10,16 @@ Features come from ``ntk_features`` (``FeatureKind.STRUCTURED`` / ``GAUSSIAN``, 
 ``OutputFunction`` (k = 1: one sketched row per example, whatever the number of outputs) or ``AllOutputs`` (mse's
 k rows), which share parameter names, so Φ_OF(x, w) = Σ_a w_a Φ_a(x) with the same draws (the sketch is linear in
 J). ``FeatureKind.EXACT`` instead computes the training kernel K = G Gᵀ (N·c × N·c) with ``compute_ntk`` and
-represents it exactly by its eigenvectors (NOTE [exact features]).
-
-NOTE [exact features]: with K = V Λ Vᵀ (modes λ > rcond·λmax kept), training rows get the features V Λ^½ (whose Gram
-matrix is Λ: F is diagonal) and a test example with cross-kernel row κ* = ∇m(x*)ᵀ Gᵀ gets κ* V Λ^-½. Then
-m*ᵀ(F + λI)⁻¹G'ᵀ = κ*(K + λI)⁻¹ exactly (the push-through identity), so the exact path is TRAK with infinite D and
-shares the scoring code with the sketch. Dropped modes are the null space of K, which κ* cannot see (it is a
-combination of the rows of G); ridge 0 then gives the pseudo-inverse.
+represents it exactly by its eigenvectors (``exact.py``, NOTE [exact features]).
 
 Memory (``train_features_memory``): G' (N·D), the Gram matrix and one chunk's float64 rows (2·D² + rows·D floats), and
-one chunk of Φ; exact: about four (N·c)² float64 arrays (the kernel, its copy, the eigenvectors, eigh's workspace).
+one chunk of Φ; exact: ``exact.exact_memory``.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,20 +28,30 @@ import torch
 from torch import nn
 
 from ntk_service.attribution.checkpoints import AllOutputs, OutputFunction, weighted_inputs
+from ntk_service.attribution.exact import ExactBasis, exact_memory, exact_target, exact_train_side
 from ntk_service.attribution.options import AttributionLoss, AttributionOptions, FeatureKind
+from ntk_service.attribution.rows import (
+    OPERATION,
+    budget,
+    cast,
+    compute_dtype,
+    engine_params,
+    example_shape,
+    in_dtype,
+    model_outputs,
+    output_shape,
+    refuse,
+    rows,
+    size,
+)
 from ntk_service.attribution.targets import check_labels, measurement_weights, train_weights
-from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
-from ntk_service.kernels.api import compute_ntk
-from ntk_service.kernels.planning import default_memory_budget
-from ntk_service.kernels.problem.batch import batch_size, is_batch, take
+from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.sketch.features import ntk_features
 
 __all__ = [
     "MAX_ROWS_PER_CHUNK",
-    "ExactBasis",
     "FeatureChunk",
     "TrainFeatures",
-    "exact_memory",
     "target_features",
     "train_feature_chunks",
     "train_features",
@@ -58,22 +61,6 @@ __all__ = [
 MAX_ROWS_PER_CHUNK = 4096
 """Training examples per chunk of the feature pass at most: one ``ntk_features`` call amortizes its capture over
 the chunk, and a chunk's Φ stays in the tens of MB (4096 · D floats for cross-entropy)."""
-
-_OPERATION = "attribution"
-
-
-@dataclass(frozen=True)
-class ExactBasis:
-    """What places test examples in the exact features (NOTE [exact features]).
-
-    Attributes:
-        x_train: the training inputs (the cross-kernel's second side). rows: (N, k) float64 output weights of the
-            training rows (cross-entropy), or None (mse: all k outputs). kernel_map: (N·c, r) float64, V Λ^-½.
-    """
-
-    x_train: Any
-    rows: torch.Tensor | None
-    kernel_map: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -125,108 +112,6 @@ class TrainFeatures:
         return int(self.features.shape[1])
 
 
-def _size(x: Any) -> int:
-    if is_batch(x):
-        return batch_size(x)
-    shape = getattr(x, "shape", None)
-    if shape is None or len(shape) < 1:
-        raise InvalidInput(
-            f"{_OPERATION}: inputs must be a tensor, a tuple or mapping of tensors, or a sliceable array (N, *input); "
-            f"got {type(x).__name__}"
-        )
-    return int(shape[0])
-
-
-def _rows(x: Any, start: int, stop: int) -> Any:
-    if is_batch(x):
-        return take(x, start, stop)
-    block = x[start:stop]
-    return block if isinstance(block, torch.Tensor) else torch.as_tensor(np.asarray(block))
-
-
-def _dtype(model: nn.Module, options: AttributionOptions) -> torch.dtype:
-    if options.dtype is not None:
-        return torch.float64 if options.dtype == "float64" else torch.float32
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-
-
-def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """The model with floating parameters and buffers in ``dtype`` (a copy when they are not already)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    if all(t.dtype == dtype for t in tensors if t.is_floating_point()):
-        return model
-    return copy.deepcopy(model).to(dtype)
-
-
-def _cast(x: Any, dtype: torch.dtype) -> Any:
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dtype) if t.is_floating_point() else t
-
-    if isinstance(x, Mapping):
-        return {name: leaf(t) for name, t in x.items()}
-    if isinstance(x, tuple | list):
-        return tuple(leaf(t) for t in x)
-    return leaf(torch.as_tensor(x))
-
-
-def model_outputs(model: nn.Module, x: Any, dtype: torch.dtype) -> torch.Tensor:
-    """The model's outputs on x, flattened per example: (n, k)."""
-    xb = _cast(x, dtype)
-    with torch.no_grad():
-        if isinstance(xb, Mapping):
-            out = model(**xb)
-        elif isinstance(xb, tuple):
-            out = model(*xb)
-        else:
-            out = model(xb)
-    if not isinstance(out, torch.Tensor):
-        raise InvalidInput(
-            f"{_OPERATION}: the model returns a {type(out).__name__}; attribution needs a tensor (N, *out) of outputs "
-            "(wrap the model so that forward returns e.g. the logits)"
-        )
-    return out.reshape(out.shape[0], -1)
-
-
-def _example_shape(x: Any) -> tuple[int, ...] | None:
-    """The per-example input shape of a single input (None for a tuple or mapping of inputs)."""
-    return None if is_batch(x) else tuple(int(s) for s in x.shape[1:])
-
-
-def _out_shape(model: nn.Module, x: Any, dtype: torch.dtype, name: str) -> tuple[int, ...]:
-    """The model's per-example output shape, from one example of x; a model that fails on it is bad input."""
-    xb = _cast(_rows(x, 0, 1), dtype)
-    try:
-        with torch.no_grad():
-            out = model(**xb) if isinstance(xb, Mapping) else model(*xb) if isinstance(xb, tuple) else model(xb)
-    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ShapeMismatch(
-            f"{_OPERATION}: the model fails on the first example of {name} ({type(exc).__name__}: {first}); pass "
-            "inputs of the shape and kind the model takes"
-        ) from exc
-    if not isinstance(out, torch.Tensor):
-        raise InvalidInput(
-            f"{_OPERATION}: the model returns a {type(out).__name__}; attribution needs a tensor (N, *out) of outputs "
-            "(wrap the model so that forward returns e.g. the logits)"
-        )
-    return tuple(out.shape[1:])
-
-
-def _as_matrix(theta: torch.Tensor) -> torch.Tensor:
-    """A FULL kernel (N, N, k, k) as the symmetric (N·k, N·k) matrix, row n·k + a."""
-    n, k = theta.shape[0], theta.shape[2]
-    matrix = theta.permute(0, 2, 1, 3).reshape(n * k, n * k)
-    return (matrix + matrix.T) / 2
-
-
-def _params(options: AttributionOptions) -> list[str] | None:
-    return None if options.params is None else [f"model.{g}" for g in options.params]
-
-
-def _budget(options: AttributionOptions) -> int:
-    return default_memory_budget() if options.memory_budget_bytes is None else options.memory_budget_bytes
-
-
 def train_features_memory(n: int, k: int, dim: int, loss: AttributionLoss, *, chunk: int, itemsize: int = 4) -> int:
     """Bytes of ``train_features`` beside the model: G' (n, D), the Gram matrix and a chunk's float64 product
     operands, and one chunk's Φ (chunk, c, D) (c = 1 for cross-entropy, k for mse); ``ntk_features`` plans its own
@@ -235,28 +120,12 @@ def train_features_memory(n: int, k: int, dim: int, loss: AttributionLoss, *, ch
     return n * dim * itemsize + 2 * dim * dim * 8 + chunk * c * dim * (2 * itemsize + 8)
 
 
-def exact_memory(n: int, k: int, loss: AttributionLoss) -> int:
-    """Bytes of the exact path's training side: about four (N·c)² float64 arrays (kernel, copy, eigenvectors, eigh
-    workspace); mse's (N, N, k, k) kernel is the same size as its (N·k)² matrix."""
-    rows = n * (1 if loss is AttributionLoss.CROSS_ENTROPY else k)
-    return 4 * rows * rows * 8
-
-
-def _chunk_rows(n: int, k: int, options: AttributionOptions, itemsize: int, budget: int) -> int:
+def _chunk_rows(n: int, k: int, options: AttributionOptions, itemsize: int, limit: int) -> int:
     if options.rows_per_chunk is not None:
         return min(n, options.rows_per_chunk)
     c = 1 if options.loss is AttributionLoss.CROSS_ENTROPY else k
-    fits = budget // 4 // max(1, c * options.dim * (2 * itemsize + 8))  # a quarter of the budget for Φ and its copy
+    fits = limit // 4 // max(1, c * options.dim * (2 * itemsize + 8))  # a quarter of the budget for Φ and its copy
     return max(1, min(n, MAX_ROWS_PER_CHUNK, int(fits)))
-
-
-def _refuse(what: str, needed: int, budget: int, fix: str) -> MemoryEstimateExceeded:
-    return MemoryEstimateExceeded(
-        f"{_OPERATION}: {what} need about {format_bytes(needed)}, over the memory budget of {format_bytes(budget)}; "
-        f"{fix}",
-        estimate_bytes=needed,
-        budget_bytes=budget,
-    )
 
 
 def train_feature_chunks(
@@ -280,30 +149,22 @@ def train_feature_chunks(
         MemoryEstimateExceeded: G', F and one chunk over the budget (before any work).
     """
     if options.features is FeatureKind.EXACT:
-        raise InvalidInput(f"{_OPERATION}: features='exact' has no chunked pass; call train_features")
-    dtype = _dtype(model, options)
-    model = _in_dtype(model, dtype)
-    n = _size(x)
-    out_shape = _out_shape(model, x, dtype, "x_train")
+        raise InvalidInput(f"{OPERATION}: features='exact' has no chunked pass; call train_features")
+    dtype = compute_dtype(model, options)
+    model = in_dtype(model, dtype)
+    n = size(x)
+    out_shape = output_shape(model, x, dtype, "x_train")
     k = math.prod(out_shape)
-    labels = check_labels(y, n=n, out_shape=out_shape, loss=options.loss, name="y_train", operation=_OPERATION)
-    budget = _budget(options)
+    labels = check_labels(y, n=n, out_shape=out_shape, loss=options.loss, name="y_train", operation=OPERATION)
+    limit = budget(options)
     item = torch.finfo(dtype).bits // 8
-    chunk = _chunk_rows(n, k, options, item, budget)
+    chunk = _chunk_rows(n, k, options, item, limit)
     needed = train_features_memory(n, k, options.dim, options.loss, chunk=chunk, itemsize=item)
-    if needed > budget:
-        raise _refuse(f"features of N={n} examples at D={options.dim}", needed, budget, "use a smaller dim")
+    if needed > limit:
+        raise refuse(f"features of N={n} examples at D={options.dim}", needed, limit, "use a smaller dim")
     for start in range(0, n, chunk):
-        yield _sketch_chunk(
-            model,
-            _rows(x, start, start + chunk),
-            labels[start : start + chunk],
-            start,
-            dtype,
-            options,
-            seed=options.seed + index,
-            budget=budget,
-        )
+        xb, yb = rows(x, start, start + chunk), labels[start : start + chunk]
+        yield _sketch_chunk(model, xb, yb, start, dtype, options, seed=options.seed + index, limit=limit)
 
 
 def _sketch_chunk(
@@ -315,16 +176,16 @@ def _sketch_chunk(
     options: AttributionOptions,
     *,
     seed: int,
-    budget: int,
+    limit: int,
 ) -> FeatureChunk:
-    xb = _cast(xb, dtype)
+    xb = cast(xb, dtype)
     weights = train_weights(model_outputs(model, xb, dtype), yb, options.loss)
     common: dict[str, Any] = {
         "dim": options.dim,
         "seed": seed,
-        "params": _params(options),
+        "params": engine_params(options),
         "dtype": dtype,
-        "memory_budget_bytes": budget // 2,
+        "memory_budget_bytes": limit // 2,
         "sketch": options.features.value,
     }
     if weights.rows is not None:  # cross-entropy: the margin row, s = 1 − p_y
@@ -368,7 +229,7 @@ def train_features(
     """
     opts = AttributionOptions() if options is None else options
     if opts.features is FeatureKind.EXACT:
-        return _exact_train(model, x, y, opts)
+        return _exact_train_features(model, x, y, opts)
     chunks = list(train_feature_chunks(model, x, y, options=opts, index=index))
     gram = chunks[0].gram.copy()
     for c in chunks[1:]:
@@ -381,55 +242,34 @@ def train_features(
         loss_weights=np.concatenate([c.loss_weights for c in chunks]),
         gram=gram,
         rows=sum(c.rows for c in chunks),
-        input_shape=_example_shape(x),
+        input_shape=example_shape(x),
     )
 
 
-def _exact_train(model: nn.Module, x: Any, y: Any, options: AttributionOptions) -> TrainFeatures:
-    n = _size(x)
-    x_all = _cast(_rows(x, 0, n), torch.float64)
-    model64 = _in_dtype(model, torch.float64)
-    out_shape = _out_shape(model64, x_all, torch.float64, "x_train")
+def _exact_train_features(model: nn.Module, x: Any, y: Any, options: AttributionOptions) -> TrainFeatures:
+    n = size(x)
+    x_all = cast(rows(x, 0, n), torch.float64)
+    model64 = in_dtype(model, torch.float64)
+    out_shape = output_shape(model64, x_all, torch.float64, "x_train")
     k = math.prod(out_shape)
-    labels = check_labels(y, n=n, out_shape=out_shape, loss=options.loss, name="y_train", operation=_OPERATION)
-    budget = _budget(options)
+    labels = check_labels(y, n=n, out_shape=out_shape, loss=options.loss, name="y_train", operation=OPERATION)
+    limit = budget(options)
     needed = exact_memory(n, k, options.loss)
-    if needed > budget:
-        raise _refuse(
-            f"exact features of N={n} examples (k={k})",
-            needed,
-            budget,
-            "use a sketch (features='structured') for a training set this large",
-        )
+    if needed > limit:
+        fix = "use a sketch (features='structured') for a training set this large"
+        raise refuse(f"exact features of N={n} examples (k={k})", needed, limit, fix)
     weights = train_weights(model_outputs(model64, x_all, torch.float64), labels, options.loss)
-    common: dict[str, Any] = {"params": _params(options), "dtype": torch.float64, "memory_budget_bytes": budget}
-    if weights.rows is not None:
-        theta = compute_ntk(OutputFunction(model64), weighted_inputs(x_all, weights.rows), mode="trace", **common).theta
-    else:
-        theta = compute_ntk(AllOutputs(model64), x_all, mode="full", **common).theta  # (N, N, k, k)
-    kernel = (theta + theta.T) / 2 if weights.rows is not None else _as_matrix(theta)
-    del theta
-    lam, vec = torch.linalg.eigh(kernel)  # torch: its threads sleep while waiting (NOTE in scoring.py)
-    del kernel
-    tol = lam.shape[0] * torch.finfo(torch.float64).eps * max(float(lam[-1]), 0.0)
-    keep = lam > tol
-    lam, vec = lam[keep], vec[:, keep]
-    rows_features = (vec * lam.sqrt()).numpy()
-    if weights.rows is not None:
-        g, s = rows_features, weights.loss.numpy()
-    else:
-        g = np.einsum("na,nar->nr", weights.loss.numpy(), rows_features.reshape(n, k, -1))
-        s = np.ones(n)
+    side = exact_train_side(model64, x_all, weights, options, limit)
     return TrainFeatures(
         loss=options.loss,
         kind=FeatureKind.EXACT,
         seed=options.seed,
-        features=g,
-        loss_weights=s,
-        gram=torch.diag(lam).numpy(),
-        rows=n * (1 if weights.rows is not None else k),
-        exact=ExactBasis(x_train=x_all, rows=weights.rows, kernel_map=(vec / lam.sqrt()).numpy()),
-        input_shape=_example_shape(x),
+        features=side.features,
+        loss_weights=side.loss_weights,
+        gram=np.diag(side.eigenvalues),
+        rows=side.rows,
+        exact=side.basis,
+        input_shape=example_shape(x),
     )
 
 
@@ -462,67 +302,49 @@ def target_features(
     opts = AttributionOptions() if options is None else options
     if opts.loss is not train.loss or opts.features is not train.kind:
         raise InvalidInput(
-            f"{_OPERATION}: test features with loss={opts.loss.value!r}, features={opts.features.value!r} against a "
+            f"{OPERATION}: test features with loss={opts.loss.value!r}, features={opts.features.value!r} against a "
             f"training side computed with loss={train.loss.value!r}, features={train.kind.value!r}; use the same "
             "options for both"
         )
-    dtype = torch.float64 if train.exact is not None else _dtype(model, opts)
-    model = _in_dtype(model, dtype)
-    m = _size(x)
-    shape = _example_shape(x)
+    dtype = torch.float64 if train.exact is not None else compute_dtype(model, opts)
+    model = in_dtype(model, dtype)
+    m = size(x)
+    shape = example_shape(x)
     if train.input_shape is not None and shape is not None and shape != train.input_shape:
         raise ShapeMismatch(
-            f"{_OPERATION}: x_test has per-example shape {shape}, the training inputs {train.input_shape}; both must "
+            f"{OPERATION}: x_test has per-example shape {shape}, the training inputs {train.input_shape}; both must "
             "match"
         )
-    out_shape = _out_shape(model, x, dtype, "x_test")
+    out_shape = output_shape(model, x, dtype, "x_test")
     labels = (
         None
         if y is None
-        else check_labels(y, n=m, out_shape=out_shape, loss=opts.loss, name="y_test", operation=_OPERATION)
+        else check_labels(y, n=m, out_shape=out_shape, loss=opts.loss, name="y_test", operation=OPERATION)
     )
-    budget = _budget(opts)
-    chunk = _chunk_rows(m, math.prod(out_shape), opts, torch.finfo(dtype).bits // 8, budget)
+    if train.exact is None and train.dim != opts.dim:
+        raise ShapeMismatch(
+            f"{OPERATION}: the training side has D={train.dim}, options.dim={opts.dim}; use the same dim"
+        )
+    limit = budget(opts)
+    chunk = _chunk_rows(m, math.prod(out_shape), opts, torch.finfo(dtype).bits // 8, limit)
     parts = []
     for start in range(0, m, chunk):
-        xb = _cast(_rows(x, start, start + chunk), dtype)
+        xb = cast(rows(x, start, start + chunk), dtype)
         u = measurement_weights(
             model_outputs(model, xb, dtype), None if labels is None else labels[start : start + chunk], opts.loss
         ).to(dtype)
         if train.exact is not None:
-            cross = _exact_cross(model, xb, u, train.exact, opts, budget)
-            parts.append((cross @ torch.from_numpy(train.exact.kernel_map)).numpy())
+            parts.append(exact_target(model, xb, u, train.exact, opts, limit))
             continue
-        if train.dim != opts.dim:
-            raise ShapeMismatch(
-                f"{_OPERATION}: the training side has D={train.dim}, options.dim={opts.dim}; use the same dim"
-            )
         phi = ntk_features(
             OutputFunction(model),
             weighted_inputs(xb, u),
             dim=opts.dim,
             seed=train.seed,
-            params=_params(opts),
+            params=engine_params(opts),
             dtype=dtype,
-            memory_budget_bytes=budget // 2,
+            memory_budget_bytes=limit // 2,
             sketch=opts.features.value,
         )
         parts.append(phi[:, 0].numpy())
     return np.concatenate(parts)
-
-
-def _exact_cross(
-    model: nn.Module, xb: Any, u: torch.Tensor, basis: ExactBasis, options: AttributionOptions, budget: int
-) -> torch.Tensor:
-    """κ* (m, N·c): the test measurement's kernel against the training rows, float64."""
-    common: dict[str, Any] = {"params": _params(options), "dtype": torch.float64, "memory_budget_bytes": budget}
-    if basis.rows is not None:
-        return compute_ntk(
-            OutputFunction(model),
-            weighted_inputs(xb, u),
-            weighted_inputs(basis.x_train, basis.rows),
-            mode="trace",
-            **common,
-        ).theta
-    theta = compute_ntk(AllOutputs(model), xb, basis.x_train, mode="full", **common).theta  # (m, N, k, k)
-    return torch.einsum("ma,mnab->mnb", u, theta).reshape(theta.shape[0], -1)

@@ -14,7 +14,8 @@ mean loss weight s̄_n (TRAK's eq. 17); "mean" averages each checkpoint's weight
 Bounded memory (``plan_score_tiles``): scores of N training × M test examples are produced in tiles, training rows
 outer, so each checkpoint's features G'_c are read once (a job reads them from its store), and the solved test
 features (C · M · D floats) are kept: memory C·D·(train_rows + M)·4 bytes + 2 tiles (test_rows × train_rows float32).
-At N = 10⁵, M = 10⁴, D = 2048, C = 10, 4 GB: train tiles of 8192 rows, whole test set per tile: ~2.1 GB.
+At N = 10⁵, M = 10⁴, D = 2048, C = 10 and a 4 GB budget: tiles of 12,500 training rows against the whole test set,
+2.8 GB (the dense float32 scores alone would be 4 GB).
 """
 
 from __future__ import annotations
