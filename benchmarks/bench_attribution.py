@@ -19,9 +19,12 @@ with both halves' LDS: the LDS-vs-ridge curve). Reported LDS is on the odd-index
 on all test examples. Timed rounds alternate the methods (the order rotates every round); times are the attribution
 itself, from the checkpoints to the scores, wall and CPU (process time of all threads), medians over rounds, with
 the load average beside; peers run in their own processes and time themselves (imports excluded, as for ours).
+Before the timed rounds, ``--exactness-dims`` prints the relative error of the sketched scores against the exact
+features' at each D (first checkpoint, default ridge). The ground truth's models train in ``--workers`` processes.
 
-    .venv/bin/python benchmarks/bench_attribution.py --tune --rounds 3                  # the full run (idle machine)
-    .venv/bin/python benchmarks/bench_attribution.py --archs mlp --subsets 40 --n-train 500 --rounds 1  # a quick check
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_attribution.py --tune --rounds 3   # the full run (idle)
+    .venv/bin/python benchmarks/bench_attribution.py --archs mlp --subsets 20 --n-train 500 --rounds 1 \
+        --methods ours ours-exact --exactness-dims                                                # a quick check
 """
 
 from __future__ import annotations
