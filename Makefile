@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: serve test lint docs format bench peer-venv test-cpus
+.PHONY: serve test lint docs format bench peer-venv test-cpus trak-venv kronfluence-venv
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -75,3 +75,27 @@ $(PEER_STAMP):
 	touch $(PEER_STAMP)
 
 peer-venv: $(PEER_STAMP)
+
+# The attribution peers of benchmarks/bench_attribution.py (issue 39), each in its own venv with the project's torch
+# (pinned through constraints.txt): traker 0.3.2 (its CPU BasicProjector) and kronfluence 1.0.1 (EK-FAC).
+# scikit-learn is for the digits data both load. kronfluence pulls torchvision, whose only wheel here fails at
+# import (`operator torchvision::nms does not exist`, DESIGN.md); kronfluence never imports it, so it is removed
+# rather than left broken in the venv.
+TRAK_VENV := .trak-venv
+KFAC_VENV := .kfac-venv
+
+$(TRAK_VENV)/.installed-stamp:
+	test -x $(TRAK_VENV)/bin/python || python3 -m venv $(TRAK_VENV)
+	$(TRAK_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0 traker==0.3.2 scikit-learn
+	$(TRAK_VENV)/bin/python -c "import trak, sklearn"
+	touch $@
+
+$(KFAC_VENV)/.installed-stamp:
+	test -x $(KFAC_VENV)/bin/python || python3 -m venv $(KFAC_VENV)
+	$(KFAC_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0 kronfluence==1.0.1 scikit-learn
+	$(KFAC_VENV)/bin/python -m pip uninstall -q -y torchvision
+	$(KFAC_VENV)/bin/python -c "import kronfluence.analyzer, sklearn"
+	touch $@
+
+trak-venv: $(TRAK_VENV)/.installed-stamp
+kronfluence-venv: $(KFAC_VENV)/.installed-stamp

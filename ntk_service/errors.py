@@ -16,6 +16,7 @@ the same class, so ``except MemoryEstimateExceeded`` works on both sides of the 
     │   ├── UnknownLayer                  422  a ``layer`` that is not a module of the model
     │   ├── OverlappingGroups             422  a parameter in two groups of ``compute_ntk_groups``
     │   ├── UnstableLearningRate          422  gradient descent above the stable limit (message gives it)
+    │   ├── IncompatibleCheckpoint        422  weights that do not fit the model (names, shapes)
     │   └── UnknownDevice                 422  not 'cpu', 'cuda' or 'cuda:N', or a CUDA device that is absent
     ├── MalformedRequest                  400  the body cannot be parsed at all
     ├── UnsupportedMediaType              415
@@ -65,6 +66,7 @@ __all__ = [
     "DatasetNotFound",
     "DiskEstimateExceeded",
     "EmptyBatch",
+    "IncompatibleCheckpoint",
     "InvalidInput",
     "JobFailed",
     "JobNotFinished",
@@ -235,6 +237,12 @@ class UnstableLearningRate(InvalidInput):
     """Gradient descent on the linearized model at a step above 2 / (c · λmax): it would diverge."""
 
     error_type = "unstable_learning_rate"
+
+
+class IncompatibleCheckpoint(InvalidInput):
+    """A checkpoint (state dict) whose parameter names or shapes are not the model's: another architecture."""
+
+    error_type = "incompatible_checkpoint"
 
 
 class UnknownDevice(InvalidInput):

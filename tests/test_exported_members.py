@@ -57,6 +57,7 @@ def test_lazy_exports_are_the_client_classes() -> None:
     [
         "ntk_service.analysis",
         "ntk_service.analysis.solve",
+        "ntk_service.attribution",
         "ntk_service.client",
         "ntk_service.wire",
         "ntk_service.cli",

@@ -10,6 +10,16 @@ import torch
 from torch import nn
 
 from ntk_service.kernels import feature_kernel, ntk_features
+from ntk_service.kernels.problem.preparation import build_problem
+from ntk_service.kernels.problem.private_module import private_copy
+from ntk_service.kernels.sketch.product_sketch import (
+    STRUCTURED_SKETCH_OPTIONS,
+    _factor_draws,
+    _factored_columns,
+    _through_jacobian,
+    _weight_jacobian,
+)
+from ntk_service.kernels.structured import Structured
 from tests.reference import reference_ntk
 
 SEEDS = range(50)  # deterministic seeds: the tests are reproducible, their tolerances statistical
@@ -171,3 +181,31 @@ def test_unbiased_on_a_convolution() -> None:
         nn.Linear(4 * 2 * 2, 2),
     ).double()
     _assert_unbiased(model, _x(2, 2, 5, 5), _x(2, 2, 5, 5, seed=2), seeds=range(25))  # 88 ms a call
+
+
+def test_a_convolutions_columns_are_the_same_through_its_jacobian() -> None:
+    # NOTE [contraction order]: the bilinear forms s^Dᵀ J s^A of the weight's Jacobian are the factors' products
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)
+    ).double()
+    x = _x(5, 1, 6, 6)
+    private = private_copy(model)
+    assert private is not None
+    problem = build_problem(private, x, None, params=None, dtype=torch.float64)
+    alg = Structured(STRUCTURED_SKETCH_OPTIONS)
+    side = alg.left(problem, x)
+    terms = alg.terms(problem)
+    draws = _factor_draws(3, 64, terms, torch.float64)
+    compared = 0
+    for term, factors, term_draws in zip(terms.factored, side.factored, draws, strict=True):
+        jacobian = _weight_jacobian(factors, term)
+        if not _through_jacobian(terms, term, problem.k) or jacobian is None:
+            continue
+        columns = slice(0, 64)
+        through = _factored_columns(factors, term, term_draws, columns, jacobian)
+        torch.testing.assert_close(
+            through, _factored_columns(factors, term, term_draws, columns), rtol=1e-12, atol=1e-12
+        )
+        compared += 1
+    assert compared == 2  # both convolutions (36 and 16 positions); the Linear head keeps its factors

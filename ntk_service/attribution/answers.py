@@ -1,0 +1,100 @@
+"""The usual questions, answered from score tiles in memory bounded by the answer: top-k proponents and opponents.
+
+``top_influences`` reduces a stream of ``ScoreTile`` to the k largest and k smallest scores of every test example
+(2·M·k values), merging each tile's candidates into the running ones, so the (M, N) matrix is never held: a job
+can stream tiles from the scorer (or from its store) through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ntk_service.attribution.scoring import ScoreTile
+from ntk_service.errors import InvalidInput
+
+__all__ = ["TopInfluences", "top_influences"]
+
+
+@dataclass(frozen=True)
+class TopInfluences:
+    """The strongest training examples for each test example.
+
+    Attributes:
+        proponents: (M, k) int64 training indices with the largest scores, largest first.
+        proponent_scores: (M, k) float32, their scores.
+        opponents: (M, k) int64 training indices with the smallest (most negative) scores, smallest first.
+        opponent_scores: (M, k) float32, their scores.
+    """
+
+    proponents: np.ndarray
+    proponent_scores: np.ndarray
+    opponents: np.ndarray
+    opponent_scores: np.ndarray
+
+
+def _merge(vals: np.ndarray, idx: np.ndarray, block: np.ndarray, offset: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest of the running (vals, idx) and the block's columns (indices offset + column)."""
+    if block.shape[1] > k:
+        part = np.argpartition(-block, k - 1, axis=1)[:, :k]
+        cand_vals, cand_idx = np.take_along_axis(block, part, axis=1), part + offset
+    else:
+        cand_vals = block
+        cand_idx = np.broadcast_to(np.arange(block.shape[1], dtype=np.int64) + offset, block.shape)
+    all_vals = np.concatenate([vals, cand_vals], axis=1)
+    all_idx = np.concatenate([idx, cand_idx], axis=1)
+    if all_vals.shape[1] <= k:
+        return all_vals, all_idx
+    best = np.argpartition(-all_vals, k - 1, axis=1)[:, :k]
+    return np.take_along_axis(all_vals, best, axis=1), np.take_along_axis(all_idx, best, axis=1)
+
+
+def top_influences(tiles: Iterable[ScoreTile], *, n_test: int, n_train: int, k: int = 10) -> TopInfluences:
+    """The k top proponents and opponents of each test example, from score tiles covering the (M, N) scores.
+
+    Args:
+        tiles (iterable of ScoreTile): e.g. ``iter_score_tiles(...)``; every (test, train) pair exactly once.
+        n_test (int): M. n_train (int): N.
+        k (int): how many of each; at most N. Default: 10.
+
+    Returns:
+        TopInfluences: (M, k) arrays, sorted (proponents descending, opponents ascending); ties in any order.
+
+    Raises:
+        InvalidInput: k < 1 or k > N; tiles outside (M, N) or not covering it.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n_train:
+        raise InvalidInput(f"top_influences: k must be an integer in [1, N={n_train}], got {k!r}")
+    running: dict[int, list[np.ndarray]] = {}
+    seen = np.zeros(n_test, dtype=np.int64)
+    for tile in tiles:
+        rows = slice(tile.test_start, tile.test_start + tile.block.shape[0])
+        if rows.stop > n_test or tile.train_start + tile.block.shape[1] > n_train:
+            raise InvalidInput(
+                f"top_influences: a tile at ({tile.test_start}, {tile.train_start}) of shape {tile.block.shape} lies "
+                f"outside the ({n_test}, {n_train}) scores"
+            )
+        r = tile.block.shape[0]
+        empty_v, empty_i = np.empty((r, 0), dtype=np.float32), np.empty((r, 0), dtype=np.int64)
+        state = running.get(tile.test_start, [empty_v, empty_i, empty_v, empty_i])
+        hv, hi = _merge(state[0], state[1], tile.block, tile.train_start, k)
+        lv, li = _merge(-state[2], state[3], -tile.block, tile.train_start, k)
+        running[tile.test_start] = [hv, hi, -lv, li]
+        seen[rows] += tile.block.shape[1]
+    if not (seen == n_train).all():
+        raise InvalidInput(
+            f"top_influences: the tiles covered {int(seen.min())}..{int(seen.max())} of the N={n_train} training "
+            "columns of some test rows; pass every tile exactly once"
+        )
+    prop = np.zeros((n_test, k), dtype=np.int64)
+    prop_s = np.zeros((n_test, k), dtype=np.float32)
+    opp, opp_s = prop.copy(), prop_s.copy()
+    for start, (hv, hi, lv, li) in running.items():
+        stop = start + hv.shape[0]
+        order = np.argsort(-hv, axis=1, kind="stable")
+        prop[start:stop], prop_s[start:stop] = np.take_along_axis(hi, order, 1), np.take_along_axis(hv, order, 1)
+        order = np.argsort(lv, axis=1, kind="stable")
+        opp[start:stop], opp_s[start:stop] = np.take_along_axis(li, order, 1), np.take_along_axis(lv, order, 1)
+    return TopInfluences(prop, prop_s, opp, opp_s)
