@@ -40,6 +40,7 @@ PACKAGE_LAYERS: dict[str, tuple[str, ...]] = {
     "plot": ("errors", "_tensors"),
     "kernels": ("vocabulary",),  # pure math: no HTTP, no SQL, no settings
     "analysis": ("kernels", "wire", "_tensors"),
+    "attribution": ("kernels",),  # data attribution from eNTK features: no HTTP, no SQL
     "registry": ("kernels", "layers", "config", "wire"),
     "jobs": ("registry", "analysis", "config", "wire"),
     "results": ("jobs",),

@@ -28,7 +28,7 @@ from ntk_service.attribution.scoring import (
     total_influence_scores,
 )
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, format_bytes
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = ["Attributor", "fit_attributor"]
 

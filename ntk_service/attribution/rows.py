@@ -17,8 +17,8 @@ from torch import nn
 
 from ntk_service.attribution.options import AttributionOptions
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
-from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import batch_size, is_batch, take
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = [
     "OPERATION",
