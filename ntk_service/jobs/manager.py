@@ -623,11 +623,13 @@ class JobManager:
 
     def _end_run(self, job_id: str) -> None:
         # Before the final status is set: whoever sees a finished job must not also see its run (``delete`` would
-        # answer "its tiles are still finishing" for a job that succeeded), and sees its last progress recorded.
+        # answer "its tiles are still finishing" for a job that succeeded), and sees the progress it ended with. A
+        # job left for the next start keeps the progress of its last checkpoint instead: the one it resumes from.
         # Nothing writes once the kind's run returned.
         with self._lock:
             run, live = self._runs.pop(job_id, None), self._live.get(job_id)
-        if run is not None and live is not None:
+            ended = job_id in self._cancelled or not self._stopping.is_set()
+        if run is not None and live is not None and ended:
             self.store.set_checkpoint(job_id, live)
         with self._lock:
             if run is not None:
@@ -686,12 +688,19 @@ class _Context:
         return self.manager.store.pending_tile_ids(self.job_id)
 
     def report(self, progress: Any) -> None:
-        with self.manager._lock:
-            self.manager._live[self.job_id] = progress
-        self.manager._bump(self.job_id)
+        manager = self.manager
+        with manager._lock:
+            if manager._generation != self.generation:
+                return  # given up by a stop: a newer run of the job reports now
+            manager._live[self.job_id] = progress
+        manager._bump(self.job_id)
 
     def checkpoint(self, progress: Any) -> None:
-        self.manager.store.set_checkpoint(self.job_id, progress)
+        manager = self.manager
+        with manager._recording:
+            if manager._generation != self.generation:
+                return
+            manager.store.set_checkpoint(self.job_id, progress)
         self.report(progress)
 
     def used(self, names: Sequence[str]) -> None:
