@@ -6,7 +6,8 @@
 - ``store``: jobs of every kind and their tiles in one SQLite file (WAL); ``migrations``: the stores of earlier
   versions.
 - ``manager``: ``JobManager``, one lifecycle for every kind (submit, run, progress events, cancel, delete, disk
-  accounting, resume).
+  accounting, resume); ``runner``: its runner threads, one per kind; ``activity``: what this process is doing with
+  its jobs (runs, live progress, reads, change counters); ``disk``: the shared disk budget.
 - ``planner`` / ``panels``: a kernel job's tiles (the storage chunks) and panels (its work units).
 - ``results``: the Zarr v3 result array of a kernel job, one chunk per tile; symmetric reads mirror the stored half.
 - ``executors``: ``LocalExecutor`` (in-process, under the compute limiter) and ``RayExecutor``, for kernel panels.

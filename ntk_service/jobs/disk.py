@@ -15,7 +15,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ntk_service.errors import format_bytes
+from ntk_service.errors import DiskEstimateExceeded, format_bytes
+from ntk_service.jobs.kinds.base import Layout
 from ntk_service.jobs.records import JobStatus
 from ntk_service.jobs.store import JobStore
 
@@ -24,6 +25,7 @@ __all__ = [
     "DISK_FREE_FRACTION",
     "DiskUsage",
     "available_bytes",
+    "check_fits",
     "move_aside",
     "stored_bytes",
     "sweep_deletions",
@@ -81,6 +83,18 @@ def available_bytes(store: JobStore, results_dir: Path, budget_bytes: int | None
     if reserved:
         source += f" less {format_bytes(reserved)} that unfinished jobs will still write,"
     return budget, source
+
+
+def check_fits(layout: Layout, budget: int, source: str, operation: str) -> None:
+    """Raises DiskEstimateExceeded (413, with the estimate and the budget) when a job's result does not fit
+    ``budget`` (from ``available_bytes``, whose ``source`` says where that limit comes from)."""
+    if layout.estimate_bytes > budget:
+        raise DiskEstimateExceeded(
+            f"{operation}: {layout.what} needs {format_bytes(layout.estimate_bytes)} on disk{layout.note}, more than "
+            f"{source} of {format_bytes(budget)}; {layout.fix}",
+            estimate_bytes=layout.estimate_bytes,
+            budget_bytes=budget,
+        )
 
 
 def tree_bytes(path: Path) -> int:

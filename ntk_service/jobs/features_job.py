@@ -92,6 +92,10 @@ class FeaturesSpec:
         lo = chunk * self.rows_per_chunk
         return lo, min(self.n, lo + self.rows_per_chunk)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FeaturesSpec:
+        return cls(**data)
+
     def to_dict(self) -> dict[str, Any]:
         """The stored (JSON) form: the sketch's wire value, params as a list."""
         data = asdict(self)

@@ -27,33 +27,31 @@ NOTE [resume]
 from __future__ import annotations
 
 import logging
-import queue
 import shutil
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from ntk_service.errors import (
     Conflict,
-    DiskEstimateExceeded,
     JobNotFinished,
     JobNotFound,
-    NtkServiceError,
     ResultNotFound,
     format_bytes,
 )
+from ntk_service.jobs.activity import Activity
 from ntk_service.jobs.disk import (
     DISK_FREE_FRACTION,
     DiskUsage,
     available_bytes,
+    check_fits,
     move_aside,
     stored_bytes,
     sweep_deletions,
@@ -65,8 +63,6 @@ from ntk_service.jobs.kinds.base import (
     DatasetSource,
     JobKind,
     JobSettings,
-    JobStopped,
-    Layout,
     ModelSource,
     PlanContext,
     RunCompute,
@@ -78,6 +74,7 @@ from ntk_service.jobs.panels import DEFAULT_PANEL_SECONDS
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE
 from ntk_service.jobs.records import JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray
+from ntk_service.jobs.runner import Runner
 from ntk_service.jobs.store import JOBS_DB, JobStore
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.types import NtkImplementation
@@ -94,7 +91,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Record = JobRecord[Any, Any, Any]
 Kind = JobKind[Any, Any, Any, Any]
 
@@ -106,14 +102,6 @@ class Deletion:
     job_id: str
     freed_bytes: int
     record_kept: bool
-
-
-@dataclass
-class _Run:
-    """In-memory progress of the current run of a job (for the ETA)."""
-
-    started: float
-    tiles_done: int = 0
 
 
 class JobManager:
@@ -150,7 +138,7 @@ class JobManager:
         datasets: DatasetSource,
         executor: Executor,
         store: JobStore | None = None,
-        kinds: Any = JOB_KINDS,
+        kinds: Mapping[str, Kind] = JOB_KINDS,
         run_compute: RunCompute[Any] | None = None,
         default_tile_size: int = DEFAULT_TILE_SIZE,
         disk_budget_bytes: int | None = None,
@@ -180,19 +168,17 @@ class JobManager:
             executor=executor,
             settings=JobSettings(default_tile_size, panel_seconds, memory_budget_bytes),
         )
-        self._queues: dict[str, queue.Queue[str]] = {name: queue.Queue() for name in self.kinds}
-        self._stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._versions: dict[str, int] = {}
-        self._runs: dict[str, _Run] = {}
-        self._live: dict[str, Any] = {}  # progress of running jobs, newer than their checkpoint
-        self._cancelled: set[str] = set()
-        self._readers: dict[str, int] = {}
-        self._deleting: set[str] = set()
-        self._threads: list[threading.Thread] = []
-        self._recording = threading.Lock()  # a unit's record against a stop that gives up on it
-        self._generation = 0  # runs whose units may still be recorded: NOTE [stop timeout]
+        self.activity = Activity()
+        self._runner = Runner(
+            store=self.store,
+            kinds=self.kinds,
+            activity=self.activity,
+            folder=self.folder,
+            models=models,
+            datasets=datasets,
+            executor=executor,
+            run_compute=self.run_compute,
+        )
 
     # -- lifetime ---------------------------------------------------------------------------------------------------
 
@@ -220,13 +206,9 @@ class JobManager:
                 record.tiles_total,
                 released,
             )
-            self._queues[record.kind].put(record.id)
+            self._runner.put(record)
             resumed.append(record.id)
-        self._stopping.clear()
-        for name in self.kinds:
-            thread = threading.Thread(target=self._runner, args=(name,), name=f"ntk-{name}-jobs", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+        self._runner.start()
         return resumed
 
     def stop(self, timeout: float | None = 60.0) -> None:
@@ -234,30 +216,12 @@ class JobManager:
 
         Args:
             timeout: seconds to wait for those units (None: as long as they take). A unit still computing then is
-                given up (NOTE [stop timeout]): it is not recorded even if it finishes later, its tiles go back to
-                pending without the attempt it counted, and the next start computes them once.
+                given up (NOTE [stop timeout] in runner.py): it is not recorded even if it finishes later, its tiles
+                go back to pending without the attempt it counted, and the next start computes them once.
         """
-        self._stopping.set()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if any(thread.is_alive() for thread in self._threads):
+        if not self._runner.stop(timeout):
             logger.warning("jobs: a unit still runs after %.0f s; it will be redone at the next start", timeout)
-            self._give_up_running()
-        self._threads = []
         self.executor.close()
-
-    def _give_up_running(self) -> None:
-        # NOTE [stop timeout]
-        #     A stop that stops waiting for a unit leaves its tiles ``running`` with an attempt counted, and the
-        #     next start would count a second one for the same computation. So the units out now are given up,
-        #     under the lock every record takes: their contexts (of the current generation) record nothing from
-        #     here on, and their tiles go back to pending with that attempt taken back. A chunk such a unit still
-        #     writes is overwritten with the same bits by the re-run (NOTE [resume]), and only then recorded.
-        with self._recording:
-            self._generation += 1
-            for record in self.store.list_jobs(statuses=[JobStatus.RUNNING]):
-                self.store.release_running_tiles(record.id, uncount=True)
 
     # -- submit -----------------------------------------------------------------------------------------------------
 
@@ -276,7 +240,7 @@ class JobManager:
             raise TypeError(f"JobManager.create: no job kind takes a {type(request).__name__}")
         spec = kind.plan(request, self._plan_context)
         layout = kind.layout(spec)
-        self._check_disk(kind, layout)
+        check_fits(layout, *available_bytes(self.store, self.results_dir, self.disk_budget_bytes), kind.operation)
         job: Record = JobRecord(
             id=uuid.uuid4().hex,
             spec=spec,
@@ -288,7 +252,7 @@ class JobManager:
             finished_at=None,
             error=None,
             implementation_used=None,
-            executor=self.executor.name if kind is KERNEL_KIND else "local",
+            executor=self.executor.name if kind.uses_executor else "local",
             result_shape=list(layout.result_shape),
             estimate_bytes=layout.estimate_bytes,
             kind=kind.name,
@@ -304,8 +268,8 @@ class JobManager:
             job.tiles_total,
             format_bytes(layout.estimate_bytes),
         )
-        self._bump(job.id)
-        self._queues[kind.name].put(job.id)
+        self.activity.bump(job.id)
+        self._runner.put(job)
         return job
 
     def submit(
@@ -338,17 +302,6 @@ class JobManager:
         )  # fmt: skip
         return self.create(request)
 
-    def _check_disk(self, kind: Kind, layout: Layout) -> None:
-        """Raises DiskEstimateExceeded (413, with the estimate and the budget) when the result does not fit."""
-        budget, source = available_bytes(self.store, self.results_dir, self.disk_budget_bytes)
-        if layout.estimate_bytes > budget:
-            raise DiskEstimateExceeded(
-                f"{kind.operation}: {layout.what} needs {format_bytes(layout.estimate_bytes)} on disk{layout.note}, "
-                f"more than {source} of {format_bytes(budget)}; {layout.fix}",
-                estimate_bytes=layout.estimate_bytes,
-                budget_bytes=budget,
-            )
-
     # -- read -------------------------------------------------------------------------------------------------------
 
     def folder(self, job: Record) -> Path:
@@ -378,20 +331,14 @@ class JobManager:
 
     def progress(self, record: Record) -> Any:
         """The kind's progress value of a job: the live one while it runs, else the one last recorded."""
-        with self._lock:
-            live = self._live.get(record.id)
+        live = self.activity.live(record.id)
         return live if live is not None else record.checkpoint
 
     def eta_s(self, record: Record) -> float | None:
         """Seconds left at this run's pace; 0 when finished, None before the first tile of this run."""
         if record.is_finished:
             return 0.0
-        with self._lock:
-            run = self._runs.get(record.id)
-            if run is None or run.tiles_done == 0:
-                return None
-            rate = run.tiles_done / max(time.monotonic() - run.started, 1e-9)
-        return (record.tiles_total - record.tiles_done) / rate
+        return self.activity.eta_s(record.id, record.tiles_total - record.tiles_done)
 
     def succeeded(self, job_id: str, kind: Kind = KERNEL_KIND) -> tuple[Record, Path]:
         """A succeeded job of ``kind`` and its result folder (read it inside ``reading``).
@@ -435,18 +382,10 @@ class JobManager:
         _, array = self.open_result(job_id)
         return array.read(rows=rows, cols=cols)
 
-    @contextmanager
-    def reading(self, job_id: str) -> Iterator[None]:
-        """Mark a read of the job's result in progress: ``delete`` refuses (409) until it ends."""
-        with self._lock:
-            self._readers[job_id] = self._readers.get(job_id, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._readers[job_id] -= 1
-                if not self._readers[job_id]:
-                    del self._readers[job_id]
+    def reading(self, job_id: str) -> AbstractContextManager[None]:
+        """Mark a read of the job's result in progress for the ``with`` block: ``delete`` refuses (409) until it
+        ends."""
+        return self.activity.reading(job_id)
 
     def disk_usage(self) -> DiskUsage:
         """What the stored results take and what a new job may still take (see ``jobs/disk.py``)."""
@@ -466,11 +405,10 @@ class JobManager:
         record = self.get(job_id, kind)
         if record.is_finished:
             return record
-        with self._lock:
-            self._cancelled.add(job_id)
+        self.activity.cancel(job_id)
         self.store.set_status(job_id, JobStatus.CANCELLED)
         logger.info("jobs: cancelled %s at %d/%d tiles", job_id, record.tiles_done, record.tiles_total)
-        self._bump(job_id)
+        self.activity.bump(job_id)
         return self.store.get_job(job_id)
 
     def delete(self, job_id: str, *, keep_record: bool = False, kind: Kind | None = None) -> Deletion:
@@ -509,23 +447,20 @@ class JobManager:
                 f"{owner.operation}: job {job_id} is {record.status.value}; cancel it first (DELETE "
                 f"{owner.route}/{job_id} cancels a running job), then delete it"
             )
-        with self._lock:
-            if job_id in self._runs:  # cancelled, but its last unit still finishes writing: wait for it
-                raise Conflict(
-                    f"{owner.operation}: job {job_id} was cancelled and its running tiles are still finishing; retry "
-                    "in a moment"
-                )
-            if job_id in self._deleting:  # a concurrent DELETE of the same job got here first
+        blocked = self.activity.begin_deletion(job_id)
+        if blocked is not None:
+            what, readers = blocked
+            if what == "deleting":  # a concurrent DELETE of the same job got here first
                 raise ResultNotFound(
                     f"{owner.operation}: the result of job {job_id} is already being deleted; nothing to delete"
                 )
-            readers = self._readers.get(job_id, 0)
-            if readers:
-                raise Conflict(
-                    f"{owner.operation}: the result of job {job_id} is being downloaded ({readers} download(s)); "
-                    "retry when they have finished"
-                )
-            self._deleting.add(job_id)
+            raise Conflict(
+                f"{owner.operation}: job {job_id} was cancelled and its running tiles are still finishing; retry in a "
+                "moment"
+                if what == "running"  # cancelled, but its last unit still finishes writing: wait for it
+                else f"{owner.operation}: the result of job {job_id} is being downloaded ({readers} download(s)); "
+                "retry when they have finished"
+            )
         try:
             trash = move_aside(self._root(owner), job_id)  # atomic: from here no reader can open it
             freed = tree_bytes(trash) if trash.exists() else 0
@@ -534,177 +469,26 @@ class JobManager:
                     raise ResultNotFound(
                         f"{owner.operation}: the result of job {job_id} was already deleted; nothing to delete"
                     )
-                self._bump(job_id)
+                self.activity.bump(job_id)
             else:
                 self._drop(job_id, owner)
             shutil.rmtree(trash, ignore_errors=True)
         finally:
-            with self._lock:
-                self._deleting.discard(job_id)
+            self.activity.end_deletion(job_id)
         logger.info("jobs: deleted the result of %s (%s freed)", job_id, format_bytes(freed))
         return Deletion(job_id=job_id, freed_bytes=freed, record_kept=keep_record)
 
     def _drop(self, job_id: str, kind: Kind) -> None:
         if not self.store.delete_job(job_id):
             raise JobNotFound(f"{kind.operation}: no {kind.noun} with id {job_id!r}; list them with GET {kind.route}")
-        self._bump(job_id)
+        self.activity.bump(job_id)
 
     # -- events -----------------------------------------------------------------------------------------------------
 
     def version(self, job_id: str) -> int:
         """A counter that grows with every change of the job (a unit done, progress, a status) in this process."""
-        with self._lock:
-            return self._versions.get(job_id, 0)
+        return self.activity.version(job_id)
 
     def wait_for_change(self, job_id: str, seen: int, timeout: float) -> int:
         """Block until the job's version exceeds ``seen`` or ``timeout`` seconds pass; returns the version."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while self._versions.get(job_id, 0) <= seen:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            return self._versions.get(job_id, 0)
-
-    def _bump(self, job_id: str) -> None:
-        with self._changed:
-            self._versions[job_id] = self._versions.get(job_id, 0) + 1
-            self._changed.notify_all()
-
-    def _is_cancelled(self, job_id: str) -> bool:
-        with self._lock:
-            return job_id in self._cancelled
-
-    # -- running ----------------------------------------------------------------------------------------------------
-
-    def _runner(self, kind: str) -> None:
-        jobs = self._queues[kind]
-        while not self._stopping.is_set():
-            try:
-                job_id = jobs.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            try:
-                self._run_job(job_id)
-            except Exception:  # noqa: BLE001 - the runner must survive anything one job does
-                logger.exception("jobs: runner failed on %s", job_id)
-
-    def _run_job(self, job_id: str) -> None:
-        record = self.store.get_job(job_id)
-        if record.is_finished or self._is_cancelled(job_id):
-            return
-        if not self.store.set_status(job_id, JobStatus.RUNNING, only_from=[JobStatus.QUEUED, JobStatus.RUNNING]):
-            return
-        kind = self.kinds[record.kind]
-        with self._lock:
-            self._runs[job_id] = _Run(started=time.monotonic())
-        self._bump(job_id)
-        folder = self.folder(record)
-        result: Any = None
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            result = kind.run(record, _Context(self, record, folder))
-        except JobStopped:
-            self._end_run(job_id)
-            self._finish(job_id, None)
-        except Exception as exc:  # noqa: BLE001 - any failure of a unit fails the job with its message
-            self._end_run(job_id)
-            message = exc.message if isinstance(exc, NtkServiceError) else f"{type(exc).__name__}: {exc}"
-            if not self._stopping.is_set():
-                logger.warning("jobs: %s failed: %s", job_id, message)
-                self.store.set_status(job_id, JobStatus.FAILED, error=message)
-        else:
-            self._end_run(job_id)
-            self._finish(job_id, result)
-        finally:
-            self._end_run(job_id)
-            self._bump(job_id)
-
-    def _end_run(self, job_id: str) -> None:
-        # Before the final status is set: whoever sees a finished job must not also see its run (``delete`` would
-        # answer "its tiles are still finishing" for a job that succeeded), and sees the progress it ended with. A
-        # job left for the next start keeps the progress of its last checkpoint instead: the one it resumes from.
-        # Nothing writes once the kind's run returned.
-        with self._lock:
-            run, live = self._runs.pop(job_id, None), self._live.get(job_id)
-            ended = job_id in self._cancelled or not self._stopping.is_set()
-        if run is not None and live is not None and ended:
-            self.store.set_checkpoint(job_id, live)
-        with self._lock:
-            if run is not None:
-                self._live.pop(job_id, None)
-
-    def _finish(self, job_id: str, result: Any) -> None:
-        if self._is_cancelled(job_id):
-            return
-        if self._stopping.is_set():
-            self.store.release_running_tiles(job_id)  # resumed at the next start, see NOTE [resume]
-            return
-        record = self.store.get_job(job_id)
-        if record.tiles_done < record.tiles_total:
-            self.store.set_status(
-                job_id, JobStatus.FAILED, error=f"{record.tiles_total - record.tiles_done} tile(s) were not computed"
-            )
-            return
-        self.store.set_status(job_id, JobStatus.SUCCEEDED, only_from=[JobStatus.RUNNING], result=result)
-        seconds = sum(self.store.tile_seconds(job_id))
-        logger.info("jobs: %s succeeded (%d tiles, %.1f tile-seconds)", job_id, record.tiles_total, seconds)
-
-
-class _Context:
-    """The RunContext of one run of one job (``kinds/base.py``): its units claimed and recorded in one transaction
-    each, against a stop that gives up on them (NOTE [stop timeout])."""
-
-    def __init__(self, manager: JobManager, job: Record, folder: Path) -> None:
-        self.manager, self.job_id, self.folder = manager, job.id, folder
-        self.models, self.datasets, self.executor = manager.models, manager.datasets, manager.executor
-        self.generation = manager._generation
-
-    def run_compute(self, fn: Callable[[], T]) -> T:
-        result: T = self.manager.run_compute(fn)
-        return result
-
-    def claim(self, tile_ids: Sequence[int]) -> list[int]:
-        manager = self.manager
-        with manager._recording:
-            if manager._generation != self.generation:
-                return []  # given up by a stop (NOTE [stop timeout]): claim nothing more
-            return manager.store.claim_tiles(self.job_id, tile_ids)
-
-    def done(self, tile_ids: Sequence[int], *, elapsed_s: float) -> None:
-        manager = self.manager
-        with manager._recording:
-            if manager._generation != self.generation:
-                return  # a stop gave up on this unit and un-counted its attempt: NOTE [stop timeout]
-            manager.store.mark_tiles_done(self.job_id, tile_ids, elapsed_s=elapsed_s)
-        with manager._lock:
-            run = manager._runs.get(self.job_id)
-            if run is not None:
-                run.tiles_done += len(tile_ids)
-        manager._bump(self.job_id)
-
-    def pending(self) -> list[int]:
-        return self.manager.store.pending_tile_ids(self.job_id)
-
-    def report(self, progress: Any) -> None:
-        manager = self.manager
-        with manager._lock:
-            if manager._generation != self.generation:
-                return  # given up by a stop: a newer run of the job reports now
-            manager._live[self.job_id] = progress
-        manager._bump(self.job_id)
-
-    def checkpoint(self, progress: Any) -> None:
-        manager = self.manager
-        with manager._recording:
-            if manager._generation != self.generation:
-                return
-            manager.store.set_checkpoint(self.job_id, progress)
-        self.report(progress)
-
-    def used(self, names: Sequence[str]) -> None:
-        self.manager.store.set_implementation_used(self.job_id, ",".join(sorted(names)))
-
-    def should_stop(self) -> bool:
-        return self.manager._stopping.is_set() or self.manager._is_cancelled(self.job_id)
+        return self.activity.wait_for_change(job_id, seen, timeout)

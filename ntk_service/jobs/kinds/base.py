@@ -195,6 +195,9 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
         operation: how messages start ("solve job"). route: where users list it ("/v1/solve-jobs").
         folder: the subfolder of the results directory holding its jobs' folders ("" for the directory itself).
         request_type: the typed request its ``plan`` takes (``JobManager.create`` dispatches on it).
+        uses_executor: its runs hand units to the manager's executor (local or Ray) rather than run in-process.
+        spec_type, progress_type, result_type: its typed values (None: it records no progress value / no result
+            summary).
     """
 
     name: ClassVar[str]
@@ -203,32 +206,39 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
     route: ClassVar[str]
     folder: ClassVar[str] = ""
     request_type: ClassVar[type]
+    uses_executor: ClassVar[bool] = False
+    spec_type: ClassVar[Any]
+    progress_type: ClassVar[Any] = None
+    result_type: ClassVar[Any] = None
 
     # -- the store's boundary ---------------------------------------------------------------------------------------
+    # Each typed value writes its stored (JSON) form (``to_dict`` for a spec, ``to_json`` for progress and results)
+    # and reads it back, of this version or an earlier one (``from_dict`` / ``from_json``); a kind names the types.
 
-    @abstractmethod
     def encode_spec(self, spec: SpecT) -> dict[str, Any]:
         """The spec's stored (JSON) form."""
+        return _stored(spec, "to_dict")
 
-    @abstractmethod
     def decode_spec(self, data: dict[str, Any]) -> SpecT:
-        """The spec from its stored form (of this version or an earlier one)."""
+        """The spec from its stored form."""
+        spec: SpecT = self.spec_type.from_dict(data)
+        return spec
 
-    def encode_progress(self, progress: ProgressT) -> dict[str, Any] | None:
-        """The progress value's stored form. Default: its ``to_json()``."""
-        return progress.to_json()  # type: ignore[attr-defined,no-any-return]
+    def encode_progress(self, progress: ProgressT) -> dict[str, Any]:
+        """The progress value's stored form."""
+        return _stored(progress, "to_json")
 
     def decode_progress(self, data: dict[str, Any]) -> ProgressT | None:
-        """The progress value from its stored form. Default: none (the kind records no progress value)."""
-        return None
+        """The progress value from its stored form (None for a kind that records none)."""
+        return None if self.progress_type is None else self.progress_type.from_json(data)
 
-    def encode_result(self, result: ResultT) -> dict[str, Any] | None:
-        """The result summary's stored form. Default: its ``to_json()``."""
-        return result.to_json()  # type: ignore[attr-defined,no-any-return]
+    def encode_result(self, result: ResultT) -> dict[str, Any]:
+        """The result summary's stored form."""
+        return _stored(result, "to_json")
 
     def decode_result(self, data: dict[str, Any]) -> ResultT | None:
-        """The result summary from its stored form. Default: none (the kind's result is its files)."""
-        return None
+        """The result summary from its stored form (None for a kind whose result is its files only)."""
+        return None if self.result_type is None else self.result_type.from_json(data)
 
     # -- plan / run -------------------------------------------------------------------------------------------------
 
@@ -259,3 +269,8 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
     def recover(self, job: JobRecord[SpecT, ProgressT, ResultT], folder: Path, done: Callable[[], set[int]]) -> None:
         """Bring a stored job's files up to date at start (a format of an earlier version); ``done()`` reads the
         ids of its tiles recorded as done. Default: nothing."""
+
+
+def _stored(value: Any, method: str) -> dict[str, Any]:
+    stored: dict[str, Any] = getattr(value, method)()
+    return stored

@@ -82,6 +82,10 @@ class FeaturesProgress:
     def to_json(self) -> dict[str, Any]:
         return {"rows_done": self.rows_done, "rows_total": self.rows_total}
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FeaturesProgress:
+        return cls(rows_done=int(data["rows_done"]), rows_total=int(data["rows_total"]))
+
 
 @dataclass(frozen=True, slots=True)
 class FeaturesSummary:
@@ -93,6 +97,10 @@ class FeaturesSummary:
 
     def to_json(self) -> dict[str, Any]:
         return {"shape": list(self.shape), "seed": self.seed, "dim": self.dim}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FeaturesSummary:
+        return cls(shape=tuple(data["shape"]), seed=int(data["seed"]), dim=int(data["dim"]))
 
 
 FeaturesJob = JobRecord[FeaturesSpec, FeaturesProgress, FeaturesSummary]
@@ -107,18 +115,9 @@ class FeaturesJobKind(JobKind[FeaturesRequest, FeaturesSpec, FeaturesProgress, F
     route: ClassVar[str] = "/v1/feature-jobs"
     folder: ClassVar[str] = "solve"
     request_type: ClassVar[type] = FeaturesRequest
-
-    def encode_spec(self, spec: FeaturesSpec) -> dict[str, Any]:
-        return spec.to_dict()
-
-    def decode_spec(self, data: dict[str, Any]) -> FeaturesSpec:
-        return FeaturesSpec(**data)
-
-    def decode_progress(self, data: dict[str, Any]) -> FeaturesProgress:
-        return FeaturesProgress(rows_done=int(data["rows_done"]), rows_total=int(data["rows_total"]))
-
-    def decode_result(self, data: dict[str, Any]) -> FeaturesSummary:
-        return FeaturesSummary(shape=tuple(data["shape"]), seed=int(data["seed"]), dim=int(data["dim"]))
+    spec_type: ClassVar[Any] = FeaturesSpec
+    progress_type: ClassVar[Any] = FeaturesProgress
+    result_type: ClassVar[Any] = FeaturesSummary
 
     def layout(self, spec: FeaturesSpec) -> Layout:
         itemsize = 8 if spec.dtype == "float64" else 4

@@ -24,7 +24,7 @@ from torch import nn
 from ntk_service.errors import InvalidInput, NtkServiceError, ShapeMismatch
 from ntk_service.jobs.executors.base import JobWork, PanelOutcome
 from ntk_service.jobs.kinds.base import DatasetSource, JobKind, JobStopped, Layout, PlanContext, RunContext
-from ntk_service.jobs.panels import PANELS_PER_WORKER, Panel, estimate_panel_flops, panel_tiles_for
+from ntk_service.jobs.panels import Panel, cost_model_panel_tiles
 from ntk_service.jobs.planner import Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import KERNEL, JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
@@ -110,12 +110,8 @@ class KernelKind(JobKind[KernelRequest, JobSpec, None, None]):
     route: ClassVar[str] = "/v1/jobs"
     folder: ClassVar[str] = ""
     request_type: ClassVar[type] = KernelRequest
-
-    def encode_spec(self, spec: JobSpec) -> dict[str, Any]:
-        return spec.to_dict()
-
-    def decode_spec(self, data: dict[str, Any]) -> JobSpec:
-        return JobSpec.from_dict(data)
+    uses_executor: ClassVar[bool] = True
+    spec_type: ClassVar[Any] = JobSpec
 
     def layout(self, spec: JobSpec) -> Layout:
         plan = plan_of(spec)
@@ -160,22 +156,10 @@ class KernelKind(JobKind[KernelRequest, JobSpec, None, None]):
         k = int(record.output_dim) if output is None else _selected_size(module, example, output)
         panel_tiles = request.panel_tiles
         if panel_tiles is None:
-
-            def flops_of(rows: int, cols: int) -> float:
-                return estimate_panel_flops(
-                    module, example, rows=rows, cols=cols, mode=mode, implementation=impl, params=params, dtype=dtype,
-                    output=output,
-                )  # fmt: skip
-
-            panel_tiles = panel_tiles_for(
-                plan,
-                k=k,
-                itemsize=DTYPE_SIZES[dtype],
-                flops_of=flops_of,
-                memory_budget_bytes=budget,
-                target_s=ctx.settings.panel_seconds,
-                min_panels=PANELS_PER_WORKER * ctx.executor.parallelism(),
-            )
+            panel_tiles = cost_model_panel_tiles(
+                plan, module, example, k=k, implementation=impl, params=params, dtype=dtype, output=output,
+                memory_budget_bytes=budget, target_s=ctx.settings.panel_seconds, workers=ctx.executor.parallelism(),
+            )  # fmt: skip
         return JobSpec(
             model=record.name,
             version=int(record.version),

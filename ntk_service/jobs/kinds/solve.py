@@ -141,21 +141,9 @@ class SolveJobKind(JobKind[SolveRequest, SolveSpec, SolveProgress, SolveReport])
     route: ClassVar[str] = "/v1/solve-jobs"
     folder: ClassVar[str] = "solve"
     request_type: ClassVar[type] = SolveRequest
-
-    def encode_spec(self, spec: SolveSpec) -> dict[str, Any]:
-        return spec.to_dict()
-
-    def decode_spec(self, data: dict[str, Any]) -> SolveSpec:
-        return SolveSpec.from_dict(data)
-
-    def decode_progress(self, data: dict[str, Any]) -> SolveProgress:
-        return SolveProgress.from_json(data)
-
-    def decode_result(self, data: dict[str, Any]) -> SolveReport:
-        return SolveReport.from_json(data)
-
-    def encode_result(self, result: SolveReport) -> dict[str, Any]:
-        return result.to_json()
+    spec_type: ClassVar[Any] = SolveSpec
+    progress_type: ClassVar[Any] = SolveProgress
+    result_type: ClassVar[Any] = SolveReport
 
     def layout(self, spec: SolveSpec) -> Layout:
         return Layout(
