@@ -118,17 +118,7 @@ def _encode(media: str, name: str, array: np.ndarray) -> Response:
 
 
 def _request(body: FeatureJobCreate) -> FeaturesRequest:
-    return FeaturesRequest(
-        model=body.model,
-        version=body.version,
-        dataset=body.dataset.rows(),
-        dim=body.dim,
-        seed=body.seed,
-        params=body.params,
-        dtype=body.dtype,
-        rows_per_chunk=body.rows_per_chunk,
-        sketch=body.sketch,
-    )
+    return FeaturesRequest(**body.model_dump(exclude={"dataset"}), dataset=body.dataset.rows())
 
 
 router = job_router(

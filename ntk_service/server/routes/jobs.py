@@ -227,22 +227,16 @@ async def submit_job(request: Request, _: WriteAccess, manager: JobsDep, limiter
     body = validate_body(JobCreate, await read_json(request, operation=operation), operation=operation)
 
     def submit() -> JobRecord[Any, Any, Any]:
-        request = KernelRequest(
-            model=body.model,
-            version=body.version,
-            x1_dataset=body.x1.dataset,
-            x2_dataset=None if body.x2 is None else body.x2.dataset,
-            mode=body.mode,
-            implementation=body.implementation,
-            dtype=body.dtype,
-            params=body.params,
-            tile_size=body.tile_size,
-            panel_tiles=body.panel_tiles,
-            output=body.output,
-            x1_rows=body.x1.rows(manager),
-            x2_rows=None if body.x2 is None else body.x2.rows(manager),
+        x1, x2, fields = body.x1, body.x2, body.model_dump(exclude={"x1", "x2"})
+        return manager.create(
+            KernelRequest(
+                **fields,
+                x1_dataset=x1.dataset,
+                x1_rows=x1.rows(manager),
+                x2_dataset=None if x2 is None else x2.dataset,
+                x2_rows=None if x2 is None else x2.rows(manager),
+            )  # fmt: skip
         )
-        return manager.create(request)
 
     # Planning probes the model on an example and sizes panels: a computation, under the limiter like any other.
     record = await limiter.run(submit, operation=operation)

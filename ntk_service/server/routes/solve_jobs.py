@@ -93,24 +93,9 @@ class SolveJobCreate(SolveFields):
 
 
 def _request(body: SolveJobCreate) -> SolveRequest:
-    return SolveRequest(
-        kind=body.kind,
-        model=body.model,
-        version=body.version,
-        train=body.train.rows(),
-        targets=body.targets.rows(),
-        test=None if body.test is None else body.test.rows(),
-        mode=body.mode,
-        dtype=body.dtype,
-        params=body.params,
-        ridge=body.ridge,
-        rtol=body.rtol,
-        max_iterations=body.max_iterations,
-        preconditioner=body.preconditioner,
-        landmarks=body.landmarks,
-        progress_every=body.progress_every,
-        examples_per_chunk=body.examples_per_chunk,
-    )
+    fields = body.model_dump(exclude={"train", "targets", "test"})
+    test = None if body.test is None else body.test.rows()
+    return SolveRequest(**fields, train=body.train.rows(), targets=body.targets.rows(), test=test)
 
 
 router = job_router(
