@@ -33,8 +33,9 @@ from ntk_service.server.metrics import Metrics
 
 __all__ = ["ComputeLimiter", "configure_torch_threads"]
 
-BUSY_WAIT_MAX_S = 1.0
-"""The longest a job's unit sleeps before asking again for a slot that interactive requests keep full."""
+BUSY_WAIT_MAX_S = 0.1
+"""The longest a job's unit sleeps before asking again for a slot while the queue is full: interactive requests
+go first, and a unit asks again often enough not to leave a freed slot idle (asking is one call on the loop)."""
 
 T = TypeVar("T")
 

@@ -132,7 +132,7 @@ def test_solve_and_features_jobs_cut_by_sigkill_resume_to_the_bits_of_uninterrup
         }  # fmt: skip
         solve = {
             "kind": "kernel_ridge", "model": "slow", "train": {"dataset": ids["x"]}, "targets": {"dataset": ids["y"]},
-            "test": {"dataset": ids["t"]}, "ridge": 1.0, "rtol": 1e-8, "progress_every": 3, "examples_per_chunk": 1,
+            "test": {"dataset": ids["t"]}, "ridge": 10.0, "rtol": 1e-8, "progress_every": 2, "examples_per_chunk": 1,
         }  # fmt: skip
         features = {"model": "slow", "dataset": {"dataset": ids["x"]}, "dim": 8, "rows_per_chunk": 1,
                     "dtype": "float64"}  # fmt: skip
@@ -144,7 +144,7 @@ def test_solve_and_features_jobs_cut_by_sigkill_resume_to_the_bits_of_uninterrup
                 client.get(f"/v1/{r}/{i}").json() for r, i in (("solve-jobs", solve_id), ("feature-jobs", features_id))
             )
             return bool(
-                (s["progress"] or {}).get("iterations", 0) >= 6 and s["status"] == "running"
+                (s["progress"] or {}).get("iterations", 0) >= 4 and s["status"] == "running"
                 and (f["progress"] or {}).get("rows_done", 0) >= 2 and f["status"] == "running"
             )  # fmt: skip
 
