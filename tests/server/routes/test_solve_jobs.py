@@ -180,7 +180,9 @@ def test_a_nan_ridge_is_refused_by_the_job_engine(tmp_path: Path) -> None:
     try:
         with pytest.raises(InvalidInput, match=r"ridge must be a finite number ≥ 0, got nan"):
             jobs.create(
-                SolveRequest(kind="kernel_ridge", model="tiny", train=DataRows(x), targets=DataRows(x), ridge=float("nan"))
+                SolveRequest(
+                    kind="kernel_ridge", model="tiny", train=DataRows(x), targets=DataRows(x), ridge=float("nan")
+                )
             )
         assert jobs.list() == []
     finally:
