@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 import numpy as np
 from torch import nn
@@ -187,6 +187,18 @@ class RunContext(Protocol[ProgressIn]):
         ...
 
 
+class _StoredSpec(Protocol):
+    """A spec's stored form: ``to_dict()``, read back by its class's ``from_dict``."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class _StoredValue(Protocol):
+    """A progress value's or a result summary's stored form: ``to_json()``, read back by ``from_json``."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
 class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
     """A kind of job: its names, its typed values' stored form, and plan / run / result.
 
@@ -217,7 +229,7 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
 
     def encode_spec(self, spec: SpecT) -> dict[str, Any]:
         """The spec's stored (JSON) form."""
-        return _stored(spec, "to_dict")
+        return cast(_StoredSpec, spec).to_dict()
 
     def decode_spec(self, data: dict[str, Any]) -> SpecT:
         """The spec from its stored form."""
@@ -226,7 +238,7 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
 
     def encode_progress(self, progress: ProgressT) -> dict[str, Any]:
         """The progress value's stored form."""
-        return _stored(progress, "to_json")
+        return cast(_StoredValue, progress).to_json()
 
     def decode_progress(self, data: dict[str, Any]) -> ProgressT | None:
         """The progress value from its stored form (None for a kind that records none)."""
@@ -234,7 +246,7 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
 
     def encode_result(self, result: ResultT) -> dict[str, Any]:
         """The result summary's stored form."""
-        return _stored(result, "to_json")
+        return cast(_StoredValue, result).to_json()
 
     def decode_result(self, data: dict[str, Any]) -> ResultT | None:
         """The result summary from its stored form (None for a kind whose result is its files only)."""
@@ -269,8 +281,3 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
     def recover(self, job: JobRecord[SpecT, ProgressT, ResultT], folder: Path, done: Callable[[], set[int]]) -> None:
         """Bring a stored job's files up to date at start (a format of an earlier version); ``done()`` reads the
         ids of its tiles recorded as done. Default: nothing."""
-
-
-def _stored(value: Any, method: str) -> dict[str, Any]:
-    stored: dict[str, Any] = getattr(value, method)()
-    return stored
