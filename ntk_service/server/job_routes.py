@@ -11,6 +11,12 @@ which builds a kind's standard routes (submit, list, show, events, cancel or del
 A kind's route module (``routes/solve_jobs.py``) is its schema, ``router = job_router(...)`` and the routes only it
 has (its result). The kernel job's routes (``routes/jobs.py``) predate this shape and keep their own JSON form, but
 share the event stream and the constants.
+
+NOTE [planning off the limiter]
+    A submission plans its job at once: it probes the model on one example of each side (milliseconds), in a worker
+    thread but outside the compute limiter, so that it is answered while jobs hold every compute slot instead of
+    queueing behind a running unit (a panel takes seconds, and a queue full of them would make it a 429). Every unit
+    of the job itself, and every other computation of the job routes (a kernel from features), takes a slot.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ntk_service.errors import JobNotFound
 from ntk_service.jobs import JobManager, JobRecord
 from ntk_service.jobs.kinds.base import JobKind
 from ntk_service.jobs.records import TERMINAL_STATUSES
-from ntk_service.server.deps import ComputeDep, JobsDep, ReadAccess, WriteAccess
+from ntk_service.server.deps import JobsDep, ReadAccess, WriteAccess
 from ntk_service.server.media import collection_response, json_response, read_json
 from ntk_service.server.params import ID_MAX_LENGTH
 from ntk_service.server.schemas import openapi_body, validate_body
@@ -166,11 +172,11 @@ def job_router(
         openapi_extra=openapi_body(create),
         responses={404: {"description": "The model, version or a data set does not exist."}},
     )
-    async def submit(request: Request, _: WriteAccess, manager: JobsDep, limiter: ComputeDep) -> Response:
+    async def submit(request: Request, _: WriteAccess, manager: JobsDep) -> Response:
         operation = f"submit {text.title}"
         body = validate_body(create, await read_json(request, operation=operation), operation=operation)
-        # Planning runs the model on an example: a computation, under the limiter like any other.
-        record = await limiter.run(lambda: manager.create(request_of(body)), operation=operation)
+        # NOTE [planning off the limiter]
+        record = await anyio.to_thread.run_sync(lambda: manager.create(request_of(body)))
         return json_response(
             public_job(manager, record), status_code=202, headers={"Location": f"{prefix}/{record.id}"}
         )
