@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 
 from ntk_service.errors import InvalidInput
-from ntk_service.jobs import JOB_KINDS, JobManager, JobStatus
+from ntk_service.jobs import JOB_KINDS, JobKind, JobManager, JobRecord, JobStatus
+from ntk_service.jobs.kinds.base import JobStopped, Layout, PlanContext, RunContext
 from ntk_service.jobs.kinds.features import FeaturesRequest, read_features
 from ntk_service.jobs.kinds.rows import DataRows
 from ntk_service.jobs.kinds.solve import SolveRequest, SolveSpec, read_solution
@@ -126,3 +128,81 @@ def test_values_are_stored_typed_and_read_back_in_the_form_of_every_version() ->
     assert solve.decode_progress({"iterations": 3, "steps": 9}) == SolveProgress(iterations=3)
     with pytest.raises(InvalidInput, match="unknown kind 'lasso'"):
         SolveOptions(kind="lasso")
+
+
+# -- a kind defined here, outside the package: one module's worth of code and a row in the manager's table --------
+
+
+@dataclass(frozen=True)
+class _SumRequest:
+    dataset: str
+
+
+@dataclass(frozen=True)
+class _SumSpec:
+    dataset: str
+    n: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "n": self.n}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> _SumSpec:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class _SumValue:
+    value: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> _SumValue:
+        return cls(**data)
+
+
+class _RowSums(JobKind[_SumRequest, _SumSpec, _SumValue, _SumValue]):
+    """The sum of a data set's rows, two rows a tile: each tile's sum written to its own file, then the total."""
+
+    name, noun, operation, route, folder = "row-sums", "row-sums job", "row sums", "/v1/row-sums", "row-sums"
+    request_type, spec_type, progress_type, result_type = _SumRequest, _SumSpec, _SumValue, _SumValue
+
+    def layout(self, spec: _SumSpec) -> Layout:
+        tiles = tuple(range(-(-spec.n // 2)))
+        return Layout(tile_ids=tiles, result_shape=(len(tiles),), estimate_bytes=8 * len(tiles), what="sums", fix="")
+
+    def plan(self, request: _SumRequest, ctx: PlanContext) -> _SumSpec:
+        return _SumSpec(request.dataset, int(ctx.datasets.get(request.dataset).shape[0]))
+
+    def run(self, job: JobRecord[_SumSpec, _SumValue, _SumValue], ctx: RunContext[_SumValue]) -> _SumValue:
+        rows = np.asarray(ctx.datasets.load(job.spec.dataset), dtype=np.float64)
+        for tile in ctx.pending():
+            if ctx.should_stop():
+                raise JobStopped
+            if ctx.claim([tile]):
+                total = ctx.run_compute(lambda tile=tile: float(rows[2 * tile : 2 * tile + 2].sum()))
+                np.save(ctx.folder / f"{tile}.npy", total)
+                ctx.done([tile], elapsed_s=0.0)
+                ctx.checkpoint(_SumValue(float(min(2 * tile + 2, job.spec.n))))  # rows summed: tiles go in order
+        return _SumValue(sum(float(np.load(path)) for path in ctx.folder.glob("*.npy")))
+
+
+def test_a_kind_defined_outside_the_package_runs_through_the_one_lifecycle(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
+) -> None:
+    gate = _Slots(free=2)  # 6 tiles of x1's 11 rows: 2 pass, the third waits at the gate
+    kinds = {**JOB_KINDS, "row-sums": _RowSums()}
+    first = make_manager(run_compute=gate, kinds=kinds)
+    job = first.create(_SumRequest(jobs_env.x1_id))
+    _stop_at_the_gate(first, gate)
+    stopped = first.get(job.id)
+    assert (stopped.tiles_done, stopped.checkpoint) == (3, _SumValue(6.0))  # typed, through the store
+    assert first.list(kinds["row-sums"]) == [stopped] and first.list(JOB_KINDS["solve"]) == []
+    counted = _Slots()
+    second = make_manager(run_compute=counted, kinds=kinds)
+    done = wait_finished(second, job.id)
+    assert done.status is JobStatus.SUCCEEDED and counted.calls == 3  # the tiles it lacked, none again
+    assert done.result == _SumValue(pytest.approx(float(jobs_env.x1.astype(np.float64).sum())))
+    assert second.delete(job.id).freed_bytes > 0 and not second.folder(done).exists()
