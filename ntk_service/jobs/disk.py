@@ -1,9 +1,9 @@
 """The disk side of job results: the budget a new job is checked against, and removing a result safely.
 
-- **Budget.** With ``NTK_JOB_DISK_BUDGET_BYTES`` every stored result (finished or not) counts at its estimate, which
-  is exact (results are uncompressed), so deleting a result gives its bytes back. Without it a new job may take
-  ``DISK_FREE_FRACTION`` of the free space less what unfinished jobs will still write. Kernel jobs and the solve /
-  features jobs (``solve_jobs.py``) share it: each side passes the other's ``ResultBytes`` in.
+- **Budget.** With ``NTK_JOB_DISK_BUDGET_BYTES`` every stored result (finished or not, of every kind) counts at its
+  estimate, which is exact for kernels (results are uncompressed) and an upper bound for the others (Φ is
+  compressed), so deleting a result gives its bytes back. Without it a new job may take ``DISK_FREE_FRACTION`` of the
+  free space less what unfinished jobs will still write (their tiles not done).
 - **Removal.** A job's folder is first renamed to ``DELETING_PREFIX + id`` (atomic: no reader ever opens half of
   it), then removed; ``sweep_deletions`` finishes a removal a crash cut off.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ntk_service.errors import DiskEstimateExceeded, format_bytes
-from ntk_service.jobs.planner import TilePlan
+from ntk_service.jobs.kinds.base import Layout
 from ntk_service.jobs.records import JobStatus
 from ntk_service.jobs.store import JobStore
 
@@ -24,11 +24,9 @@ __all__ = [
     "DELETING_PREFIX",
     "DISK_FREE_FRACTION",
     "DiskUsage",
-    "ResultBytes",
     "available_bytes",
-    "check_disk",
+    "check_fits",
     "move_aside",
-    "result_bytes",
     "stored_bytes",
     "sweep_deletions",
     "tree_bytes",
@@ -57,15 +55,6 @@ class DiskUsage:
     available_bytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class ResultBytes:
-    """Results kept outside a ``JobStore`` (the solve and features jobs'): ``stored`` counts every one still on
-    disk at its full estimate (as ``stored_bytes`` does), ``unwritten`` what the unfinished ones will still write."""
-
-    stored: int = 0
-    unwritten: int = 0
-
-
 def stored_bytes(store: JobStore) -> int:
     """Bytes every result still on disk takes at its full estimate (the unfinished ones will grow to it)."""
     return sum(r.estimate_bytes for r in store.list_jobs() if r.result_deleted_at is None)
@@ -79,25 +68,16 @@ def unwritten_bytes(store: JobStore) -> int:
     )
 
 
-def result_bytes(store: JobStore) -> ResultBytes:
-    """The kernel jobs' share of the disk, as the solve and features jobs count it."""
-    return ResultBytes(stored=stored_bytes(store), unwritten=unwritten_bytes(store))
-
-
-def available_bytes(
-    store: JobStore, results_dir: Path, budget_bytes: int | None, other: ResultBytes | None = None
-) -> tuple[int, str]:
-    """Bytes a new job may take, and where that limit comes from (for the message). ``other``: the results kept
-    outside ``store`` that share the budget."""
-    other = other or ResultBytes()
+def available_bytes(store: JobStore, results_dir: Path, budget_bytes: int | None) -> tuple[int, str]:
+    """Bytes a new job may take, and where that limit comes from (for the message)."""
     if budget_bytes is not None:
-        used = stored_bytes(store) + other.stored
+        used = stored_bytes(store)
         source = "the disk budget (NTK_JOB_DISK_BUDGET_BYTES)"
         if used:
             source += f" of {format_bytes(budget_bytes)} less {format_bytes(used)} of stored results,"
         return max(0, budget_bytes - used), source
     # Unfinished jobs will still write their missing tiles: that space is already spoken for.
-    reserved = other.unwritten + unwritten_bytes(store)
+    reserved = unwritten_bytes(store)
     budget = max(0, int(shutil.disk_usage(results_dir).free * DISK_FREE_FRACTION) - reserved)
     source = f"{DISK_FREE_FRACTION:.0%} of the free space in {results_dir}"
     if reserved:
@@ -105,15 +85,14 @@ def available_bytes(
     return budget, source
 
 
-def check_disk(estimate: int, plan: TilePlan, budget: int, source: str) -> None:
-    """Raises DiskEstimateExceeded (413, with the estimate and the budget) when ``estimate`` exceeds ``budget``."""
-    if estimate > budget:
-        hint = " (already only the upper triangle)" if plan.symmetric else ""
+def check_fits(layout: Layout, budget: int, source: str, operation: str) -> None:
+    """Raises DiskEstimateExceeded (413, with the estimate and the budget) when a job's result does not fit
+    ``budget`` (from ``available_bytes``, whose ``source`` says where that limit comes from)."""
+    if layout.estimate_bytes > budget:
         raise DiskEstimateExceeded(
-            f"jobs: the result needs {format_bytes(estimate)} on disk{hint}, more than {source} "
-            f"of {format_bytes(budget)}; use mode 'trace' or 'output_diagonal', fewer examples, delete finished "
-            "results (DELETE /v1/jobs/{id}), or more disk",
-            estimate_bytes=estimate,
+            f"{operation}: {layout.what} needs {format_bytes(layout.estimate_bytes)} on disk{layout.note}, more than "
+            f"{source} of {format_bytes(budget)}; {layout.fix}",
+            estimate_bytes=layout.estimate_bytes,
             budget_bytes=budget,
         )
 

@@ -1,11 +1,12 @@
-"""Feature jobs: sketched NTK features Φ (N, k, D) of a data set's rows (``ntk_features``), written as a zarr array.
+"""Features: sketched NTK features Φ (N, k, D) of a data set's rows (``ntk_features``), stored as a zarr array.
 
 Rows are read from the data set's memory map ``rows_per_chunk`` at a time; each chunk's Φ is one ``ntk_features``
 call with the job's seed, D, params and sketch kind, written to its own zarr chunk (a Zarr v3 group
 ``features.zarr`` holding the array ``phi`` with ``dimension_names`` ("example", "output", "feature"), so xarray
 opens it directly). The sketch's draws depend only on (seed, D, params, sketch), never on the chunking (NOTE
 [sketch determinism] in ``kernels/sketch/sketch_draws.py``): the same spec gives the same Φ on any worker, and on any
-chunk size to float rounding (BLAS may sum in another order for another batch size).
+chunk size to float rounding (BLAS may sum in another order for another batch size). A chunk is the unit a features
+job records as done (``jobs/kinds/features.py``), so a resumed job computes only the chunks it lacks.
 
 A spec stored before the ``sketch`` field existed reads as "gaussian", the only sketch of that time, so such a job
 reruns to the same Φ; a new job takes the library's ``DEFAULT_SKETCH`` unless it names one.
@@ -17,7 +18,6 @@ only the rows it returns.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,9 +35,10 @@ __all__ = [
     "PAIRED_FIELDS",
     "FeaturesSpec",
     "check_pairable",
+    "compute_chunk",
+    "create_features",
     "feature_block",
     "open_features",
-    "run_features",
 ]
 
 FEATURES_ARRAY = "phi"
@@ -50,10 +51,6 @@ is small, small enough that a chunk is one modest ``ntk_features`` call."""
 _OPERATION = "features job"
 
 
-class FeaturesCancelled(Exception):
-    """Raised inside a running features job when it was cancelled (never leaves the job engine)."""
-
-
 @dataclass(frozen=True, slots=True)
 class FeaturesSpec:
     """What a features job computes.
@@ -62,7 +59,8 @@ class FeaturesSpec:
         model, version: the model version. dataset, start, n: the rows ``[start, start + n)``. k: outputs.
         dim: D. seed: the sketch's seed. params: parameter globs (None: all). dtype: "float32" / "float64".
         rows_per_chunk: rows per ``ntk_features`` call and per stored chunk. memory_budget_bytes: per call.
-        sketch: "structured" or "gaussian" (``SketchKind``); "gaussian" for a spec stored without it.
+        sketch (SketchKind): "structured" or "gaussian" (a wire value is accepted); "gaussian" for a spec stored
+            without it.
     """
 
     model: str
@@ -73,14 +71,37 @@ class FeaturesSpec:
     k: int
     dim: int
     seed: int = 0
-    params: list[str] | None = None
+    params: tuple[str, ...] | None = None
     dtype: str = "float32"
     rows_per_chunk: int = 256
     memory_budget_bytes: int | None = None
-    sketch: str = SketchKind.GAUSSIAN.value
+    sketch: SketchKind = SketchKind.GAUSSIAN
+
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__
+        set_field(self, "sketch", SketchKind(self.sketch))
+        set_field(self, "params", None if self.params is None else tuple(self.params))
+
+    @property
+    def chunks(self) -> int:
+        """Stored chunks of rows_per_chunk rows (the last one shorter)."""
+        return math.ceil(self.n / self.rows_per_chunk)
+
+    def chunk_rows(self, chunk: int) -> tuple[int, int]:
+        """The rows ``[lo, hi)`` of Φ that chunk ``chunk`` holds."""
+        lo = chunk * self.rows_per_chunk
+        return lo, min(self.n, lo + self.rows_per_chunk)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FeaturesSpec:
+        return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The stored (JSON) form: the sketch's wire value, params as a list."""
+        data = asdict(self)
+        data["sketch"] = self.sketch.value
+        data["params"] = None if self.params is None else list(self.params)
+        return data
 
 
 def check_dim(dim: int) -> int:
@@ -99,54 +120,43 @@ def default_rows_per_chunk(k: int, dim: int, itemsize: int) -> int:
     return max(1, CHUNK_BYTES // (k * dim * itemsize))
 
 
-def run_features(
-    spec: FeaturesSpec,
-    module: nn.Module,
-    rows: Any,
-    path: Path,
-    *,
-    should_stop: Callable[[], bool],
-    report: Callable[[dict[str, Any]], None],
-) -> tuple[int, ...]:
-    """Compute Φ of ``rows`` chunk by chunk into ``path`` (module docstring). Returns Φ's shape (n, k, D).
-
-    Raises:
-        FeaturesCancelled: should_stop() turned true between chunks. InvalidInput, MemoryEstimateExceeded,
-        UnsupportedModel: from ``ntk_features``.
-    """
-    dtype = np.float64 if spec.dtype == "float64" else np.float32
+def create_features(spec: FeaturesSpec, path: Path) -> zarr.Array[Any]:
+    """Create the (empty) group and array of Φ (n, k, D) at ``path``, one chunk per ``rows_per_chunk`` rows;
+    overwrites what is there."""
     group = zarr.open_group(str(path), mode="w", attributes={"spec": spec.to_dict()})
-    array = group.create_array(
+    return group.create_array(
         FEATURES_ARRAY,
         shape=(spec.n, spec.k, spec.dim),
         chunks=(spec.rows_per_chunk, spec.k, spec.dim),
-        dtype=dtype,
+        dtype=np.float64 if spec.dtype == "float64" else np.float32,
         dimension_names=("example", "output", "feature"),
     )
-    chunks = math.ceil(spec.n / spec.rows_per_chunk)
-    for i in range(chunks):
-        if should_stop():
-            raise FeaturesCancelled
-        lo, hi = i * spec.rows_per_chunk, min(spec.n, (i + 1) * spec.rows_per_chunk)
-        x = torch.from_numpy(np.array(rows[lo:hi]))
-        phi = ntk_features(
-            module,
-            x,
-            dim=spec.dim,
-            seed=spec.seed,
-            params=spec.params,
-            dtype=spec.dtype,
-            memory_budget_bytes=spec.memory_budget_bytes,
-            sketch=spec.sketch,
-        )
-        array[lo:hi] = phi.detach().cpu().numpy().astype(dtype, copy=False)
-        report({"rows_done": hi, "rows_total": spec.n})
-    return (spec.n, spec.k, spec.dim)
 
 
-def open_features(path: Path) -> zarr.Array[Any]:
-    """The stored Φ (n, k, D) of a finished job, read only."""
-    return zarr.open_group(str(path), mode="r")[FEATURES_ARRAY]  # type: ignore[return-value]
+def compute_chunk(spec: FeaturesSpec, module: nn.Module, rows: Any, chunk: int) -> np.ndarray:
+    """Φ of chunk ``chunk``'s rows, (rows, k, D) in the spec's dtype: one ``ntk_features`` call.
+
+    Raises:
+        InvalidInput, MemoryEstimateExceeded, UnsupportedModel: from ``ntk_features``.
+    """
+    lo, hi = spec.chunk_rows(chunk)
+    x = torch.from_numpy(np.array(rows[lo:hi]))
+    phi = ntk_features(
+        module,
+        x,
+        dim=spec.dim,
+        seed=spec.seed,
+        params=spec.params,
+        dtype=spec.dtype,
+        memory_budget_bytes=spec.memory_budget_bytes,
+        sketch=spec.sketch,
+    )
+    return phi.detach().cpu().numpy().astype(np.float64 if spec.dtype == "float64" else np.float32, copy=False)
+
+
+def open_features(path: Path, *, writable: bool = False) -> zarr.Array[Any]:
+    """The stored Φ (n, k, D): read only, or open for writing chunks (``writable``)."""
+    return zarr.open_group(str(path), mode="r+" if writable else "r")[FEATURES_ARRAY]  # type: ignore[return-value]
 
 
 PAIRED_FIELDS = ("model", "version", "dim", "seed", "params", "sketch")

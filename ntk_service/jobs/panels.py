@@ -51,6 +51,7 @@ __all__ = [
     "NOMINAL_FLOP_RATE",
     "PANELS_PER_WORKER",
     "Panel",
+    "cost_model_panel_tiles",
     "diagonal_blocks",
     "estimate_panel_flops",
     "panel_count",
@@ -254,6 +255,47 @@ def panel_tiles_for(
         if examples >= max(plan.n, plan.m):
             break
     return best
+
+
+def cost_model_panel_tiles(
+    plan: TilePlan,
+    model: nn.Module,
+    example: Batch,
+    *,
+    k: int,
+    implementation: NtkImplementation,
+    params: Sequence[str] | None,
+    dtype: str,
+    output: str | None,
+    memory_budget_bytes: int | None,
+    target_s: float = DEFAULT_PANEL_SECONDS,
+    workers: int = 1,
+) -> int:
+    """``panel_tiles_for`` with the engine's own FLOP estimate of ``model`` on ``example`` (a job's first example):
+    the panel size a job or ``compute_ntk_tiled`` fixes at submission, ``PANELS_PER_WORKER`` panels per worker.
+
+    Args:
+        plan: the job's tiles. model, example: as ``estimate_panel_flops``. k: outputs per example.
+        implementation, params, dtype, output: the job's. memory_budget_bytes: its budget.
+        target_s: seconds of work per panel. Default: ``DEFAULT_PANEL_SECONDS``. workers: the executor's
+            parallelism. Default: 1.
+    """
+
+    def flops_of(rows: int, cols: int) -> float:
+        return estimate_panel_flops(
+            model, example, rows=rows, cols=cols, mode=plan.mode, implementation=implementation, params=params,
+            dtype=dtype, output=output,
+        )  # fmt: skip
+
+    return panel_tiles_for(
+        plan,
+        k=k,
+        itemsize=4 if dtype == "float32" else 8,
+        flops_of=flops_of,
+        memory_budget_bytes=memory_budget_bytes,
+        target_s=target_s,
+        min_panels=PANELS_PER_WORKER * workers,
+    )
 
 
 def panel_count(plan: TilePlan, panel_tiles: int) -> int:

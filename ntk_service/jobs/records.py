@@ -1,16 +1,32 @@
-"""The value types of a batch job: what was asked (JobSpec), where it stands (JobStatus), and both (JobRecord).
+"""The value types of a job: where it stands (JobStatus), what a kernel job computes (JobSpec), and a job of any
+kind as stored (JobRecord).
 
 A JobSpec is frozen at submission with everything resolved (model version, data set hashes, sizes, k, dtype), so
-a job that resumes after a restart computes exactly the tiles it would have computed the first time.
+a job that resumes after a restart computes exactly the tiles it would have computed the first time. It holds the
+engine's enums (``KernelMode``, ``NtkImplementation``), normalised once when the value is built, whatever spelling
+it was given; ``to_dict`` writes their wire values, so the stored form is the one every earlier version wrote.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-__all__ = ["TERMINAL_STATUSES", "JobRecord", "JobSpec", "JobStatus"]
+import torch
+
+from ntk_service.kernels import NtkOptions
+from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.types import NtkImplementation, parse_implementation
+
+__all__ = ["KERNEL", "TERMINAL_STATUSES", "JobRecord", "JobSpec", "JobStatus"]
+
+KERNEL = "kernel"
+"""The kind of a batch kernel job (``JobRecord.kind``; ``jobs/kinds/kernel.py``)."""
+
+SpecT = TypeVar("SpecT")
+ProgressT = TypeVar("ProgressT")
+ResultT = TypeVar("ResultT")
 
 
 class JobStatus(StrEnum):
@@ -29,7 +45,7 @@ TERMINAL_STATUSES = frozenset({JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """What a job computes, fully resolved at submission.
+    """What a kernel job computes, fully resolved at submission.
 
     Attributes:
         model, version: the registered model version (version resolved from "latest" at submission).
@@ -38,8 +54,9 @@ class JobSpec:
         x1_sha256, x2_sha256: content hashes of the data sets (x2_sha256 None when symmetric).
         n, m: examples of x1 and x2 (m == n when symmetric).
         k: outputs per example.
-        mode, implementation, dtype: wire values of KernelMode, NtkImplementation, "float32"|"float64".
-        params: parameter-name globs, None = all parameters.
+        mode (KernelMode), implementation (NtkImplementation): a wire value is accepted and normalised.
+        dtype: "float32" or "float64".
+        params: parameter-name globs (a tuple), None = all parameters.
         tile_size: examples per tile side.
         memory_budget_bytes: the engine's budget per tile, fixed at submission so every tile (and every resumed
             run) plans its chunks the same way, which keeps results bitwise reproducible.
@@ -47,6 +64,9 @@ class JobSpec:
         output: the ``compute_ntk`` ``output=`` path (a model returning a mapping), None for a tensor.
         panel_tiles: tiles per panel side (``jobs/panels.py``), fixed at submission so a resumed job cuts the same
             panels and computes the same bits; 1 (a panel per tile) for jobs from before panels.
+
+    Raises:
+        UnknownMode, UnknownImplementation: a mode or implementation that does not exist.
     """
 
     model: str
@@ -59,10 +79,10 @@ class JobSpec:
     n: int
     m: int
     k: int
-    mode: str
-    implementation: str
+    mode: KernelMode
+    implementation: NtkImplementation
     dtype: str
-    params: list[str] | None
+    params: tuple[str, ...] | None
     tile_size: int
     memory_budget_bytes: int | None = None
     x1_start: int = 0
@@ -70,12 +90,32 @@ class JobSpec:
     output: str | None = None
     panel_tiles: int = 1
 
+    def __post_init__(self) -> None:
+        set_field = object.__setattr__
+        set_field(self, "mode", parse_mode(self.mode))
+        set_field(self, "implementation", parse_implementation(self.implementation))
+        set_field(self, "params", None if self.params is None else tuple(self.params))
+
     @property
     def is_symmetric(self) -> bool:
         return self.x2_dataset is None
 
+    def engine_options(self, *, device: Any = None, allow_tf32: bool = False) -> NtkOptions:
+        """How every block of the job is computed: its implementation, dtype and memory budget on ``device``."""
+        return NtkOptions(
+            implementation=self.implementation,
+            dtype=torch.float64 if self.dtype == "float64" else torch.float32,
+            memory_budget_bytes=self.memory_budget_bytes,
+            device=device,
+            allow_tf32=allow_tf32,
+        )
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The stored (JSON) form: wire values of the enums, params as a list."""
+        data = asdict(self)
+        data["mode"], data["implementation"] = self.mode.value, self.implementation.value
+        data["params"] = None if self.params is None else list(self.params)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> JobSpec:
@@ -96,34 +136,40 @@ class JobSpec:
             "x2_dataset": self.x2_dataset,
             "x2_sha256": self.x2_sha256,
             "x2_rows": x2_rows,
-            "implementation": self.implementation,
+            "implementation": self.implementation.value,
             "implementation_used": [],
-            "params": self.params,
+            "params": None if self.params is None else list(self.params),
             "memory_budget_bytes": self.memory_budget_bytes,
             "spec": self.to_dict(),
         }
 
 
 @dataclass(frozen=True, slots=True)
-class JobRecord:
-    """A job as stored: its spec and its state.
+class JobRecord(Generic[SpecT, ProgressT, ResultT]):
+    """A job of any kind as stored: its kind, its typed spec, where it stands, and its typed progress and result.
 
     Attributes:
         id: the job id (32 hex chars).
-        spec: the JobSpec.
+        spec: what it computes (the kind's spec type: ``JobSpec`` for a kernel job).
         status: JobStatus.
-        tiles_done, tiles_total: progress in tiles.
+        tiles_done, tiles_total: progress in tiles, the units a job records as done (a kernel's tiles, a chunk of
+            features' rows, a solve's solution).
         created_at, started_at, finished_at: UNIX times (None until they happen).
         error: why the job failed, else None.
-        implementation_used: the implementation the tiles ran (AUTO resolved by the first tile), else None.
+        implementation_used: what the engine's AUTO choices resolved to, comma-separated (a kernel job's
+            implementations), else None.
         executor: "local" or "ray".
-        result_shape: the shape of the whole kernel, e.g. [N, M, k, k].
-        estimate_bytes: disk the stored tiles take (uncompressed).
+        result_shape: the shape of the whole result, e.g. [N, M, k, k].
+        estimate_bytes: disk the result takes when complete.
         result_deleted_at: UNIX time the result was deleted while the record was kept, else None.
+        kind: the job kind (``jobs/kinds``): "kernel", "solve", "features". Default: "kernel".
+        checkpoint: the kind's progress value as last recorded (a resumed run goes on from it; None before any,
+            and for a kernel job, whose progress is its tiles). Default: None.
+        result: the kind's result summary once succeeded (None for a kernel job, whose result is its array).
     """
 
     id: str
-    spec: JobSpec
+    spec: SpecT
     status: JobStatus
     tiles_done: int
     tiles_total: int
@@ -136,6 +182,9 @@ class JobRecord:
     result_shape: list[int] = field(default_factory=list)
     estimate_bytes: int = 0
     result_deleted_at: float | None = None
+    kind: str = KERNEL
+    checkpoint: ProgressT | None = None
+    result: ResultT | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -143,4 +192,10 @@ class JobRecord:
 
     @property
     def progress(self) -> float:
+        """tiles_done / tiles_total (1 for a job without tiles)."""
         return self.tiles_done / self.tiles_total if self.tiles_total else 1.0
+
+    @property
+    def implementations(self) -> list[str]:
+        """``implementation_used`` as a sorted list (empty before any ran)."""
+        return sorted(filter(None, (self.implementation_used or "").split(",")))

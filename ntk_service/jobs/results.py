@@ -270,17 +270,8 @@ class ResultArray:
         """
         attrs = {
             **attributes,
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "mode": plan.mode.value,
-            "n": plan.n,
-            "m": plan.m,
-            "k": k,
-            "symmetric": plan.symmetric,
-            "stored": "upper tiles (mirror the rest)" if plan.symmetric else "all tiles",
-            "tile_size": plan.tile_size,
+            **_geometry(plan, k),
             "dtype": dtype,
-            "tiles_total": len(plan.tiles),
             **provenance(),
         }
         group = zarr.open_group(str(path), mode="w", attributes=attrs)
@@ -501,6 +492,22 @@ def _is_raw(array: Any) -> bool:
     )
 
 
+def _geometry(plan: TilePlan, k: int) -> dict[str, Any]:
+    """The format and the geometry a result group's attributes record."""
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "mode": plan.mode.value,
+        "n": plan.n,
+        "m": plan.m,
+        "k": k,
+        "symmetric": plan.symmetric,
+        "stored": "upper tiles (mirror the rest)" if plan.symmetric else "all tiles",
+        "tile_size": plan.tile_size,
+        "tiles_total": len(plan.tiles),
+    }
+
+
 def _create_ledger(group: Any, plan: TilePlan) -> None:
     group.require_group("tiles").create_array(
         "done",
@@ -552,16 +559,7 @@ def migrate_legacy(
         {
             **(attributes or {}),
             **old,  # what the old version recorded wins (implementation_used, ...)
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "mode": plan.mode.value,
-            "n": plan.n,
-            "m": plan.m,
-            "k": k,
-            "symmetric": plan.symmetric,
-            "stored": "upper tiles (mirror the rest)" if plan.symmetric else "all tiles",
-            "tile_size": plan.tile_size,
-            "tiles_total": len(plan.tiles),
+            **_geometry(plan, k),
             "migrated_from": LEGACY_ARRAY_NAME,
             **provenance(),
         }

@@ -38,13 +38,7 @@ from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.jobs.executors.base import Executor, JobWork, PanelOutcome
 from ntk_service.jobs.executors.local import LocalExecutor
 from ntk_service.jobs.executors.ray import RayExecutor
-from ntk_service.jobs.panels import (
-    DEFAULT_PANEL_SECONDS,
-    PANELS_PER_WORKER,
-    Panel,
-    estimate_panel_flops,
-    panel_tiles_for,
-)
+from ntk_service.jobs.panels import Panel, cost_model_panel_tiles
 from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
@@ -209,7 +203,7 @@ def compute_ntk_tiled(
     probe = compute_ntk(
         model,
         take(t1, 0, 1),
-        None if t2 is None or kernel_mode is KernelMode.EXAMPLE_DIAGONAL else take(t2, 0, 1),
+        None if t2 is None or not kernel_mode.spec.pairs else take(t2, 0, 1),
         mode=kernel_mode,
         output=output,
         implementation=impl.value,
@@ -240,10 +234,10 @@ def compute_ntk_tiled(
         n=plan.n,
         m=plan.m,
         k=k,
-        mode=kernel_mode.value,
-        implementation=impl.value,
+        mode=kernel_mode,
+        implementation=impl,
         dtype=dtype,
-        params=None if params is None else list(params),
+        params=None if params is None else tuple(params),
         tile_size=tile_size,
         memory_budget_bytes=memory_budget_bytes,
         output=output,
@@ -293,29 +287,10 @@ def _panel_tiles(
     budget: int | None,
     output: str | None,
 ) -> int:
-    def flops_of(rows: int, cols: int) -> float:
-        return estimate_panel_flops(
-            model,
-            example,
-            rows=rows,
-            cols=cols,
-            mode=plan.mode,
-            implementation=implementation,
-            params=params,
-            dtype=dtype,
-            output=output,
-        )
-
-    itemsize = 4 if dtype == "float32" else 8
-    return panel_tiles_for(
-        plan,
-        k=k,
-        itemsize=itemsize,
-        flops_of=flops_of,
-        memory_budget_bytes=budget,
-        target_s=DEFAULT_PANEL_SECONDS,
-        min_panels=PANELS_PER_WORKER * runner.parallelism(),
-    )
+    return cost_model_panel_tiles(
+        plan, model, example, k=k, implementation=implementation, params=params, dtype=dtype, output=output,
+        memory_budget_bytes=budget, workers=runner.parallelism(),
+    )  # fmt: skip
 
 
 def _outputs(model: nn.Module, x1: Batch, output: str | None) -> int:

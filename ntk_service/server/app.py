@@ -15,7 +15,10 @@ import logging
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import astuple
+from typing import Any
 
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 import uvicorn
@@ -24,6 +27,9 @@ from fastapi import FastAPI
 from ntk_service import __version__
 from ntk_service.config import LOOPBACK_HOSTS, Settings
 from ntk_service.errors import UnknownDevice
+from ntk_service.jobs import JobManager, JobStore
+from ntk_service.jobs.executors import executor_for
+from ntk_service.jobs.store import JOBS_DB
 from ntk_service.kernels import SideCache, parse_device, reuse_large_buffers, warm_up
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing
@@ -119,9 +125,13 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.limiter = ComputeLimiter(
         concurrency=settings.compute_concurrency, max_queue=settings.max_queue, metrics=app.state.metrics
     )
-    await jobs.start_jobs(app)  # after the registry, data sets and limiter: resumes unfinished jobs
-    app.state.metrics.watch_jobs(app.state.jobs)
-    await solve_jobs.start_solve_jobs(app)
+    # after the registry, data sets and limiter: resumes unfinished jobs of every kind
+    manager = await anyio.to_thread.run_sync(
+        _open_jobs, settings, registry, datasets, app.state.limiter, anyio.lowlevel.current_token()
+    )
+    app.state.jobs = manager
+    app.state.metrics.watch_jobs(manager)
+    app.state.metrics.watch_job_disk(lambda: astuple(manager.disk_usage()))
     if app.state.keyring.is_open:
         logger.warning(
             "no API keys configured (NTK_API_KEYS / NTK_API_KEY_FILE): every request is allowed; "
@@ -139,10 +149,35 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         app.state.ready = False
-        await jobs.stop_jobs(app)  # running tiles finish and are recorded; the rest resume at the next start
-        await solve_jobs.stop_solve_jobs(app)  # a running solve stops at its next product and reruns at start
+        app.state.jobs = None  # job routes answer 503 from here
+        # running units finish off the event loop (which they still need for their compute slots) and are recorded;
+        # the rest resume at the next start
+        await anyio.to_thread.run_sync(manager.stop)
         registry.close()
         datasets.close()
+
+
+def _open_jobs(
+    settings: Settings, registry: ModelRegistry, datasets: DatasetStore, limiter: ComputeLimiter, token: Any
+) -> JobManager:
+    """The job store, executor and manager of the service, started (unfinished jobs resume): every unit of every
+    job runs under ``limiter`` (the local executor's panels, a solve's products, a features job's chunks)."""
+    run_compute = limiter.blocking(token, operation="job")
+    manager = JobManager(
+        data_dir=settings.data_dir,
+        store=JobStore(settings.data_dir / "jobs" / JOBS_DB),
+        models=registry,
+        datasets=datasets,
+        executor=executor_for(settings, run_compute=run_compute),
+        run_compute=run_compute,
+        default_tile_size=settings.job_tile_size,
+        disk_budget_bytes=settings.job_disk_budget_bytes,
+        memory_budget_bytes=settings.memory_budget_bytes,
+        results_dir=settings.job_results_dir,
+        panel_seconds=settings.job_panel_seconds,
+    )
+    manager.start()
+    return manager
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -186,7 +221,7 @@ def create_app(settings: Settings) -> FastAPI:
         module.router
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
-    routers += [solve.router, solve_jobs.router, feature_jobs.router]  # matrix-free solves (jobs/solve_job.py)
+    routers += [solve.router, solve_jobs.router, feature_jobs.router]  # matrix-free solves and features (jobs/kinds)
     routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)

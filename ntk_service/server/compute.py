@@ -19,9 +19,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import torch
 from threadpoolctl import threadpool_limits
@@ -30,6 +32,10 @@ from ntk_service.errors import Busy
 from ntk_service.server.metrics import Metrics
 
 __all__ = ["ComputeLimiter", "configure_torch_threads"]
+
+BUSY_WAIT_MAX_S = 0.1
+"""The longest a job's unit sleeps before asking again for a slot while the queue is full: interactive requests
+go first, and a unit asks again often enough not to leave a freed slot idle (asking is one call on the loop)."""
 
 T = TypeVar("T")
 
@@ -114,3 +120,21 @@ class ComputeLimiter:
             if waiting:
                 self._metrics.computes_waiting.dec()
             self._pending -= 1
+
+    def blocking(self, token: Any, *, operation: str) -> Callable[[Callable[[], Any]], Any]:
+        """A RunCompute for job threads (not the event loop's): each call takes a slot, waiting for one instead of
+        being refused while interactive requests fill the queue (they go first; the unit waits its turn).
+
+        Args:
+            token: the event loop's ``anyio.lowlevel.current_token()``, taken in the lifespan.
+            operation: names the unit in the limiter's messages, e.g. "job".
+        """
+
+        def run(fn: Callable[[], Any]) -> Any:
+            while True:
+                try:
+                    return anyio.from_thread.run(partial(self.run, fn, operation=operation), token=token)
+                except Busy as exc:
+                    time.sleep(min(exc.retry_after_s, BUSY_WAIT_MAX_S))
+
+        return run

@@ -14,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ntk_service.config import Scope, Settings
 from ntk_service.errors import ServiceUnavailable
+from ntk_service.jobs import JobManager
 from ntk_service.kernels import SideCache
 from ntk_service.registry import DatasetStore, ModelRegistry
 from ntk_service.server.auth import KeyRing, Principal
@@ -25,6 +26,7 @@ __all__ = [
     "COMPUTE_DEPENDENCIES",
     "ComputeDep",
     "DatasetsDep",
+    "JobsDep",
     "MetricsDep",
     "ReadAccess",
     "RegistryDep",
@@ -86,6 +88,8 @@ DatasetsDep = Annotated[DatasetStore, Depends(_from_state("datasets"))]
 ComputeDep = Annotated[ComputeLimiter, Depends(_limiter)]
 SideCacheDep = Annotated[SideCache, Depends(_from_state("side_cache"))]
 MetricsDep = Annotated[Metrics, Depends(_from_state("metrics"))]
+JobsDep = Annotated[JobManager, Depends(_from_state("jobs"))]
+"""The job manager (jobs of every kind): 503 while the lifespan starts it or stops it."""
 ReadAccess = Annotated[Principal, Depends(_read)]
 """The caller, holding a ``read`` (or ``write``) key: 401 without a valid key."""
 WriteAccess = Annotated[Principal, Depends(_write)]

@@ -180,8 +180,7 @@ def test_a_stop_that_gives_up_on_a_panel_counts_no_attempt_for_it(
     first = make_manager(LocalExecutor(run_compute=gate))
     job = first.submit(model="tiny", x1_dataset=jobs_env.x1_id, mode="trace", tile_size=3, panel_tiles=1)  # 10 tiles
     assert gate.blocked.wait(30)
-    runner = first._thread
-    assert runner is not None
+    runner = next(t for t in first._runner.threads if t.name == "ntk-kernel-jobs")  # the kernel jobs' runner thread
     first.stop(timeout=0.2)  # the fifth panel is still blocked: stop gives up on it
     assert runner.is_alive()
     attempts = first.store.tile_attempts(job.id)

@@ -29,12 +29,9 @@ from ntk_service.jobs.panels import DIAGONAL_MIN_ROWS, DIAGONAL_SPLIT, Panel, di
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray, mirror_theta
-from ntk_service.kernels import NtkOptions, SideCache, compute_ntk, device_memory_budget
-from ntk_service.kernels.modes import KernelMode, result_shape
-from ntk_service.kernels.options import DTYPES
+from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
+from ntk_service.kernels.modes import result_shape
 from ntk_service.kernels.problem.batch import Batch
-from ntk_service.kernels.runtime.device import parse_device
-from ntk_service.kernels.types import parse_implementation
 
 __all__ = [
     "Executor",
@@ -149,7 +146,7 @@ def compute_panel(
         implementation that ran.
     """
     spec = work.spec
-    if panel.is_diagonal and KernelMode(spec.mode).spec.pairs and _caches(side_cache):
+    if panel.is_diagonal and spec.mode.spec.pairs and _caches(side_cache):
         blocks = diagonal_blocks(panel, work.plan.tile_size, split=work.diagonal_split, min_rows=work.diagonal_min_rows)
         if len(blocks) > 1:
             return _diagonal_panel(model, x1, work, panel, blocks, side_cache, device, allow_tf32)
@@ -166,24 +163,13 @@ def compute_panel(
         mode=spec.mode,
         output=spec.output,
         params=spec.params,
-        options=_engine_options(spec, device, allow_tf32),
+        options=spec.engine_options(device=device, allow_tf32=allow_tf32),
         side_cache=side_cache,
         # Keys name data-set rows, not panel rows: two jobs over different row ranges of one data set never collide.
         x1_key=(spec.weights_sha256, spec.x1_sha256, spec.x1_start + r0, spec.x1_start + r1),
         x2_key=None if right is None else (spec.weights_sha256, other_sha, other_start + c0, other_start + c1),
     )
     return result.theta.detach().cpu().numpy(), result.implementation.value
-
-
-def _engine_options(spec: JobSpec, device: torch.device | str | None, allow_tf32: bool) -> NtkOptions:
-    """How every block of the job is computed: its implementation, dtype and memory budget on ``device``."""
-    return NtkOptions(
-        implementation=parse_implementation(spec.implementation),
-        dtype=DTYPES[spec.dtype],
-        memory_budget_bytes=spec.memory_budget_bytes,
-        device=None if device is None else parse_device(device, operation="jobs"),
-        allow_tf32=allow_tf32,
-    )
 
 
 def _caches(side_cache: SideCache | None) -> bool:
@@ -206,14 +192,14 @@ def _diagonal_panel(
     spec = work.spec
     start = panel.rows[0]
     size = panel.rows[1] - start
-    mode = KernelMode(spec.mode)
+    mode = spec.mode
     theta = np.empty(result_shape(mode, size, size, spec.k), dtype=spec.dtype)
     used: set[str] = set()
 
     def key(a: tuple[int, int]) -> tuple[str, str, int, int]:
         return (spec.weights_sha256, spec.x1_sha256, spec.x1_start + a[0], spec.x1_start + a[1])
 
-    options = _engine_options(spec, device, allow_tf32)
+    options = spec.engine_options(device=device, allow_tf32=allow_tf32)
 
     for ia, a in enumerate(blocks):
         for b in blocks[ia:]:
@@ -286,7 +272,7 @@ def run_panel(
     computed = time.perf_counter()
     if array is None:
         array = ResultArray.open(work.result_path, plan=work.plan)
-    mode = KernelMode(work.spec.mode)
+    mode = work.spec.mode
     array.write_tiles([(tile, panel.block_of(tile, theta, mode)) for tile in tiles])
     written = time.perf_counter()
     # Where a panel's time goes, compute against chunk writes (NTK_LOG_LEVEL=debug shows it).

@@ -11,42 +11,39 @@
                                             (r, c, k, k) FULL or (r, c) TRACE, an unbiased estimate of Θ
 
 The same seed, D, params and sketch give the same Φ on any worker (``jobs/features_job.py``). Every answer is sized
-before it is built: over the response limits is a 413 with the size and the limit.
+before it is built: over the response limits is a 413 with the size and the limit. The job itself is
+``jobs/kinds/features.py``; its standard routes come from ``server/job_routes.py``, and a kernel from features is
+computed under the compute limiter like any other.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 import numpy as np
-from fastapi import APIRouter, Depends, Path, Query, Request
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+import zarr
+from fastapi import Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, PayloadTooLarge, format_bytes
+from ntk_service.jobs import JobManager, JobRecord
 from ntk_service.jobs.features_job import check_pairable, feature_block
+from ntk_service.jobs.kinds.features import FEATURES_KIND, FeaturesRequest, read_features
 from ntk_service.kernels.sketch.features import DEFAULT_SKETCH, MAX_FEATURE_DIM, SketchKind
-from ntk_service.server.deps import ComputeDep, ReadAccess, SettingsDep, WriteAccess
-from ntk_service.server.media import collection_response, json_response, negotiate, read_json
+from ntk_service.server.deps import ComputeDep, JobsDep, ReadAccess, SettingsDep
+from ntk_service.server.job_routes import JSON_BYTES_PER_VALUE, RESULT_TYPES, JobIdPath, JobRouteText, job_router
+from ntk_service.server.media import json_response, negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
-from ntk_service.server.routes.solve_jobs import CancelOnly, SolveJobsDep, SolveRows, cancel_or_delete, job_events
+from ntk_service.server.routes.solve_jobs import SolveRows
 from ntk_service.server.schemas import openapi_body, validate_body
 
 __all__ = ["FeatureJobCreate", "FeatureKernelCreate", "FeatureRows", "router"]
-
-router = APIRouter(prefix="/v1/feature-jobs", tags=["feature jobs"])
-
-OFFERED = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
-
-_JSON_BYTES_PER_VALUE = 24
-"""The most bytes orjson writes for one float64 (``-1.2345678901234567e-123,``)."""
-
-FeatureJobId = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The id returned by POST /v1/feature-jobs.")]
 
 
 class FeatureJobCreate(BaseModel):
@@ -102,7 +99,7 @@ def _range(start: int | None, stop: int | None, size: int, what: str) -> tuple[i
 def _check_size(media: str, shape: tuple[int, ...], itemsize: int, settings: SettingsDep, operation: str) -> None:
     values = math.prod(shape)
     if media == wire.MEDIA_JSON:
-        size, limit = values * _JSON_BYTES_PER_VALUE, settings.max_json_response_bytes
+        size, limit = values * JSON_BYTES_PER_VALUE, settings.max_json_response_bytes
     else:
         size, limit = values * itemsize, settings.max_binary_response_bytes
     if size > limit:
@@ -120,30 +117,37 @@ def _encode(media: str, name: str, array: np.ndarray) -> Response:
     return json_response({name: wire.tensor_to_json(array)})
 
 
-@router.post(
-    "",
-    status_code=202,
-    summary="Submit a features job",
-    openapi_extra=openapi_body(FeatureJobCreate),
-    responses={404: {"description": "The model, version or data set does not exist."}},
+def _request(body: FeatureJobCreate) -> FeaturesRequest:
+    return FeaturesRequest(**body.model_dump(exclude={"dataset"}), dataset=body.dataset.rows())
+
+
+router = job_router(
+    FEATURES_KIND,
+    prefix="/v1/feature-jobs",
+    create=FeatureJobCreate,
+    request_of=_request,
+    text=JobRouteText(
+        noun="feature",
+        tag="feature jobs",
+        title="features job",
+        progress="rows done",
+        cancel="it stops between chunks",
+        delete="its stored Φ",
+    ),
 )
-async def submit_feature_job(request: Request, _: WriteAccess, jobs: SolveJobsDep) -> Response:
-    operation = "submit features job"
-    body = validate_body(FeatureJobCreate, await read_json(request, operation=operation), operation=operation)
-    job = await anyio.to_thread.run_sync(
-        lambda: jobs.submit_features(
-            model=body.model,
-            version=body.version,
-            dataset=body.dataset.pair(),
-            dim=body.dim,
-            seed=body.seed,
-            params=body.params,
-            dtype=body.dtype,
-            rows_per_chunk=body.rows_per_chunk,
-            sketch=body.sketch.value,
-        )
-    )
-    return json_response(job, status_code=202, headers={"Location": f"/v1/feature-jobs/{job['id']}"})
+
+
+@contextmanager
+def _phi(manager: JobManager, job_id: str) -> Iterator[tuple[JobRecord[Any, Any, Any], zarr.Array[Any]]]:
+    """(job, Φ (n, k, D) read only) of a succeeded features job, for the ``with`` block: a deletion of the job
+    waits (409) until the block has ended.
+
+    Raises:
+        JobNotFound: no such features job. JobNotFinished: the job has not succeeded.
+    """
+    with manager.reading(job_id):
+        record, folder = manager.succeeded(job_id, FEATURES_KIND)
+        yield record, read_features(folder)
 
 
 @router.post(
@@ -153,16 +157,16 @@ async def submit_feature_job(request: Request, _: WriteAccess, jobs: SolveJobsDe
     responses={404: {"description": "A features job does not exist."}},
 )
 async def feature_kernel_route(
-    request: Request, _: ReadAccess, jobs: SolveJobsDep, settings: SettingsDep, limiter: ComputeDep
+    request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
 ) -> Response:
     operation = "POST /v1/feature-jobs/kernel"
     body = validate_body(FeatureKernelCreate, await read_json(request, operation=operation), operation=operation)
-    media = negotiate(request, OFFERED, operation=operation)
+    media = negotiate(request, RESULT_TYPES, operation=operation)
     right = body.x2 or body.x1
 
     def compute() -> np.ndarray:
-        with jobs.features(body.x1.job) as (job1, phi1), jobs.features(right.job) as (job2, phi2):
-            check_pairable(job1["spec"], job2["spec"])
+        with _phi(manager, body.x1.job) as (job1, phi1), _phi(manager, right.job) as (job2, phi2):
+            check_pairable(job1.spec.to_dict(), job2.spec.to_dict())
             rows = _range(body.x1.start, body.x1.stop, int(phi1.shape[0]), "x1")
             cols = _range(right.start, right.stop, int(phi2.shape[0]), "x2")
             k = int(phi1.shape[1])
@@ -170,71 +174,28 @@ async def feature_kernel_route(
             _check_size(media, shape, 8, settings, operation)  # before any block is formed
             return feature_block(phi1, phi2, rows, cols, mode=body.mode)
 
-    return _encode(media, "theta", await limiter.run(compute, operation=operation))  # a compute: under the limiter
-
-
-async def _existing_feature_job(job_id: FeatureJobId, jobs: SolveJobsDep) -> dict[str, Any]:
-    return await anyio.to_thread.run_sync(jobs.get, job_id, "features")
-
-
-ExistingFeatureJob = Annotated[dict[str, Any], Depends(_existing_feature_job)]
-"""The features job; 404 before any response starts. Declared after the access dependency (resolved in order)."""
-
-_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No features job with this id."}}
-
-
-@router.get("", summary="List features jobs")
-async def list_feature_jobs(_: ReadAccess, jobs: SolveJobsDep) -> Response:
-    return collection_response(await anyio.to_thread.run_sync(jobs.list, "features"))
-
-
-@router.get("/{job_id}", summary="A features job and its progress", responses=_NOT_FOUND)
-async def get_feature_job(job_id: FeatureJobId, _: ReadAccess, job: ExistingFeatureJob) -> Response:
-    return json_response(job)
+    return _encode(media, "theta", await limiter.run(compute, operation=operation))
 
 
 @router.get(
-    "/{job_id}/events",
-    response_class=EventSourceResponse,
-    summary="A features job's progress as Server-Sent Events until it ends",
-    description='A "progress" event (data: the job as JSON, rows done) at every change, then one "end" event.',
-    responses=_NOT_FOUND,
+    "/{job_id}/result",
+    summary="Rows of a features job's Φ (rows, k, D)",
+    responses={404: {"description": "No features job with this id."}},
 )
-async def feature_job_events(
-    job_id: FeatureJobId, _: ReadAccess, job: ExistingFeatureJob, jobs: SolveJobsDep
-) -> AsyncIterator[ServerSentEvent]:
-    async for event in job_events(jobs, job):
-        yield event
-
-
-@router.delete(
-    "/{job_id}",
-    summary="Cancel a queued or running features job; delete a finished one and its Φ",
-    description="A queued or running job is cancelled (it stops between chunks). A finished job is removed with "
-    "its stored Φ (its bytes return to the disk budget), unless cancel_only=true.",
-    responses={**_NOT_FOUND, 409: {"description": "Its Φ is being read; retry when the read is done."}},
-)
-async def delete_feature_job(
-    job_id: FeatureJobId, _: WriteAccess, jobs: SolveJobsDep, cancel_only: CancelOnly = False
-) -> Response:
-    return json_response(await anyio.to_thread.run_sync(cancel_or_delete, jobs, job_id, "features", cancel_only))
-
-
-@router.get("/{job_id}/result", summary="Rows of a features job's Φ (rows, k, D)", responses=_NOT_FOUND)
 async def feature_job_result(
     request: Request,
-    job_id: FeatureJobId,
+    job_id: JobIdPath,
     _: ReadAccess,
-    jobs: SolveJobsDep,
+    manager: JobsDep,
     settings: SettingsDep,
     start: Annotated[int | None, Query(ge=0, le=INT64_MAX, description="First row. Default: 0.")] = None,
     stop: Annotated[int | None, Query(ge=1, le=INT64_MAX, description="One past the last row.")] = None,
 ) -> Response:
     operation = f"GET /v1/feature-jobs/{job_id}/result"
-    media = negotiate(request, OFFERED, operation=operation)
+    media = negotiate(request, RESULT_TYPES, operation=operation)
 
     def read() -> np.ndarray:
-        with jobs.features(job_id) as (_, phi):
+        with _phi(manager, job_id) as (_, phi):
             lo, hi = _range(start, stop, int(phi.shape[0]), "result")
             _check_size(media, (hi - lo, *phi.shape[1:]), phi.dtype.itemsize, settings, operation)
             return np.asarray(phi[lo:hi])

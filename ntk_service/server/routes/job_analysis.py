@@ -21,11 +21,11 @@ from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import KernelMode
 from ntk_service.server.analysis_schemas import spectrum_fields
-from ntk_service.server.deps import ComputeDep, ReadAccess, SettingsDep
+from ntk_service.server.deps import ComputeDep, JobsDep, ReadAccess, SettingsDep
 from ntk_service.server.kernel_inputs import check_budget, read_object
 from ntk_service.server.media import json_response
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX
-from ntk_service.server.routes.jobs import JobIdParam, JobsDep
+from ntk_service.server.routes.jobs import JobIdParam
 from ntk_service.server.schemas import TensorJson, openapi_body, validate_body
 
 __all__ = ["router"]

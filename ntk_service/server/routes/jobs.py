@@ -10,44 +10,39 @@
     DELETE /v1/jobs/{id}                  a queued/running job: cancel (running tiles finish, no new tile starts);
                                           a finished one: delete its result (?keep_record=true keeps the record)
 
-The JobManager is built in the app's lifespan (``start_jobs`` / ``stop_jobs``). With the local executor every tile
-takes a slot of the same ComputeLimiter interactive kernels use (see ``executors/local.py``).
+The JobManager (jobs of every kind) is built in the app's lifespan and reached through ``JobsDep``; this module is
+the kernel job's routes (``jobs/kinds/kernel.py``), which keep the JSON form they always had. With the local
+executor every panel takes a slot of the same ComputeLimiter interactive kernels use (see ``executors/local.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 import math
 import pathlib
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from functools import partial
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-import anyio.from_thread
-import anyio.lowlevel
 import anyio.to_thread
 import numpy as np
-from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response, StreamingResponse
 
 from ntk_service import wire
 from ntk_service.config import Settings
-from ntk_service.errors import Busy, InvalidInput, NotAcceptable, ResultNotFound, ServiceUnavailable, format_bytes
+from ntk_service.errors import InvalidInput, NotAcceptable, ResultNotFound, format_bytes
 from ntk_service.jobs import JobManager, JobRecord
-from ntk_service.jobs.disk import ResultBytes
-from ntk_service.jobs.executors import Executor, LocalExecutor, RayExecutor, import_ray
+from ntk_service.jobs.kinds.kernel import KERNEL_KIND, KernelRequest
 from ntk_service.jobs.result_archive import ZIP_MEDIA, zip_stream
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, parse_range
-from ntk_service.jobs.solve_jobs import SolveJobs
 from ntk_service.kernels import KernelMode, NtkImplementation
-from ntk_service.server.compute import ComputeLimiter
-from ntk_service.server.deps import ReadAccess, WriteAccess
+from ntk_service.server import job_routes
+from ntk_service.server.deps import JobsDep, ReadAccess, WriteAccess
+from ntk_service.server.job_routes import RESULT_TYPES
 from ntk_service.server.kernel_inputs import MIN_JSON_BYTES_PER_VALUE
 from ntk_service.server.media import encode_theta, json_response, json_too_large, negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, QUERY_MAX_LENGTH, Glob
@@ -56,24 +51,15 @@ from ntk_service.server.schemas import openapi_body, validate_body
 __all__ = [
     "JobCreate",
     "JobDeleted",
+    "JobIdParam",
     "JobPublic",
     "JobsPublic",
+    "job_public",
     "router",
-    "start_jobs",
-    "stop_jobs",
     "stream_pieces",
 ]
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-
-T = TypeVar("T")
-
-RESULT_TYPES = (wire.MEDIA_JSON, wire.MEDIA_NPY, wire.MEDIA_SAFETENSORS)
-"""A result download, JSON first (the default without ``Accept``), as for kernels."""
-
-EVENT_POLL_S = 0.25
-"""How often the event stream looks for a change (an in-memory counter, no database read unless it moved);
-FastAPI itself sends keep-alive comments on a quiet stream."""
 
 JobIdParam = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The id returned by POST /v1/jobs.")]
 
@@ -184,8 +170,10 @@ def _iso(timestamp: float | None) -> str | None:
     return None if timestamp is None else datetime.fromtimestamp(timestamp, UTC).isoformat()
 
 
-def job_public(record: JobRecord, eta_s: float | None, results_dir: pathlib.Path | None = None) -> dict[str, Any]:
-    """The JSON form of a job (``JobPublic``); ``results_dir`` (the manager's) gives ``result_path``."""
+def job_public(
+    record: JobRecord[Any, Any, Any], eta_s: float | None, folder: pathlib.Path | None = None
+) -> dict[str, Any]:
+    """The JSON form of a job (``JobPublic``); ``folder`` (``manager.folder(record)``) gives ``result_path``."""
     spec = record.spec
     x1 = {"dataset": spec.x1_dataset, "start": spec.x1_start, "stop": spec.x1_start + spec.n}
     x2 = {"dataset": spec.x2_dataset, "start": spec.x2_start, "stop": spec.x2_start + spec.m}
@@ -196,11 +184,11 @@ def job_public(record: JobRecord, eta_s: float | None, results_dir: pathlib.Path
         "version": spec.version,
         "x1": x1,
         "x2": None if spec.x2_dataset is None else x2,
-        "mode": spec.mode,
-        "implementation": spec.implementation,
-        "implementation_used": sorted(filter(None, (record.implementation_used or "").split(","))),
+        "mode": spec.mode.value,
+        "implementation": spec.implementation.value,
+        "implementation_used": record.implementations,
         "dtype": spec.dtype,
-        "params": spec.params,
+        "params": None if spec.params is None else list(spec.params),
         "tile_size": spec.tile_size,
         "panel_tiles": spec.panel_tiles,
         "output": spec.output,
@@ -212,8 +200,8 @@ def job_public(record: JobRecord, eta_s: float | None, results_dir: pathlib.Path
         "result_shape": record.result_shape,
         "estimate_bytes": record.estimate_bytes,
         "result_path": None
-        if results_dir is None or record.result_deleted_at is not None
-        else str(results_dir / record.id / RESULT_GROUP_NAME),
+        if folder is None or record.result_deleted_at is not None
+        else str(folder / RESULT_GROUP_NAME),
         "executor": record.executor,
         "created_at": _iso(record.created_at),
         "started_at": _iso(record.started_at),
@@ -223,22 +211,8 @@ def job_public(record: JobRecord, eta_s: float | None, results_dir: pathlib.Path
 
 
 def _describe(manager: JobManager, job_id: str) -> dict[str, Any]:
-    record = manager.get(job_id)
-    return job_public(record, manager.eta_s(record), manager.results_dir)
-
-
-async def _jobs(request: Request) -> JobManager:
-    manager: JobManager | None = getattr(request.app.state, "jobs", None)
-    if manager is None:
-        raise ServiceUnavailable(
-            f"{request.method} {request.url.path}: the job manager is not running (starting or stopping); "
-            "retry shortly",
-            retry_after_s=1,
-        )
-    return manager
-
-
-JobsDep = Annotated[JobManager, Depends(_jobs)]
+    record = manager.get(job_id, KERNEL_KIND)
+    return job_public(record, manager.eta_s(record), manager.folder(record))
 
 
 async def _existing_job(job_id: JobIdParam, manager: JobsDep) -> dict[str, Any]:
@@ -248,84 +222,6 @@ async def _existing_job(job_id: JobIdParam, manager: JobsDep) -> dict[str, Any]:
 ExistingJob = Annotated[dict[str, Any], Depends(_existing_job)]
 """The job's JSON form; 404 (JobNotFound) before any response starts. Declare it after the access dependency, so a
 caller without a key learns nothing about which jobs exist (dependencies resolve in parameter order)."""
-
-
-# -- lifetime -------------------------------------------------------------------------------------------------------
-
-
-def _limited(limiter: ComputeLimiter, token: Any) -> Callable[[Callable[[], T]], T]:
-    """A RunCompute for the local executor: each panel takes a slot of the server's ComputeLimiter."""
-
-    def run(fn: Callable[[], T]) -> T:
-        while True:
-            try:
-                return anyio.from_thread.run(partial(limiter.run, fn, operation="job panel"), token=token)
-            except Busy as exc:  # interactive requests fill the queue: they go first, the tile waits its turn
-                time.sleep(min(exc.retry_after_s, 1.0))
-
-    return run
-
-
-def _executor(settings: Settings, limiter: ComputeLimiter, token: Any) -> Executor:
-    if settings.executor == "ray":
-        import_ray()  # fail at startup, with install instructions, rather than on the first job
-        return RayExecutor(
-            address=settings.ray_address,
-            num_gpus=settings.ray_num_gpus,
-            allow_tf32=settings.allow_tf32,
-            side_cache_bytes=settings.job_side_cache_bytes,
-        )
-    return LocalExecutor(
-        run_compute=_limited(limiter, token),
-        device=settings.device,
-        allow_tf32=settings.allow_tf32,
-        side_cache_bytes=settings.job_side_cache_bytes,
-    )
-
-
-def _solve_results(app: FastAPI) -> ResultBytes:
-    """The solve and features jobs' results, which share the disk budget (none while their runner is stopped)."""
-    jobs: SolveJobs | None = getattr(app.state, "solve_jobs", None)
-    return ResultBytes() if jobs is None else jobs.result_bytes()
-
-
-async def start_jobs(app: FastAPI) -> None:
-    """Build the JobManager on ``app.state.jobs`` and resume unfinished jobs (call in the lifespan, after the
-    registry, data sets and limiter exist)."""
-    settings: Settings = app.state.settings
-    executor = _executor(settings, app.state.limiter, anyio.lowlevel.current_token())
-    manager = JobManager(
-        data_dir=settings.data_dir,
-        models=app.state.registry,
-        datasets=app.state.datasets,
-        executor=executor,
-        default_tile_size=settings.job_tile_size,
-        disk_budget_bytes=settings.job_disk_budget_bytes,
-        other_results=lambda: _solve_results(app),
-        memory_budget_bytes=settings.memory_budget_bytes,
-        results_dir=settings.job_results_dir,
-        panel_seconds=settings.job_panel_seconds,
-    )
-    await anyio.to_thread.run_sync(manager.start)
-    app.state.jobs = manager
-    app.state.metrics.watch_job_disk(_disk_reader(manager))
-
-
-def _disk_reader(manager: JobManager) -> Callable[[], tuple[int, int | None, int]]:
-    def read() -> tuple[int, int | None, int]:
-        usage = manager.disk_usage()
-        return usage.used_bytes, usage.budget_bytes, usage.available_bytes
-
-    return read
-
-
-async def stop_jobs(app: FastAPI) -> None:
-    """Stop the JobManager: running tiles finish (off the event loop, which they still need), the rest resume at
-    the next start."""
-    manager: JobManager | None = getattr(app.state, "jobs", None)
-    if manager is not None:
-        app.state.jobs = None
-        await anyio.to_thread.run_sync(manager.stop)
 
 
 # -- routes ---------------------------------------------------------------------------------------------------------
@@ -342,33 +238,30 @@ async def stop_jobs(app: FastAPI) -> None:
 async def submit_job(request: Request, _: WriteAccess, manager: JobsDep) -> Response:
     operation = "submit job"
     body = validate_body(JobCreate, await read_json(request, operation=operation), operation=operation)
-    record = await anyio.to_thread.run_sync(
-        lambda: manager.submit(
-            model=body.model,
-            version=body.version,
-            x1_dataset=body.x1.dataset,
-            x2_dataset=None if body.x2 is None else body.x2.dataset,
-            mode=body.mode.value,
-            implementation=body.implementation.value,
-            dtype=body.dtype,
-            params=body.params,
-            tile_size=body.tile_size,
-            panel_tiles=body.panel_tiles,
-            output=body.output,
-            x1_rows=body.x1.rows(manager),
-            x2_rows=None if body.x2 is None else body.x2.rows(manager),
+
+    def submit() -> JobRecord[Any, Any, Any]:
+        x1, x2, fields = body.x1, body.x2, body.model_dump(exclude={"x1", "x2"})
+        return manager.create(
+            KernelRequest(
+                **fields,
+                x1_dataset=x1.dataset,
+                x1_rows=x1.rows(manager),
+                x2_dataset=None if x2 is None else x2.dataset,
+                x2_rows=None if x2 is None else x2.rows(manager),
+            )  # fmt: skip
         )
-    )
+
+    record = await anyio.to_thread.run_sync(submit)  # off the limiter: NOTE [planning off the limiter]
     return json_response(
-        job_public(record, None, manager.results_dir), status_code=202, headers={"Location": f"/v1/jobs/{record.id}"}
+        job_public(record, None, manager.folder(record)), status_code=202, headers={"Location": f"/v1/jobs/{record.id}"}
     )
 
 
 @router.get("", response_model=JobsPublic, summary="List jobs, newest first")
 async def list_jobs(_: ReadAccess, manager: JobsDep) -> Response:
-    records = await anyio.to_thread.run_sync(manager.list)
+    records = await anyio.to_thread.run_sync(manager.list, KERNEL_KIND)
     return json_response(
-        {"data": [job_public(r, manager.eta_s(r), manager.results_dir) for r in records], "count": len(records)}
+        {"data": [job_public(r, manager.eta_s(r), manager.folder(r)) for r in records], "count": len(records)}
     )
 
 
@@ -386,16 +279,8 @@ async def get_job(_: ReadAccess, job: ExistingJob) -> Response:
 async def job_events(
     job_id: JobIdParam, _: ReadAccess, job: ExistingJob, manager: JobsDep
 ) -> AsyncIterator[ServerSentEvent]:
-    public = job
-    while True:
-        seen = manager.version(job_id)
-        finished = public["status"] in ("succeeded", "failed", "cancelled")
-        yield ServerSentEvent(data=public, event="end" if finished else "progress")
-        if finished:
-            return
-        while manager.version(job_id) == seen:
-            await asyncio.sleep(EVENT_POLL_S)
-        public = await anyio.to_thread.run_sync(_describe, manager, job_id)
+    async for event in job_routes.job_events(manager, job_id, job, lambda job_id: _describe(manager, job_id)):
+        yield event
 
 
 @router.get(
@@ -425,9 +310,9 @@ async def job_result(
         record, array = manager.open_result(job_id)
         spec = record.spec
         r = parse_range(rows, spec.n, axis="rows")
-        pairs = KernelMode(spec.mode).spec.pairs
+        pairs = spec.mode.spec.pairs
         if not pairs and cols is not None:
-            raise InvalidInput(f"job result: mode {spec.mode!r} has no column axis; omit cols")
+            raise InvalidInput(f"job result: mode {spec.mode.value!r} has no column axis; omit cols")
         c = parse_range(cols, spec.m, axis="cols") if pairs else None
         shape = list(record.result_shape)
         shape[0] = r[1] - r[0]
@@ -437,8 +322,8 @@ async def job_result(
             "job": record.id,
             "model": spec.model,
             "version": spec.version,
-            "mode": spec.mode,
-            "implementation": ",".join(sorted(filter(None, (record.implementation_used or "").split(",")))),
+            "mode": spec.mode.value,
+            "implementation": ",".join(record.implementations),
             "rows": f"{r[0]}:{r[1]}",
             "cols": "" if c is None else f"{c[0]}:{c[1]}",
         }
@@ -609,11 +494,11 @@ async def delete_job(
     ] = False,
 ) -> Response:
     def act() -> Response:
-        record = manager.get(job_id)
+        record = manager.get(job_id, KERNEL_KIND)
         if cancel_only or not record.is_finished:
-            cancelled = manager.cancel(job_id)
-            return json_response(job_public(cancelled, manager.eta_s(cancelled), manager.results_dir))
-        deletion = manager.delete(job_id, keep_record=keep_record)
+            cancelled = manager.cancel(job_id, KERNEL_KIND)
+            return json_response(job_public(cancelled, manager.eta_s(cancelled), manager.folder(cancelled)))
+        deletion = manager.delete(job_id, keep_record=keep_record, kind=KERNEL_KIND)
         kind = "result" if deletion.record_kept else "job"
         return json_response({"id": job_id, "deleted": kind, "freed_bytes": deletion.freed_bytes})
 

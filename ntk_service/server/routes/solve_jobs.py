@@ -1,5 +1,6 @@
 """Solve jobs over HTTP: kernel ridge, GP mean or linearized predictions at t = ∞ on stored data sets, by operator
-CG (``jobs/solve_job.py``), never forming the kernel.
+CG (``jobs/kinds/solve.py``), never forming the kernel: the route schema, the standard job routes
+(``server/job_routes.py``) and the result.
 
     POST   /v1/solve-jobs              202 + Location: the queued job
     GET    /v1/solve-jobs              {"data": [job, ...], "count"}
@@ -11,52 +12,36 @@ CG (``jobs/solve_job.py``), never forming the kernel.
     DELETE /v1/solve-jobs/{id}         cancel a queued or running job (the solve stops before its next product);
                                        delete a finished one with its arrays (?cancel_only=true: only cancel)
 
+A solve stopped with the server goes on from its last CG segment at the next start (NOTE [solve resume]).
+
 A solve that did not converge is a succeeded job whose result says ``converged: false`` and its ``stop_reason``;
 the result route repeats both beside the arrays, so no download hides it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import anyio.to_thread
-from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
-from fastapi.sse import EventSourceResponse, ServerSentEvent
+import numpy as np
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.config import Settings
-from ntk_service.errors import JobNotFound, PayloadTooLarge, ServiceUnavailable, format_bytes
-from ntk_service.jobs import JobManager
-from ntk_service.jobs.disk import ResultBytes, result_bytes
-from ntk_service.jobs.solve_jobs import SolveJobs
-from ntk_service.server.deps import ReadAccess, SettingsDep, WriteAccess
-from ntk_service.server.media import collection_response, json_response, negotiate, read_json
+from ntk_service.errors import PayloadTooLarge, ResultNotFound, format_bytes
+from ntk_service.jobs.kinds.rows import DataRows
+from ntk_service.jobs.kinds.solve import SOLVE_KIND, SolveRequest, read_solution
+from ntk_service.server.deps import JobsDep, ReadAccess, SettingsDep
+from ntk_service.server.job_routes import JSON_BYTES_PER_VALUE, JobIdPath, JobRouteText, job_router
+from ntk_service.server.media import json_response, negotiate
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
-from ntk_service.server.schemas import openapi_body, validate_body
 
-__all__ = [
-    "CancelOnly",
-    "SolveFields",
-    "SolveJobCreate",
-    "SolveRows",
-    "cancel_or_delete",
-    "job_events",
-    "router",
-    "start_solve_jobs",
-    "stop_solve_jobs",
-]
-
-router = APIRouter(prefix="/v1/solve-jobs", tags=["solve jobs"])
+__all__ = ["SolveFields", "SolveJobCreate", "SolveRows", "router"]
 
 MAX_PROGRESS_EVERY = 100_000
 """The most CG iterations one segment may take (a larger value is the same single run)."""
-
-SolveJobId = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The id returned by POST /v1/solve-jobs.")]
 
 
 class SolveRows(BaseModel):
@@ -68,8 +53,8 @@ class SolveRows(BaseModel):
     start: int | None = Field(None, ge=0, le=INT64_MAX, description="First row. Default: 0.")
     stop: int | None = Field(None, ge=1, le=INT64_MAX, description="One past the last row. Default: all rows.")
 
-    def pair(self) -> tuple[str, tuple[int | None, int | None]]:
-        return self.dataset, (self.start, self.stop)
+    def rows(self) -> DataRows:
+        return DataRows(self.dataset, self.start, self.stop)
 
 
 class SolveFields(BaseModel):
@@ -107,194 +92,54 @@ class SolveJobCreate(SolveFields):
     examples_per_chunk: int | None = Field(None, ge=1, le=1_000_000, description="Rows per read of the data sets.")
 
 
-async def _solve_jobs(request: Request) -> SolveJobs:
-    jobs: SolveJobs | None = getattr(request.app.state, "solve_jobs", None)
-    if jobs is None:
-        raise ServiceUnavailable(
-            f"{request.method} {request.url.path}: solve jobs are not running (starting or stopping); retry shortly",
-            retry_after_s=1,
-        )
-    return jobs
+def _request(body: SolveJobCreate) -> SolveRequest:
+    fields = body.model_dump(exclude={"train", "targets", "test"})
+    test = None if body.test is None else body.test.rows()
+    return SolveRequest(**fields, train=body.train.rows(), targets=body.targets.rows(), test=test)
 
 
-SolveJobsDep = Annotated[SolveJobs, Depends(_solve_jobs)]
-
-EVENT_POLL_S = 0.25
-"""How often an open event stream looks for a change of its job (a counter read, no database query)."""
-
-_FINISHED = ("succeeded", "failed", "cancelled")
-
-
-async def job_events(jobs: SolveJobs, job: dict[str, Any]) -> AsyncIterator[ServerSentEvent]:
-    """The event stream of a solve or features job: ``job`` (found before the response starts, so a wrong id is a
-    404) as a "progress" event, again at every change, and an "end" event with the finished job."""
-    kind = job["job"]
-    while True:
-        seen = jobs.version(job["id"])
-        finished = job["status"] in _FINISHED
-        yield ServerSentEvent(data=job, event="end" if finished else "progress")
-        if finished:
-            return
-        while jobs.version(job["id"]) == seen:
-            await asyncio.sleep(EVENT_POLL_S)
-        try:
-            job = await anyio.to_thread.run_sync(jobs.get, job["id"], kind)
-        except JobNotFound:  # finished and deleted between two looks: the stream ends; a GET now says 404
-            return
-
-
-async def _existing_solve_job(job_id: SolveJobId, jobs: SolveJobsDep) -> dict[str, Any]:
-    return await anyio.to_thread.run_sync(jobs.get, job_id, "solve")
-
-
-ExistingSolveJob = Annotated[dict[str, Any], Depends(_existing_solve_job)]
-"""The solve job; 404 before any response starts. Declared after the access dependency (resolved in order)."""
-
-
-def _kernel_results(app: FastAPI) -> ResultBytes:
-    """The kernel jobs' results, which share the disk budget (none while their manager is not running)."""
-    manager: JobManager | None = getattr(app.state, "jobs", None)
-    return ResultBytes() if manager is None else result_bytes(manager.store)
-
-
-async def start_solve_jobs(app: FastAPI) -> None:
-    """Build ``app.state.solve_jobs`` and requeue unfinished solves (in the lifespan, after the registry and data
-    sets exist)."""
-    settings: Settings = app.state.settings
-    jobs = SolveJobs(
-        data_dir=settings.data_dir,
-        models=app.state.registry,
-        datasets=app.state.datasets,
-        results_dir=settings.job_results_dir,
-        memory_budget_bytes=settings.memory_budget_bytes,
-        disk_budget_bytes=settings.job_disk_budget_bytes,
-        kernel_results=lambda: _kernel_results(app),
-    )
-    await anyio.to_thread.run_sync(jobs.start)
-    app.state.solve_jobs = jobs
-
-
-async def stop_solve_jobs(app: FastAPI) -> None:
-    """Stop the solve runner: a running solve stops at its next product and runs again at the next start."""
-    jobs: SolveJobs | None = getattr(app.state, "solve_jobs", None)
-    if jobs is not None:
-        app.state.solve_jobs = None
-        await anyio.to_thread.run_sync(jobs.stop)
-
-
-@router.post(
-    "",
-    status_code=202,
-    summary="Submit a solve job",
-    openapi_extra=openapi_body(SolveJobCreate),
-    responses={404: {"description": "The model, version or a data set does not exist."}},
+router = job_router(
+    SOLVE_KIND,
+    prefix="/v1/solve-jobs",
+    create=SolveJobCreate,
+    request_of=_request,
+    text=JobRouteText(
+        noun="solve",
+        tag="solve jobs",
+        title="solve job",
+        progress="its CG progress",
+        cancel="the solve stops before its next product",
+        delete="its arrays",
+    ),
 )
-async def submit_solve_job(request: Request, _: WriteAccess, jobs: SolveJobsDep) -> Response:
-    operation = "submit solve job"
-    body = validate_body(SolveJobCreate, await read_json(request, operation=operation), operation=operation)
-    job = await anyio.to_thread.run_sync(
-        lambda: jobs.submit(
-            kind=body.kind,
-            model=body.model,
-            version=body.version,
-            train=body.train.pair(),
-            targets=body.targets.pair(),
-            test=None if body.test is None else body.test.pair(),
-            mode=body.mode,
-            dtype=body.dtype,
-            params=body.params,
-            ridge=body.ridge,
-            rtol=body.rtol,
-            max_iterations=body.max_iterations,
-            preconditioner=body.preconditioner,
-            landmarks=body.landmarks,
-            progress_every=body.progress_every,
-            examples_per_chunk=body.examples_per_chunk,
-        )
-    )
-    return json_response(job, status_code=202, headers={"Location": f"/v1/solve-jobs/{job['id']}"})
-
-
-@router.get("", summary="List solve jobs")
-async def list_solve_jobs(_: ReadAccess, jobs: SolveJobsDep) -> Response:
-    return collection_response(await anyio.to_thread.run_sync(jobs.list, "solve"))
-
-
-_NOT_FOUND: dict[int | str, dict[str, Any]] = {404: {"description": "No solve job with this id."}}
-
-
-@router.get("/{job_id}", summary="A solve job and its progress", responses=_NOT_FOUND)
-async def get_solve_job(job_id: SolveJobId, _: ReadAccess, job: ExistingSolveJob) -> Response:
-    return json_response(job)
-
-
-@router.get(
-    "/{job_id}/events",
-    response_class=EventSourceResponse,
-    summary="A solve job's progress as Server-Sent Events until it ends",
-    description='A "progress" event (data: the job as JSON, its CG progress) at every change, then one "end" event.',
-    responses=_NOT_FOUND,
-)
-async def solve_job_events(
-    job_id: SolveJobId, _: ReadAccess, job: ExistingSolveJob, jobs: SolveJobsDep
-) -> AsyncIterator[ServerSentEvent]:
-    async for event in job_events(jobs, job):
-        yield event
-
-
-CancelOnly = Annotated[
-    bool, Query(description="Only cancel: a finished job is left as it is. Default: false (a finished job is deleted).")
-]
-
-
-def cancel_or_delete(jobs: SolveJobs, job_id: str, job: Literal["solve", "features"], cancel_only: bool) -> Any:
-    """DELETE of a solve or features job: the cancelled job while it is queued or running (or ``cancel_only``),
-    else {"id", "deleted": "job", "freed_bytes"} once its row and files are gone."""
-    record = jobs.get(job_id, job)
-    if cancel_only or record["status"] not in _FINISHED:
-        return jobs.cancel(job_id, job)
-    return {"id": job_id, "deleted": "job", "freed_bytes": jobs.delete(job_id, job)}
-
-
-@router.delete(
-    "/{job_id}",
-    summary="Cancel a queued or running solve job; delete a finished one and its arrays",
-    description="A queued or running job is cancelled (the solve stops before its next product). A finished job "
-    "is removed with its alpha and predictions (its bytes return to the disk budget), unless cancel_only=true.",
-    responses=_NOT_FOUND,
-)
-async def delete_solve_job(
-    job_id: SolveJobId, _: WriteAccess, jobs: SolveJobsDep, cancel_only: CancelOnly = False
-) -> Response:
-    return json_response(await anyio.to_thread.run_sync(cancel_or_delete, jobs, job_id, "solve", cancel_only))
 
 
 @router.get("/{job_id}/result", summary="A solve job's alpha and test predictions")
 async def solve_job_result(
-    request: Request, job_id: SolveJobId, _: ReadAccess, jobs: SolveJobsDep, settings: SettingsDep
+    request: Request, job_id: JobIdPath, _: ReadAccess, manager: JobsDep, settings: SettingsDep
 ) -> Response:
     operation = f"GET /v1/solve-jobs/{job_id}/result"
     media = negotiate(request, (wire.MEDIA_JSON, wire.MEDIA_SAFETENSORS), operation=operation)
-    job, alpha, predictions = await anyio.to_thread.run_sync(jobs.result, job_id)
-    report = job["result"]
-    arrays = {"alpha": alpha} | ({} if predictions is None else {"predictions": predictions})
+
+    def read() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        with manager.reading(job_id):
+            record, folder = manager.succeeded(job_id, SOLVE_KIND)
+            alpha, predictions = read_solution(folder)
+        arrays = {"alpha": alpha} | ({} if predictions is None else {"predictions": predictions})
+        if record.result is None:  # written with the status, so only a store edited by hand lacks it
+            raise ResultNotFound(f"{operation}: the report of solve job {job_id} is missing; submit the job again")
+        return SOLVE_KIND.encode_result(record.result), arrays
+
+    report, arrays = await anyio.to_thread.run_sync(read)
     if media == wire.MEDIA_SAFETENSORS:
         metadata = {"result": wire.json_dumps(report).decode()}
         return Response(wire.encode_safetensors(arrays, metadata), media_type=wire.MEDIA_SAFETENSORS)
     values = sum(math.prod(a.shape) for a in arrays.values())
     limit = settings.max_json_response_bytes
-    if values * _JSON_BYTES_PER_VALUE > limit:
-        raise _too_large(operation, values, limit)
-    body = report | {name: wire.tensor_to_json(array) for name, array in arrays.items()}
-    return json_response(body)
-
-
-_JSON_BYTES_PER_VALUE = 24
-"""A float64 written by orjson takes up to 24 bytes (``-1.2345678901234567e-123,``)."""
-
-
-def _too_large(operation: str, values: int, limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"{operation}: the result holds {values} numbers (about {format_bytes(values * _JSON_BYTES_PER_VALUE)} as "
-        f"JSON), over the JSON response limit of {format_bytes(limit)}; ask for Accept: application/x-safetensors"
-    )
+    if values * JSON_BYTES_PER_VALUE > limit:
+        raise PayloadTooLarge(
+            f"{operation}: the result holds {values} numbers (about {format_bytes(values * JSON_BYTES_PER_VALUE)} "
+            f"as JSON), over the JSON response limit of {format_bytes(limit)}; ask for Accept: "
+            "application/x-safetensors"
+        )
+    return json_response(report | {name: wire.tensor_to_json(array) for name, array in arrays.items()})

@@ -24,7 +24,10 @@ from ntk_service.errors import (
     NtkServiceError,
     ShapeMismatch,
 )
-from ntk_service.jobs.solve_jobs import SolveJobs
+from ntk_service.jobs import JobManager, LocalExecutor
+from ntk_service.jobs.kinds.features import FEATURES_KIND, FeaturesRequest, read_features
+from ntk_service.jobs.kinds.rows import DataRows
+from ntk_service.jobs.kinds.solve import SolveRequest
 from ntk_service.registry import DatasetStore, ModelRegistry
 from tests.conftest import LiveServer, start_live_server
 from tests.jobs.conftest import SLOW_MODEL, TINY_MLP, tiny_model_from_weights
@@ -173,12 +176,16 @@ def test_a_nan_ridge_is_refused_by_the_job_engine(tmp_path: Path) -> None:
     registry, datasets = ModelRegistry(tmp_path), DatasetStore(tmp_path)
     registry.register("tiny", TINY_MLP, seed=0)
     x = datasets.create(np.zeros((3, 4), np.float32)).id
-    jobs = SolveJobs(data_dir=tmp_path, models=registry, datasets=datasets)
+    jobs = JobManager(data_dir=tmp_path, models=registry, datasets=datasets, executor=LocalExecutor())
     try:
         with pytest.raises(InvalidInput, match=r"ridge must be a finite number ≥ 0, got nan"):
-            jobs.submit(kind="kernel_ridge", model="tiny", train=(x, None), targets=(x, None), ridge=float("nan"))
+            jobs.create(
+                SolveRequest(
+                    kind="kernel_ridge", model="tiny", train=DataRows(x), targets=DataRows(x), ridge=float("nan")
+                )
+            )
+        assert jobs.list() == []
     finally:
-        jobs.stop()
         registry.close()
         datasets.close()
 
@@ -314,22 +321,24 @@ def test_a_features_job_is_not_deleted_while_its_phi_is_read(tmp_path: Path) -> 
     registry, datasets = ModelRegistry(tmp_path), DatasetStore(tmp_path)
     registry.register("tiny", TINY_MLP, seed=0)
     x = datasets.create(np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)).id
-    jobs = SolveJobs(data_dir=tmp_path, models=registry, datasets=datasets)
+    jobs = JobManager(data_dir=tmp_path, models=registry, datasets=datasets, executor=LocalExecutor())
     jobs.start()
     try:
-        job = jobs.submit_features(model="tiny", dataset=(x, None), dim=8)
+        job = jobs.create(FeaturesRequest(model="tiny", dataset=DataRows(x), dim=8))
         deadline = time.monotonic() + 60
-        while jobs.get(job["id"])["status"] != "succeeded":
-            assert time.monotonic() < deadline, jobs.get(job["id"])
+        while jobs.get(job.id).status != "succeeded":
+            assert time.monotonic() < deadline, jobs.get(job.id)
             time.sleep(0.05)
-        with jobs.features(job["id"]) as (_, phi):
-            with pytest.raises(Conflict, match="being read"):
-                jobs.delete(job["id"], "features")
+        with jobs.reading(job.id):  # what GET /v1/feature-jobs/{id}/result holds while it reads Φ
+            _, folder = jobs.succeeded(job.id, FEATURES_KIND)
+            phi = read_features(folder)
+            with pytest.raises(Conflict, match="being downloaded"):
+                jobs.delete(job.id, kind=FEATURES_KIND)
             first = np.asarray(phi[:])
         assert first.shape == (5, 3, 8)
-        assert jobs.delete(job["id"], "features") > 0
+        assert jobs.delete(job.id, kind=FEATURES_KIND).freed_bytes > 0
         with pytest.raises(JobNotFound):
-            jobs.get(job["id"])
+            jobs.get(job.id)
     finally:
         jobs.stop()
         registry.close()
