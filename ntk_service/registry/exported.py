@@ -215,6 +215,7 @@ def _deserialize(
         # the engine's private eval copy works as on any module.
         for name in ("train", "eval"):
             vars(module).pop(name, None)
+        _without_hooks(module)
         _sizes_as_methods(module)
     except Exception as exc:  # torch's own checks of the (already validated) JSON: the upload is what is wrong
         raise InvalidInput(
@@ -223,6 +224,22 @@ def _deserialize(
             f"({torch.__version__})"
         ) from exc
     return module
+
+
+def _without_hooks(module: nn.Module) -> None:
+    """Drop the forward hooks ``ExportedProgram.module()`` registers: an input-constraint check (the service checks
+    input shapes itself, as for ``guards_code``) and a pair that enables ``nn.Module`` graph inputs (a program
+    here takes tensors only). Torch's own code, nothing of the archive's; without them the graph module is a plain
+    module whose forward is its graph, which the structured engine's closed-form chain may read (NOTE
+    [sequential chains] in kernels/structured/chain.py: it refuses modules with hooks)."""
+    for hooks in (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._forward_hooks_with_kwargs,
+        module._forward_hooks_always_called,
+        module._forward_pre_hooks_with_kwargs,
+    ):
+        hooks.clear()
 
 
 def example_batch(program: ExportedProgram, n: int = 2) -> Any:

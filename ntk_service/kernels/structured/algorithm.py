@@ -61,7 +61,8 @@ from ntk_service.kernels.structured.descriptors import (
 )
 from ntk_service.kernels.structured.options import StructuredOptions
 from ntk_service.kernels.structured.plan import StructuredTerms
-from ntk_service.kernels.structured.recorder import is_batch_safe
+from ntk_service.kernels.structured.recorder import batch_axes, distinct_pair
+from ntk_service.kernels.structured.rules import ParamMap
 from ntk_service.kernels.types import NtkImplementation
 
 __all__ = ["BATCHED_CAPTURE_WEIGHT", "PER_EXAMPLE_CAPTURE_WEIGHT", "Structured", "structured_terms"]
@@ -113,7 +114,10 @@ class Structured:
     def left(self, problem: NtkProblem, x: Batch) -> StructuredSide:
         terms = self.terms(problem, take(x, 0, 1))
         if terms.batch_safe is None and batch_size(x) >= 2 and self.options.batched_capture:
-            terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, take(x, 0, 2)))
+            pair = distinct_pair(x)
+            if pair is not None:
+                axes = batch_axes(problem, terms.plan, pair)
+                terms = terms.learned(batch_safe=axes is not None, axes=axes)
         with attention_scope(
             problem.module, problem.calls_attention
         ):  # fallback jacrev under vmap: see problem/math_attention.py
@@ -163,8 +167,7 @@ class Structured:
         ]
         acc = self._new_accumulator(problem, mode, left, right)
         for term, lf, rf in factored:
-            plus_one = term.bias is not None
-            add_factored(acc, lf, rf, index=term.index, plus_one=plus_one, shared_delta=self.options.shared_delta)
+            add_factored(acc, lf, rf, index=term.index, plus=term.plus, shared_delta=self.options.shared_delta)
         for name, j1 in left.jacobians.items():
             add_jacobian(acc, j1, right.jacobians[name])
         return acc
@@ -180,16 +183,19 @@ class Structured:
         acc = self._accumulate(problem, left, right, KernelMode.FULL, held=held)
         if held is None:
             return finish(acc).contiguous()
-        plus_one = terms.factored[held].bias is not None
         return finish_with_factored(
-            acc, left.factored[held], right.factored[held], plus_one=plus_one, shared_delta=self.options.shared_delta
+            acc,
+            left.factored[held],
+            right.factored[held],
+            plus=terms.factored[held].plus,
+            shared_delta=self.options.shared_delta,
         )
 
     def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:
         terms = self.terms(problem)
         acc = self._new_accumulator(problem, KernelMode.EXAMPLE_DIAGONAL, left, left)
         for term, side in zip(terms.factored, left.factored, strict=True):
-            add_factored_diagonal(acc, side, index=term.index, plus_one=term.bias is not None)
+            add_factored_diagonal(acc, side, index=term.index, plus=term.plus)
         for j in left.jacobians.values():
             add_jacobian_diagonal(acc, j)
         return acc.tensor
@@ -206,13 +212,13 @@ class Structured:
         kernels] in family/groups.py); in FULL each group's last plain factored term rides along in the pass that writes
         its block (``fused_finish``, as ``pair`` does), so G groups cost G result-sized writes, not 2·G."""
         terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
-        factored: list[list[tuple[FactorSide, FactorSide, bool, bool]]] = [[] for _ in groups.names]
+        factored: list[list[tuple[FactorSide, FactorSide, bool, float]]] = [[] for _ in groups.names]
         for term, lf, rf in zip(terms.factored, left.factored, right.factored, strict=True):
             bias = None if term.bias is None else of[term.bias]  # the folded bias's group
             bias_apart = bias is not None and bias != of[term.name]
-            factored[of[term.name]].append((lf, rf, term.index, bias is not None and not bias_apart))
-            if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A
-                factored[bias].append((_no_inputs(lf), _no_inputs(rf), False, True))
+            factored[of[term.name]].append((lf, rf, term.index, 0.0 if bias_apart else term.plus))
+            if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ c²: a zero A
+                factored[bias].append((_no_inputs(lf), _no_inputs(rf), False, term.plus))
         jacobians: list[list[tuple[JacobianSide, JacobianSide]]] = [[] for _ in groups.names]
         for name, j1 in left.jacobians.items():
             jacobians[of[name]].append((j1, right.jacobians[name]))
@@ -229,12 +235,12 @@ class Structured:
             acc = None
             if rest or js or held is None:
                 acc = self._new_accumulator(problem, mode, left, right)
-                for lf, rf, index, plus_one in rest:
-                    add_factored(acc, lf, rf, index=index, plus_one=plus_one, shared_delta=shared)
+                for lf, rf, index, plus in rest:
+                    add_factored(acc, lf, rf, index=index, plus=plus, shared_delta=shared)
                 for j1, j2 in js:
                     add_jacobian(acc, j1, j2)
             if held is not None and out is not None:
-                finish_with_factored(acc, held[0], held[1], plus_one=held[3], shared_delta=shared, out=out[g])
+                finish_with_factored(acc, held[0], held[1], plus=held[3], shared_delta=shared, out=out[g])
             elif acc is not None and out is not None:
                 out[g] = finish(acc)
             elif acc is not None:
@@ -248,10 +254,9 @@ class Structured:
         for term, side in zip(terms.factored, left.factored, strict=True):
             bias = None if term.bias is None else of[term.bias]
             bias_apart = bias is not None and bias != of[term.name]
-            plus_one = bias is not None and not bias_apart
-            add_factored_diagonal(accs[of[term.name]], side, index=term.index, plus_one=plus_one)
+            add_factored_diagonal(accs[of[term.name]], side, index=term.index, plus=0.0 if bias_apart else term.plus)
             if bias is not None and bias_apart:
-                add_factored_diagonal(accs[bias], _no_inputs(side), index=False, plus_one=True)
+                add_factored_diagonal(accs[bias], _no_inputs(side), index=False, plus=term.plus)
         for name, j in left.jacobians.items():
             add_jacobian_diagonal(accs[of[name]], j)
         return torch.stack([acc.tensor for acc in accs])
@@ -265,7 +270,7 @@ class Structured:
             kept += n * g * t * ((1 if term.index else da) + k * dd)
         kept += sum(n * k * jt.numel for jt in terms.jacobian)
         fallback = sum(n * k * problem.params[name].numel() for name in plan.fallback)
-        activations = sum(n * (math.prod(u.in_shape) + k * math.prod(u.out_shape)) for u in plan.uses)
+        activations = sum(n * (math.prod(u.in_shape) + k * math.prod(u.out_shape)) for u in plan.sites)
         # the forward's saved tensors and k cotangents of them at once, every layer's input and δ, the fallback
         # Jacobian; then the factors (patches) and rule Jacobians are built from them. With fallback parameters
         # the per-example jacrev also differentiates w.r.t. them: the engine's whole-model count applies.
@@ -324,40 +329,61 @@ def _side(
     factored = []
     for term in terms.factored:
         parts = []
-        for u in term.uses:
-            layer = plan.uses[u].layer
-            rule, module, delta = plan.rules[layer], plan.layers[layer], cap.deltas[u]
-            f = rule.factors(module, cap.inputs[u], delta.tensor)
-            kept = rule.keeps_delta(module)  # D a view of δ: its declared facts hold for D
-            parts.append((f.a, Delta(f.d, delta.layout, delta.shared) if kept else Delta(f.d, Layout.of(f.d))))
+        for u, scale in zip(term.uses, term.scales, strict=True):
+            site, delta = plan.sites[u], cap.deltas[u]
+            f = site.rule.factors(site.config, cap.inputs[u], delta.tensor)
+            kept = site.rule.keeps_delta(site.config)  # D a view of δ: its declared facts hold for D
+            d = Delta(f.d, delta.layout, delta.shared) if kept else Delta(f.d, Layout.of(f.d))
+            a = f.a
+            if scale != 1.0:  # J of c·W is c·J: on A (the smaller factor), on D for ids
+                if f.index:
+                    d = Delta(f.d * scale, Layout.of(f.d), d.shared)
+                else:
+                    a = f.a * scale
+            parts.append((a, d))
         if len(parts) == 1:
             factored.append(FactorSide(*parts[0]))
             continue
-        d = torch.cat([p[1].tensor for p in parts], dim=3)
-        factored.append(FactorSide(torch.cat([p[0] for p in parts], dim=2), Delta(d, Layout.of(d))))
-    roles: dict[int, list[str]] = {}  # use -> the roles whose J it contributes to
-    owner: dict[tuple[int, str], str] = {}
+        dd = torch.cat([p[1].tensor for p in parts], dim=3)
+        factored.append(FactorSide(torch.cat([p[0] for p in parts], dim=2), Delta(dd, Layout.of(dd))))
+    roles: dict[int, list[str]] = {}  # site -> the roles whose J it contributes to
     for jterm in terms.jacobian:
         for u, role in jterm.uses:
             roles.setdefault(u, []).append(role)
-            owner[u, role] = jterm.name
     jacobians: dict[str, torch.Tensor] = {}
-    for u, use_roles in roles.items():  # one rule call per use: a weight and its bias may share a pass
-        layer = plan.uses[u].layer
-        rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
+    for u, site_roles in roles.items():  # one rule call per site: a weight and its bias may share a pass
+        site = plan.sites[u]
         a, delta = cap.inputs[u], cap.deltas[u]
-        js = rule.jacobians(
-            module, tuple(use_roles), a, delta.tensor, state, layout=delta.layout, thin=options.thin_conv_jacobian
+        js = site.rule.jacobians(
+            site.config,
+            tuple(site_roles),
+            a,
+            delta.tensor,
+            site.state,
+            layout=delta.layout,
+            thin=options.thin_conv_jacobian,
         )
         for role, j in js.items():
-            name = owner[u, role]
-            jacobians[name] = j if name not in jacobians else jacobians[name] + j
+            mp = site.param(role)
+            j = _onto_parameter(j, mp)
+            jacobians[mp.name] = j if mp.name not in jacobians else jacobians[mp.name] + j
     for jterm in terms.jacobian:
-        if jterm.name not in jacobians:  # a layer the batch never called: its parameters have zero Jacobian
+        if jterm.name not in jacobians:  # a parameter no op of the batch read: its Jacobian is zero
             jacobians[jterm.name] = torch.zeros(n, problem.k, jterm.numel, dtype=problem.dtype)
     jacobians.update(cap.fallback_jacobians)
     # the layout of a Jacobian made by a rule's matmul or by jacrev: read once, here, where its descriptor is made
     return StructuredSide(tuple(factored), {name: JacobianSide(j, Layout.of(j)) for name, j in jacobians.items()})
+
+
+def _onto_parameter(j: torch.Tensor, mp: ParamMap) -> torch.Tensor:
+    """J (n, k, numel of the op's tensor) of the tensor an op took as J (n, k, numel) of the parameter it follows
+    from: times the map's scale, its elements added where the view took them from (``ParamMap.index``)."""
+    if mp.index is not None:
+        n, k = j.shape[:2]
+        onto = torch.zeros(n, k, mp.numel, dtype=j.dtype)
+        onto.index_add_(2, mp.index.reshape(-1), j.reshape(n, k, -1))
+        j = onto
+    return j * mp.scale if mp.scale != 1.0 else j
 
 
 def _no_inputs(side: FactorSide) -> FactorSide:
