@@ -32,6 +32,7 @@ archive's ``guards_code``. So this module never calls ``torch.export.load`` and 
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ class ExportedProgram:
             for one positional tensor (then input_shape/input_dtype/vocab_size describe it). With inputs,
             input_shape and input_dtype are the first input's.
         returns_tensor: forward returns one tensor; False: a container of tensors (a dict: ``output=`` selects).
+        class_name: the exported module's class (its name only, e.g. "ResidualMlp"), as the archive's node
+            metadata records it; None when it records none (read as a string, never imported).
     """
 
     module: nn.Module
@@ -104,6 +107,7 @@ class ExportedProgram:
     vocab_size: int | None = None
     inputs: InputSpec | None = None
     returns_tensor: bool = True
+    class_name: str | None = None
 
 
 def load_exported(
@@ -143,6 +147,7 @@ def load_exported(
     targets = check_graph_ops(graph_module, operation=operation)
     check_expressions(program, operation)
     check_treespecs(program, operation)
+    class_name = _class_name(graph_module)
     strip_metadata(program)
     user_inputs = check_signature(graph_module, operation)
     kind, names = input_names(graph_module, user_inputs, operation)
@@ -184,7 +189,27 @@ def load_exported(
         vocab_size,
         inputs,
         output_is_tensor(graph_module),
+        class_name,
     )
+
+
+_CLASS_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}(\.[A-Za-z_][A-Za-z0-9_]{0,99}){0,32}$")
+
+
+def _class_name(graph_module: Mapping[str, Any]) -> str | None:
+    """The root module's class name from a node's ``nn_module_stack`` metadata ("key,path,type;..." with an
+    empty path for the root): the type's last dotted part, if the type is a dotted identifier. A string only."""
+    graph = graph_module.get("graph")
+    for node in graph.get("nodes", ()) if isinstance(graph, Mapping) else ():
+        metadata = node.get("metadata") if isinstance(node, Mapping) else None
+        stack = metadata.get("nn_module_stack") if isinstance(metadata, Mapping) else None
+        if not isinstance(stack, str):
+            continue
+        for entry in stack.split(";"):
+            parts = entry.split(",")
+            if len(parts) == 3 and parts[1] == "" and _CLASS_PATH.fullmatch(parts[2]):
+                return parts[2].rpartition(".")[2]
+    return None
 
 
 def _static_shape(shape: tuple[int | None, ...], name: str, operation: str) -> tuple[int, ...]:
@@ -406,6 +431,7 @@ def exported_architecture(program: ExportedProgram, sha256: str, *, operation: s
         "input_shape": [int(n) for n in program.input_shape],  # type: ignore[arg-type]
         "input_dtype": program.input_dtype,
         "operators": sorted(program.targets),
+        **({} if program.class_name is None else {"class_name": program.class_name}),
         **({} if program.vocab_size is None else {"vocab_size": program.vocab_size}),
         **({} if program.inputs is None else {"inputs": program.inputs.to_public()}),
         **({} if outputs is None else {"outputs": outputs}),

@@ -158,6 +158,7 @@ def test_a_schema_2_data_dir_gets_the_inputs_column(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / DATABASE_FILENAME) as conn:  # as the previous release wrote it
         conn.execute("ALTER TABLE model_versions DROP COLUMN inputs")
         conn.execute("ALTER TABLE datasets DROP COLUMN arrays")
+        conn.execute("ALTER TABLE models DROP COLUMN paths")  # schema 4
         conn.execute("UPDATE schema_version SET version = 2")
     reopened = ModelRegistry(tmp_path)
     record = reopened.get("m")

@@ -11,7 +11,7 @@ op call taking one is a *use*. A use is covered when the op's rule reads it (``r
 conv, embedding, the affine parameters of the normalisations, an elementwise scale or bias of an activation);
 a parameter is covered only if *every* use is. One use without a rule (a parameter in ``torch.einsum``, divided
 into, multiplied by another parameter, read by an op the engine does not know) sends that parameter, and only
-it, to the Jacobian path, with the ops named in ``StructurePlan.reasons``; nothing is skipped silently. A layer
+it, to the Jacobian path, with the ops named in ``StructurePlan.outside``; nothing is skipped silently. A layer
 called several times (weight sharing) has one use per call; a tied weight (one tensor in several ops: an embedding
 and a head) collects every use. ``F.multi_head_attention_forward`` runs as the ops it is made of
 (``attention.py``), so its projections are covered uses too.
@@ -88,11 +88,6 @@ class _StructureProbe(TorchFunctionMode):
         return out
 
 
-def _reason(ops: list[str]) -> str:
-    names = sorted(set(ops))
-    return f"taken by {', '.join(names)}, which no structure rule covers (J by jacrev, this parameter only)"
-
-
 def plan_structure(problem: NtkProblem, example: Batch) -> StructurePlan:
     """Run one example to record every use of the selected parameters, and assign each to a rule or the Jacobian
     path.
@@ -126,7 +121,7 @@ def plan_structure(problem: NtkProblem, example: Batch) -> StructurePlan:
         sites=tuple(sites),
         param_uses={name: tuple(uses) for name, uses in param_uses.items()},
         fallback=fallback,
-        reasons={name: _reason(probe.outside[name]) for name in fallback},
+        outside={name: tuple(dict.fromkeys(probe.outside[name])) for name in fallback},
         saved_bytes=0.0,
         chain=None,
     )

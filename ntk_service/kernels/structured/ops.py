@@ -227,7 +227,8 @@ def METADATA(func: object) -> bool:  # noqa: N802 - read as a table: METADATA(fu
 def op_name(func: object) -> str:
     """A short name of a callable for reports: ``linear``, ``aten.div.Tensor``, ``Tensor.pow``."""
     if isinstance(func, torch._ops.OpOverload):
-        return f"aten.{func.__name__}" if func.namespace == "aten" else str(func)
+        name = func.__name__.removesuffix(".default")
+        return f"aten.{name}" if func.namespace == "aten" else str(func)
     owner = getattr(func, "__objclass__", None) or getattr(getattr(func, "__self__", None), "__objclass__", None)
     name = getattr(func, "__name__", None) or type(func).__name__
     if owner is not None and owner.__name__ in ("TensorBase", "Tensor"):

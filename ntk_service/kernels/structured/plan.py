@@ -63,7 +63,7 @@ class StructurePlan:
         param_uses: selected parameter name -> ((site index, role), ...) for rule-covered parameters (a parameter
             no op reads has none: its Jacobian is zero).
         fallback: selected parameters on the Jacobian path, in ``problem.params`` order.
-        reasons: fallback parameter -> why (the ops that took it without a rule).
+        outside: fallback parameter -> the ops that took it without a rule (why it is on the Jacobian path).
         saved_bytes: bytes autograd saves per example in the probed forward (activations only: tensors sharing
             storage with parameters or buffers are not per example and not counted).
         chain: the model as a sequential chain, captured without autograd (NOTE [sequential chains] in
@@ -73,7 +73,7 @@ class StructurePlan:
     sites: tuple[Site, ...]
     param_uses: Mapping[str, tuple[tuple[int, str], ...]]
     fallback: tuple[str, ...]
-    reasons: Mapping[str, str]
+    outside: Mapping[str, tuple[str, ...]]
     saved_bytes: float
     chain: Chain | None
 

@@ -70,10 +70,43 @@ export function modelsTable(models, versions) {
             m.parameters.map((p) => el("li", {}, el("code", {}, p.name), ` ${fmt.shape(p.shape)}`)),
           ),
         ),
+        parameterPaths(m),
       ),
     ),
   );
   return table("Registered models", ["Model", "Versions", "Parameters P", "Input", "Outputs k", "Architecture"], rows);
+}
+
+// What the kernel engine does with each parameter group (the record's parameter_paths, made at registration):
+// structured (factored / J from its op's input and cotangents) or autograd (jacrev, an op without a rule), why,
+// and what AUTO takes at the nominal size. Null for models registered before the report existed.
+export function parameterPaths(model) {
+  const paths = model.parameter_paths;
+  if (!paths) return null;
+  if (paths.error) {
+    return el("details", { class: "paths" }, el("summary", {}, "Kernel paths: not available"), el("p", {}, paths.error));
+  }
+  const auto = paths.auto || {};
+  const autograd = paths.jacrev_parameters
+    ? ` · ${fmt.count(paths.jacrev_parameters)} by autograd`
+    : " · all structured";
+  const summary = `Kernel paths: auto → ${auto.implementation} at N = ${auto.n}${autograd}`;
+  const group = (g) =>
+    el(
+      "li",
+      { "data-path": g.path },
+      el("code", {}, g.group || "(root)"),
+      ` ${g.parameters.join(", ")} `,
+      el("strong", {}, g.form),
+      ` (${g.ops.join(", ") || "no op"}): ${g.reason}`,
+    );
+  return el(
+    "details",
+    { class: "paths" },
+    el("summary", {}, summary),
+    el("p", { class: "muted" }, `capture: ${paths.capture}`),
+    el("ul", { class: "params" }, (paths.groups || []).map(group)),
+  );
 }
 
 export function datasetsTable(datasets) {
