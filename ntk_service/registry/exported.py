@@ -241,6 +241,7 @@ def _deserialize(
         for name in ("train", "eval"):
             vars(module).pop(name, None)
         _without_hooks(module)
+        _tie_aliases(module)
         _sizes_as_methods(module)
     except Exception as exc:  # torch's own checks of the (already validated) JSON: the upload is what is wrong
         raise InvalidInput(
@@ -265,6 +266,22 @@ def _without_hooks(module: nn.Module) -> None:
         module._forward_pre_hooks_with_kwargs,
     ):
         hooks.clear()
+
+
+def _tie_aliases(module: nn.Module) -> None:
+    """One parameter object per storage: the program holds a tied weight (a Hugging Face model's input and output
+    embeddings) as one parameter per name over one storage, the exported module as one parameter under several
+    names. Made one object again (the first name ``named_modules`` reaches keeps it), ``named_parameters()`` lists
+    it once under the module's own name, so selecting it by name selects every use of it, as on the module."""
+    kept: dict[tuple[object, ...], nn.Parameter] = {}
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is None:
+                continue
+            key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
+            first = kept.setdefault(key, p)
+            if first is not p:
+                owner._parameters[name] = first
 
 
 def example_batch(program: ExportedProgram, n: int = 2) -> Any:

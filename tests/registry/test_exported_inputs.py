@@ -79,7 +79,7 @@ def test_keyword_inputs_and_a_dict_output_are_recorded_and_their_kernels_equal_t
     x1, x2 = _inputs(3, 1), _inputs(2, 2)
     for output, select in (("logits", lambda o: o["logits"]), ("hidden[:, 1:3]", lambda o: o["hidden"][:, 1:3])):
         reference = reference_ntk(module, x1, x2, output=select)
-        for implementation in ("jacobian_contraction", "ntk_vector_products", "auto"):
+        for implementation in ("structured", "jacobian_contraction", "ntk_vector_products", "auto"):
             result = compute_ntk(loaded, x1, x2, output=output, implementation=implementation, dtype=torch.float64)
             assert_matches(result.theta, reference, 1e-10)
 
