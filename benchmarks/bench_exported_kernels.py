@@ -179,6 +179,32 @@ def _row(label: str, name: str, wall: dict[str, list[float]], cpu: dict[str, lis
     print(f"| {label} | {name} | {chose} | {statistics.median(wall[name]):.4f} | {statistics.median(cpu[name]):.4f} |")
 
 
+def _program_case(
+    label: str, module: nn.Module, graph: nn.Module, x1: Any, x2: Any, mode: str, bench: Bench, rounds: int
+) -> tuple[str, float, float, float, float]:
+    def kernel(model: nn.Module, implementation: str) -> Any:
+        return compute_ntk(model, x1, x2, mode=mode, implementation=implementation, output=bench.output)
+
+    contenders: dict[str, Callable[[], Any]] = {
+        "module structured": lambda: kernel(module, "structured"),
+        "exported auto": lambda: kernel(graph, "auto"),
+        "exported structured": lambda: kernel(graph, "structured"),
+        "tutorial": lambda: tutorial_ntk(module, x1, x2, mode, bench.select),
+    }
+    wall, cpu, results = _alternate(contenders, rounds)
+    _check(results, "module structured", label)
+    for contender in contenders:
+        chose = results[contender].implementation.value if contender != "tutorial" else ""
+        _row(label, contender, wall, cpu, chose)
+    return (
+        label,
+        _paired(wall, "exported auto", "module structured"),
+        _paired(cpu, "exported auto", "module structured"),
+        _paired(wall, "tutorial", "exported auto"),
+        _paired(cpu, "tutorial", "exported auto"),
+    )
+
+
 def programs_part(names: list[str], n: int, modes: list[str], rounds: int, small: bool) -> None:
     print(f"\n## programs: N = M = {n}, median of {rounds} alternating rounds, torch {torch.get_num_threads()} threads")
     print("| case | contender | auto ran | wall s | CPU s |\n|---|---|---|---|---|")
@@ -187,35 +213,9 @@ def programs_part(names: list[str], n: int, modes: list[str], rounds: int, small
         bench = _models(small)[name]
         module = bench.build()
         program = load_exported(export_module(module, input_shape=bench.shape, input_dtype=bench.dtype), operation="b")
-        graph = program.module
         x1, x2 = bench.inputs(n, 1), bench.inputs(n, 2)
         for mode in modes:
-            out = bench.output
-
-            def kernel(model: nn.Module, implementation: str, mode: str = mode, out: str | None = out) -> Any:
-                return compute_ntk(model, x1, x2, mode=mode, implementation=implementation, output=out)
-
-            contenders: dict[str, Callable[[], Any]] = {
-                "module structured": lambda: kernel(module, "structured"),
-                "exported auto": lambda: kernel(graph, "auto"),
-                "exported structured": lambda: kernel(graph, "structured"),
-                "tutorial": lambda mode=mode: tutorial_ntk(module, x1, x2, mode, bench.select),
-            }
-            wall, cpu, results = _alternate(contenders, rounds)
-            label = f"{name} {mode.upper()}"
-            _check(results, "module structured", label)
-            for contender in contenders:
-                chose = results[contender].implementation.value if contender != "tutorial" else ""
-                _row(label, contender, wall, cpu, chose)
-            summary.append(
-                (
-                    label,
-                    _paired(wall, "exported auto", "module structured"),
-                    _paired(cpu, "exported auto", "module structured"),
-                    _paired(wall, "tutorial", "exported auto"),
-                    _paired(cpu, "tutorial", "exported auto"),
-                )
-            )
+            summary.append(_program_case(f"{name} {mode.upper()}", module, program.module, x1, x2, mode, bench, rounds))
     print(f"\nload average {os.getloadavg()[0]:.1f}; targets: exported auto / module structured <= 1.15, tutorial / "
           "exported auto > 1 (paired medians)")  # fmt: skip
     print("| case | exported auto / module structured (wall, CPU) | tutorial / exported auto (wall, CPU) |")
@@ -224,35 +224,36 @@ def programs_part(names: list[str], n: int, modes: list[str], rounds: int, small
         print(f"| {label} | {a:.2f}, {b:.2f} | {c:.2f}, {d:.2f} |")
 
 
+def _ntk_case(dims: tuple[int, ...], n: int, mode: str, rounds: int) -> tuple[str, float, float]:
+    def mlp(layer: Callable[[int, int], nn.Module]) -> nn.Module:
+        layers: list[nn.Module] = []
+        for a, b in zip(dims, dims[1:], strict=False):
+            layers += [layer(a, b), nn.ReLU()]
+        return _seeded(lambda: nn.Sequential(*layers[:-1]))()
+
+    linear, ntk = mlp(nn.Linear), mlp(NtkLinear)
+    program = load_exported(export_module(ntk, input_shape=(dims[0],), input_dtype="float32"), operation="b")
+    x1, x2 = _floats(dims[0])(n, 1), _floats(dims[0])(n, 2)
+    contenders: dict[str, Callable[[], Any]] = {
+        "nn.Linear": lambda: compute_ntk(linear, x1, x2, mode=mode),
+        "NtkLinear": lambda: compute_ntk(ntk, x1, x2, mode=mode),
+        "NtkLinear exported": lambda: compute_ntk(program.module, x1, x2, mode=mode),
+    }
+    wall, cpu, results = _alternate(contenders, rounds)
+    _check({k: v for k, v in results.items() if k != "nn.Linear"}, "NtkLinear", "ntk")
+    label = f"MLP {'-'.join(map(str, dims))} N={n} {mode.upper()}"
+    for contender in contenders:
+        _row(label, contender, wall, cpu, results[contender].implementation.value)
+    return label, _paired(wall, "NtkLinear", "nn.Linear"), _paired(cpu, "NtkLinear", "nn.Linear")
+
+
 def ntk_part(rounds: int, small: bool) -> None:
     print(f"\n## ntk: NtkLinear vs nn.Linear of the same shapes (auto), median of {rounds} alternating rounds")
     print("| case | contender | auto ran | wall s | CPU s |\n|---|---|---|---|---|")
     cases = [((64, 1024, 1024, 1), 128, "trace"), ((784, 512, 512, 10), 64, "full"), ((784, 512, 512, 10), 64, "trace")]
     if small:
         cases = [((16, 64, 64, 1), 32, "trace"), ((16, 32, 32, 4), 16, "full")]
-    summary = []
-    for dims, n, mode in cases:
-
-        def mlp(layer: Callable[[int, int], nn.Module], dims: tuple[int, ...] = dims) -> nn.Module:
-            layers: list[nn.Module] = []
-            for a, b in zip(dims, dims[1:], strict=False):
-                layers += [layer(a, b), nn.ReLU()]
-            return _seeded(lambda: nn.Sequential(*layers[:-1]))()
-
-        linear, ntk = mlp(nn.Linear), mlp(NtkLinear)
-        program = load_exported(export_module(ntk, input_shape=(dims[0],), input_dtype="float32"), operation="b")
-        x1, x2 = _floats(dims[0])(n, 1), _floats(dims[0])(n, 2)
-        contenders: dict[str, Callable[[], Any]] = {
-            "nn.Linear": lambda: compute_ntk(linear, x1, x2, mode=mode),
-            "NtkLinear": lambda: compute_ntk(ntk, x1, x2, mode=mode),
-            "NtkLinear exported": lambda: compute_ntk(program.module, x1, x2, mode=mode),
-        }
-        wall, cpu, results = _alternate(contenders, rounds)
-        _check({k: v for k, v in results.items() if k != "nn.Linear"}, "NtkLinear", "ntk")
-        label = f"MLP {'-'.join(map(str, dims))} N={n} {mode.upper()}"
-        for contender in contenders:
-            _row(label, contender, wall, cpu, results[contender].implementation.value)
-        summary.append((label, _paired(wall, "NtkLinear", "nn.Linear"), _paired(cpu, "NtkLinear", "nn.Linear")))
+    summary = [_ntk_case(dims, n, mode, rounds) for dims, n, mode in cases]
     print(f"\nload average {os.getloadavg()[0]:.1f}")
     print("| case | NtkLinear / nn.Linear (wall, CPU) |\n|---|---|")
     for label, a, b in summary:
