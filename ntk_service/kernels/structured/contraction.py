@@ -111,7 +111,11 @@ def add_jacobian(acc: Accumulator, left: JacobianSide, right: JacobianSide) -> N
             gram = j1.reshape(n * k, -1) @ j2.reshape(m * k, -1).T
             t.add_(gram.view(n, k, m, k).permute(1, 0, 3, 2))
     elif acc.mode is KernelMode.TRACE:
-        t.addmm_(j1.reshape(n, -1), j2.reshape(m, -1).T)
+        if left.layout is Layout.OUTPUT_MAJOR and right.layout is Layout.OUTPUT_MAJOR and k > 1:
+            for c in range(k):  # each output's rows are one contiguous matrix: no copy of J
+                t.addmm_(j1[:, c], j2[:, c].T)
+        else:
+            t.addmm_(j1.reshape(n, -1), j2.reshape(m, -1).T)
     else:
         t.baddbmm_(j1.transpose(0, 1), j2.permute(1, 2, 0))
 
