@@ -11,7 +11,7 @@ strategy           when                                                        h
 ================== ========================================================== ====================================
 chain              the model is a pure pipeline of Linear layers and            closed form, no autograd
                    activations (``StructuredOptions.chain``)                   (NOTE [sequential chains])
-conv passes        batch safe, a Conv layer (``conv_passes``)                  k plain reverse passes
+conv passes        batch safe, a convolution (``conv_passes``)                 k plain reverse passes
 batched            batch safe (``batched_capture``)                            one reverse pass batched over k
 per example        always                                                      vmap(jacrev) w.r.t. the probes
 ================== ========================================================== ====================================
@@ -19,22 +19,23 @@ per example        always                                                      v
 Shapes: x (n, *input); inputs[i] (n, *in_shape_i), δ_i (n, k, *out_shape_i) with the per-example leading 1 of
 the plan's shapes; fallback Jacobians (n, k, p).
 
-NOTE [probes]: δ comes from one reverse pass per example, vmapped over the output basis: each covered call's output
-gets a zero "probe" added by a forward hook, and ``jacrev`` w.r.t. the probes gives ∂f_c/∂(layer output) for all c
-at once; the layers' inputs come back as auxiliary outputs. Running per example under ``vmap`` (rather than on the
-batch) keeps the example axis out of the layers' view, so a model that reshapes or transposes its batch internally
-still gets per-example a and δ. Parameters on the Jacobian path are differentiated in the same pass. When
-``is_batch_safe`` shows (on two real examples) that every covered call sees the examples along dim 0 in order, and
-no parameter is on the Jacobian path, the same probes run on the batched forward with plain autograd instead
-(``autograd.grad(..., is_grads_batched=True)``): the same numbers with less overhead
-(``StructuredOptions.batched_capture``). Hooks are registered per call, removed in ``finally``, and act only for the
-capture active in the current context (other threads using the same module see a no-op).
+NOTE [probes]: δ comes from one reverse pass per example, vmapped over the output basis: each site's output (the
+output of an op call a rule covers) gets a zero "probe" added by the capture's ``Recorder`` mode, and ``jacrev``
+w.r.t. the probes gives ∂f_c/∂(op output) for all c at once; the ops' inputs come back as auxiliary outputs.
+Running per example under ``vmap`` (rather than on the batch) keeps the example axis out of the ops' view, so a
+model that reshapes or transposes its batch internally still gets per-example a and δ. Parameters on the Jacobian
+path are differentiated in the same pass. When ``recorder.batch_axes`` shows (on two different real examples) that
+every site keeps the examples apart in a batched forward (and where: ``descriptors.Axis``), and no parameter is on
+the Jacobian path, the same probes run on the batched forward with plain autograd instead
+(``autograd.grad(..., is_grads_batched=True)``), each site's tensors seen per example through their axis: the same
+numbers with less overhead (``StructuredOptions.batched_capture``). The mode is torch's thread-local mode stack:
+other threads using the same module see nothing.
 
 NOTE [channels-last capture]: a convolutional model's batched capture runs k plain reverse passes, and each pass is
 mostly the input gradients of its convolutions (transposed convolutions over n images). oneDNN computes those on
 NCHW tensors through internal reorders to and from its blocked layout, and on channels-last (NHWC) tensors directly
-(``StructuredOptions.channels_last``). So a pre-hook gives every Conv2d its input in channels-last memory (so
-oneDNN's output is channels-last too) and the post hook hands on every Conv2d output but the last in that layout
+(``StructuredOptions.channels_last``). So the capture's mode gives every 2-D convolution its input in channels-last
+memory (so oneDNN's output is channels-last too) and hands on every such output but the last in that layout
 (same values: the model sees the same tensors, and the elementwise ops after it keep the layout), and
 ``ChannelsLastGrad`` hands the cotangent back to every convolution in that layout, so its backward, and the
 elementwise backward before it, see one layout. The last convolution's output stays NCHW: what follows it is usually
@@ -104,7 +105,7 @@ def _batched_inputs(recorder: Recorder, axes: tuple[SiteAxes, ...], n: int) -> l
 
 
 class ChainCapture:
-    """The closed form of ``run_chain`` (NOTE [sequential chains]), while no hook is registered."""
+    """The closed form of ``run_chain`` (NOTE [sequential chains]), while no module hook is registered."""
 
     name = "chain"
 

@@ -27,6 +27,7 @@ reading a global flag or the grad mode could take another path on a later call.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -237,7 +238,7 @@ class _PipelineTrace(TorchFunctionMode):
         self.value = x
 
     def module_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
-        if self.pure and not _has_fixed_forward(module):
+        if _TRACING.get() is self and self.pure and not _has_fixed_forward(module):
             self.pure = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -292,6 +293,11 @@ class _PipelineTrace(TorchFunctionMode):
         return True
 
 
+_TRACING: contextvars.ContextVar[_PipelineTrace | None] = contextvars.ContextVar("ntk_chain_trace", default=None)
+"""The trace the module hooks of the current context record for; None: they do nothing (another thread's forward of
+a module that cannot be copied, traced under its lock by this one)."""
+
+
 def _trace_pipeline(problem: NtkProblem, example: torch.Tensor) -> _PipelineTrace | None:
     """The trace of the model's forward on ``example`` if it is a pure pipeline (see ``_PipelineTrace``)."""
     root = problem.module
@@ -303,12 +309,14 @@ def _trace_pipeline(problem: NtkProblem, example: torch.Tensor) -> _PipelineTrac
     trace = _PipelineTrace({id(t): t for t in tensors.values()}, {id(t) for t in problem.params.values()}, graph)
     handles = [m.register_forward_pre_hook(trace.module_pre) for m in root.modules() if m is not root]
     trace.start(example)
+    token = _TRACING.set(trace)
     try:
         with torch.no_grad(), trace:
             out = functional_call(root, (problem.params, problem.frozen), (example,))
     except Exception:  # the structure probe ran this forward already: whatever fails here, refuse, do not fail
         return None
     finally:
+        _TRACING.reset(token)
         for handle in handles:
             handle.remove()
     pure = trace.pure and out is trace.value and any(isinstance(s, _Linear) for s in trace.steps)

@@ -323,7 +323,9 @@ class LinearRule(Rule):
     def keeps_delta(self, config: Any) -> bool:
         return True
 
-    def weight_jacobian(self, config: LinearConfig, a: torch.Tensor, delta: torch.Tensor, layout: Layout) -> torch.Tensor:
+    def weight_jacobian(
+        self, config: LinearConfig, a: torch.Tensor, delta: torch.Tensor, layout: Layout
+    ) -> torch.Tensor:
         f = self.factors(config, a, delta)
         if layout is Layout.OUTPUT_MAJOR:
             return factors_jacobian(f, layout=layout, a_major=config.in_out)
