@@ -183,6 +183,17 @@ def _activation(bound: Mapping[str, Any], name: str, tracked: Tracked) -> torch.
     return t if t is not None and tracked(t) is None else None
 
 
+def _affine_roles(bound: Mapping[str, Any], tracked: Tracked) -> dict[str, ParamMap]:
+    """The ``weight`` and ``bias`` arguments a selected parameter flows into, by role."""
+    roles = {}
+    for role in ("weight", "bias"):
+        t = _tensor(bound.get(role))
+        mp = tracked(t) if t is not None else None
+        if mp is not None:
+            roles[role] = mp
+    return roles
+
+
 class Rule:
     """One operator family. ``factored``: the roles whose Jacobian has ``Factors``."""
 
@@ -416,12 +427,7 @@ class ConvRule(Rule):
             return None
         if padding == "same" and any(s != 1 for s in stride):
             return None
-        params: dict[str, ParamMap] = {}
-        for role in ("weight", "bias"):
-            t = _tensor(bound.get(role))
-            mp = tracked(t) if t is not None else None
-            if mp is not None:
-                params[role] = mp
+        params = _affine_roles(bound, tracked)
         if not params:
             return None
         config = ConvConfig(
@@ -653,12 +659,7 @@ class NormRule(Rule):
         else:
             shape = tuple(int(s) for s in bound.get("normalized_shape", ()))
         eps = bound.get("eps", None if op.family == "rms_norm" else 1e-5)
-        params = {}
-        for role in ("weight", "bias"):
-            t = _tensor(bound.get(role))
-            mp = tracked(t) if t is not None else None
-            if mp is not None:
-                params[role] = mp
+        params = _affine_roles(bound, tracked)
         if not params:
             return None
         return Call(self, NormConfig(op.family, shape, None if eps is None else float(eps)), "input", params, state)
