@@ -24,7 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["decomposition"]
+__all__ = ["DECOMPOSED", "decomposition"]
+
+DECOMPOSED = F.multi_head_attention_forward
+"""The function ``decomposition`` runs as its ops (a mode compares ``func is DECOMPOSED`` before anything else)."""
 
 _NAMES = tuple(inspect.signature(F.multi_head_attention_forward).parameters)
 _DEFAULTS = {

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from ntk_service.errors import UnsupportedModel
 from ntk_service.kernels.problem.batch import Batch, batch_size, leaves, take
 from ntk_service.kernels.problem.problem import NtkProblem
-from ntk_service.kernels.structured.attention import decomposition
+from ntk_service.kernels.structured.attention import DECOMPOSED, decomposition
 from ntk_service.kernels.structured.descriptors import Axis, SiteAxes
 from ntk_service.kernels.structured.ops import OPS
 from ntk_service.kernels.structured.plan import StructurePlan
@@ -93,12 +93,14 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        body = decomposition(func, args, kwargs)
-        if body is not None:
+        op = OPS.get(func)
+        if op is None:
+            body = decomposition(func, args, kwargs) if func is DECOMPOSED else None
+            if body is None:
+                return func(*args, **kwargs)
             with self:
                 return body()
-        op = OPS.get(func)
-        if op is None or not self.tracker.tracked_leaves(args, kwargs):
+        if not self.tracker.tracked_leaves(args, kwargs):
             return func(*args, **kwargs)
         bound = op.bind(args, kwargs)
         out = None

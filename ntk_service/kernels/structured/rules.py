@@ -118,41 +118,14 @@ class Factors:
     index: bool = False
 
 
-def factors_jacobian(
-    f: Factors, rows: int = 0, *, layout: Layout = Layout.EXAMPLE_MAJOR, a_major: bool = False
-) -> torch.Tensor:
-    """J from its factors, one batched matmul: (n, k, G·dd·da) in D-major order (a linear weight's (out, in)), or
-    A-major (G·da·dd, ``a_major``: a weight stored (in, out)); ids: (n, k, rows·dd).
-
-    NOTE [Jacobians from output-major δ]: a δ that lies output-major ((k, n, ...) memory: the autograd capture's
-    reverse pass batched over the outputs) gives J one output at a time, each a bmm of a contiguous slice of δ
-    written into (k, n, ...) memory: no copy of δ, and J lies output-major too, as the accumulator of such a block
-    does, so its Gram is added in place (``contraction.add_jacobian``).
+def factors_jacobian(f: Factors, rows: int = 0) -> torch.Tensor:
+    """J from its factors, one batched matmul: (n, k, G·dd·da) in D-major order (a linear weight's (out, in)).
 
     Args:
         f: the factors.
         rows: the number of rows of A's one-hot (num_embeddings) when ``f.index``; unused otherwise.
-        layout: δ's memory order, as its capture declared it. Default: example-major.
-        a_major: J in (G, da, dd) order per output. Default: False.
     """
     n, k, g, t, dd = f.d.shape
-    if layout is Layout.OUTPUT_MAJOR and g == 1 and n > 1 and k > 1:  # NOTE [Jacobians from output-major δ]
-        d = f.d[:, :, 0]  # (n, k, T, dd), each d[:, c] contiguous
-        if f.index:
-            left = F.one_hot(f.a.reshape(n, t), rows).to(f.d.dtype).transpose(1, 2)  # (n, V, T)
-            out = torch.empty(k, n, rows, dd, dtype=f.d.dtype)
-            for c in range(k):
-                torch.bmm(left, d[:, c], out=out[c])
-        else:
-            a = f.a[:, 0]  # (n, T, da)
-            da = a.shape[-1]
-            out = torch.empty((k, n, da, dd) if a_major else (k, n, dd, da), dtype=f.d.dtype)
-            for c in range(k):
-                if a_major:
-                    torch.bmm(a.transpose(1, 2), d[:, c], out=out[c])
-                else:
-                    torch.bmm(d[:, c].transpose(1, 2), a, out=out[c])
-        return out.transpose(0, 1).reshape(n, k, -1)
     if f.index:
         onehot = F.one_hot(f.a.reshape(n, t), rows).to(f.d.dtype)  # (n, T, V)
         j = onehot.transpose(1, 2) @ f.d.reshape(n, k, t, dd).permute(0, 2, 1, 3).reshape(n, t, k * dd)
@@ -241,24 +214,14 @@ class Rule:
         """J of each role's tensor for one use, role -> (n, k, numel) in the op tensor's layout; a rule may share
         work between them (one pass over δ for a weight and its bias). ``layout``: δ's memory order, as its capture
         declared it. ``thin``: the rule's thin-operand form may be used (``StructuredOptions.thin_conv_jacobian``)."""
-        out = {}
-        for role in roles:
-            if role in self.factored:  # NOTE [Jacobians from output-major δ]
-                out[role] = self.weight_jacobian(config, a, delta, layout)
-            else:
-                out[role] = self.jacobian(config, role, a, delta, state)
-        return out
-
-    def weight_jacobian(self, config: Any, a: torch.Tensor, delta: torch.Tensor, layout: Layout) -> torch.Tensor:
-        """J of the factored role from its factors, (n, k, numel) in the op tensor's layout."""
-        return factors_jacobian(self.factors(config, a, delta), self.index_rows(config), layout=layout)
+        return {role: self.jacobian(config, role, a, delta, state) for role in roles}
 
     def jacobian(
         self, config: Any, role: str, a: torch.Tensor, delta: torch.Tensor, state: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
         """J of role ``role`` for one use: (n, k, numel)."""
         if role in self.factored:
-            return self.weight_jacobian(config, a, delta, Layout.EXAMPLE_MAJOR)
+            return factors_jacobian(self.factors(config, a, delta), self.index_rows(config))
         raise NotImplementedError
 
 
@@ -334,24 +297,16 @@ class LinearRule(Rule):
     def keeps_delta(self, config: Any) -> bool:
         return True
 
-    def weight_jacobian(
-        self, config: LinearConfig, a: torch.Tensor, delta: torch.Tensor, layout: Layout
-    ) -> torch.Tensor:
-        f = self.factors(config, a, delta)
-        if layout is Layout.OUTPUT_MAJOR:
-            return factors_jacobian(f, layout=layout, a_major=config.in_out)
-        j = factors_jacobian(f)  # (n, k, out·in)
-        if config.in_out:
-            n, k = j.shape[:2]
-            return j.view(n, k, delta.shape[-1], a.shape[-1]).transpose(2, 3).reshape(n, k, -1)
-        return j
-
     def jacobian(
         self, config: LinearConfig, role: str, a: torch.Tensor, delta: torch.Tensor, state: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
         if role == "bias":
             return _sum_positions(delta, -1)
-        return super().jacobian(config, role, a, delta, state)
+        j = super().jacobian(config, role, a, delta, state)  # (n, k, out·in)
+        if config.in_out:
+            n, k = j.shape[:2]
+            return j.view(n, k, delta.shape[-1], a.shape[-1]).transpose(2, 3).reshape(n, k, -1)
+        return j
 
 
 # ---------------------------------------------------------------- convolutions

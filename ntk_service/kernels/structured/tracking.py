@@ -67,13 +67,15 @@ class ParameterTracker:
         return None if entry is None else entry[1]
 
     def tracked_leaves(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[ParamMap]:
-        """The maps of every tracked tensor among a call's arguments (nested lists included)."""
+        """The maps of every tracked tensor among a call's arguments and in the lists among them (a plain scan:
+        it runs for every op the capture sees)."""
         maps = self._maps
         found = []
-        for leaf in tree_flatten((args, dict(kwargs)))[0]:
-            entry = maps.get(id(leaf))
-            if entry is not None:
-                found.append(entry[1])
+        for value in (*args, *kwargs.values()):
+            for leaf in value if type(value) in (list, tuple) else (value,):
+                entry = maps.get(id(leaf))
+                if entry is not None:
+                    found.append(entry[1])
         return found
 
     def derive(
