@@ -189,7 +189,10 @@ def describe_paths(
         if strategy == "per example" and terms.fallback:
             capture += " (parameters on the jacrev path need per-example autograd)"
         elif strategy == "per example":
-            capture += " (a batched forward mixes the examples)"
+            capture += (
+                " (an op does not keep the examples apart in a batched forward: a lookup shared by all examples,"
+                " such as positions, or the batch reshaped across examples)"
+            )
         return PathReport(_parameters(problem, terms), capture, auto)
 
 

@@ -22,7 +22,7 @@ from ntk_service.client._export import export_module
 from ntk_service.kernels import KernelMode, NtkImplementation, compute_ntk, compute_ntk_groups
 from ntk_service.kernels.paths import PathReport, describe_paths
 from ntk_service.kernels.structured import capture as structured_capture
-from ntk_service.layers import NtkLinear
+from ntk_service.layers import MeanPool, NtkConv1d, NtkConv2d, NtkLinear, PositionEmbedding, Residual
 from ntk_service.registry.exported import load_exported
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel
 from tests.registry.exported_models import GatedLoop, TinyAttention, TwoBranch
@@ -60,6 +60,13 @@ class Case:
     subset: tuple[str, ...]  # a parameter subset (globs)
     output: str | None = None  # compute_ntk's output= on the program (and the module)
     select: Callable[[Any], torch.Tensor] | None = None  # the same selection written by hand, for the reference
+
+
+class Transpose(nn.Module):
+    """(B, T, C) <-> (B, C, T): a sequence into a Conv1d and back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
 
 
 def _floats(*shape: int) -> Callable[[int, torch.Generator], torch.Tensor]:
@@ -117,6 +124,21 @@ CASES: dict[str, Case] = {
     "ntk_mlp": Case(
         lambda: nn.Sequential(NtkLinear(4, 6, w_std=1.5, b_std=0.3), nn.ReLU(), NtkLinear(6, 3)),
         _floats(4), (4,), "float32", ("0.weight", "2.bias"),
+    ),
+    "ntk_conv2d": Case(  # every layer the project ships takes the structured path: NTK convolutions, Residual
+        lambda: nn.Sequential(
+            NtkConv2d(2, 3, 3, padding=1, w_std=1.3), nn.ReLU(),
+            Residual(nn.Sequential(NtkConv2d(3, 3, 3, padding=1, b_std=0.5), nn.Tanh())), nn.Flatten(),
+            NtkLinear(3 * 4 * 4, 3),
+        ),
+        _floats(2, 4, 4), (2, 4, 4), "float32", ("0.weight", "2.body.0.bias"),
+    ),
+    "ntk_sequence": Case(  # NtkConv1d, PositionEmbedding, MeanPool
+        lambda: nn.Sequential(
+            PositionEmbedding(6, 2), Transpose(), NtkConv1d(2, 4, 3, padding=1), nn.GELU(), Transpose(),
+            MeanPool(1), NtkLinear(4, 3),
+        ),
+        _floats(6, 2), (6, 2), "float32", ("0.embedding.weight", "2.weight"),
     ),
     "cnn": Case(
         lambda: nn.Sequential(
