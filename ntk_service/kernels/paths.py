@@ -20,10 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ntk_service.errors import MemoryEstimateExceeded
 from ntk_service.kernels.choice import plan_choice, weighted_costs
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import default_memory_budget
-from ntk_service.kernels.problem.batch import Inputs, take
+from ntk_service.kernels.problem.batch import Inputs
 from ntk_service.kernels.problem.outputs import parse_output
 from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
@@ -86,9 +87,10 @@ class PathGroup:
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """AUTO's pick for N = M = ``n`` in ``mode`` and the weighted estimate it compared (GFLOP)."""
+    """AUTO's pick for N = M = ``n`` in ``mode`` and the weighted estimate it compared (GFLOP); ``implementation``
+    None when no plan of that call fits the memory budget (``reason`` then has the refusal)."""
 
-    implementation: str
+    implementation: str | None
     n: int
     mode: str
     estimated_gflop: dict[str, float]
@@ -175,15 +177,14 @@ def describe_paths(
     with prepared_problem(model, x, None, params=params, dtype=None, output=parse_output(output)) as prepared:
         problem, xt = prepared.problem, prepared.x1
         budget = default_memory_budget() if memory_budget_bytes is None else memory_budget_bytes
-        auto = _auto(problem, n, kernel_mode, budget)
-        if problem.per_example_loop:
+        if problem.per_example_loop:  # every implementation but the contraction's loop is refused (choice.py)
             why = "the model refuses torch.func.vmap (data-dependent control flow): J one example at a time"
             parameters = tuple(ParameterPath(name, "jacrev", (), why, t.numel()) for name, t in problem.params.items())
+            auto = AutoChoice(NtkImplementation.JACOBIAN_CONTRACTION.value, n, kernel_mode.value, {}, why)
             return PathReport(parameters, "per-example loop: " + why, auto)
+        auto = _auto(problem, n, kernel_mode, budget)
         alg = Structured()
-        alg.terms(problem, take(xt, 0, 1))
-        alg.left(problem, xt)  # learns, on these examples, how the batched capture may run
-        terms = alg.terms(problem)
+        terms = alg.learn(problem, xt)  # how the batched capture may run, from two forwards (no capture: k may be big)
         strategy = next(s for s in CAPTURES if s.applies(problem, terms, alg.options)).name
         capture = f"{strategy}: {_CAPTURES.get(strategy, strategy)}"
         if strategy == "per example" and terms.fallback:
@@ -197,13 +198,25 @@ def describe_paths(
 
 
 def _auto(problem: NtkProblem, n: int, mode: KernelMode, budget: int) -> AutoChoice:
-    costs = weighted_costs(problem, n, n, mode)
-    alg, _, _ = plan_choice(NtkImplementation.AUTO, (problem, n, n, mode, False), budget)
-    chosen = alg.implementation.value
-    estimate = {impl.value: round(cost / 1e9, 3) for impl, cost in sorted(costs.items(), key=lambda kv: kv[1])}
-    cheapest = min(costs, key=costs.__getitem__).value
-    reason = "the fewest weighted estimated FLOPs" if chosen == cheapest else "the cheapest plan that fits the budget"
-    return AutoChoice(chosen, n, mode.value, estimate, reason)
+    """AUTO's choice for N = M = n in ``mode``, else in TRACE (a smaller result) when ``mode`` does not fit."""
+    refusal = None
+    for candidate in dict.fromkeys((mode, KernelMode.TRACE)):
+        costs = weighted_costs(problem, n, n, candidate)
+        estimate = {impl.value: round(cost / 1e9, 3) for impl, cost in sorted(costs.items(), key=lambda kv: kv[1])}
+        try:
+            alg, _, _ = plan_choice(NtkImplementation.AUTO, (problem, n, n, candidate, False), budget)
+        except MemoryEstimateExceeded as exc:
+            refusal = refusal or str(exc)
+            continue
+        chosen = alg.implementation.value
+        cheapest = min(costs, key=costs.__getitem__).value
+        reason = "the fewest weighted estimated FLOPs"
+        if chosen != cheapest:
+            reason = "the cheapest plan that fits the budget"
+        if refusal is not None:
+            reason += f" (in {candidate.value}: {mode.value} does not fit the budget)"
+        return AutoChoice(chosen, n, candidate.value, estimate, reason)
+    return AutoChoice(None, n, mode.value, estimate, f"no plan fits the memory budget: {refusal}")
 
 
 def _parameters(problem: NtkProblem, terms: StructuredTerms) -> tuple[ParameterPath, ...]:

@@ -111,13 +111,19 @@ class Structured:
     def _key(self) -> tuple[str, StructuredOptions]:
         return ("structured", self.options)
 
-    def left(self, problem: NtkProblem, x: Batch) -> StructuredSide:
+    def learn(self, problem: NtkProblem, x: Batch) -> StructuredTerms:
+        """The plan kept on ``problem``, with what a block x (n, *input) shows about it (whether, and where, a batched
+        forward keeps the examples apart: ``recorder.batch_axes`` on two different examples of x), kept in turn."""
         terms = self.terms(problem, take(x, 0, 1))
         if terms.batch_safe is None and batch_size(x) >= 2 and self.options.batched_capture:
             pair = distinct_pair(x)
             if pair is not None:
                 axes = batch_axes(problem, terms.plan, pair)
-                terms = terms.learned(batch_safe=axes is not None, axes=axes)
+                terms = problem.analyses[self._key] = terms.learned(batch_safe=axes is not None, axes=axes)
+        return terms
+
+    def left(self, problem: NtkProblem, x: Batch) -> StructuredSide:
+        terms = self.learn(problem, x)
         with attention_scope(
             problem.module, problem.calls_attention
         ):  # fallback jacrev under vmap: see problem/math_attention.py

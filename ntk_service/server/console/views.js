@@ -90,7 +90,8 @@ export function parameterPaths(model) {
   const autograd = paths.jacrev_parameters
     ? ` · ${fmt.count(paths.jacrev_parameters)} by autograd`
     : " · all structured";
-  const summary = `Kernel paths: auto → ${auto.implementation} at N = ${auto.n}${autograd}`;
+  const picked = auto.implementation ? `auto → ${auto.implementation} at N = ${auto.n}` : `auto: no plan fits at N = ${auto.n}`;
+  const summary = `Kernel paths: ${picked}${autograd}`;
   const group = (g) =>
     el(
       "li",
