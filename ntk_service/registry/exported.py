@@ -25,9 +25,12 @@ archive's ``guards_code``. So this module never calls ``torch.export.load`` and 
    tensor output and no mutation, custom object or effect token; every parameter, buffer and submodule name a
    dotted identifier and every forward argument an identifier (torch.fx pastes them unescaped into the source it
    execs); ``guards_code`` is emptied (the service checks input shapes itself) and node metadata (stack traces,
-   which fx writes into that source as comments) is dropped;
+   which fx writes into that source as comments) is dropped, after the root module's class name is read from it as
+   a string that must be a dotted identifier (shown to users, never imported);
 5. only then torch's own deserializer (``ExportedProgramDeserializer().deserialize``) on the validated JSON, with
-   the tensors from step 3 and no sample inputs, under a lock (it keeps a process-wide "current deserializer").
+   the tensors from step 3 and no sample inputs, under a lock (it keeps a process-wide "current deserializer");
+   the graph module's forward hooks (torch's input check) are dropped and parameters sharing one storage (tied
+   weights) made one object again: both torch's objects, nothing of the archive's runs.
 """
 
 from __future__ import annotations
