@@ -1,13 +1,14 @@
-"""Structured derivatives: the NTK from per-layer structure, without building the Jacobian of covered weights.
+"""Structured derivatives: the NTK from per-op structure, without building the Jacobian of covered weights.
 
-For a Linear layer y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/∂y, so the layer adds
+For a linear op y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/∂y, so the op adds
 Θ_cd(x1, x2) += (δ1_c · δ2_d)(a1 · a2 + 1) (the +1 is the bias); with positions t, s sharing the weight
 (sequences, convolutions, repeated calls) Σ_{t,s} (δ1_c[t] · δ2_d[s])(a1[t] · a2[s]). The rules
-(``rules.py``) cover Linear (any leading dims), Conv1d/Conv2d, Embedding, and the affine parameters of
-LayerNorm, RMSNorm, GroupNorm and eval-mode BatchNorm; every other parameter falls back to the Jacobian path
-(per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
-See NOTE [covered parameters] in ``coverage.py`` and NOTE [probes] in ``capture.py``; a plain ``nn.Sequential``
-of Linear layers and activations is captured in closed form instead (NOTE [sequential chains] in ``chain.py``).
+(``rules.py``) are keyed to operators, read alike in a module's forward and an exported program's graph:
+linear/matmul/addmm (any leading dims), conv1d/conv2d, embedding, the affine parameters of layer_norm, rms_norm,
+group_norm and eval batch_norm, elementwise scales and biases; a parameter taken by any other op takes the
+Jacobian path (per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
+See NOTE [covered parameters] in ``coverage.py`` and NOTE [probes] in ``capture.py``; a pure pipeline of linear
+ops and activations is captured in closed form instead (NOTE [sequential chains] in ``chain.py``).
 
 A side of n examples holds, per factored weight, the factors A (n, G, T, da) and D (n, k, G, T, dd), and per
 other parameter its Jacobian (n, k, p), built directly from a and δ by the rule (J_W = Σ_t δ[t] ⊗ a[t] in one
@@ -19,7 +20,7 @@ layer (T = 1) is factored; a convolution over many positions usually takes the J
 NOTE [joint pass]: when one pass builds both sides (``joint_sides``), x1 and x2 are concatenated and each side is
 a slice of that pass's side: a contiguous block of examples.
 
-Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. layer outputs), plus
+Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. op outputs), plus
 N·M·k²·Σ_l(dd_l·T_l·S_l + ...) for factored layers and N·M·k²·p for the others (÷k for TRACE and
 OUTPUT_DIAGONAL); for an MLP N·M·k²·Σ_l(out_l) + N·M·Σ_l(in_l) instead of N·M·k²·P. Memory per side
 n·k·Σ_l(T_l·out_l) + n·Σ_l(T_l·in_l) for factored layers, n·k·p for the rest; per block pair the δ Gram
