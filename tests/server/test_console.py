@@ -241,6 +241,12 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
     mlp_row = _texts(page, 'tr[data-model="mlp-a"] td')
     assert "67" in mlp_row and any(cell.startswith("mlp: input_dim 4") for cell in mlp_row), mlp_row
     assert _texts(page, 'tr[data-model="seq-b"] td.arch > span') == ["sequential: Linear 4→8 → Tanh → Linear 8→3"]
+    # what the kernel engine does with each layer (the record's parameter_paths)
+    assert _texts(page, 'tr[data-model="seq-b"] details.paths summary') == [
+        "Kernel paths: auto → structured at N = 64 · all structured"
+    ]
+    seq_paths = _texts(page, 'tr[data-model="seq-b"] details.paths li[data-path="structured"]')
+    assert len(seq_paths) == 2 and all(" weight, bias factored (linear): " in text for text in seq_paths), seq_paths
     assert _texts(page, 'tr[data-model="slow"] td.arch > span')[0].startswith(
         "factory tests.server.slow_factory:build("
     )
