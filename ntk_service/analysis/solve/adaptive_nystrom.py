@@ -1,0 +1,132 @@
+"""A Nyström preconditioner whose rank adapts to the kernel: randomly pivoted Cholesky on the structured engine's
+kernel columns, grown block by block until the next modes are down at the floor.
+
+NOTE [adaptive nystrom]
+    Landmarks by RPCholesky (Chen, Epperly, Tropp, Webber 2023; the block form of Epperly et al. 2024): a block
+    of ``PIVOT_BLOCK`` examples is drawn with probability ∝ the residual diagonal of Θ_s = Θ_trace / k (exactly
+    what the current factor F, Θ_s ≈ F Fᵀ, misses on each example), their columns Θ_trace(x, x[S]) / k come from
+    the structured engine (``kernel_block``: no operator products), and the factor grows by the Cholesky of the
+    new columns' residual. Pivots where the residual is large are where the approximation is worst, so the head
+    of the spectrum (the class means, the input-linear modes) is taken first and few columns are wasted on it.
+
+    The rank adapts to the effective dimension at the shift the preconditioner leaves, μ = ē + λ, ē the mean
+    residual diagonal (the floor the remaining spectrum sits on): the number of modes above ``RANK_RATIO`` × μ,
+    the modes that would otherwise each add more than ``RANK_RATIO`` to the preconditioned condition number
+    (λ_{m+1} + λ) / (λ_min + λ). Rounds go on while at least ``HEAD_SHARE`` of the modes a round adds are above it
+    (a round's own pivots always add some modes at the floor, the diagonal part of their columns). An NTK's
+    spectrum has a head far above a floor (at N = 8000 on the benchmark MLP, eigenvalue / λ from 1.7·10⁶ down to a
+    floor near 280: docs/benchmarks.md), so the rank stops after the head, which grows with N. It also stops at
+    ``max_rank`` (the memory budget's: the factor and its basis are N × m float64s each).
+
+    For a FULL kernel the basis is over examples and shared by the k outputs (NOTE [shared nystrom] in
+    ``preconditioners.py``); for a TRACE kernel it is the kernel's own. The preconditioner is Frangella, Tropp and
+    Udell's (NOTE [nystrom preconditioner]).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ntk_service.analysis.solve.operators import KernelOperator
+from ntk_service.analysis.solve.preconditioners import NystromPreconditioner, nystrom_basis
+from ntk_service.errors import InvalidInput
+from ntk_service.kernels.modes import KernelMode
+
+__all__ = ["HEAD_SHARE", "PIVOT_BLOCK", "RANK_RATIO", "adaptive_nystrom_preconditioner", "max_adaptive_rank"]
+
+PIVOT_BLOCK = 100
+"""Examples pivoted per round: one ``compute_ntk`` TRACE call of N × 100 entries (a few seconds at N = 100,000)."""
+
+RANK_RATIO = 4.0
+"""The rank grows until the smallest kept mode is within this factor of the floor plus λ (NOTE [adaptive nystrom])."""
+
+HEAD_SHARE = 0.25
+"""The share of a round's new modes that must stand above ``RANK_RATIO`` × the floor for the next round to run."""
+
+DEFAULT_MAX_RANK = 4000
+"""The rank cap when the memory budget allows more (the factor's Cholesky updates cost O(N·m²))."""
+
+ROW_CHUNK = 8192
+"""Rows of kernel columns computed per ``compute_ntk`` call (the engine's workspace stays one chunk's)."""
+
+_COPIES = 4
+"""float64 N × m arrays alive while the preconditioner is built (the factor, a round's columns, U and a temporary)."""
+
+
+def max_adaptive_rank(examples: int, budget_bytes: int) -> int:
+    """The largest rank whose build fits ``budget_bytes`` (``_COPIES`` float64 N × m arrays), capped at
+    ``DEFAULT_MAX_RANK`` and at N."""
+    return int(max(0, min(DEFAULT_MAX_RANK, examples, budget_bytes // (_COPIES * 8 * max(examples, 1)))))
+
+
+def adaptive_nystrom_preconditioner(
+    op: KernelOperator, *, ridge: float, max_rank: int, seed: int = 0
+) -> NystromPreconditioner:
+    """The RPCholesky Nyström preconditioner of NOTE [adaptive nystrom] for ``op`` + ridge·I.
+
+    Args:
+        op: the train kernel with its model (``op.source``), FULL or TRACE. ridge: λ ≥ 0.
+        max_rank: the most landmark examples (``max_adaptive_rank`` of the budget). seed: the pivots' generator.
+
+    Returns:
+        NystromPreconditioner over examples (basis (N, m')); shared by the k outputs for FULL.
+
+    Raises:
+        InvalidInput: an operator without a model behind it, or max_rank < 1.
+    """
+    source = op.source
+    if source is None:
+        raise InvalidInput("adaptive_nystrom_preconditioner: needs an operator with a model (ntk_operator, ...)")
+    if max_rank < 1:
+        raise InvalidInput(f"adaptive_nystrom_preconditioner: max_rank must be ≥ 1, got {max_rank}")
+    start = time.perf_counter()
+    n, k = op.n, source.k
+    scale = float(k)  # Θ_s = Θ_trace / k: the FULL kernel's shared part, and how a TRACE kernel is read
+    chunks = [(i, min(i + ROW_CHUNK, n)) for i in range(0, n, ROW_CHUNK)]
+    diagonal = np.concatenate(
+        [np.trace(source.kernel_block([c], None, KernelMode.EXAMPLE_DIAGONAL), axis1=1, axis2=2) for c in chunks]
+    )
+    residual = np.maximum(diagonal / scale, 0.0)
+    rng = np.random.default_rng(seed)
+    factor = np.zeros((n, 0))
+    pivots: list[int] = []
+    rounds = 0
+    while len(pivots) < max_rank:
+        total = float(residual.sum())
+        if not total > 0:
+            break
+        want = min(PIVOT_BLOCK, max_rank - len(pivots), int(np.count_nonzero(residual > 0)))
+        chosen = np.unique(rng.choice(n, size=want, replace=True, p=residual / total))
+        columns = np.concatenate([source.kernel_block([c], chosen, KernelMode.TRACE) for c in chunks]) / scale
+        rounds += 1
+        g = columns - factor @ factor[chosen].T
+        h = (g[chosen] + g[chosen].T) / 2
+        values, vectors = np.linalg.eigh(h)
+        keep = values > max(float(values[-1]), 0.0) * h.shape[0] * np.finfo(np.float64).eps * 100
+        if not np.any(keep):
+            break
+        new = g @ (vectors[:, keep] / np.sqrt(values[keep]))
+        factor = np.concatenate([factor, new], axis=1)
+        residual = np.maximum(residual - np.sum(new * new, axis=1), 0.0)
+        residual[chosen] = 0.0
+        pivots.extend(int(i) for i in chosen)
+        added = np.linalg.eigvalsh(new.T @ new)  # the modes this round added to F Fᵀ
+        above = int(np.count_nonzero(added > RANK_RATIO * (float(residual.mean()) + ridge)))
+        if above < HEAD_SHARE * added.size:
+            break
+    basis, eigenvalues = nystrom_basis(factor, n)
+    del factor
+    outputs = k if op.mode is KernelMode.FULL and k > 1 else 1
+    return NystromPreconditioner(
+        basis=basis,
+        eigenvalues=eigenvalues,
+        shift=float(ridge),
+        landmarks=np.asarray(sorted(pivots), dtype=np.int64),
+        method="rpcholesky, adaptive",
+        products=0,
+        outputs=outputs,
+        build_seconds=time.perf_counter() - start,
+        column_passes=rounds,
+    )
