@@ -10,17 +10,23 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import scipy.linalg
+import scipy.sparse
+import scipy.sparse.linalg
 import torch
 from torch import nn
 
 from ntk_service.analysis import gp_inference
 from ntk_service.analysis.solve import (
+    DENSE_MAX_ROWS,
     SOLVERS,
+    AutoSolver,
     HeldOut,
     InverseOperator,
     Progress,
     SolverOptions,
     SolverResult,
+    auto_order,
+    make_problem,
     solve_kernel,
 )
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch
@@ -121,21 +127,38 @@ def test_auto_solves_a_small_ill_conditioned_float64_problem_densely() -> None:
 
 
 def test_auto_falls_back_from_a_method_that_gives_up() -> None:
-    """n = 180 rows > P = 143 parameters: Θ has a null space, where block steps stall; with the dense kernel
-    refused by the memory budget, auto gives up on "block" and CG goes on from its α to convergence."""
+    """n = 180 rows > P = 131 parameters: Θ has a null space, where block steps stall. An auto whose order tries
+    "block" first (the real methods of the table) gives up on it and CG goes on from its α to convergence."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).double()  # P = 131
     x = torch.randn(60, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     y = np.random.default_rng(2).standard_normal((60, K))
     matrix = _example_major(reference_ntk(model, x))
     problem = Problem(model, x, x, y, matrix, matrix, 1e-2 * float(np.mean(np.diag(matrix))))
-    budget = 180 * 180 * 8  # one dense copy: the dense solve (two copies and more) is refused
-    options = SolverOptions(rtol=RTOL, block_size=20, landmarks=4, memory_budget_bytes=budget)
-    result = solve_kernel(ntk_operator(model, x), y, ridge=problem.ridge, options=options)
+    options = SolverOptions(rtol=RTOL, block_size=20, landmarks=4)
+    methods = {name: solver for name, solver in SOLVERS.items() if name != "auto"}
+    auto = AutoSolver(methods, order=lambda _: ("block", "pcg"))
+    result = auto.solve(make_problem(ntk_operator(model, x), y, ridge=problem.ridge, options=options), options)
     assert [a.solver for a in result.attempts] == ["block", "pcg"]
     assert result.attempts[0].stop_reason.startswith("stagnated")
     assert result.solver == "pcg" and result.passes == pytest.approx(sum(a.passes for a in result.attempts))
     _check_guarantee(problem, result)
+
+
+def test_the_auto_order(wide: Problem) -> None:
+    """NOTE [auto rule]: a dense kernel is factored; an operator of ≤ DENSE_MAX_ROWS rows too, then CG, the block
+    method (FULL, with its model), dense; past DENSE_MAX_ROWS dense comes last, where it fits the budget."""
+    options = SolverOptions()
+    dense = make_problem(wide.matrix.reshape(120, 3, 120, 3).transpose(0, 2, 1, 3), wide.y, ridge=1.0, options=options)
+    assert auto_order(dense) == ("dense", "pcg")
+    small = make_problem(ntk_operator(wide.model, wide.x), wide.y, ridge=1.0, options=options)
+    assert auto_order(small) == ("dense", "pcg", "block")
+    rows = DENSE_MAX_ROWS + 1
+    identity = scipy.sparse.linalg.aslinearoperator(scipy.sparse.identity(rows))  # no model behind it
+    large = make_problem(identity, np.ones(rows), ridge=1.0, options=options)
+    assert auto_order(large) == ("pcg", "dense")
+    result = solve_kernel(identity, np.ones(rows), ridge=1.0)  # (I + I) α = 1: CG in one step; dense never runs
+    assert result.solver == "pcg" and result.converged and np.allclose(result.solution, 0.5)
 
 
 def test_a_solve_resumes_from_its_state(wide: Problem) -> None:

@@ -50,7 +50,15 @@ from ntk_service.analysis.solve.streamed_nystrom import (
     plan_streamed_nystrom,
     streamed_nystrom_preconditioner,
 )
-from ntk_service.analysis.solve.table import DENSE_MAX_ROWS, SOLVERS, Solver, auto_order, solve_kernel
+from ntk_service.analysis.solve.table import (
+    DENSE_MAX_ROWS,
+    SOLVERS,
+    AutoSolver,
+    Solver,
+    auto_order,
+    make_problem,
+    solve_kernel,
+)
 
 __all__ = [
     "AUTO_NYSTROM_MIN_SIZE",
@@ -66,6 +74,7 @@ __all__ = [
     "DENSE_MAX_ROWS",
     "SOLVERS",
     "Attempt",
+    "AutoSolver",
     "CgMethod",
     "CgOptions",
     "HeldOut",
@@ -94,6 +103,7 @@ __all__ = [
     "is_operator",
     "kernel_operator",
     "lanczos_functions",
+    "make_problem",
     "nystrom_preconditioner",
     "plan_streamed_nystrom",
     "shared_nystrom_preconditioner",

@@ -164,7 +164,7 @@ def make_blocks(
     Returns each block as its sorted ranges, consecutive runs merged."""
     runs = [[(a, min(a + chunk, stop)) for a in range(start, stop, chunk)] for start, stop in partitions]
     for part in runs:
-        rng.shuffle(part)  # type: ignore[arg-type]
+        rng.shuffle(part)
     per = max(1, math.ceil(size / (chunk * len(partitions))))
     count = max(math.ceil(len(part) / per) for part in runs)
     blocks = []

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -62,6 +62,7 @@ __all__ = [
     "Solver",
     "auto_order",
     "check_ridge_positive",
+    "make_problem",
     "resolve_solver",
     "solve_kernel",
 ]
@@ -70,7 +71,7 @@ AUTO_PASS_BUDGET = 200.0
 """Passes over the data an iterative method may spend in ``auto`` before the next method takes over from its α
 (the last method has no budget but the caller's): above what every converged run here needed."""
 
-DENSE_MAX_ROWS = 12_000
+DENSE_MAX_ROWS = 10_000
 """Rows n = N·k up to which ``auto`` solves an operator densely (NOTE [auto rule]; docs/analysis.md)."""
 
 
@@ -106,21 +107,29 @@ def auto_order(problem: SolveProblem) -> tuple[str, ...]:
     if op.matrix is not None:
         return ("dense", "pcg")
     order = ["dense"] if op.rows <= DENSE_MAX_ROWS else []
+    order.append("pcg")
     if problem.jacobian is not None:
         order.append("block")
-    order.append("pcg")
     if "dense" not in order:
         order.append("dense")
     return tuple(order)
 
 
 class AutoSolver:
-    """``auto``: the methods of ``auto_order`` in turn, each warm-starting the next (NOTE [auto rule])."""
+    """``auto``: the methods of ``order`` (default ``auto_order``) in turn, each warm-starting the next (NOTE [auto
+    rule]).
+
+    Args:
+        methods: name -> solver. order: problem -> the names to try, in order. Default: ``auto_order``.
+    """
 
     name = "auto"
 
-    def __init__(self, methods: Mapping[str, Solver]) -> None:
+    def __init__(
+        self, methods: Mapping[str, Solver], order: Callable[[SolveProblem], tuple[str, ...]] | None = None
+    ) -> None:
         self._methods = methods
+        self._order = auto_order if order is None else order
 
     def plan(self, problem: SolveProblem, options: SolverOptions) -> list[Solver]:
         """The methods that will be tried, in order.
@@ -130,7 +139,7 @@ class AutoSolver:
         """
         budget = _budget(options)
         chosen, notes = [], []
-        for name in auto_order(problem):
+        for name in self._order(problem):
             method = self._methods[name]
             reason = method.refusal(problem, options)
             if reason is None:
@@ -144,7 +153,7 @@ class AutoSolver:
             raise MemoryEstimateExceeded(
                 f"solve_kernel: no method fits a problem of {problem.rows} rows in the memory budget of "
                 f"{format_bytes(budget)} ({'; '.join(notes)}); raise memory_budget_bytes or solve a subset",
-                estimate_bytes=min(self._methods[n].memory_bytes(problem, options) for n in auto_order(problem)),
+                estimate_bytes=min(self._methods[n].memory_bytes(problem, options) for n in self._order(problem)),
                 budget_bytes=budget,
             )
         return chosen
@@ -279,6 +288,34 @@ def solve_kernel(
     operation = "solve_kernel"
     options = options or SolverOptions()
     solver = resolve_solver(options.solver, operation=operation, field="options.solver")
+    problem = make_problem(kernel, y, ridge=ridge, options=options, heldout=heldout, mode=mode)
+    reason = solver.refusal(problem, options)
+    if reason is not None:
+        raise InvalidInput(f"{operation}: solver {solver.name!r} cannot solve this problem: {reason}")
+    if not isinstance(solver, AutoSolver):
+        need, budget = solver.memory_bytes(problem, options), _budget(options)
+        if need > budget:
+            raise MemoryEstimateExceeded(
+                f"{operation}: solver {solver.name!r} needs about {format_bytes(need)} for {problem.rows} rows, over "
+                f"the memory budget of {format_bytes(budget)}; use solver='auto', a smaller block or rank, or raise "
+                "memory_budget_bytes",
+                estimate_bytes=need,
+                budget_bytes=budget,
+            )
+    return solver.solve(problem, options, progress=progress, state=state)
+
+
+def make_problem(
+    kernel: Any,
+    y: Any,
+    *,
+    ridge: float,
+    options: SolverOptions,
+    heldout: HeldOut | None = None,
+    mode: KernelMode | str | None = None,
+) -> SolveProblem:
+    """The ``SolveProblem`` of ``solve_kernel``'s arguments, every input checked (its Raises)."""
+    operation = "solve_kernel"
     lam = check_ridge_positive(ridge, operation=operation)
     targets = to_float64(y, name="y", operation=operation)
     targets = targets[:, None] if targets.ndim == 1 else targets
@@ -290,18 +327,4 @@ def solve_kernel(
         raise ShapeMismatch(f"{operation}: the kernel has shape {op.shape}; solving needs Θ(x, x), a square one")
     rhs = targets.reshape(-1, 1) if op.mode is KernelMode.FULL else targets
     rtol = check_rtol(options.rtol, op.product_dtype, operation=operation)
-    problem = SolveProblem(kernel=op, rhs=rhs, ridge=lam, rtol=rtol, heldout=heldout)
-    reason = solver.refusal(problem, options)
-    if reason is not None:
-        raise InvalidInput(f"{operation}: solver {solver.name!r} cannot solve this problem: {reason}")
-    if not isinstance(solver, AutoSolver):
-        need, budget = solver.memory_bytes(problem, options), _budget(options)
-        if need > budget:
-            raise MemoryEstimateExceeded(
-                f"{operation}: solver {solver.name!r} needs about {format_bytes(need)} for {op.rows} rows, over the "
-                f"memory budget of {format_bytes(budget)}; use solver='auto', a smaller block or rank, or raise "
-                "memory_budget_bytes",
-                estimate_bytes=need,
-                budget_bytes=budget,
-            )
-    return solver.solve(problem, options, progress=progress, state=state)
+    return SolveProblem(kernel=op, rhs=rhs, ridge=lam, rtol=rtol, heldout=heldout)
