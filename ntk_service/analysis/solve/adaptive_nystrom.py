@@ -3,11 +3,12 @@ kernel columns, grown block by block until the next modes are down at the floor.
 
 NOTE [adaptive nystrom]
     Landmarks by RPCholesky (Chen, Epperly, Tropp, Webber 2023; the block form of Epperly et al. 2024): a block
-    of ``PIVOT_BLOCK`` examples is drawn with probability ∝ the residual diagonal of Θ_s = Θ_trace / k (exactly
-    what the current factor F, Θ_s ≈ F Fᵀ, misses on each example), their columns Θ_trace(x, x[S]) / k come from
-    the structured engine (``kernel_block``: no operator products), and the factor grows by the Cholesky of the
-    new columns' residual. Pivots where the residual is large are where the approximation is worst, so the head
-    of the spectrum (the class means, the input-linear modes) is taken first and few columns are wasted on it.
+    of examples (``PIVOT_BLOCK``, doubling each round) is drawn with probability ∝ the residual diagonal of
+    Θ_s = Θ_trace / k (exactly what the current factor F, Θ_s ≈ F Fᵀ, misses on each example), their columns
+    Θ_trace(x, x[S]) / k come from the structured engine (``kernel_block``: no operator products), and the factor
+    grows by the Cholesky of the new columns' residual. Pivots where the residual is large are where the
+    approximation is worst, so the head of the spectrum (the class means, the input-linear modes) is taken first
+    and few columns are wasted on it.
 
     The rank adapts to the effective dimension at the shift the preconditioner leaves, μ = ē + λ, ē the mean
     residual diagonal (the floor the remaining spectrum sits on): the number of modes above ``RANK_RATIO`` × μ,
@@ -37,7 +38,9 @@ from ntk_service.kernels.modes import KernelMode
 __all__ = ["HEAD_SHARE", "PIVOT_BLOCK", "RANK_RATIO", "adaptive_nystrom_preconditioner", "max_adaptive_rank"]
 
 PIVOT_BLOCK = 100
-"""Examples pivoted per round: one ``compute_ntk`` TRACE call of N × 100 entries (a few seconds at N = 100,000)."""
+"""Examples pivoted in the first round; each round doubles it (NOTE [adaptive nystrom]): a round's columns are a
+``compute_ntk`` TRACE call over all N rows, whose work on the N examples' side is paid again each round (8192 × 100
+columns took as long as a product of 8192 examples), so rounds are few: log2(m / 100) + 1."""
 
 RANK_RATIO = 4.0
 """The rank grows until the smallest kept mode is within this factor of the floor plus λ (NOTE [adaptive nystrom])."""
@@ -97,7 +100,7 @@ def adaptive_nystrom_preconditioner(
         total = float(residual.sum())
         if not total > 0:
             break
-        want = min(PIVOT_BLOCK, max_rank - len(pivots), int(np.count_nonzero(residual > 0)))
+        want = min(PIVOT_BLOCK * 2**rounds, max_rank - len(pivots), int(np.count_nonzero(residual > 0)))
         chosen = np.unique(rng.choice(n, size=want, replace=True, p=residual / total))
         columns = np.concatenate([source.kernel_block([c], chosen, KernelMode.TRACE) for c in chunks]) / scale
         rounds += 1

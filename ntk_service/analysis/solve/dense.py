@@ -32,6 +32,7 @@ from ntk_service.analysis.solve.problem import (
     SolverOptions,
     SolverResult,
     SolverState,
+    heldout_value,
     peak_rss_bytes,
 )
 from ntk_service.kernels.modes import KernelMode
@@ -50,10 +51,15 @@ _JITTERS = (1e-10, 1e-9, 1e-8, 1e-7, 1e-6)
 answer more than rounding would, so the pseudo-inverse takes over (NOTE [gp solve])."""
 
 
-def factor_solve(matrix: np.ndarray, rcond: float | None) -> tuple[Any, float, str, float]:
-    """A function rhs -> matrix⁻¹ rhs, the jitter, the path name and λmin (NOTE [gp solve]); ``matrix`` (n, n)
-    float64 symmetric, overwritten."""
-    lambda_min = float(scipy.linalg.eigvalsh(matrix, subset_by_index=[0, 0])[0]) if matrix.size else 0.0
+def factor_solve(
+    matrix: np.ndarray, rcond: float | None, *, with_lambda_min: bool = True
+) -> tuple[Any, float, str, float]:
+    """A function rhs -> matrix⁻¹ rhs, the jitter, the path name and λmin (NOTE [gp solve]; NaN unless
+    ``with_lambda_min``: it costs an eigensolve beside the factorization); ``matrix`` (n, n) float64 symmetric,
+    overwritten."""
+    lambda_min = float("nan")
+    if with_lambda_min:
+        lambda_min = float(scipy.linalg.eigvalsh(matrix, subset_by_index=[0, 0])[0]) if matrix.size else 0.0
     scale = float(np.mean(np.diag(matrix))) if matrix.size else 1.0
     scale = scale if scale > 0 else 1.0
     for jitter in (0.0, *(j * scale for j in _JITTERS)):
@@ -119,8 +125,9 @@ class DenseSolver:
         matrix = dense_matrix(op)
         built_by_products = op.matrix is None and op.source is None
         matrix[np.diag_indices_from(matrix)] += problem.ridge
-        solve, jitter, path, _ = factor_solve(matrix.copy(), None)  # the copy is the factor; the true residual
-        x = solve(b)  # is read off the matrix itself, no product
+        # the copy becomes the factor; the true residual is read off the matrix itself, no product
+        solve, jitter, path, _ = factor_solve(matrix.copy(), None, with_lambda_min=False)
+        x = solve(b)
         r = b - matrix @ x
         del matrix
         bnorm = np.linalg.norm(b, axis=0)
@@ -128,6 +135,9 @@ class DenseSolver:
         converged = bool(np.all(residual <= problem.rtol))
         passes = float(op.rows if built_by_products else 0)
         reason = "converged" if converged else f"rounding: the dense {path} leaves residual {residual.max():.2g}"
+        heldout_curve: tuple[tuple[float, float], ...] = ()
+        if problem.heldout is not None:
+            heldout_curve = ((passes, heldout_value(problem.heldout, x, op.k, op.n, operation="dense solver")),)
         label = path if jitter == 0 else f"{path} ({jitter:.2g})"
         return SolverResult(
             solution=x,
@@ -142,6 +152,7 @@ class DenseSolver:
             memory_bytes=self.memory_bytes(problem, options),
             peak_rss_bytes=peak_rss_bytes(),
             residual_curve=((0.0, float(residual.max())),),
+            heldout_curve=heldout_curve,
             preconditioner=label,
             state=SolverState(solver=self.name, solution=x, steps=1),
         )

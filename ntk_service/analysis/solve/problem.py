@@ -27,9 +27,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from ntk_service.analysis.solve.operators import KernelOperator
+from ntk_service.analysis.solve.operators import KernelOperator, kernel_operator
 from ntk_service.errors import InvalidInput, ShapeMismatch
-from ntk_service.kernels.operators.base import JacobianOperator, LinearOperator
+from ntk_service.kernels.operators.base import JacobianOperator
 
 __all__ = [
     "DEFAULT_RTOL",
@@ -46,6 +46,7 @@ __all__ = [
     "SolverState",
     "check_rtol",
     "heldout_metric",
+    "heldout_value",
     "peak_rss_bytes",
 ]
 
@@ -311,9 +312,13 @@ def check_heldout(heldout: HeldOut, *, m: int | None, k: int, operation: str) ->
     return targets
 
 
-def is_linear_operator(kernel: Any) -> bool:
-    """Whether ``kernel`` is one of the package's operators (not a dense array)."""
-    return isinstance(kernel, LinearOperator)
+def heldout_value(heldout: HeldOut, alpha: np.ndarray, k: int, n: int, *, operation: str) -> float:
+    """The held-out metric of the solution α (in the kernel's layout): Θ(x_heldout, x) α, one product."""
+    kernel = heldout.kernel
+    m = kernel.examples[0] if isinstance(kernel, JacobianOperator) else None
+    targets = check_heldout(heldout, m=m, k=k, operation=operation)
+    cross = kernel_operator(kernel, k=k, name="heldout.kernel", operation=operation, cols=n)
+    return heldout_metric(cross.apply(alpha).reshape(cross.n, k), targets, heldout.metric)
 
 
 def peak_rss_bytes() -> int | None:
