@@ -245,7 +245,7 @@ def _settings(options: SolverOptions, examples: int, k: int) -> tuple[int, int, 
         InvalidInput: a block size, landmark count or inner step count out of range, naming the field.
     """
     b = DEFAULT_BLOCK_SIZE if options.block_size is None else options.block_size
-    s = DEFAULT_BLOCK_LANDMARKS if options.landmarks is None else options.landmarks
+    s = min(DEFAULT_BLOCK_LANDMARKS, b if isinstance(b, int) else 0) if options.landmarks is None else options.landmarks
     t = DEFAULT_INNER_STEPS if options.inner_steps is None else options.inner_steps
     for name, value, low in (("block_size", b, 1), ("landmarks", s, 0), ("inner_steps", t, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
