@@ -13,10 +13,15 @@ same VJP and JVP work as ``ntk_operator``, spread over S actors, plus 2·S·P fl
 round trips; memory per actor O(P + its shard's chunk), on the driver O(S·P) for the parts.
 
 The model goes to the object store once, as a data-free module tree and its weights as numpy (``weights.py``: one
-copy per node, which its actors map zero-copy); each shard once, to its actor. The operator has the interface the
-solvers use (``matvec``, ``rmatvec``, ``shape``, ``k``, ``mode``, ``dtype``, ``is_symmetric``,
-``as_linear_operator``), so ``gp_inference``, ``linearized_predictions``, ``max_learning_rate``, ``spectrum`` and
-``conjugate_gradients`` take it as they take an ``NtkOperator``. ``view`` gives the other kernels of the same actors
+copy per node, which its actors map zero-copy); each shard once, to its actor. The operator is a
+``JacobianOperator`` (NOTE [one operator base] in ``kernels/operators/base.py``), so ``gp_inference``,
+``solve_kernel``, ``linearized_predictions``, ``max_learning_rate`` and ``spectrum`` take it as they take an
+``NtkOperator``. Its Jacobian halves run where the rows are: ``jvp(w, rows)`` ships w (P floats) through the object
+store once and each actor pushes it forward over its part of the rows; ``vjp(c, rows)`` has each actor pull its part
+back and the driver sums the parts in float64; ``kernel_block`` reads the few landmark examples from their actors
+and each actor computes its rows' block with the structured engine. So the parameter-space block method runs with w
+replicated by the object store and every block's work on the shard actors (a block takes a share of every shard:
+``partitions``). ``view`` gives the other kernels of the same actors
 (train-train from a test-train build, another mode) without shipping anything again.
 
 NOTE [ray operator faults]: no fault tolerance. A lost actor (its process killed, its node gone) fails the
@@ -28,7 +33,8 @@ driver (S·P floats arrive there); a tree or an allreduce among the actors would
 
 NOTE [ray operator placement]: this module lives in ``jobs/executors`` because it needs ``import_ray`` and the
 weight shipping of ``weights.py``, and ``kernels/`` may not import ``jobs/`` (DESIGN §2); it imports the engine
-(``ntk_operator`` per shard) downwards. ``analysis/`` reaches it by duck typing (``is_operator``), never by import.
+(``ntk_operator`` per shard) downwards. ``analysis/`` reaches it through its base class (``JacobianOperator``),
+never by import.
 
 Example::
 
