@@ -283,3 +283,17 @@ def test_gp_inference_through_the_table(wide: Problem, solver: str) -> None:
     expected = (wide.cross @ wide.cholesky()).reshape(8, K)
     assert post.solver == solver and post.solve is not None and post.solve.converged
     assert np.linalg.norm(post.mean - expected) / np.linalg.norm(expected) <= 2 * wide.cond() * 1e-6
+
+
+@pytest.mark.parametrize("solver", ["pcg", "block"])
+def test_the_heldout_metric_can_stop_the_solve(wide: Problem, solver: str) -> None:
+    """With ``patience``, a solve stops once its held-out metric has not improved for that many evaluations
+    (random targets: the MSE soon stops falling), and says so."""
+    targets = np.random.default_rng(7).standard_normal((8, K))
+    heldout = HeldOut(ntk_operator(wide.model, wide.x_test, wide.x), targets, metric="mse", patience=2)
+    settings = BLOCK if solver == "block" else {}
+    options = SolverOptions(solver=solver, rtol=RTOL, **settings)  # type: ignore[arg-type]
+    result = solve_kernel(ntk_operator(wide.model, wide.x), wide.y, ridge=wide.ridge, options=options, heldout=heldout)
+    assert result.stop_reason.startswith("heldout: no better mse") and not result.converged
+    values = [v for _, v in result.heldout_curve]
+    assert min(values[-2:]) >= min(values[:-2])  # the last two evaluations were no better than the best before

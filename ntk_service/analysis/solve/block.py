@@ -289,6 +289,8 @@ class _BlockRun:
         self.residual_curve: list[tuple[float, float]] = []
         self.heldout_curve: list[tuple[float, float]] = []
         self.heldout = problem.heldout
+        self.best_heldout: float | None = None
+        self.since_best = 0
         self.heldout_targets = None
         if self.heldout is not None:
             m = self.heldout.kernel.examples[0] if isinstance(self.heldout.kernel, JacobianOperator) else None
@@ -316,9 +318,7 @@ class _BlockRun:
             self.passes += 0.5 if np.any(self.alpha) else 0.0
         residual = self._true_residual()
         stop = "converged" if residual <= self.problem.rtol else None
-        heldout_value = self._heldout()
-        self._report(residual, heldout_value, None)
-        best_heldout, since_best = heldout_value, 0
+        self._report(residual, self._heldout(), None)
         checks = [residual]
         while stop is None:
             estimate_sq, stop = 0.0, None
@@ -330,10 +330,12 @@ class _BlockRun:
             else:
                 self.epochs += 1
             estimate = math.sqrt(estimate_sq) / self.ynorm
-            if stop is None and estimate > 3 * self.problem.rtol and self.epochs % CHECK_EVERY:
-                self._report(None, self._heldout_due(), estimate)
+            value = self._heldout_due()
+            heldout_stop = self._patience(value)
+            if stop is None and heldout_stop is None and estimate > 3 * self.problem.rtol and self.epochs % CHECK_EVERY:
+                self._report(None, value, estimate)
                 continue
-            residual = self._true_residual()
+            residual = self._true_residual()  # also before any stop: the result's residual is its α's
             checks.append(residual)
             if residual <= self.problem.rtol:
                 stop = "converged"
@@ -342,14 +344,8 @@ class _BlockRun:
                     f"stagnated: the best residual did not fall by a quarter in {STAGNATION_CHECKS} checks (from "
                     f"{min(checks[:-STAGNATION_CHECKS]):.3g} to {min(checks[-STAGNATION_CHECKS:]):.3g})"
                 )
-            value = self._heldout_due()
-            if value is not None and self.heldout is not None and self.heldout.patience is not None:
-                better = value > best_heldout if self.heldout.metric == "accuracy" else value < best_heldout  # type: ignore[operator]
-                best_heldout, since_best = (
-                    (value, 0) if best_heldout is None or better else (best_heldout, since_best + 1)
-                )
-                if stop is None and since_best >= self.heldout.patience:
-                    stop = f"heldout: no better {self.heldout.metric} in {since_best} evaluations"
+            elif stop is None:
+                stop = heldout_stop
             self._report(residual, value, estimate)
         return self._result(stop, checks[-1])
 
@@ -409,6 +405,18 @@ class _BlockRun:
         self.residual_curve.append((self.passes, value))
         return value
 
+    def _patience(self, value: float | None) -> str | None:
+        """The held-out stop (``HeldOut.patience``): a reason once the metric has not improved that many times."""
+        heldout = self.heldout
+        if value is None or heldout is None or heldout.patience is None:
+            return None
+        best = self.best_heldout
+        better = best is None or (value > best if heldout.metric == "accuracy" else value < best)
+        self.best_heldout, self.since_best = (value, 0) if better else (best, self.since_best + 1)
+        if self.since_best >= heldout.patience:
+            return f"heldout: no better {heldout.metric} in {self.since_best} evaluations"
+        return None
+
     def _heldout_due(self) -> float | None:
         if self.heldout is None or self.epochs % self.heldout.every:
             return None
@@ -421,6 +429,8 @@ class _BlockRun:
         predictions = _predict(heldout, self.alpha, self.w, self.k)
         value = heldout_metric(predictions, targets, heldout.metric)
         self.heldout_curve.append((self.passes, value))
+        if self.best_heldout is None:
+            self.best_heldout = value
         return value
 
     def _state(self) -> SolverState:

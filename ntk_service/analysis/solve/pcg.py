@@ -126,6 +126,8 @@ class _Watch:
         self.per_iteration = problem.rhs.shape[1] * max(passes_per_product, 0)
         self.best: list[float] = []
         self.heldout_curve: list[tuple[float, float]] = []
+        self.best_heldout: float | None = None
+        self.since_best = 0
         self.heldout = problem.heldout
         self.cross: KernelOperator | None = None
         self.targets = None
@@ -147,6 +149,10 @@ class _Watch:
             predictions = self.cross.apply(x).reshape(self.cross.n, k)
             value = heldout_metric(predictions, np.asarray(self.targets), self.heldout.metric)
             self.heldout_curve.append((float(passes), value))
+            better = self.best_heldout is None or (
+                value > self.best_heldout if self.heldout.metric == "accuracy" else value < self.best_heldout
+            )
+            self.best_heldout, self.since_best = (value, 0) if better else (self.best_heldout, self.since_best + 1)
         if self.progress is not None:
             state = SolverState(solver=self.name, solution=x.copy(), steps=iterations, passes=float(passes))
             self.progress(
@@ -164,6 +170,8 @@ class _Watch:
             )
         if self.options.max_passes is not None and passes >= self.options.max_passes:
             return "max_passes"
+        if self.heldout is not None and self.heldout.patience is not None and self.since_best >= self.heldout.patience:
+            return f"heldout: no better {self.heldout.metric} in {self.since_best} evaluations"
         if len(self.best) > STAGNATION_WINDOW and self.best[-1] > 0.5 * self.best[-1 - STAGNATION_WINDOW]:
             return f"stagnated: the residual did not halve in {STAGNATION_WINDOW} iterations"
         return None
