@@ -19,6 +19,10 @@ NOTE [adaptive nystrom]
     floor near 280: docs/benchmarks.md), so the rank stops after the head, which grows with N. It also stops at
     ``max_rank`` (the memory budget's: the factor and its basis are N × m float64s each).
 
+    The factor is float64 and grows in place; the basis U is kept in float32 (applied in float64 row blocks, as
+    the streamed preconditioner's: NOTE [streamed nystrom]), so the build takes ``BYTES_PER_ENTRY`` bytes per
+    entry of N × m and the solve 4.
+
     For a FULL kernel the basis is over examples and shared by the k outputs (NOTE [shared nystrom] in
     ``preconditioners.py``); for a TRACE kernel it is the kernel's own. The preconditioner is Frangella, Tropp and
     Udell's (NOTE [nystrom preconditioner]).
@@ -31,11 +35,18 @@ import time
 import numpy as np
 
 from ntk_service.analysis.solve.operators import KernelOperator
-from ntk_service.analysis.solve.preconditioners import NystromPreconditioner, nystrom_basis
+from ntk_service.analysis.solve.preconditioners import NystromPreconditioner
 from ntk_service.errors import InvalidInput
 from ntk_service.kernels.modes import KernelMode
 
-__all__ = ["HEAD_SHARE", "PIVOT_BLOCK", "RANK_RATIO", "adaptive_nystrom_preconditioner", "max_adaptive_rank"]
+__all__ = [
+    "BYTES_PER_ENTRY",
+    "HEAD_SHARE",
+    "PIVOT_BLOCK",
+    "RANK_RATIO",
+    "adaptive_nystrom_preconditioner",
+    "max_adaptive_rank",
+]
 
 PIVOT_BLOCK = 100
 """Examples pivoted in the first round; each round doubles it (NOTE [adaptive nystrom]): a round's columns are a
@@ -54,14 +65,32 @@ DEFAULT_MAX_RANK = 4000
 ROW_CHUNK = 8192
 """Rows of kernel columns computed per ``compute_ntk`` call (the engine's workspace stays one chunk's)."""
 
-_COPIES = 4
-"""float64 N × m arrays alive while the preconditioner is built (the factor, a round's columns, U and a temporary)."""
+BYTES_PER_ENTRY = 16
+"""Bytes per entry of N × m while the preconditioner is built: the float64 factor (8), the last round's float64
+columns (at most half the rank: 4) and the float32 basis (4); the factor is freed after, the basis stays."""
 
 
 def max_adaptive_rank(examples: int, budget_bytes: int) -> int:
-    """The largest rank whose build fits ``budget_bytes`` (``_COPIES`` float64 N × m arrays), capped at
+    """The largest rank whose build fits ``budget_bytes`` (``BYTES_PER_ENTRY`` per N × m entry), capped at
     ``DEFAULT_MAX_RANK`` and at N."""
-    return int(max(0, min(DEFAULT_MAX_RANK, examples, budget_bytes // (_COPIES * 8 * max(examples, 1)))))
+    return int(max(0, min(DEFAULT_MAX_RANK, examples, budget_bytes // (BYTES_PER_ENTRY * max(examples, 1)))))
+
+
+def _float32_basis(factor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """U (N, m') float32 and Λ (m',) descending of F Fᵀ, from the m × m Gram matrix (``nystrom_basis``'s rule
+    for dropping modes), U written in row blocks: no second float64 N × m array."""
+    n, m = factor.shape
+    if m == 0:
+        return np.zeros((n, 0), dtype=np.float32), np.zeros(0)
+    values, vectors = np.linalg.eigh(factor.T @ factor)
+    order = np.argsort(values)[::-1]
+    values, vectors = values[order], vectors[:, order]
+    keep = values > max(float(values[0]), 0.0) * n * np.finfo(np.float64).eps
+    project = vectors[:, keep] / np.sqrt(values[keep])
+    basis = np.empty((n, int(keep.sum())), dtype=np.float32)
+    for i in range(0, n, ROW_CHUNK):
+        basis[i : i + ROW_CHUNK] = factor[i : i + ROW_CHUNK] @ project
+    return basis, values[keep]
 
 
 def adaptive_nystrom_preconditioner(
@@ -93,33 +122,38 @@ def adaptive_nystrom_preconditioner(
     )
     residual = np.maximum(diagonal / scale, 0.0)
     rng = np.random.default_rng(seed)
-    factor = np.zeros((n, 0))
+    factor = np.empty((n, max_rank))  # filled column by column: pages are touched only as the rank grows
+    rank = 0
     pivots: list[int] = []
     rounds = 0
-    while len(pivots) < max_rank:
+    while len(pivots) < max_rank and rank < max_rank:
         total = float(residual.sum())
         if not total > 0:
             break
-        want = min(PIVOT_BLOCK * 2**rounds, max_rank - len(pivots), int(np.count_nonzero(residual > 0)))
+        want = min(PIVOT_BLOCK * 2**rounds, max_rank - rank, int(np.count_nonzero(residual > 0)))
         chosen = np.unique(rng.choice(n, size=want, replace=True, p=residual / total))
-        columns = np.concatenate([source.kernel_block([c], chosen, KernelMode.TRACE) for c in chunks]) / scale
+        g = np.concatenate([source.kernel_block([c], chosen, KernelMode.TRACE) for c in chunks])
+        g /= scale
         rounds += 1
-        g = columns - factor @ factor[chosen].T
+        g -= factor[:, :rank] @ factor[chosen, :rank].T
         h = (g[chosen] + g[chosen].T) / 2
         values, vectors = np.linalg.eigh(h)
         keep = values > max(float(values[-1]), 0.0) * h.shape[0] * np.finfo(np.float64).eps * 100
         if not np.any(keep):
             break
-        new = g @ (vectors[:, keep] / np.sqrt(values[keep]))
-        factor = np.concatenate([factor, new], axis=1)
+        added = int(np.count_nonzero(keep))
+        new = factor[:, rank : rank + added]
+        np.matmul(g, vectors[:, keep] / np.sqrt(values[keep]), out=new)
+        del g
+        rank += added
         residual = np.maximum(residual - np.sum(new * new, axis=1), 0.0)
         residual[chosen] = 0.0
         pivots.extend(int(i) for i in chosen)
-        added = np.linalg.eigvalsh(new.T @ new)  # the modes this round added to F Fᵀ
-        above = int(np.count_nonzero(added > RANK_RATIO * (float(residual.mean()) + ridge)))
-        if above < HEAD_SHARE * added.size:
+        modes = np.linalg.eigvalsh(new.T @ new)  # the modes this round added to F Fᵀ
+        above = int(np.count_nonzero(modes > RANK_RATIO * (float(residual.mean()) + ridge)))
+        if above < HEAD_SHARE * modes.size:
             break
-    basis, eigenvalues = nystrom_basis(factor, n)
+    basis, eigenvalues = _float32_basis(factor[:, :rank])
     del factor
     outputs = k if op.mode is KernelMode.FULL and k > 1 else 1
     return NystromPreconditioner(

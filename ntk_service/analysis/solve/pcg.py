@@ -19,7 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from ntk_service.analysis.solve.adaptive_nystrom import adaptive_nystrom_preconditioner, max_adaptive_rank
+from ntk_service.analysis.solve.adaptive_nystrom import (
+    BYTES_PER_ENTRY,
+    adaptive_nystrom_preconditioner,
+    max_adaptive_rank,
+)
 from ntk_service.analysis.solve.cg import CgOptions, SolveResult, cg_memory_bytes, conjugate_gradients
 from ntk_service.analysis.solve.operators import KernelOperator, kernel_operator
 from ntk_service.analysis.solve.problem import (
@@ -80,7 +84,7 @@ class PcgSolver:
         op = problem.kernel
         estimate = cg_memory_bytes(op.rows, problem.rhs.shape[1])
         if _uses_adaptive(op, cg_options(options)):
-            estimate += 4 * 8 * op.n * _rank_cap(problem, options)
+            estimate += BYTES_PER_ENTRY * op.n * _rank_cap(problem, options)
         source = op.source
         return estimate + int(getattr(source, "estimate_bytes", 0) if source is not None else 0)
 
