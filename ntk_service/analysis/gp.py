@@ -24,7 +24,14 @@ from ntk_service.analysis.ridge import RidgeScale, ridge_value
 from ntk_service.analysis.solve.cg import CgOptions, SolveResult, check_cg_memory, conjugate_gradients
 from ntk_service.analysis.solve.dense import factor_solve
 from ntk_service.analysis.solve.operators import KernelOperator, check_ridge, is_operator, kernel_operator
-from ntk_service.analysis.solve.problem import HeldOut, ProgressCallback, SolverOptions, SolverResult, SolverState
+from ntk_service.analysis.solve.problem import (
+    HeldOut,
+    ProgressCallback,
+    SolverOptions,
+    SolverResult,
+    SolverState,
+    as_targets,
+)
 from ntk_service.analysis.solve.table import resolve_solver, solve_kernel
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
@@ -227,13 +234,8 @@ def _gp_by_cg(
     """The posterior mean by CG on (Θ + λI) α = y, then Θ* α (NOTE [cg], NOTE [operator layout]); with
     k_test_test the variance (NOTE [gp variance by cg])."""
     check_ridge(ridge, operation=_OPERATION)
-    y = to_float64(y_train, name="y_train", operation=_OPERATION)
-    y = y[:, None] if y.ndim == 1 else y
-    if y.ndim != 2:
-        raise ShapeMismatch(f"{_OPERATION}: y_train has shape {y.shape}; expected (N, k) or (N,)")
+    y, train, cross = _operators(k_train_train, y_train, k_test_train, mode)
     n, k = y.shape
-    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
-    cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
     if train.matrix is not None:
         lam = ridge_value(train.matrix, ridge, ridge_scale, operation=_OPERATION)
     else:
@@ -287,13 +289,8 @@ def _gp_by_table(
 ) -> GpPosterior:
     """The posterior mean on operators by a solver of the table (NOTE [auto rule]): α, then Θ* α, or J(x*) w
     when the parameter-space method kept w."""
-    y = to_float64(y_train, name="y_train", operation=_OPERATION)
-    y = y[:, None] if y.ndim == 1 else y
-    if y.ndim != 2:
-        raise ShapeMismatch(f"{_OPERATION}: y_train has shape {y.shape}; expected (N, k) or (N,)")
+    y, train, cross = _operators(k_train_train, y_train, k_test_train, mode)
     n, k = y.shape
-    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
-    cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
     lam = _operator_ridge(train, ridge, ridge_scale)
     options = dataclasses.replace(options or SolverOptions(), solver=name)
     state = None
@@ -329,3 +326,14 @@ def _operator_ridge(train: KernelOperator, ridge: float, ridge_scale: str) -> fl
         )
     blocks = source.kernel_block([(0, train.n)], None, KernelMode.EXAMPLE_DIAGONAL)
     return float(ridge) * float(np.mean(np.trace(blocks, axis1=1, axis2=2)) / source.k)
+
+
+def _operators(
+    k_train_train: Any, y_train: Any, k_test_train: Any, mode: KernelMode | str | None
+) -> tuple[np.ndarray, KernelOperator, KernelOperator]:
+    """y (N, k) float64 and the train and test-train kernels as the solvers' views, checked against each other."""
+    y = as_targets(y_train, name="y_train", operation=_OPERATION)
+    n, k = y.shape
+    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
+    cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
+    return y, train, cross

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ntk_service.analysis.layout import to_float64
 from ntk_service.analysis.solve.operators import KernelOperator, kernel_operator
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.operators.base import JacobianOperator
@@ -44,6 +45,7 @@ __all__ = [
     "SolverOptions",
     "SolverResult",
     "SolverState",
+    "as_targets",
     "check_rtol",
     "heldout_metric",
     "heldout_value",
@@ -251,6 +253,19 @@ class SolverResult:
     @property
     def method(self) -> str:
         return self.solver
+
+
+def as_targets(y: Any, *, name: str, operation: str) -> np.ndarray:
+    """y as float64 (N, k) ((N,) is k = 1).
+
+    Raises:
+        ShapeMismatch: y of another rank. NonFiniteInput: NaN or inf in y.
+    """
+    targets = to_float64(y, name=name, operation=operation)
+    targets = targets[:, None] if targets.ndim == 1 else targets
+    if targets.ndim != 2:
+        raise ShapeMismatch(f"{operation}: {name} has shape {targets.shape}; expected (N, k) or (N,)")
+    return targets
 
 
 def check_rtol(rtol: float | None, product_dtype: torch.dtype, *, operation: str) -> float:

@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from ntk_service.analysis.layout import to_float64
 from ntk_service.analysis.solve.adaptive_nystrom import adaptive_nystrom_preconditioner, max_adaptive_rank
 from ntk_service.analysis.solve.operators import KernelOperator, kernel_operator
-from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.analysis.solve.problem import as_targets
+from ntk_service.errors import InvalidInput
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.planning import default_memory_budget
 
@@ -99,10 +99,7 @@ def estimate_ridge(
     Raises:
         InvalidInput: a ridge ≤ 0 or NaN, an operator without a model. ShapeMismatch: y not (N, k).
     """
-    targets = to_float64(y, name="y", operation=_OPERATION)
-    targets = targets[:, None] if targets.ndim == 1 else targets
-    if targets.ndim != 2:
-        raise ShapeMismatch(f"{_OPERATION}: y has shape {targets.shape}; expected (N, k) or (N,)")
+    targets = as_targets(y, name="y", operation=_OPERATION)
     n, k = targets.shape
     op = kernel_operator(kernel, k=k, name="kernel", operation=_OPERATION, rows=n, cols=n, mode=mode)
     if op.matrix is not None:

@@ -34,7 +34,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ntk_service.analysis.layout import to_float64
 from ntk_service.analysis.solve.block import BlockSolver
 from ntk_service.analysis.solve.dense import DenseSolver
 from ntk_service.analysis.solve.operators import kernel_operator
@@ -47,6 +46,7 @@ from ntk_service.analysis.solve.problem import (
     SolverOptions,
     SolverResult,
     SolverState,
+    as_targets,
     check_rtol,
 )
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
@@ -317,10 +317,7 @@ def make_problem(
     """The ``SolveProblem`` of ``solve_kernel``'s arguments, every input checked (its Raises)."""
     operation = "solve_kernel"
     lam = check_ridge_positive(ridge, operation=operation)
-    targets = to_float64(y, name="y", operation=operation)
-    targets = targets[:, None] if targets.ndim == 1 else targets
-    if targets.ndim != 2:
-        raise ShapeMismatch(f"{operation}: y has shape {targets.shape}; expected (N, k) or (N,)")
+    targets = as_targets(y, name="y", operation=operation)
     n, k = targets.shape
     op = kernel_operator(kernel, k=k, name="kernel", operation=operation, rows=n, cols=n, mode=mode)
     if op.rows != op.cols:

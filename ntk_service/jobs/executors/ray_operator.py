@@ -57,12 +57,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, JobFailed, NtkServiceError, OptionalDependencyMissing, ShapeMismatch
+from ntk_service.errors import InvalidInput, JobFailed, NtkServiceError, OptionalDependencyMissing
 from ntk_service.jobs.executors.ray import batch_as_numpy, import_ray
 from ntk_service.jobs.executors.weights import pack_module, unpack_module
 from ntk_service.kernels import model_device, place_module
 from ntk_service.kernels.modes import DerivedMode, KernelMode
-from ntk_service.kernels.operators.base import JacobianOperator, Ranges, check_ranges, ranges_size
+from ntk_service.kernels.operators.base import JacobianOperator, Ranges, check_cotangent, check_ranges, ranges_size
 from ntk_service.kernels.operators.linear_operator import (
     NtkOperator,
     apply_in_mode,
@@ -249,12 +249,7 @@ class RayNtkOperator(JacobianOperator):
         """J(x_cols[cols])ᵀ c: (P,) float64, each shard's part on its actor, summed in float64 on the driver."""
         ray = self._ready("vjp")
         ranges = check_ranges(cols, self.examples[1], operation=f"{_OPERATION}.vjp")
-        c = np.asarray(c, dtype=np.float64)
-        if c.shape != (ranges_size(ranges), self.k):
-            raise ShapeMismatch(
-                f"{_OPERATION}.vjp: c has shape {c.shape}; expected ({ranges_size(ranges)}, {self.k}), one row per "
-                "example of the ranges"
-            )
+        c = check_cotangent(c, ranges, self.k, operation=f"{_OPERATION}.vjp")
         refs, offset = [], 0
         for s, local in self._split(ranges, self._cols):
             size = ranges_size(local)

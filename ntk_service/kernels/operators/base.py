@@ -35,7 +35,15 @@ import torch
 from ntk_service.errors import InvalidInput, NonFiniteInput, OptionalDependencyMissing, ShapeMismatch
 from ntk_service.kernels.modes import DerivedMode, KernelMode
 
-__all__ = ["JacobianOperator", "LinearOperator", "MatrixOperator", "Ranges", "check_ranges", "ranges_size"]
+__all__ = [
+    "JacobianOperator",
+    "LinearOperator",
+    "MatrixOperator",
+    "Ranges",
+    "check_cotangent",
+    "check_ranges",
+    "ranges_size",
+]
 
 Ranges = Sequence[tuple[int, int]]
 """Sorted, disjoint [start, stop) example ranges (NOTE [jacobian operator])."""
@@ -191,6 +199,21 @@ class MatrixOperator(LinearOperator):
         if self.is_symmetric:
             return self
         return MatrixOperator(self.matrix.T, mode=self.mode, k=self.k)
+
+
+def check_cotangent(c: Any, ranges: Ranges, k: int, *, operation: str) -> np.ndarray:
+    """c as float64 (rows of ``ranges``, k), the cotangent of a ``vjp``.
+
+    Raises:
+        ShapeMismatch: another shape.
+    """
+    out = np.asarray(c, dtype=np.float64)
+    if out.shape != (ranges_size(ranges), k):
+        raise ShapeMismatch(
+            f"{operation}: c has shape {out.shape}; expected ({ranges_size(ranges)}, {k}), one row per example of the "
+            "ranges"
+        )
+    return out
 
 
 def ranges_size(ranges: Ranges) -> int:

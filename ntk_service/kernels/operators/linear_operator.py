@@ -57,7 +57,7 @@ from ntk_service.errors import (
 from ntk_service.kernels.api import compute_ntk
 from ntk_service.kernels.modes import DerivedMode, KernelMode, parse_any_mode
 from ntk_service.kernels.ntk_vector_products import _FORWARD_AD_LOCK
-from ntk_service.kernels.operators.base import JacobianOperator, Ranges, check_ranges, ranges_size
+from ntk_service.kernels.operators.base import JacobianOperator, Ranges, check_cotangent, check_ranges
 from ntk_service.kernels.planning import default_memory_budget
 from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, concat, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
@@ -345,12 +345,7 @@ class NtkOperator(JacobianOperator):
             ShapeMismatch: c does not have one row per example of ``cols`` and k columns.
         """
         ranges = check_ranges(cols, self.examples[1], operation=f"{_OPERATION}.vjp")
-        c = np.asarray(c, dtype=np.float64)
-        if c.shape != (ranges_size(ranges), self.k):
-            raise ShapeMismatch(
-                f"{_OPERATION}.vjp: c has shape {c.shape}; expected ({ranges_size(ranges)}, {self.k}), one row per "
-                "example of the ranges"
-            )
+        c = check_cotangent(c, ranges, self.k, operation=f"{_OPERATION}.vjp")
         x = gather_ranges(self._cols, ranges)
         with self._sides.lock, self._scope():
             return self._flatten(self._vjp_sum(x, torch.from_numpy(c).to(self.dtype)))
