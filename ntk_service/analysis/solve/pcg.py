@@ -39,7 +39,7 @@ from ntk_service.analysis.solve.problem import (
 )
 from ntk_service.errors import InvalidInput
 from ntk_service.kernels.operators.base import JacobianOperator
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = ["STAGNATION_WINDOW", "PcgSolver", "cg_options"]
 

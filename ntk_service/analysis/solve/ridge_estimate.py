@@ -37,7 +37,7 @@ from ntk_service.analysis.solve.operators import KernelOperator, kernel_operator
 from ntk_service.analysis.solve.problem import as_targets
 from ntk_service.errors import InvalidInput
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = ["DEFAULT_GRID", "RidgeEstimate", "estimate_ridge"]
 

@@ -51,7 +51,7 @@ from ntk_service.analysis.solve.problem import (
 )
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch, format_bytes
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.planning import default_memory_budget
+from ntk_service.kernels.runtime.device import default_memory_budget
 
 __all__ = [
     "ALIASES",
