@@ -31,7 +31,7 @@ import numpy as np
 from ntk_service._tensors import is_torch_tensor
 from ntk_service.analysis.layout import to_float64
 from ntk_service.analysis.tiles import DEFAULT_BLOCK_ROWS, iter_tiles
-from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.errors import InvalidInput, ShapeMismatch, operation_name
 
 __all__ = ["Variant", "alignment", "as_targets"]
 
@@ -96,37 +96,38 @@ def alignment(kernel: Any, y: Any, *, variant: Variant | str, block_rows: int = 
 
     Cost: one pass over the kernel, O(N²·k²·c).
     """
-    if variant not in VARIANTS:
-        raise InvalidInput(f"{_OPERATION}: unknown variant {variant!r}; name one of {', '.join(VARIANTS)}")
-    stream = iter_tiles(kernel, name="kernel", operation=_OPERATION, block_rows=block_rows)
-    raw = np.asarray(y.detach().cpu() if is_torch_tensor(y) else y)
-    n = raw.shape[0] if raw.ndim else 0
-    if stream.shape is not None and (stream.shape[0] != stream.shape[1] or stream.shape[0] != n):
-        raise ShapeMismatch(
-            f"{_OPERATION}: the kernel has shape {stream.shape} and y has {n} rows; the kernel must be (N, N, ...) "
-            "with N = len(y)"
-        )
-    sums = _Sums(n)
-    targets: np.ndarray | None = None
-    centered: np.ndarray | None = None
-    for row, col, block in stream:
-        if targets is None:
-            is_full = block.ndim == 4
-            width = block.shape[2] if is_full and variant in ("centered_vec_y", "rayleigh") else None
-            targets = as_targets(raw, classes=width)
-            if targets.shape[0] != n or (width is not None and targets.shape[1] != width):
-                raise ShapeMismatch(
-                    f"{_OPERATION}: y gives targets {targets.shape}; expected ({n}, {width or 'c'}) for this kernel"
-                )
-            centered = targets - targets.mean(axis=0)
-        assert centered is not None
-        r, c = block.shape[0], block.shape[1]
-        if row < 0 or col < 0 or row + r > n or col + c > n:
-            raise ShapeMismatch(f"{_OPERATION}: a tile at ({row}, {col}) of {r}x{c} lies outside the N = {n} kernel")
-        sums.add(block, row, col, variant, targets, centered)
-    if targets is None or centered is None:
-        raise InvalidInput(f"{_OPERATION}: the kernel has no tiles")
-    return sums.value(variant, targets, centered)
+    with operation_name(_OPERATION):
+        if variant not in VARIANTS:
+            raise InvalidInput(detail=f"unknown variant {variant!r}; name one of {', '.join(VARIANTS)}")
+        stream = iter_tiles(kernel, name="kernel", block_rows=block_rows)
+        raw = np.asarray(y.detach().cpu() if is_torch_tensor(y) else y)
+        n = raw.shape[0] if raw.ndim else 0
+        if stream.shape is not None and (stream.shape[0] != stream.shape[1] or stream.shape[0] != n):
+            raise ShapeMismatch(
+                detail=f"the kernel has shape {stream.shape} and y has {n} rows; the kernel must be (N, N, ...) "
+                "with N = len(y)"
+            )
+        sums = _Sums(n)
+        targets: np.ndarray | None = None
+        centered: np.ndarray | None = None
+        for row, col, block in stream:
+            if targets is None:
+                is_full = block.ndim == 4
+                width = block.shape[2] if is_full and variant in ("centered_vec_y", "rayleigh") else None
+                targets = as_targets(raw, classes=width)
+                if targets.shape[0] != n or (width is not None and targets.shape[1] != width):
+                    raise ShapeMismatch(
+                        detail=f"y gives targets {targets.shape}; expected ({n}, {width or 'c'}) for this kernel"
+                    )
+                centered = targets - targets.mean(axis=0)
+            assert centered is not None
+            r, c = block.shape[0], block.shape[1]
+            if row < 0 or col < 0 or row + r > n or col + c > n:
+                raise ShapeMismatch(detail=f"a tile at ({row}, {col}) of {r}x{c} lies outside the N = {n} kernel")
+            sums.add(block, row, col, variant, targets, centered)
+        if targets is None or centered is None:
+            raise InvalidInput(detail="the kernel has no tiles")
+        return sums.value(variant, targets, centered)
 
 
 class _Sums:
@@ -177,7 +178,7 @@ class _Sums:
         if variant == "rayleigh":
             norm2 = float(np.sum(y * y))
             if norm2 == 0:
-                raise InvalidInput(f"{_OPERATION}: y is all zeros; the Rayleigh quotient needs nonzero targets")
+                raise InvalidInput(detail="y is all zeros; the Rayleigh quotient needs nonzero targets")
             # A TRACE kernel stands for (trace / c) ⊗ I_c.
             return self.inner / norm2 / (1 if self.full else y.shape[1])
         if variant == "uncentered":
@@ -190,7 +191,7 @@ class _Sums:
         if kernel_norm <= 0 or target_norm <= 0:
             what = "the kernel" if kernel_norm <= 0 else "y"
             raise InvalidInput(
-                f"{_OPERATION}: {what} is zero{' after centering' if 'centered' in variant else ''}, so the "
+                detail=f"{what} is zero{' after centering' if 'centered' in variant else ''}, so the "
                 f"{variant} alignment is undefined (0/0); e.g. labels of a single class"
             )
         return float(self.inner / (kernel_norm * target_norm))

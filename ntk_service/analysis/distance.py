@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ntk_service.analysis.tiles import DEFAULT_BLOCK_ROWS, KernelTile, iter_tiles
-from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.errors import InvalidInput, ShapeMismatch, operation_name
 
 __all__ = ["distances_memory_bytes", "kernel_distance", "relative_change"]
 
@@ -25,21 +25,22 @@ def distances_memory_bytes(count: int, size: int) -> int:
     return 8 * (count + 1) * size * size
 
 
-def _paired(k1: Any, k2: Any, *, operation: str, block_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    s1 = iter_tiles(k1, name="k1", operation=operation, block_rows=block_rows)
-    s2 = iter_tiles(k2, name="k2", operation=operation, block_rows=block_rows)
+def _paired(k1: Any, k2: Any, *, block_rows: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The tiles of two kernels side by side; errors carry ``detail=`` (the caller's boundary names them)."""
+    s1 = iter_tiles(k1, name="k1", block_rows=block_rows)
+    s2 = iter_tiles(k2, name="k2", block_rows=block_rows)
     if s1.shape is not None and s2.shape is not None and s1.shape != s2.shape:
         raise ShapeMismatch(
-            f"{operation}: the kernels have shapes {s1.shape} and {s2.shape}; compare kernels of the same inputs "
+            detail=f"the kernels have shapes {s1.shape} and {s2.shape}; compare kernels of the same inputs "
             "in the same mode"
         )
     for t1, t2 in zip_longest(s1, s2):
         if t1 is None or t2 is None:
-            raise ShapeMismatch(f"{operation}: one kernel has more tiles than the other; tile both the same way")
+            raise ShapeMismatch(detail="one kernel has more tiles than the other; tile both the same way")
         a, b = _tile(t1), _tile(t2)
         if (t1.row, t1.col) != (t2.row, t2.col) or a.shape != b.shape:
             raise ShapeMismatch(
-                f"{operation}: tiles do not line up: {a.shape} at ({t1.row}, {t1.col}) against {b.shape} at "
+                detail=f"tiles do not line up: {a.shape} at ({t1.row}, {t1.col}) against {b.shape} at "
                 f"({t2.row}, {t2.col}); tile both kernels the same way"
             )
         yield a, b
@@ -63,10 +64,11 @@ def kernel_distance(k1: Any, k2: Any, *, block_rows: int = DEFAULT_BLOCK_ROWS) -
     Cost: one pass over both, O(N·M·k²); memory one tile of each.
     """
     inner = n1 = n2 = 0.0
-    for a, b in _paired(k1, k2, operation="kernel_distance", block_rows=block_rows):
-        inner += float(np.sum(a * b))
-        n1 += float(np.sum(a * a))
-        n2 += float(np.sum(b * b))
+    with operation_name("kernel_distance"):
+        for a, b in _paired(k1, k2, block_rows=block_rows):
+            inner += float(np.sum(a * b))
+            n1 += float(np.sum(a * a))
+            n2 += float(np.sum(b * b))
     if n1 <= 0 or n2 <= 0:
         raise InvalidInput("kernel_distance: a kernel is all zeros, so the distance is undefined (0/0)")
     cosine = inner / np.sqrt(n1 * n2)
@@ -79,9 +81,10 @@ def relative_change(k0: Any, k1: Any, *, block_rows: int = DEFAULT_BLOCK_ROWS) -
     Args / Raises: as ``kernel_distance`` (K0 must be nonzero).
     """
     diff = base = 0.0
-    for a, b in _paired(k0, k1, operation="relative_change", block_rows=block_rows):
-        diff += float(np.sum((b - a) ** 2))
-        base += float(np.sum(a * a))
+    with operation_name("relative_change"):
+        for a, b in _paired(k0, k1, block_rows=block_rows):
+            diff += float(np.sum((b - a) ** 2))
+            base += float(np.sum(a * a))
     if base <= 0:
         raise InvalidInput("relative_change: k0 is all zeros, so the relative change is undefined")
     return float(np.sqrt(diff / base))

@@ -22,49 +22,53 @@ from typing import Any
 import numpy as np
 
 from ntk_service._tensors import is_torch_tensor
-from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
+from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch, operation_name
 from ntk_service.kernels.modes import KernelMode
 
 __all__ = ["KernelMatrix", "add_to_diagonal", "as_matrix", "infer_mode", "to_float64", "to_kernel_matrix", "to_targets"]
 
 
-def to_float64(value: Any, *, name: str, operation: str) -> np.ndarray:
+def to_float64(value: Any, *, name: str, operation: str | None = None) -> np.ndarray:
     """``value`` (numpy array, torch tensor on any device, nested list) as a float64 numpy array.
 
     Raises:
         InvalidInput: not numeric. NonFiniteInput: NaN or ±inf entries.
     """
-    if is_torch_tensor(value):
-        value = value.detach().cpu().double().numpy()
-    try:
-        array = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"{operation}: {name} must be a numeric array, got {type(value).__name__}") from exc
-    if not np.all(np.isfinite(array)):
-        raise NonFiniteInput(f"{operation}: {name} has NaN or infinite entries; fix the input (float64 kernels)")
-    return array
+    with operation_name(operation):
+        if is_torch_tensor(value):
+            value = value.detach().cpu().double().numpy()
+        try:
+            array = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise InvalidInput(detail=f"{name} must be a numeric array, got {type(value).__name__}") from exc
+        if not np.all(np.isfinite(array)):
+            raise NonFiniteInput(detail=f"{name} has NaN or infinite entries; fix the input (float64 kernels)")
+        return array
 
 
-def infer_mode(theta: np.ndarray, mode: KernelMode | str | None, *, name: str, operation: str) -> KernelMode:
+def infer_mode(
+    theta: np.ndarray, mode: KernelMode | str | None, *, name: str, operation: str | None = None
+) -> KernelMode:
     """FULL for a 4-D (N, M, k, k) kernel, TRACE for a 2-D (N, M) one; a given ``mode`` must agree.
 
     Raises:
         ShapeMismatch: another rank, a FULL block whose last two axes differ, or a shape contradicting ``mode``.
     """
-    inferred = {4: KernelMode.FULL, 2: KernelMode.TRACE}.get(theta.ndim)
-    if inferred is None:
-        raise ShapeMismatch(
-            f"{operation}: {name} has shape {theta.shape}; expected a FULL kernel (N, M, k, k) or a TRACE kernel "
-            "(N, M) (diagonal modes do not hold enough of Θ for this analysis)"
-        )
-    if mode is not None and KernelMode(mode) is not inferred:
-        raise ShapeMismatch(
-            f"{operation}: {name} has shape {theta.shape}, which is a {inferred.value} kernel, but mode "
-            f"{KernelMode(mode).value!r} was given"
-        )
-    if inferred is KernelMode.FULL and theta.shape[2] != theta.shape[3]:
-        raise ShapeMismatch(f"{operation}: {name} has shape {theta.shape}; a FULL kernel's last two axes are (k, k)")
-    return inferred
+    with operation_name(operation):
+        inferred = {4: KernelMode.FULL, 2: KernelMode.TRACE}.get(theta.ndim)
+        if inferred is None:
+            raise ShapeMismatch(
+                detail=f"{name} has shape {theta.shape}; expected a FULL kernel (N, M, k, k) or a TRACE kernel "
+                "(N, M) (diagonal modes do not hold enough of Θ for this analysis)"
+            )
+        if mode is not None and KernelMode(mode) is not inferred:
+            raise ShapeMismatch(
+                detail=f"{name} has shape {theta.shape}, which is a {inferred.value} kernel, but mode "
+                f"{KernelMode(mode).value!r} was given"
+            )
+        if inferred is KernelMode.FULL and theta.shape[2] != theta.shape[3]:
+            raise ShapeMismatch(detail=f"{name} has shape {theta.shape}; a FULL kernel's last two axes are (k, k)")
+        return inferred
 
 
 def as_matrix(theta: Any, mode: KernelMode | str | None = None) -> np.ndarray:
@@ -84,8 +88,10 @@ def as_matrix(theta: Any, mode: KernelMode | str | None = None) -> np.ndarray:
         >>> as_matrix(np.zeros((5, 4, 3, 3))).shape   # (N·k, M·k)
         (15, 12)
     """
-    array = to_float64(theta, name="theta", operation="as_matrix")
-    if infer_mode(array, mode, name="theta", operation="as_matrix") is KernelMode.TRACE:
+    with operation_name("as_matrix"):
+        array = to_float64(theta, name="theta")
+        trace = infer_mode(array, mode, name="theta") is KernelMode.TRACE
+    if trace:
         return array
     n, m, k, _ = array.shape
     return np.ascontiguousarray(array.transpose(0, 2, 1, 3)).reshape(n * k, m * k)
@@ -121,7 +127,7 @@ def to_kernel_matrix(
     theta: Any,
     *,
     name: str,
-    operation: str,
+    operation: str | None = None,
     mode: KernelMode | str | None = None,
     square: bool = False,
     symmetrize: bool = False,
@@ -136,28 +142,29 @@ def to_kernel_matrix(
     Raises:
         ShapeMismatch: a non-square kernel where one is required (with the shape), or see ``infer_mode``.
     """
-    array = to_float64(theta, name=name, operation=operation)
-    kernel_mode = infer_mode(array, mode, name=name, operation=operation)
-    n, m = array.shape[:2]
-    if square and n != m:
-        raise ShapeMismatch(
-            f"{operation}: {name} has shape {array.shape}; it must be square (N, N{', k, k' * (array.ndim == 4)}), "
-            "the kernel of one set of inputs with itself"
-        )
-    if kernel_mode is KernelMode.FULL:
-        k = array.shape[2]
-        matrix = np.ascontiguousarray(array.transpose(0, 2, 1, 3)).reshape(n * k, m * k)
-        out_k: int | None = k
-    else:
-        matrix = array / float(trace_outputs or 1)
-        out_k = None
-    if symmetrize:
-        matrix = matrix + matrix.T  # one new array (numpy buffers the overlapping transpose), halved in place
-        matrix *= 0.5
-    return KernelMatrix(matrix=matrix, mode=kernel_mode, n=n, m=m, k=out_k)
+    with operation_name(operation):
+        array = to_float64(theta, name=name)
+        kernel_mode = infer_mode(array, mode, name=name)
+        n, m = array.shape[:2]
+        if square and n != m:
+            raise ShapeMismatch(
+                detail=f"{name} has shape {array.shape}; it must be square (N, N{', k, k' * (array.ndim == 4)}), "
+                "the kernel of one set of inputs with itself"
+            )
+        if kernel_mode is KernelMode.FULL:
+            k = array.shape[2]
+            matrix = np.ascontiguousarray(array.transpose(0, 2, 1, 3)).reshape(n * k, m * k)
+            out_k: int | None = k
+        else:
+            matrix = array / float(trace_outputs or 1)
+            out_k = None
+        if symmetrize:
+            matrix = matrix + matrix.T  # one new array (numpy buffers the overlapping transpose), halved in place
+            matrix *= 0.5
+        return KernelMatrix(matrix=matrix, mode=kernel_mode, n=n, m=m, k=out_k)
 
 
-def to_targets(y: Any, *, n: int, k: int | None, name: str, operation: str) -> np.ndarray:
+def to_targets(y: Any, *, n: int, k: int | None, name: str, operation: str | None = None) -> np.ndarray:
     """Targets as a float64 (N, k) array (a 1-D y is one output per example).
 
     Args:
@@ -166,16 +173,17 @@ def to_targets(y: Any, *, n: int, k: int | None, name: str, operation: str) -> n
     Raises:
         ShapeMismatch: wrong length or width, naming both.
     """
-    array = to_float64(y, name=name, operation=operation)
-    if array.ndim == 1:
-        array = array[:, None]
-    if array.ndim != 2 or array.shape[0] != n:
-        raise ShapeMismatch(
-            f"{operation}: {name} has shape {array.shape}; expected ({n}, k), one row per example of the kernel"
-        )
-    if k is not None and array.shape[1] != k:
-        raise ShapeMismatch(
-            f"{operation}: {name} has {array.shape[1]} columns, the FULL kernel has k = {k} outputs; "
-            f"send targets of shape ({n}, {k})"
-        )
-    return array
+    with operation_name(operation):
+        array = to_float64(y, name=name)
+        if array.ndim == 1:
+            array = array[:, None]
+        if array.ndim != 2 or array.shape[0] != n:
+            raise ShapeMismatch(
+                detail=f"{name} has shape {array.shape}; expected ({n}, k), one row per example of the kernel"
+            )
+        if k is not None and array.shape[1] != k:
+            raise ShapeMismatch(
+                detail=f"{name} has {array.shape[1]} columns, the FULL kernel has k = {k} outputs; "
+                f"send targets of shape ({n}, {k})"
+            )
+        return array

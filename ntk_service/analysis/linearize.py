@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, jvp
 
-from ntk_service.errors import InvalidInput, NoMatchingParameters, UnsupportedModel
+from ntk_service.errors import InvalidInput, NoMatchingParameters, UnsupportedModel, operation_name
 from ntk_service.kernels.problem.math_attention import attention_scope
 from ntk_service.kernels.problem.outputs import OutputPath, select_output
 from ntk_service.kernels.problem.parameter_selection import select_parameters
@@ -63,20 +63,26 @@ class TaylorExpansion(nn.Module):
     and returns the model's output shape. ``theta0()`` returns a copy of the expansion point.
     """
 
-    def __init__(self, model: nn.Module, *, order: int, params: Sequence[str] | None, operation: str) -> None:
+    def __init__(
+        self, model: nn.Module, *, order: int, params: Sequence[str] | None, operation: str = "TaylorExpansion"
+    ) -> None:
         super().__init__()
+        with operation_name(operation):  # the checks below raise their details; this names them
+            self._build(model, order, params)
+
+    def _build(self, model: nn.Module, order: int, params: Sequence[str] | None) -> None:
         if not isinstance(model, nn.Module):
-            raise UnsupportedModel(f"{operation}: model must be a torch.nn.Module, got {type(model).__name__}")
+            raise UnsupportedModel(detail=f"model must be a torch.nn.Module, got {type(model).__name__}")
         base = private_copy(model)
         named = dict(model.named_parameters())
         try:
             selected = select_parameters(model, params)
         except NoMatchingParameters as exc:  # the engine's message names compute_ntk: name this call instead
-            raise NoMatchingParameters(str(exc).replace("compute_ntk:", f"{operation}:", 1)) from exc
+            raise NoMatchingParameters(detail=exc.message.removeprefix("compute_ntk: ")) from exc
         trainable = [name for name in selected if named[name].requires_grad]
         if not trainable:
             raise InvalidInput(
-                f"{operation}: no trainable parameter to expand in; every selected parameter has requires_grad=False "
+                detail="no trainable parameter to expand in; every selected parameter has requires_grad=False "
                 "(set requires_grad=True on the ones to train, or widen params=)"
             )
         self.order = order
@@ -88,9 +94,9 @@ class TaylorExpansion(nn.Module):
         self._lin_theta0 = {name: named[name].detach().clone() for name in trainable}
         self._lin_frozen = {name: named[name].detach().clone() for name in self.frozen_names}
         self._lin_buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        self._mirror(model, trainable, operation)
+        self._mirror(model, trainable)
 
-    def _mirror(self, model: nn.Module, trainable: list[str], operation: str) -> None:
+    def _mirror(self, model: nn.Module, trainable: list[str]) -> None:
         wanted = set(trainable)
         holders: dict[str, nn.Module] = {"": self}
         for path, module in model.named_modules():
@@ -98,28 +104,28 @@ class TaylorExpansion(nn.Module):
                 full = f"{path}.{local}" if path else local
                 if full not in wanted:
                     continue
-                holder = self._holder(holders, path, operation)
+                holder = self._holder(holders, path)
                 try:
                     holder.register_parameter(local, nn.Parameter(self._lin_theta0[full].clone()))
                 except KeyError as exc:
                     raise UnsupportedModel(
-                        f"{operation}: the model's parameter {full!r} clashes with an attribute of the expansion "
+                        detail=f"the model's parameter {full!r} clashes with an attribute of the expansion "
                         "module; rename it in the model"
                     ) from exc
                 wanted.discard(full)
 
     @staticmethod
-    def _holder(holders: dict[str, nn.Module], path: str, operation: str) -> nn.Module:
+    def _holder(holders: dict[str, nn.Module], path: str) -> nn.Module:
         if path in holders:
             return holders[path]
         parent_path, _, local = path.rpartition(".")
-        parent = TaylorExpansion._holder(holders, parent_path, operation)
+        parent = TaylorExpansion._holder(holders, parent_path)
         holder = _ParameterHolder()
         try:
             parent.add_module(local, holder)
         except KeyError as exc:
             raise UnsupportedModel(
-                f"{operation}: the model's submodule {path!r} clashes with an attribute of the expansion module; "
+                detail=f"the model's submodule {path!r} clashes with an attribute of the expansion module; "
                 "rename it in the model"
             ) from exc
         holders[path] = holder

@@ -51,24 +51,25 @@ def _is_in_memory(kernel: Any) -> bool:
     return isinstance(kernel, np.ndarray | list) or is_torch_tensor(kernel)
 
 
-def iter_tiles(kernel: Any, *, name: str, operation: str, block_rows: int = DEFAULT_BLOCK_ROWS) -> TileStream:
+def iter_tiles(kernel: Any, *, name: str, block_rows: int = DEFAULT_BLOCK_ROWS) -> TileStream:
     """The tiles of a kernel source (module docstring), each block converted to float64 when read.
 
-    Raises:
+    Raises (with ``detail=``, here or while the tiles are read: the caller's boundary names the operation, NOTE
+    [operation names] in errors.py):
         InvalidInput: an object that is none of the three sources. ShapeMismatch: a block of another rank.
     """
     if _is_in_memory(kernel):
-        array = to_float64(kernel, name=name, operation=operation)
-        infer_mode(array, None, name=name, operation=operation)
+        array = to_float64(kernel, name=name)
+        infer_mode(array, None, name=name)
         return TileStream([KernelTile(0, 0, array)], tuple(array.shape))
     if hasattr(kernel, "shape") and hasattr(kernel, "__getitem__"):
         shape = tuple(int(s) for s in kernel.shape)
         if len(shape) not in (2, 4):
-            raise ShapeMismatch(f"{operation}: {name} has shape {shape}; expected (N, M, k, k) or (N, M)")
+            raise ShapeMismatch(detail=f"{name} has shape {shape}; expected (N, M, k, k) or (N, M)")
 
         def rows() -> Iterator[KernelTile]:
             for start in range(0, shape[0], block_rows):
-                block = to_float64(kernel[start : start + block_rows], name=name, operation=operation)
+                block = to_float64(kernel[start : start + block_rows], name=name)
                 yield KernelTile(start, 0, block)
 
         return TileStream(rows(), shape)
@@ -77,13 +78,13 @@ def iter_tiles(kernel: Any, *, name: str, operation: str, block_rows: int = DEFA
         def checked() -> Iterator[KernelTile]:
             for item in kernel:
                 row, col, block = item
-                array = to_float64(block, name=f"{name} tile", operation=operation)
-                infer_mode(array, None, name=f"{name} tile at ({row}, {col})", operation=operation)
+                array = to_float64(block, name=f"{name} tile")
+                infer_mode(array, None, name=f"{name} tile at ({row}, {col})")
                 yield KernelTile(int(row), int(col), array)
 
         return TileStream(checked(), None)
     raise InvalidInput(
-        f"{operation}: {name} must be a kernel array (N, M, k, k) / (N, M), a sliceable stored array (zarr), "
+        detail=f"{name} must be a kernel array (N, M, k, k) / (N, M), a sliceable stored array (zarr), "
         f"or an iterable of KernelTile(row, col, block); got {type(kernel).__name__}"
     )
 

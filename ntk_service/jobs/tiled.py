@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.errors import InvalidInput, ShapeMismatch, operation_name
 from ntk_service.jobs.executors.base import Executor, JobWork, PanelOutcome
 from ntk_service.jobs.executors.local import LocalExecutor
 from ntk_service.jobs.executors.ray import RayExecutor
@@ -43,8 +43,9 @@ from ntk_service.jobs.planner import DEFAULT_TILE_SIZE, Tile, TilePlan, plan_til
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, is_half_created, result_attributes_at
 from ntk_service.jobs.view import ResultView, open_result
-from ntk_service.kernels import compute_ntk, model_device, parse_device, place_module
+from ntk_service.kernels import KernelSpec, NtkOptions, compute_ntk, model_device, parse_device, place_module
 from ntk_service.kernels.modes import KernelMode, Outputs, parse_mode
+from ntk_service.kernels.options import DTYPES
 from ntk_service.kernels.problem.batch import Batch, batch_size, check_sides, leaves, take
 from ntk_service.kernels.problem.outputs import parse_output, select_output
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
@@ -200,17 +201,15 @@ def compute_ntk_tiled(
     if memory_budget_bytes is None:
         stored = None if existing is None else existing.attributes.get("memory_budget_bytes")
         memory_budget_bytes = int(stored) if stored is not None else runner.memory_budget()
+    with operation_name("compute_ntk_tiled"):  # what and how every panel computes, built once here
+        kernel = KernelSpec(mode=kernel_mode, params=params, output=output)
+    options = NtkOptions(implementation=impl, dtype=DTYPES[dtype], memory_budget_bytes=memory_budget_bytes)
     probe = compute_ntk(
         model,
         take(t1, 0, 1),
         None if t2 is None or not kernel_mode.spec.pairs else take(t2, 0, 1),
-        mode=kernel_mode,
-        output=output,
-        implementation=impl.value,
-        params=params,
-        dtype=dtype,
-        memory_budget_bytes=memory_budget_bytes,
-        device=dev if isinstance(runner, LocalExecutor) else None,
+        spec=kernel,
+        options=options.replace(device=dev) if isinstance(runner, LocalExecutor) else options,
     )
     # TRACE sums the outputs away; k (for the metadata) then comes from one forward pass of one example.
     summed = kernel_mode.spec.outputs is Outputs.SUM
@@ -234,13 +233,9 @@ def compute_ntk_tiled(
         n=plan.n,
         m=plan.m,
         k=k,
-        mode=kernel_mode,
-        implementation=impl,
-        dtype=dtype,
-        params=None if params is None else tuple(params),
         tile_size=tile_size,
-        memory_budget_bytes=memory_budget_bytes,
-        output=output,
+        kernel=kernel,
+        options=options,
         panel_tiles=panel_tiles,
     )
     if existing is not None:
@@ -364,9 +359,8 @@ def _existing(path: Path) -> ResultArray | None:
 
 
 def _check_same(array: ResultArray, spec: JobSpec, path: Path) -> None:
-    stored: dict[str, Any] = dict(array.attributes.get("spec") or {})
-    stored.setdefault("panel_tiles", 1)  # a result from before panels: a panel per tile
-    wanted = spec.to_dict()
+    stored = _flat(array.attributes.get("spec") or {})
+    wanted = _flat(spec.to_dict())
     differ = sorted(key for key in wanted if stored.get(key) != wanted[key])
     if differ:
         shown = ", ".join(f"{key}: stored {stored.get(key)!r}, now {wanted[key]!r}" for key in differ[:4])
@@ -374,3 +368,17 @@ def _check_same(array: ResultArray, spec: JobSpec, path: Path) -> None:
             f"compute_ntk_tiled: out={str(path)!r} holds a different computation ({shown}); resuming would mix "
             "two kernels: pass the same arguments, another out, or resume=False to start over"
         )
+
+
+def _flat(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored spec (of this version or an earlier one, whose flat form reads the same: a result from before
+    panels has a panel per tile) as one level of fields, ``kernel.mode`` beside ``tile_size``, to compare and
+    name the ones that differ; what does not read as a spec is compared as it is."""
+    try:
+        data = JobSpec.from_dict(data).to_dict()
+    except (InvalidInput, TypeError):
+        return dict(data)
+    flat = {key: value for key, value in data.items() if not isinstance(value, Mapping)}
+    for part in ("kernel", "options"):
+        flat |= {f"{part}.{key}": value for key, value in data[part].items()}
+    return flat

@@ -48,7 +48,7 @@ from torch import nn
 from torch._export.serde import schema
 from torch._export.serde.serialize import ExportedProgramDeserializer, _dict_to_dataclass, _to_json_bytes
 
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, operation_name
 from ntk_service.registry.archive import ArchiveEntries, ArchiveLimits, read_archive
 from ntk_service.registry.op_allowlist import check_graph_ops
 from ntk_service.registry.payloads import MAX_JSON_BYTES, read_json, read_tensors
@@ -142,55 +142,60 @@ def load_exported(
         UnsupportedModel: an operator outside the allow-list (named), mutations, custom objects, not one tensor
             input and one tensor output.
     """
+    with operation_name(operation):  # every check below raises its detail; the caller's operation names it
+        return _load_exported(data, operation, limits, max_params)
+
+
+def _load_exported(
+    data: bytes, operation: str, limits: ArchiveLimits | None, max_params: int | None
+) -> ExportedProgram:
     entries = read_archive(data, limits=limits or ArchiveLimits(), operation=operation)
     fmt = entries.read("archive_format") if "archive_format" in entries.infos else b""
     programs = [n for n in entries.names() if n.startswith("models/")]
     if fmt.strip() != b"pt2" or programs != [f"models/{_MODEL}.json"]:
         raise InvalidInput(
-            f"{operation}: expected a torch.export.save archive (archive_format 'pt2', one program models/"
+            detail=f"expected a torch.export.save archive (archive_format 'pt2', one program models/"
             f"{_MODEL}.json), got format {fmt[:16]!r} and programs {programs[:4]}; save one ExportedProgram with "
             "torch.export.save(program, path)"
         )
     program = read_json(entries, f"models/{_MODEL}.json", MAX_JSON_BYTES)
     graph_module = program.get("graph_module") if isinstance(program, Mapping) else None
     if not isinstance(graph_module, Mapping):
-        raise InvalidInput(f"{operation}: models/{_MODEL}.json has no graph_module")
-    targets = check_graph_ops(graph_module, operation=operation)
-    check_expressions(program, operation)
-    check_treespecs(program, operation)
+        raise InvalidInput(detail=f"models/{_MODEL}.json has no graph_module")
+    targets = check_graph_ops(graph_module)
+    check_expressions(program)
+    check_treespecs(program)
     class_name = _class_name(graph_module)
     strip_metadata(program)
     program["guards_code"] = []  # exec'd by ExportedProgram.module(); the service checks input shapes itself
-    user_inputs = check_signature(graph_module, operation)
-    kind, names = input_names(graph_module, user_inputs, operation)
-    metas = [input_meta(graph_module, user_input, operation) for user_input in user_inputs]
+    user_inputs = check_signature(graph_module)
+    kind, names = input_names(graph_module, user_inputs)
+    metas = [input_meta(graph_module, user_input) for user_input in user_inputs]
     input_shape, input_dtype = metas[0]
     state_dict, params = read_tensors(entries, "weights")
     constants, _ = read_tensors(entries, "constants")
-    check_names(program, [*state_dict, *constants], operation)
+    check_names(program, [*state_dict, *constants])
     if max_params is not None:
         count = sum(state_dict[name].numel() for name in params)
         if count > max_params:
             raise InvalidInput(
-                f"{operation}: the program has {count:,} parameters, more than the server's limit of {max_params:,}"
+                detail=f"the program has {count:,} parameters, more than the server's limit of {max_params:,}"
             )
     inputs: InputSpec | None = None
     if kind == "tuple" and len(user_inputs) == 1:  # one unnamed input: exactly as before named inputs existed
-        vocab_size = (
-            input_vocabulary(graph_module, user_inputs[0], state_dict, operation) if input_dtype == "int64" else None
-        )
+        vocab_size = input_vocabulary(graph_module, user_inputs[0], state_dict) if input_dtype == "int64" else None
     else:  # int64 inputs no embedding reads (masks, positions) are data without a range to check
         leaves = tuple(
             InputLeaf(
                 name,
-                _static_shape(shape, name, operation),
+                _static_shape(shape, name),
                 dtype,
                 embedding_rows(graph_module, user_input, state_dict) if dtype == "int64" else None,
             )
             for name, user_input, (shape, dtype) in zip(names, user_inputs, metas, strict=True)
         )
         inputs, vocab_size = InputSpec(kind, leaves), leaves[0].vocab_size
-    module, program_json = _deserialize(dict(program), state_dict, constants, params, operation)
+    module, program_json = _deserialize(dict(program), state_dict, constants, params)
     return ExportedProgram(
         module,
         state_dict,
@@ -226,10 +231,10 @@ def _class_name(graph_module: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _static_shape(shape: tuple[int | None, ...], name: str, operation: str) -> tuple[int, ...]:
+def _static_shape(shape: tuple[int | None, ...], name: str) -> tuple[int, ...]:
     if any(n is None for n in shape):
         raise InvalidInput(
-            f"{operation}: the program's input {name!r} has per-example shape {shape} with dynamic sizes besides the "
+            detail=f"the program's input {name!r} has per-example shape {shape} with dynamic sizes besides the "
             "batch dimension; export with dynamic_shapes marking only dimension 0 (Client.register_module does)"
         )
     return tuple(int(n) for n in shape)  # type: ignore[arg-type]
@@ -240,7 +245,6 @@ def _deserialize(
     state_dict: dict[str, torch.Tensor],
     constants: dict[str, torch.Tensor],
     params: set[str],
-    operation: str,
 ) -> tuple[nn.Module, bytes]:
     weights = {k: nn.Parameter(v) if k in params else v for k, v in state_dict.items()}
     try:
@@ -259,7 +263,7 @@ def _deserialize(
         _sizes_as_methods(module)
     except Exception as exc:  # torch's own checks of the (already validated) JSON: the upload is what is wrong
         raise InvalidInput(
-            f"{operation}: torch could not load the program: {str(exc).strip()[:500] or type(exc).__name__}; "
+            detail=f"torch could not load the program: {str(exc).strip()[:500] or type(exc).__name__}; "
             "write it with torch.export.save from the same torch version as the server's "
             f"({torch.__version__})"
         ) from exc
@@ -397,13 +401,14 @@ def probe_output_dim(program: ExportedProgram, *, operation: str) -> int:
         InvalidInput: a dynamic dimension other than the batch, a failing forward pass, or no (2, ...) floating
             output.
     """
-    return _probe(program, operation=operation)[0]
+    with operation_name(operation):
+        return _probe(program)[0]
 
 
-def _probe(program: ExportedProgram, *, operation: str) -> tuple[int, dict[str, list[int]] | None]:
+def _probe(program: ExportedProgram) -> tuple[int, dict[str, list[int]] | None]:
     if any(n is None for n in program.input_shape):
         raise InvalidInput(
-            f"{operation}: the program's input {program.input_shape} has dynamic sizes besides the batch "
+            detail=f"the program's input {program.input_shape} has dynamic sizes besides the batch "
             "dimension; export with dynamic_shapes marking only dimension 0 (Client.register_module does)"
         )
     x = example_batch(program)
@@ -422,7 +427,7 @@ def _probe(program: ExportedProgram, *, operation: str) -> tuple[int, dict[str, 
             out = _call(program.module, x)
     except Exception as exc:  # the program is the client's: its failure is the client's error
         raise InvalidInput(
-            f"{operation}: the program fails on a batch of shape {shapes}: {type(exc).__name__}: {exc}; "
+            detail=f"the program fails on a batch of shape {shapes}: {type(exc).__name__}: {exc}; "
             "export it with a dynamic batch dimension (dynamic_shapes={0: torch.export.Dim('batch')})"
         ) from exc
 
@@ -433,7 +438,7 @@ def _probe(program: ExportedProgram, *, operation: str) -> tuple[int, dict[str, 
         entries = {str(key): value for key, value in out.items() if batched(value) and value[0].numel()}
         if not entries:
             raise InvalidInput(
-                f"{operation}: the program returns a dict without a floating (N, *out) tensor "
+                detail=f"the program returns a dict without a floating (N, *out) tensor "
                 f"(keys {sorted(map(str, out))[:8]}); return the logits"
             )
         first = next(iter(entries.values()))
@@ -441,7 +446,7 @@ def _probe(program: ExportedProgram, *, operation: str) -> tuple[int, dict[str, 
     if not batched(out) or out[0].numel() == 0:
         got = type(out).__name__ + (f" {tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else "")
         raise InvalidInput(
-            f"{operation}: the program must map (N, *input) to a floating (N, *out) or a dict of them, got {got}"
+            detail=f"the program must map (N, *input) to a floating (N, *out) or a dict of them, got {got}"
         )
     return int(out[0].numel()), None
 
@@ -455,7 +460,8 @@ def exported_inputs(architecture: dict[str, Any]) -> InputSpec | None:
 def exported_architecture(program: ExportedProgram, sha256: str, *, operation: str = "register") -> dict[str, Any]:
     """The stored architecture of an exported model: the archive's sha256 (the program is fixed per model), its
     input(s), the operators it calls and, for a dict output, each entry's per-example shape (``outputs``)."""
-    outputs = None if program.returns_tensor else _probe(program, operation=operation)[1]
+    with operation_name(operation):
+        outputs = None if program.returns_tensor else _probe(program)[1]
     return {
         "family": EXPORTED_FAMILY,
         "program_sha256": sha256,

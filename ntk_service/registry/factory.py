@@ -18,13 +18,12 @@ from ntk_service.registry.architectures import FactoryConfig
 __all__ = ["call_factory", "probe_output_dim"]
 
 
-def call_factory(config: FactoryConfig, allowed_factories: frozenset[str], *, operation: str) -> nn.Module:
+def call_factory(config: FactoryConfig, allowed_factories: frozenset[str]) -> nn.Module:
     """Import and call an allowed factory.
 
     Args:
         config (FactoryConfig): the validated architecture.
         allowed_factories (frozenset[str]): the operator's allow list of ``"module:function"`` strings.
-        operation (str): prefix of error messages.
 
     Returns:
         The nn.Module the factory returned (not yet in eval mode).
@@ -36,7 +35,7 @@ def call_factory(config: FactoryConfig, allowed_factories: frozenset[str], *, op
     if config.factory not in allowed_factories:
         allowed = ", ".join(sorted(allowed_factories)) or "none"
         raise PermissionDenied(
-            f"{operation}: factory {config.factory!r} is not allowed on this server (allowed: {allowed}); "
+            detail=f"factory {config.factory!r} is not allowed on this server (allowed: {allowed}); "
             "the operator must add it to NTK_MODEL_FACTORIES"
         )
     module_name, _, func_name = config.factory.partition(":")
@@ -44,23 +43,23 @@ def call_factory(config: FactoryConfig, allowed_factories: frozenset[str], *, op
         func = getattr(importlib.import_module(module_name), func_name)
     except (ImportError, AttributeError) as exc:
         raise InvalidInput(
-            f"{operation}: factory {config.factory!r} is allowed but cannot be imported ({exc}); "
+            detail=f"factory {config.factory!r} is allowed but cannot be imported ({exc}); "
             "the operator must install the package that defines it"
         ) from exc
     try:
         model = func(**config.kwargs)
     except Exception as exc:  # the factory is operator code; any failure is reported, never a 500
         raise InvalidInput(
-            f"{operation}: factory {config.factory!r} failed with kwargs {config.kwargs!r}: {type(exc).__name__}: {exc}"
+            detail=f"factory {config.factory!r} failed with kwargs {config.kwargs!r}: {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(model, nn.Module):
         raise InvalidInput(
-            f"{operation}: factory {config.factory!r} returned {type(model).__name__}, expected a torch.nn.Module"
+            detail=f"factory {config.factory!r} returned {type(model).__name__}, expected a torch.nn.Module"
         )
     return model
 
 
-def probe_output_dim(model: nn.Module, config: FactoryConfig, *, operation: str) -> int:
+def probe_output_dim(model: nn.Module, config: FactoryConfig) -> int:
     """Outputs per example k = prod(out) of a factory model, from one forward pass on a zero example.
 
     Returns:
@@ -76,13 +75,13 @@ def probe_output_dim(model: nn.Module, config: FactoryConfig, *, operation: str)
             out = model(x)
     except Exception as exc:  # operator code, reported as the client's config being wrong for it
         raise InvalidInput(
-            f"{operation}: factory model fails on an input of shape {tuple(x.shape)} {config.input_dtype}: "
+            detail=f"factory model fails on an input of shape {tuple(x.shape)} {config.input_dtype}: "
             f"{type(exc).__name__}: {exc}; check input_shape and input_dtype"
         ) from exc
     ok = isinstance(out, torch.Tensor) and out.ndim >= 1 and out.shape[0] == 1 and out.is_floating_point()
     if not ok or out[0].numel() == 0:
         got = f"{type(out).__name__}" + (f" {tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else "")
         raise InvalidInput(
-            f"{operation}: factory model must map a batch (1, *input_shape) to a floating tensor (1, *out), got {got}"
+            detail=f"factory model must map a batch (1, *input_shape) to a floating tensor (1, *out), got {got}"
         )
     return int(out[0].numel())

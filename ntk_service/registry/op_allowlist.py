@@ -116,16 +116,15 @@ def _bool_argument(node: Mapping[str, Any], name: str) -> bool | None:
     return None
 
 
-def _refuse(operation: str, target: str, why: str, hint: str) -> UnsupportedModel:
-    return UnsupportedModel(f"{operation}: the graph calls {target}, {why}; {hint}")
+def _refuse(target: str, why: str, hint: str) -> UnsupportedModel:
+    return UnsupportedModel(detail=f"the graph calls {target}, {why}; {hint}")
 
 
-def check_graph_ops(graph_module: Any, *, operation: str) -> set[str]:
+def check_graph_ops(graph_module: Any) -> set[str]:
     """Check every node target of a serialized graph (the JSON of ``models/<name>.json``'s ``graph_module``).
 
     Args:
         graph_module (Any): the parsed JSON object, before deserialization.
-        operation (str): prefix of error messages.
 
     Returns:
         The set of targets it calls (for the model record and tests).
@@ -145,7 +144,7 @@ def check_graph_ops(graph_module: Any, *, operation: str) -> set[str]:
     for node in _nodes(graph_module):
         target = node.get("target")
         if not isinstance(target, str):
-            raise UnsupportedModel(f"{operation}: a graph node has target {target!r}, not an operator name")
+            raise UnsupportedModel(detail=f"a graph node has target {target!r}, not an operator name")
         targets.add(target)
         if target in ALLOWED_PYTHON_OPS:
             continue
@@ -161,7 +160,6 @@ def check_graph_ops(graph_module: Any, *, operation: str) -> set[str]:
             )
             if source is None or source not in fresh:
                 raise _refuse(
-                    operation,
                     target,
                     f"an in-place operator, allowed only on a fresh {_FRESH_ONLY[parts[3]]} (torch.tensor in forward)",
                     "use the out-of-place form (detach) or none: the engine detaches what it needs",
@@ -170,11 +168,9 @@ def check_graph_ops(graph_module: Any, *, operation: str) -> set[str]:
         if len(parts) == 5 and parts[:3] == ["torch", "ops", "aten"] and parts[3] in ALLOWED_ATEN_OPS:
             packet, overload = parts[3], parts[4]
             if overload == "out" or overload.endswith("_out"):
-                raise _refuse(operation, target, "an out= overload that writes into a tensor", "export again")
+                raise _refuse(target, "an out= overload that writes into a tensor", "export again")
             if packet in _FALSE_ARGUMENTS and _bool_argument(node, _FALSE_ARGUMENTS[packet]) is not False:
-                raise _refuse(
-                    operation, target, f"with {_FALSE_ARGUMENTS[packet]}=True (training mode)", _HINTS[packet]
-                )
+                raise _refuse(target, f"with {_FALSE_ARGUMENTS[packet]}=True (training mode)", _HINTS[packet])
             continue
         namespace = parts[2] if len(parts) > 2 and parts[:2] == ["torch", "ops"] else ""
         if namespace == "aten":
@@ -188,5 +184,5 @@ def check_graph_ops(graph_module: Any, *, operation: str) -> set[str]:
         else:
             why = "which is not a torch operator"
             hint = "export with torch.export.export, which records ATen operators only"
-        raise _refuse(operation, target, why, hint + " (docs/operations.md lists the allowed operators)")
+        raise _refuse(target, why, hint + " (docs/operations.md lists the allowed operators)")
     return targets

@@ -44,62 +44,59 @@ _PAYLOAD_NAME = {"weights": re.compile(r"^weight_\d{1,9}$"), "constants": re.com
 
 
 def read_json(entries: ArchiveEntries, name: str, limit: int) -> Any:
-    operation = entries.operation
     if name not in entries.infos:
         raise InvalidInput(
-            f"{operation}: the archive has no {entries.root}/{name}; send the file torch.export.save wrote for one "
+            detail=f"the archive has no {entries.root}/{name}; send the file torch.export.save wrote for one "
             "ExportedProgram"
         )
     if entries.size(name) > limit:
-        raise InvalidInput(f"{operation}: {name} has {entries.size(name):,} bytes, more than the limit of {limit:,}")
+        raise InvalidInput(detail=f"{name} has {entries.size(name):,} bytes, more than the limit of {limit:,}")
     try:
         return json.loads(entries.read(name).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InvalidInput(f"{operation}: {name} is not valid JSON ({exc})") from exc
+        raise InvalidInput(detail=f"{name} is not valid JSON ({exc})") from exc
 
 
-def _as_int(value: Any, what: str, operation: str) -> int:
+def _as_int(value: Any, what: str) -> int:
     if isinstance(value, Mapping) and set(value) == {"as_int"} and type(value["as_int"]) is int:
         return int(value["as_int"])
-    raise InvalidInput(f"{operation}: {what} is {value!r}; stored tensors need integer sizes, strides and offsets")
+    raise InvalidInput(detail=f"{what} is {value!r}; stored tensors need integer sizes, strides and offsets")
 
 
-def _payload_tensor(
-    meta: Any, payload: bytes, where: str, operation: str, cache: dict[str, torch.Tensor], path: str
-) -> torch.Tensor:
+def _payload_tensor(meta: Any, payload: bytes, where: str, cache: dict[str, torch.Tensor], path: str) -> torch.Tensor:
     """One stored tensor from its raw bytes, after checking its declared layout against them."""
     if not isinstance(meta, Mapping):
-        raise InvalidInput(f"{operation}: {where} has no tensor_meta; only raw tensor payloads are read")
+        raise InvalidInput(detail=f"{where} has no tensor_meta; only raw tensor payloads are read")
     dtype = _DTYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise InvalidInput(
-            f"{operation}: {where} has dtype code {meta.get('dtype')!r}; stored tensors may be "
+            detail=f"{where} has dtype code {meta.get('dtype')!r}; stored tensors may be "
             + ", ".join(str(d).removeprefix("torch.") for d in _DTYPES.values())
         )
     if meta.get("layout") != _STRIDED:
-        raise InvalidInput(f"{operation}: {where} has layout {meta.get('layout')!r}; only strided tensors are read")
+        raise InvalidInput(detail=f"{where} has layout {meta.get('layout')!r}; only strided tensors are read")
     device = meta.get("device")
     if not isinstance(device, Mapping) or device.get("type") != "cpu":
-        raise InvalidInput(f"{operation}: {where} is on device {device!r}; export the module on the CPU")
-    sizes = [_as_int(s, f"{where}: a size", operation) for s in meta.get("sizes") or []]
-    strides = [_as_int(s, f"{where}: a stride", operation) for s in meta.get("strides") or []]
-    offset = _as_int(meta.get("storage_offset"), f"{where}: the storage offset", operation)
+        raise InvalidInput(detail=f"{where} is on device {device!r}; export the module on the CPU")
+    sizes = [_as_int(s, f"{where}: a size") for s in meta.get("sizes") or []]
+    strides = [_as_int(s, f"{where}: a stride") for s in meta.get("strides") or []]
+    offset = _as_int(meta.get("storage_offset"), f"{where}: the storage offset")
     if len(sizes) != len(strides) or any(n < 0 for n in sizes) or any(s < 0 for s in strides) or offset < 0:
         raise InvalidInput(
-            f"{operation}: {where} declares sizes {sizes}, strides {strides}, offset {offset}; they must be "
+            detail=f"{where} declares sizes {sizes}, strides {strides}, offset {offset}; they must be "
             "non-negative with one stride per size"
         )
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(payload) % itemsize:
         raise InvalidInput(
-            f"{operation}: {where}: its payload has {len(payload)} bytes, not a multiple of the {itemsize}-byte "
+            detail=f"{where}: its payload has {len(payload)} bytes, not a multiple of the {itemsize}-byte "
             f"{str(dtype).removeprefix('torch.')}"
         )
     numel = len(payload) // itemsize
     needed = 0 if 0 in sizes else offset + 1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))
     if needed > numel:
         raise InvalidInput(
-            f"{operation}: {where} declares sizes {sizes}, strides {strides} and offset {offset}, which need "
+            detail=f"{where} declares sizes {sizes}, strides {strides} and offset {offset}, which need "
             f"{needed * itemsize:,} bytes, but its payload has {len(payload):,}; the sizes do not match the bytes"
         )
     flat = cache.get(path)
@@ -107,39 +104,38 @@ def _payload_tensor(
         flat = torch.frombuffer(bytearray(payload), dtype=dtype) if numel else torch.empty(0, dtype=dtype)
         cache[path] = flat
     if flat.dtype != dtype:
-        raise InvalidInput(f"{operation}: {where} reads payload {path} as another dtype than a tensor before it")
+        raise InvalidInput(detail=f"{where} reads payload {path} as another dtype than a tensor before it")
     return torch.as_strided(flat, sizes, strides, offset) if math.prod(sizes) else flat.new_empty(sizes)
 
 
 def read_tensors(entries: ArchiveEntries, kind: str) -> tuple[dict[str, torch.Tensor], set[str]]:
     """The tensors of ``data/<kind>/model_<kind>_config.json``; returns them and the names of parameters."""
-    operation = entries.operation
     config_name = f"data/{kind}/{_MODEL}_{kind}_config.json"
     config = read_json(entries, config_name, MAX_JSON_BYTES)
     items = config.get("config") if isinstance(config, Mapping) else None
     if not isinstance(items, Mapping):
-        raise InvalidInput(f"{operation}: {config_name} has no 'config' object")
+        raise InvalidInput(detail=f"{config_name} has no 'config' object")
     tensors: dict[str, torch.Tensor] = {}
     params: set[str] = set()
     cache: dict[str, torch.Tensor] = {}
     for fqn, payload_meta in items.items():
         where = f"{kind[:-1]} {fqn!r}"
         if not isinstance(payload_meta, Mapping):
-            raise InvalidInput(f"{operation}: {where} has no payload description")
+            raise InvalidInput(detail=f"{where} has no payload description")
         path = payload_meta.get("path_name")
         if payload_meta.get("use_pickle") is not False:
             raise InvalidInput(
-                f"{operation}: {where} is marked use_pickle (a pickled tensor subclass or object); the service "
+                detail=f"{where} is marked use_pickle (a pickled tensor subclass or object); the service "
                 "never unpickles uploads. Export plain tensors (no tensor subclasses, no custom objects)"
             )
         if not isinstance(path, str) or not _PAYLOAD_NAME[kind].match(path):
             hint = "custom and opaque objects are refused" if kind == "constants" else "weights are weight_<i>"
             raise InvalidInput(
-                f"{operation}: {where} points at payload {path!r}; only raw tensors are read ({hint}). Export a "
+                detail=f"{where} points at payload {path!r}; only raw tensors are read ({hint}). Export a "
                 "module whose state is plain tensors"
             )
         payload = entries.read(f"data/{kind}/{path}")
-        tensor = _payload_tensor(payload_meta.get("tensor_meta"), payload, where, operation, cache, path)
+        tensor = _payload_tensor(payload_meta.get("tensor_meta"), payload, where, cache, path)
         tensors[str(fqn)] = tensor
         if payload_meta.get("is_param") is True:
             params.add(str(fqn))

@@ -1,12 +1,13 @@
 """Checks of a torch.export program's JSON before torch's deserializer sees it: every string it would evaluate,
 import by, or paste into generated code, and the signature the service supports.
 
-    >>> check_expressions(program, operation)    # symbolic sizes: sympy.sympify evaluates them
-    >>> check_treespecs(program, operation)      # tree specs: treespec_loads imports what an __enum__ names
-    >>> check_names(program, names, operation)   # attribute paths: torch.fx pastes them into code it execs
-    >>> user_input = check_signature(graph_module, operation)
+    >>> check_expressions(program)    # symbolic sizes: sympy.sympify evaluates them
+    >>> check_treespecs(program)      # tree specs: treespec_loads imports what an __enum__ names
+    >>> check_names(program, names)   # attribute paths: torch.fx pastes them into code it execs
+    >>> user_input = check_signature(graph_module)
 
-NOTE [archive threat model] in exported.py lists what each check stops.
+NOTE [archive threat model] in exported.py lists what each check stops. Errors are raised with ``detail=``: the
+caller's boundary names the operation (NOTE [operation names] in errors.py).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _strings(tree: Any, key: str) -> Iterator[Any]:
             stack.extend(item)
 
 
-def check_expressions(program: Any, operation: str) -> None:
+def check_expressions(program: Any) -> None:
     for expr in _strings(program, "expr_str"):
         ok = isinstance(expr, str) and len(expr) <= MAX_EXPR_CHARS and "__" not in expr
         if ok:
@@ -88,19 +89,19 @@ def check_expressions(program: Any, operation: str) -> None:
             ok = ok and all(len(t) <= 30 for t in tokens)
         if not ok:
             raise InvalidInput(
-                f"{operation}: the graph has the symbolic size {str(expr)[:80]!r}, which is not an arithmetic "
+                detail=f"the graph has the symbolic size {str(expr)[:80]!r}, which is not an arithmetic "
                 "expression of size symbols (s0, u1, ...); export the module again with torch.export.export"
             )
 
 
-def check_names(program: Any, names: list[str], operation: str) -> None:
+def check_names(program: Any, names: list[str]) -> None:
     """Attribute paths and argument names must be plain identifiers: fx would paste them into code it execs."""
     for key in _NAME_KEYS:
         names.extend(name for name in _strings(program, key) if not (key == "fqn" and name == ""))
     for name in names:
         if not isinstance(name, str) or not _FQN.match(name):
             raise InvalidInput(
-                f"{operation}: the program names a parameter, buffer or submodule {str(name)[:80]!r}; names must "
+                detail=f"the program names a parameter, buffer or submodule {str(name)[:80]!r}; names must "
                 "be dotted identifiers (letters, digits, _), as a module's named_parameters() gives them"
             )
     for arg_names in _strings(program, "forward_arg_names"):
@@ -108,7 +109,7 @@ def check_names(program: Any, names: list[str], operation: str) -> None:
             isinstance(a, str) and a.isidentifier() and not keyword.iskeyword(a) for a in arg_names
         ):
             raise InvalidInput(
-                f"{operation}: the program's forward arguments are {str(arg_names)[:80]}; they must be identifiers"
+                detail=f"the program's forward arguments are {str(arg_names)[:80]}; they must be identifiers"
             )
 
 
@@ -124,7 +125,7 @@ def strip_metadata(program: Any) -> None:
         graph_module["metadata"] = {}
 
 
-def check_treespecs(program: Any, operation: str) -> None:
+def check_treespecs(program: Any) -> None:
     for key in ("in_spec", "out_spec"):
         for spec in _strings(program, key):
             if spec is None:
@@ -136,25 +137,25 @@ def check_treespecs(program: Any, operation: str) -> None:
             types = set(_strings(parsed, "type")) if parsed is not None else {"?"}
             if not types <= _TREESPEC_TYPES:
                 raise InvalidInput(
-                    f"{operation}: the program's {key} holds {sorted(map(str, types - _TREESPEC_TYPES))}; inputs "
+                    detail=f"the program's {key} holds {sorted(map(str, types - _TREESPEC_TYPES))}; inputs "
                     "and outputs must be tensors in plain tuples, lists or dicts"
                 )
 
 
-def check_signature(graph_module: Mapping[str, Any], operation: str) -> list[Mapping[str, Any]]:
+def check_signature(graph_module: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """The user inputs' tensor names, in order (one or more); refuses mutations, custom objects, effect tokens and
     non-tensor inputs."""
     signature = graph_module.get("signature")
     inputs = signature.get("input_specs") if isinstance(signature, Mapping) else None
     outputs = signature.get("output_specs") if isinstance(signature, Mapping) else None
     if not isinstance(inputs, list) or not isinstance(outputs, list):
-        raise InvalidInput(f"{operation}: the program has no graph signature")
+        raise InvalidInput(detail="the program has no graph signature")
     user_inputs = []
     for spec in inputs:
         kind = next(iter(spec), None) if isinstance(spec, Mapping) and len(spec) == 1 else None
         if kind not in _INPUT_KINDS:
             raise UnsupportedModel(
-                f"{operation}: the program takes a {kind!r} input; only parameters, buffers, tensor constants and "
+                detail=f"the program takes a {kind!r} input; only parameters, buffers, tensor constants and "
                 "tensor inputs are supported (no custom objects, effect tokens or non-tensor inputs)"
             )
         if kind == "user_input":
@@ -162,19 +163,19 @@ def check_signature(graph_module: Mapping[str, Any], operation: str) -> list[Map
     kinds = [next(iter(spec), None) if isinstance(spec, Mapping) else None for spec in outputs]
     if not kinds or any(kind != "user_output" for kind in kinds):
         raise UnsupportedModel(
-            f"{operation}: the program's outputs are {kinds}; it must return a tensor (or a dict of tensors) and "
+            detail=f"the program's outputs are {kinds}; it must return a tensor (or a dict of tensors) and "
             "mutate nothing (a buffer_mutation output means forward writes a buffer: export the module in eval mode)"
         )
     tensors = [u for u in user_inputs if isinstance(u, Mapping) and "as_tensor" in u]
     if not user_inputs or len(tensors) != len(user_inputs):
         raise UnsupportedModel(
-            f"{operation}: the program takes {len(user_inputs)} inputs ({str(user_inputs)[:200]}); the service's "
+            detail=f"the program takes {len(user_inputs)} inputs ({str(user_inputs)[:200]}); the service's "
             "models take tensors: x of shape (N, *input_shape), or several (N, ...) tensors as positional or "
             "keyword arguments"
         )
     graph = graph_module.get("graph")
     if isinstance(graph, Mapping) and graph.get("custom_obj_values"):
-        raise UnsupportedModel(f"{operation}: the graph holds custom objects; they are refused")
+        raise UnsupportedModel(detail="the graph holds custom objects; they are refused")
     return [u["as_tensor"] for u in tensors]
 
 
@@ -191,7 +192,7 @@ def _is_leaf(spec: Any) -> bool:
     return isinstance(spec, Mapping) and spec.get("type") is None and not spec.get("children_spec")
 
 
-def input_names(graph_module: Mapping[str, Any], user_inputs: list[Any], operation: str) -> tuple[str, list[str]]:
+def input_names(graph_module: Mapping[str, Any], user_inputs: list[Any]) -> tuple[str, list[str]]:
     """How forward takes the user inputs: ("tuple", names) for positional arguments (the placeholders' names, which
     torch takes from forward's parameters) or ("mapping", keys) for keyword arguments, from the call's in_spec.
 
@@ -201,24 +202,24 @@ def input_names(graph_module: Mapping[str, Any], user_inputs: list[Any], operati
     spec = _call_spec(graph_module, "in_spec")
     children = spec.get("children_spec") if isinstance(spec, Mapping) else None
     if not isinstance(children, list) or len(children) != 2:
-        raise UnsupportedModel(f"{operation}: the program's in_spec is not (args, kwargs); export it again")
+        raise UnsupportedModel(detail="the program's in_spec is not (args, kwargs); export it again")
     args, kwargs = children
     positional = args.get("children_spec") or [] if isinstance(args, Mapping) else []
     keyword = kwargs.get("children_spec") or [] if isinstance(kwargs, Mapping) else []
     if not all(_is_leaf(c) for c in [*positional, *keyword]) or len(positional) + len(keyword) != len(user_inputs):
         raise UnsupportedModel(
-            f"{operation}: the program's inputs are nested in containers; export forward with tensors as its "
+            detail="the program's inputs are nested in containers; export forward with tensors as its "
             "arguments (positional, or keyword: Client.register_module with a mapping input_shape does it)"
         )
     if positional and keyword:
         raise UnsupportedModel(
-            f"{operation}: the program takes {len(positional)} positional and {len(keyword)} keyword tensors; "
+            detail=f"the program takes {len(positional)} positional and {len(keyword)} keyword tensors; "
             "export it with all inputs positional or all keyword"
         )
     if keyword:
         context = json.loads(kwargs.get("context") or "null")
         if not isinstance(context, list) or not all(isinstance(k, str) and k.isidentifier() for k in context):
-            raise UnsupportedModel(f"{operation}: the program's keyword inputs {str(context)[:80]} are not identifiers")
+            raise UnsupportedModel(detail=f"the program's keyword inputs {str(context)[:80]} are not identifiers")
         return "mapping", list(context)
     names = [str(u.get("name")) if isinstance(u, Mapping) else "" for u in user_inputs]
     return "tuple", names
@@ -229,16 +230,16 @@ def output_is_tensor(graph_module: Mapping[str, Any]) -> bool:
     return _is_leaf(_call_spec(graph_module, "out_spec"))
 
 
-def input_meta(graph_module: Mapping[str, Any], name: Any, operation: str) -> tuple[tuple[int | None, ...], str]:
+def input_meta(graph_module: Mapping[str, Any], name: Any) -> tuple[tuple[int | None, ...], str]:
     values = graph_module.get("graph", {}).get("tensor_values", {})
     meta = values.get(name.get("name")) if isinstance(values, Mapping) and isinstance(name, Mapping) else None
     if not isinstance(meta, Mapping) or not isinstance(meta.get("sizes"), list) or not meta["sizes"]:
-        raise UnsupportedModel(f"{operation}: the program's input has no shape with a batch dimension")
+        raise UnsupportedModel(detail="the program's input has no shape with a batch dimension")
     sizes = [s.get("as_int") if isinstance(s, Mapping) else None for s in meta["sizes"]]
     dtype = {7: "float32", 5: "int64"}.get(meta.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise UnsupportedModel(
-            f"{operation}: the program's input has dtype code {meta.get('dtype')!r}; "
+            detail=f"the program's input has dtype code {meta.get('dtype')!r}; "
             "export with a float32 example (the service's dtype; kernels in float64 cast it) or int64 token ids"
         )
     return tuple(sizes[1:]), dtype
@@ -271,15 +272,13 @@ def embedding_rows(graph_module: Mapping[str, Any], user_input: Any, state_dict:
     return min(rows) if rows else None
 
 
-def input_vocabulary(
-    graph_module: Mapping[str, Any], user_input: Any, state_dict: dict[str, torch.Tensor], operation: str
-) -> int:
+def input_vocabulary(graph_module: Mapping[str, Any], user_input: Any, state_dict: dict[str, torch.Tensor]) -> int:
     """The rows of the smallest ``aten.embedding`` weight whose indices are the user input: the ids the model takes
     (the service checks them before computing, so an id out of range is a 422, not an error inside the graph)."""
     rows = embedding_rows(graph_module, user_input, state_dict)
     if rows is None:
         raise UnsupportedModel(
-            f"{operation}: the program takes int64 token ids but no embedding reads them directly, so the service "
+            detail="the program takes int64 token ids but no embedding reads them directly, so the service "
             "cannot check the ids' range; feed the ids into an nn.Embedding first"
         )
     return rows

@@ -1,6 +1,6 @@
 """The ``sequential`` family as an ``nn.Sequential``: a validated spec built, sized and shape-checked on meta.
 
-    >>> plan = plan_sequential(config, operation="register 'r'")   # no memory allocated for parameters
+    >>> plan = plan_sequential(config, max_params=10**6)   # no memory allocated for parameters
     >>> plan.num_params, plan.output_dim, plan.activations            # P, k, values per example
     >>> module = plan.module                                          # on the meta device; zoo.py materialises it
 
@@ -98,32 +98,32 @@ def _kwargs(spec: LayerSpec, *, drop: tuple[str, ...] = ()) -> dict[str, object]
     return {k: _tuple(v) for k, v in spec.model_dump().items() if k not in skip}
 
 
-def _make_layer(spec: LayerSpec, path: str, operation: str) -> nn.Module:
+def _make_layer(spec: LayerSpec, path: str) -> nn.Module:
     """The module of one layer spec (on the current default device), refusing what eval inference cannot run."""
     if isinstance(spec, ResidualSpec):
-        body = nn.Sequential(*_make_layers(spec.body, f"{path}.body", operation))
+        body = nn.Sequential(*_make_layers(spec.body, f"{path}.body"))
         shortcut = None
         if spec.shortcut is not None:
-            shortcut = nn.Sequential(*_make_layers(spec.shortcut, f"{path}.shortcut", operation))
+            shortcut = nn.Sequential(*_make_layers(spec.shortcut, f"{path}.shortcut"))
         return Residual(body, shortcut)
     if isinstance(spec, SequentialSpec):
-        return nn.Sequential(*_make_layers(spec.layers, f"{path}.layers", operation))
+        return nn.Sequential(*_make_layers(spec.layers, f"{path}.layers"))
     if isinstance(spec, BatchNorm1dSpec | BatchNorm2dSpec) and not spec.track_running_stats:
         raise InvalidInput(
-            f"{operation}: {_where(path, spec)}: track_running_stats=false normalises every batch with its own "
+            detail=f"{_where(path, spec)}: track_running_stats=false normalises every batch with its own "
             "statistics, so one example's kernel would depend on the others; keep track_running_stats=true (the "
             "default) and upload the layer's running_mean and running_var with the weights"
         )
     if isinstance(spec, LinearSpec | Conv1dSpec | Conv2dSpec) and spec.parameterization == "standard":
         if (spec.w_std, spec.b_std) != (1.0, 1.0):
             raise InvalidInput(
-                f"{operation}: {_where(path, spec)}: w_std and b_std apply only to parameterization 'ntk' (got "
+                detail=f"{_where(path, spec)}: w_std and b_std apply only to parameterization 'ntk' (got "
                 f"w_std={spec.w_std}, b_std={spec.b_std} with 'standard'); set parameterization to 'ntk' or drop them"
             )
     try:
         return _construct(spec)
     except (ValueError, AssertionError, RuntimeError, TypeError) as exc:  # torch's own argument checks
-        raise InvalidInput(f"{operation}: {_where(path, spec)} cannot be built: {exc or type(exc).__name__}") from exc
+        raise InvalidInput(detail=f"{_where(path, spec)} cannot be built: {exc or type(exc).__name__}") from exc
 
 
 def _construct(spec: LayerSpec) -> nn.Module:
@@ -144,8 +144,8 @@ def _construct(spec: LayerSpec) -> nn.Module:
     return torch_cls(**_kwargs(spec))
 
 
-def _make_layers(specs: Sequence[LayerSpec], path: str, operation: str) -> list[nn.Module]:
-    return [_make_layer(spec, f"{path}.{i}", operation) for i, spec in enumerate(specs)]
+def _make_layers(specs: Sequence[LayerSpec], path: str) -> list[nn.Module]:
+    return [_make_layer(spec, f"{path}.{i}") for i, spec in enumerate(specs)]
 
 
 def _batch_dim(dim: int, ndim: int) -> bool:
@@ -155,8 +155,7 @@ def _batch_dim(dim: int, ndim: int) -> bool:
 class _Trace:
     """Runs a meta input through the layers one by one, naming the first layer that fails."""
 
-    def __init__(self, operation: str) -> None:
-        self.operation = operation
+    def __init__(self) -> None:
         self.activations = 0
 
     def run(self, layers: nn.Sequential, specs: Sequence[LayerSpec], x: torch.Tensor, path: str) -> torch.Tensor:
@@ -180,7 +179,7 @@ class _Trace:
             if body.shape != skip.shape:
                 what = "shortcut" if spec.shortcut is not None else "input (identity shortcut)"
                 raise InvalidInput(
-                    f"{self.operation}: {_where(path, spec)}: its body maps {shape} to {tuple(body.shape)} but its "
+                    detail=f"{_where(path, spec)}: its body maps {shape} to {tuple(body.shape)} but its "
                     f"{what} is {tuple(skip.shape)}; body(x) + shortcut(x) needs equal shapes (add a shortcut, "
                     "e.g. a 1x1 Conv2d with the body's stride and channels)"
                 )
@@ -190,35 +189,35 @@ class _Trace:
             out = layer(x)
         except Exception as exc:  # torch's shape checks; the spec is what is wrong, so it is the client's error
             raise InvalidInput(
-                f"{self.operation}: {_where(path, spec)} fails on its input of shape {shape} (batch of one example "
+                detail=f"{_where(path, spec)} fails on its input of shape {shape} (batch of one example "
                 f"of input_shape): {str(exc).strip() or type(exc).__name__}"
             ) from exc
         if not isinstance(out, torch.Tensor):
-            raise InvalidInput(f"{self.operation}: {_where(path, spec)} returned {type(out).__name__}, not a tensor")
+            raise InvalidInput(detail=f"{_where(path, spec)} returned {type(out).__name__}, not a tensor")
         return out
 
     def _check_input(self, spec: LayerSpec, x: torch.Tensor, path: str) -> None:
-        op, where, shape = self.operation, _where(path, spec), tuple(x.shape)
+        where, shape = _where(path, spec), tuple(x.shape)
         if isinstance(spec, EmbeddingSpec) != (x.dtype == torch.int64):
             need = "int64 token ids" if isinstance(spec, EmbeddingSpec) else "a float tensor"
             raise InvalidInput(
-                f"{op}: {where} needs {need} but gets a {str(x.dtype).removeprefix('torch.')} tensor of shape "
+                detail=f"{where} needs {need} but gets a {str(x.dtype).removeprefix('torch.')} tensor of shape "
                 f"{shape}; int64 inputs (input_dtype 'int64') go into an Embedding first, and only there"
             )
         if isinstance(spec, FlattenSpec) and _batch_dim(spec.start_dim, x.ndim):
             raise InvalidInput(
-                f"{op}: {where}: start_dim={spec.start_dim} is the batch dimension of its input {shape}; flattening it "
-                "would mix examples (use start_dim=1)"
+                detail=f"{where}: start_dim={spec.start_dim} is the batch dimension of its input {shape}; flattening "
+                "it would mix examples (use start_dim=1)"
             )
         if isinstance(spec, MeanPoolSpec) and (not -x.ndim <= spec.dim < x.ndim or _batch_dim(spec.dim, x.ndim)):
             raise InvalidInput(
-                f"{op}: {where}: dim={spec.dim} is "
+                detail=f"{where}: dim={spec.dim} is "
                 + ("the batch dimension" if -x.ndim <= spec.dim < x.ndim else "out of range")
                 + f" of its input {shape}; pool over a dimension in 1..{x.ndim - 1} (e.g. 1 for (B, T, d) tokens)"
             )
 
 
-def build_meta(config: SequentialConfig, *, operation: str) -> nn.Sequential:
+def build_meta(config: SequentialConfig) -> nn.Sequential:
     """The spec's ``nn.Sequential`` on the meta device, in eval mode, without any check of shapes (a skeleton for
     stored weights of a spec ``plan_sequential`` accepted at registration).
 
@@ -226,41 +225,40 @@ def build_meta(config: SequentialConfig, *, operation: str) -> nn.Sequential:
         InvalidInput: a layer that cannot be built (as ``plan_sequential``).
     """
     with torch.device("meta"):
-        return nn.Sequential(*_make_layers(config.layers, "layers", operation)).eval()  # eval: as kernels run it
+        return nn.Sequential(*_make_layers(config.layers, "layers")).eval()  # eval: as kernels run it
 
 
-def plan_sequential(config: SequentialConfig, *, operation: str, max_params: int) -> SequentialPlan:
+def plan_sequential(config: SequentialConfig, *, max_params: int) -> SequentialPlan:
     """Build the spec on the meta device, count its parameters, then check every layer on the declared input.
 
     Args:
         config (SequentialConfig): the validated spec.
-        operation (str): prefix of error messages.
         max_params (int): the parameter cap, checked on the meta module before the shapes are traced.
 
     Returns:
         The SequentialPlan (meta module, P, k, activations per example).
 
-    Raises:
+    Raises (with ``detail=``: the caller's boundary names the operation, NOTE [operation names] in errors.py):
         InvalidInput: a layer that cannot be built (e.g. d_model not divisible by nhead), BatchNorm without
             running statistics, more than ``max_params`` parameters (with the count), a layer that fails on the
             shape it gets from the declared input (naming the layer and the shapes), or an output that is not a
             floating tensor (1, *out).
     """
-    module = build_meta(config, operation=operation)
+    module = build_meta(config)
     num_params = sum(p.numel() for p in module.parameters())
     if num_params > max_params:
         raise InvalidInput(
-            f"{operation}: this sequential model has {num_params:,} parameters, more than the server's limit of "
+            detail=f"this sequential model has {num_params:,} parameters, more than the server's limit of "
             f"{max_params:,} (counted before allocating anything); use narrower or fewer layers"
         )
     dtype = torch.int64 if config.input_dtype == "int64" else torch.float32
     x = torch.empty((1, *config.input_shape), dtype=dtype, device="meta")
-    trace = _Trace(operation)
+    trace = _Trace()
     with torch.no_grad():
         out = trace.run(module, config.layers, x, "layers")
     if not out.is_floating_point() or out.ndim < 1 or out[0].numel() == 0:
         raise InvalidInput(
-            f"{operation}: the model's output for one example is a {str(out.dtype).removeprefix('torch.')} tensor "
+            detail=f"the model's output for one example is a {str(out.dtype).removeprefix('torch.')} tensor "
             f"of shape {tuple(out.shape)}; it must be a non-empty floating tensor (1, *out)"
         )
     return SequentialPlan(module, num_params, math.prod(out.shape[1:]), trace.activations)

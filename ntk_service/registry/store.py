@@ -25,7 +25,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkServiceError
+from ntk_service.errors import InvalidInput, ModelNotFound, NameConflict, NtkServiceError, operation_name
 from ntk_service.registry.architectures import parse_architecture
 from ntk_service.registry.cache import ModuleCache
 from ntk_service.registry.database import DATABASE_FILENAME, Database
@@ -146,14 +146,12 @@ class ModelRegistry:
             PermissionDenied: a factory the operator does not allow.
             NameConflict: a model of this name exists.
         """
-        op = f"register {name!r}" if isinstance(name, str) else "register"
-        self._check_name(name, op)
-        label = _check_label(label, op)
-        self._check_free(name, op)
-        module, spec = build_model(architecture, seed, allowed_factories=self.allowed_factories, operation=op)
-        normalized = parse_architecture(architecture, operation=op).model_dump(mode="json")
-        tensors = canonical_tensors(module, operation=op)
-        return self._create(name, normalized, module, spec, tensors, seed=seed, label=label, op=op)
+        op, label = self._new_model(name, label)
+        with operation_name(op):  # the checks below raise their details; op names them
+            module, spec = build_model(architecture, seed, allowed_factories=self.allowed_factories, operation=op)
+            normalized = parse_architecture(architecture, operation=op).model_dump(mode="json")
+            tensors = canonical_tensors(module)
+            return self._create(name, normalized, module, spec, tensors, seed=seed, label=label, op=op)
 
     def register_weights(
         self, name: str, architecture: dict[str, Any], safetensors_bytes: bytes, *, label: str | None = None
@@ -176,18 +174,16 @@ class ModelRegistry:
             NonFiniteInput: NaN or inf in the weights.
             PermissionDenied, NameConflict: as ``register``.
         """
-        op = f"register {name!r}" if isinstance(name, str) else "register"
-        self._check_name(name, op)
-        label = _check_label(label, op)
-        self._check_free(name, op)
-        config = parse_architecture(architecture, operation=op)
-        tensors = parse_safetensors(safetensors_bytes, operation=op)
-        module, spec = build_uninitialized(config, allowed_factories=self.allowed_factories, operation=op)
-        canonical = canonical_tensors(module, operation=op)
-        load_tensors(module, tensors, operation=op)  # the strict check of names, shapes, dtypes and values
-        stored = {n: tensors[n].contiguous() for n in canonical}
-        normalized = config.model_dump(mode="json")
-        return self._create(name, normalized, module.eval(), spec, stored, seed=None, label=label, op=op)
+        op, label = self._new_model(name, label)
+        with operation_name(op):  # the checks below raise their details; op names them
+            config = parse_architecture(architecture, operation=op)
+            tensors = parse_safetensors(safetensors_bytes)
+            module, spec = build_uninitialized(config, allowed_factories=self.allowed_factories, operation=op)
+            canonical = canonical_tensors(module)
+            load_tensors(module, tensors)  # the strict check of names, shapes, dtypes and values
+            stored = {n: tensors[n].contiguous() for n in canonical}
+            normalized = config.model_dump(mode="json")
+            return self._create(name, normalized, module.eval(), spec, stored, seed=None, label=label, op=op)
 
     def register_program(self, name: str, archive: bytes, *, label: str | None = None) -> ModelRecord:
         """Create a model from a ``torch.export.save`` archive; version 1 holds the weights it was exported with.
@@ -210,13 +206,23 @@ class ModelRegistry:
                 over MAX_PARAMS parameters or whose forward fails on (2, *input_shape).
             NameConflict: a model of this name exists.
         """
+        op, label = self._new_model(name, label)
+        with operation_name(op):  # the checks below raise their details; op names them
+            module, spec, normalized, stored = load_program(archive, operation=op)
+            tensors = canonical_tensors(module)
+            return self._create(name, normalized, module, spec, tensors, seed=None, label=label, op=op, program=stored)
+
+    def _new_model(self, name: str, label: str | None) -> tuple[str, str | None]:
+        """A registration's operation name and its checked label, once its name is checked and free.
+
+        Raises:
+            InvalidInput: a bad name or label. NameConflict: a model of this name exists.
+        """
         op = f"register {name!r}" if isinstance(name, str) else "register"
         self._check_name(name, op)
         label = _check_label(label, op)
         self._check_free(name, op)
-        module, spec, normalized, stored = load_program(archive, operation=op)
-        tensors = canonical_tensors(module, operation=op)
-        return self._create(name, normalized, module, spec, tensors, seed=None, label=label, op=op, program=stored)
+        return op, label
 
     def _create(
         self,
@@ -302,10 +308,11 @@ class ModelRegistry:
         op = f"add_version {name!r}"
         label = _check_label(label, op)
         latest = self.get(name)
-        tensors = parse_safetensors(safetensors_bytes, operation=op)
-        module = self._skeleton(latest, op)
-        canonical = canonical_tensors(module, operation=op)
-        load_tensors(module, tensors, operation=op)  # the strict check of names, shapes, dtypes and values
+        with operation_name(op):  # the checks below raise their details; op names them
+            tensors = parse_safetensors(safetensors_bytes)
+            module = self._skeleton(latest, op)
+            canonical = canonical_tensors(module)
+            load_tensors(module, tensors)  # the strict check of names, shapes, dtypes and values
         data, sha = serialize({n: tensors[n].contiguous() for n in canonical})
         tmp = self._files.write_temp(lambda f: f.write(data))
         with self._files.temp_cleanup(tmp):
@@ -428,9 +435,10 @@ class ModelRegistry:
 
         def build() -> nn.Module:
             op = f"load_module {record.name!r} version {record.version}"
-            module = self._skeleton(record, op)
-            load_tensors(module, safetensors.torch.load_file(self._weights_file(record)), operation=op)
-            return module.eval()
+            with operation_name(op):  # the checks below raise their details; op names them
+                module = self._skeleton(record, op)
+                load_tensors(module, safetensors.torch.load_file(self._weights_file(record)))
+                return module.eval()
 
         return self._cache.get_or_build(record.cache_key, build)
 

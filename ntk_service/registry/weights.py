@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, MalformedRequest, NonFiniteInput
+from ntk_service.errors import InvalidInput, MalformedRequest, NonFiniteInput, operation_name
 
 __all__ = [
     "TensorLayout",
@@ -66,7 +66,7 @@ class TensorLayout:
         return f"{list(self.shape)} {_dtype_name(self.dtype)}"
 
 
-def canonical_tensors(module: nn.Module, *, operation: str) -> dict[str, torch.Tensor]:
+def canonical_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors to store: ``state_dict()`` without aliases, as ``safetensors.torch.save_model`` writes them.
 
     See NOTE [tied weights]: of the names sharing one storage, the alphabetically first name whose tensor covers the
@@ -88,7 +88,7 @@ def canonical_tensors(module: nn.Module, *, operation: str) -> dict[str, torch.T
         complete = sorted(n for n in names if _covers_storage(state[n]))
         if not complete:
             raise InvalidInput(
-                f"{operation}: tensors {sorted(names)} share memory but none covers all of it; safetensors cannot "
+                detail=f"tensors {sorted(names)} share memory but none covers all of it; safetensors cannot "
                 "store that, so the model must own them separately"
             )
         dropped.update(n for n in names if n != complete[0])
@@ -106,24 +106,24 @@ def serialize(tensors: dict[str, torch.Tensor]) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def parse_safetensors(data: bytes, *, operation: str) -> dict[str, torch.Tensor]:
+def parse_safetensors(data: bytes) -> dict[str, torch.Tensor]:
     """Parse an upload.
 
     Raises:
         MalformedRequest: the bytes are not a safetensors file.
     """
     if not isinstance(data, bytes | bytearray | memoryview) or len(data) < 8:
-        raise MalformedRequest(f"{operation}: the body is not a safetensors file (got {len(data)} bytes)")
+        raise MalformedRequest(detail=f"the body is not a safetensors file (got {len(data)} bytes)")
     try:
         return safetensors.torch.load(bytes(data))
     except Exception as exc:  # SafetensorError and friends: any parse failure is the client's malformed body
         raise MalformedRequest(
-            f"{operation}: the body is not a valid safetensors file ({exc}); write it with "
+            detail=f"the body is not a valid safetensors file ({exc}); write it with "
             "safetensors.torch.save_file(model.state_dict(), path)"
         ) from exc
 
 
-def check_tensors(expected: dict[str, TensorLayout], got: dict[str, torch.Tensor], *, operation: str) -> None:
+def check_tensors(expected: dict[str, TensorLayout], got: dict[str, torch.Tensor]) -> None:
     """Strict comparison of uploaded tensors with the architecture's: same names, shapes and dtypes, finite values.
 
     Raises:
@@ -146,12 +146,12 @@ def check_tensors(expected: dict[str, TensorLayout], got: dict[str, torch.Tensor
         problems.append(f"mismatched tensors: {'; '.join(mismatched)}")
     if problems:
         raise InvalidInput(
-            f"{operation}: the weights do not match the architecture: {' | '.join(problems)}; expected exactly "
+            detail=f"the weights do not match the architecture: {' | '.join(problems)}; expected exactly "
             f"{len(expected)} tensors named as in the model's state_dict() (GET the model for its parameters)"
         )
     bad = [n for n, t in got.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        raise NonFiniteInput(f"{operation}: tensors {', '.join(bad)} contain NaN or inf; upload finite weights")
+        raise NonFiniteInput(detail=f"tensors {', '.join(bad)} contain NaN or inf; upload finite weights")
 
 
 def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorLayout]:
@@ -159,20 +159,19 @@ def layout_of(tensors: dict[str, torch.Tensor]) -> dict[str, TensorLayout]:
     return {n: TensorLayout(tuple(t.shape), t.dtype) for n, t in tensors.items()}
 
 
-def load_tensors(module: nn.Module, tensors: dict[str, torch.Tensor], *, operation: str) -> None:
+def load_tensors(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy stored tensors into ``module`` in place (ties kept; see NOTE [tied weights]).
 
     Raises:
         InvalidInput: names do not fit the module (a stored file that no longer matches its architecture).
     """
-    canonical = canonical_tensors(module, operation=operation)
-    check_tensors(layout_of(canonical), tensors, operation=operation)
+    canonical = canonical_tensors(module)
+    check_tensors(layout_of(canonical), tensors)
     result = module.load_state_dict(tensors, strict=False)
     aliases = set(module.state_dict()) - set(canonical)
     if result.unexpected_keys or set(result.missing_keys) - aliases:
         raise InvalidInput(
-            f"{operation}: weights do not fit the model: missing {result.missing_keys}, "
-            f"unexpected {result.unexpected_keys}"
+            detail=f"weights do not fit the model: missing {result.missing_keys}, unexpected {result.unexpected_keys}"
         )
 
 
@@ -183,26 +182,27 @@ def safetensors_architecture(data: bytes, *, operation: str) -> dict[str, Any]:
         MalformedRequest: the bytes are not safetensors (bad header).
         InvalidInput: no ``architecture`` entry, or one that is not a JSON object.
     """
-    if len(data) < 8:
-        raise MalformedRequest(f"{operation}: the body is not a safetensors file (got {len(data)} bytes)")
-    (size,) = struct.unpack("<Q", bytes(data[:8]))
-    if size > min(len(data) - 8, _MAX_HEADER_BYTES):
-        raise MalformedRequest(f"{operation}: the body is not a safetensors file (its header claims {size} bytes)")
-    try:
-        header = json.loads(bytes(data[8 : 8 + size]))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise MalformedRequest(f"{operation}: the body is not a safetensors file (header: {exc})") from exc
-    metadata = header.get("__metadata__") if isinstance(header, dict) else None
-    raw = metadata.get("architecture") if isinstance(metadata, dict) else None
-    if not isinstance(raw, str):
-        raise InvalidInput(
-            f"{operation}: the safetensors file has no __metadata__['architecture']; put the architecture there as "
-            "JSON (Client.register_module does), or register with a JSON body and upload the weights as version 2"
-        )
-    try:
-        architecture = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidInput(f"{operation}: __metadata__['architecture'] is not valid JSON ({exc})") from exc
-    if not isinstance(architecture, dict):
-        raise InvalidInput(f"{operation}: __metadata__['architecture'] must be a JSON object with a 'family' key")
-    return architecture
+    with operation_name(operation):
+        if len(data) < 8:
+            raise MalformedRequest(detail=f"the body is not a safetensors file (got {len(data)} bytes)")
+        (size,) = struct.unpack("<Q", bytes(data[:8]))
+        if size > min(len(data) - 8, _MAX_HEADER_BYTES):
+            raise MalformedRequest(detail=f"the body is not a safetensors file (its header claims {size} bytes)")
+        try:
+            header = json.loads(bytes(data[8 : 8 + size]))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise MalformedRequest(detail=f"the body is not a safetensors file (header: {exc})") from exc
+        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        raw = metadata.get("architecture") if isinstance(metadata, dict) else None
+        if not isinstance(raw, str):
+            raise InvalidInput(
+                detail="the safetensors file has no __metadata__['architecture']; put the architecture there as "
+                "JSON (Client.register_module does), or register with a JSON body and upload the weights as version 2"
+            )
+        try:
+            architecture = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidInput(detail=f"__metadata__['architecture'] is not valid JSON ({exc})") from exc
+        if not isinstance(architecture, dict):
+            raise InvalidInput(detail="__metadata__['architecture'] must be a JSON object with a 'family' key")
+        return architecture

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, operation_name
 from ntk_service.registry.architectures import (
     ArchitectureConfig,
     CnnConfig,
@@ -95,14 +95,14 @@ def _count_activations(config: MlpConfig | CnnConfig | TransformerConfig) -> int
     return t * d * 2 + config.n_layers * per_block + config.output_dim
 
 
-def _check_size(config: MlpConfig | CnnConfig | TransformerConfig, operation: str) -> None:
+def _check_size(config: MlpConfig | CnnConfig | TransformerConfig) -> None:
     if isinstance(config, CnnConfig):
         sizes = cnn_spatial_sizes(config)
         if sizes[-1][0] == 0 or sizes[-1][1] == 0:
             layer = len(sizes) - 2
             h, w = sizes[-2]
             raise InvalidInput(
-                f"{operation}: cnn conv layer {layer} (kernel_size {config.kernel_size}, stride "
+                detail=f"cnn conv layer {layer} (kernel_size {config.kernel_size}, stride "
                 f"{config.strides[layer] if config.strides else 1}, padding {config.padding}) gets a {h}x{w} input, "
                 f"smaller than its kernel, so its output would be empty; use fewer layers, smaller strides or "
                 f"kernel_size, more padding, or a larger input_shape"
@@ -110,13 +110,13 @@ def _check_size(config: MlpConfig | CnnConfig | TransformerConfig, operation: st
     n = count_params(config)
     if n > MAX_PARAMS:
         raise InvalidInput(
-            f"{operation}: this {config.family} has {n:,} parameters, more than the limit of {MAX_PARAMS:,}; "
+            detail=f"this {config.family} has {n:,} parameters, more than the limit of {MAX_PARAMS:,}; "
             "use smaller widths or fewer layers"
         )
     acts = _count_activations(config)
     if acts > MAX_ACTIVATIONS_PER_EXAMPLE:
         raise InvalidInput(
-            f"{operation}: one example of this {config.family} produces about {acts:,} activation values, more than "
+            detail=f"one example of this {config.family} produces about {acts:,} activation values, more than "
             f"the limit of {MAX_ACTIVATIONS_PER_EXAMPLE:,}; use a smaller input, fewer channels or a shorter max_len"
         )
 
@@ -125,12 +125,12 @@ BuiltinConfig = MlpConfig | CnnConfig | TransformerConfig | SequentialConfig
 """The families built here (everything but operator factories)."""
 
 
-def _plan_sequential(config: SequentialConfig, operation: str) -> SequentialPlan:
+def _plan_sequential(config: SequentialConfig) -> SequentialPlan:
     """Plan a sequential spec on the meta device (parameter cap first, then shapes, then activations)."""
-    plan = plan_sequential(config, operation=operation, max_params=MAX_PARAMS)
+    plan = plan_sequential(config, max_params=MAX_PARAMS)
     if plan.activations > MAX_ACTIVATIONS_PER_EXAMPLE:
         raise InvalidInput(
-            f"{operation}: one example of this sequential model produces about {plan.activations:,} activation "
+            detail=f"one example of this sequential model produces about {plan.activations:,} activation "
             f"values, more than the limit of {MAX_ACTIVATIONS_PER_EXAMPLE:,}; use a smaller input or narrower layers"
         )
     return plan
@@ -149,9 +149,9 @@ def _spec_of(config: ArchitectureConfig, output_dim: int | None = None) -> Model
     return ModelSpec(tuple(config.input_shape), config.input_dtype, output_dim)
 
 
-def _construct_meta(config: BuiltinConfig, operation: str) -> nn.Module:
+def _construct_meta(config: BuiltinConfig) -> nn.Module:
     if isinstance(config, SequentialConfig):
-        return build_meta(config, operation=operation)
+        return build_meta(config)
     cls: type[nn.Module] = {MlpConfig: MLP, CnnConfig: CNN, TransformerConfig: Transformer}[type(config)]
     with torch.device("meta"):
         return cls(config)
@@ -174,26 +174,24 @@ def _materialize(model: nn.Module) -> nn.Module:
     return model
 
 
-def _validate_seed(seed: object, operation: str) -> int:
+def _validate_seed(seed: object) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise InvalidInput(f"{operation}: seed must be an integer in [0, 2**63), got {seed!r}")
+        raise InvalidInput(detail=f"seed must be an integer in [0, 2**63), got {seed!r}")
     return seed
 
 
-def _build_factory(
-    config: FactoryConfig, seed: int, allowed_factories: frozenset[str], operation: str
-) -> tuple[nn.Module, ModelSpec]:
+def _build_factory(config: FactoryConfig, seed: int, allowed_factories: frozenset[str]) -> tuple[nn.Module, ModelSpec]:
     with _SEED_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = call_factory(config, allowed_factories, operation=operation)
+        model = call_factory(config, allowed_factories)
     n = sum(p.numel() for p in model.parameters())
     if n > MAX_PARAMS:
         raise InvalidInput(
-            f"{operation}: factory {config.factory!r} built a model with {n:,} parameters, more than the limit of "
+            detail=f"factory {config.factory!r} built a model with {n:,} parameters, more than the limit of "
             f"{MAX_PARAMS:,}; pass smaller sizes in kwargs"
         )
     model.eval()
-    return model, _spec_of(config, probe_output_dim(model, config, operation=operation))
+    return model, _spec_of(config, probe_output_dim(model, config))
 
 
 def build_model(
@@ -224,11 +222,12 @@ def build_model(
             MAX_ACTIVATIONS_PER_EXAMPLE, a bad seed, or a factory that fails.
         PermissionDenied: a factory not in ``allowed_factories``.
     """
-    seed = _validate_seed(seed, operation)
-    config = parse_architecture(architecture, operation=operation)
-    if isinstance(config, FactoryConfig):
-        return _build_factory(config, seed, allowed_factories, operation)
-    model, spec = _checked_skeleton(config, operation)
+    with operation_name(operation):  # the checks below raise their details; this names them
+        seed = _validate_seed(seed)
+        config = parse_architecture(architecture, operation=operation)
+        if isinstance(config, FactoryConfig):
+            return _build_factory(config, seed, allowed_factories)
+        model, spec = _checked_skeleton(config)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     initialize_parameters(model, generator)
@@ -244,19 +243,20 @@ def build_uninitialized(
     Raises:
         InvalidInput, PermissionDenied: as ``build_model``.
     """
-    if isinstance(config, FactoryConfig):
-        return _build_factory(config, 0, allowed_factories, operation)
-    return _checked_skeleton(config, operation)
+    with operation_name(operation):
+        if isinstance(config, FactoryConfig):
+            return _build_factory(config, 0, allowed_factories)
+        return _checked_skeleton(config)
 
 
-def _checked_skeleton(config: BuiltinConfig, operation: str) -> tuple[nn.Module, ModelSpec]:
+def _checked_skeleton(config: BuiltinConfig) -> tuple[nn.Module, ModelSpec]:
     meta: nn.Module
     if isinstance(config, SequentialConfig):
-        plan = _plan_sequential(config, operation)
+        plan = _plan_sequential(config)
         meta, output_dim = plan.module, plan.output_dim
     else:
-        _check_size(config, operation)
-        meta, output_dim = _construct_meta(config, operation), None
+        _check_size(config)
+        meta, output_dim = _construct_meta(config), None
     return _materialize(meta).eval(), _spec_of(config, output_dim)
 
 
@@ -269,6 +269,7 @@ def build_skeleton(
         PermissionDenied: a factory no longer allowed by the operator.
         InvalidInput: a factory that now fails.
     """
-    if isinstance(config, FactoryConfig):
-        return _build_factory(config, 0, allowed_factories, operation)[0]
-    return _materialize(_construct_meta(config, operation)).eval()
+    with operation_name(operation):
+        if isinstance(config, FactoryConfig):
+            return _build_factory(config, 0, allowed_factories)[0]
+        return _materialize(_construct_meta(config)).eval()

@@ -25,10 +25,11 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refus
 def test_the_local_executor_passes_its_device_and_tf32_choice_to_every_panel(
     jobs_env: JobsEnv, make_manager: Callable[..., JobManager]
 ) -> None:
-    seen: list[tuple[object, object]] = []
+    seen: list[tuple[object, object, object]] = []
 
     def run_compute(fn: Any) -> Any:  # the server's seam: every panel's computation passes through here
-        seen.append((fn.keywords["device"], fn.keywords["allow_tf32"]))
+        options = fn.keywords["options"]  # built once per run from the job's stored options, not per panel
+        seen.append((options.device, options.allow_tf32, options.dtype))
         return fn()
 
     executor = LocalExecutor(run_compute=run_compute, device="cpu", allow_tf32=True)
@@ -40,7 +41,7 @@ def test_the_local_executor_passes_its_device_and_tf32_choice_to_every_panel(
     record = wait_finished(manager, job.id)
     assert record.status is JobStatus.SUCCEEDED, record.error
     # 3 row blocks, panels of 2² tiles: blocks {0, 1} against {0, 1} and against {2}, then {2} against {2}.
-    assert seen == [(torch.device("cpu"), True)] * 3
+    assert seen == [(torch.device("cpu"), True, torch.float64)] * 3
     _, model = jobs_env.registry.load_module("tiny")
     expected = reference_ntk(model, torch.from_numpy(jobs_env.x1), mode="trace").numpy()
     np.testing.assert_allclose(manager.read_result(job.id), expected, rtol=1e-10, atol=1e-12)

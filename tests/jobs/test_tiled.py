@@ -302,7 +302,7 @@ def test_mapping_inputs_and_output_path(tmp_path: Path, mode: KernelMode) -> Non
         view = compute_ntk_tiled(model, x1, side2, output="logits[:, 1]", **kwargs)
         dense = reference_ntk(model, x1, side2, mode=mode.value, output=lambda o: o["logits"][:, 1]).numpy()
         np.testing.assert_allclose(view.to_numpy(), dense, rtol=1e-10, atol=1e-12)
-        assert dict(zarr.open_group(str(out), mode="r").attrs)["spec"]["output"] == "logits[:, 1]"
+        assert dict(zarr.open_group(str(out), mode="r").attrs)["spec"]["kernel"]["output"] == "logits[:, 1]"
         with pytest.raises(InvalidInput, match="holds a different computation.*output"):
             compute_ntk_tiled(model, x1, side2, output="logits[:, 2]", **kwargs)  # resume checks the path too
 

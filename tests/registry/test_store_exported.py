@@ -14,7 +14,7 @@ from torch import nn
 
 from ntk_service.errors import InvalidInput, NameConflict, UnsupportedModel
 from ntk_service.registry import ModelRegistry
-from ntk_service.server.kernel_inputs import check_input
+from ntk_service.registry.input_contract import check_input
 from tests.registry.archives import export_archive
 from tests.registry.exported_models import GatedLoop
 from tests.registry.sequential_models import train_steps
@@ -77,9 +77,9 @@ def test_a_token_model_records_its_vocabulary_and_out_of_range_ids_are_refused(t
     registry = ModelRegistry(tmp_path)
     record = registry.register_program("tok", export_archive(TokenClassifier(), torch.zeros(2, 3, dtype=torch.int64)))
     assert (record.input_dtype, record.input_shape, record.architecture["vocab_size"]) == ("int64", (3,), 7)
-    check_input(np.array([[0, 6, 2]]), record, side="x1", operation="ntk")
+    check_input(np.array([[0, 6, 2]]), record, side="x1")
     with pytest.raises(InvalidInput, match=r"x1 has token ids in \[0, 7\], model 'tok' has a vocabulary of 7"):
-        check_input(np.array([[0, 7, 2]]), record, side="x1", operation="ntk")
+        check_input(np.array([[0, 7, 2]]), record, side="x1")
 
     class Ids(nn.Module):  # int64 in, but no embedding reads the ids: their range cannot be checked
         def __init__(self) -> None:

@@ -1,4 +1,5 @@
-"""``server/kernel_inputs.py`` alone: the side checks and the mapping of model failures to the caller's errors.
+"""The input contract (``registry/input_contract.py``) and ``server/computing.py`` alone: the side checks and the
+mapping of model failures to the caller's errors (the helpers ``server/kernel_inputs.py`` held before issue 40).
 
 The routes using it are tested end to end in ``tests/server/routes``; these are the cases a real request reaches
 only on a GPU (a device out of memory) or with an odd factory model.
@@ -12,9 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ModelNotFound, ResourceLimit, ShapeMismatch
+from ntk_service.errors import (
+    InvalidInput,
+    MemoryEstimateExceeded,
+    ModelNotFound,
+    ResourceLimit,
+    ShapeMismatch,
+    operation_name,
+)
 from ntk_service.registry import ModelRecord
-from ntk_service.server.kernel_inputs import check_budget, check_input, run_model
+from ntk_service.registry.input_contract import check_input
+from ntk_service.server.computing import check_budget, run_model
 
 
 def _record(architecture: dict[str, object], input_shape: tuple[int, ...], input_dtype: str) -> ModelRecord:
@@ -38,8 +47,8 @@ TRANSFORMER = _record({"family": "transformer", "max_len": 4, "vocab_size": 10},
 
 
 def test_check_input_accepts_what_the_model_takes() -> None:
-    check_input(np.zeros((2, 3), np.float32), MLP, side="x1", operation="op")
-    check_input(np.array([[0, 9, 3]]), TRANSFORMER, side="x1", operation="op")  # T = 3 <= max_len
+    check_input(np.zeros((2, 3), np.float32), MLP, side="x1")
+    check_input(np.array([[0, 9, 3]]), TRANSFORMER, side="x1")  # T = 3 <= max_len
 
 
 @pytest.mark.parametrize(
@@ -57,37 +66,37 @@ def test_check_input_accepts_what_the_model_takes() -> None:
 def test_check_input_refuses_with_what_to_send(
     array: np.ndarray, record: ModelRecord, error: type[Exception], fragment: str
 ) -> None:
-    with pytest.raises(error) as info:
-        check_input(np.asarray(array), record, side="x2", operation="op")
+    with pytest.raises(error) as info, operation_name("op"):  # the caller's boundary names the operation
+        check_input(np.asarray(array), record, side="x2")
     assert fragment in str(info.value)
     assert str(info.value).startswith("op: x2")
 
 
 def test_run_model_maps_failures_to_the_callers_errors() -> None:
-    assert run_model(lambda: 7, record=MLP, operation="op")[0] == 7
+    assert run_model(lambda: 7, record=MLP)[0] == 7
 
     def oom() -> None:
         raise torch.OutOfMemoryError("CUDA out of memory")  # a subclass of RuntimeError: must not read as bad input
 
     with pytest.raises(ResourceLimit, match="cuda:0 ran out of memory"):
-        run_model(oom, record=MLP, operation="op", device="cuda:0")
+        run_model(oom, record=MLP, device="cuda:0")
 
     def bad_forward() -> None:
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     with pytest.raises(InvalidInput, match="model 'm' failed on the inputs: mat1"):
-        run_model(bad_forward, record=MLP, operation="op")
+        run_model(bad_forward, record=MLP)
 
     def domain() -> None:
         raise ModelNotFound("op: no model 'm'")
 
     with pytest.raises(ModelNotFound):  # domain errors pass through unchanged
-        run_model(domain, record=MLP, operation="op")
+        run_model(domain, record=MLP)
 
 
 def test_check_budget_refuses_over_the_budget_with_the_estimate() -> None:
-    check_budget(1000, 1000, what="w", operation="op")
+    check_budget(1000, 1000, what="w")
     with pytest.raises(MemoryEstimateExceeded) as info:
-        check_budget(1001, 1000, what="the spectrum", operation="op")
+        check_budget(1001, 1000, what="the spectrum")
     assert info.value.estimate_bytes == 1001
     assert info.value.budget_bytes == 1000

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ntk_service.config import Settings
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, MemoryEstimateExceeded
 from ntk_service.kernels import DerivedMode, KernelMode, NtkImplementation
-from ntk_service.server import computing, reading
+from ntk_service.server import computing, media, reading
 from ntk_service.server.schemas import KernelModeValue, KernelOptions, NngpOptions, validate_body
 
 
@@ -43,3 +43,12 @@ def test_moved_names_warn_and_resolve_to_their_new_home() -> None:
         assert old.parse_side is reading.parse_side
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         old.nope  # noqa: B018
+
+
+def test_the_old_helpers_warn_and_still_name_their_operation() -> None:
+    old = importlib.import_module("ntk_service.server.kernel_inputs")
+    with pytest.warns(DeprecationWarning, match="import it from ntk_service.server.computing"):
+        with pytest.raises(MemoryEstimateExceeded, match="^op: "):
+            old.check_budget(1001, 1000, what="the spectrum", operation="op")
+    with pytest.warns(DeprecationWarning, match="import it from ntk_service.server.media"):
+        assert old.MIN_JSON_BYTES_PER_VALUE == media.MIN_JSON_BYTES_PER_VALUE

@@ -29,7 +29,7 @@ from ntk_service.jobs.panels import DIAGONAL_MIN_ROWS, DIAGONAL_SPLIT, Panel, di
 from ntk_service.jobs.planner import Tile, TilePlan
 from ntk_service.jobs.records import JobSpec
 from ntk_service.jobs.results import ResultArray, mirror_theta
-from ntk_service.kernels import SideCache, compute_ntk, device_memory_budget
+from ntk_service.kernels import NtkOptions, SideCache, compute_ntk, device_memory_budget
 from ntk_service.kernels.modes import result_shape
 from ntk_service.kernels.problem.batch import Batch
 
@@ -122,6 +122,7 @@ def compute_panel(
     side_cache: SideCache | None = None,
     device: torch.device | str | None = None,
     allow_tf32: bool = False,
+    options: NtkOptions | None = None,
 ) -> tuple[np.ndarray, str]:
     """Compute one panel's block: one ``compute_ntk`` call, or, for a symmetric job's diagonal panel when a side
     cache holds sides, one per block on and above its diagonal (``work.diagonal_split`` blocks, ``DIAGONAL_SPLIT``
@@ -139,6 +140,8 @@ def compute_panel(
         device: where the block is computed (the panel's rows are moved there; the result comes back to the host).
             Default: the model's device.
         allow_tf32: as for ``compute_ntk``. Default: False.
+        options (NtkOptions, optional): how the block is computed, built once per run by the executor
+            (``JobSpec.engine_options``). Default: None, the job's options on ``device`` with ``allow_tf32``.
 
     Returns:
         (theta, implementation): theta (R, C, k, k) FULL, (R, C) TRACE, (R, C, k) OUTPUT_DIAGONAL, (R, k, k)
@@ -146,10 +149,12 @@ def compute_panel(
         implementation that ran.
     """
     spec = work.spec
+    if options is None:
+        options = spec.engine_options(device=device, allow_tf32=allow_tf32)
     if panel.is_diagonal and spec.mode.spec.pairs and _caches(side_cache):
         blocks = diagonal_blocks(panel, work.plan.tile_size, split=work.diagonal_split, min_rows=work.diagonal_min_rows)
         if len(blocks) > 1:
-            return _diagonal_panel(model, x1, work, panel, blocks, side_cache, device, allow_tf32)
+            return _diagonal_panel(model, x1, work, panel, blocks, side_cache, options)
     r0, r1 = panel.rows
     c0, c1 = panel.cols
     other = x1 if x2 is None else x2
@@ -160,10 +165,8 @@ def compute_panel(
         model,
         _rows(x1, r0, r1),
         right,
-        mode=spec.mode,
-        output=spec.output,
-        params=spec.params,
-        options=spec.engine_options(device=device, allow_tf32=allow_tf32),
+        spec=spec.kernel,
+        options=options,
         side_cache=side_cache,
         # Keys name data-set rows, not panel rows: two jobs over different row ranges of one data set never collide.
         x1_key=(spec.weights_sha256, spec.x1_sha256, spec.x1_start + r0, spec.x1_start + r1),
@@ -183,8 +186,7 @@ def _diagonal_panel(
     panel: Panel,
     blocks: Sequence[tuple[int, int]],
     side_cache: SideCache | None,
-    device: torch.device | str | None,
-    allow_tf32: bool,
+    options: NtkOptions,
 ) -> tuple[np.ndarray, str]:
     """A symmetric job's diagonal panel as the blocks on and above its diagonal (``diagonal_blocks``): block a
     against itself with ``x2=None``, a < b with both sides from the side cache, mirrored below the diagonal (the
@@ -199,17 +201,13 @@ def _diagonal_panel(
     def key(a: tuple[int, int]) -> tuple[str, str, int, int]:
         return (spec.weights_sha256, spec.x1_sha256, spec.x1_start + a[0], spec.x1_start + a[1])
 
-    options = spec.engine_options(device=device, allow_tf32=allow_tf32)
-
     for ia, a in enumerate(blocks):
         for b in blocks[ia:]:
             result = compute_ntk(
                 model,
                 _rows(x1, *a),
                 None if b == a else _rows(x1, *b),
-                mode=spec.mode,
-                output=spec.output,
-                params=spec.params,
+                spec=spec.kernel,
                 options=options,
                 side_cache=side_cache,
                 x1_key=key(a),
@@ -256,6 +254,7 @@ def run_panel(
     side_cache: SideCache | None = None,
     device: torch.device | str | None = None,
     allow_tf32: bool = False,
+    options: NtkOptions | None = None,
 ) -> PanelOutcome:
     """Compute one panel and write the chunks of ``tiles`` (those claimed: a resumed panel rewrites none that is
     recorded); returns the outcome to record (the caller records it).
@@ -263,11 +262,11 @@ def run_panel(
     Args:
         tiles: the panel's tiles to write.
         array: the job's open ResultArray. Default: opened from ``work.result_path`` (what a Ray worker does).
-        side_cache, device, allow_tf32: as for ``compute_panel``.
+        side_cache, device, allow_tf32, options: as for ``compute_panel``.
     """
     start = time.perf_counter()
     theta, implementation = compute_panel(
-        model, x1, x2, work, panel, side_cache=side_cache, device=device, allow_tf32=allow_tf32
+        model, x1, x2, work, panel, side_cache=side_cache, device=device, allow_tf32=allow_tf32, options=options
     )
     computed = time.perf_counter()
     if array is None:

@@ -106,6 +106,7 @@ class LocalExecutor(Executor):
         array = ResultArray.open(work.result_path, plan=work.plan)
         size = self.side_cache_bytes
         cache = SideCache(max_bytes=default_side_cache_bytes(work.spec.memory_budget_bytes) if size is None else size)
+        options = work.spec.engine_options(device=self.device, allow_tf32=self.allow_tf32)  # once per run
         queue = iter(panels)
         lock = threading.Lock()
         failed = threading.Event()
@@ -136,8 +137,7 @@ class LocalExecutor(Executor):
                             tiles,
                             array=array,
                             side_cache=cache,
-                            device=self.device,
-                            allow_tf32=self.allow_tf32,
+                            options=options,
                         )
                     )
                 except BaseException:

@@ -58,6 +58,7 @@ from ntk_service.jobs.executors.base import (
 from ntk_service.jobs.executors.weights import pack_module, unpack_module
 from ntk_service.jobs.panels import Panel
 from ntk_service.kernels import (
+    NtkOptions,
     SideCache,
     device_memory_budget,
     model_device,
@@ -149,7 +150,7 @@ class PanelWorker:
     def __init__(self, threads: int, use_gpu: bool, allow_tf32: bool, side_cache_bytes: int | None) -> None:
         torch.set_num_threads(max(1, threads))
         self.use_gpu, self.allow_tf32, self.side_cache_bytes = use_gpu, allow_tf32, side_cache_bytes
-        self._job: tuple[str, nn.Module, Any, Any, JobWork, SideCache, torch.device] | None = None
+        self._job: tuple[str, nn.Module, Any, Any, JobWork, SideCache, NtkOptions] | None = None
 
     def ready(self) -> str:
         """The id of the actor's node, once it is constructed (the driver waits for this before sending panels,
@@ -166,14 +167,12 @@ class PanelWorker:
         Returns:
             The PanelOutcome to record, its ``worker`` this actor's id.
         """
-        job_id, model, x1, x2, work, cache, device = self._load(refs)
+        job_id, model, x1, x2, work, cache, options = self._load(refs)
         tiles = tuple(t for t in panel.tiles if t.id in set(tile_ids))
-        outcome = run_panel(
-            model, x1, x2, work, panel, tiles, side_cache=cache, device=device, allow_tf32=self.allow_tf32
-        )
+        outcome = run_panel(model, x1, x2, work, panel, tiles, side_cache=cache, options=options)
         return dataclasses.replace(outcome, worker=str(import_ray().get_runtime_context().get_actor_id()))
 
-    def _load(self, refs: list[Any]) -> tuple[str, nn.Module, Any, Any, JobWork, SideCache, torch.device]:
+    def _load(self, refs: list[Any]) -> tuple[str, nn.Module, Any, Any, JobWork, SideCache, NtkOptions]:
         job_id = str(refs[0])
         if self._job is not None and self._job[0] == job_id:
             return self._job
@@ -196,7 +195,8 @@ class PanelWorker:
             model = model.to(device)  # this actor's own deserialized copy: moving it is safe
         size = self.side_cache_bytes
         cache = SideCache(max_bytes=default_side_cache_bytes(work.spec.memory_budget_bytes) if size is None else size)
-        self._job = (job_id, model, x1, x2, work, cache, device)
+        options = work.spec.engine_options(device=device, allow_tf32=self.allow_tf32)  # once per job, not per panel
+        self._job = (job_id, model, x1, x2, work, cache, options)
         return self._job
 
 

@@ -21,17 +21,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from ntk_service.errors import InvalidInput, NtkServiceError, ShapeMismatch
+from ntk_service.errors import InvalidInput, NtkServiceError, ShapeMismatch, operation_name
 from ntk_service.jobs.executors.base import JobWork, PanelOutcome
 from ntk_service.jobs.kinds.base import DatasetSource, JobKind, JobStopped, Layout, PlanContext, RunContext
 from ntk_service.jobs.panels import Panel, cost_model_panel_tiles
 from ntk_service.jobs.planner import Tile, TilePlan, plan_tiles
 from ntk_service.jobs.records import KERNEL, JobRecord, JobSpec, JobStatus
 from ntk_service.jobs.results import RESULT_GROUP_NAME, ResultArray, migrate_legacy
-from ntk_service.kernels import compute_ntk
+from ntk_service.kernels import KernelSpec, NtkOptions, compute_ntk
 from ntk_service.kernels.modes import KernelMode, parse_mode
+from ntk_service.kernels.options import DTYPES
 from ntk_service.kernels.problem.batch import Batch, embedding_feeds
-from ntk_service.kernels.problem.outputs import parse_output, select_output
+from ntk_service.kernels.problem.outputs import select_output
 from ntk_service.kernels.types import NtkImplementation, parse_implementation
 from ntk_service.registry import NamedDatasetRecord
 
@@ -136,29 +137,34 @@ class KernelKind(JobKind[KernelRequest, JobSpec, None, None]):
                 output path, named arrays that differ between the sides or from the model's inputs (422), token ids
                 outside an nn.Embedding's vocabulary in any row (every row is checked, in chunks).
         """
-        mode = parse_mode(request.mode)
-        impl = parse_implementation(request.implementation)
-        dtype, params, output = request.dtype, request.params, request.output
+        dtype = request.dtype
         if dtype not in DTYPE_SIZES:
             raise InvalidInput(f"jobs: dtype {dtype!r} is not supported; use 'float32' or 'float64'")
         if request.panel_tiles is not None and request.panel_tiles < 1:
             raise InvalidInput(
                 f"jobs: panel_tiles must be ≥ 1, got {request.panel_tiles}; omit it for the cost model's"
             )
-        parse_output(output, "jobs")
+        with operation_name("jobs"):  # the values every panel computes with, built once here
+            mode = parse_mode(request.mode, operation="jobs")
+            kernel = KernelSpec(mode=mode, params=request.params, output=request.output)
+            options = NtkOptions(
+                implementation=parse_implementation(request.implementation, operation="jobs"),
+                dtype=DTYPES[dtype],
+                memory_budget_bytes=ctx.memory_budget(),
+            )
         record, module = ctx.models.load_module(request.model, request.version)
         inputs = _resolve_inputs(ctx.datasets, request)
         tile_size = ctx.settings.default_tile_size if request.tile_size is None else request.tile_size
         plan = plan_tiles(n=inputs.n, m=inputs.m, tile_size=tile_size, mode=mode)
-        budget = ctx.memory_budget()
-        example = _probe(ctx.datasets, module, inputs, mode, impl, dtype, params, budget, output)
+        example = _probe(ctx.datasets, module, inputs, kernel, options)
         _check_ids(ctx.datasets, module, example, inputs)
-        k = int(record.output_dim) if output is None else _selected_size(module, example, output)
+        k = int(record.output_dim) if kernel.output_path is None else _selected_size(module, example, kernel)
         panel_tiles = request.panel_tiles
         if panel_tiles is None:
             panel_tiles = cost_model_panel_tiles(
-                plan, module, example, k=k, implementation=impl, params=params, dtype=dtype, output=output,
-                memory_budget_bytes=budget, target_s=ctx.settings.panel_seconds, workers=ctx.executor.parallelism(),
+                plan, module, example, k=k, implementation=options.implementation, params=kernel.params,
+                dtype=dtype, output=kernel.output, memory_budget_bytes=options.memory_budget_bytes,
+                target_s=ctx.settings.panel_seconds, workers=ctx.executor.parallelism(),
             )  # fmt: skip
         return JobSpec(
             model=record.name,
@@ -171,15 +177,11 @@ class KernelKind(JobKind[KernelRequest, JobSpec, None, None]):
             n=plan.n,
             m=plan.m,
             k=k,
-            mode=mode,
-            implementation=impl,
-            dtype=dtype,
-            params=None if params is None else tuple(params),
             tile_size=plan.tile_size,
-            memory_budget_bytes=budget,
+            kernel=kernel,
+            options=options,
             x1_start=inputs.x1_rows[0],
             x2_start=0 if inputs.x2_rows is None else inputs.x2_rows[0],
-            output=output,
             panel_tiles=panel_tiles,
         )
 
@@ -331,15 +333,7 @@ def _tensor(datasets: DatasetSource, dataset_id: str, start: int | None = None, 
 
 
 def _probe(
-    datasets: DatasetSource,
-    module: nn.Module,
-    inputs: _Inputs,
-    mode: KernelMode,
-    implementation: NtkImplementation,
-    dtype: str,
-    params: Sequence[str] | None,
-    budget: int | None,
-    output: str | None,
+    datasets: DatasetSource, module: nn.Module, inputs: _Inputs, kernel: KernelSpec, options: NtkOptions
 ) -> Batch:
     """One example per side: finds wrong shapes, dtypes, parameter globs and unsupported models in milliseconds,
     so the client gets a 422 now instead of a failed job later; named arrays are checked leaf by leaf against
@@ -348,13 +342,10 @@ def _probe(
     x1_start = inputs.x1_rows[0]
     x1 = _tensor(datasets, inputs.x1_dataset, x1_start, x1_start + 1)
     x2 = None
-    if inputs.x2_rows is not None and mode.spec.pairs:
+    if inputs.x2_rows is not None and kernel.mode.spec.pairs:
         x2 = _tensor(datasets, str(inputs.x2_dataset), inputs.x2_rows[0], inputs.x2_rows[0] + 1)
     try:
-        compute_ntk(
-            module, x1, x2, mode=mode, output=output, implementation=implementation.value, params=params,
-            dtype=dtype, memory_budget_bytes=budget,
-        )  # fmt: skip
+        compute_ntk(module, x1, x2, spec=kernel, options=options)
     except NtkServiceError:
         raise
     except (RuntimeError, ValueError, IndexError, TypeError) as exc:
@@ -389,7 +380,7 @@ def _check_ids(datasets: DatasetSource, module: nn.Module, example: Batch, input
                 )
 
 
-def _selected_size(module: nn.Module, example: Batch, output: str) -> int:
+def _selected_size(module: nn.Module, example: Batch, kernel: KernelSpec) -> int:
     """k of a job with ``output=``: the selected tensor's size per example (the model record's output_dim describes
     what forward returns, not the selection)."""
     with torch.no_grad():
@@ -400,4 +391,4 @@ def _selected_size(module: nn.Module, example: Batch, output: str) -> int:
             if isinstance(example, tuple)
             else module(example)
         )
-    return int(select_output(raw, parse_output(output, "jobs"), "jobs")[0].numel())
+    return int(select_output(raw, kernel.output_path, "jobs")[0].numel())

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ntk_service.errors import EmptyBatch, InvalidInput, NonFiniteInput, ShapeMismatch
+from ntk_service.errors import EmptyBatch, InvalidInput, NonFiniteInput, ShapeMismatch, operation_name
 
 __all__ = [
     "Batch",
@@ -141,25 +141,25 @@ def signature(x: Batch) -> Hashable:
     return (kind, tuple((name, tuple(t.shape[1:]), t.is_floating_point()) for name, t in leaves(x)))
 
 
-def _leaf(x: object, name: str, dtype: torch.dtype, operation: str) -> torch.Tensor:
+def _leaf(x: object, name: str, dtype: torch.dtype) -> torch.Tensor:
     """One leaf as a tensor: floats finite and cast to ``dtype``, integers as int64."""
     try:
         t = torch.as_tensor(x)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ShapeMismatch(
-            f"{operation}: {name} must be a tensor (or array) batched on dim 0, got {type(x).__name__}"
+            detail=f"{name} must be a tensor (or array) batched on dim 0, got {type(x).__name__}"
         ) from exc
     if t.ndim == 0:
-        raise ShapeMismatch(f"{operation}: {name} must have a batch dimension (N, ...), got a scalar")
+        raise ShapeMismatch(detail=f"{name} must have a batch dimension (N, ...), got a scalar")
     if t.shape[0] == 0:
-        raise EmptyBatch(f"{operation}: {name} is an empty batch (shape {tuple(t.shape)}); pass at least one example")
+        raise EmptyBatch(detail=f"{name} is an empty batch (shape {tuple(t.shape)}); pass at least one example")
     if t.is_floating_point():
         if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).flatten(1).any(1).nonzero()[0]) if t.ndim > 1 else 0
-            raise NonFiniteInput(f"{operation}: {name} contains NaN or inf (first in example {bad}); clean the inputs")
+            raise NonFiniteInput(detail=f"{name} contains NaN or inf (first in example {bad}); clean the inputs")
         return t.to(dtype)
     if t.is_complex():
-        raise ShapeMismatch(f"{operation}: {name} has dtype {t.dtype}; expected a float or integer tensor")
+        raise ShapeMismatch(detail=f"{name} has dtype {t.dtype}; expected a float or integer tensor")
     return t.to(torch.int64)  # bool masks included: data, as 0/1 ids
 
 
@@ -186,12 +186,14 @@ def as_batch(x: object, side: str, dtype: torch.dtype, operation: str = "compute
         bad = [key for key in x if not isinstance(key, str)]
         if bad:
             raise ShapeMismatch(f"{operation}: {side} has non-string keys {bad[:3]}; name each input by a str")
-        batch: Batch = {key: _leaf(value, f"{side}[{key!r}]", dtype, operation) for key, value in x.items()}
+        with operation_name(operation):
+            batch: Batch = {key: _leaf(value, f"{side}[{key!r}]", dtype) for key, value in x.items()}
     else:
         items = list(x)  # type: ignore[call-overload]
         if not items:
             raise ShapeMismatch(f"{operation}: {side} is an empty tuple; pass the model's positional inputs")
-        batch = tuple(_leaf(value, f"{side}[{i}]", dtype, operation) for i, value in enumerate(items))
+        with operation_name(operation):
+            batch = tuple(_leaf(value, f"{side}[{i}]", dtype) for i, value in enumerate(items))
     sizes = {name: t.shape[0] for name, t in leaves(batch)}
     if len(set(sizes.values())) > 1:
         shown = ", ".join(f"{side}{name}: {n}" for name, n in sizes.items())

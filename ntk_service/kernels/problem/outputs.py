@@ -32,7 +32,7 @@ from typing import TypeAlias
 
 import torch
 
-from ntk_service.errors import InvalidInput
+from ntk_service.errors import InvalidInput, operation_name
 
 __all__ = ["OutputPath", "parse_output", "select_output"]
 
@@ -54,7 +54,7 @@ class OutputPath:
     steps: tuple[str | tuple[Index, ...], ...] = field(compare=False)  # equal and hashed by text (slices do not hash)
 
 
-def _tokens(text: str, operation: str) -> list[tuple[str, str]]:
+def _tokens(text: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     pos = 0
     text = text.rstrip()
@@ -62,7 +62,7 @@ def _tokens(text: str, operation: str) -> list[tuple[str, str]]:
         match = _TOKEN.match(text, pos)
         if match is None or match.end() == pos:
             raise InvalidInput(
-                f"{operation}: output path {text!r} has an unexpected character at position {pos}; expected names, "
+                detail=f"output path {text!r} has an unexpected character at position {pos}; expected names, "
                 "'.', and brackets of ints, ':' and '...', e.g. 'logits' or 'logits[:, 0]'"
             )
         kind = match.lastgroup or ""
@@ -88,7 +88,8 @@ def parse_output(path: str | OutputPath | None, operation: str = "compute_ntk") 
         return path
     if not isinstance(path, str):
         raise InvalidInput(f"{operation}: output must be a string path like 'logits[:, 0]', got {type(path).__name__}")
-    tokens = _tokens(path, operation)
+    with operation_name(operation):
+        tokens = _tokens(path)
     if not tokens:
         raise InvalidInput(f"{operation}: output path is empty; pass None for a model that returns a tensor")
 

@@ -9,6 +9,7 @@ a symmetric job's mirrored read), checked against the memory budget before anyth
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -17,14 +18,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
 from ntk_service import analysis, wire
-from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.config import Settings
+from ntk_service.errors import InvalidInput, ShapeMismatch, operation_name
 from ntk_service.jobs.results import ResultArray
 from ntk_service.kernels import KernelMode
 from ntk_service.server.analysis_schemas import spectrum_fields
+from ntk_service.server.compute import ComputeLimiter
+from ntk_service.server.computing import check_budget
 from ntk_service.server.deps import ComputeDep, JobsDep, ReadAccess, SettingsDep
-from ntk_service.server.kernel_inputs import check_budget, read_object
 from ntk_service.server.media import json_response
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX
+from ntk_service.server.reading import read_object
 from ntk_service.server.routes.jobs import JobIdParam
 from ntk_service.server.schemas import TensorJson, openapi_body, validate_body
 
@@ -83,17 +87,15 @@ class JobDistanceOptions(BaseModel):
     )
 
 
-def _open(manager: Any, job_id: str, *, operation: str, square: bool) -> _RowReader:
+def _open(manager: Any, job_id: str, *, square: bool) -> _RowReader:
     _, array = manager.open_result(job_id)
     mode = array.plan.mode
     if mode not in (KernelMode.FULL, KernelMode.TRACE):
-        raise InvalidInput(
-            f"{operation}: job {job_id} stored a {mode.value} kernel; analyses need a full or trace kernel"
-        )
+        raise InvalidInput(detail=f"job {job_id} stored a {mode.value} kernel; analyses need a full or trace kernel")
     reader = _RowReader(array)
     if square and reader.shape[0] != reader.shape[1]:
         raise ShapeMismatch(
-            f"{operation}: job {job_id} holds a {reader.shape} kernel; this analysis needs Θ(x, x) (N = M): "
+            detail=f"job {job_id} holds a {reader.shape} kernel; this analysis needs Θ(x, x) (N = M): "
             "submit the job without x2"
         )
     return reader
@@ -104,10 +106,31 @@ def _block_bytes(reader: _RowReader) -> int:
     return 8 * _BLOCK_ROWS * per_row * 2  # a symmetric job's read also holds the mirrored band
 
 
-async def _options(request: Request, model: type[BaseModel], *, operation: str) -> tuple[Any, dict[str, Any]]:
-    data = await read_object(request, operation=operation)
+async def _options(request: Request, model: type[BaseModel]) -> tuple[Any, dict[str, Any]]:
+    """The body's options (``model``) and its arrays (``y``); the route's boundary names the errors."""
+    data = await read_object(request)
     extra = {key: data.pop(key) for key in ("y",) if key in data}
-    return validate_body(model, data, operation=operation), extra
+    return validate_body(model, data), extra
+
+
+_Plan = tuple[int, str, Callable[[], dict[str, Any]]]
+"""What an analysis of a stored kernel needs before it runs: its memory estimate, what that estimate is of (for
+the refusal), and the computation (returning the answer without its time)."""
+
+
+async def _run(limiter: ComputeLimiter, settings: Settings, operation: str, plan: Callable[[], _Plan]) -> Response:
+    """parse (done by the route) -> check the budget -> run, under the limiter: ``plan`` opens the job's kernel
+    and returns its estimate and computation (errors named ``operation``); the answer gets ``analysis_ms``."""
+
+    def run() -> dict[str, Any]:
+        with operation_name(operation):
+            estimate, what, compute = plan()
+            check_budget(estimate, settings.memory_budget_bytes, what=what)
+        start = time.perf_counter()
+        answer = compute()
+        return {**answer, "analysis_ms": round((time.perf_counter() - start) * 1000, 3)}
+
+    return json_response(await limiter.run(run, operation=operation))
 
 
 @router.post(
@@ -119,28 +142,26 @@ async def job_spectrum(
     job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
 ) -> Response:
     operation = f"spectrum of job {job_id}"
-    options, _extra = await _options(request, JobSpectrumOptions, operation=operation)
+    with operation_name(operation):
+        options, _extra = await _options(request, JobSpectrumOptions)
 
-    def run() -> dict[str, Any]:
-        reader = _open(manager, job_id, operation=operation, square=True)
+    def plan() -> _Plan:
+        reader = _open(manager, job_id, square=True)
         n = reader.shape[0] * (reader.shape[2] if len(reader.shape) == 4 else 1)
         dense = options.top is None or options.method == "eigh" or options.top >= n
         estimate = 8 * 4 * n * n if dense else _block_bytes(reader) + 8 * n * (2 * options.top + 2)
-        check_budget(estimate, settings.memory_budget_bytes, what=f"the spectrum of a {n}x{n} kernel",
-                      operation=operation)  # fmt: skip
-        start = time.perf_counter()
-        if dense:
-            s = analysis.spectrum(reader[0 : reader.shape[0]], top=options.top, method="eigh")
-        else:
-            operator = analysis.stored_kernel_operator(reader, block_rows=_BLOCK_ROWS)
-            s = analysis.spectrum(operator, top=options.top, method="lanczos")
-        return {
-            **spectrum_fields(s),
-            "job": job_id,
-            "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
-        }
 
-    return json_response(await limiter.run(run, operation=operation))
+        def compute() -> dict[str, Any]:
+            if dense:
+                s = analysis.spectrum(reader[0 : reader.shape[0]], top=options.top, method="eigh")
+            else:
+                operator = analysis.stored_kernel_operator(reader, block_rows=_BLOCK_ROWS)
+                s = analysis.spectrum(operator, top=options.top, method="lanczos")
+            return {**spectrum_fields(s), "job": job_id}
+
+        return estimate, f"the spectrum of a {n}x{n} kernel", compute
+
+    return await _run(limiter, settings, operation, plan)
 
 
 @router.post(
@@ -152,24 +173,22 @@ async def job_alignment(
     job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
 ) -> Response:
     operation = f"alignment of job {job_id}"
-    options, extra = await _options(request, JobAlignmentOptions, operation=operation)
-    if "y" not in extra:
-        raise InvalidInput(f"{operation}: the body needs y (labels (N,) int64 or targets (N, c)) and variant")
+    with operation_name(operation):
+        options, extra = await _options(request, JobAlignmentOptions)
+        if "y" not in extra:
+            raise InvalidInput(detail="the body needs y (labels (N,) int64 or targets (N, c)) and variant")
     y = wire.tensor_from_json(extra["y"], name="y")
 
-    def run() -> dict[str, Any]:
-        reader = _open(manager, job_id, operation=operation, square=True)
-        check_budget(_block_bytes(reader), settings.memory_budget_bytes, what="one row block", operation=operation)
-        start = time.perf_counter()
-        value = analysis.alignment(reader, y, variant=options.variant, block_rows=_BLOCK_ROWS)
-        return {
-            "alignment": value,
-            "variant": options.variant,
-            "job": job_id,
-            "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
-        }
+    def plan() -> _Plan:
+        reader = _open(manager, job_id, square=True)
 
-    return json_response(await limiter.run(run, operation=operation))
+        def compute() -> dict[str, Any]:
+            value = analysis.alignment(reader, y, variant=options.variant, block_rows=_BLOCK_ROWS)
+            return {"alignment": value, "variant": options.variant, "job": job_id}
+
+        return _block_bytes(reader), "one row block", compute
+
+    return await _run(limiter, settings, operation, plan)
 
 
 @router.post(
@@ -181,27 +200,23 @@ async def job_distance(
     job_id: JobIdParam, request: Request, _: ReadAccess, manager: JobsDep, limiter: ComputeDep, settings: SettingsDep
 ) -> Response:
     operation = f"distance of job {job_id}"
-    options, _extra = await _options(request, JobDistanceOptions, operation=operation)
+    with operation_name(operation):
+        options, _extra = await _options(request, JobDistanceOptions)
 
-    def run() -> dict[str, Any]:
-        first = _open(manager, job_id, operation=operation, square=False)
-        other = _open(manager, options.other, operation=operation, square=False)
+    def plan() -> _Plan:
+        first = _open(manager, job_id, square=False)
+        other = _open(manager, options.other, square=False)
         if first.shape != other.shape:
             raise ShapeMismatch(
-                f"{operation}: job {job_id} holds {first.shape}, job {options.other} holds {other.shape}; compare "
+                detail=f"job {job_id} holds {first.shape}, job {options.other} holds {other.shape}; compare "
                 "kernels of the same inputs in the same mode"
             )
-        check_budget(2 * _block_bytes(first), settings.memory_budget_bytes, what="two row blocks",
-                      operation=operation)  # fmt: skip
-        start = time.perf_counter()
-        distance = analysis.kernel_distance(first, other, block_rows=_BLOCK_ROWS)
-        change = analysis.relative_change(first, other, block_rows=_BLOCK_ROWS)
-        return {
-            "distance": distance,
-            "relative_change": change,
-            "job": job_id,
-            "other": options.other,
-            "analysis_ms": round((time.perf_counter() - start) * 1000, 3),
-        }
 
-    return json_response(await limiter.run(run, operation=operation))
+        def compute() -> dict[str, Any]:
+            distance = analysis.kernel_distance(first, other, block_rows=_BLOCK_ROWS)
+            change = analysis.relative_change(first, other, block_rows=_BLOCK_ROWS)
+            return {"distance": distance, "relative_change": change, "job": job_id, "other": options.other}
+
+        return 2 * _block_bytes(first), "two row blocks", compute
+
+    return await _run(limiter, settings, operation, plan)

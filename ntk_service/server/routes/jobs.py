@@ -43,8 +43,14 @@ from ntk_service.kernels import KernelMode, NtkImplementation
 from ntk_service.server import job_routes
 from ntk_service.server.deps import JobsDep, ReadAccess, WriteAccess
 from ntk_service.server.job_routes import RESULT_TYPES
-from ntk_service.server.kernel_inputs import MIN_JSON_BYTES_PER_VALUE
-from ntk_service.server.media import encode_theta, json_response, json_too_large, negotiate, read_json
+from ntk_service.server.media import (
+    MIN_JSON_BYTES_PER_VALUE,
+    encode_theta,
+    json_response,
+    json_too_large,
+    negotiate,
+    read_json,
+)
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, QUERY_MAX_LENGTH, Glob
 from ntk_service.server.schemas import openapi_body, validate_body
 
