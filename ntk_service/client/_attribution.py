@@ -243,9 +243,10 @@ def format_attribution_progress(job: Mapping[str, Any]) -> str:
     512/2048`` for a features job)."""
     if job.get("job") != "attribution":
         return format_solve_progress({**job, "job": "features"})
-    p = job.get("progress") or {}
-    units = f"units {p.get('units_done', 0)}/{p.get('units_total', '?')}"
-    line = f"{job.get('status', '')}  {p.get('stage', 'queued')}  {units}"
+    p = job.get("progress")
+    if not p:
+        return str(job.get("status", ""))
+    line = f"{job.get('status', '')}  {p['stage']}  units {p['units_done']}/{p['units_total']}"
     if p.get("test_rows_total"):
         line += f"  test rows {p['test_rows_done']}/{p['test_rows_total']}"
     if p.get("train_rows_total"):
