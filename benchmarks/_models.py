@@ -83,19 +83,25 @@ def make_cnn(seed: int = MODEL_SEED) -> nn.Module:
     )
 
 
+def _norm(kind: str, channels: int) -> nn.Module:
+    """BatchNorm2d (eval: running statistics), or GroupNorm of groups of 4 channels (``kind`` "group")."""
+    return nn.BatchNorm2d(channels) if kind == "batch" else nn.GroupNorm(max(1, channels // 4), channels)
+
+
 class BasicBlock(nn.Module):
     """y = ReLU(BN(conv3x3(ReLU(BN(conv3x3(x))))) + shortcut(x)); the shortcut is 1x1 conv + BN when the channels or
-    the stride change, else the identity. (n, c_in, h, w) -> (n, c_out, h / stride, w / stride)."""
+    the stride change, else the identity. (n, c_in, h, w) -> (n, c_out, h / stride, w / stride). ``norm``: "batch"
+    or "group" (``_norm``)."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+    def __init__(self, c_in: int, c_out: int, stride: int, norm: str = "batch") -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
+        self.bn1 = _norm(norm, c_out)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
+        self.bn2 = _norm(norm, c_out)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or c_in != c_out:
-            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
+            self.shortcut = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), _norm(norm, c_out))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(self.bn1(self.conv1(x)))
@@ -103,19 +109,26 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """CIFAR-style ResNet: stem conv 3x3 + BN + ReLU, one BasicBlock per width (the first at stride 1, the others
-    at stride 2), global average pool, Linear head. (n, c, h, w) -> (n, k)."""
+    """CIFAR-style ResNet: stem conv 3x3 + BN + ReLU, ``depth`` BasicBlocks per width (the first of a width at stride
+    1 for the first width, 2 for the others), global average pool, Linear head. (n, c, h, w) -> (n, k). ``norm``:
+    "batch" (eval BatchNorm) or "group" (GroupNorm)."""
 
-    def __init__(self, widths: tuple[int, ...] = (16, 32, 64), in_channels: int = 3, k: int = 10) -> None:
+    def __init__(
+        self,
+        widths: tuple[int, ...] = (16, 32, 64),
+        in_channels: int = 3,
+        k: int = 10,
+        depth: int = 1,
+        norm: str = "batch",
+    ) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0])
-        )
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False), _norm(norm, widths[0]))
         blocks = []
         c_in = widths[0]
         for i, width in enumerate(widths):
-            blocks.append(BasicBlock(c_in, width, 1 if i == 0 else 2))
-            c_in = width
+            for j in range(depth):
+                blocks.append(BasicBlock(c_in, width, 2 if i > 0 and j == 0 else 1, norm))
+                c_in = width
         self.blocks = nn.Sequential(*blocks)
         self.head = nn.Linear(c_in, k)
 

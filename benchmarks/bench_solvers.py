@@ -33,7 +33,14 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   linear in D, by blocks of columns) and its error is Wick's expectation (NOTE [sketch error]), marked "est".
   ``--sketch-model cnn`` runs the benchmark CNN instead.
 
+- ``auto``, ``solve``, ``trace``, ``ray-solve``, ``ridge``: the solver table (``solve_kernel``; issue 38's cases,
+  benchmarks/_solve_cases.py has each): auto against scipy's Cholesky where dense fits (``--n``), the FULL solve at
+  ``--scale-n`` with ``--heldout`` examples by each of ``--solvers``, a TRACE solve, the solve on Ray against one
+  process, and ``estimate_ridge`` against held-out accuracy.
+
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
+    .venv/bin/python benchmarks/bench_solvers.py --section auto --n 2000 --repeats 2
+    .venv/bin/python benchmarks/bench_solvers.py --section solve --scale-n 100000 --solvers auto block --max-minutes 10
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
     .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 45 --scale-rtol 3e-5
     .venv/bin/python benchmarks/bench_solvers.py --section ray --ray-n 4000 --products 5
@@ -57,6 +64,13 @@ import scipy.linalg  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks._models import make_cnn, make_inputs, make_mlp  # noqa: E402
+from benchmarks._solve_cases import (  # noqa: E402
+    section_auto,
+    section_ray_solve,
+    section_ridge,
+    section_solve,
+    section_trace,
+)
 from ntk_service.analysis import CgOptions, gp_inference  # noqa: E402
 from ntk_service.analysis.solve import (  # noqa: E402
     conjugate_gradients,
@@ -69,6 +83,9 @@ from ntk_service.jobs.executors import import_ray, ray_ntk_operator  # noqa: E40
 from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_operator  # noqa: E402
 
 K = 10
+
+SOLVE_SECTIONS = ["auto", "solve", "trace", "ray-solve", "ridge"]
+"""The solver table's sections (benchmarks/_solve_cases.py: issue 38's "What must be shown" 1-5)."""
 
 
 def _peak_mib() -> float:
@@ -433,7 +450,7 @@ def section_sketch(n: int, dims: list[int], seeds: int, gaussian_max_dim: int, n
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sections = ["dense", "scale", "features", "chunk", "preconditioners", "ray", "block", "sketch"]
+    sections = ["dense", "scale", "features", "chunk", "preconditioners", "ray", "block", "sketch", *SOLVE_SECTIONS]
     parser.add_argument("--section", nargs="+", default=["dense", "features"], choices=sections)
     parser.add_argument("--n", type=int, nargs="+", default=[200, 400])
     parser.add_argument("--mode", default="full", choices=["full", "trace"])
@@ -474,6 +491,11 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, default=200, help="--section block: the variance's test points")
     parser.add_argument("--repeats", type=int, default=2, help="--section block: alternations")
     parser.add_argument("--chunk-one", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--heldout", type=int, default=10_000, help="--section solve / ridge: held-out examples")
+    parser.add_argument("--solvers", nargs="+", default=["auto"], help="--section solve: each in turn")
+    parser.add_argument("--solve-rtol", type=float, default=1e-3, help="--section solve / ray-solve")
+    parser.add_argument("--reference-rtol", type=float, default=None, help="--section solve: a float64 reference")
+    parser.add_argument("--ridges", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2], help="--section ridge")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.chunk_one is not None:
@@ -507,6 +529,17 @@ def main() -> None:
         section_features(args.features_n, args.dims, args.seeds, args.features_ridge)
     if "sketch" in args.section:
         section_sketch(args.sketch_n, args.sketch_dims, args.sketch_seeds, args.gaussian_max_dim, args.sketch_model)
+    if "auto" in args.section:
+        section_auto(args.n[0], args.repeats)
+    if "solve" in args.section:
+        section_solve(args.scale_n, args.heldout, args.solvers, args.solve_rtol, args.ridge, args.max_minutes,
+                      args.reference_rtol)  # fmt: skip
+    if "trace" in args.section:
+        section_trace(args.scale_n, args.max_minutes or 10.0, args.ridge)
+    if "ray-solve" in args.section:
+        section_ray_solve(args.ray_n, args.shards, args.solve_rtol, args.solvers[0])
+    if "ridge" in args.section:
+        section_ridge(args.scale_n, args.heldout, args.ridges)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,14 +32,23 @@ from torch.func import functional_call, jacrev, vmap
 _EINSUM = {"full": "Naf,Mbf->NMab", "trace": "Naf,Maf->NM", "diagonal": "Naf,Maf->NMa"}
 
 
-def tutorial_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, compute: str = "full") -> torch.Tensor:
+def tutorial_ntk(
+    model: nn.Module,
+    x1: Any,
+    x2: Any,
+    compute: str = "full",
+    select: Callable[[Any], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """The tutorial's ``empirical_ntk_jacobian_contraction(fnet_single, params, x1, x2, compute)``.
 
     Args:
         model: the network; called on a batch of one example per Jacobian.
-        x1: (N, *input) first inputs.
-        x2: (M, *input) second inputs.
+        x1: (N, *input) first inputs; or a dict of them, forward's keyword arguments (a Hugging Face model), each
+            example passed as a batch of one as the tutorial passes a tensor.
+        x2: (M, *input) second inputs, the same kind.
         compute: 'full', 'trace' or 'diagonal' (the tutorial's output diagonal). Default: 'full'.
+        select: what of forward's return value the kernel is of, (1, *out) -> e.g. ``lambda o: o.logits[:, -1]``.
+            Default: None (forward returns it).
 
     Returns:
         theta: (N, M, k, k) for 'full'; (N, M) for 'trace'; (N, M, k) for 'diagonal'.
@@ -48,17 +58,23 @@ def tutorial_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor, compute: 
     params = {k: v.detach() for k, v in model.named_parameters()}
 
     def fnet_single(params, x):
-        return functional_call(model, params, (x.unsqueeze(0),)).squeeze(0)
+        if select is None and not isinstance(x, dict):  # the tutorial's own line
+            return functional_call(model, params, (x.unsqueeze(0),)).squeeze(0)
+        if isinstance(x, dict):  # keyword inputs: the same batch of one per leaf
+            out = functional_call(model, params, (), {k: v.unsqueeze(0) for k, v in x.items()})
+        else:
+            out = functional_call(model, params, (x.unsqueeze(0),))
+        return (out if select is None else select(out)).reshape(-1)
 
     # Compute J(x1)
     jac1 = vmap(jacrev(fnet_single), (None, 0))(params, x1)
     jac1 = jac1.values()
-    jac1 = [j.flatten(2) for j in jac1]
+    jac1 = [j.flatten(2) if j.ndim > 2 else j.unsqueeze(-1) for j in jac1]  # a 0-d parameter: (N, k, 1)
 
     # Compute J(x2)
     jac2 = vmap(jacrev(fnet_single), (None, 0))(params, x2)
     jac2 = jac2.values()
-    jac2 = [j.flatten(2) for j in jac2]
+    jac2 = [j.flatten(2) if j.ndim > 2 else j.unsqueeze(-1) for j in jac2]
 
     # Compute J(x1) @ J(x2).T
     einsum_expr = _EINSUM[compute]

@@ -107,8 +107,10 @@ class PositionEmbedding(nn.Module):
 # initialisation and the forward scales them, y = (w_std / sqrt(fan_in)) · x Wᵀ + b_std · b, with fan_in =
 # in_features (Linear) or C_in/groups · prod(kernel_size) (Conv). The function class is the standard one; the
 # gradient w.r.t. W is smaller by w_std/sqrt(fan_in), which is what makes the NTK converge as the width grows. The
-# forward uses F.linear / F.conv on the scaled tensors, so the engine's Linear/Conv rules (which assume the stock
-# forward) do not match and these parameters are differentiated exactly on its Jacobian path.
+# forward is F.linear / F.conv on the parameters times numbers, which the kernel engine's op rules read as scaled
+# uses of W and b (structured derivatives, as for nn.Linear; also in an exported program); NtkLinear declares
+# its forward fixed (``ntk_fixed_pipeline``), so a pipeline of NtkLinear layers and activations takes the
+# closed-form chain capture as one of nn.Linear does.
 
 
 class NtkLinear(nn.Linear):
@@ -121,6 +123,8 @@ class NtkLinear(nn.Linear):
 
     Shapes: (*, in_features) -> (*, out_features). See NOTE [NTK parameterization].
     """
+
+    ntk_fixed_pipeline = True  # the same F.linear on every call (NOTE [sequential chains] in the kernel engine)
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, w_std: float = 1.0, b_std: float = 1.0

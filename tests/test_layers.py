@@ -61,7 +61,7 @@ KERNEL_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dispatch", ("choice", "blocks", "options")),
     ("core", ("core",)),  # the one private core every public function calls
     ("api", ("api",)),
-    ("consumers", ("family", "operators", "sketch", "functional")),
+    ("consumers", ("family", "operators", "sketch", "functional", "paths")),
 )
 """kernels/ bottom-up: (sub-layer, the first name under ``kernels.`` of its modules and packages)."""
 

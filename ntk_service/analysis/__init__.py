@@ -2,7 +2,8 @@
 
 float64 numpy/scipy linear algebra on the kernels ``compute_ntk`` returns (numpy or torch, FULL (N, M, k, k) or
 TRACE (N, M), the mode inferred from the rank), or on operators and stored kernels where only products or
-tiles are needed (``solve``: preconditioned CG, Nyström, Lanczos). No HTTP, no SQL. The conventions that decide
+tiles are needed (``solve``: the solver table behind ``solve_kernel`` and ``gp_inference``, CG, Nyström, Lanczos,
+``estimate_ridge``). No HTTP, no SQL. The conventions that decide
 whether numbers match (layout, the TRACE reading, losses and time scales, ridge, non-positive modes) are NOTEs in
 ``layout``, ``linearized``, ``ridge``, ``eigen`` and ``gp``, and docs/analysis.md.
 
@@ -36,7 +37,15 @@ from ntk_service.analysis.linearized import (
     max_learning_rate,
 )
 from ntk_service.analysis.ridge import RidgeScale
-from ntk_service.analysis.solve import CgOptions, SolveResult
+from ntk_service.analysis.solve import (
+    CgOptions,
+    HeldOut,
+    SolveResult,
+    SolverOptions,
+    SolverResult,
+    estimate_ridge,
+    solve_kernel,
+)
 from ntk_service.analysis.spectrum import Method, Spectrum, spectrum, spectrum_memory_bytes, stored_kernel_operator
 from ntk_service.analysis.tiles import KernelTile
 
@@ -44,12 +53,15 @@ __all__ = [
     "CgOptions",
     "Flow",
     "GpPosterior",
+    "HeldOut",
     "KernelTile",
     "LinearizedPredictions",
     "Loss",
     "Method",
     "RidgeScale",
     "SolveResult",
+    "SolverOptions",
+    "SolverResult",
     "Spectrum",
     "TaylorExpansion",
     "TrainingComparison",
@@ -58,6 +70,7 @@ __all__ = [
     "as_matrix",
     "compare_training",
     "distances_memory_bytes",
+    "estimate_ridge",
     "gp_inference",
     "kernel_distance",
     "linearize",
@@ -67,6 +80,7 @@ __all__ = [
     "max_learning_rate",
     "outputs_float64",
     "relative_change",
+    "solve_kernel",
     "spectrum",
     "spectrum_memory_bytes",
     "stored_kernel_operator",

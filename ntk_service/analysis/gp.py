@@ -4,40 +4,43 @@
 NTK-GP covariance Σ* = Θ** − Θ*(Θ + λI)⁻¹Θ*ᵀ (He et al. 2020). Layout and TRACE reading: NOTE [layout] in
 ``layout.py`` (a TRACE kernel is trace / k ⊗ I_k, so its covariance is one (M, M) block shared by every output).
 
-NOTE [gp solve]
-    (Θ + λI) is factored by Cholesky; if that fails (λ = 0 on a singular kernel, rounding below zero), the
-    diagonal gets a jitter of 1e-10, 1e-9, ..., 1e-6 times its mean entry, stopping at the first that factors.
-    If none does (a kernel with a clearly negative eigenvalue), the solve uses the eigen pseudo-inverse over
-    modes with λ > tol (NOTE [non-positive modes] in ``eigen.py``). The path and the jitter are reported; the
-    result is finite on every finite input.
+Dense kernels are factored (NOTE [gp solve] in ``solve/dense.py``); operators are solved by a solver of the table
+(``solve/table.py``: "auto" by NOTE [auto rule], or the one named), and the variance by block CG (NOTE [gp variance
+by cg]). The posterior mean from the parameter-space method is J(x*) w: one JVP over the test inputs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import scipy.linalg
 
 from ntk_service._tensors import is_torch_tensor
-from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
+from ntk_service.analysis.eigen import DEFAULT_RCOND
 from ntk_service.analysis.gp_variance import cross_columns, posterior_blocks, prior_at_test
-from ntk_service.analysis.layout import add_to_diagonal, to_float64, to_kernel_matrix, to_targets
+from ntk_service.analysis.layout import to_float64, to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
-from ntk_service.analysis.solve import CgOptions, SolveResult, conjugate_gradients, is_operator, kernel_operator
-from ntk_service.analysis.solve.cg import check_cg_memory
-from ntk_service.analysis.solve.operators import check_ridge
+from ntk_service.analysis.solve.cg import CgOptions, SolveResult, check_cg_memory, conjugate_gradients
+from ntk_service.analysis.solve.dense import factor_solve
+from ntk_service.analysis.solve.operators import KernelOperator, check_ridge, is_operator, kernel_operator
+from ntk_service.analysis.solve.problem import (
+    HeldOut,
+    ProgressCallback,
+    SolverOptions,
+    SolverResult,
+    SolverState,
+    as_targets,
+)
+from ntk_service.analysis.solve.table import resolve_solver, solve_kernel
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.operators.base import JacobianOperator
 
 __all__ = ["GpPosterior", "gp_inference"]
 
 _OPERATION = "gp_inference"
-
-_JITTERS = (1e-10, 1e-9, 1e-8, 1e-7, 1e-6)
-"""Relative jitters tried after a failed Cholesky (× the mean diagonal entry); past 1e-6 a jitter changes the
-answer more than rounding would, so the pseudo-inverse takes over (NOTE [gp solve])."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +54,10 @@ class GpPosterior:
         ridge: the λ added (after ``ridge_scale``). jitter: the extra diagonal a retried Cholesky needed (0 if
             none). solver: "cholesky", "cholesky+jitter", "eigen pseudo-inverse", "cg" or "cg (not converged:
             ...)". lambda_min: of Θ + λI; NaN after CG (it is not computed).
-        solve: the CG solve (weights α = ``solve.solution``, iterations, residual, ``converged``, time); None for
-            the direct paths.
+        solve: the solve of (Θ + λI) α = y on operators (α = ``solve.solution``, iterations, residual,
+            ``converged``, passes, time): a ``SolverResult`` (its ``attempts`` say what ``auto`` tried; ``weights``
+            w = Jᵀα for the parameter-space method), CG's ``SolveResult`` for a dense kernel by CG; None for the
+            direct path.
         variance: each test example's posterior covariance block: (M, k, k) FULL (its diagonal the variances of
             the k outputs), (M,) TRACE (shared by all outputs); None without ``k_test_test``.
         variance_solve: the CG solve for the variance's M·k (TRACE: M) columns (NOTE [gp variance by cg]); None
@@ -65,28 +70,9 @@ class GpPosterior:
     jitter: float
     solver: str
     lambda_min: float
-    solve: SolveResult | None = None
+    solve: SolverResult | SolveResult | None = None
     variance: np.ndarray | None = None
     variance_solve: SolveResult | None = None
-
-
-def _solver(matrix: np.ndarray, rcond: float | None) -> tuple[Any, float, str, float]:
-    """A function rhs -> matrix⁻¹ rhs, the jitter, the path name and λmin (NOTE [gp solve])."""
-    lambda_min = float(scipy.linalg.eigvalsh(matrix, subset_by_index=[0, 0])[0]) if matrix.size else 0.0
-    scale = float(np.mean(np.diag(matrix))) if matrix.size else 1.0
-    scale = scale if scale > 0 else 1.0
-    for jitter in (0.0, *(j * scale for j in _JITTERS)):
-        try:
-            factor = scipy.linalg.cho_factor(add_to_diagonal(matrix, jitter), lower=True, overwrite_a=True)
-        except np.linalg.LinAlgError:
-            continue
-
-        def solve(rhs: np.ndarray, factor: Any = factor) -> np.ndarray:
-            return np.asarray(scipy.linalg.cho_solve(factor, rhs))
-
-        return solve, jitter, "cholesky" if jitter == 0 else "cholesky+jitter", lambda_min
-    eig = SymmetricEigen.of(matrix, rcond=rcond)
-    return eig.pinv_apply, 0.0, "eigen pseudo-inverse", lambda_min
 
 
 def gp_inference(
@@ -102,6 +88,9 @@ def gp_inference(
     solver: str = "auto",
     cg: CgOptions | None = None,
     warm_start: Any = None,
+    options: SolverOptions | None = None,
+    heldout: HeldOut | None = None,
+    progress: ProgressCallback | None = None,
 ) -> GpPosterior:
     """Posterior mean (and covariance) of the NTK-GP / kernel ridge regression.
 
@@ -117,11 +106,16 @@ def gp_inference(
         ridge_scale (str): "absolute" (λI) or "relative" (λ · mean diagonal entry of Θ as used). Default: absolute.
         mode: checked against the shapes. Default: inferred.
         rcond: for the pseudo-inverse fallback. Default: n·eps.
-        solver (str): "direct" (NOTE [gp solve]), "cg" (preconditioned CG, NOTE [cg] in ``solve/cg.py``) or
-            "auto" (CG when k_train_train is an operator, else direct). The kernels may then be
-            ``NtkOperator``s or any objects with ``shape`` and ``matvec`` (NOTE [operator layout]). Default: auto.
+        solver (str): a solver of the table (``solve/table.py``): "auto", "dense", "pcg", "block"; "direct" and
+            "cg" are the older names of "dense" and "pcg". "auto" factors dense kernels (NOTE [gp solve]) and
+            solves operators by NOTE [auto rule]; with ``cg`` given, or a ridge of 0, or ``k_test_test``, by CG as
+            before. The kernels may be operators (NOTE [operator layout]). Default: auto.
         cg (CgOptions): rtol, iterations, preconditioner for CG. Default: CgOptions().
-        warm_start: (N·k, 1) FULL or (N, k) TRACE, a previous ``solve.solution``, for CG. Default: None.
+        warm_start: (N·k, 1) FULL or (N, k) TRACE, a previous ``solve.solution``, to start from. Default: None.
+        options (SolverOptions): how the table's solvers run (rtol, time and pass limits, memory budget, block
+            size, ...); its ``solver`` is used when ``solver`` is "auto". Default: None (SolverOptions()).
+        heldout (HeldOut): a held-out set whose metric is reported per epoch / iteration. Default: None.
+        progress: called with each ``Progress`` of the solve (operators). Default: None.
 
     Returns:
         GpPosterior: mean (M, k); covariance (M·k, M·k) FULL or (M, M) TRACE, or None; variance (M, k, k) FULL
@@ -130,7 +124,8 @@ def gp_inference(
     Raises:
         ShapeMismatch: kernels that are not square where they must be, or that do not match each other or y.
         InvalidInput: a negative or NaN ridge, an unknown ridge_scale or solver; with CG: k_test_test as an
-            operator (pass its example diagonal), ridge_scale="relative" on an operator (its diagonal is unknown).
+            operator (pass its example diagonal), ridge_scale="relative" on an operator without a model (its
+            diagonal is unknown; an ``ntk_operator``'s is read off the structured engine).
         NonFiniteInput: NaN in an input.
         MemoryEstimateExceeded: with CG and k_test_test, the variance's n × M·k vectors over
             ``cg.memory_budget_bytes`` (before any product).
@@ -140,14 +135,30 @@ def gp_inference(
     one product with k_test_train; the variance adds M·k products with k_test_train's transpose (none for a
     dense one) and a solve of M·k columns (block CG: s ≤ M·k products per iteration).
     """
-    if solver not in ("auto", "direct", "cg"):
-        raise InvalidInput(f"{_OPERATION}: unknown solver {solver!r}; expected 'auto', 'direct' or 'cg'")
-    if solver == "cg" or (solver == "auto" and is_operator(k_train_train)):
+    name = resolve_solver(solver, operation=_OPERATION).name
+    if name == "auto" and options is not None:
+        name = resolve_solver(options.solver, operation=_OPERATION, field="options.solver").name
+    operators = is_operator(k_train_train) or is_operator(k_test_train)
+    by_cg = name == "pcg" or (
+        name == "auto" and operators and (cg is not None or k_test_test is not None or ridge == 0)
+    )
+    if by_cg:
         return _gp_by_cg(
             k_train_train, y_train, k_test_train, k_test_test, ridge, ridge_scale, mode, cg or CgOptions(), warm_start
         )
-    if is_operator(k_train_train) or is_operator(k_test_train):
-        raise InvalidInput(f"{_OPERATION}: solver='direct' needs dense kernels; use solver='cg' for operators")
+    if operators:
+        if k_test_test is not None:
+            raise InvalidInput(
+                f"{_OPERATION}: the variance (k_test_test) on operators is solved by CG; use solver='auto' or 'pcg'"
+            )
+        return _gp_by_table(
+            name, k_train_train, y_train, k_test_train, ridge, ridge_scale, mode, options, warm_start, heldout, progress
+        )
+    if name not in ("auto", "dense"):
+        raise InvalidInput(
+            f"{_OPERATION}: solver {solver!r} needs the kernels as operators (ntk_operator, ...); dense kernels are "
+            "solved by 'dense' (the default) or 'pcg'"
+        )
     y_raw = np.asarray(y_train.detach().cpu() if is_torch_tensor(y_train) else y_train)
     k_hint = y_raw.shape[1] if y_raw.ndim == 2 else 1
     train = to_kernel_matrix(
@@ -170,7 +181,7 @@ def gp_inference(
     lam = ridge_value(train.matrix, ridge, ridge_scale, operation=_OPERATION)
     matrix = train.matrix  # our own copy (to_kernel_matrix): the ridge goes on in place
     matrix[np.diag_indices_from(matrix)] += lam
-    solve, jitter, solver, lambda_min = _solver(matrix, rcond)
+    solve, jitter, solver, lambda_min = factor_solve(matrix, rcond)
     full = train.mode is KernelMode.FULL
     rhs = y.reshape(-1, 1) if full else y
     mean = (cross.matrix @ solve(rhs)).reshape(cross.n, k)
@@ -224,20 +235,12 @@ def _gp_by_cg(
     """The posterior mean by CG on (Θ + λI) α = y, then Θ* α (NOTE [cg], NOTE [operator layout]); with
     k_test_test the variance (NOTE [gp variance by cg])."""
     check_ridge(ridge, operation=_OPERATION)
-    y = to_float64(y_train, name="y_train", operation=_OPERATION)
-    y = y[:, None] if y.ndim == 1 else y
-    if y.ndim != 2:
-        raise ShapeMismatch(f"{_OPERATION}: y_train has shape {y.shape}; expected (N, k) or (N,)")
+    y, train, cross = _operators(k_train_train, y_train, k_test_train, mode)
     n, k = y.shape
-    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
-    cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
-    if ridge_scale == "relative" and train.matrix is None:
-        raise InvalidInput(
-            f"{_OPERATION}: ridge_scale='relative' needs the kernel's mean diagonal entry, which an operator does not "
-            "know; pass an absolute ridge (e.g. ridge = 1e-3 × mean of compute_ntk(mode='example_diagonal'))"
-        )
-    diagonal = train.matrix if train.matrix is not None else np.zeros((1, 1))
-    lam = ridge_value(diagonal, ridge, ridge_scale, operation=_OPERATION)
+    if train.matrix is not None:
+        lam = ridge_value(train.matrix, ridge, ridge_scale, operation=_OPERATION)
+    else:
+        lam = _operator_ridge(train, ridge, ridge_scale)
     full = train.mode is KernelMode.FULL
     rhs = y.reshape(-1, 1) if full else y
     prior = None
@@ -270,3 +273,68 @@ def _gp_by_cg(
         variance=variance,
         variance_solve=variance_solve,
     )
+
+
+def _gp_by_table(
+    name: str,
+    k_train_train: Any,
+    y_train: Any,
+    k_test_train: Any,
+    ridge: float,
+    ridge_scale: str,
+    mode: KernelMode | str | None,
+    options: SolverOptions | None,
+    warm_start: Any,
+    heldout: HeldOut | None,
+    progress: ProgressCallback | None,
+) -> GpPosterior:
+    """The posterior mean on operators by a solver of the table (NOTE [auto rule]): α, then Θ* α, or J(x*) w
+    when the parameter-space method kept w."""
+    y, train, cross = _operators(k_train_train, y_train, k_test_train, mode)
+    n, k = y.shape
+    lam = _operator_ridge(train, ridge, ridge_scale)
+    options = dataclasses.replace(options or SolverOptions(), solver=name)
+    state = None
+    if warm_start is not None:
+        state = SolverState(
+            solver="warm start", solution=to_float64(warm_start, name="warm_start", operation=_OPERATION)
+        )
+    result = solve_kernel(train, y, ridge=lam, options=options, heldout=heldout, progress=progress, state=state)
+    if result.weights is not None and isinstance(cross.source, JacobianOperator) and cross.mode is KernelMode.FULL:
+        mean = cross.source.jvp(result.weights)  # J(x*) w: one JVP over the test inputs
+    else:
+        mean = cross.apply(result.solution).reshape(cross.n, k)
+    label = "cg" if result.solver == "pcg" else result.solver
+    if not result.converged:
+        label += f" (not converged: {result.stop_reason}, residual {float(result.residual.max()):.3g})"
+    return GpPosterior(
+        mean=mean, covariance=None, ridge=lam, jitter=0.0, solver=label, lambda_min=float("nan"), solve=result
+    )
+
+
+def _operator_ridge(train: KernelOperator, ridge: float, ridge_scale: str) -> float:
+    """λ for an operator: absolute, or relative to the mean diagonal read off the structured engine."""
+    check_ridge(ridge, operation=_OPERATION)
+    if ridge_scale == "absolute":
+        return float(ridge)
+    if ridge_scale != "relative":
+        raise InvalidInput(f"{_OPERATION}: unknown ridge_scale {ridge_scale!r}; expected 'absolute' or 'relative'")
+    source = train.source
+    if source is None:
+        raise InvalidInput(
+            f"{_OPERATION}: ridge_scale='relative' needs the kernel's mean diagonal entry, which this operator (no "
+            "model behind it) does not know; pass an absolute ridge"
+        )
+    blocks = source.kernel_block([(0, train.n)], None, KernelMode.EXAMPLE_DIAGONAL)
+    return float(ridge) * float(np.mean(np.trace(blocks, axis1=1, axis2=2)) / source.k)
+
+
+def _operators(
+    k_train_train: Any, y_train: Any, k_test_train: Any, mode: KernelMode | str | None
+) -> tuple[np.ndarray, KernelOperator, KernelOperator]:
+    """y (N, k) float64 and the train and test-train kernels as the solvers' views, checked against each other."""
+    y = as_targets(y_train, name="y_train", operation=_OPERATION)
+    n, k = y.shape
+    train = kernel_operator(k_train_train, k=k, name="k_train_train", operation=_OPERATION, rows=n, cols=n, mode=mode)
+    cross = kernel_operator(k_test_train, k=k, name="k_test_train", operation=_OPERATION, cols=n, mode=train.mode)
+    return y, train, cross

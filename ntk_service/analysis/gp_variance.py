@@ -23,7 +23,7 @@ from ntk_service.analysis.layout import to_float64, to_kernel_matrix
 from ntk_service.analysis.solve import KernelOperator, is_operator, kernel_operator
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.operators.linear_operator import NtkOperator
+from ntk_service.kernels.operators.base import LinearOperator
 
 __all__ = ["PriorAtTest", "cross_columns", "posterior_blocks", "prior_at_test"]
 
@@ -97,12 +97,13 @@ def cross_columns(k_test_train: Any, cross: KernelOperator, *, k: int, operation
     dense transpose, or one product of the transposed operator per column (NOTE [gp variance by cg]).
 
     Raises:
-        InvalidInput: an operator with neither ``.T`` (``NtkOperator``) nor ``rmatvec``.
+        InvalidInput: an operator that is neither one of the package's (``LinearOperator``: its ``.T``) nor has
+            ``rmatvec``.
     """
     if cross.matrix is not None:
         return np.array(cross.matrix.T)
-    if isinstance(k_test_train, NtkOperator):
-        transposed: Any = k_test_train.T
+    if isinstance(k_test_train, LinearOperator):
+        transposed: Any = k_test_train.T  # the package's operators transpose (an NtkOperator, a Ray one)
     elif hasattr(k_test_train, "rmatvec"):
         transposed = _Transposed(k_test_train)
     else:

@@ -21,6 +21,7 @@ import scipy.sparse.linalg
 
 from ntk_service.analysis.layout import to_kernel_matrix
 from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.kernels.operators.base import LinearOperator
 
 __all__ = [
     "DENSE_MAX_SIZE",
@@ -132,7 +133,7 @@ def _as_operator(kernel: Any) -> Any:
     """A LinearOperator for operator-like inputs; None for arrays (handled densely)."""
     if isinstance(kernel, scipy.sparse.linalg.LinearOperator):
         return kernel
-    if hasattr(kernel, "as_linear_operator"):  # an NtkOperator: its own SciPy view (torch in, numpy out)
+    if isinstance(kernel, LinearOperator):  # every operator of the package: its own SciPy view (float64)
         return kernel.as_linear_operator()
     if hasattr(kernel, "matvec") and hasattr(kernel, "shape") and not hasattr(kernel, "__array__"):
         return scipy.sparse.linalg.aslinearoperator(kernel)

@@ -132,6 +132,8 @@ class ModelInfo(TypedDict):
     created_at: str
     label: str | None
     inputs: InputSpecInfo | None
+    class_name: str | None
+    parameter_paths: dict[str, object] | None
 
 
 class DatasetArrayInfo(TypedDict):

@@ -30,7 +30,7 @@ from __future__ import annotations
 from ntk_service.errors import MemoryEstimateExceeded, UnknownImplementation, UnsupportedModel
 from ntk_service.kernels.algorithm import NtkAlgorithm
 from ntk_service.kernels.jacobian_contraction import JacobianContraction
-from ntk_service.kernels.modes import contraction
+from ntk_service.kernels.modes import KernelMode, contraction
 from ntk_service.kernels.ntk_vector_products import NtkVectorProducts
 from ntk_service.kernels.planning import BlockPlan, plan_blocks
 from ntk_service.kernels.problem.problem import NtkProblem
@@ -38,7 +38,7 @@ from ntk_service.kernels.runtime.device import model_device
 from ntk_service.kernels.structured import Structured, StructuredOptions
 from ntk_service.kernels.types import NtkImplementation
 
-__all__ = ["ALGORITHMS", "GROUP_ALGORITHMS", "choose", "loop_implementation", "plan_choice"]
+__all__ = ["ALGORITHMS", "GROUP_ALGORITHMS", "choose", "loop_implementation", "plan_choice", "weighted_costs"]
 
 ALGORITHMS: dict[NtkImplementation, NtkAlgorithm] = {
     NtkImplementation.JACOBIAN_CONTRACTION: JacobianContraction(),
@@ -148,8 +148,7 @@ def plan_choice(
         return alg, plan, plan.first_choice
     best: tuple[float, NtkAlgorithm, BlockPlan] | None = None
     refusal: MemoryEstimateExceeded | None = None
-    core = contraction(mode)  # what the implementations contract for the mode (NOTE [mode contractions])
-    costs = {impl: alg.flops(problem, n, m, core) * _weight(impl, alg, problem) for impl, alg in candidates.items()}
+    costs = weighted_costs(problem, n, m, mode, candidates)
     for impl, alg in candidates.items():
         try:
             plan = plan_blocks(alg, problem, n, m, mode, symmetric=symmetric, budget_bytes=budget, groups=kernels)
@@ -164,6 +163,27 @@ def plan_choice(
         raise refusal
     cost, alg, plan = best
     return alg, plan, plan.first_choice and cost <= min(costs.values())
+
+
+def weighted_costs(
+    problem: NtkProblem,
+    n: int,
+    m: int,
+    mode: KernelMode,
+    candidates: dict[NtkImplementation, NtkAlgorithm] | None = None,
+) -> dict[NtkImplementation, float]:
+    """AUTO's cost of each implementation for a call (NOTE [auto choice]): its estimated FLOPs times its weight.
+
+    Args:
+        problem: the prepared model; n, m: N and M; mode: the engine mode.
+        candidates: the table to weigh. Default: ``ALGORITHMS``.
+
+    Returns:
+        implementation -> weighted FLOPs (the lowest is AUTO's pick among the plans that fit the budget).
+    """
+    table = ALGORITHMS if candidates is None else candidates
+    core = contraction(mode)  # what the implementations contract for the mode (NOTE [mode contractions])
+    return {impl: alg.flops(problem, n, m, core) * _weight(impl, alg, problem) for impl, alg in table.items()}
 
 
 def loop_implementation(implementation: NtkImplementation, problem: NtkProblem) -> NtkImplementation:

@@ -22,7 +22,7 @@ __all__ = ["DATABASE_FILENAME", "SCHEMA_VERSION", "Database"]
 DATABASE_FILENAME = "registry.sqlite3"
 """The database file inside the data directory."""
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bump when the schema changes, and add the migration from the previous version to ``_MIGRATIONS``."""
 
 BUSY_TIMEOUT_S = 30.0
@@ -32,7 +32,8 @@ _SCHEMA = """
 CREATE TABLE models (
     name          TEXT PRIMARY KEY,
     architecture  TEXT NOT NULL,           -- JSON, validated, defaults filled in
-    created_at    TEXT NOT NULL
+    created_at    TEXT NOT NULL,
+    paths         TEXT                     -- JSON path report (registry/paths.py), NULL before schema version 4
 );
 CREATE TABLE model_versions (
     name            TEXT NOT NULL REFERENCES models(name) ON DELETE CASCADE,
@@ -66,6 +67,7 @@ CREATE TABLE datasets (
 _MIGRATIONS: dict[int, str] = {
     1: "ALTER TABLE model_versions ADD COLUMN label TEXT",
     2: "ALTER TABLE model_versions ADD COLUMN inputs TEXT; ALTER TABLE datasets ADD COLUMN arrays TEXT",
+    3: "ALTER TABLE models ADD COLUMN paths TEXT",
 }
 """from_version -> SQL that upgrades it to from_version + 1 (in the write transaction that opens the file, so a
 data directory of an older release is upgraded in place, all or nothing)."""

@@ -25,15 +25,19 @@ archive's ``guards_code``. So this module never calls ``torch.export.load`` and 
    tensor output and no mutation, custom object or effect token; every parameter, buffer and submodule name a
    dotted identifier and every forward argument an identifier (torch.fx pastes them unescaped into the source it
    execs); ``guards_code`` is emptied (the service checks input shapes itself) and node metadata (stack traces,
-   which fx writes into that source as comments) is dropped;
+   which fx writes into that source as comments) is dropped, after the root module's class name is read from it as
+   a string that must be a dotted identifier (shown to users, never imported);
 5. only then torch's own deserializer (``ExportedProgramDeserializer().deserialize``) on the validated JSON, with
-   the tensors from step 3 and no sample inputs, under a lock (it keeps a process-wide "current deserializer").
+   the tensors from step 3 and no sample inputs, under a lock (it keeps a process-wide "current deserializer");
+   the graph module's forward hooks (torch's input check) are dropped and parameters sharing one storage (tied
+   weights) made one object again: both torch's objects, nothing of the archive's runs.
 6. what is stored is only what steps 2-5 read (``source``, ``program_json``): NOTE [stored archives] in
    program_archive.py.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -99,6 +103,8 @@ class ExportedProgram:
         program_json: models/model.json as torch's deserializer was given it (checked, metadata and guards
             emptied, re-serialized from torch's schema). With ``source``, all a stored copy may hold
             (program_archive.py).
+        class_name: the exported module's class (its name only, e.g. "ResidualMlp"), as the archive's node
+            metadata records it; None when it records none (read as a string, never imported).
     """
 
     module: nn.Module
@@ -112,6 +118,7 @@ class ExportedProgram:
     returns_tensor: bool = True
     source: ArchiveEntries | None = None
     program_json: bytes = b""
+    class_name: str | None = None
 
 
 def load_exported(
@@ -151,6 +158,7 @@ def load_exported(
     targets = check_graph_ops(graph_module, operation=operation)
     check_expressions(program, operation)
     check_treespecs(program, operation)
+    class_name = _class_name(graph_module)
     strip_metadata(program)
     program["guards_code"] = []  # exec'd by ExportedProgram.module(); the service checks input shapes itself
     user_inputs = check_signature(graph_module, operation)
@@ -195,7 +203,27 @@ def load_exported(
         output_is_tensor(graph_module),
         entries,
         program_json,
+        class_name,
     )
+
+
+_CLASS_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}(\.[A-Za-z_][A-Za-z0-9_]{0,99}){0,32}$")
+
+
+def _class_name(graph_module: Mapping[str, Any]) -> str | None:
+    """The root module's class name from a node's ``nn_module_stack`` metadata ("key,path,type;..." with an
+    empty path for the root): the type's last dotted part, if the type is a dotted identifier. A string only."""
+    graph = graph_module.get("graph")
+    for node in graph.get("nodes", ()) if isinstance(graph, Mapping) else ():
+        metadata = node.get("metadata") if isinstance(node, Mapping) else None
+        stack = metadata.get("nn_module_stack") if isinstance(metadata, Mapping) else None
+        if not isinstance(stack, str):
+            continue
+        for entry in stack.split(";"):
+            parts = entry.split(",")
+            if len(parts) == 3 and parts[1] == "" and _CLASS_PATH.fullmatch(parts[2]):
+                return parts[2].rpartition(".")[2]
+    return None
 
 
 def _static_shape(shape: tuple[int | None, ...], name: str, operation: str) -> tuple[int, ...]:
@@ -226,6 +254,8 @@ def _deserialize(
         # the engine's private eval copy works as on any module.
         for name in ("train", "eval"):
             vars(module).pop(name, None)
+        _without_hooks(module)
+        _tie_aliases(module)
         _sizes_as_methods(module)
     except Exception as exc:  # torch's own checks of the (already validated) JSON: the upload is what is wrong
         raise InvalidInput(
@@ -234,6 +264,38 @@ def _deserialize(
             f"({torch.__version__})"
         ) from exc
     return module, program_json
+
+
+def _without_hooks(module: nn.Module) -> None:
+    """Drop the forward hooks ``ExportedProgram.module()`` registers: an input-constraint check (the service checks
+    input shapes itself, as for ``guards_code``) and a pair that enables ``nn.Module`` graph inputs (a program
+    here takes tensors only). Torch's own code, nothing of the archive's; without them the graph module is a plain
+    module whose forward is its graph, which the structured engine's closed-form chain may read (NOTE
+    [sequential chains] in kernels/structured/chain.py: it refuses modules with hooks)."""
+    for hooks in (
+        module._forward_pre_hooks,
+        module._forward_hooks,
+        module._forward_hooks_with_kwargs,
+        module._forward_hooks_always_called,
+        module._forward_pre_hooks_with_kwargs,
+    ):
+        hooks.clear()
+
+
+def _tie_aliases(module: nn.Module) -> None:
+    """One parameter object per storage: the program holds a tied weight (a Hugging Face model's input and output
+    embeddings) as one parameter per name over one storage, the exported module as one parameter under several
+    names. Made one object again (the first name ``named_modules`` reaches keeps it), ``named_parameters()`` lists
+    it once under the module's own name, so selecting it by name selects every use of it, as on the module."""
+    kept: dict[tuple[object, ...], nn.Parameter] = {}
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is None:
+                continue
+            key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape), p.stride(), p.dtype)
+            first = kept.setdefault(key, p)
+            if first is not p:
+                owner._parameters[name] = first
 
 
 def example_batch(program: ExportedProgram, n: int = 2) -> Any:
@@ -400,6 +462,7 @@ def exported_architecture(program: ExportedProgram, sha256: str, *, operation: s
         "input_shape": [int(n) for n in program.input_shape],  # type: ignore[arg-type]
         "input_dtype": program.input_dtype,
         "operators": sorted(program.targets),
+        **({} if program.class_name is None else {"class_name": program.class_name}),
         **({} if program.vocab_size is None else {"vocab_size": program.vocab_size}),
         **({} if program.inputs is None else {"inputs": program.inputs.to_public()}),
         **({} if outputs is None else {"outputs": outputs}),

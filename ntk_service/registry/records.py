@@ -83,6 +83,9 @@ class ModelRecord:
         inputs: the named inputs of a model taking several tensors (an exported program with several user
             inputs); None for one unnamed input (x of shape (N, *input_shape)), every model before schema 3.
             With inputs, ``input_shape``/``input_dtype`` are the first input's.
+        parameter_paths: the path report made at registration (registry/paths.py: the path each parameter group
+            takes in the kernel engine and why, AUTO's choice at a nominal size); the same for every version;
+            None for models registered before it existed.
     """
 
     name: str
@@ -98,6 +101,7 @@ class ModelRecord:
     created_at: datetime
     label: str | None = None
     inputs: InputSpec | None = None
+    parameter_paths: dict[str, Any] | None = None
 
     @property
     def cache_key(self) -> tuple[str, int, str, str]:
@@ -124,6 +128,8 @@ class ModelRecord:
             "created_at": self.created_at.isoformat(),
             "label": self.label,
             "inputs": None if self.inputs is None else self.inputs.to_public(),
+            "class_name": self.architecture.get("class_name"),
+            "parameter_paths": self.parameter_paths,
         }
 
 

@@ -31,6 +31,7 @@ from ntk_service.registry.cache import ModuleCache
 from ntk_service.registry.database import DATABASE_FILENAME, Database
 from ntk_service.registry.exported import exported_inputs
 from ntk_service.registry.files import FileStore
+from ntk_service.registry.paths import model_paths
 from ntk_service.registry.programs import ProgramStore, is_exported, load_program, program_sha
 from ntk_service.registry.records import ModelRecord, ParameterInfo
 from ntk_service.registry.version_rows import SELECT_VERSION, insert_version_row, record_from_row
@@ -232,6 +233,8 @@ class ModelRegistry:
     ) -> ModelRecord:
         """Store version 1: the weights file (and an exported model's archive), the model row and the version row,
         committed together: files are published inside the write transaction, as NOTE [crash safety] requires."""
+        inputs = exported_inputs(normalized)
+        paths = model_paths(module, spec, normalized, inputs, operation=op)  # before any file or row is written
         data, sha = serialize(tensors)
         tmp = self._files.write_temp(lambda f: f.write(data))
         archive_sha = str(normalized["program_sha256"]) if program is not None else None
@@ -249,7 +252,8 @@ class ModelRegistry:
             weights_sha256=sha,
             created_at=_now(),
             label=label,
-            inputs=exported_inputs(normalized),
+            inputs=inputs,
+            parameter_paths=paths,
         )
         try:
             with self._files.temp_cleanup(tmp):
@@ -260,8 +264,8 @@ class ModelRegistry:
                         if program_tmp is not None and archive_sha is not None:
                             self._programs.publish(program_tmp, archive_sha)
                         conn.execute(
-                            "INSERT INTO models (name, architecture, created_at) VALUES (?, ?, ?)",
-                            (name, json.dumps(normalized), record.created_at.isoformat()),
+                            "INSERT INTO models (name, architecture, created_at, paths) VALUES (?, ?, ?, ?)",
+                            (name, json.dumps(normalized), record.created_at.isoformat(), json.dumps(paths)),
                         )
                         self._insert_version_row(conn, record)
                 except BaseException:

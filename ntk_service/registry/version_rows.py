@@ -18,7 +18,7 @@ __all__ = ["SELECT_VERSION", "insert_version_row", "record_from_row"]
 
 SELECT_VERSION = """
 SELECT v.name, v.version, m.architecture, v.seed, v.num_params, v.input_shape, v.input_dtype, v.output_dim,
-       v.parameters, v.weights_sha256, v.created_at, v.label, v.inputs
+       v.parameters, v.weights_sha256, v.created_at, v.label, v.inputs, m.paths
 FROM model_versions v JOIN models m ON m.name = v.name
 """
 """The columns ``record_from_row`` reads, in its order; callers add the WHERE and ORDER BY."""
@@ -40,6 +40,7 @@ def record_from_row(row: Any) -> ModelRecord:
         created_at=datetime.fromisoformat(row[10]),
         label=row[11],
         inputs=None if row[12] is None else InputSpec.from_public(json.loads(row[12])),
+        parameter_paths=None if row[13] is None else json.loads(row[13]),
     )
 
 

@@ -343,6 +343,18 @@ class ModelPublic(BaseModel):
         description="A model taking several tensors: their names, shapes and dtypes (send x1 as an object of "
         "named tensors); null: one input x (N, *input_shape).",
     )
+    class_name: str | None = Field(
+        default=None,
+        description="An exported model's class, as its archive records it (e.g. 'ResidualMlp'); null otherwise.",
+    )
+    parameter_paths: dict[str, Any] | None = Field(
+        default=None,
+        description="What the kernel engine does with the model, found at registration: 'groups' (per layer: "
+        "'path' structured or autograd, 'form' factored / jacobian / jacrev / unused, the 'ops' and the "
+        "'reason'), 'capture', 'auto' (the implementation AUTO takes at N = M = 64, FULL, and the weighted "
+        "estimates it compared), parameter counts per path; {'error': ...} when the model could not be run on "
+        "placeholder inputs; null for models registered before the report existed.",
+    )
 
 
 class ModelsPublic(BaseModel):

@@ -203,8 +203,9 @@ def test_bad_input_is_refused_with_what_to_fix() -> None:
         gp_inference(train_op, y, ntk_operator(model, x_test))  # Θ(x_test, x_test) is not Θ(x_test, x_train)
     with pytest.raises(InvalidInput, match="k_test_test is an operator, whose diagonal is not known"):
         gp_inference(train_op, y, cross_op, ntk_operator(model, x_test))
+    foreign = scipy.sparse.linalg.aslinearoperator(np.eye(36))  # an operator with no model behind it
     with pytest.raises(InvalidInput, match="relative"):
-        gp_inference(train_op, y, cross_op, ridge=0.1, ridge_scale="relative")
+        gp_inference(foreign, y, np.ones((5, 12, K, K)), ridge=0.1, ridge_scale="relative")
     with pytest.raises(InvalidInput, match="unknown solver"):
         gp_inference(train_op, y, cross_op, solver="lu")
     with pytest.raises(InvalidInput, match="needs the kernel's diagonal"):

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ntk_service.analysis import gp_inference, max_learning_rate, spectrum
-from ntk_service.analysis.solve import CgOptions
+from ntk_service.analysis.solve import CgOptions, SolverOptions, solve_kernel
 from ntk_service.errors import (
     InvalidInput,
     JobFailed,
@@ -34,7 +34,7 @@ from ntk_service.errors import (
 from ntk_service.jobs.executors import RayNtkOperator, ray_ntk_operator
 from ntk_service.jobs.executors.ray import _command, _descendants
 from ntk_service.kernels import ntk_operator
-from tests.reference import reference_ntk
+from tests.reference import reference_jacobian, reference_ntk
 from tests.server.slow_factory import SlowLinear
 
 K = 3
@@ -122,6 +122,46 @@ def test_cg_through_the_ray_operator_equals_the_dense_solve(test_train: RayNtkOp
     assert _rel(posterior.solve.solution.reshape(alpha.shape), alpha) <= 1e-6
     # the operator says its mode: a TRACE product is reported as k passes, as for an NtkOperator
     assert posterior.solve.passes == posterior.solve.products * (K if mode == "trace" else 1)
+
+
+def test_the_jacobian_halves_on_the_shards_equal_the_reference(test_train: RayNtkOperator) -> None:
+    """jvp / vjp / kernel_block of the Ray operator, each range on the actor of its shard (x_train 12 = 6 + 6)."""
+    model = _mlp()
+    x_train, x_test, _ = _data()
+    train = test_train.view(rows="x2")
+    assert train.partitions() == [(0, 6), (6, 12)] and train.examples == (12, 12)
+    jac = reference_jacobian(model, x_train).numpy()
+    rng = np.random.default_rng(4)
+    u = rng.standard_normal(train.num_params)
+    ranges = [(2, 5), (5, 9), (11, 12)]  # across the shard boundary
+    rows = np.concatenate([np.arange(a, b) for a, b in ranges])
+    np.testing.assert_allclose(train.jvp(u, ranges), jac[rows] @ u, rtol=0, atol=1e-12)
+    c = rng.standard_normal((rows.size, K))
+    np.testing.assert_allclose(train.vjp(c, ranges), np.einsum("nkp,nk->p", jac[rows], c), rtol=0, atol=1e-12)
+    landmarks = np.array([10, 1, 7])
+    expected = reference_ntk(model, x_train[rows], x_train[landmarks]).numpy()
+    np.testing.assert_allclose(train.kernel_block(ranges, landmarks), expected, rtol=0, atol=1e-12)
+    test_rows = reference_jacobian(model, x_test).numpy()
+    np.testing.assert_allclose(test_train.jvp(u), test_rows @ u, rtol=0, atol=1e-12)  # J(x_test) w
+
+
+def test_the_block_solver_on_the_shards_equals_the_local_one(test_train: RayNtkOperator) -> None:
+    """The parameter-space block method with its blocks on the shard actors (w shipped once a step): the same
+    answer as in one process to 1e-6, both within their guarantee of the dense solve."""
+    model = _mlp()
+    x_train, x_test, y = _data()
+    lam = 1e-2
+    a = _matrix(model, x_train, None, "full").numpy()
+    alpha = np.linalg.solve(a + lam * np.eye(a.shape[0]), y.reshape(-1))
+    options = SolverOptions(solver="block", rtol=1e-9, block_size=6, landmarks=2, inner_steps=4)
+    sharded = solve_kernel(test_train.view(rows="x2"), y, ridge=lam, options=options)
+    local = solve_kernel(ntk_operator(model, x_train), y, ridge=lam, options=options)
+    assert sharded.converged and local.converged and sharded.solver == local.solver == "block"
+    assert _rel(sharded.solution[:, 0], local.solution[:, 0]) <= 1e-6
+    assert _rel(sharded.solution[:, 0], alpha) <= 1e-6
+    assert sharded.weights is not None  # J(x_test) w on the shards: the test predictions
+    c = _matrix(model, x_test, x_train, "full").numpy()
+    assert _rel(test_train.jvp(sharded.weights).reshape(-1), c @ alpha) <= 1e-6
 
 
 def test_lanczos_through_the_ray_operator_finds_the_dense_eigenvalues(test_train: RayNtkOperator) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import types
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -59,7 +60,8 @@ class TwiceLinear(nn.Module):
 
 
 class BareParameter(nn.Module):
-    """Bare parameters in custom math next to rule layers: they take the Jacobian path, the rest the rules."""
+    """Bare parameters in custom math next to rule layers: an elementwise scale and a matrix in ``x @ proj``, both
+    read by the op rules."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -70,6 +72,23 @@ class BareParameter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.lin(x)) * self.scale + x @ self.proj)
+
+
+class RulelessParameter(nn.Module):
+    """Parameters in ops no rule covers (an einsum, a division by a parameter, a product of two parameters): they
+    take the Jacobian path, the rest the rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+        self.mix = nn.Parameter(torch.randn(4, 5))
+        self.temperature = nn.Parameter(torch.tensor(1.5))
+        self.gain, self.gate = nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(5))
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x)) / self.temperature + torch.einsum("ni,ij->nj", x, self.mix)
+        return self.head(h * (self.gain * self.gate))
 
 
 class ShapeQuery(nn.Module):
@@ -242,6 +261,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], tup
     "transformer": (TinyTransformer, _tokens(11, 5), ["embed.weight", "attn.in_proj_weight", "mlp.0.weight"]),
     "twice_linear": (TwiceLinear, _floats(4), ["shared.weight"]),
     "bare_parameter": (BareParameter, _floats(4), ["scale", "lin.weight"]),
+    "ruleless_parameter": (RulelessParameter, _floats(4), ["mix", "lin.weight", "gain"]),
     "sequence": (SequenceMlp, _floats(4, 3), ["l1.bias", "norm.weight"]),
     "batchnorm": (_batchnorm, _floats(2, 5, 5), ["1.*", "4.weight"]),
     "tied_embedding_head": (TiedEmbeddingHead, _tokens(7, 4), ["embed.weight"]),
@@ -338,46 +358,60 @@ def test_every_selected_parameter_is_covered_once(name: str, subset: bool) -> No
 
 def test_coverage_sends_only_unruled_uses_to_the_jacobian_path() -> None:
     transformer = _coverage("transformer")
-    assert {n for n, kind in transformer.items() if kind == "fallback"} == {
-        "attn.in_proj_weight",
-        "attn.in_proj_bias",
-        "attn.out_proj.weight",  # F.multi_head_attention_forward takes it directly, not through out_proj()
-        "attn.out_proj.bias",
-    }
+    assert "fallback" not in transformer.values()  # MultiheadAttention's projections are linear ops too
+    assert transformer["attn.in_proj_weight"] in ("factored", "rule")
     assert transformer["head.weight"] == "factored"
     assert transformer["mlp.0.weight"] in ("factored", "rule")  # over 5 positions, J of a 9x12 weight is cheaper
     assert transformer["ln1.weight"] == transformer["ln2.bias"] == "rule"
     assert _coverage("bare_parameter") == {
         "lin.weight": "factored",
         "lin.bias": "factored",
-        "scale": "fallback",
-        "proj": "fallback",
+        "scale": "rule",  # an elementwise scale of an activation
+        "proj": "factored",  # x @ proj: a linear op with the weight stored (in, out)
         "head.weight": "factored",
         "head.bias": "factored",
     }
+    ruleless = _coverage("ruleless_parameter")
+    assert {n for n, kind in ruleless.items() if kind == "fallback"} == {"temperature", "mix", "gain", "gate"}
+    assert ruleless["lin.weight"] == ruleless["head.weight"] == "factored"
     assert _coverage("tied_embedding_head")["embed.weight"] == "rule"  # Embedding + Linear uses: J summed
-    assert _coverage("tied_functional_head")["embed.weight"] == "fallback"
+    assert _coverage("tied_functional_head")["embed.weight"] == "rule"  # the F.linear use is a linear op too
     assert _coverage("twice_linear")["shared.weight"] in ("factored", "rule")
     assert "fallback" not in _coverage("shape_query").values()  # reading w.shape is not a use of w
     cnn = _coverage("cnn2d")
     assert cnn["3.weight"] == "rule" and "fallback" not in cnn.values()
 
 
-def test_a_forward_set_on_the_instance_has_no_rule() -> None:
-    """A Linear whose forward was replaced on the instance (accelerate's hooks do that) computes other math: its
-    parameters take the Jacobian path and the kernel stays exact."""
+def test_the_plan_names_the_ops_without_a_rule() -> None:
+    model, x1, _ = _case("ruleless_parameter")
+    with eval_semantics(model) as module:
+        problem, x1t, _ = prepare_problem(module, x1, None, params=None, dtype=torch.float64)
+        outside = structured_terms(problem, x1t[:1]).plan.outside
+    assert outside == {
+        "temperature": ("Tensor.div",),
+        "mix": ("einsum",),
+        "gain": ("Tensor.mul",),
+        "gate": ("Tensor.mul",),
+    }
+
+
+def test_a_forward_set_on_the_instance_is_read_by_its_ops() -> None:
+    """A Linear whose forward was replaced on the instance (accelerate's hooks do that) computes other math, which
+    the engine reads by its ops: here a linear op of twice the weight (a scaled use of the parameter)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     first = model[0]
-    first.forward = lambda x: F.linear(x, 2.0 * first.weight, first.bias)  # type: ignore[method-assign]
+    doubled = types.MethodType(lambda self, x: F.linear(x, 2.0 * self.weight, self.bias), first)
+    first.forward = doubled  # type: ignore[method-assign]
     x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
     with eval_semantics(model) as module:
         problem, x1t, _ = prepare_problem(module, x1, x2, params=None, dtype=torch.float64)
-        coverage = structured_terms(problem, x1t[:1]).coverage()
-    assert coverage["0.weight"] == coverage["0.bias"] == "fallback" and coverage["2.weight"] == "factored"
+        terms = structured_terms(problem, x1t[:1])
+    assert terms.coverage()["0.weight"] != "fallback" and terms.plan.sites[0].param("weight").scale == 2.0
     for mode in MODES:
-        theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
-        assert_matches(theta, reference_ntk(model, x1, x2, mode.value), 1e-10)
+        for form in FORMS:
+            theta = _structured(model, x1, x2, mode, form=form)
+            assert_matches(theta, reference_ntk(model, x1, x2, mode.value), 1e-10)
 
 
 def test_float32_matches_reference() -> None:
@@ -402,10 +436,18 @@ def test_auto_picks_structured_for_a_wide_mlp() -> None:
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("mlp", True), ("cnn2d", True), ("transformer", False), ("folded_batch", False), ("shuffled_batch", False)],
+    [
+        ("mlp", True),
+        ("cnn2d", True),
+        ("transformer", True),  # MultiheadAttention's (T, n, d) and (T·n, d) layouts: the examples stay apart
+        ("folded_batch", True),  # positions folded into the batch as (n·T, d): example-major rows
+        ("shuffled_batch", False),
+        ("ruleless_parameter", False),  # fallback parameters: per example
+    ],
 )
-def test_batched_capture_only_where_layers_see_examples_along_dim_0(name: str, expected: bool) -> None:
-    """The batched capture is used only when it is exact; the others take the per-example (vmap) capture."""
+def test_batched_capture_only_where_the_examples_stay_apart(name: str, expected: bool) -> None:
+    """The batched capture is used only when it is exact (every site keeps the examples apart, at a place found on
+    two examples); the others take the per-example (vmap) capture."""
     model, x1, _ = _case(name)
     with eval_semantics(model) as module:
         problem, x1t, _ = prepare_problem(module, x1, None, params=None, dtype=torch.float64)

@@ -91,6 +91,24 @@ class ConvBn(nn.Module):
         return out
 
 
+class TwoBranch(nn.Module):
+    """A researcher's two-branch block: a LayerNorm'd input feeds a tanh branch and a GELU gate, multiplied, plus a
+    Linear skip from the raw input, then a head (issue 37's custom class)."""
+
+    def __init__(self, d: int = 5, hidden: int = 6, classes: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.branch = nn.Linear(d, hidden)
+        self.gate = nn.Linear(d, hidden)
+        self.skip = nn.Linear(d, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        out: torch.Tensor = self.head(torch.tanh(self.branch(h)) * F.gelu(self.gate(h)) + self.skip(x))
+        return out
+
+
 def _trained(module: nn.Module, example: torch.Tensor, seed: int) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(seed)
     for parameter in module.parameters():  # weights away from their initial values

@@ -14,7 +14,7 @@ import pytest
 
 from ntk_service.errors import DatasetNotFound, EmptyBatch, InvalidInput, NonFiniteInput
 from ntk_service.registry import DatasetStore, NamedDatasetRecord
-from ntk_service.registry.database import DATABASE_FILENAME
+from ntk_service.registry.database import DATABASE_FILENAME, SCHEMA_VERSION
 
 
 def _npy_sha256(array: np.ndarray) -> str:
@@ -149,9 +149,10 @@ def test_a_schema_2_data_dir_gains_the_arrays_column(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / DATABASE_FILENAME) as conn:  # back to what schema 2 wrote
         conn.execute("ALTER TABLE datasets DROP COLUMN arrays")
         conn.execute("ALTER TABLE model_versions DROP COLUMN inputs")
+        conn.execute("ALTER TABLE models DROP COLUMN paths")  # schema 4
         conn.execute("UPDATE schema_version SET version = 2")
     store = DatasetStore(tmp_path)
     assert store.get(old.id) == old and np.array_equal(store.load(old.id, 1, 3), np.arange(2, 6).reshape(2, 2))
     assert isinstance(store.create(_arrays(2)), NamedDatasetRecord)
     with sqlite3.connect(tmp_path / DATABASE_FILENAME) as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone() == (3,)
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)

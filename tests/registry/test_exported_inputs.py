@@ -79,7 +79,7 @@ def test_keyword_inputs_and_a_dict_output_are_recorded_and_their_kernels_equal_t
     x1, x2 = _inputs(3, 1), _inputs(2, 2)
     for output, select in (("logits", lambda o: o["logits"]), ("hidden[:, 1:3]", lambda o: o["hidden"][:, 1:3])):
         reference = reference_ntk(module, x1, x2, output=select)
-        for implementation in ("jacobian_contraction", "ntk_vector_products", "auto"):
+        for implementation in ("structured", "jacobian_contraction", "ntk_vector_products", "auto"):
             result = compute_ntk(loaded, x1, x2, output=output, implementation=implementation, dtype=torch.float64)
             assert_matches(result.theta, reference, 1e-10)
 
@@ -158,6 +158,7 @@ def test_a_schema_2_data_dir_gets_the_inputs_column(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / DATABASE_FILENAME) as conn:  # as the previous release wrote it
         conn.execute("ALTER TABLE model_versions DROP COLUMN inputs")
         conn.execute("ALTER TABLE datasets DROP COLUMN arrays")
+        conn.execute("ALTER TABLE models DROP COLUMN paths")  # schema 4
         conn.execute("UPDATE schema_version SET version = 2")
     reopened = ModelRegistry(tmp_path)
     record = reopened.get("m")

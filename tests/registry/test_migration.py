@@ -26,6 +26,7 @@ def test_a_schema_1_data_dir_is_migrated_in_place(tmp_path: Path) -> None:
     registry = ModelRegistry(data_dir)
     versions = registry.versions("mlp-v1")
     assert [(r.version, r.seed, r.label) for r in versions] == [(1, 7, None), (2, None, None)]
+    assert versions[0].parameter_paths is None  # registered before the path report (schema 4) existed
     assert versions[0].created_at < versions[1].created_at
     assert [(p.name, p.shape) for p in versions[0].parameters] == [
         ("layers.0.weight", (4, 3)),

@@ -54,6 +54,8 @@ PUBLIC_FIELDS = {
     "weights_sha256",
     "created_at",
     "label",
+    "class_name",
+    "parameter_paths",
 }
 
 
@@ -98,6 +100,13 @@ def test_register_get_list(tmp_path: Path) -> None:
     public = record.to_public()
     assert set(public) == PUBLIC_FIELDS
     assert public["parameters"][0] == {"name": "layers.0.weight", "shape": [4, 3]}
+    paths = public["parameter_paths"]  # the MLP family: a pipeline the engine captures in closed form
+    assert paths["capture"].startswith("chain") and paths["jacrev_parameters"] == 0
+    assert [(g["group"], g["parameters"], g["form"]) for g in paths["groups"]] == [
+        ("layers.0", ["weight", "bias"], "factored"),
+        ("layers.1", ["weight", "bias"], "factored"),
+    ]
+    assert paths["auto"]["implementation"] == "structured" and public["class_name"] is None
     assert datetime.fromisoformat(public["created_at"]) == record.created_at
     assert registry.get("mlp-1") == record == registry.get("mlp-1", 1)
     registry.register("a-0", MLP)

@@ -241,6 +241,12 @@ def test_console_with_a_write_key(server: LiveServer, seeded: dict[str, Any], br
     mlp_row = _texts(page, 'tr[data-model="mlp-a"] td')
     assert "67" in mlp_row and any(cell.startswith("mlp: input_dim 4") for cell in mlp_row), mlp_row
     assert _texts(page, 'tr[data-model="seq-b"] td.arch > span') == ["sequential: Linear 4→8 → Tanh → Linear 8→3"]
+    # what the kernel engine does with each layer (the record's parameter_paths)
+    assert _texts(page, 'tr[data-model="seq-b"] details.paths summary') == [
+        "Kernel paths: auto → structured at N = 64 · all structured"
+    ]
+    seq_paths = _texts(page, 'tr[data-model="seq-b"] details.paths li[data-path="structured"]')
+    assert len(seq_paths) == 2 and all(" weight, bias factored (linear): " in text for text in seq_paths), seq_paths
     assert _texts(page, 'tr[data-model="slow"] td.arch > span')[0].startswith(
         "factory tests.server.slow_factory:build("
     )
@@ -525,7 +531,7 @@ def test_console_shows_what_a_lab_reads(
 
     # the exported model: "exported <class>: <layer ops> + <the rest>", not a sha256 and a list of ATen names
     arch = _texts(page, 'tr[data-model="two-heads"] td.arch > span')[0]
-    assert arch == "exported program: linear + add, mul, relu, sum, tanh", arch  # no class recorded on this server
+    assert arch == "exported _TwoHeads: linear + add, mul, relu, sum, tanh", arch  # the class recorded at export
     assert "torch.ops" not in arch and not re.search(r"[0-9a-f]{16}", arch)
     assert _texts(page, 'tr[data-model="two-heads"] td.arch details.operators summary') == ["6 operators"]
     row_height = page.evaluate("document.querySelector('tr[data-model=\"two-heads\"]').getBoundingClientRect().height")

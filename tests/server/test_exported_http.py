@@ -47,6 +47,11 @@ def test_exported_models_two_checkpoints_kernels_equal_the_reference(live_server
         assert [p["name"] for p in first["parameters"]] == [n for n, _ in module.named_parameters()]
         assert first["num_params"] == sum(p.numel() for p in module.parameters())
         assert first["input_shape"] == list(shape) and first["output_dim"] == module(example).shape[1]
+        # what the engine does with it: every parameter structured, on the program as on the module (issue 37)
+        assert first["class_name"] == (None if family == "sequential" else type(module).__name__)
+        groups = first["parameter_paths"]["groups"]
+        assert {g["path"] for g in groups} == {"structured"} and first["parameter_paths"]["jacrev_parameters"] == 0
+        assert client.get_model(name)["parameter_paths"] == first["parameter_paths"]
 
         train_steps(module, example, 1, seed=9)  # type: ignore[arg-type]  # the user's own state_dict, unchanged
         second = client.upload_weights(name, module.state_dict(), label="epoch 1")

@@ -1,8 +1,9 @@
 """The two CG sweeps behind ``conjugate_gradients``: "batched" (a Krylov space per column) and "block" (one shared).
 
 A sweep runs CG from the current X and its residual R until every column meets rtol, the iterations run out or
-the time does; ``conjugate_gradients`` (``cg.py``) owns the setup, the true-residual check and the warm restarts
-around it (NOTE [cg]). Both update ``x``, ``r`` and ``residual`` in place and take only the columns still moving.
+``should_stop`` gives a reason (the time limit, a caller's callback); ``conjugate_gradients`` (``cg.py``) owns the
+setup, the true-residual check and the warm restarts around it (NOTE [cg]). Both update ``x``, ``r`` and
+``residual`` in place and take only the columns still moving.
 
 NOTE [block cg]
     O'Leary's block CG (1980) runs the r right-hand sides in one Krylov space: with search directions P (n, s),
@@ -98,7 +99,7 @@ def batched_sweep(
     product: Product,
     pre: object,
     max_iterations: int,
-    out_of_time: Callable[[], bool],
+    should_stop: Callable[[int], str | None],
 ) -> tuple[int, str | None]:
     """Per-column CG on the ``active`` columns of X (n, r): each column's own scalars, one product per moving
     column per iteration (NOTE [cg])."""
@@ -107,8 +108,9 @@ def batched_sweep(
     rz = np.sum(r[:, active] * z, axis=0)
     iterations = 0
     while active.size and iterations < max_iterations:
-        if out_of_time():
-            return iterations, "time_limit"
+        reason = should_stop(iterations)
+        if reason is not None:
+            return iterations, reason
         ap = product(p)
         pap = np.sum(p * ap, axis=0)
         if np.any(pap <= 0):
@@ -140,7 +142,7 @@ def block_sweep(
     product: Product,
     pre: object,
     max_iterations: int,
-    out_of_time: Callable[[], bool],
+    should_stop: Callable[[int], str | None],
 ) -> tuple[int, str | None]:
     """Breakdown-free block CG on the ``active`` columns of X (n, r): one Krylov space for all, s ≤ r products
     per iteration (NOTE [block cg])."""
@@ -148,8 +150,9 @@ def block_sweep(
     p = orthonormal_basis(_precondition(pre, r[:, active]), residual[active], floor)
     iterations = 0
     while active.size and iterations < max_iterations:
-        if out_of_time():
-            return iterations, "time_limit"
+        reason = should_stop(iterations)
+        if reason is not None:
+            return iterations, reason
         if p.shape[1] == 0:  # M⁻¹R = 0 with R ≠ 0: a singular preconditioner
             return iterations, "breakdown: the preconditioner maps the residual to zero"
         q = product(p)  # (n, s)

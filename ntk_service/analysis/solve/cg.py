@@ -62,6 +62,7 @@ NOTE [cg default]
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -70,6 +71,7 @@ import numpy as np
 from ntk_service.analysis.solve.block_cg import batched_sweep, block_sweep
 from ntk_service.analysis.solve.operators import KernelOperator, check_ridge
 from ntk_service.analysis.solve.preconditioners import LandmarkMethod, nystrom_preconditioner
+from ntk_service.analysis.solve.problem import DEFAULT_RTOL
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, NonFiniteInput, ShapeMismatch, format_bytes
 from ntk_service.kernels.runtime.device import default_memory_budget
 
@@ -86,10 +88,6 @@ __all__ = [
     "check_cg_memory",
     "conjugate_gradients",
 ]
-
-DEFAULT_RTOL = 1e-8
-"""Relative residual at which a column stops: float64 predictions then agree with a dense solve to about
-rtol × cond(A + λI)^(1/2) (measured in tests/analysis/test_solvers.py and benchmarks/bench_solvers.py)."""
 
 DEFAULT_MAX_ITERATIONS = 2000
 """The default cap on CG iterations (each is one product per moving column)."""
@@ -250,6 +248,7 @@ def conjugate_gradients(
     ridge: float = 0.0,
     options: CgOptions | None = None,
     x0: Any = None,
+    callback: Callable[[int, np.ndarray, np.ndarray], str | None] | None = None,
 ) -> SolveResult:
     """Solve (A + λI) X = B by preconditioned CG (NOTE [cg]).
 
@@ -257,6 +256,10 @@ def conjugate_gradients(
         op: a square kernel (``kernel_operator``), symmetric positive semi-definite.
         rhs: B (n,) or (n, r). ridge: λ ≥ 0. options: ``CgOptions``. Default: CgOptions().
         x0: a warm start (n,) or (n, r), e.g. a previous ``SolveResult.solution``. Default: zeros.
+        callback: called after each iteration with (iterations so far, X (n, r), the recursive relative
+            residuals (r,)), both live arrays (copy what you keep); a string it returns stops the solve with that
+            ``stop_reason`` (the true residual recomputed, as for the time limit); an exception it raises
+            propagates (a job's cancel). Default: None.
 
     Returns:
         SolveResult: solution (n, r) (always 2-D), residuals, ``converged`` and the cost.
@@ -310,8 +313,11 @@ def conjugate_gradients(
         out[:, cols] = av
         return out
 
-    def out_of_time() -> bool:
-        return options.max_seconds is not None and time.perf_counter() - start > options.max_seconds
+    def should_stop(done: int) -> str | None:
+        """Checked before each iteration (``done`` run in this sweep): the time limit, then the caller's say."""
+        if options.max_seconds is not None and time.perf_counter() - start > options.max_seconds:
+            return "time_limit"
+        return None if callback is None or done == 0 else callback(iterations + done, x, residual)
 
     method = options.method
     if method == "auto":
@@ -337,7 +343,7 @@ def conjugate_gradients(
             product=lambda v: product(v, None),
             pre=pre,
             max_iterations=max_iterations - iterations,
-            out_of_time=out_of_time,
+            should_stop=should_stop,
         )
         iterations += done
         stop_reason = reason or "converged"
@@ -345,8 +351,8 @@ def conjugate_gradients(
         r = b - product(x[:, moving], moving)
         residual = np.linalg.norm(r, axis=0) / bnorm_safe
         residual[bnorm == 0] = 0.0
-        if stop_reason.startswith("breakdown") or stop_reason == "time_limit" or iterations >= max_iterations:
-            break
+        if stop_reason not in ("converged", "max_iterations") or iterations >= max_iterations:
+            break  # a breakdown, the time limit or the caller's reason: final
     converged = bool(np.all(residual <= options.rtol))
     if converged:
         stop_reason = "converged"

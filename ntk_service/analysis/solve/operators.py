@@ -1,24 +1,25 @@
 """One view of a kernel for the solvers: a float64 block product V ↦ A V on the layout of NOTE [layout].
 
-A kernel reaches the solvers as a dense array (what ``compute_ntk`` returns), an ``NtkOperator``
-(``kernels/operators/linear_operator.py``), a ``scipy.sparse.linalg.LinearOperator`` or any object with ``shape`` and
-``matvec`` on flat vectors (a stored kernel, an operator over a data set). ``kernel_operator`` turns each into a
-``KernelOperator`` whose ``apply`` takes and returns float64 blocks, so CG, Lanczos and the preconditioners never
-ask what they were given.
+A kernel reaches the solvers as a dense array (what ``compute_ntk`` returns), a ``LinearOperator`` of the package
+(NOTE [one operator base] in ``kernels/operators/base.py``: ``ntk_operator``, ``dataset_operator``,
+``ray_ntk_operator``, ``MatrixOperator``), a ``scipy.sparse.linalg.LinearOperator``, or any other object with
+``shape`` and ``matvec`` on flat vectors (a stored kernel): ``as_operator`` is the one place such a foreign object is
+taken in. ``kernel_operator`` turns each into a ``KernelOperator`` (itself a ``LinearOperator``) whose ``apply``
+takes and returns float64 blocks, so CG, Lanczos, the preconditioners and the solvers never ask what they were
+given; ``source`` keeps the ``JacobianOperator`` behind it, for what needs the model.
 
 NOTE [operator layout]
     An operator of shape (N·k, M·k) is a FULL kernel in the example-major layout (row n·k + a), exactly
     ``as_matrix(theta)``; one of shape (N, M) with targets of width k is a TRACE kernel and is read, as a dense TRACE
     kernel is, as (trace / k) ⊗ I_k: ``apply`` divides by k and acts on each of the k target columns. For k = 1 the
-    two readings coincide. An ``NtkOperator`` says its own mode, as does any operator with ``k`` and a ``mode``
-    that is a ``KernelMode`` / ``DerivedMode`` (``RayNtkOperator``); for any other object the shape decides, and a
-    shape that is neither is refused with both numbers.
+    two readings coincide. A ``LinearOperator`` says its own mode (None: a plain matrix); for a foreign object
+    the shape decides, and a shape that is neither is refused with both numbers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,31 +28,84 @@ import torch
 
 from ntk_service.analysis.layout import to_kernel_matrix
 from ntk_service.errors import InvalidInput, NonFiniteInput, ShapeMismatch
-from ntk_service.kernels.modes import DerivedMode, KernelMode
-from ntk_service.kernels.operators.linear_operator import NtkOperator
+from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.operators.base import JacobianOperator, LinearOperator
 
-__all__ = ["KernelOperator", "check_ridge", "is_operator", "kernel_operator"]
+__all__ = ["ForeignOperator", "KernelOperator", "as_operator", "check_ridge", "is_operator", "kernel_operator"]
 
 
 def is_operator(kernel: Any) -> bool:
-    """True for an ``NtkOperator``, a SciPy ``LinearOperator`` or any object with ``shape`` and ``matvec`` that is not
-    an array (arrays go through the dense paths)."""
-    if isinstance(kernel, NtkOperator | scipy.sparse.linalg.LinearOperator):
+    """True for a ``LinearOperator`` of the package, a SciPy ``LinearOperator``, or a foreign object that
+    ``as_operator`` takes in (``shape`` and ``matvec``, not an array); arrays go through the dense paths."""
+    if isinstance(kernel, LinearOperator | scipy.sparse.linalg.LinearOperator):
         return True
+    return _is_foreign_operator(kernel)
+
+
+def _is_foreign_operator(kernel: Any) -> bool:
+    """A foreign object with ``shape`` and ``matvec`` that is not an array: the boundary's one duck-typed check
+    (NOTE [one operator base]; everything of the package is a ``LinearOperator``)."""
     return hasattr(kernel, "matvec") and hasattr(kernel, "shape") and not hasattr(kernel, "__array__")
 
 
+class ForeignOperator(LinearOperator):
+    """An operator from outside the package (a SciPy ``LinearOperator``, a stored kernel, any object with
+    ``shape`` and ``matvec`` on flat vectors) as a ``LinearOperator``; mode None (its shape decides)."""
+
+    def __init__(self, kernel: Any) -> None:
+        shape = tuple(int(s) for s in kernel.shape)
+        if len(shape) != 2:
+            raise ShapeMismatch(f"as_operator: an operator is 2-D (rows, cols), got shape {shape}")
+        self.kernel = kernel
+        self.shape = (shape[0], shape[1])
+        self.dtype = torch.float64
+        self.mode, self.k, self.is_symmetric = None, 1, False
+
+    def _matmat(self, v: torch.Tensor) -> torch.Tensor:
+        columns = []
+        for j in range(v.shape[1]):
+            out = self.kernel.matvec(v[:, j].numpy())
+            if isinstance(out, torch.Tensor):
+                out = out.detach().cpu().double().numpy()
+            column = np.asarray(out, dtype=np.float64).reshape(-1)
+            if column.shape != (self.shape[0],):
+                raise ShapeMismatch(
+                    f"as_operator: {type(self.kernel).__name__}.matvec returned {column.shape[0]} entries; its shape "
+                    f"says {self.shape[0]}"
+                )
+            columns.append(torch.from_numpy(column))
+        return torch.stack(columns, dim=1) if columns else torch.zeros(self.shape[0], 0, dtype=torch.float64)
+
+
+def as_operator(kernel: Any) -> LinearOperator:
+    """``kernel`` as a ``LinearOperator``: itself if it is one, else wrapped (``ForeignOperator``).
+
+    Raises:
+        InvalidInput: an object that is not an operator (an array goes to the dense paths).
+    """
+    if isinstance(kernel, LinearOperator):
+        return kernel
+    if isinstance(kernel, scipy.sparse.linalg.LinearOperator) or _is_foreign_operator(kernel):
+        return ForeignOperator(kernel)
+    raise InvalidInput(f"as_operator: {type(kernel).__name__} is not an operator (no shape and matvec)")
+
+
 @dataclass(frozen=True)
-class KernelOperator:
-    """A kernel as a float64 block product (NOTE [operator layout]).
+class KernelOperator(LinearOperator):
+    """A kernel as a float64 block product (NOTE [operator layout]), itself a ``LinearOperator`` (float64).
 
     Attributes:
         apply: V (cols, r) -> A V (rows, r), float64, one product per column (the TRACE scaling 1 / k included).
         rows, cols: the sizes of the system (N·k and M·k for FULL; N and M for TRACE).
         n, m: examples on the row and column side. k: outputs per example (the targets' width for TRACE).
         mode: FULL or TRACE. matrix: the dense float64 matrix when one was given (None for an operator).
-        passes_per_product: VJP + JVP passes over the data one column costs (k for an NtkOperator in TRACE mode,
+        passes_per_product: VJP + JVP passes over the data one column costs (k for an operator in TRACE mode,
             1 in FULL, 0 for a dense matrix): what the solvers' cost reports multiply by.
+        source: the ``JacobianOperator`` behind it (an ``ntk_operator``, ``dataset_operator`` or
+            ``ray_ntk_operator``), for what only the model gives: the parameter-space solvers (FULL) and kernel
+            blocks by the structured engine (NOTE [jacobian operator]); None for a dense kernel or a foreign one.
+        is_symmetric: a kernel of one data set. product_dtype: the dtype of the products (float32 products put a
+            floor under a residual, NOTE [float32 floor] in ``solve/problem.py``).
     """
 
     apply: Callable[[np.ndarray], np.ndarray]
@@ -63,29 +117,20 @@ class KernelOperator:
     mode: KernelMode
     matrix: np.ndarray | None = None
     passes_per_product: int = 1
+    source: JacobianOperator | None = None
+    is_symmetric: bool = False
+    product_dtype: torch.dtype = torch.float64
+    dtype: torch.dtype = field(default=torch.float64, init=False)
+    shape: tuple[int, int] = field(default=(0, 0), init=False)
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.rows, self.cols)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", (self.rows, self.cols))
 
+    def _matmat(self, v: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(self.apply(v.double().numpy()))
 
-def _flat_product(kernel: Any) -> Callable[[np.ndarray], np.ndarray]:
-    """x (cols,) -> A x (rows,) in float64, through the operator's own matvec (torch for an NtkOperator)."""
-    if isinstance(kernel, NtkOperator):
-
-        def ntk(x: np.ndarray) -> np.ndarray:
-            out = kernel.matvec(torch.from_numpy(np.ascontiguousarray(x)).reshape(-1))
-            return np.asarray(out.detach().cpu().double().numpy()).reshape(-1)
-
-        return ntk
-
-    def generic(x: np.ndarray) -> np.ndarray:
-        out = kernel.matvec(x)
-        if hasattr(out, "detach") and hasattr(out, "cpu"):  # a torch tensor
-            out = out.detach().cpu().double().numpy()
-        return np.asarray(out, dtype=np.float64).reshape(-1)
-
-    return generic
+    def matmat_float64(self, v: np.ndarray) -> np.ndarray:
+        return self.apply(np.asarray(v, dtype=np.float64))
 
 
 def kernel_operator(
@@ -112,7 +157,9 @@ def kernel_operator(
         ShapeMismatch: a shape that is neither (N·k, M·k) nor (N, M) for these targets, or that contradicts
             ``mode``, ``rows`` or ``cols``.
     """
-    if not is_operator(kernel):
+    if isinstance(kernel, KernelOperator):
+        result = kernel
+    elif not is_operator(kernel):
         dense = to_kernel_matrix(kernel, name=name, operation=operation, mode=mode, trace_outputs=k)
         matrix = dense.matrix
         full = dense.mode is KernelMode.FULL
@@ -131,9 +178,12 @@ def kernel_operator(
             mode=dense.mode,
             matrix=matrix,
             passes_per_product=0,
+            is_symmetric=matrix.shape[0] == matrix.shape[1] and bool(np.array_equal(matrix, matrix.T)),
         )
     else:
-        result = _wrap_operator(kernel, k=k, name=name, operation=operation, mode=mode, rows=rows, cols=cols)
+        result = _wrap_operator(
+            as_operator(kernel), k=k, name=name, operation=operation, mode=mode, rows=rows, cols=cols
+        )
     for side, expected, got in (("rows", rows, result.n), ("columns", cols, result.m)):
         if expected is not None and got != expected:
             raise ShapeMismatch(
@@ -145,7 +195,7 @@ def kernel_operator(
 
 
 def _wrap_operator(
-    kernel: Any,
+    kernel: LinearOperator,
     *,
     k: int,
     name: str,
@@ -154,10 +204,8 @@ def _wrap_operator(
     rows: int | None,
     cols: int | None,
 ) -> KernelOperator:
-    shape = tuple(int(s) for s in kernel.shape)
-    if len(shape) != 2:
-        raise ShapeMismatch(f"{operation}: {name} has shape {shape}; an operator is 2-D (rows, cols)")
-    own = _declared_mode(kernel)
+    shape = kernel.shape
+    own = kernel.mode
     own_mode = None if own is None else (KernelMode.FULL if own is KernelMode.FULL else KernelMode.TRACE)
     wanted = None if mode is None else KernelMode(mode)
     if own_mode is not None and wanted is not None and own_mode is not wanted:
@@ -183,7 +231,6 @@ def _wrap_operator(
             f"{operation}: {name} has shape {shape}, not (N·k, M·k) for k = {k} target columns; pass an operator of "
             "the FULL kernel in the example-major layout, or targets with one column per output"
         )
-    flat = _flat_product(kernel)
     full = chosen is KernelMode.FULL
     scale = 1.0 if full else 1.0 / k
     rows_n, cols_n = shape
@@ -191,14 +238,9 @@ def _wrap_operator(
     def apply(v: np.ndarray) -> np.ndarray:
         if v.ndim != 2 or v.shape[0] != cols_n:
             raise ShapeMismatch(f"{operation}: a block of shape {v.shape} for {name} of shape {shape}")
-        out = np.empty((rows_n, v.shape[1]))
-        for j in range(v.shape[1]):
-            column = flat(v[:, j])
-            if column.shape != (rows_n,):
-                raise ShapeMismatch(
-                    f"{operation}: {name}.matvec returned {column.shape[0]} entries; its shape says {rows_n}"
-                )
-            out[:, j] = column
+        out = kernel.matmat_float64(v) if v.shape[1] else np.zeros((rows_n, 0))
+        if out.shape != (rows_n, v.shape[1]):
+            raise ShapeMismatch(f"{operation}: {name} returned a block of shape {out.shape}; its shape says {rows_n}")
         if not np.all(np.isfinite(out)):
             raise NonFiniteInput(
                 f"{operation}: a product with {name} gave NaN or inf (the model's outputs overflow at these inputs, "
@@ -208,6 +250,7 @@ def _wrap_operator(
 
     passes = k if own is KernelMode.TRACE else 1
     per = k if full else 1
+    source = kernel if isinstance(kernel, JacobianOperator) else None
     return KernelOperator(
         apply=apply,
         rows=rows_n,
@@ -217,16 +260,10 @@ def _wrap_operator(
         k=k,
         mode=chosen,
         passes_per_product=passes,
+        source=source,
+        is_symmetric=kernel.is_symmetric,
+        product_dtype=kernel.dtype,
     )
-
-
-def _declared_mode(kernel: Any) -> KernelMode | DerivedMode | None:
-    """The mode an operator says it has: an ``NtkOperator``'s, or that of any operator whose ``mode`` is a kernel
-    mode and which has ``k`` (``RayNtkOperator``); None for the rest (SciPy operators, plain objects)."""
-    mode = getattr(kernel, "mode", None)
-    if isinstance(mode, KernelMode | DerivedMode) and (isinstance(kernel, NtkOperator) or hasattr(kernel, "k")):
-        return mode
-    return None
 
 
 def check_ridge(ridge: float, *, operation: str) -> float:

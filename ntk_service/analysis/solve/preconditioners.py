@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_LANDMARKS",
     "LandmarkMethod",
     "NystromPreconditioner",
+    "nystrom_basis",
     "nystrom_preconditioner",
     "shared_nystrom_preconditioner",
 ]
@@ -69,7 +70,7 @@ _APPLY_ROWS = 8192
 
 _BASIS_COPIES = 3
 """float64 (rows, m) arrays alive at once while a preconditioner is built: the columns, the factor and the
-basis U (``_basis`` never forms an SVD's workspace) (NOTE [shared nystrom])."""
+basis U (``nystrom_basis`` never forms an SVD's workspace) (NOTE [shared nystrom])."""
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def _sketch_factor(omega: np.ndarray, sketch: np.ndarray) -> np.ndarray:
     return factor
 
 
-def _basis(factor: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+def nystrom_basis(factor: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """U and Λ = Σ² of the thin SVD of F, without the modes below √(n·eps) of the largest: from the eigenpairs
     of the m × m Gram matrix FᵀF (U = F V Σ⁻¹), so only F and U are ever (n, m). Squaring the singular values
     loses nothing here: the modes kept have Σ² ≥ n·eps·Σ₀², far above the Gram matrix's rounding (eps·Σ₀²)."""
@@ -263,7 +264,7 @@ def nystrom_preconditioner(
             raise InvalidInput(
                 f"{_OPERATION}: unknown method {method!r}; expected 'uniform', 'pivoted_cholesky' or 'gaussian'"
             )
-    basis, eigenvalues = _basis(factor, n)
+    basis, eigenvalues = nystrom_basis(factor, n)
     return NystromPreconditioner(
         basis=basis,
         eigenvalues=eigenvalues,
@@ -334,7 +335,7 @@ def shared_nystrom_preconditioner(
     # as they are, without a second (N, m) array)
     factor = _nystrom_factor(np.asarray(raw, dtype=np.float64), idx)
     factor /= np.sqrt(k)
-    basis, eigenvalues = _basis(factor, n)
+    basis, eigenvalues = nystrom_basis(factor, n)
     del factor
     return NystromPreconditioner(
         basis=basis,

@@ -233,7 +233,8 @@ def streamed_nystrom_preconditioner(
 
 def _projection(gram: np.ndarray, w: np.ndarray, k: int, m: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """R (s, m') and Λ (m',) descending with U = C R the top m' ≤ m eigenvectors of C W⁺ Cᵀ / k, from G = CᵀC and
-    W = C[S]; modes of W below s·eps·‖W‖, and of Â below n·eps of its largest, are dropped (as ``_basis`` does)."""
+    W = C[S]; modes of W below s·eps·‖W‖, and of Â below n·eps of its largest, are dropped (as ``nystrom_basis``
+    does)."""
     w = (w + w.T) / 2
     values, vectors = np.linalg.eigh(w)
     keep = values > max(float(values[-1]), 0.0) * w.shape[0] * np.finfo(np.float64).eps * 10

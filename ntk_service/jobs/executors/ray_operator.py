@@ -13,10 +13,15 @@ same VJP and JVP work as ``ntk_operator``, spread over S actors, plus 2·S·P fl
 round trips; memory per actor O(P + its shard's chunk), on the driver O(S·P) for the parts.
 
 The model goes to the object store once, as a data-free module tree and its weights as numpy (``weights.py``: one
-copy per node, which its actors map zero-copy); each shard once, to its actor. The operator has the interface the
-solvers use (``matvec``, ``rmatvec``, ``shape``, ``k``, ``mode``, ``dtype``, ``is_symmetric``,
-``as_linear_operator``), so ``gp_inference``, ``linearized_predictions``, ``max_learning_rate``, ``spectrum`` and
-``conjugate_gradients`` take it as they take an ``NtkOperator``. ``view`` gives the other kernels of the same actors
+copy per node, which its actors map zero-copy); each shard once, to its actor. The operator is a
+``JacobianOperator`` (NOTE [one operator base] in ``kernels/operators/base.py``), so ``gp_inference``,
+``solve_kernel``, ``linearized_predictions``, ``max_learning_rate`` and ``spectrum`` take it as they take an
+``NtkOperator``. Its Jacobian halves run where the rows are: ``jvp(w, rows)`` ships w (P floats) through the object
+store once and each actor pushes it forward over its part of the rows; ``vjp(c, rows)`` has each actor pull its part
+back and the driver sums the parts in float64; ``kernel_block`` reads the few landmark examples from their actors
+and each actor computes its rows' block with the structured engine. So the parameter-space block method runs with w
+replicated by the object store and every block's work on the shard actors (a block takes a share of every shard:
+``partitions``). ``view`` gives the other kernels of the same actors
 (train-train from a test-train build, another mode) without shipping anything again.
 
 NOTE [ray operator faults]: no fault tolerance. A lost actor (its process killed, its node gone) fails the
@@ -28,7 +33,8 @@ driver (S·P floats arrive there); a tree or an allreduce among the actors would
 
 NOTE [ray operator placement]: this module lives in ``jobs/executors`` because it needs ``import_ray`` and the
 weight shipping of ``weights.py``, and ``kernels/`` may not import ``jobs/`` (DESIGN §2); it imports the engine
-(``ntk_operator`` per shard) downwards. ``analysis/`` reaches it by duck typing (``is_operator``), never by import.
+(``ntk_operator`` per shard) downwards. ``analysis/`` reaches it through its base class (``JacobianOperator``),
+never by import.
 
 Example::
 
@@ -56,13 +62,13 @@ from ntk_service.jobs.executors.ray import batch_as_numpy, import_ray
 from ntk_service.jobs.executors.weights import pack_module, unpack_module
 from ntk_service.kernels import model_device, place_module
 from ntk_service.kernels.modes import DerivedMode, KernelMode
+from ntk_service.kernels.operators.base import JacobianOperator, Ranges, check_cotangent, check_ranges, ranges_size
 from ntk_service.kernels.operators.linear_operator import (
     NtkOperator,
     apply_in_mode,
     as_operand,
     ntk_operator,
     parse_operator_mode,
-    scipy_view,
 )
 from ntk_service.kernels.problem.batch import Inputs, batch_size, take
 from ntk_service.kernels.problem.inputs import validate_inputs
@@ -125,6 +131,27 @@ class ShardWorker:
         out: np.ndarray = op.pushforward({name: _copy(g) for name, g in u.items()}).numpy()
         return out
 
+    def jvp(self, u: np.ndarray, side: int, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """J(x_s[ranges]) u for u (P,) float64 and ranges local to this shard's side: (rows, k) float64."""
+        op = self._shard().T if side == 1 else self._shard()
+        return op.jvp(u, ranges)
+
+    def vjp(self, c: np.ndarray, side: int, ranges: list[tuple[int, int]]) -> np.ndarray:
+        """J(x_s[ranges])ᵀ c: (P,) float64, for c (rows of the ranges, k) and ranges local to this shard."""
+        op = self._shard().T if side == 0 else self._shard()
+        return op.vjp(c, ranges)
+
+    def rows(self, side: int, index: np.ndarray) -> Any:
+        """This shard's examples ``index`` (local) of one side, as numpy (``batch_as_numpy``)."""
+        op = self._shard().T if side == 0 else self._shard()
+        return batch_as_numpy(op.select_columns(index))
+
+    def kernel(self, side: int, ranges: list[tuple[int, int]], other: Any, mode: KernelMode) -> np.ndarray:
+        """Θ(x_s[ranges], other) by the structured engine (``NtkOperator.kernel_against``), float64; ``other``
+        numpy inputs (None for the example diagonal)."""
+        op = self._shard().T if side == 0 else self._shard()
+        return op.kernel_against(ranges, None if other is None else _to_torch(other), mode)
+
     def _shard(self) -> NtkOperator:
         assert self._op is not None, "ShardWorker.load runs first"
         return self._op
@@ -148,7 +175,7 @@ class _Shards:
         self.actors = []
 
 
-class RayNtkOperator:
+class RayNtkOperator(JacobianOperator):
     """Θ(x_rows, x_cols) on Ray actors (see the module docstring); build it with ``ray_ntk_operator``, and more
     kernels of the same shipped model and data with ``view``.
 
@@ -160,6 +187,8 @@ class RayNtkOperator:
         rows, cols: which data set the rows and the columns are ("x1" or "x2"; "x1" both when x2 was omitted).
         is_symmetric: rows and columns are one data set: Θ is symmetric positive semi-definite.
     """
+
+    mode: KernelMode | DerivedMode  # never None: a kernel operator says its layout
 
     def __init__(
         self,
@@ -178,7 +207,8 @@ class RayNtkOperator:
         self.is_symmetric = rows == cols
         self.shards = len(shards.actors)
         per = k if mode is KernelMode.FULL else 1
-        self.shape = (shards.examples(rows) * per, shards.examples(cols) * per)
+        self.examples = (shards.examples(rows), shards.examples(cols))
+        self.shape = (self.examples[0] * per, self.examples[1] * per)
 
     def matvec(self, v: Any) -> torch.Tensor:
         """Θ v. v: (M, k) for FULL (or flat (M·k,)), (M,) for TRACE and PSEUDO. Returns (N, k) (flat (N·k,) for a
@@ -195,18 +225,80 @@ class RayNtkOperator:
         (M,)."""
         return self._apply(w, self._cols, self._rows, "rmatvec")
 
-    def matmat(self, v: torch.Tensor) -> torch.Tensor:
+    def _matmat(self, v: torch.Tensor) -> torch.Tensor:
         """Θ V for V (M·k, r) (FULL) or (M, r): one product per column. Returns (N·k, r) or (N, r)."""
-        return torch.stack([self.matvec(torch.as_tensor(v)[:, j]) for j in range(v.shape[1])], dim=1)
+        return torch.stack([self.matvec(v[:, j]) for j in range(v.shape[1])], dim=1)
 
-    def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
-        """``matmat`` for V (shape[1], r), else ``matvec``."""
-        return self.matmat(v) if v.ndim == 2 and v.shape[0] == self.shape[1] else self.matvec(v)
+    # --- the Jacobian by halves, each range on the actor of its shard (NOTE [jacobian operator]) ----------------
+    def partitions(self) -> list[tuple[int, int]]:
+        """The shards' example ranges of the column side: a block with one range in each keeps every actor busy."""
+        bounds = np.cumsum([0] + [size[self._cols] for size in self._shards.sizes])
+        return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
-    def as_linear_operator(self) -> Any:
-        """A ``scipy.sparse.linalg.LinearOperator`` of shape ``self.shape`` on flat float vectors (as
-        ``NtkOperator``'s: what ``spectrum`` and ``eigsh`` take)."""
-        return scipy_view(self, operation=_OPERATION)
+    def jvp(self, u: np.ndarray, rows: Ranges | None = None) -> np.ndarray:
+        """J(x_rows[rows]) u: u (P,) float64 -> (rows, k) float64; each shard's ranges on its actor, u shipped
+        once through the object store."""
+        ray = self._ready("jvp")
+        ranges = check_ranges(rows, self.examples[0], operation=f"{_OPERATION}.jvp")
+        plan = self._split(ranges, self._rows)
+        shared = ray.put(np.asarray(u, dtype=np.float64))
+        refs = [self._shards.actors[s].jvp.remote(shared, self._rows, local) for s, local in plan]
+        return np.concatenate(_get(ray, refs)) if refs else np.zeros((0, self.k))
+
+    def vjp(self, c: np.ndarray, cols: Ranges | None = None) -> np.ndarray:
+        """J(x_cols[cols])ᵀ c: (P,) float64, each shard's part on its actor, summed in float64 on the driver."""
+        ray = self._ready("vjp")
+        ranges = check_ranges(cols, self.examples[1], operation=f"{_OPERATION}.vjp")
+        c = check_cotangent(c, ranges, self.k, operation=f"{_OPERATION}.vjp")
+        refs, offset = [], 0
+        for s, local in self._split(ranges, self._cols):
+            size = ranges_size(local)
+            refs.append(self._shards.actors[s].vjp.remote(c[offset : offset + size], self._cols, local))
+            offset += size
+        return np.sum(_get(ray, refs), axis=0) if refs else np.zeros(self.num_params)
+
+    def kernel_block(
+        self, cols: Ranges, landmarks: np.ndarray | None, mode: KernelMode = KernelMode.FULL
+    ) -> np.ndarray:
+        """Θ(x_cols[cols], x_cols[landmarks]): the landmark examples are read from their actors once, then each
+        shard computes its rows' block in parallel (float64, as ``NtkOperator.kernel_block``; landmarks None:
+        the examples of ``cols`` themselves)."""
+        ray = self._ready("kernel_block")
+        ranges = check_ranges(cols, self.examples[1], operation=f"{_OPERATION}.kernel_block")
+        other = None
+        if mode is not KernelMode.EXAMPLE_DIAGONAL:
+            if landmarks is None:
+                landmarks = np.concatenate([np.arange(a, b) for a, b in ranges])
+            index = np.asarray(landmarks, dtype=np.int64)
+            bounds = np.cumsum([0] + [size[self._cols] for size in self._shards.sizes])
+            owner = np.searchsorted(bounds, index, side="right") - 1
+            parts = [
+                self._shards.actors[s].rows.remote(self._cols, index[owner == s] - bounds[s])
+                for s in range(len(self._shards.actors))
+                if np.any(owner == s)
+            ]
+            other = ray.put(_concat_numpy(_get(ray, parts), np.argsort(np.argsort(owner, kind="stable"))))
+        refs = [
+            self._shards.actors[s].kernel.remote(self._cols, local, other, mode)
+            for s, local in self._split(ranges, self._cols)
+        ]
+        return np.concatenate(_get(ray, refs))
+
+    def _ready(self, name: str) -> Any:
+        if not self._shards.actors:
+            raise InvalidInput(f"{_OPERATION}.{name}: the operator was closed; build it again")
+        return self._shards.ray
+
+    def _split(self, ranges: list[tuple[int, int]], side: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        """``ranges`` cut at the shard boundaries of ``side``: (shard, its local ranges), shards in order."""
+        bounds = np.cumsum([0] + [size[side] for size in self._shards.sizes])
+        plan = []
+        for s in range(len(self._shards.actors)):
+            lo, hi = int(bounds[s]), int(bounds[s + 1])
+            local = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if min(b, hi) > max(a, lo)]
+            if local:
+                plan.append((s, local))
+        return plan
 
     def view(
         self, *, rows: str | None = None, cols: str | None = None, mode: KernelMode | DerivedMode | str | None = None
@@ -241,10 +333,13 @@ class RayNtkOperator:
             dtype=self.dtype,
         )
 
+    def _transpose(self) -> RayNtkOperator:
+        return self.view(rows=self.cols, cols=self.rows)
+
     @property
     def T(self) -> RayNtkOperator:  # noqa: N802 (the matrix transpose, as torch and numpy spell it)
         """Θ(x_cols, x_rows), over the same actors."""
-        return self.view(rows=self.cols, cols=self.rows)
+        return self._transpose()
 
     def close(self) -> None:
         """Stop the actors (their CPUs go back to Ray); no view of them can multiply afterwards."""
@@ -421,6 +516,16 @@ def _to_torch(x: Any) -> Any:
     if isinstance(x, dict):
         return {name: _to_torch(leaf) for name, leaf in x.items()}
     return _copy(x)
+
+
+def _concat_numpy(parts: list[Any], order: np.ndarray) -> Any:
+    """Rows gathered shard by shard (``batch_as_numpy`` form), joined and put back in the order asked for:
+    ``order[i]`` is where the i-th requested example sits in the shard-ordered concatenation."""
+    if isinstance(parts[0], tuple):
+        return tuple(_concat_numpy([p[i] for p in parts], order) for i in range(len(parts[0])))
+    if isinstance(parts[0], dict):
+        return {name: _concat_numpy([p[name] for p in parts], order) for name in parts[0]}
+    return np.concatenate(parts)[order]
 
 
 def _copy(array: np.ndarray) -> torch.Tensor:

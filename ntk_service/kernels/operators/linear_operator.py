@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -54,11 +55,13 @@ from ntk_service.errors import (
     UnsupportedModel,
     format_bytes,
 )
+from ntk_service.kernels.api import compute_ntk
 from ntk_service.kernels.core import Call, on_model_device, run
 from ntk_service.kernels.derived import map_of, outputs_of
 from ntk_service.kernels.modes import DerivedMode, KernelMode, Outputs, contraction, parse_any_mode
+from ntk_service.kernels.operators.base import JacobianOperator, Ranges, check_cotangent, check_ranges
 from ntk_service.kernels.options import NtkOptions, Shorthands, resolve_options
-from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, take
+from ntk_service.kernels.problem.batch import Batch, Inputs, batch_size, concat, take
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
 from ntk_service.kernels.problem.forward_mode import forward_mode
 from ntk_service.kernels.problem.inputs import validate_inputs
@@ -75,6 +78,8 @@ __all__ = [
     "NtkOperator",
     "apply_in_mode",
     "as_operand",
+    "gather_ranges",
+    "gather_rows",
     "ntk_operator",
     "parse_operator_mode",
     "run_operator",
@@ -169,7 +174,9 @@ def apply_in_mode(
 
 
 def scipy_view(op: Any, *, operation: str) -> Any:
-    """``op`` (``matvec`` / ``rmatvec`` on torch tensors, ``shape``, a torch ``dtype``) as a
+    """Deprecated (one release): every operator has ``as_linear_operator()`` from ``LinearOperator``.
+
+    ``op`` (``matvec`` / ``rmatvec`` on torch tensors, ``shape``, a torch ``dtype``) as a
     ``scipy.sparse.linalg.LinearOperator`` on flat numpy vectors (float64 in; float64 or float32 out).
 
     Raises:
@@ -196,31 +203,39 @@ def scipy_view(op: Any, *, operation: str) -> Any:
 
 
 class _Sides:
-    """What both orientations of one operator share: the problem, the inputs, the chunk size and a lock."""
+    """What both orientations of one operator share: the problem, the inputs, the chunk size, a lock, and what
+    ``kernel_block`` hands the structured engine (the parameters' names and the output path as given)."""
 
-    def __init__(self, problem: NtkProblem, x1: Batch, x2: Batch, chunk: int, estimate: int) -> None:
+    def __init__(
+        self, problem: NtkProblem, x1: Batch, x2: Batch, chunk: int, estimate: int, output: str | None = None
+    ) -> None:
         self.problem = problem
         self.x1, self.x2 = x1, x2
         self.chunk = chunk
         self.estimate = estimate
+        self.output = output
         # functional_call swaps the private module's parameters during a call: one product at a time
         self.lock = threading.Lock()
 
 
-class NtkOperator:
+class NtkOperator(JacobianOperator):
     """Θ(x1, x2) as a linear operator (see the module docstring); ``op @ v`` and ``op.T`` are the torch view,
-    ``as_linear_operator()`` the SciPy view.
+    ``as_linear_operator()`` the SciPy view, ``jvp`` / ``vjp`` / ``kernel_block`` the Jacobian by halves
+    (NOTE [jacobian operator] in ``base.py``).
 
     Attributes:
         mode: FULL, TRACE or PSEUDO.
         shape: (N·k, M·k) for FULL, (N, M) for TRACE and PSEUDO.
         k: outputs per example.
         num_params: P, the parameters the kernel differentiates.
+        examples: (N, M).
         dtype: the compute dtype.
         examples_per_chunk: examples per VJP / JVP call, from the memory budget.
         estimate_bytes: the planned peak memory of one product.
         is_symmetric: x2 was omitted (x2 = x1): Θ is symmetric positive semi-definite, ``rmatvec`` = ``matvec``.
     """
+
+    mode: KernelMode | DerivedMode  # never None: a kernel operator says its layout
 
     def __init__(self, sides: _Sides, mode: KernelMode | DerivedMode, *, transposed: bool, symmetric: bool) -> None:
         self._sides = sides
@@ -234,11 +249,12 @@ class NtkOperator:
         self.estimate_bytes = sides.estimate
         rows, cols = (sides.x2, sides.x1) if transposed else (sides.x1, sides.x2)
         self._rows, self._cols = rows, cols
+        self.examples = (batch_size(rows), batch_size(cols))
         per = outputs_of(mode, self.k) if mode.spec.outputs is Outputs.ALL else 1
-        self.shape = (batch_size(rows) * per, batch_size(cols) * per)
+        self.shape = (self.examples[0] * per, self.examples[1] * per)
 
     # --- the torch view ---------------------------------------------------------------------------------------
-    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+    def matvec(self, v: Any) -> torch.Tensor:
         """Θ v. v: (M, k) for FULL (or flat (M·k,)), (M,) for TRACE and PSEUDO. Returns (N, k) (flat (N·k,) for
         a flat v) or (N,).
 
@@ -248,36 +264,22 @@ class NtkOperator:
         """
         return self._apply(v, self._rows, self._cols, "matvec")
 
-    def rmatvec(self, w: torch.Tensor) -> torch.Tensor:
+    def rmatvec(self, w: Any) -> torch.Tensor:
         """Θᵀ w = Θ(x2, x1) w. w: (N, k) for FULL (or flat (N·k,)), (N,) otherwise. Returns (M, k) or (M,)."""
         return self._apply(w, self._cols, self._rows, "rmatvec")
 
-    def matmat(self, v: torch.Tensor) -> torch.Tensor:
-        """Θ V for V (M·k, r) (FULL) or (M, r): one product per column. Returns (N·k, r) or (N, r)."""
-        if v.ndim != 2 or v.shape[0] != self.shape[1]:
-            raise ShapeMismatch(
-                f"{_OPERATION}.matmat: V has shape {tuple(v.shape)}; expected ({self.shape[1]}, r) for an operator "
-                f"of shape {self.shape}"
-            )
+    def _matmat(self, v: torch.Tensor) -> torch.Tensor:
+        """Θ V for V (M·k, r) (FULL) or (M, r): one product per column."""
         return torch.stack([self.matvec(v[:, j]) for j in range(v.shape[1])], dim=1)
 
-    def __matmul__(self, v: torch.Tensor) -> torch.Tensor:
-        """``matmat`` for V (shape[1], r), else ``matvec``."""
-        return self.matmat(v) if v.ndim == 2 and v.shape[0] == self.shape[1] else self.matvec(v)
+    def _transpose(self) -> NtkOperator:
+        """Θ(x2, x1): the transposed operator (the same object's data, no recomputation)."""
+        return NtkOperator(self._sides, self.mode, transposed=not self._transposed, symmetric=self.is_symmetric)
 
     @property
     def T(self) -> NtkOperator:  # noqa: N802 (the matrix transpose, as torch and numpy spell it)
         """Θ(x2, x1): the transposed operator (the same object's data, no recomputation)."""
-        return NtkOperator(self._sides, self.mode, transposed=not self._transposed, symmetric=self.is_symmetric)
-
-    # --- the SciPy view ---------------------------------------------------------------------------------------
-    def as_linear_operator(self) -> Any:
-        """A ``scipy.sparse.linalg.LinearOperator`` of shape ``self.shape`` on flat float vectors.
-
-        Raises:
-            OptionalDependencyMissing: SciPy is not installed (``pip install 'ntk-service[linalg]'``).
-        """
-        return scipy_view(self, operation=_OPERATION)
+        return self._transpose()
 
     # --- the two halves of a FULL product (a sharded operator reduces the first over shards) ------------------
     def pullback(self, v: torch.Tensor) -> NamedTensors:
@@ -330,6 +332,74 @@ class NtkOperator:
         with self._sides.lock, self._scope():
             return self._jvp(self._rows, tangent)
 
+    # --- the Jacobian by halves on flat float64 vectors (NOTE [jacobian operator]) ------------------------------
+    @property
+    def parameter_names(self) -> list[str]:
+        """The differentiated parameters in the order of a flat parameter vector."""
+        return list(self._sides.problem.params)
+
+    def jvp(self, u: np.ndarray, rows: Ranges | None = None) -> np.ndarray:
+        """J(x1[rows]) u: u (P,) float64 -> (rows, k) float64 (computed in the compute dtype).
+
+        Raises:
+            ShapeMismatch: u is not (P,). InvalidInput: rows not sorted, disjoint ranges inside [0, N).
+        """
+        tangent = self._unflatten(u, "jvp")
+        x = gather_ranges(self._rows, check_ranges(rows, self.examples[0], operation=f"{_OPERATION}.jvp"))
+        with self._sides.lock, self._scope():
+            return np.asarray(self._jvp(x, tangent).double().numpy())
+
+    def vjp(self, c: np.ndarray, cols: Ranges | None = None) -> np.ndarray:
+        """J(x2[cols])ᵀ c: c (cols, k) float64 -> (P,) float64 (the ranges read as one batch, one VJP pass).
+
+        Raises:
+            ShapeMismatch: c does not have one row per example of ``cols`` and k columns.
+        """
+        ranges = check_ranges(cols, self.examples[1], operation=f"{_OPERATION}.vjp")
+        c = check_cotangent(c, ranges, self.k, operation=f"{_OPERATION}.vjp")
+        x = gather_ranges(self._cols, ranges)
+        with self._sides.lock, self._scope():
+            return self._flatten(self._vjp_sum(x, torch.from_numpy(c).to(self.dtype)))
+
+    def kernel_block(
+        self, cols: Ranges, landmarks: np.ndarray | None, mode: KernelMode = KernelMode.FULL
+    ) -> np.ndarray:
+        """Θ(x2[cols], x2[landmarks]) by ``compute_ntk`` on this operator's model, parameters and output, float64:
+        (b, s, k, k) FULL, (b, s) TRACE; landmarks None: Θ(x2[cols], x2[cols]), symmetric; EXAMPLE_DIAGONAL: the
+        (b, k, k) blocks of x2[cols]."""
+        other = None if landmarks is None or mode is KernelMode.EXAMPLE_DIAGONAL else self.select_columns(landmarks)
+        return self.kernel_against(cols, other, mode)
+
+    def select_columns(self, index: np.ndarray) -> Batch:
+        """Examples ``index`` of x2, in that order (consecutive ones read as one slice of a row source)."""
+        return gather_rows(self._cols, np.asarray(index, dtype=np.int64))
+
+    def kernel_against(self, cols: Ranges, other: Batch | None, mode: KernelMode) -> np.ndarray:
+        """Θ(x2[cols], other) of this operator's model, parameters and output by ``compute_ntk``, float64
+        (``kernel_block`` with the other side's inputs already read; a shard's half of the Ray one)."""
+        ranges = check_ranges(cols, self.examples[1], operation=f"{_OPERATION}.kernel_block")
+        x = gather_ranges(self._cols, ranges)
+        problem = self._sides.problem
+        names = [glob.escape(name) for name in problem.params]
+        with self._sides.lock:
+            theta = compute_ntk(
+                problem.module, x, other, mode=mode, params=names, output=self._sides.output, dtype=problem.dtype
+            ).theta
+        return np.asarray(theta.detach().cpu().double().numpy())
+
+    def _unflatten(self, u: np.ndarray, name: str) -> NamedTensors:
+        flat = torch.from_numpy(np.ascontiguousarray(u, dtype=np.float64)).reshape(-1)
+        if flat.numel() != self.num_params:
+            raise ShapeMismatch(f"{_OPERATION}.{name}: u has {flat.numel()} entries, expected P = {self.num_params}")
+        out, offset = {}, 0
+        for key, p in self._sides.problem.params.items():
+            out[key] = flat[offset : offset + p.numel()].reshape(p.shape).to(self.dtype)
+            offset += p.numel()
+        return out
+
+    def _flatten(self, u: NamedTensors) -> np.ndarray:
+        return np.concatenate([u[key].detach().double().reshape(-1).numpy() for key in self._sides.problem.params])
+
     # --- the products -----------------------------------------------------------------------------------------
     def _apply(self, v: object, rows: Batch, cols: Batch, name: str) -> torch.Tensor:
         t, flat = as_operand(
@@ -376,6 +446,24 @@ class NtkOperator:
                 x = take(rows, i, i + chunk)
                 out.append(jvp(lambda p, x=x: problem.f_batch(p, x), (problem.params,), (tangent,))[1])
         return torch.cat(out).detach()
+
+
+def gather_ranges(x: Batch, ranges: Ranges) -> Batch:
+    """The examples of ``ranges`` of x (a batch or a row source) as one batch, in order."""
+    parts = [take(x, start, stop) for start, stop in ranges]
+    out = parts[0]
+    for part in parts[1:]:
+        out = concat(out, part)
+    return out
+
+
+def gather_rows(x: Batch, index: np.ndarray) -> Batch:
+    """Examples ``index`` of x, in that order, read as runs of consecutive rows (a row source reads slices)."""
+    if index.size == 0:
+        raise InvalidInput(f"{_OPERATION}.kernel_block: needs at least one landmark example")
+    starts = np.flatnonzero(np.diff(index, prepend=index[0] - 2) != 1)
+    bounds = [(int(index[s]), int(index[e - 1]) + 1) for s, e in zip(starts, [*starts[1:], index.size], strict=True)]
+    return gather_ranges(x, bounds)
 
 
 def ntk_operator(
@@ -476,5 +564,5 @@ def run_operator(
         )
     cap = max(1, int(MAX_CHUNK_BYTES // per_example)) if examples_per_chunk is None else examples_per_chunk
     chunk = min(chunk, cap, max(batch_size(x1t), batch_size(cols)))
-    sides = _Sides(problem, x1t, cols, chunk, int(fixed + chunk * per_example))
+    sides = _Sides(problem, x1t, cols, chunk, int(fixed + chunk * per_example), output=call.spec.output)
     return NtkOperator(sides, call.spec.mode, transposed=False, symmetric=x2t is None)

@@ -7,8 +7,10 @@ the Jacobian build. The same function from elementwise primitives differentiates
 reductions: the ResNet's ``vmap(jacrev)`` side took 0.91 of the CPU time (in-process A/B, docs/engine.md).
 
 ``affine_batchnorm()`` is a ``TorchFunctionMode`` (thread-local, scoped, like ``math_attention``): only calls
-with ``training=False`` and running statistics are rewritten; every other call runs ``F.batch_norm`` itself.
-``batchnorm_scope(module)`` is the mode for a model with BatchNorm modules and a no-op for the rest.
+with ``training=False`` and running statistics are rewritten, ``F.batch_norm`` of a module's forward and
+``aten.batch_norm`` of an exported program's graph alike; every other call runs as it is.
+``batchnorm_scope(module)`` is the mode for a model with BatchNorm modules or a graph calling ``aten.batch_norm``,
+and a no-op for the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ __all__ = ["affine_batchnorm", "batchnorm_scope"]
 
 _ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
 """``F.batch_norm``'s parameters in order."""
+
+_ATEN = torch.ops.aten.batch_norm.default
+_ATEN_ARGS = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+"""``aten.batch_norm``'s parameters in order (then ``cudnn_enabled``, which changes nothing on the CPU)."""
 
 
 def _eval_batch_norm(
@@ -56,8 +62,8 @@ class affine_batchnorm(TorchFunctionMode):  # noqa: N801 - used like a function:
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.batch_norm:
-            bound = dict(zip(_ARGS, args, strict=False)) | kwargs
+        if func is F.batch_norm or func is _ATEN:
+            bound = dict(zip(_ARGS if func is F.batch_norm else _ATEN_ARGS, args, strict=False)) | kwargs
             mean, var = bound.get("running_mean"), bound.get("running_var")
             if not bound.get("training", False) and mean is not None and var is not None:
                 return _eval_batch_norm(
@@ -67,6 +73,10 @@ class affine_batchnorm(TorchFunctionMode):  # noqa: N801 - used like a function:
 
 
 def batchnorm_scope(module: nn.Module) -> contextlib.AbstractContextManager[object]:
-    """``affine_batchnorm()`` when ``module`` has BatchNorm modules, else a no-op context."""
+    """``affine_batchnorm()`` when ``module`` has BatchNorm modules or is a graph module calling ``aten.batch_norm``
+    (an exported program), else a no-op context."""
     has = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    graph = getattr(module, "graph", None)
+    if not has and isinstance(graph, torch.fx.Graph):
+        has = any(node.op == "call_function" and node.target is _ATEN for node in graph.nodes)
     return affine_batchnorm() if has else contextlib.nullcontext()

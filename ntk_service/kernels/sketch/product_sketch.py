@@ -71,9 +71,8 @@ class _FactorDraws:
 
 
 def _index_rows(terms: StructuredTerms, term: FactoredTerm) -> int:
-    plan = terms.plan
-    layer = plan.uses[term.uses[0]].layer
-    return plan.rules[layer].index_rows(plan.layers[layer])
+    site = terms.plan.sites[term.uses[0]]
+    return site.rule.index_rows(site.config)
 
 
 def _stacked(seed: int, name: str, dim: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
@@ -130,8 +129,8 @@ def _factored_columns(
     else:
         da = side.a.shape[-1]
         v = side.a @ s_a[:, :, :da].transpose(-1, -2)  # (n, G, T, da) @ (G, da, c) -> (n, G, T, c)
-        if term.bias is not None:  # the folded bias: A's trailing 1 at every position
-            v = v + s_a[:, :, da].unsqueeze(1)
+        if term.bias is not None:  # the folded bias: A's trailing c (its scale) at every position
+            v = v + term.bias_scale * s_a[:, :, da].unsqueeze(1)
     if side.d.shared:  # the same δ for every example (the head's identity): project it once
         d = d[:1]
     u = d @ s_d.transpose(-1, -2).unsqueeze(0)  # (n or 1, k, G, T, c)

@@ -3,10 +3,13 @@
 The package, in the order a block flows through it::
 
     options.py      StructuredOptions: every fast path as one switch, passed as data
-    rules.py        per layer type, how a parameter's Jacobian follows from the layer's input a and cotangent δ
-    coverage.py     the one analysis pass: which calls the rules cover, how each parameter is contracted
+    ops.py          the operators the engine reads, eager and ATen (a module's forward and a program's graph alike)
+    rules.py        per op, how a parameter's Jacobian follows from the op's input a and output cotangent δ
+    tracking.py     which tensors follow from a parameter (a scale, a transpose, a view) and how
+    attention.py    F.multi_head_attention_forward as its ops, so its projections are rule uses
+    coverage.py     the one analysis pass: which op calls the rules cover, how each parameter is contracted
     plan.py         the frozen plan it produces (StructurePlan, StructuredTerms), kept on the prepared problem
-    recorder.py     forward hooks that collect a and the points to differentiate at during a capture
+    recorder.py     the mode that collects a and the points to differentiate at during a capture
     chain.py        the closed-form capture of a pure Linear/activation pipeline
     capture.py      CAPTURES: the ordered table of capture strategies (applies / run)
     descriptors.py  typed descriptors of what a capture returns and a side holds (tensor, layout, shared)

@@ -1,13 +1,14 @@
-"""Structured derivatives: the NTK from per-layer structure, without building the Jacobian of covered weights.
+"""Structured derivatives: the NTK from per-op structure, without building the Jacobian of covered weights.
 
-For a Linear layer y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/∂y, so the layer adds
+For a linear op y = a Wᵀ + b, ∂f_c/∂W = δ_c aᵀ with δ_c = ∂f_c/∂y, so the op adds
 Θ_cd(x1, x2) += (δ1_c · δ2_d)(a1 · a2 + 1) (the +1 is the bias); with positions t, s sharing the weight
 (sequences, convolutions, repeated calls) Σ_{t,s} (δ1_c[t] · δ2_d[s])(a1[t] · a2[s]). The rules
-(``rules.py``) cover Linear (any leading dims), Conv1d/Conv2d, Embedding, and the affine parameters of
-LayerNorm, RMSNorm, GroupNorm and eval-mode BatchNorm; every other parameter falls back to the Jacobian path
-(per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
-See NOTE [covered parameters] in ``coverage.py`` and NOTE [probes] in ``capture.py``; a plain ``nn.Sequential``
-of Linear layers and activations is captured in closed form instead (NOTE [sequential chains] in ``chain.py``).
+(``rules.py``) are keyed to operators, read alike in a module's forward and an exported program's graph:
+linear/matmul/addmm (any leading dims), conv1d/conv2d, embedding, the affine parameters of layer_norm, rms_norm,
+group_norm and eval batch_norm, elementwise scales and biases; a parameter taken by any other op takes the
+Jacobian path (per-example ``jacrev`` w.r.t. those parameters only, in the same reverse pass), and the parts add up.
+See NOTE [covered parameters] in ``coverage.py`` and NOTE [probes] in ``capture.py``; a pure pipeline of linear
+ops and activations is captured in closed form instead (NOTE [sequential chains] in ``chain.py``).
 
 A side of n examples holds, per factored weight, the factors A (n, G, T, da) and D (n, k, G, T, dd), and per
 other parameter its Jacobian (n, k, p), built directly from a and δ by the rule (J_W = Σ_t δ[t] ⊗ a[t] in one
@@ -19,7 +20,7 @@ layer (T = 1) is factored; a convolution over many positions usually takes the J
 NOTE [joint pass]: when one pass builds both sides (``joint_sides``), x1 and x2 are concatenated and each side is
 a slice of that pass's side: a contiguous block of examples.
 
-Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. layer outputs), plus
+Time (N+M)·[FP]·(1 + k) for the sides (one forward, one vmapped reverse pass w.r.t. op outputs), plus
 N·M·k²·Σ_l(dd_l·T_l·S_l + ...) for factored layers and N·M·k²·p for the others (÷k for TRACE and
 OUTPUT_DIAGONAL); for an MLP N·M·k²·Σ_l(out_l) + N·M·Σ_l(in_l) instead of N·M·k²·P. Memory per side
 n·k·Σ_l(T_l·out_l) + n·Σ_l(T_l·in_l) for factored layers, n·k·p for the rest; per block pair the δ Gram
@@ -62,7 +63,8 @@ from ntk_service.kernels.structured.descriptors import (
 )
 from ntk_service.kernels.structured.options import StructuredOptions
 from ntk_service.kernels.structured.plan import StructuredTerms
-from ntk_service.kernels.structured.recorder import is_batch_safe
+from ntk_service.kernels.structured.recorder import batch_axes, distinct_pair
+from ntk_service.kernels.structured.rules import ParamMap
 from ntk_service.kernels.types import NtkImplementation
 
 __all__ = ["BATCHED_CAPTURE_WEIGHT", "PER_EXAMPLE_CAPTURE_WEIGHT", "Structured", "structured_terms"]
@@ -119,10 +121,19 @@ class Structured:
     def _key(self) -> tuple[str, StructuredOptions]:
         return ("structured", self.options)
 
-    def left(self, problem: NtkProblem, x: Batch) -> StructuredSide:
+    def learn(self, problem: NtkProblem, x: Batch) -> StructuredTerms:
+        """The plan kept on ``problem``, with what a block x (n, *input) shows about it (whether, and where, a batched
+        forward keeps the examples apart: ``recorder.batch_axes`` on two different examples of x), kept in turn."""
         terms = self.terms(problem, take(x, 0, 1))
         if terms.batch_safe is None and batch_size(x) >= 2 and self.options.batched_capture:
-            terms = terms.learned(batch_safe=is_batch_safe(problem, terms.plan, take(x, 0, 2)))
+            pair = distinct_pair(x)
+            if pair is not None:
+                axes = batch_axes(problem, terms.plan, pair)
+                terms = problem.analyses[self._key] = terms.learned(batch_safe=axes is not None, axes=axes)
+        return terms
+
+    def left(self, problem: NtkProblem, x: Batch) -> StructuredSide:
+        terms = self.learn(problem, x)
         with attention_scope(
             problem.module, problem.calls_attention
         ):  # fallback jacrev under vmap: see problem/math_attention.py
@@ -176,8 +187,7 @@ class Structured:
         ]
         acc = self._new_accumulator(problem, mode, left, right)
         for term, lf, rf in factored:
-            plus_one = term.bias is not None
-            add_factored(acc, lf, rf, index=term.index, plus_one=plus_one, shared_delta=self.options.shared_delta)
+            add_factored(acc, lf, rf, index=term.index, plus=term.plus, shared_delta=self.options.shared_delta)
         for name, j1 in left.jacobians.items():
             add_jacobian(acc, j1, right.jacobians[name])
         return acc
@@ -193,16 +203,19 @@ class Structured:
         acc = self._accumulate(problem, left, right, KernelMode.FULL, held=held)
         if held is None:
             return finish(acc).contiguous()
-        plus_one = terms.factored[held].bias is not None
         return finish_with_factored(
-            acc, left.factored[held], right.factored[held], plus_one=plus_one, shared_delta=self.options.shared_delta
+            acc,
+            left.factored[held],
+            right.factored[held],
+            plus=terms.factored[held].plus,
+            shared_delta=self.options.shared_delta,
         )
 
     def diagonal(self, problem: NtkProblem, left: StructuredSide) -> torch.Tensor:
         terms = self.terms(problem)
         acc = self._new_accumulator(problem, KernelMode.EXAMPLE_DIAGONAL, left, left)
         for term, side in zip(terms.factored, left.factored, strict=True):
-            add_factored_diagonal(acc, side, index=term.index, plus_one=term.bias is not None)
+            add_factored_diagonal(acc, side, index=term.index, plus=term.plus)
         for j in left.jacobians.values():
             add_jacobian_diagonal(acc, j)
         return acc.tensor
@@ -219,13 +232,13 @@ class Structured:
         kernels] in groups.py); in FULL each group's last plain factored term rides along in the pass that writes
         its block (``fused_finish``, as ``pair`` does), so G groups cost G result-sized writes, not 2·G."""
         terms, of, shared = self.terms(problem), groups.index, self.options.shared_delta
-        factored: list[list[tuple[FactorSide, FactorSide, bool, bool]]] = [[] for _ in groups.names]
+        factored: list[list[tuple[FactorSide, FactorSide, bool, float]]] = [[] for _ in groups.names]
         for term, lf, rf in zip(terms.factored, left.factored, right.factored, strict=True):
             bias = None if term.bias is None else of[term.bias]  # the folded bias's group
             bias_apart = bias is not None and bias != of[term.name]
-            factored[of[term.name]].append((lf, rf, term.index, bias is not None and not bias_apart))
-            if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ 1: a zero A
-                factored[bias].append((_no_inputs(lf), _no_inputs(rf), False, True))
+            factored[of[term.name]].append((lf, rf, term.index, 0.0 if bias_apart else term.plus))
+            if bias is not None and bias_apart:  # the weight's part is G^D ⊙ G^A, the bias's G^D ⊙ c²: a zero A
+                factored[bias].append((_no_inputs(lf), _no_inputs(rf), False, term.plus))
         jacobians: list[list[tuple[JacobianSide, JacobianSide]]] = [[] for _ in groups.names]
         for name, j1 in left.jacobians.items():
             jacobians[of[name]].append((j1, right.jacobians[name]))
@@ -242,12 +255,12 @@ class Structured:
             acc = None
             if rest or js or held is None:
                 acc = self._new_accumulator(problem, mode, left, right)
-                for lf, rf, index, plus_one in rest:
-                    add_factored(acc, lf, rf, index=index, plus_one=plus_one, shared_delta=shared)
+                for lf, rf, index, plus in rest:
+                    add_factored(acc, lf, rf, index=index, plus=plus, shared_delta=shared)
                 for j1, j2 in js:
                     add_jacobian(acc, j1, j2)
             if held is not None and out is not None:
-                finish_with_factored(acc, held[0], held[1], plus_one=held[3], shared_delta=shared, out=out[g])
+                finish_with_factored(acc, held[0], held[1], plus=held[3], shared_delta=shared, out=out[g])
             elif acc is not None and out is not None:
                 out[g] = finish(acc)
             elif acc is not None:
@@ -261,10 +274,9 @@ class Structured:
         for term, side in zip(terms.factored, left.factored, strict=True):
             bias = None if term.bias is None else of[term.bias]
             bias_apart = bias is not None and bias != of[term.name]
-            plus_one = bias is not None and not bias_apart
-            add_factored_diagonal(accs[of[term.name]], side, index=term.index, plus_one=plus_one)
+            add_factored_diagonal(accs[of[term.name]], side, index=term.index, plus=0.0 if bias_apart else term.plus)
             if bias is not None and bias_apart:
-                add_factored_diagonal(accs[bias], _no_inputs(side), index=False, plus_one=True)
+                add_factored_diagonal(accs[bias], _no_inputs(side), index=False, plus=term.plus)
         for name, j in left.jacobians.items():
             add_jacobian_diagonal(accs[of[name]], j)
         return torch.stack([acc.tensor for acc in accs])
@@ -278,7 +290,7 @@ class Structured:
             kept += n * g * t * ((1 if term.index else da) + k * dd)
         kept += sum(n * k * jt.numel for jt in terms.jacobian)
         fallback = sum(n * k * problem.params[name].numel() for name in plan.fallback)
-        activations = sum(n * (math.prod(u.in_shape) + k * math.prod(u.out_shape)) for u in plan.uses)
+        activations = sum(n * (math.prod(u.in_shape) + k * math.prod(u.out_shape)) for u in plan.sites)
         # the forward's saved tensors and k cotangents of them at once, every layer's input and δ, the fallback
         # Jacobian; then the factors (patches) and rule Jacobians are built from them. With fallback parameters
         # the per-example jacrev also differentiates w.r.t. them: the engine's whole-model count applies.
@@ -337,40 +349,61 @@ def _side(
     factored = []
     for term in terms.factored:
         parts = []
-        for u in term.uses:
-            layer = plan.uses[u].layer
-            rule, module, delta = plan.rules[layer], plan.layers[layer], cap.deltas[u]
-            f = rule.factors(module, cap.inputs[u], delta.tensor)
-            kept = rule.keeps_delta(module)  # D a view of δ: its declared facts hold for D
-            parts.append((f.a, Delta(f.d, delta.layout, delta.shared) if kept else Delta(f.d, Layout.of(f.d))))
+        for u, scale in zip(term.uses, term.scales, strict=True):
+            site, delta = plan.sites[u], cap.deltas[u]
+            f = site.rule.factors(site.config, cap.inputs[u], delta.tensor)
+            kept = site.rule.keeps_delta(site.config)  # D a view of δ: its declared facts hold for D
+            d = Delta(f.d, delta.layout, delta.shared) if kept else Delta(f.d, Layout.of(f.d))
+            a = f.a
+            if scale != 1.0:  # J of c·W is c·J: on A (the smaller factor), on D for ids
+                if f.index:
+                    d = Delta(f.d * scale, Layout.of(f.d), d.shared)
+                else:
+                    a = f.a * scale
+            parts.append((a, d))
         if len(parts) == 1:
             factored.append(FactorSide(*parts[0]))
             continue
-        d = torch.cat([p[1].tensor for p in parts], dim=3)
-        factored.append(FactorSide(torch.cat([p[0] for p in parts], dim=2), Delta(d, Layout.of(d))))
-    roles: dict[int, list[str]] = {}  # use -> the roles whose J it contributes to
-    owner: dict[tuple[int, str], str] = {}
+        dd = torch.cat([p[1].tensor for p in parts], dim=3)
+        factored.append(FactorSide(torch.cat([p[0] for p in parts], dim=2), Delta(dd, Layout.of(dd))))
+    roles: dict[int, list[str]] = {}  # site -> the roles whose J it contributes to
     for jterm in terms.jacobian:
         for u, role in jterm.uses:
             roles.setdefault(u, []).append(role)
-            owner[u, role] = jterm.name
     jacobians: dict[str, torch.Tensor] = {}
-    for u, use_roles in roles.items():  # one rule call per use: a weight and its bias may share a pass
-        layer = plan.uses[u].layer
-        rule, module, state = plan.rules[layer], plan.layers[layer], plan.states[layer]
+    for u, site_roles in roles.items():  # one rule call per site: a weight and its bias may share a pass
+        site = plan.sites[u]
         a, delta = cap.inputs[u], cap.deltas[u]
-        js = rule.jacobians(
-            module, tuple(use_roles), a, delta.tensor, state, layout=delta.layout, thin=options.thin_conv_jacobian
+        js = site.rule.jacobians(
+            site.config,
+            tuple(site_roles),
+            a,
+            delta.tensor,
+            site.state,
+            layout=delta.layout,
+            thin=options.thin_conv_jacobian,
         )
         for role, j in js.items():
-            name = owner[u, role]
-            jacobians[name] = j if name not in jacobians else jacobians[name] + j
+            mp = site.param(role)
+            j = _onto_parameter(j, mp)
+            jacobians[mp.name] = j if mp.name not in jacobians else jacobians[mp.name] + j
     for jterm in terms.jacobian:
-        if jterm.name not in jacobians:  # a layer the batch never called: its parameters have zero Jacobian
+        if jterm.name not in jacobians:  # a parameter no op of the batch read: its Jacobian is zero
             jacobians[jterm.name] = torch.zeros(n, problem.k, jterm.numel, dtype=problem.dtype)
     jacobians.update(cap.fallback_jacobians)
     # the layout of a Jacobian made by a rule's matmul or by jacrev: read once, here, where its descriptor is made
     return StructuredSide(tuple(factored), {name: JacobianSide(j, Layout.of(j)) for name, j in jacobians.items()})
+
+
+def _onto_parameter(j: torch.Tensor, mp: ParamMap) -> torch.Tensor:
+    """J (n, k, numel of the op's tensor) of the tensor an op took as J (n, k, numel) of the parameter it follows
+    from: times the map's scale, its elements added where the view took them from (``ParamMap.index``)."""
+    if mp.index is not None:
+        n, k = j.shape[:2]
+        onto = torch.zeros(n, k, mp.numel, dtype=j.dtype)
+        onto.index_add_(2, mp.index.reshape(-1), j.reshape(n, k, -1))
+        j = onto
+    return j * mp.scale if mp.scale != 1.0 else j
 
 
 def _no_inputs(side: FactorSide) -> FactorSide:

@@ -12,23 +12,25 @@ which spares the contraction the costly transposition of an output-major one (NO
 ``StructuredOptions.chain`` in docs/engine.md, measured with ``benchmarks/bench_fast_paths.py``).
 
 The chain is taken only where it is exactly the model (``sequential_chain`` lists the conditions): one traced
-forward on the plan's example (``_PipelineTrace``) must be a pure pipeline of modules of exactly the known types
-with their stock forward — an ``nn.Sequential`` of them, nested or not, or a module whose class declares a fixed
-forward (``FIXED_PIPELINE_ATTRIBUTE``: the registry's MLP family, which loops over an ``nn.ModuleList``); any
-tensor operation of its own, even reading ``x.shape``, refuses it, so the forward cannot depend on values or on
-the batch size — with vectors per example, no parameter on the Jacobian path, and no hooks when the capture runs.
+forward on the plan's example (``_PipelineTrace``, a ``TorchFunctionMode``) must be a pure pipeline of operators —
+``linear`` of the previous value with a parameter (or a parameter times a number: NTK parameterization) as its
+weight and bias, and the pointwise activations ``_POINTWISE`` knows — inside a forward that is the same on every
+call: an exported program's graph (no control flow), or modules that are all fixed (an ``nn.Sequential``, nested or
+not, of ``nn.Linear`` and activation modules of exactly the known types, or modules whose class declares a fixed
+forward, ``FIXED_PIPELINE_ATTRIBUTE``: the registry's MLP family, ``layers.NtkLinear``). Any other tensor operation
+of an ``nn.Module`` forward, even reading ``x.shape``, refuses it, so the forward cannot depend on values or on the
+batch size — with vectors per example, no parameter on the Jacobian path, and no hooks when the capture runs.
 Anything else takes the autograd capture in ``capture.py``, which handles every model the rules cover.
 A chain's forward is not called again after that trace, which is why an arbitrary forward does not qualify: one
 reading a global flag or the grad mode could take another path on a later call.
-(While another thread prepares a problem, ``FlopCounterMode`` holds global module hooks: a capture then also
-takes the autograd way, exact but slower.)
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +41,12 @@ from torch.overrides import TorchFunctionMode
 
 from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.structured.descriptors import Delta, Layout
+from ntk_service.kernels.structured.ops import METADATA, OPS, Op
 
 __all__ = ["FIXED_PIPELINE_ATTRIBUTE", "Chain", "run_chain", "sequential_chain"]
 
 aten = torch.ops.aten
+_T = torch.Tensor
 
 Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(cotangent at the output (n, k, d), input z (n, 1, d), output y (n, 1, d)) -> cotangent at the input (n, k, d)."""
@@ -50,15 +54,15 @@ Backward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class _Linear:
-    weight: torch.Tensor  # (out, in), compute dtype
+    weight: torch.Tensor  # (out, in), compute dtype, as the op took it (a parameter times a number, or itself)
     bias: torch.Tensor | None
-    use: int | None  # the structure plan's use this call is (None: no selected parameter, not captured)
+    use: int | None  # the structure plan's site this call is (None: no selected parameter, not captured)
 
 
 @dataclass(frozen=True)
 class _Pointwise:
     forward: Callable[[torch.Tensor], torch.Tensor]
-    backward: Backward | None  # None: the identity (Dropout in eval mode, Identity, Flatten on vectors)
+    backward: Backward | None  # None: the identity (dropout in eval mode, flatten of vectors)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ _POINTWISE_TYPES = frozenset(
     {nn.ReLU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.GELU, nn.LeakyReLU, nn.ELU, nn.Softplus}
     | {nn.Identity, nn.Dropout, nn.Flatten}
 )
-"""The pointwise modules ``_pointwise`` knows, by exact type."""
+"""The activation modules of ``torch.nn`` whose stock forward is one ``_POINTWISE`` op, by exact type."""
 
 
 def _scaled(derivative: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Backward:
@@ -96,210 +100,253 @@ def _scaled(derivative: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) ->
     return lambda g, z, y: g * derivative(z, y)
 
 
-def _pointwise(module: nn.Module) -> _Pointwise | None:
-    """Forward and backward of a pointwise module of exactly a known type (the aten kernels autograd uses)."""
-    kind = type(module)
-    if kind not in _POINTWISE_TYPES:
-        return None  # a subclass could compute anything
-    if kind is nn.ReLU:  # threshold_backward on the cotangent itself, as autograd does
-        return _Pointwise(F.relu, lambda g, z, y: aten.threshold_backward(g, y, 0))
-    if kind is nn.Tanh:
-        return _Pointwise(torch.tanh, _scaled(lambda z, y: aten.tanh_backward(torch.ones_like(y), y)))
-    if kind is nn.Sigmoid:
-        return _Pointwise(torch.sigmoid, _scaled(lambda z, y: aten.sigmoid_backward(torch.ones_like(y), y)))
-    if kind is nn.SiLU:
-        return _Pointwise(F.silu, _scaled(lambda z, y: aten.silu_backward(torch.ones_like(z), z)))
-    if isinstance(module, nn.GELU):
-        approximate = module.approximate
-        return _Pointwise(
-            lambda z: F.gelu(z, approximate=approximate),
-            _scaled(lambda z, y: aten.gelu_backward(torch.ones_like(z), z, approximate=approximate)),
-        )
-    if isinstance(module, nn.LeakyReLU):
-        slope = module.negative_slope
-        return _Pointwise(
-            lambda z: F.leaky_relu(z, slope),
-            _scaled(lambda z, y: aten.leaky_relu_backward(torch.ones_like(z), z, slope, False)),
-        )
-    if isinstance(module, nn.ELU):
-        alpha = module.alpha
-        return _Pointwise(
-            lambda z: F.elu(z, alpha),
-            _scaled(lambda z, y: aten.elu_backward(torch.ones_like(z), alpha, 1, 1, False, z)),
-        )
-    if isinstance(module, nn.Softplus):
-        beta, threshold = module.beta, module.threshold
-        return _Pointwise(
-            lambda z: F.softplus(z, beta, threshold),
-            _scaled(lambda z, y: aten.softplus_backward(torch.ones_like(z), z, beta, threshold)),
-        )
-    if kind is nn.Identity or kind is nn.Dropout:  # the capture runs the model in eval mode: dropout is off
-        return _Pointwise(lambda z: z, None)
-    if isinstance(module, nn.Flatten) and (module.start_dim, module.end_dim) == (1, -1):
-        return _Pointwise(lambda z: z.flatten(1), None)  # backpropagated through only on (n, d): the identity
-    return None
+def _relu(b: Mapping[str, Any]) -> _Pointwise:
+    return _Pointwise(F.relu, lambda g, z, y: aten.threshold_backward(g, y, 0))  # as autograd does
+
+
+def _tanh(b: Mapping[str, Any]) -> _Pointwise:
+    return _Pointwise(torch.tanh, _scaled(lambda z, y: aten.tanh_backward(torch.ones_like(y), y)))
+
+
+def _sigmoid(b: Mapping[str, Any]) -> _Pointwise:
+    return _Pointwise(torch.sigmoid, _scaled(lambda z, y: aten.sigmoid_backward(torch.ones_like(y), y)))
+
+
+def _silu(b: Mapping[str, Any]) -> _Pointwise:
+    return _Pointwise(F.silu, _scaled(lambda z, y: aten.silu_backward(torch.ones_like(z), z)))
+
+
+def _gelu(b: Mapping[str, Any]) -> _Pointwise | None:
+    approximate = b.get("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        return None
+    return _Pointwise(
+        lambda z: F.gelu(z, approximate=approximate),
+        _scaled(lambda z, y: aten.gelu_backward(torch.ones_like(z), z, approximate=approximate)),
+    )
+
+
+def _leaky_relu(b: Mapping[str, Any]) -> _Pointwise:
+    slope = float(b.get("negative_slope", 0.01))
+    return _Pointwise(
+        lambda z: F.leaky_relu(z, slope),
+        _scaled(lambda z, y: aten.leaky_relu_backward(torch.ones_like(z), z, slope, False)),
+    )
+
+
+def _elu(b: Mapping[str, Any]) -> _Pointwise | None:
+    alpha = float(b.get("alpha", 1.0))
+    if b.get("scale", 1) != 1 or b.get("input_scale", 1) != 1:
+        return None
+    return _Pointwise(
+        lambda z: F.elu(z, alpha),
+        _scaled(lambda z, y: aten.elu_backward(torch.ones_like(z), alpha, 1, 1, False, z)),
+    )
+
+
+def _softplus(b: Mapping[str, Any]) -> _Pointwise:
+    beta, threshold = float(b.get("beta", 1.0)), float(b.get("threshold", 20.0))
+    return _Pointwise(
+        lambda z: F.softplus(z, beta, threshold),
+        _scaled(lambda z, y: aten.softplus_backward(torch.ones_like(z), z, beta, threshold)),
+    )
+
+
+def _dropout(b: Mapping[str, Any]) -> _Pointwise | None:
+    training = b.get("training", b.get("train", True))
+    return _Pointwise(lambda z: z, None) if training is False else None  # eval mode: the identity
+
+
+def _flatten(b: Mapping[str, Any]) -> _Pointwise | None:
+    if (b.get("start_dim", 0), b.get("end_dim", -1)) != (1, -1):
+        return None
+    return _Pointwise(lambda z: z.flatten(1), None)  # backpropagated through only on (n, d): the identity
+
+
+def _identity(b: Mapping[str, Any]) -> _Pointwise:
+    return _Pointwise(lambda z: z, None)
+
+
+def _forms(
+    build: Callable[[Mapping[str, Any]], _Pointwise | None], names: tuple[str, ...], *funcs: object
+) -> dict[object, tuple[Op, Callable[[Mapping[str, Any]], _Pointwise | None]]]:
+    return {func: (Op("pointwise", names), build) for func in funcs}
+
+
+_POINTWISE: dict[object, tuple[Op, Callable[[Mapping[str, Any]], _Pointwise | None]]] = {
+    **_forms(_relu, ("input", "inplace"), F.relu, torch.relu, _T.relu, aten.relu.default),
+    **_forms(_tanh, ("input",), torch.tanh, _T.tanh, F.tanh, aten.tanh.default),
+    **_forms(_sigmoid, ("input",), torch.sigmoid, _T.sigmoid, F.sigmoid, aten.sigmoid.default),
+    **_forms(_silu, ("input", "inplace"), F.silu, aten.silu.default),
+    **_forms(_gelu, ("input", "approximate"), F.gelu, aten.gelu.default),
+    **_forms(_leaky_relu, ("input", "negative_slope", "inplace"), F.leaky_relu, aten.leaky_relu.default),
+    **_forms(_elu, ("input", "alpha", "inplace"), F.elu),
+    **_forms(_elu, ("input", "alpha", "scale", "input_scale"), aten.elu.default),
+    **_forms(_softplus, ("input", "beta", "threshold"), F.softplus, aten.softplus.default),
+    **_forms(_dropout, ("input", "p", "training", "inplace"), F.dropout),
+    **_forms(_dropout, ("input", "p", "train"), aten.dropout.default),
+    **_forms(_flatten, ("input", "start_dim", "end_dim"), torch.flatten, _T.flatten, aten.flatten.using_ints),
+    **_forms(_identity, ("input",), _T.contiguous, aten.contiguous.default, aten.alias.default, aten.clone.default),
+}
+"""The pointwise ops a chain steps through, eager and ATen, with their forward and backward built from the call's
+arguments (None: that configuration is not known, e.g. dropout in training mode)."""
+
+_WEIGHT_DERIVATIONS = frozenset({"mul", "div", "neg", "identity"})
+"""How a chain's Linear may take its parameters: themselves, or times a number (NTK parameterization)."""
 
 
 FIXED_PIPELINE_ATTRIBUTE = "ntk_fixed_pipeline"
-"""A class attribute (``ntk_fixed_pipeline = True``) by which a module says its forward calls the same modules in
-the same order on every call, whatever the inputs and any state outside the module (a flag, the grad mode): the
-chain traces such a forward once and never calls it again (NOTE [sequential chains]). ``nn.Sequential``'s forward
-is such a forward; the registry's MLP family declares it."""
+"""A class attribute (``ntk_fixed_pipeline = True``) by which a module says its forward calls the same modules and
+operators in the same order on every call, whatever the inputs and any state outside the module (a flag, the grad
+mode): the chain traces such a forward once and never calls it again (NOTE [sequential chains]).
+``nn.Sequential``'s forward is such a forward; the registry's MLP family and ``layers.NtkLinear`` declare it."""
 
 
 def _has_fixed_forward(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs a forward that is the same pipeline on every call (torch's
-    ``nn.Sequential.forward`` or a class declaring ``FIXED_PIPELINE_ATTRIBUTE``), with ``nn.Module.__call__``."""
+    """Whether calling ``module`` runs a forward that is the same on every call: ``nn.Sequential``'s, a stock
+    ``nn.Linear`` or activation module of exactly a known type, or a class declaring ``FIXED_PIPELINE_ATTRIBUTE``,
+    called through ``nn.Module.__call__``."""
     kind = type(module)
     if kind.__call__ is not nn.Module.__call__ or "forward" in vars(module):
         return False
-    return kind.forward is nn.Sequential.forward or getattr(kind, FIXED_PIPELINE_ATTRIBUTE, False) is True
-
-
-_TRACING: contextvars.ContextVar[_PipelineTrace | None] = contextvars.ContextVar("ntk_chain_trace", default=None)
-"""The trace the hooks of the current context record for; None: they do nothing (another thread's forward)."""
+    if kind is nn.Linear or kind in _POINTWISE_TYPES or kind.forward is nn.Sequential.forward:
+        return True
+    return getattr(kind, FIXED_PIPELINE_ATTRIBUTE, False) is True
 
 
 class _PipelineTrace(TorchFunctionMode):
-    """One forward of the model, recording its leaf calls and whether it is a pure pipeline of them.
+    """One forward of the model, recording its steps and whether it is a pure pipeline of them.
 
-    Pure: inside the root module's forward, every tensor operation happens inside a call of a known leaf (a Linear
-    or a ``_POINTWISE_TYPES`` module), each leaf call takes exactly the previous call's output (the first, the
-    model's input) and the model returns the last call's output. Any other operation, even reading ``x.shape``, is
-    refused: it could make the forward depend on the values or on the batch size. The root and every other module
-    called between the leaves must have a fixed forward (``_has_fixed_forward``): a forward reading a flag or the
-    grad mode would take another path later, and the chain is traced once.
+    Pure: every tensor operation is either a *weight derivation* (a parameter, or a parameter times a number) or a
+    step on the pipeline's current value — ``linear`` with derived weight and bias, or a ``_POINTWISE`` op — and
+    the model returns the last step's output. Any other operation is refused; an ``nn.Module`` forward may not even
+    read a tensor's metadata (it could make the forward depend on the batch size), a graph module's may (its
+    graph is fixed). Every module called must have a fixed forward (``_has_fixed_forward``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, params: Mapping[int, torch.Tensor], selected: set[int], graph: bool) -> None:
         super().__init__()
-        self.armed = False  # inside the root's forward
-        self.depth = 0  # inside a leaf call
-        self.calls: list[tuple[nn.Module, torch.Tensor]] = []  # each leaf call at depth 0 and its input
+        self.values = dict(params)  # id -> tensor: the parameters and what derives from them
+        self.selected = set(selected)  # ids of the selected parameters and their derivations
+        self.graph = graph
         self.value: object = None  # the pipeline's current tensor
+        self.steps: list[_Linear | _Pointwise] = []
+        self.sites: list[bool] = []  # per Linear step: whether it takes a selected parameter
         self.pure = True
 
+    def start(self, x: torch.Tensor) -> None:
+        self.value = x
+
+    def module_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
+        if _TRACING.get() is self and self.pure and not _has_fixed_forward(module):
+            self.pure = False
+
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if self.armed and self.depth == 0:
-            self.pure = False
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.pure:
+            self.pure = self._step(func, args, kwargs, out)
+        return out
 
-    def root_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
-        if _TRACING.get() is self:
-            self.armed, self.value = True, args[0] if len(args) == 1 else None
+    def _step(self, func: object, args: tuple[Any, ...], kwargs: dict[str, Any], out: object) -> bool:
+        if METADATA(func):
+            return self.graph
+        op = OPS.get(func)
+        if op is not None and op.family in _WEIGHT_DERIVATIONS:
+            bound = op.bind(args, kwargs)
+            operands = [v for k, v in bound.items() if k in ("input", "other")]
+            tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+            if len(tensors) == 1 and id(tensors[0]) in self.values:
+                numbers = all(
+                    isinstance(v, int | float) and not isinstance(v, bool) for v in operands if v is not tensors[0]
+                )
+                if not numbers or bound.get("rounding_mode") is not None or not isinstance(out, torch.Tensor):
+                    return False
+                self.values[id(out)] = out
+                if id(tensors[0]) in self.selected:
+                    self.selected.add(id(out))
+                return True
+        if op is not None and op.family == "linear":
+            bound = op.bind(args, kwargs)
+            weight, bias = bound.get("weight"), bound.get("bias")
+            if bound.get("input") is not self.value or id(weight) not in self.values:
+                return False
+            if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+                return False
+            if bias is not None and id(bias) not in self.values:
+                return False
+            if not isinstance(self.value, torch.Tensor) or self.value.ndim != 2:
+                return False  # leading dimensions per example (positions): the autograd capture's case
+            self.sites.append(id(weight) in self.selected or id(bias) in self.selected)
+            self.steps.append(_Linear(weight, bias, None))
+            self.value = out
+            return True
+        form = _POINTWISE.get(func)
+        if form is None:
+            return False
+        bound = form[0].bind(args, kwargs)
+        step = form[1](bound)
+        if step is None or bound.get("input") is not self.value:
+            return False
+        self.steps.append(step)
+        self.value = out
+        return True
 
-    def container_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
-        if _TRACING.get() is self and self.armed and self.depth == 0 and not _has_fixed_forward(module):
-            self.pure = False
 
-    def root_post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
-        if _TRACING.get() is self:
-            self.armed = False
-            self.pure = self.pure and output is self.value
-
-    def leaf_pre(self, module: nn.Module, args: tuple[object, ...]) -> None:
-        if _TRACING.get() is not self or not self.armed:
-            return
-        if self.depth == 0:
-            if len(args) != 1 or args[0] is not self.value or not isinstance(args[0], torch.Tensor):
-                self.pure = False
-            else:
-                self.calls.append((module, args[0]))
-        self.depth += 1
-
-    def leaf_post(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
-        if _TRACING.get() is not self or not self.armed:
-            return
-        self.depth -= 1
-        if self.depth == 0:
-            self.value = output
+_TRACING: contextvars.ContextVar[_PipelineTrace | None] = contextvars.ContextVar("ntk_chain_trace", default=None)
+"""The trace the module hooks of the current context record for; None: they do nothing (another thread's forward of
+a module that cannot be copied, traced under its lock by this one)."""
 
 
-def _is_leaf(module: nn.Module) -> bool:
-    return type(module) is nn.Linear or type(module) in _POINTWISE_TYPES
-
-
-def _trace_pipeline(problem: NtkProblem, example: torch.Tensor) -> list[tuple[nn.Module, torch.Tensor]] | None:
-    """The leaf calls (module, input) of the model's forward on ``example`` if it is a pure pipeline of them (see
-    ``_PipelineTrace``), else None."""
+def _trace_pipeline(problem: NtkProblem, example: torch.Tensor) -> _PipelineTrace | None:
+    """The trace of the model's forward on ``example`` if it is a pure pipeline (see ``_PipelineTrace``)."""
     root = problem.module
-    if _is_leaf(root):  # the model is one leaf
-        return [(root, example)] if type(root).__call__ is nn.Module.__call__ else None
-    if not _has_fixed_forward(root):
+    graph = isinstance(root, torch.fx.GraphModule) and "forward" not in vars(root)
+    if not graph and not _has_fixed_forward(root):
         return None
-    trace = _PipelineTrace()
-    handles = []
+    names = {n for n, _ in root.named_parameters()}
+    tensors = {n: t for n, t in {**problem.frozen, **problem.params}.items() if n in names}
+    trace = _PipelineTrace({id(t): t for t in tensors.values()}, {id(t) for t in problem.params.values()}, graph)
+    handles = [m.register_forward_pre_hook(trace.module_pre) for m in root.modules() if m is not root]
+    trace.start(example)
     token = _TRACING.set(trace)
     try:
-        handles += [root.register_forward_pre_hook(trace.root_pre), root.register_forward_hook(trace.root_post)]
-        for module in root.modules():
-            if _is_leaf(module):
-                handles.append(module.register_forward_pre_hook(trace.leaf_pre))
-                handles.append(module.register_forward_hook(trace.leaf_post))
-            elif module is not root:
-                handles.append(module.register_forward_pre_hook(trace.container_pre))
         with torch.no_grad(), trace:
-            functional_call(root, (problem.params, problem.frozen), (example,))
+            out = functional_call(root, (problem.params, problem.frozen), (example,))
     except Exception:  # the structure probe ran this forward already: whatever fails here, refuse, do not fail
         return None
     finally:
         _TRACING.reset(token)
         for handle in handles:
             handle.remove()
-    return trace.calls if trace.pure and trace.calls else None
+    pure = trace.pure and out is trace.value and any(isinstance(s, _Linear) for s in trace.steps)
+    return trace if pure else None
 
 
-def sequential_chain(problem: NtkProblem, example: torch.Tensor, use_layers: list[nn.Module]) -> Chain | None:
+def sequential_chain(problem: NtkProblem, example: torch.Tensor, sites: tuple[Any, ...]) -> Chain | None:
     """The chain of the problem's model if it is one (see NOTE [sequential chains]), else None.
 
-    A chain is a model whose forward on ``example`` is a pure pipeline of Linear layers and the pointwise modules
-    ``_pointwise`` knows (``_PipelineTrace``: an ``nn.Sequential`` of them, nested or not, or a module with a
-    fixed forward, ``FIXED_PIPELINE_ATTRIBUTE``, looping over an ``nn.ModuleList``), each of exactly its type and
-    without a ``forward`` set on the instance; every Linear's weight and bias parameters of the problem, its
-    input one vector per example; the plan's uses exactly the chain's calls of those layers, in order.
+    A chain is a model whose forward on ``example`` is a pure pipeline (``_PipelineTrace``) whose Linear steps
+    taking selected parameters are exactly the plan's sites, in order, and whose output is one vector per example.
 
     Args:
         problem: the prepared model.
         example: (1, *input), compute dtype.
-        use_layers: the module called by each use of the structure plan, in call order.
+        sites: the structure plan's sites (``plan.Site``), in call order.
     """
-    calls = _trace_pipeline(problem, example)
-    if calls is None:
+    trace = _trace_pipeline(problem, example)
+    if trace is None or len(problem.out_shape) != 1:
         return None
-    tensors = {**problem.frozen, **problem.params}
-    canonical = {id(p): name for name, p in problem.module.named_parameters()}
+    if sum(trace.sites) != len(sites) or any(site.family != "linear" for site in sites):
+        return None  # a site the chain does not make (the plan saw other calls)
     steps: list[_Linear | _Pointwise] = []
-    uses = iter(enumerate(use_layers))
-    pending = next(uses, None)
-    for module, a in calls:
-        if "forward" in vars(module):
-            return None  # a forward set on the instance (accelerate's hooks do that): other math
-        if type(module) is nn.Linear:
-            if a.ndim != 2:
-                return None  # leading dimensions per example (positions): the autograd capture's case
-            weight, bias = _parameter(module.weight, canonical, tensors), _parameter(module.bias, canonical, tensors)
-            if weight is None or (bias is None) != (module.bias is None):
-                return None  # a weight that is not a parameter (a buffer, a plain tensor)
-            use = None
-            if pending is not None and pending[1] is module:
-                use, pending = pending[0], next(uses, None)
-            steps.append(_Linear(weight, bias, use))
-            continue
-        step = _pointwise(module)
-        if step is None:
-            return None
+    use = 0
+    linear = iter(trace.sites)
+    for step in trace.steps:
+        if isinstance(step, _Linear) and next(linear):
+            step, use = _Linear(step.weight, step.bias, use), use + 1
         steps.append(step)
-    if pending is not None or not any(isinstance(s, _Linear) for s in steps) or len(problem.out_shape) != 1:
-        return None  # a use the chain does not make (the plan saw other calls), or an output of other shape
     return Chain(tuple(steps), tuple(problem.module.modules()))
-
-
-def _parameter(
-    tensor: torch.Tensor | None, canonical: dict[int, str], tensors: dict[str, torch.Tensor]
-) -> torch.Tensor | None:
-    """The problem's (compute dtype) tensor of a module parameter, or None if it is not a parameter."""
-    name = None if tensor is None else canonical.get(id(tensor))
-    return None if name is None else tensors.get(name)
 
 
 @torch.no_grad()

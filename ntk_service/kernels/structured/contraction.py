@@ -4,9 +4,9 @@ A factored term J_c = Σ_g Σ_t D_c[g,t] ⊗ A[g,t] (``rules.Factors``) contribu
 
     Θ_cd(x1, x2) += Σ_g Σ_{t,s} G^D_cd[g; t, s] · G^A[g; t, s],   G^D = D1 D2ᵀ (Gram of the δ's), G^A = A1 A2ᵀ
 
-(+ 1 inside G^A when a bias over the same uses is folded in: J_b = Σ_t δ[t] ⊗ 1). A Jacobian term contributes
-J1 J2ᵀ. Each mode contracts the output axes inside the Grams (TRACE and OUTPUT_DIAGONAL pair c with c only), so
-no mode reduces a FULL block.
+(+ c² inside G^A when a bias taken with scale c over the same uses is folded in: J_b = c Σ_t δ[t]). A Jacobian
+term contributes J1 J2ᵀ. Each mode contracts the output axes inside the Grams (TRACE and OUTPUT_DIAGONAL pair c
+with c only), so no mode reduces a FULL block.
 
 Accumulator layouts: FULL (k, n, k, m), TRACE (n, m), OUTPUT_DIAGONAL (k, n, m), EXAMPLE_DIAGONAL (n, k, k).
 
@@ -111,7 +111,11 @@ def add_jacobian(acc: Accumulator, left: JacobianSide, right: JacobianSide) -> N
             gram = j1.reshape(n * k, -1) @ j2.reshape(m * k, -1).T
             t.add_(gram.view(n, k, m, k).permute(1, 0, 3, 2))
     elif acc.mode is KernelMode.TRACE:
-        t.addmm_(j1.reshape(n, -1), j2.reshape(m, -1).T)
+        if left.layout is Layout.OUTPUT_MAJOR and right.layout is Layout.OUTPUT_MAJOR and k > 1:
+            for c in range(k):  # each output's rows are one contiguous matrix: no copy of J
+                t.addmm_(j1[:, c], j2[:, c].T)
+        else:
+            t.addmm_(j1.reshape(n, -1), j2.reshape(m, -1).T)
     else:
         t.baddbmm_(j1.transpose(0, 1), j2.permute(1, 2, 0))
 
@@ -121,19 +125,19 @@ def add_jacobian_diagonal(acc: Accumulator, side: JacobianSide) -> None:
     acc.tensor.baddbmm_(side.tensor, side.tensor.transpose(1, 2))
 
 
-def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus_one: bool, dtype: torch.dtype) -> torch.Tensor:
-    """G^A: (G, n·T, m·S) from a1 (n, G, T, da) and a2 (m, G, S, da); ids (n, 1, T) when ``index``."""
+def _gram_a(a1: torch.Tensor, a2: torch.Tensor, index: bool, plus: float, dtype: torch.dtype) -> torch.Tensor:
+    """G^A + plus: (G, n·T, m·S) from a1 (n, G, T, da) and a2 (m, G, S, da); ids (n, 1, T) when ``index``."""
     g = a1.shape[1]
     if index:
         gram = (a1.reshape(-1, 1) == a2.reshape(1, -1)).to(dtype).unsqueeze(0)
-        return gram + 1 if plus_one else gram
-    one = _one(dtype, a1.device)  # the bias: + 1 fused into the product (beta = 1 or 0)
+        return gram + plus if plus else gram
+    one = _one(dtype, a1.device)  # the bias: + c² fused into the product (beta = c² or 0)
     if g == 1:  # the common case in as few tensor calls as it takes: (n·T, da) by (m·S, da)
         left, right = a1.reshape(-1, a1.shape[-1]), a2.reshape(-1, a2.shape[-1])
-        return torch.addmm(one, left, right.T, beta=int(plus_one))[None]
+        return torch.addmm(one, left, right.T, beta=plus)[None]
     left = a1.transpose(0, 1).reshape(g, -1, a1.shape[-1])
     right = a2.transpose(0, 1).reshape(g, -1, a2.shape[-1])
-    return torch.baddbmm(one, left, right.transpose(1, 2), beta=int(plus_one))
+    return torch.baddbmm(one, left, right.transpose(1, 2), beta=plus)
 
 
 _ONES: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
@@ -198,7 +202,7 @@ def add_factored(
     right: FactorSide,
     *,
     index: bool,
-    plus_one: bool,
+    plus: float,
     shared_delta: bool = True,
 ) -> None:
     """acc += the factored term of (a1, d1) with (a2, d2) in the accumulator's mode (not EXAMPLE_DIAGONAL).
@@ -211,7 +215,7 @@ def add_factored(
     t, mode = acc.tensor, acc.mode
     n, k, g, tt, dd = d1.tensor.shape
     m, s = d2.tensor.shape[0], d2.tensor.shape[3]
-    gram_a = _gram_a(a1, a2, index, plus_one, d1.tensor.dtype)  # (G, n·T, m·S)
+    gram_a = _gram_a(a1, a2, index, plus, d1.tensor.dtype)  # (G, n·T, m·S)
     shared = shared_gram(d1, d2) if shared_delta else None
     if mode is KernelMode.FULL and (shared is not None or g == tt == s == 1):  # one (k, n, k, m) product
         if acc.example_major:
@@ -272,7 +276,7 @@ def finish_with_factored(
     left: FactorSide,
     right: FactorSide,
     *,
-    plus_one: bool,
+    plus: float,
     shared_delta: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -282,7 +286,7 @@ def finish_with_factored(
     (a1, d1), (a2, d2) = left, right
     n, k = d1.tensor.shape[:2]
     m = d2.tensor.shape[0]
-    gram_a = _gram_a(a1, a2, False, plus_one, d1.tensor.dtype)[0]  # (n, m)
+    gram_a = _gram_a(a1, a2, False, plus, d1.tensor.dtype)[0]  # (n, m)
     shared = shared_gram(d1, d2) if shared_delta else None
     if shared is not None:
         gram_d = shared.view(1, 1, k, k)
@@ -294,7 +298,7 @@ def finish_with_factored(
     return torch.addcmul(acc.tensor.permute(1, 3, 0, 2), gram_d, gram_a.view(n, m, 1, 1), out=theta)
 
 
-def add_factored_diagonal(acc: Accumulator, side: FactorSide, *, index: bool, plus_one: bool) -> None:
+def add_factored_diagonal(acc: Accumulator, side: FactorSide, *, index: bool, plus: float) -> None:
     """acc (n, k, k) += the factored term of each example with itself."""
     a, d = side.a, side.d.tensor
     n, k, g, t, dd = d.shape
@@ -302,8 +306,8 @@ def add_factored_diagonal(acc: Accumulator, side: FactorSide, *, index: bool, pl
         gram_a = (a.unsqueeze(-1) == a.unsqueeze(-2)).to(d.dtype)  # (n, 1, T, T)
     else:
         gram_a = a @ a.transpose(-1, -2)  # (n, G, T, T)
-    if plus_one:
-        gram_a += 1
+    if plus:
+        gram_a += plus
     dd_ = d.permute(0, 2, 1, 3, 4).reshape(n * g, k * t, dd)
     gram_d = torch.bmm(dd_, dd_.transpose(1, 2)).view(n, g, k, t, k, t)
     gram_d.mul_(gram_a.view(n, g, 1, t, 1, t))

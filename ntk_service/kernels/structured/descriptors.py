@@ -16,7 +16,7 @@ import torch
 
 from ntk_service.kernels.types import NamedTensors
 
-__all__ = ["Capture", "Delta", "FactorSide", "JacobianSide", "Layout", "StructuredSide"]
+__all__ = ["Axis", "Capture", "Delta", "FactorSide", "JacobianSide", "Layout", "SiteAxes", "StructuredSide"]
 
 
 class Layout(enum.Enum):
@@ -34,6 +34,32 @@ class Layout(enum.Enum):
         read once, where the descriptor is made. A tensor with one example or one output lies either way."""
         output_major = t.shape[0] > 1 and t.shape[1] > 1 and t.stride(1) > t.stride(0) != 0
         return Layout.OUTPUT_MAJOR if output_major else Layout.EXAMPLE_MAJOR
+
+
+class Axis(NamedTuple):
+    """Where a batched forward keeps the examples in one op tensor: along ``dim``, which holds n·R entries for R
+    per example (the per-example shape's size at ``dim``); ``major``: example i's entries are i·R .. i·R + R − 1
+    (a batch dimension, or positions flattened into it, GPT-2's (n·T, d)); else r·n + i (positions outermost: the
+    (T·n, d) rows of ``nn.MultiheadAttention``'s output projection). Found on two real examples
+    (``recorder.batch_axes``)."""
+
+    dim: int
+    major: bool
+
+    def examples(self, t: torch.Tensor, n: int, lead: int = 0) -> torch.Tensor:
+        """t (*lead, *batched shape) as (*lead, n, *per-example shape): a view."""
+        d = lead + self.dim
+        r = t.shape[d] // n
+        if self.major:
+            return torch.unflatten(t, d, (n, r)).movedim(d, lead)
+        return torch.unflatten(t, d, (r, n)).movedim(d + 1, lead)
+
+
+class SiteAxes(NamedTuple):
+    """The example axis of a site's input (None: it takes none) and of its output in a batched forward."""
+
+    input: Axis | None
+    output: Axis
 
 
 class Delta(NamedTuple):

@@ -95,10 +95,43 @@ export function modelsTable(models, versions) {
       el("td", { class: "num" }, fmt.count(m.num_params)),
       el("td", { class: "inputs" }, fmt.inputs(m).map((text) => el("div", {}, text))),
       el("td", { class: "num" }, m.output_dim),
-      el("td", { class: "arch" }, architectureCell(m)),
+      el("td", { class: "arch" }, architectureCell(m), parameterPaths(m)),
     ),
   );
   return table("Registered models", ["Model", "Versions", "Parameters P", "Input", "Outputs k", "Architecture"], rows);
+}
+
+// What the kernel engine does with each parameter group (the record's parameter_paths, made at registration):
+// structured (factored / J from its op's input and cotangents) or autograd (jacrev, an op without a rule), why,
+// and what AUTO takes at the nominal size. Null for models registered before the report existed.
+export function parameterPaths(model) {
+  const paths = model.parameter_paths;
+  if (!paths) return null;
+  if (paths.error) {
+    return el("details", { class: "paths" }, el("summary", {}, "Kernel paths: not available"), el("p", {}, paths.error));
+  }
+  const auto = paths.auto || {};
+  const autograd = paths.jacrev_parameters
+    ? ` · ${fmt.count(paths.jacrev_parameters)} by autograd`
+    : " · all structured";
+  const picked = auto.implementation ? `auto → ${auto.implementation} at N = ${auto.n}` : `auto: no plan fits at N = ${auto.n}`;
+  const summary = `Kernel paths: ${picked}${autograd}`;
+  const group = (g) =>
+    el(
+      "li",
+      { "data-path": g.path },
+      el("code", {}, g.group || "(root)"),
+      ` ${g.parameters.join(", ")} `,
+      el("strong", {}, g.form),
+      ` (${g.ops.join(", ") || "no op"}): ${g.reason}`,
+    );
+  return el(
+    "details",
+    { class: "paths" },
+    el("summary", {}, summary),
+    el("p", { class: "muted" }, `capture: ${paths.capture}`),
+    el("ul", { class: "params" }, (paths.groups || []).map(group)),
+  );
 }
 
 export function datasetsTable(datasets) {

@@ -30,8 +30,11 @@ def test_register_each_family(live_server: LiveServer, family: str) -> None:
     assert record["seed"] == 3
     assert set(record) == {
         "name", "version", "architecture", "seed", "num_params", "input_shape", "input_dtype", "output_dim",
-        "parameters", "weights_sha256", "created_at", "label", "inputs",
+        "parameters", "weights_sha256", "created_at", "label", "inputs", "class_name", "parameter_paths",
     }  # fmt: skip
+    paths = record["parameter_paths"]  # every layer of a built-in family has a structure rule
+    assert paths["jacrev_parameters"] == 0 and paths["structured_parameters"] == record["num_params"]
+    assert {g["path"] for g in paths["groups"]} == {"structured"} and paths["auto"]["n"] == 64
     assert {k: record["architecture"][k] for k in architecture} == architecture
     model = rebuild(record, weights)
     named = list(model.named_parameters())

@@ -1,0 +1,231 @@
+"""The solver table's benchmark cases (issue 38, "What must be shown" 1-5), run as sections of bench_solvers.py.
+
+- ``auto``: where dense fits, ``solver="auto"`` against scipy's Cholesky on the dense kernel (compute_ntk + factor),
+  alternated in one process: FULL N on the benchmark MLP (float64), and a float64 ill-conditioned problem (a
+  small tanh MLP, k = 3) at ridges 1e-6, 1e-3 and 1 × the mean diagonal. Prints both walls, the ratio, the method
+  auto ran and the relative difference of the test predictions.
+- ``solve``: the scale run: FULL kernel ridge on N examples with M held-out ones by ``solve_kernel`` (each
+  ``--solvers`` entry in turn: auto, pcg, block), float32 products: passes, steps, the true residual, the held-out
+  accuracy curve, wall, peak RSS; ``--reference-rtol`` adds a float64 solve to that rtol whose held-out accuracy
+  the others are compared with.
+- ``trace``: what a TRACE solve costs: auto on the TRACE operator under a time limit, with the cost per iteration
+  and the projection to convergence.
+- ``ray-solve``: the same solve on ``ray_ntk_operator`` (``--shards`` one-thread actors) and in one process:
+  the relative difference of the answers and the seconds per pass of each, alternated.
+- ``ridge``: ``estimate_ridge`` on the operator (GCV, LOO along the default grid) against the held-out accuracy
+  of a solve at each of a few ridges.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import scipy.linalg
+import torch
+from torch import nn
+
+from benchmarks._models import make_inputs, make_mlp
+from ntk_service.analysis.solve import HeldOut, SolverOptions, estimate_ridge, solve_kernel
+from ntk_service.jobs.executors import import_ray, ray_ntk_operator
+from ntk_service.kernels import compute_ntk, ntk_operator
+
+K = 10
+
+
+def _peak_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _load() -> str:
+    return " ".join(f"{v:.1f}" for v in os.getloadavg())
+
+
+def _classes(x: torch.Tensor, k: int = K, seed: int = 5) -> np.ndarray:
+    """The classes of a fixed random linear teacher (bench_solvers.py's ``_labels``, as indices)."""
+    teacher = torch.randn(x.shape[1], k, generator=torch.Generator().manual_seed(seed), dtype=x.dtype)
+    return (x @ teacher).argmax(1).numpy()
+
+
+def _onehot(classes: np.ndarray, k: int = K) -> np.ndarray:
+    return np.eye(k)[classes] - 1.0 / k
+
+
+def _cholesky_predictions(model: nn.Module, x: torch.Tensor, xq: torch.Tensor, y: np.ndarray, lam: float) -> np.ndarray:
+    theta = compute_ntk(model, x, mode="full", dtype="float64").theta
+    n, k = y.shape
+    a = theta.permute(0, 2, 1, 3).reshape(n * k, n * k).numpy()
+    del theta
+    a[np.diag_indices_from(a)] += lam
+    alpha = scipy.linalg.cho_solve(scipy.linalg.cho_factor(a, lower=True, overwrite_a=True), y.reshape(-1))
+    del a
+    cross = compute_ntk(model, xq, x, mode="full", dtype="float64").theta
+    m = xq.shape[0]
+    return np.asarray(cross.permute(0, 2, 1, 3).reshape(m * k, n * k).numpy() @ alpha).reshape(m, k)
+
+
+def _auto_predictions(model: nn.Module, x: torch.Tensor, xq: torch.Tensor, y: np.ndarray, lam: float) -> tuple:
+    result = solve_kernel(ntk_operator(model, x, dtype=torch.float64), y, ridge=lam)
+    cross = ntk_operator(model, xq, x, dtype=torch.float64)
+    if result.weights is not None:
+        predictions = cross.jvp(result.weights)
+    else:
+        predictions = cross.matmat_float64(result.solution).reshape(xq.shape[0], y.shape[1])
+    return predictions, result
+
+
+def section_auto(n: int, repeats: int) -> None:
+    """Issue 38 item 1: auto against scipy's Cholesky where dense fits, alternated in this process."""
+    cases = [("MLP 784-512-512-10, FULL", make_mlp().double(), make_inputs("mlp", n + 200).double(), 1e-3)]
+    torch.manual_seed(0)
+    tanh = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 3)).double()
+    xs = torch.randn(500, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for ridge in (1e-6, 1e-3, 1.0):
+        cases.append((f"tanh MLP 8-64-3, N = 300, ridge {ridge:g}", tanh, xs, ridge))
+    print(f"auto vs scipy Cholesky (dense kernel by compute_ntk, float64), {repeats} alternations, ridge × mean "
+          f"diagonal, load {_load()}")  # fmt: skip
+    print(f"{'case':<42} {'cholesky s':>10} {'auto s':>8} {'auto/chol':>9} {'method':>7} {'passes':>7} "
+          f"{'residual':>9} {'rel diff':>9}  load")  # fmt: skip
+    for label, model, x_all, relative in cases:
+        size = n if "FULL" in label else 300
+        x, xq = x_all[:size], x_all[size : size + 200]
+        k = 10 if "FULL" in label else 3
+        y = _onehot(_classes(x, k), k)
+        diag = compute_ntk(model, x[:64], mode="example_diagonal", dtype="float64").theta
+        lam = relative * float(diag.diagonal(dim1=1, dim2=2).mean())
+        walls: dict[str, list[float]] = {"cholesky": [], "auto": []}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dense = _cholesky_predictions(model, x, xq, y, lam)
+            walls["cholesky"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            predictions, result = _auto_predictions(model, x, xq, y, lam)
+            walls["auto"].append(time.perf_counter() - start)
+        chol, auto = float(np.median(walls["cholesky"])), float(np.median(walls["auto"]))
+        diff = float(np.linalg.norm(predictions - dense) / np.linalg.norm(dense))
+        verdict = "" if result.converged else f"  NOT CONVERGED ({result.stop_reason})"
+        print(f"{label:<42} {chol:>10.2f} {auto:>8.2f} {auto / chol:>9.2f} {result.solver:>7} {result.passes:>7.1f} "
+              f"{result.residual.max():>9.1e} {diff:>9.1e}  {_load()}{verdict}", flush=True)  # fmt: skip
+
+
+def section_solve(
+    n: int, m: int, solvers: list[str], rtol: float, ridge: float, minutes: float | None, reference_rtol: float | None
+) -> None:
+    """Issue 38 items 2 and 3: the FULL solve at scale with a held-out set, each solver in turn in this process."""
+    model = make_mlp()
+    x_all = make_inputs("mlp", n + m)
+    x, xq = x_all[:n], x_all[n:]
+    classes = _classes(x_all)
+    y, held = _onehot(classes[:n]), classes[n:]
+    diag = compute_ntk(model, x[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
+    lam = ridge * float(diag)
+    print(f"FULL kernel ridge by solve_kernel, MLP 784-512-512-10, N = {n}, {m} held-out, ridge {ridge:g} × mean "
+          f"diagonal, rtol {rtol:g}, float32 products, load {_load()}")  # fmt: skip
+    reference = None
+    if reference_rtol is not None:
+        ref = _run(model, x, xq, y, held, lam, "auto", reference_rtol, minutes, torch.float64)
+        reference = ref.heldout_curve[-1][1] if ref.heldout_curve else None
+    for solver in solvers:
+        result = _run(model, x, xq, y, held, lam, solver, rtol, minutes, torch.float32)
+        accuracy = result.heldout_curve[-1][1] if result.heldout_curve else float("nan")
+        if reference is not None:
+            print(f"  held-out accuracy {accuracy:.4f} against {reference:.4f} at rtol {reference_rtol:g}: "
+                  f"{100 * (accuracy - reference):+.2f} points")  # fmt: skip
+
+
+def _run(model, x, xq, y, held, lam, solver, rtol, minutes, dtype):  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    train = ntk_operator(model, x, dtype=dtype)
+    cross = ntk_operator(model, xq, x, dtype=dtype)
+    options = SolverOptions(solver=solver, rtol=rtol, max_seconds=None if minutes is None else 60 * minutes)
+
+    def progress(p) -> None:  # type: ignore[no-untyped-def]
+        if p.epochs or p.steps % 10 == 0:
+            print(f"    {p.solver} step {p.steps} epoch {p.epochs} passes {p.passes:.1f} residual {p.residual} "
+                  f"estimate {p.estimate} held-out {p.heldout} {p.elapsed_s:.0f} s", flush=True)  # fmt: skip
+
+    result = solve_kernel(train, y, ridge=lam, options=options, heldout=HeldOut(cross, held, every=5),
+                          progress=progress)  # fmt: skip
+    wall = time.perf_counter() - start
+    accuracy = result.heldout_curve[-1][1] if result.heldout_curve else float("nan")
+    verdict = "converged" if result.converged else f"NOT CONVERGED ({result.stop_reason})"
+    attempts = ", ".join(f"{a.solver}: {a.stop_reason[:40]} after {a.passes:.1f} passes" for a in result.attempts)
+    print(f"  {solver} ({dtype}): {verdict}, method {result.solver} [{attempts or '-'}], residual "
+          f"{result.residual.max():.2e}, passes {result.passes:.1f}, steps {result.steps}, preconditioner "
+          f"{result.preconditioner}, wall {wall:.1f} s, peak {_peak_mib():.0f} MiB (estimate "
+          f"{result.memory_bytes / 2**20:.0f} MiB), held-out accuracy {accuracy:.4f}, load {_load()}")  # fmt: skip
+    curve = " ".join(f"{p:.0f}:{v:.3f}" for p, v in result.heldout_curve)
+    print(f"    held-out curve (passes:accuracy) {curve}", flush=True)
+    return result
+
+
+def section_trace(n: int, minutes: float, ridge: float) -> None:
+    """Issue 38 item 4: a TRACE solve on the operator, under a time limit, and its cost per iteration."""
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    y = _onehot(_classes(x))
+    diag = compute_ntk(model, x[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
+    start = time.perf_counter()
+    options = SolverOptions(rtol=1e-3, max_seconds=60 * minutes)
+    result = solve_kernel(ntk_operator(model, x, mode="trace"), y, ridge=ridge * float(diag), options=options)
+    wall = time.perf_counter() - start
+    per = wall / max(result.steps, 1)
+    print(f"TRACE kernel ridge, MLP 784-512-512-10, N = {n}, k = {K} target columns, rtol 1e-3: method "
+          f"{result.solver}, {result.steps} iterations, {result.passes:.0f} passes (k per product), "
+          f"residual {result.residual.max():.2e}, {result.stop_reason}, wall {wall:.0f} s ({per:.1f} s per "
+          f"iteration), peak {_peak_mib():.0f} MiB, load {_load()}")  # fmt: skip
+
+
+def section_ray_solve(n: int, shards: int, rtol: float, solver: str) -> None:
+    """Issue 38 item 5: the solve on ``shards`` Ray actors against one process: the answers and s / pass."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray = import_ray()
+    ray.init(num_cpus=shards, include_dashboard=False, log_to_driver=False)
+    model = make_mlp()
+    x = make_inputs("mlp", n)
+    y = _onehot(_classes(x))
+    diag = compute_ntk(model, x[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
+    lam = 1e-3 * float(diag)
+    options = SolverOptions(solver=solver, rtol=rtol)
+    runs = {}
+    with ray_ntk_operator(model, x, shards=shards, num_cpus=1) as sharded:
+        for label, op in (("local", ntk_operator(model, x)), ("ray", sharded)):
+            start = time.perf_counter()
+            result = solve_kernel(op, y, ridge=lam, options=options)
+            runs[label] = (time.perf_counter() - start, result)
+    ray.shutdown()
+    (local_s, local), (ray_s, remote) = runs["local"], runs["ray"]
+    diff = float(np.linalg.norm(remote.solution - local.solution) / np.linalg.norm(local.solution))
+    print(f"{solver} solve, FULL, N = {n}, rtol {rtol:g}: local {local.solver} {local.passes:.1f} passes in "
+          f"{local_s:.1f} s ({local_s / max(local.passes, 1):.2f} s/pass); ray ({shards} actors) {remote.solver} "
+          f"{remote.passes:.1f} passes in {ray_s:.1f} s ({ray_s / max(remote.passes, 1):.2f} s/pass); throughput "
+          f"ray/local {(local_s / max(local.passes, 1)) / (ray_s / max(remote.passes, 1)):.2f}; relative "
+          f"difference of α {diff:.1e}; load {_load()}")  # fmt: skip
+
+
+def section_ridge(n: int, m: int, ridges: list[float]) -> None:
+    """``estimate_ridge`` (GCV, LOO from the Nyström basis) against the held-out accuracy of solves at a few ridges."""
+    model = make_mlp()
+    x_all = make_inputs("mlp", n + m)
+    x, xq = x_all[:n], x_all[n:]
+    classes = _classes(x_all)
+    y = _onehot(classes[:n])
+    start = time.perf_counter()
+    est = estimate_ridge(ntk_operator(model, x), y)
+    print(f"estimate_ridge, MLP 784-512-512-10, N = {n}: rank {est.rank}, floor {est.floor / est.mean_diagonal:.3f} × "
+          f"mean diagonal, {time.perf_counter() - start:.1f} s; best GCV {est.best_gcv / est.mean_diagonal:.1e}, "
+          f"best LOO {est.best_loo / est.mean_diagonal:.1e} (× mean diagonal)")  # fmt: skip
+    for rel, gcv, loo in zip(est.ridges / est.mean_diagonal, est.gcv, est.loo, strict=True):
+        print(f"  ridge {rel:.1e}: GCV {gcv:.4f} LOO {loo:.4f}")
+    cross = ntk_operator(model, xq, x)
+    for rel in ridges:
+        result = solve_kernel(ntk_operator(model, x), y, ridge=rel * est.mean_diagonal,
+                              options=SolverOptions(rtol=1e-3), heldout=HeldOut(cross, _onehot(classes[n:]),
+                              metric="mse"))  # fmt: skip
+        print(f"  solve at ridge {rel:.1e} × mean diagonal ({result.solver}): held-out MSE "
+              f"{result.heldout_curve[-1][1]:.4f} (LOO: the same error, on the train set)")  # fmt: skip
