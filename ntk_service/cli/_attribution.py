@@ -210,7 +210,7 @@ def list_jobs(ctx: typer.Context, json_output: JsonFlag = False) -> None:
         }
         for job in jobs
     ]
-    print_table(rows, ["id", "job", "model", "state"], empty="no attribution jobs")
+    print_table(rows, ["id", "job", "model", "progress"], empty="no attribution jobs")
 
 
 @attribution_app.command("status")

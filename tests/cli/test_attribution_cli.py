@@ -89,6 +89,10 @@ def test_attribution_commands(cli: Any, live_server: LiveServer, tmp_path: Path)
     assert status["job"] == "attribution-features" and status["spec"]["version"] == ids.versions[0]
     listed = _ok(cli("attribution", "list")).stdout
     assert job_id in listed and features[1] in listed
+    lines = {line.split()[0]: line.split()[1:] for line in listed.splitlines()}
+    assert lines["ID"] == ["JOB", "MODEL", "PROGRESS"]
+    assert lines[job_id][:4] == ["attribution", name, "succeeded", "done"], listed
+    assert lines[features[1]] == ["attribution-features", name, "succeeded", "rows", "200/200"], listed
 
     bad = cli("attribution", "run", name, *common, "--versions", "two")
     assert bad.exit_code == 2 and "--versions: expected integers" in bad.stderr
