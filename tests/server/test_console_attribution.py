@@ -164,5 +164,10 @@ def test_the_attribution_view_shows_a_test_examples_top_training_examples_as_ima
     assert page.evaluate("document.querySelectorAll('#attribution-example img').length") == 0
     values = _texts(page, "#attribution-example .example-test .example-values")
     assert values and values[0].startswith("(4): ["), values
+    tiny_caption = _texts(page, "#attribution-example .example-test figcaption")[0]
+    assert tiny_caption == "test #0no label: its predicted class", tiny_caption  # no test labels were given
     assert json.loads(page.evaluate("JSON.stringify(document.getElementById('attribution-detail').hidden)")) is False
+    page.evaluate("document.getElementById('attribution-detail').scrollIntoView(); true")
+    values_shot = page.screenshot(tmp_path / "console-attribution-values.png")
+    shutil.copy(values_shot, SCREENSHOT_DIR / values_shot.name)
     _check_requests_stayed_home(page, server, keys=(server.write_key, server.read_key))

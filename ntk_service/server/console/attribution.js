@@ -317,11 +317,14 @@ async function showExample(job, index) {
       el("h3", {}, title, el("span", { class: "muted" }, ` ${note}`)),
       el("div", { class: "example-grid" }, await Promise.all(items.map((item) => card(item, shape, kind, largest)))),
     );
+  // without test labels a cross-entropy job measures the margin of the predicted class (the server's rule)
+  const unlabelled = job.spec.loss === "cross_entropy" ? "no label: its predicted class" : "no label";
+  const testLabel = example.test.label === null ? unlabelled : label(example.test.label);
   const test = el(
     "figure",
     { class: "example-card example-test", "data-index": index },
-    await picture(example.test.input, shape, `test example ${index}, ${label(example.test.label)}`),
-    el("figcaption", {}, el("strong", {}, `test #${index}`), el("span", {}, label(example.test.label))),
+    await picture(example.test.input, shape, `test example ${index}, ${testLabel}`),
+    el("figcaption", {}, el("strong", {}, `test #${index}`), el("span", {}, testLabel)),
   );
   const drawn = imageShape(shape) ? `drawn as ${imageShape(shape).slice(0, 3).join(" × ")} images` : "inputs shown as values";
   target.replaceChildren(
