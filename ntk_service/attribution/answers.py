@@ -35,6 +35,16 @@ class TopInfluences:
     opponent_scores: np.ndarray
 
 
+MERGE_ENTRIES = 1 << 20
+"""Scores a tile is merged by at a time (whole test rows of it).
+
+NOTE [merge memory]
+    Merging a tile makes a negated copy of it (float32) and the positions that ``argpartition`` returns (int64):
+    12 bytes per score, three times the tile itself (measured by tests/jobs/scoring_peak.py). Merged a slab of rows
+    at a time, they stay at about 12 MiB whatever the tile; the rows are independent, so the answer is the same bits.
+"""
+
+
 def _merge(vals: np.ndarray, idx: np.ndarray, block: np.ndarray, offset: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The k largest of the running (vals, idx) and the block's columns (indices offset + column)."""
     if block.shape[1] > k:
@@ -88,13 +98,20 @@ class RunningTop:
                 f"top_influences: a tile at ({tile.test_start}, {tile.train_start}) of shape {tile.block.shape} lies "
                 f"outside the ({self.n_test}, {self.n_train}) scores"
             )
-        r = tile.block.shape[0]
+        r, width = tile.block.shape
         empty_v, empty_i = np.empty((r, 0), dtype=np.float32), np.empty((r, 0), dtype=np.int64)
         state = self._running.get(tile.test_start, [empty_v, empty_i, empty_v, empty_i])
-        hv, hi = _merge(state[0], state[1], tile.block, tile.train_start, self.k)
-        lv, li = _merge(-state[2], state[3], -tile.block, tile.train_start, self.k)
-        self._running[tile.test_start] = [hv, hi, -lv, li]
-        self._seen[rows] += tile.block.shape[1]
+        merged: list[list[np.ndarray]] = [[], [], [], []]
+        step = max(1, MERGE_ENTRIES // max(1, width))  # NOTE [merge memory]
+        for a in range(0, r, step):
+            part = slice(a, min(r, a + step))
+            block = tile.block[part]
+            hv, hi = _merge(state[0][part], state[1][part], block, tile.train_start, self.k)
+            lv, li = _merge(-state[2][part], state[3][part], -block, tile.train_start, self.k)
+            for out, value in zip(merged, (hv, hi, -lv, li), strict=True):
+                out.append(value)
+        self._running[tile.test_start] = [np.concatenate(parts) for parts in merged]
+        self._seen[rows] += width
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The running state as plain arrays (``np.savez`` stores them; ``from_arrays`` reads them back)."""

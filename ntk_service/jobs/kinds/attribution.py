@@ -28,11 +28,15 @@ NOTE [scoring memory]
     test features (M · Σ_c D_c float32) and the running top-k, and on top of that the largest of: one factorization
     (two D² float64 temporaries), one solve of the test features (about 28·M·D bytes: the float64 copy, the
     right-hand side and the result), one block of training rows (train_rows · Σ_c D_c float32 and two
-    (M, train_rows) float32 tiles), and one block of the self-influence (4 · 4096 · D float64). F itself stays on
-    disk (memory-mapped) and G' is read block by block. At N = 10⁵, M = 10⁴, D = 2048 and 10 checkpoints that is
-    1.2 GB held and blocks of 12,500 training rows, 3.2 GB in all: under a 4 GB budget, where the dense scores alone
-    would be 4 GB (``tests/jobs/test_attribution_kinds.py`` measures a scaled-down run's peak against it). ``plan_scoring`` halves the block from N until the estimate fits, and refuses (413) when even
-    the held part does not.
+    (M, train_rows) float32 tiles: the tile, and the room its merge into the top-k or its write takes, NOTE [merge
+    memory] in attribution/answers.py), and one block of the self-influence (4 · 4096 · D float64); plus
+    ``ALLOCATOR_SLACK`` (at most the live bytes again) for the small pieces the C allocator keeps once freed. F
+    itself stays on disk (memory-mapped) and G' is read block by block. At N = 10⁵, M = 10⁴, D = 2048 and 10
+    checkpoints that is 1.2 GB held and blocks of 12,500 training rows, 3.3 GB in all: under a 4 GB budget, where
+    the dense scores alone would be 4 GB. ``tests/jobs/test_attribution_kinds.py`` runs the scoring at a smaller
+    size in a fresh process and holds the operating system's count of its peak (VmHWM) to the plan.
+    ``plan_scoring`` halves the block from N until the estimate fits, and refuses (413) when even the held part
+    does not.
 """
 
 from __future__ import annotations
@@ -116,6 +120,11 @@ MAX_CHECKPOINTS = 64
 
 SELF_INFLUENCE_ROWS = 4096
 """Training rows per block of the self-influence (``self_influence_scores``'s default)."""
+
+ALLOCATOR_SLACK = 128 * 2**20
+"""Bytes the scoring may hold beyond its live arrays, at most as much again as they: pieces under 32 MiB (Zarr's
+decoded chunks, small solves) that the C allocator keeps for reuse once freed, where larger ones go back to the
+system (NOTE [scoring memory]; tests/jobs/scoring_peak.py measured 20-130 MiB over the live arrays)."""
 
 TOP_ARRAYS = ("proponents", "proponent_scores", "opponents", "opponent_scores")
 """The top-k answer's arrays, (M, k) each: int64 training indices and their float32 scores."""
@@ -313,7 +322,8 @@ def _scoring_parts(n_test: int, dims: Sequence[int], *, train_rows: int, top_k: 
 def scoring_memory(n_test: int, dims: Sequence[int], *, train_rows: int, top_k: int) -> int:
     """Peak bytes of an attribution job's scoring (NOTE [scoring memory]) with ``train_rows`` per block."""
     held, steps = _scoring_parts(n_test, dims, train_rows=train_rows, top_k=top_k)
-    return held + max(steps.values())
+    live = held + max(steps.values())
+    return live + min(ALLOCATOR_SLACK, live)
 
 
 def plan_scoring(n_train: int, n_test: int, dims: Sequence[int], *, top_k: int, budget_bytes: int,
@@ -324,7 +334,7 @@ def plan_scoring(n_train: int, n_test: int, dims: Sequence[int], *, top_k: int, 
     Example::
 
         >>> plan_scoring(100_000, 10_000, [2048] * 10, top_k=10, budget_bytes=4 * 10**9)
-        ScoringPlan(train_rows=12500, bytes=3183544320)
+        ScoringPlan(train_rows=12500, bytes=3317762048)
 
     Raises:
         MemoryEstimateExceeded: even the smallest block does not fit (the estimate, its parts and the budget in the
@@ -338,7 +348,8 @@ def plan_scoring(n_train: int, n_test: int, dims: Sequence[int], *, top_k: int, 
             raise MemoryEstimateExceeded(
                 f"{_OPERATION}: scoring M={n_test} test against N={n_train} training examples over {len(dims)} "
                 f"checkpoint(s) at D={max(dims)} needs about {format_bytes(needed)} ({format_bytes(held)} held: the "
-                f"factors of F + λI and the solved test features; {format_bytes(steps[step])} more for {step}), over "
+                f"factors of F + λI and the solved test features; {format_bytes(steps[step])} more for {step}; "
+                f"{format_bytes(needed - held - steps[step])} for what the allocator keeps), over "
                 f"the memory budget of {format_bytes(budget_bytes)}; score the test set in parts (its rows start / "
                 "stop), use fewer checkpoints or a smaller dim" + (", or fewer train_rows" if train_rows else ""),
                 estimate_bytes=needed,
