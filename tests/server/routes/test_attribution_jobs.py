@@ -349,3 +349,101 @@ def test_a_server_killed_mid_job_resumes_both_kinds_to_the_bits_of_uninterrupted
         for job, tiles in done.items():
             attempts = dict(conn.execute("SELECT tile_id, attempts FROM tiles WHERE job_id = ?", (job,)))
             assert all(attempts[t] == 1 for t in tiles), attempts  # nothing recorded before the kill ran again
+
+
+def test_hostile_requests_are_4xx_with_a_message(server: _Server, registered: RegisteredDigits) -> None:
+    """Raw requests a client library would not send: each is a 4xx whose body names what to fix, never a 5xx."""
+    with server.client() as client:
+        features = client.submit_attribution_features("digits", version=2, dim=64, train=registered.x_train,
+                                                       labels=registered.y_train)  # fmt: skip
+        client.wait_attribution_features(features["id"], progress=None, timeout_s=120)
+        job = client.submit_attribution(features["id"], test=registered.x_test, top_k=2, store_scores=True)
+        client.wait_attribution_job(job["id"], progress=None, timeout_s=120)
+    fid, jid = features["id"], job["id"]
+    train = {"train": {"dataset": registered.x_train}, "labels": {"dataset": registered.y_train}}
+    test = {"dataset": registered.x_test}
+    posts: list[tuple[str, Any]] = [
+        ("/v1/attribution-features", {"model": "digits", **train, "dim": 0}),
+        ("/v1/attribution-features", {"model": "digits", **train, "dim": 65_537}),
+        ("/v1/attribution-features", {"model": "digits", **train, "loss": "hinge"}),
+        ("/v1/attribution-features", {"model": "digits", **train, "version": -1}),
+        ("/v1/attribution-features", {"model": "digits", **train, "surprise": 1}),
+        (
+            "/v1/attribution-features",
+            {
+                "model": "digits",
+                "train": {"dataset": registered.x_train, "start": 150, "stop": 10**12},
+                "labels": {"dataset": registered.y_train},
+            },
+        ),
+        ("/v1/attribution-features", {"model": "../../etc/passwd", **train}),
+        ("/v1/attribution-features", [1, 2, 3]),
+        ("/v1/attribution-jobs", {"features": [], "test": test}),
+        ("/v1/attribution-jobs", {"features": [fid] * 65, "test": test}),
+        ("/v1/attribution-jobs", {"features": [fid], "test": test, "ridge": -1.0}),
+        (
+            "/v1/attribution-jobs",
+            f'{{"features": ["{fid}"], "test": {{"dataset": "{registered.x_test}"}}, "ridge": NaN}}',
+        ),
+        (
+            "/v1/attribution-jobs",
+            f'{{"features": ["{fid}"], "test": {{"dataset": "{registered.x_test}"}}, "ridge": 1e309}}',
+        ),
+        ("/v1/attribution-jobs", {"features": [fid], "test": test, "top_k": -1}),
+        ("/v1/attribution-jobs", {"features": [fid], "test": test, "ensemble": "median"}),
+        ("/v1/attribution-jobs", {"features": [jid], "test": test}),  # an attribution job, not features
+    ]
+    gets = [
+        f"/v1/attribution-jobs/{jid}/result?rows=x:y",
+        f"/v1/attribution-jobs/{jid}/result?rows=30:10",
+        f"/v1/attribution-jobs/{jid}/result?rows=0:{10**30}",
+        f"/v1/attribution-jobs/{jid}/scores?cols=-5:3",
+        f"/v1/attribution-jobs/{jid}/examples/-1",
+        f"/v1/attribution-jobs/{jid}/examples/{2**63 - 1}",
+        f"/v1/attribution-jobs/{jid}/examples/0?k=0",
+        f"/v1/attribution-jobs/{fid}/examples/0",  # a features job's id under the attribution jobs
+        "/v1/attribution-jobs/..%2F..%2Fjobs/result",
+    ]
+    with server.live.client() as http:
+        answers = [
+            (path, http.post(path, content=body, headers={"Content-Type": "application/json"}))
+            if isinstance(body, str) else (path, http.post(path, json=body))
+            for path, body in posts
+        ]  # fmt: skip
+        answers += [(path, http.get(path)) for path in gets]
+        answers.append((f"DELETE /v1/attribution-jobs/{fid}", http.delete(f"/v1/attribution-jobs/{fid}")))
+        assert (
+            http.get(f"/v1/attribution-features/{fid}").json()["status"] == "succeeded"
+        )  # the wrong DELETE lost nothing
+    expected = [
+        (422, "dim: Input should be greater than or equal to 1"),
+        (422, "dim: Input should be less than or equal to 65536"),
+        (422, "loss: Input should be 'cross_entropy' or 'mse'"),
+        (422, "version: Input should be greater than or equal to 1"),
+        (422, "surprise: Extra inputs are not permitted"),
+        (422, "train rows [150, 1000000000000) are outside the data set of 200 rows"),
+        (404, "no model named '../../etc/passwd'"),
+        (400, "expected a JSON object, got list"),
+        (422, "features: List should have at least 1 item"),
+        (422, "features: List should have at most 64 items"),
+        (422, "ridge: Input should be greater than or equal to 0"),
+        (400, "could not parse it"),
+        (400, "number is infinity"),
+        (422, "top_k: Input should be greater than or equal to 0"),
+        (422, "ensemble: Input should be 'trak' or 'mean'"),
+        (404, "no attribution features job with id"),
+        (422, "rows='x:y' is not a range 'a:b' of integers"),
+        (422, "rows='30:10' is outside the result; expected 0 ≤ a < b ≤ 40"),
+        (422, "is outside the result; expected 0 ≤ a < b ≤ 40"),
+        (422, "cols='-5:3' is outside the result; expected 0 ≤ a < b ≤ 200"),
+        (422, "index: Input should be greater than or equal to 0"),
+        (422, "is outside the job's 40 test examples"),
+        (422, "k: Input should be greater than or equal to 1"),
+        (404, "no attribution job with id"),
+        (404, "no route GET"),
+        (404, "no attribution job with id"),
+    ]
+    assert len(answers) == len(expected)
+    for (path, response), (status, message) in zip(answers, expected, strict=True):
+        assert response.status_code == status and message in response.json()["error"]["message"], (
+            path, response.status_code, response.text)  # fmt: skip
