@@ -412,9 +412,12 @@ def test_hostile_requests_are_4xx_with_a_message(server: _Server, registered: Re
         ]  # fmt: skip
         answers += [(path, http.get(path)) for path in gets]
         answers.append((f"DELETE /v1/attribution-jobs/{fid}", http.delete(f"/v1/attribution-jobs/{fid}")))
-        assert (
-            http.get(f"/v1/attribution-features/{fid}").json()["status"] == "succeeded"
-        )  # the wrong DELETE lost nothing
+        kept = http.get(f"/v1/attribution-features/{fid}").json()
+        assert kept["status"] == "succeeded"  # the wrong DELETE lost nothing
+        for route in (f"/v1/attribution-jobs/{jid}/events", f"/v1/attribution-features/{fid}/events"):
+            stream = http.get(route)  # a finished job's stream: its end event, then it closes
+            assert stream.headers["content-type"].startswith("text/event-stream"), stream.headers
+            assert "event: end" in stream.text and '"status":"succeeded"' in stream.text.replace(" ", ""), stream.text
     expected = [
         (422, "dim: Input should be greater than or equal to 1"),
         (422, "dim: Input should be less than or equal to 65536"),
