@@ -25,6 +25,7 @@ import zarr
 from ntk_service.attribution import AttributionOptions, fit_attributor
 from ntk_service.client import Client
 from ntk_service.errors import (
+    Conflict,
     DatasetNotFound,
     IncompatibleCheckpoint,
     InvalidInput,
@@ -184,6 +185,9 @@ def test_jobs_cancel_between_units(server: _Server, tmp_path: Path) -> None:
                 while get(job_id)["status"] != "running":
                     assert time.monotonic() < deadline
                     time.sleep(0.05)
+            with pytest.raises(Conflict, match="retry when") as busy:  # the running scoring job reads it
+                client.delete_attribution_features(done["id"])
+            assert busy.value.http_status == 409  # type: ignore[attr-defined]
             assert client.cancel_attribution_features(held["id"])["status"] == "cancelled"
             assert client.cancel_attribution_job(scoring["id"])["status"] == "cancelled"
         finally:
