@@ -42,7 +42,7 @@ PACKAGE_LAYERS: dict[str, tuple[str, ...]] = {
     "analysis": ("kernels", "wire", "_tensors"),
     "attribution": ("kernels",),  # data attribution from eNTK features: no HTTP, no SQL
     "registry": ("kernels", "layers", "config", "wire"),
-    "jobs": ("registry", "analysis", "config", "wire"),
+    "jobs": ("registry", "analysis", "attribution", "config", "wire"),  # attribution jobs run the library
     "results": ("jobs",),
     "server": ("jobs", "root", "config", "wire"),
     "client": ("root", "vocabulary", "wire", "_tensors"),  # imports without torch or fastapi

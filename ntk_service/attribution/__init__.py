@@ -16,8 +16,9 @@ files, in the order the data flows through them:
 - ``attributor``: ``fit_attributor``, the two steps in one process;
 - ``lds``: the linear datamodeling score, to evaluate and to choose the ridge.
 
-No HTTP, no SQL: the service's jobs call ``train_feature_chunks`` per checkpoint and ``iter_score_tiles`` per test
-set (docs/attribution.md).
+No HTTP, no SQL: the service's jobs (``jobs/kinds/attribution_features.py``, ``jobs/kinds/attribution.py``) call
+``train_feature_chunks`` per checkpoint, then ``solve_targets`` and ``score_train_rows`` per test set, merging the
+tiles into a ``RunningTop`` they can save and resume (docs/attribution.md).
 
     >>> attributor = fit_attributor(model, x_train, y_train, checkpoints=states)      # doctest: +SKIP
     >>> attributor.top_influences(x_test, y_test, k=5).proponents                    # (M, 5) indices
@@ -26,13 +27,14 @@ set (docs/attribution.md).
 
 from __future__ import annotations
 
-from ntk_service.attribution.answers import TopInfluences, top_influences
+from ntk_service.attribution.answers import RunningTop, TopInfluences, top_influences
 from ntk_service.attribution.attributor import Attributor, fit_attributor
 from ntk_service.attribution.checkpoints import load_checkpoint
 from ntk_service.attribution.exact import exact_memory
 from ntk_service.attribution.features import (
     FeatureChunk,
     TrainFeatures,
+    feature_chunk_rows,
     target_features,
     train_feature_chunks,
     train_features,
@@ -55,7 +57,9 @@ from ntk_service.attribution.scoring import (
     iter_score_tiles,
     plan_score_tiles,
     score_memory,
+    score_train_rows,
     self_influence_scores,
+    solve_targets,
     total_influence_scores,
 )
 
@@ -70,11 +74,13 @@ __all__ = [
     "FeatureKind",
     "FittedCheckpoint",
     "LdsResult",
+    "RunningTop",
     "ScoreTile",
     "TilePlan",
     "TopInfluences",
     "TrainFeatures",
     "exact_memory",
+    "feature_chunk_rows",
     "fit_attributor",
     "fit_checkpoint",
     "iter_score_tiles",
@@ -82,7 +88,9 @@ __all__ = [
     "load_checkpoint",
     "plan_score_tiles",
     "score_memory",
+    "score_train_rows",
     "self_influence_scores",
+    "solve_targets",
     "target_features",
     "top_influences",
     "total_influence_scores",

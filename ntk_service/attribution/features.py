@@ -52,6 +52,7 @@ __all__ = [
     "MAX_ROWS_PER_CHUNK",
     "FeatureChunk",
     "TrainFeatures",
+    "feature_chunk_rows",
     "target_features",
     "train_feature_chunks",
     "train_features",
@@ -120,7 +121,10 @@ def train_features_memory(n: int, k: int, dim: int, loss: AttributionLoss, *, ch
     return n * dim * itemsize + 2 * dim * dim * 8 + chunk * c * dim * (2 * itemsize + 8)
 
 
-def _chunk_rows(n: int, k: int, options: AttributionOptions, itemsize: int, limit: int) -> int:
+def feature_chunk_rows(n: int, k: int, options: AttributionOptions, itemsize: int, limit: int) -> int:
+    """Examples per chunk of a feature pass over n examples with k outputs: ``options.rows_per_chunk``, else as many
+    as a quarter of the budget ``limit`` holds for Φ and its copy, at most ``MAX_ROWS_PER_CHUNK`` (a job fixes it at
+    submission, so every resumed chunk covers the same rows)."""
     if options.rows_per_chunk is not None:
         return min(n, options.rows_per_chunk)
     c = 1 if options.loss is AttributionLoss.CROSS_ENTROPY else k
@@ -158,7 +162,7 @@ def train_feature_chunks(
     labels = check_labels(y, n=n, out_shape=out_shape, loss=options.loss, name="y_train", operation=OPERATION)
     limit = budget(options)
     item = torch.finfo(dtype).bits // 8
-    chunk = _chunk_rows(n, k, options, item, limit)
+    chunk = feature_chunk_rows(n, k, options, item, limit)
     needed = train_features_memory(n, k, options.dim, options.loss, chunk=chunk, itemsize=item)
     if needed > limit:
         raise refuse(f"features of N={n} examples at D={options.dim}", needed, limit, "use a smaller dim")
@@ -326,7 +330,7 @@ def target_features(
             f"{OPERATION}: the training side has D={train.dim}, options.dim={opts.dim}; use the same dim"
         )
     limit = budget(opts)
-    chunk = _chunk_rows(m, math.prod(out_shape), opts, torch.finfo(dtype).bits // 8, limit)
+    chunk = feature_chunk_rows(m, math.prod(out_shape), opts, torch.finfo(dtype).bits // 8, limit)
     parts = []
     for start in range(0, m, chunk):
         xb = cast(rows(x, start, start + chunk), dtype)

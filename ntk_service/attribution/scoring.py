@@ -40,7 +40,9 @@ __all__ = [
     "iter_score_tiles",
     "plan_score_tiles",
     "score_memory",
+    "score_train_rows",
     "self_influence_scores",
+    "solve_targets",
     "total_influence_scores",
 ]
 
@@ -189,6 +191,67 @@ def _mean_loss_weights(fitted: Sequence[FittedCheckpoint], start: int, stop: int
     return torch.stack([_as_tensor(f.train.loss_weights[start:stop]).to(torch.float64) for f in fitted]).mean(dim=0)
 
 
+def solve_targets(fitted: Sequence[FittedCheckpoint], tests: Sequence[Any]) -> list[torch.Tensor]:
+    """(F + λI)⁻¹ m* for the test features of every checkpoint: what every score tile multiplies.
+
+    Args:
+        fitted (sequence of FittedCheckpoint): one per checkpoint, all of the same N.
+        tests (sequence of arrays): the test features (M, D_c) of each checkpoint (``target_features``); any array
+            numpy reads (a memmap or zarr array a job stored).
+
+    Returns:
+        list of (M, D_c) float32 tensors, one per checkpoint.
+
+    Raises:
+        InvalidInput: no checkpoints. ShapeMismatch: features that do not fit together.
+    """
+    _check(fitted, tests)
+    return [f.solve(t).to(torch.float32) for f, t in zip(fitted, tests, strict=True)]
+
+
+def score_train_rows(
+    fitted: Sequence[FittedCheckpoint],
+    solved: Sequence[torch.Tensor],
+    train: tuple[int, int],
+    *,
+    ensemble: Ensemble | str = Ensemble.TRAK,
+    test_rows: int | None = None,
+) -> Iterator[ScoreTile]:
+    """The score tiles of training rows ``train = (j0, j1)`` against every test row: each checkpoint's features of
+    those rows are read once, then one tile per ``test_rows`` test rows (a job records a training block as a unit).
+
+    Args:
+        fitted (sequence of FittedCheckpoint): one per checkpoint. solved: ``solve_targets(fitted, tests)``.
+        train (tuple of int): the training rows [j0, j1).
+        ensemble (Ensemble or str): "trak" or "mean" (module docstring). Default: "trak".
+        test_rows (int, optional): test rows per tile. Default: all.
+
+    Returns:
+        Iterator of ScoreTile, float32 blocks (rows, j1 − j0).
+
+    Raises:
+        InvalidInput: an unknown ensemble.
+    """
+    rule = _ensemble(ensemble)
+    j0, j1 = train
+    m = int(solved[0].shape[0])
+    te = m if test_rows is None else max(1, int(test_rows))
+    cols = [_as_tensor(f.train.features[j0:j1]).to(torch.float32) for f in fitted]
+    weights = [_as_tensor(f.train.loss_weights[j0:j1]).to(torch.float32) for f in fitted]
+    mean_s = torch.stack(weights).mean(dim=0)
+    for i0 in range(0, m, te):
+        block = torch.zeros(min(m, i0 + te) - i0, j1 - j0, dtype=torch.float32)
+        for s_c, g_c, w_c in zip(solved, cols, weights, strict=True):
+            if rule is Ensemble.TRAK:
+                block.addmm_(s_c[i0 : i0 + te], g_c.T)
+            else:
+                block.addmm_(s_c[i0 : i0 + te], (g_c * w_c[:, None]).T)
+        block /= len(fitted)
+        if rule is Ensemble.TRAK:
+            block *= mean_s
+        yield ScoreTile(i0, j0, block.numpy())
+
+
 def iter_score_tiles(
     fitted: Sequence[FittedCheckpoint],
     tests: Sequence[np.ndarray],
@@ -197,7 +260,8 @@ def iter_score_tiles(
     train_rows: int | None = None,
     test_rows: int | None = None,
 ) -> Iterator[ScoreTile]:
-    """τ(x*, n) for every test and training example, tile by tile (training rows outer), combined over checkpoints.
+    """τ(x*, n) for every test and training example, tile by tile (training rows outer), combined over checkpoints:
+    ``solve_targets`` once, then ``score_train_rows`` for each block of training rows.
 
     Args:
         fitted (sequence of FittedCheckpoint): one per checkpoint, all of the same N.
@@ -211,28 +275,12 @@ def iter_score_tiles(
     Raises:
         InvalidInput: no checkpoints, an unknown ensemble. ShapeMismatch: features that do not fit together.
     """
-    rule = _ensemble(ensemble)
-    _check(fitted, tests)
-    n, m = fitted[0].train.n, tests[0].shape[0]
+    _ensemble(ensemble)
+    solved = solve_targets(fitted, tests)
+    n = fitted[0].train.n
     tr = n if train_rows is None else max(1, int(train_rows))
-    te = m if test_rows is None else max(1, int(test_rows))
-    solved = [f.solve(t).to(torch.float32) for f, t in zip(fitted, tests, strict=True)]
     for j0 in range(0, n, tr):
-        j1 = min(n, j0 + tr)
-        cols = [_as_tensor(f.train.features[j0:j1]).to(torch.float32) for f in fitted]
-        weights = [_as_tensor(f.train.loss_weights[j0:j1]).to(torch.float32) for f in fitted]
-        mean_s = torch.stack(weights).mean(dim=0)
-        for i0 in range(0, m, te):
-            block = torch.zeros(min(m, i0 + te) - i0, j1 - j0, dtype=torch.float32)
-            for s_c, g_c, w_c in zip(solved, cols, weights, strict=True):
-                if rule is Ensemble.TRAK:
-                    block.addmm_(s_c[i0 : i0 + te], g_c.T)
-                else:
-                    block.addmm_(s_c[i0 : i0 + te], (g_c * w_c[:, None]).T)
-            block /= len(fitted)
-            if rule is Ensemble.TRAK:
-                block *= mean_s
-            yield ScoreTile(i0, j0, block.numpy())
+        yield from score_train_rows(fitted, solved, (j0, min(n, j0 + tr)), ensemble=ensemble, test_rows=test_rows)
 
 
 def _ensemble(value: Ensemble | str) -> Ensemble:

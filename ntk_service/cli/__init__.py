@@ -1,5 +1,5 @@
 """The ``ntk-service`` command line: ``serve``, ``health``, ``models``, ``datasets``, ``kernel``, ``jobs``, ``solve``,
-``features``, ``analyze``, ``plot``.
+``features``, ``attribution``, ``analyze``, ``plot``.
 
     $ ntk-service serve --port 8000
     $ export NTK_URL=http://127.0.0.1:8000 NTK_API_KEY=...
@@ -15,6 +15,7 @@ from __future__ import annotations
 from ntk_service.cli import _health, _kernel, _kernel_family, _serve  # noqa: F401  (commands register on ``app``)
 from ntk_service.cli._analyze import analyze_app as _analyze_app
 from ntk_service.cli._app import app, main
+from ntk_service.cli._attribution import attribution_app as _attribution_app
 from ntk_service.cli._datasets import datasets_app as _datasets_app
 from ntk_service.cli._models import models_app as _models_app
 from ntk_service.cli._plot import plot_app as _plot_app
@@ -29,5 +30,6 @@ app.add_typer(_analyze_app, name="analyze")
 app.add_typer(_plot_app, name="plot")
 app.add_typer(_solve_app, name="solve")
 app.add_typer(_features_app, name="features")
+app.add_typer(_attribution_app, name="attribution")
 
 __all__ = ["app", "main"]

@@ -10,6 +10,15 @@ Errors are the ``ntk_service.errors`` classes, mapped from the server's error bo
 
 from __future__ import annotations
 
+from ntk_service.client._attribution import (
+    AttributedExample,
+    AttributionExample,
+    AttributionFeaturesJob,
+    AttributionJob,
+    AttributionLossName,
+    AttributionResult,
+    FeatureKindName,
+)
 from ntk_service.client._base import (
     API_KEY_ENV,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -71,12 +80,19 @@ __all__ = [
     "URL_ENV",
     "AlignmentVariantName",
     "AnalysisModeName",
+    "AttributedExample",
+    "AttributionExample",
+    "AttributionFeaturesJob",
+    "AttributionJob",
+    "AttributionLossName",
+    "AttributionResult",
     "Client",
     "DatasetArrayInfo",
     "DatasetInfo",
     "DatasetSlice",
     "DtypeName",
     "FamilyKernelName",
+    "FeatureKindName",
     "FlowName",
     "GroupKernels",
     "HealthStatus",

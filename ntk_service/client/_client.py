@@ -38,6 +38,7 @@ from ntk_service.client._analysis import (
     KernelSpectrum,
     LinearizedPrediction,
 )
+from ntk_service.client._attribution import AttributionClient
 from ntk_service.client._base import _decode_json, _decode_tensors, _media
 from ntk_service.client._export import InputDtype, InputShape, export_module, multipart_body
 from ntk_service.client._groups import GroupsClient
@@ -45,7 +46,6 @@ from ntk_service.client._jobs import JobsClient
 from ntk_service.client._kernel_family import KernelFamilyClient
 from ntk_service.client._module_spec import describe_module, is_describable
 from ntk_service.client._service import ServiceClient
-from ntk_service.client._solve import SolveJobsClient
 from ntk_service.client._types import (
     DatasetInfo,
     DtypeName,
@@ -101,11 +101,13 @@ class KernelResult:
     note: str | None = None
 
 
-class Client(KernelFamilyClient, GroupsClient, JobsClient, SolveJobsClient, AnalysisClient, ServiceClient):
+class Client(KernelFamilyClient, GroupsClient, JobsClient, AttributionClient, AnalysisClient, ServiceClient):
     """Synchronous client for an ntk-service server; arrays come back as numpy (torch on request).
 
     Args: see ``BaseClient`` (url, api_key, timeout, transport_format, max_retries, max_retry_wait_s).
     Batch jobs: ``submit_job``, ``get_job``, ``list_jobs``, ``wait``, ``job_result``, ``cancel_job`` (``_jobs.py``).
+    Data attribution: ``attribute``, ``submit_attribution_features``, ``submit_attribution``, ``attribution_result``,
+    ``attribution_example`` (``_attribution.py``, whose class extends the solve and features jobs' ``_solve.py``).
 
     Every method raises the ``ntk_service.errors`` class of the server's error (``ModelNotFound``,
     ``MemoryEstimateExceeded``, ``Busy`` after the retries, ...), with ``.http_status`` and ``.message``;

@@ -202,6 +202,7 @@ class SolveJobsClient(BaseClient):
         poll_s: float,
         timeout_s: float | None,
         progress: TextIO | Literal["stderr"] | None,
+        describe: Callable[[Mapping[str, Any]], str] = format_solve_progress,
     ) -> dict[str, Any]:
         # "stderr" is looked up now, not bound when the module was imported: the stream may have been replaced since
         out = sys.stderr if progress == "stderr" else progress
@@ -209,7 +210,7 @@ class SolveJobsClient(BaseClient):
         shown = [""]
 
         def show(job: dict[str, Any]) -> None:
-            line = format_solve_progress(job)
+            line = describe(job)
             if out is not None and line != shown[0]:
                 out.write(line + "\n")
                 out.flush()

@@ -167,6 +167,7 @@ class JobManager:
             datasets=datasets,
             executor=executor,
             settings=JobSettings(default_tile_size, panel_seconds, memory_budget_bytes),
+            jobs=self,
         )
         self.activity = Activity()
         self._runner = Runner(
@@ -178,6 +179,7 @@ class JobManager:
             datasets=datasets,
             executor=executor,
             run_compute=self.run_compute,
+            jobs=self,
         )
 
     # -- lifetime ---------------------------------------------------------------------------------------------------

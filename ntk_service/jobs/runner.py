@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from ntk_service.errors import NtkServiceError
 from ntk_service.jobs.activity import Activity
 from ntk_service.jobs.executors.base import Executor
-from ntk_service.jobs.kinds.base import DatasetSource, JobKind, JobStopped, ModelSource, RunCompute
+from ntk_service.jobs.kinds.base import DatasetSource, JobKind, JobLookup, JobStopped, ModelSource, RunCompute
 from ntk_service.jobs.records import JobRecord, JobStatus
 from ntk_service.jobs.store import JobStore
 
@@ -44,7 +44,7 @@ class Runner:
 
     Args:
         store, kinds, activity: the manager's. folder: a job's result folder.
-        models, datasets, executor, run_compute: what a kind's run is given (``RunContext``).
+        models, datasets, executor, run_compute, jobs: what a kind's run is given (``RunContext``).
     """
 
     def __init__(
@@ -58,9 +58,11 @@ class Runner:
         datasets: DatasetSource,
         executor: Executor,
         run_compute: RunCompute[Any],
+        jobs: JobLookup,
     ) -> None:
         self.store, self.kinds, self.activity, self.folder = store, kinds, activity, folder
         self.models, self.datasets, self.executor, self.run_compute = models, datasets, executor, run_compute
+        self.jobs = jobs
         self.stopping = threading.Event()
         self._queues: dict[str, queue.Queue[str]] = {name: queue.Queue() for name in kinds}
         self._threads: list[threading.Thread] = []
@@ -178,6 +180,7 @@ class _Context:
     def __init__(self, runner: Runner, job: Record, folder: Path) -> None:
         self.runner, self.job_id, self.folder = runner, job.id, folder
         self.models, self.datasets, self.executor = runner.models, runner.datasets, runner.executor
+        self.jobs = runner.jobs
         self.store, self.activity = runner.store, runner.activity
         self.generation = runner.activity.generation
 

@@ -43,6 +43,8 @@ from ntk_service.server.openapi import install_openapi, operation_id
 from ntk_service.server.routes import (
     analysis,
     architectures,
+    attribution_features,
+    attribution_jobs,
     console,
     datasets,
     feature_jobs,
@@ -222,6 +224,7 @@ def create_app(settings: Settings) -> FastAPI:
         for module in (health, architectures, models, datasets, kernels, kernel_family, jobs, analysis, job_analysis)
     ]
     routers += [solve.router, solve_jobs.router, feature_jobs.router]  # matrix-free solves and features (jobs/kinds)
+    routers += [attribution_features.router, attribution_jobs.router]  # data attribution (jobs/kinds/attribution*)
     routers.append(console.router)  # GET / (the lab console, with its Content-Security-Policy) and /v1/whoami
     for router in routers:
         app.include_router(router)

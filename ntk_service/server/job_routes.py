@@ -22,18 +22,21 @@ NOTE [planning off the limiter]
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import anyio.to_thread
+import numpy as np
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.sse import EventSourceResponse, ServerSentEvent
 from pydantic import BaseModel
 from starlette.responses import Response
 
 from ntk_service import wire
-from ntk_service.errors import JobNotFound
+from ntk_service.config import Settings
+from ntk_service.errors import JobNotFound, PayloadTooLarge, format_bytes
 from ntk_service.jobs import JobManager, JobRecord
 from ntk_service.jobs.kinds.base import JobKind
 from ntk_service.jobs.records import TERMINAL_STATUSES
@@ -50,6 +53,8 @@ __all__ = [
     "CancelOnly",
     "JobIdPath",
     "JobRouteText",
+    "array_response",
+    "check_answer_size",
     "job_events",
     "job_router",
     "public_job",
@@ -73,6 +78,35 @@ JobIdPath = Annotated[str, Path(max_length=ID_MAX_LENGTH, description="The job's
 CancelOnly = Annotated[
     bool, Query(description="Only cancel: a finished job is left as it is. Default: false (a finished job is deleted).")
 ]
+
+
+def check_answer_size(media: str, shape: tuple[int, ...], itemsize: int, settings: Settings, operation: str) -> None:
+    """Refuse an answer of ``shape`` over the response limit of ``media`` before it is built.
+
+    Raises:
+        PayloadTooLarge (413): the size and the limit, and how to ask for less.
+    """
+    values = math.prod(shape)
+    if media == wire.MEDIA_JSON:
+        size, limit = values * JSON_BYTES_PER_VALUE, settings.max_json_response_bytes
+    else:
+        size, limit = values * itemsize, settings.max_binary_response_bytes
+    if size > limit:
+        raise PayloadTooLarge(
+            f"{operation}: the answer {tuple(shape)} is about {format_bytes(size)} as {media}, over the limit of "
+            f"{format_bytes(limit)}; ask for fewer rows (start / stop) or a binary Accept type"
+        )
+
+
+def array_response(media: str, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, Any] | None = None) -> Response:
+    """Arrays as ``media``: .npy (the first array alone), safetensors (every array, ``metadata`` as JSON strings) or
+    JSON (``{name: tensor, ...}`` and the metadata's fields)."""
+    if media == wire.MEDIA_NPY:
+        return Response(wire.encode_npy(next(iter(arrays.values()))), media_type=wire.MEDIA_NPY)
+    if media == wire.MEDIA_SAFETENSORS:
+        meta = {name: wire.json_dumps(value).decode() for name, value in (metadata or {}).items()}
+        return Response(wire.encode_safetensors(dict(arrays), meta), media_type=wire.MEDIA_SAFETENSORS)
+    return json_response({**(metadata or {}), **{name: wire.tensor_to_json(a) for name, a in arrays.items()}})
 
 
 async def job_events(

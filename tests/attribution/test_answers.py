@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntk_service.attribution import AttributionOptions, ScoreTile, fit_attributor, top_influences
+from ntk_service.attribution import AttributionOptions, RunningTop, ScoreTile, fit_attributor, top_influences
 from ntk_service.errors import InvalidInput
 from tests.attribution.conftest import Problem
 
@@ -57,3 +57,20 @@ def test_the_attributor_streams_top_influences_through_tiles(problem: Problem) -
     assert top.proponents.shape == top.opponents.shape == (6, 3)
     np.testing.assert_allclose(top.proponent_scores, -np.sort(-dense, axis=1)[:, :3], rtol=1e-5)
     np.testing.assert_allclose(top.opponent_scores, np.sort(dense, axis=1)[:, :3], rtol=1e-5)
+
+
+def test_a_running_top_saved_and_restored_mid_stream_gives_the_same_answer() -> None:
+    scores = np.random.default_rng(2).standard_normal((9, 50)).astype(np.float32)
+    tiles = _tiles(scores, 4, 7)  # test rows in three groups of different widths as the stream goes
+    whole = top_influences(tiles, n_test=9, n_train=50, k=5)
+    running = RunningTop(n_test=9, n_train=50, k=5)
+    for tile in tiles[:11]:
+        running.add(tile)
+    restored = RunningTop.from_arrays(running.arrays(), n_test=9, n_train=50, k=5)
+    for tile in tiles[11:]:
+        restored.add(tile)
+    again = restored.result()
+    for name in ("proponents", "proponent_scores", "opponents", "opponent_scores"):
+        np.testing.assert_array_equal(getattr(again, name), getattr(whole, name))
+    with pytest.raises(InvalidInput, match="pass every tile exactly once"):
+        RunningTop.from_arrays(running.arrays(), n_test=9, n_train=50, k=5).result()

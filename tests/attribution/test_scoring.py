@@ -4,10 +4,13 @@ the tile planner keeps its memory estimate under the budget and refuses what can
 from __future__ import annotations
 
 import copy
+import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import zarr
 
 from ntk_service.attribution import (
     AttributionOptions,
@@ -16,7 +19,10 @@ from ntk_service.attribution import (
     iter_score_tiles,
     plan_score_tiles,
     score_memory,
+    score_train_rows,
     self_influence_scores,
+    solve_targets,
+    target_features,
     train_features,
 )
 from ntk_service.errors import InvalidInput, MemoryEstimateExceeded, ShapeMismatch
@@ -125,3 +131,23 @@ def test_tile_plans_fit_the_budget_at_the_issues_scale() -> None:
     assert small.bytes <= 10**9 and small.train_rows < plan.train_rows
     with pytest.raises(MemoryEstimateExceeded, match="the solved test features"):
         plan_score_tiles(100_000, 10_000, 2048, 10, 10**8)
+
+
+def test_blocks_scored_one_at_a_time_from_a_stored_side_equal_the_tiles(problem: Problem, tmp_path: Path) -> None:
+    """The attribution job's path: G' read from a zarr store, F memory-mapped, the test features solved once and
+    the training rows scored block by block (``solve_targets`` + ``score_train_rows``), in any order."""
+    options = AttributionOptions(dim=16)
+    side = train_features(problem.model, problem.x, problem.labels, options=options)
+    store = zarr.open_group(str(tmp_path / "side.zarr"), mode="w")
+    store.create_array("features", shape=side.features.shape, chunks=(5, 16), dtype=side.features.dtype)
+    store["features"][:] = side.features  # type: ignore[index]
+    np.save(tmp_path / "gram.npy", side.gram)
+    stored = dataclasses.replace(side, features=store["features"], gram=np.load(tmp_path / "gram.npy", mmap_mode="r"))
+    tests = [target_features(problem.model, problem.xq, problem.labels_q, train=side, options=options)]
+    expected = list(iter_score_tiles([fit_checkpoint(side)], tests, train_rows=7))
+    fitted = [fit_checkpoint(stored)]
+    solved = solve_targets(fitted, tests)
+    for j0 in (21, 7, 0, 14):  # out of order: each block stands alone
+        (tile,) = score_train_rows(fitted, solved, (j0, min(24, j0 + 7)))
+        np.testing.assert_array_equal(tile.block, expected[j0 // 7].block)
+        assert (tile.test_start, tile.train_start) == (0, j0)

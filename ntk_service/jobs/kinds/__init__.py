@@ -10,6 +10,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from ntk_service.jobs.kinds.attribution import ATTRIBUTION_KIND
+from ntk_service.jobs.kinds.attribution_features import ATTRIBUTION_FEATURES_KIND
 from ntk_service.jobs.kinds.base import JobKind
 from ntk_service.jobs.kinds.features import FEATURES_KIND
 from ntk_service.jobs.kinds.kernel import KERNEL_KIND
@@ -24,6 +26,8 @@ JOB_KINDS: MappingProxyType[str, JobKind[Any, Any, Any, Any]] = MappingProxyType
             KERNEL_KIND,  # Θ of whole data sets in tiles, computed in panels by the executor (local or Ray)
             SOLVE_KIND,  # kernel ridge, GP mean or linearized predictions by operator CG, checkpointed per segment
             FEATURES_KIND,  # sketched NTK features Φ in chunks of rows
+            ATTRIBUTION_FEATURES_KIND,  # a checkpoint's training side for data attribution, in chunks of rows
+            ATTRIBUTION_KIND,  # attribution scores of a test set against stored training sides, in blocks of rows
         )
     }
 )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
@@ -32,6 +33,7 @@ from ntk_service.jobs.records import JobRecord
 __all__ = [
     "DatasetSource",
     "JobKind",
+    "JobLookup",
     "JobSettings",
     "JobStopped",
     "Layout",
@@ -104,15 +106,33 @@ class JobSettings:
     memory_budget_bytes: int | None = None
 
 
+class JobLookup(Protocol):
+    """What a kind may read of other jobs: the results its jobs consume (an attribution job scores with the
+    features its features jobs stored). The manager is one."""
+
+    def succeeded(self, job_id: str, kind: JobKind[Any, Any, Any, Any]) -> tuple[JobRecord[Any, Any, Any], Path]:
+        """A succeeded job of ``kind`` and its result folder.
+
+        Raises:
+            JobNotFound, ResultNotFound (404). JobNotFinished (409): it has not succeeded.
+        """
+        ...
+
+    def reading(self, job_id: str) -> AbstractContextManager[None]:
+        """For the ``with`` block, the job's result is being read: deleting it is refused (409) until it ends."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class PlanContext:
     """What a kind's ``plan`` reads: the registry, the data sets, the executor (its device's memory budget and its
-    parallelism size kernel panels) and the settings."""
+    parallelism size kernel panels), the settings, and the other jobs (``JobLookup``)."""
 
     models: ModelSource
     datasets: DatasetSource
     executor: Executor
     settings: JobSettings
+    jobs: JobLookup
 
     def memory_budget(self) -> int | None:
         """The budget fixed into a job: the configured one, else the executor's device's default now."""
@@ -144,7 +164,7 @@ class RunContext(Protocol[ProgressIn]):
     """What a running job may do; the manager gives one to ``JobKind.run`` (all methods thread-safe).
 
     Attributes:
-        job_id: the job. folder: its result folder (created). models, datasets, executor: as at planning.
+        job_id: the job. folder: its result folder (created). models, datasets, executor, jobs: as at planning.
     """
 
     job_id: str
@@ -152,6 +172,7 @@ class RunContext(Protocol[ProgressIn]):
     models: ModelSource
     datasets: DatasetSource
     executor: Executor
+    jobs: JobLookup
 
     def run_compute(self, fn: Callable[[], T]) -> T:
         """Run one unit of computation under a compute slot (the server's limiter; directly without one)."""

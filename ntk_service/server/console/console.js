@@ -1,7 +1,8 @@
-// The console's controller: who is calling (whoami), the three tables, live job progress over the event stream,
-// and a finished job's detail with its spectrum and a corner of Θ.
+// The console's controller: who is calling (whoami), the tables, live job progress over the event stream, a
+// finished job's detail with its spectrum and a corner of Θ, and the attribution section (attribution.js).
 
 import * as api from "./api.js";
+import * as attribution from "./attribution.js";
 import * as fmt from "./format.js";
 import { MODES } from "./modes.js";
 import * as plots from "./plots.js";
@@ -402,7 +403,12 @@ async function loadAll() {
   if (!(await checkAccess())) return;
   $("key-form").hidden = true;
   // data sets before jobs: the jobs table names their data sets
-  const results = await Promise.allSettled([loadInfo(), loadModels(), loadDatasets().finally(loadJobs)]);
+  const results = await Promise.allSettled([
+    loadInfo(),
+    loadModels(),
+    loadDatasets().finally(loadJobs),
+    attribution.load({ access: state.access, showMessage, explain }),
+  ]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) explain(failed.reason, "loading");
   document.body.dataset.loaded = String(Number(document.body.dataset.loaded || 0) + 1);
@@ -413,7 +419,7 @@ async function refresh() {
   if (document.hidden || !state.access.scope) return;
   const what = "refreshing jobs";
   try {
-    await loadJobs();
+    await Promise.all([loadJobs(), attribution.load({ access: state.access, showMessage, explain })]);
     if ($("message").dataset.what === what) showMessage("");
   } catch (error) {
     explain(error, what);
@@ -450,6 +456,7 @@ function start() {
     if (!$("key-form").hidden) $("key-form").hidden = true;
     else if (state.detail) closeDetail();
   });
+  attribution.start();
   setInterval(refresh, REFRESH_MS);
   loadAll();
 }

@@ -61,6 +61,7 @@ ASSETS: dict[str, str] = {
     "format.js": "text/javascript; charset=utf-8",
     "plots.js": "text/javascript; charset=utf-8",
     "views.js": "text/javascript; charset=utf-8",
+    "attribution.js": "text/javascript; charset=utf-8",
     "modes.js": "text/javascript; charset=utf-8",
 }
 """Every file under ``/console/`` and its media type; anything else is 404."""

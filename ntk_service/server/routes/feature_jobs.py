@@ -18,7 +18,6 @@ computed under the compute limiter like any other.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, Literal
@@ -30,15 +29,21 @@ from fastapi import Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import Response
 
-from ntk_service import wire
-from ntk_service.errors import InvalidInput, PayloadTooLarge, format_bytes
+from ntk_service.errors import InvalidInput
 from ntk_service.jobs import JobManager, JobRecord
 from ntk_service.jobs.features_job import check_pairable, feature_block
 from ntk_service.jobs.kinds.features import FEATURES_KIND, FeaturesRequest, read_features
 from ntk_service.kernels.sketch.features import DEFAULT_SKETCH, MAX_FEATURE_DIM, SketchKind
 from ntk_service.server.deps import ComputeDep, JobsDep, ReadAccess, SettingsDep
-from ntk_service.server.job_routes import JSON_BYTES_PER_VALUE, RESULT_TYPES, JobIdPath, JobRouteText, job_router
-from ntk_service.server.media import json_response, negotiate, read_json
+from ntk_service.server.job_routes import (
+    RESULT_TYPES,
+    JobIdPath,
+    JobRouteText,
+    array_response,
+    check_answer_size,
+    job_router,
+)
+from ntk_service.server.media import negotiate, read_json
 from ntk_service.server.params import ID_MAX_LENGTH, INT64_MAX, MAX_GLOBS, Glob
 from ntk_service.server.routes.solve_jobs import SolveRows
 from ntk_service.server.schemas import openapi_body, validate_body
@@ -96,27 +101,6 @@ def _range(start: int | None, stop: int | None, size: int, what: str) -> tuple[i
     return lo, hi
 
 
-def _check_size(media: str, shape: tuple[int, ...], itemsize: int, settings: SettingsDep, operation: str) -> None:
-    values = math.prod(shape)
-    if media == wire.MEDIA_JSON:
-        size, limit = values * JSON_BYTES_PER_VALUE, settings.max_json_response_bytes
-    else:
-        size, limit = values * itemsize, settings.max_binary_response_bytes
-    if size > limit:
-        raise PayloadTooLarge(
-            f"{operation}: the answer {tuple(shape)} is about {format_bytes(size)} as {media}, over the limit of "
-            f"{format_bytes(limit)}; ask for fewer rows (start / stop) or a binary Accept type"
-        )
-
-
-def _encode(media: str, name: str, array: np.ndarray) -> Response:
-    if media == wire.MEDIA_NPY:
-        return Response(wire.encode_npy(array), media_type=wire.MEDIA_NPY)
-    if media == wire.MEDIA_SAFETENSORS:
-        return Response(wire.encode_safetensors({name: array}), media_type=wire.MEDIA_SAFETENSORS)
-    return json_response({name: wire.tensor_to_json(array)})
-
-
 def _request(body: FeatureJobCreate) -> FeaturesRequest:
     return FeaturesRequest(**body.model_dump(exclude={"dataset"}), dataset=body.dataset.rows())
 
@@ -171,10 +155,10 @@ async def feature_kernel_route(
             cols = _range(right.start, right.stop, int(phi2.shape[0]), "x2")
             k = int(phi1.shape[1])
             shape = (rows[1] - rows[0], cols[1] - cols[0]) + ((k, k) if body.mode == "full" else ())
-            _check_size(media, shape, 8, settings, operation)  # before any block is formed
+            check_answer_size(media, shape, 8, settings, operation)  # before any block is formed
             return feature_block(phi1, phi2, rows, cols, mode=body.mode)
 
-    return _encode(media, "theta", await limiter.run(compute, operation=operation))
+    return array_response(media, {"theta": await limiter.run(compute, operation=operation)})
 
 
 @router.get(
@@ -197,7 +181,7 @@ async def feature_job_result(
     def read() -> np.ndarray:
         with _phi(manager, job_id) as (_, phi):
             lo, hi = _range(start, stop, int(phi.shape[0]), "result")
-            _check_size(media, (hi - lo, *phi.shape[1:]), phi.dtype.itemsize, settings, operation)
+            check_answer_size(media, (hi - lo, *phi.shape[1:]), phi.dtype.itemsize, settings, operation)
             return np.asarray(phi[lo:hi])
 
-    return _encode(media, "phi", await anyio.to_thread.run_sync(read))
+    return array_response(media, {"phi": await anyio.to_thread.run_sync(read)})

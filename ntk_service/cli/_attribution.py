@@ -1,0 +1,299 @@
+"""``ntk-service attribution ...``: which training examples drove each prediction (TRAK-style data attribution).
+
+$ ntk-service attribution run mlp --train dataset:ds_x --labels dataset:ds_y --test dataset:ds_t \\
+      --test-labels dataset:ds_ty --versions 2,3,4 --top-k 5      # both steps, stored features reused
+$ ntk-service attribution features mlp --train dataset:ds_x --labels dataset:ds_y --version 2 --seed 0 --watch
+$ ntk-service attribution score 3f2a... 9c1e... --test dataset:ds_t --test-labels dataset:ds_ty --watch
+$ ntk-service attribution show 7d0b... 12                # test example 12: its proponents and opponents
+$ ntk-service attribution result 7d0b... -o top.npz      # proponents, opponents, their scores, total influence
+$ ntk-service attribution scores 7d0b... -o scores.npy --rows 0:100   # the dense scores, when kept
+$ ntk-service attribution list | status | watch | cancel | delete ID
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal, cast
+
+import typer
+
+from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._output import format_value, print_record, print_table
+from ntk_service.cli.jobs import _dataset_id
+from ntk_service.errors import JobNotFound
+
+__all__ = ["attribution_app"]
+
+attribution_app = typer.Typer(
+    help="Data attribution: the training examples that drove each prediction, over checkpoints (model versions).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+_SIDE = "a data set id (dataset:<id>, dataset:<id>[a:b]) or a .npy file to upload first"
+JobIdArg = Annotated[str, typer.Argument(help="The job id (from `features`, `score` or `run`).", show_default=False)]
+OutOption = Annotated[Path, typer.Option("-o", "--output", help="Where to write it.", show_default=False)]
+Loss = Annotated[str, typer.Option(help="cross_entropy (class indices) or mse (float targets).")]
+Features = Annotated[str, typer.Option(help="structured, gaussian or exact.")]
+Dim = Annotated[int | None, typer.Option(help="D, the sketch's size. Default: the server's (2048).")]
+TopK = Annotated[int | None, typer.Option("--top-k", help="Proponents and opponents per test example (0: none).")]
+Ridge = Annotated[float | None, typer.Option(help="λ relative to the mean diagonal. Default: the server's (0.3).")]
+Watch = Annotated[bool, typer.Option("--watch", help="Then print progress until the job ends.")]
+
+
+def _span(value: str | None, option: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    start, colon, stop = value.partition(":")
+    try:
+        return int(start), int(stop)
+    except ValueError:
+        raise UsageError(f"{option}: expected a:b (two integers), got {value!r}") from None
+
+
+def _progress(ctx: typer.Context, json_output: bool) -> Any:
+    return None if wants_json(ctx, json_output) and not sys.stderr.isatty() else typer.get_text_stream("stderr")
+
+
+def _show(ctx: typer.Context, job: Any, json_output: bool) -> None:
+    if wants_json(ctx, json_output):
+        print_json(job)
+    else:
+        print_record(job)
+
+
+@attribution_app.command("features")
+def features_submit(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    train: Annotated[str, typer.Option(help="Training inputs: " + _SIDE, show_default=False)],
+    labels: Annotated[str, typer.Option(help="Their labels, aligned rows: " + _SIDE, show_default=False)],
+    version: Annotated[int | None, typer.Option(min=1, help="The checkpoint. Default: the latest.")] = None,
+    loss: Loss = "cross_entropy",
+    features: Features = "structured",
+    dim: Dim = None,
+    seed: Annotated[int, typer.Option(help="The sketch's seed; one per checkpoint of an ensemble.")] = 0,
+    watch: Watch = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Compute and store one checkpoint's training side (needs a write key); prints the job's id."""
+    client = state_of(ctx).client()
+    job = client.submit_attribution_features(
+        model,
+        train=_dataset_id(ctx, train, option="--train"),
+        labels=_dataset_id(ctx, labels, option="--labels"),
+        version=version,
+        loss=cast(Literal["cross_entropy", "mse"], loss),
+        features=cast(Literal["structured", "gaussian", "exact"], features),
+        dim=dim,
+        seed=seed,
+    )  # fmt: skip  (the server refuses other values of loss and features: 422)
+    if not wants_json(ctx, json_output):
+        typer.echo(f"submitted attribution features job {job['id']}")
+    if watch:
+        job = client.wait_attribution_features(job["id"], progress=_progress(ctx, json_output))
+    if watch or wants_json(ctx, json_output):
+        _show(ctx, job, json_output)
+
+
+@attribution_app.command("score")
+def score_submit(
+    ctx: typer.Context,
+    features: Annotated[list[str], typer.Argument(help="Features job ids, one per checkpoint.", show_default=False)],
+    test: Annotated[str | None, typer.Option(help="Test inputs: " + _SIDE + ". Default: none (self only).")] = None,
+    test_labels: Annotated[str | None, typer.Option(help="Their labels. Default: the predicted class.")] = None,
+    ridge: Ridge = None,
+    top_k: TopK = None,
+    store_scores: Annotated[bool, typer.Option("--store-scores", help="Keep the dense (M, N) scores.")] = False,
+    self_influence: Annotated[bool, typer.Option("--self-influence", help="Each training example's.")] = False,
+    watch: Watch = False,
+    json_output: JsonFlag = False,
+) -> None:
+    """Score a test set against stored training sides (needs a write key); prints the job's id."""
+    client = state_of(ctx).client()
+    job = client.submit_attribution(
+        features,
+        test=None if test is None else _dataset_id(ctx, test, option="--test"),
+        test_labels=None if test_labels is None else _dataset_id(ctx, test_labels, option="--test-labels"),
+        ridge=ridge, top_k=top_k, store_scores=store_scores, self_influence=self_influence,
+    )  # fmt: skip
+    if not wants_json(ctx, json_output):
+        typer.echo(f"submitted attribution job {job['id']}")
+    if watch:
+        job = client.wait_attribution_job(job["id"], progress=_progress(ctx, json_output))
+    if watch or wants_json(ctx, json_output):
+        _show(ctx, job, json_output)
+
+
+@attribution_app.command("run")
+def run(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    train: Annotated[str, typer.Option(help="Training inputs: " + _SIDE, show_default=False)],
+    labels: Annotated[str, typer.Option(help="Their labels: " + _SIDE, show_default=False)],
+    test: Annotated[str | None, typer.Option(help="Test inputs: " + _SIDE + ". Default: none (self only).")] = None,
+    test_labels: Annotated[str | None, typer.Option(help="Their labels. Default: the predicted class.")] = None,
+    versions: Annotated[
+        str | None, typer.Option(help="Checkpoints, e.g. 2,3,4 (one seed each). Default: the latest version.")
+    ] = None,
+    loss: Loss = "cross_entropy",
+    features: Features = "structured",
+    dim: Dim = None,
+    ridge: Ridge = None,
+    top_k: TopK = None,
+    self_influence: Annotated[bool, typer.Option("--self-influence", help="Each training example's.")] = False,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the answers to an .npz file.")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """Both steps, waiting for each: the features of every checkpoint (reusing stored ones), then the scores."""
+    try:
+        chosen = [None] if versions is None else [int(v) for v in versions.split(",")]
+    except ValueError:
+        raise UsageError(f"--versions: expected integers separated by commas, e.g. 2,3,4; got {versions!r}") from None
+    client = state_of(ctx).client()
+    result = client.attribute(
+        model, train=_dataset_id(ctx, train, option="--train"), labels=_dataset_id(ctx, labels, option="--labels"),
+        test=None if test is None else _dataset_id(ctx, test, option="--test"),
+        test_labels=None if test_labels is None else _dataset_id(ctx, test_labels, option="--test-labels"),
+        versions=chosen, loss=cast(Literal["cross_entropy", "mse"], loss),
+        features=cast(Literal["structured", "gaussian", "exact"], features), dim=dim, ridge=ridge, top_k=top_k,
+        self_influence=self_influence, progress=_progress(ctx, json_output),
+    )  # fmt: skip
+    if output is not None:
+        _save(output, result)
+    job = client.attribution_job(result.job)
+    if wants_json(ctx, json_output):
+        print_json(job)
+    else:
+        typer.echo(f"attribution job {result.job}: {', '.join(job['result']['answers'] if job['result'] else [])}")
+        if output is not None:
+            typer.echo(f"wrote {output}")
+
+
+def _save(path: Path, result: Any) -> None:
+    import numpy as np
+
+    names = ("proponents", "proponent_scores", "opponents", "opponent_scores", "total_influence", "self_influence")
+    arrays = {name: getattr(result, name) for name in names if getattr(result, name) is not None}
+    np.savez(path, **arrays)
+
+
+def _either(ctx: typer.Context, job_id: str, attribution: str, features: str) -> Any:
+    """Call the attribution job's method, else (no such job) the features job's."""
+    client = state_of(ctx).client()
+    try:
+        return getattr(client, attribution)(job_id)
+    except JobNotFound:
+        return getattr(client, features)(job_id)
+
+
+@attribution_app.command("list")
+def list_jobs(ctx: typer.Context, json_output: JsonFlag = False) -> None:
+    """Every attribution features job and attribution job, newest first."""
+    client = state_of(ctx).client()
+    from ntk_service.client._attribution import format_attribution_progress
+
+    jobs: list[dict[str, Any]] = [
+        dict(j) for j in (*client.list_attribution_jobs(), *client.list_attribution_features())
+    ]
+    jobs.sort(key=lambda job: float(job["created_at"]), reverse=True)
+    if wants_json(ctx, json_output):
+        print_json(jobs)
+        return
+    rows = [
+        {
+            "id": job["id"],
+            "job": job["job"],
+            "model": job["spec"]["model"],
+            "progress": format_attribution_progress(job),
+        }
+        for job in jobs
+    ]
+    print_table(rows, ["id", "job", "model", "progress"], empty="no attribution jobs")
+
+
+@attribution_app.command("status")
+def status(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Show one job (either kind)."""
+    _show(ctx, _either(ctx, job_id, "attribution_job", "attribution_features_job"), json_output)
+
+
+@attribution_app.command("watch")
+def watch(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Print progress until the job (either kind) ends."""
+    client = state_of(ctx).client()
+    try:
+        job: Any = client.wait_attribution_job(job_id, progress=_progress(ctx, json_output))
+    except JobNotFound:
+        job = client.wait_attribution_features(job_id, progress=_progress(ctx, json_output))
+    _show(ctx, job, json_output)
+
+
+@attribution_app.command("cancel")
+def cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Cancel a queued or running job (either kind)."""
+    _show(ctx, _either(ctx, job_id, "cancel_attribution_job", "cancel_attribution_features"), json_output)
+
+
+@attribution_app.command("delete")
+def delete(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
+    """Delete a finished job and its files (a queued or running one is cancelled instead)."""
+    _show(ctx, _either(ctx, job_id, "delete_attribution_job", "delete_attribution_features"), json_output)
+
+
+@attribution_app.command("result")
+def result(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    output: OutOption,
+    rows: Annotated[str | None, typer.Option(help="Test rows a:b of the top-k arrays. Default: all.")] = None,
+) -> None:
+    """Write the answers (top-k arrays, total and self influence) to an .npz file."""
+    answers = state_of(ctx).client().attribution_result(job_id, rows=_span(rows, "--rows"))
+    _save(output, answers)
+    shape = None if answers.proponents is None else answers.proponents.shape
+    typer.echo(f"wrote {output}: top-k {format_value(shape)}, rows {answers.rows[0]}:{answers.rows[1]}")
+
+
+@attribution_app.command("scores")
+def scores(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    output: OutOption,
+    rows: Annotated[str | None, typer.Option(help="Test rows a:b. Default: all.")] = None,
+    cols: Annotated[str | None, typer.Option(help="Training columns c:d. Default: all.")] = None,
+) -> None:
+    """Write a block of the dense scores (a job run with --store-scores) to an .npy file."""
+    import numpy as np
+
+    block = state_of(ctx).client().attribution_scores(job_id, rows=_span(rows, "--rows"), cols=_span(cols, "--cols"))
+    np.save(output, block)
+    typer.echo(f"wrote {output}: {block.shape} {block.dtype}")
+
+
+@attribution_app.command("show")
+def show(
+    ctx: typer.Context,
+    job_id: JobIdArg,
+    index: Annotated[int, typer.Argument(min=0, help="The test example (a row of the job's test rows).")],
+    k: Annotated[int | None, typer.Option(min=1, help="Training examples per side. Default: the job's top_k.")] = None,
+    json_output: JsonFlag = False,
+) -> None:
+    """A test example's top training examples: their rows, scores and labels."""
+    example = state_of(ctx).client().attribution_example(job_id, index, k=k)
+    sides = {"proponents": example.proponents, "opponents": example.opponents}
+    if wants_json(ctx, json_output):
+        print_json({"index": example.index, "label": example.test.label} | {
+            side: [{"index": e.index, "score": e.score, "label": e.label} for e in shown]
+            for side, shown in sides.items()
+        })  # fmt: skip
+        return
+    typer.echo(f"test example {example.index} (label {format_value(example.test.label)})")
+    for side, shown in sides.items():
+        typer.echo(f"{side}:")
+        print_table(
+            [{"rank": r, "train row": e.index, "score": f"{e.score:.4g}", "label": e.label} for r, e in
+             enumerate(shown, start=1)],
+            ["rank", "train row", "score", "label"], empty="  (none)",
+        )  # fmt: skip
