@@ -180,7 +180,7 @@ class JobsClient(BaseClient):
 
         Raises:
             JobNotFound: no such job (e.g. deleted already). ResultNotFound: its result was deleted already.
-            Conflict: its result is being downloaded right now.
+            Conflict: its result is being read right now (a download, or a running job that uses it).
         """
         params = {"keep_record": "true" if keep_record else None}
         response = self._request("DELETE", f"/v1/jobs/{_job_id(job)}", params=params, accept=wire.MEDIA_JSON)

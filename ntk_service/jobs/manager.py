@@ -460,8 +460,9 @@ class JobManager:
                 f"{owner.operation}: job {job_id} was cancelled and its running tiles are still finishing; retry in a "
                 "moment"
                 if what == "running"  # cancelled, but its last unit still finishes writing: wait for it
-                else f"{owner.operation}: the result of job {job_id} is being downloaded ({readers} download(s)); "
-                "retry when they have finished"
+                else f"{owner.operation}: the result of job {job_id} is being read ({readers} reader(s): downloads, or "
+                "running jobs that use it, such as attribution scoring of stored features); retry when they have "
+                "finished"
             )
         try:
             trash = move_aside(self._root(owner), job_id)  # atomic: from here no reader can open it

@@ -388,7 +388,7 @@ def test_delete_refuses_unfinished_jobs_and_results_being_read(
         manager.delete(job.id)
     manager.start()
     wait_finished(manager, job.id)
-    with manager.reading(job.id), pytest.raises(Conflict, match=r"being downloaded \(1 download"):
+    with manager.reading(job.id), pytest.raises(Conflict, match=r"being read \(1 reader"):
         manager.delete(job.id)
     deletion = manager.delete(job.id, keep_record=True)
     assert deletion.record_kept and deletion.freed_bytes > job.estimate_bytes  # chunks plus metadata

@@ -332,7 +332,7 @@ def test_a_features_job_is_not_deleted_while_its_phi_is_read(tmp_path: Path) -> 
         with jobs.reading(job.id):  # what GET /v1/feature-jobs/{id}/result holds while it reads Φ
             _, folder = jobs.succeeded(job.id, FEATURES_KIND)
             phi = read_features(folder)
-            with pytest.raises(Conflict, match="being downloaded"):
+            with pytest.raises(Conflict, match="being read"):
                 jobs.delete(job.id, kind=FEATURES_KIND)
             first = np.asarray(phi[:])
         assert first.shape == (5, 3, 8)
