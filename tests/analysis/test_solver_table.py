@@ -5,6 +5,8 @@ auto's choices and fallbacks; resuming, progress, the held-out curve; bad input 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -171,6 +173,36 @@ def test_a_solve_resumes_from_its_state(wide: Problem) -> None:
     rest = solve_kernel(op, wide.y, ridge=wide.ridge, options=options, state=first.state)
     _check_guarantee(wide, rest)
     assert rest.passes > first.passes and rest.epochs > first.epochs  # the counters go on from the state
+
+
+@pytest.mark.parametrize("solver", ["block", "pcg"])
+def test_a_solve_resumed_at_a_checkpoint_repeats_the_rest_of_the_run_bit_for_bit(wide: Problem, solver: str) -> None:
+    """NOTE [exact resume]: a solve cut after its second checkpoint and resumed from it (its extras through JSON,
+    as a job stores them) ends with the uninterrupted run's α, counters and curves, bit for bit."""
+    settings = {**BLOCK, "inner_steps": 2} if solver == "block" else {"checkpoint_every": 4}
+    options = SolverOptions(solver=solver, rtol=RTOL, **settings)  # type: ignore[arg-type]
+    heldout = HeldOut(ntk_operator(wide.model, wide.x_test, wide.x), np.ones((8, K)), metric="mse")
+    op = ntk_operator(wide.model, wide.x)
+    checkpoints: list[Progress] = []
+
+    def keep(p: Progress) -> None:
+        if p.checkpoint:
+            checkpoints.append(p)
+
+    whole = solve_kernel(op, wide.y, ridge=wide.ridge, options=options, heldout=heldout, progress=keep)
+    assert whole.converged and len(checkpoints) >= 3, (whole.stop_reason, len(checkpoints))
+    cut = checkpoints[1].state
+    stored = dataclasses.replace(cut, extras=json.loads(json.dumps(cut.extras)))
+    rest = solve_kernel(op, wide.y, ridge=wide.ridge, options=options, heldout=heldout, state=stored)
+    np.testing.assert_array_equal(rest.solution, whole.solution)
+    assert (rest.steps, rest.epochs, rest.passes, rest.products) == (
+        whole.steps, whole.epochs, whole.passes, whole.products
+    )  # fmt: skip
+    assert rest.heldout_curve == whole.heldout_curve and rest.stop_reason == whole.stop_reason
+    if solver == "block":
+        assert rest.weights is not None and whole.weights is not None
+        np.testing.assert_array_equal(rest.weights, whole.weights)
+        assert rest.residual_curve == whole.residual_curve
 
 
 def test_progress_is_reported_and_a_raise_stops_the_solve(wide: Problem) -> None:

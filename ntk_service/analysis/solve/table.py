@@ -41,6 +41,7 @@ from ntk_service.analysis.solve.pcg import PcgSolver
 from ntk_service.analysis.solve.problem import (
     Attempt,
     HeldOut,
+    Progress,
     ProgressCallback,
     SolveProblem,
     SolverOptions,
@@ -175,11 +176,19 @@ class AutoSolver:
     ) -> SolverResult:
         start = time.perf_counter()
         plan = self.plan(problem, options)
-        if state is not None:  # resume with the method that wrote the state, then the rest
-            wrote = state.solver
-            plan = sorted(plan, key=lambda method: method.name != wrote)
         attempts: list[Attempt] = []
+        if state is not None:  # resume with the method that wrote the state, then the ones after it
+            names = [method.name for method in plan]
+            wrote = state.solver
+            plan = plan[names.index(wrote) :] if wrote in names else plan
+            attempts = [Attempt(str(a[0]), str(a[1]), float(a[2]), float(a[3])) for a in state.extras.get("auto", ())]
         result: SolverResult | None = None
+
+        def tell(update: Progress) -> None:  # the attempts so far go into every state (NOTE [exact resume])
+            extras = {**update.state.extras, "auto": [[a.solver, a.stop_reason, a.passes, a.time_s] for a in attempts]}
+            assert progress is not None
+            progress(dataclasses.replace(update, state=dataclasses.replace(update.state, extras=extras)))
+
         for position, method in enumerate(plan):
             remaining = options
             if options.max_seconds is not None:
@@ -189,7 +198,7 @@ class AutoSolver:
                 remaining = dataclasses.replace(options, max_seconds=max(left, 1e-3))
             if options.max_passes is None and position + 1 < len(plan) and method.name != "dense":
                 remaining = dataclasses.replace(remaining, max_passes=AUTO_PASS_BUDGET)
-            result = method.solve(problem, remaining, progress=progress, state=state)
+            result = method.solve(problem, remaining, progress=None if progress is None else tell, state=state)
             attempts.append(Attempt(method.name, result.stop_reason, result.passes, result.time_s))
             if result.converged or result.stop_reason == "time_limit":
                 break
