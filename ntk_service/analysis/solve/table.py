@@ -66,6 +66,7 @@ __all__ = [
     "make_problem",
     "resolve_solver",
     "solve_kernel",
+    "solve_memory_bytes",
 ]
 
 AUTO_PASS_BUDGET = 1000.0
@@ -295,15 +296,48 @@ def solve_kernel(
         ShapeMismatch: y or the kernel of the wrong shape. MemoryEstimateExceeded: the method (auto: every
             method) needs more than the budget, before anything runs.
     """
-    operation = "solve_kernel"
     options = options or SolverOptions()
+    solver, problem, _ = _checked(kernel, y, ridge, options, heldout, mode)
+    return solver.solve(problem, options, progress=progress, state=state)
+
+
+def solve_memory_bytes(
+    kernel: Any,
+    y: Any,
+    *,
+    ridge: float,
+    options: SolverOptions | None = None,
+    heldout: HeldOut | None = None,
+    mode: KernelMode | str | None = None,
+) -> int:
+    """What ``solve_kernel`` with these arguments would need (its solver's estimate; auto: the largest of the
+    methods it would try), every input checked as ``solve_kernel`` checks it, and nothing solved: a job's check
+    at submission.
+
+    Raises:
+        As ``solve_kernel`` (MemoryEstimateExceeded when over the budget, the estimate in the message).
+    """
+    return _checked(kernel, y, ridge, options or SolverOptions(), heldout, mode)[2]
+
+
+def _checked(
+    kernel: Any,
+    y: Any,
+    ridge: float,
+    options: SolverOptions,
+    heldout: HeldOut | None,
+    mode: KernelMode | str | None,
+) -> tuple[Solver, SolveProblem, int]:
+    """The solver, the problem and the memory estimate of ``solve_kernel``'s arguments, refused past the budget."""
+    operation = "solve_kernel"
     solver = resolve_solver(options.solver, operation=operation, field="options.solver")
     problem = make_problem(kernel, y, ridge=ridge, options=options, heldout=heldout, mode=mode)
     reason = solver.refusal(problem, options)
     if reason is not None:
         raise InvalidInput(f"{operation}: solver {solver.name!r} cannot solve this problem: {reason}")
+    need = solver.memory_bytes(problem, options)  # auto: its plan, which refuses when no method fits
     if not isinstance(solver, AutoSolver):
-        need, budget = solver.memory_bytes(problem, options), _budget(options)
+        budget = _budget(options)
         if need > budget:
             raise MemoryEstimateExceeded(
                 f"{operation}: solver {solver.name!r} needs about {format_bytes(need)} for {problem.rows} rows, over "
@@ -312,7 +346,7 @@ def solve_kernel(
                 estimate_bytes=need,
                 budget_bytes=budget,
             )
-    return solver.solve(problem, options, progress=progress, state=state)
+    return solver, problem, need
 
 
 def make_problem(

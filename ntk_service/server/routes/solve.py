@@ -1,11 +1,11 @@
-"""``POST /v1/models/{name}/solve``: kernel ridge, GP mean or linearized (t = ∞) predictions by operator CG on
-inline examples (or data set slices), answered in the request: the small-N form of a solve job.
+"""``POST /v1/models/{name}/solve``: kernel ridge, GP mean or linearized (t = ∞) predictions by the solver table
+on inline examples (or data set slices), answered in the request: the small-N form of a solve job.
 
-The kernel is never formed: the same ``run_solve`` as a solve job (``jobs/solve_job.py``), on the request's
+The same ``run_solve`` as a solve job (``jobs/solve_job.py``; ``solver`` "auto" by default), on the request's
 arrays, under the compute limiter. Before anything is computed the targets are checked against the train rows and
-CG's own float64 vectors (about ``_CG_VECTORS`` + landmarks vectors of N·k numbers, plus the test predictions)
-are compared with the memory budget; one operator product is checked by ``dataset_operator`` itself. A solve that
-does not converge answers 200 with ``converged: false`` and its ``stop_reason``.
+the solver's memory estimate (O(P + N·k + its preconditioner); a dense solve's n² matrix) against the budget, with
+the test predictions' m·k numbers. A solve that does not converge answers 200 with ``converged: false`` and its
+``stop_reason``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from starlette.responses import Response
 
 from ntk_service import wire
 from ntk_service.errors import InvalidInput, operation_name
-from ntk_service.jobs.solve_job import SolveOptions, check_targets, run_solve
+from ntk_service.jobs.solve_job import SolveOptions, check_targets, local_operators, run_solve, solve_estimate_bytes
 from ntk_service.registry import ModelRecord
 from ntk_service.server.computing import ComputeContextDep, KernelInput, answer_json, check_budget, load_side
 from ntk_service.server.deps import ReadAccess
@@ -32,11 +32,10 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["analysis"])
 
-_CG_VECTORS = 8
-"""float64 vectors of N·k numbers CG and its wrapper hold at once (x, r, z, p, A p, b, the true residual and the
-product's output)."""
-
-_FIELDS = ("kind", "mode", "dtype", "params", "ridge", "rtol", "max_iterations", "preconditioner", "landmarks")
+_FIELDS = (
+    "kind", "mode", "dtype", "params", "ridge", "rtol", "max_iterations", "preconditioner", "landmarks", "solver",
+    "block_size", "inner_steps", "max_passes", "max_seconds", "seed",
+)  # fmt: skip
 
 
 @router.post(
@@ -65,19 +64,20 @@ async def solve(name: NamePath, request: Request, _: ReadAccess, ctx: ComputeCon
             n, k = train.n, int(record.output_dim)
             m = 0 if test is None else test.n
             check_targets(y, n=n, k=k, name="y_train")
-            vectors = _CG_VECTORS + (min(body.landmarks or 0, n * k) if body.preconditioner == "nystrom" else 0)
+            _, module = ctx.registry.load_module(record.name, record.version)
+            estimate = solve_estimate_bytes(options, local_operators(module, options)(train.array, None), n, k)
             check_budget(
-                8 * (vectors * n * k + 2 * m * k),
+                estimate + 16 * m * k,
                 settings.memory_budget_bytes,
-                what=f"CG on {n} examples x {k} outputs",
+                what=f"a {options.solver} solve on {n} examples x {k} outputs",
                 mode=body.mode,
             )
             return record, train, test
 
-        record, train, test = await anyio.to_thread.run_sync(prepare)
         options = SolveOptions(
             **{field: getattr(body, field) for field in _FIELDS}, memory_budget_bytes=settings.memory_budget_bytes
         )
+        record, train, test = await anyio.to_thread.run_sync(prepare)
 
         def run() -> dict[str, Any]:
             _, module = ctx.registry.load_module(record.name, record.version)
