@@ -48,6 +48,7 @@ from torch import nn
 
 from ntk_service.analysis.solve import (
     DEFAULT_LANDMARKS,
+    Attempt,
     CgOptions,
     HeldOut,
     Progress,
@@ -569,8 +570,8 @@ def run_solve(
     curve = list(counted.heldout_curve)
 
     def on_progress(p: Progress) -> None:
-        if p.heldout is not None:
-            curve.append((float(p.passes), float(p.heldout)))
+        if p.heldout_curve:
+            curve[:] = p.heldout_curve
         progress = SolveProgress(
             iterations=p.steps,
             residual=p.residual,
@@ -596,6 +597,19 @@ def run_solve(
         heldout=held,
         progress=on_progress,
         state=None if resume is None else resume.solver,
+    )
+    report(  # the last word, also for a method without progress reports (dense)
+        SolveProgress(
+            iterations=result.steps,
+            residual=float(np.max(result.residual)) if np.size(result.residual) else 0.0,
+            products=int(result.products),
+            passes=float(result.passes),
+            elapsed_s=round(offset + time.perf_counter() - start, 3),
+            solver=result.solver,
+            epochs=result.epochs,
+            heldout=curve[-1][1] if curve else None,
+            heldout_curve=tuple(curve),
+        )
     )
     alpha = result.solution.reshape(n, k)
     predictions = None
@@ -671,7 +685,7 @@ def _report(
         rtol=result.rtol,
         attempts=tuple(
             {"solver": a.solver, "stop_reason": a.stop_reason, "passes": a.passes, "time_s": a.time_s}
-            for a in result.attempts
+            for a in result.attempts or (Attempt(result.solver, result.stop_reason, result.passes, result.time_s),)
         ),
         heldout_metric=spec.heldout_metric if heldout else None,
         heldout_curve=result.heldout_curve,

@@ -499,6 +499,7 @@ class _BlockRun:
                 state=self._state(stop),
                 estimate=estimate,
                 checkpoint=True,
+                heldout_curve=tuple(self.heldout_curve),
             )
         )
 

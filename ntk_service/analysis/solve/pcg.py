@@ -217,6 +217,7 @@ class _Watch:
                 elapsed_s=time.perf_counter() - self.start,
                 state=state,
                 checkpoint=True,
+                heldout_curve=tuple(self.heldout_curve),
             )
         )
 
@@ -248,6 +249,7 @@ class _Watch:
                     elapsed_s=time.perf_counter() - self.start,
                     state=state,
                     estimate=worst,
+                    heldout_curve=tuple(self.heldout_curve),
                 )
             )
         if self.options.max_passes is not None and passes >= self.options.max_passes:

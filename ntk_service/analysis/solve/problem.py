@@ -193,6 +193,7 @@ class Progress:
             seen at the blocks' visits this epoch; CG: its recursive residual), or None.
         checkpoint: ``state`` is a checkpoint: a solve resumed from it goes on exactly as this one does (NOTE
             [exact resume]). Default: False.
+        heldout_curve: the method's held-out curve so far, ((passes, metric), ...), as its result will hold it.
     """
 
     solver: str
@@ -205,6 +206,7 @@ class Progress:
     state: SolverState
     estimate: float | None = None
     checkpoint: bool = False
+    heldout_curve: tuple[tuple[float, float], ...] = ()
 
 
 ProgressCallback = Callable[[Progress], None]
