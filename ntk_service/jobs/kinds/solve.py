@@ -61,7 +61,7 @@ from ntk_service.jobs.solve_job import (
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.operators.base import JacobianOperator
 
-__all__ = ["SOLVE_KIND", "HeldOutRequest", "SolveJobKind", "SolveRequest", "SolveSpec", "read_solution"]
+__all__ = ["SOLVE_KIND", "HeldOutRequest", "RayOperators", "SolveJobKind", "SolveRequest", "SolveSpec", "read_solution"]
 
 _OPERATION = "solve job"
 _STATE = "state.npz"
@@ -319,7 +319,7 @@ class SolveJobKind(JobKind[SolveRequest, SolveSpec, SolveProgress, SolveReport])
             _save_state(folder, state)
             ctx.checkpoint(state.progress)
 
-        ray = _RayOperators(module, spec.options, ctx.executor) if isinstance(ctx.executor, RayExecutor) else None
+        ray = RayOperators(module, spec.options, ctx.executor) if isinstance(ctx.executor, RayExecutor) else None
         operators: OperatorFactory | None = ray
         started = time.perf_counter()
         try:
@@ -342,7 +342,7 @@ class SolveJobKind(JobKind[SolveRequest, SolveSpec, SolveProgress, SolveReport])
         return outcome.report
 
 
-class _RayOperators:
+class RayOperators:
     """An ``OperatorFactory`` of ``ray_ntk_operator``s on the executor's cluster (w replicated through the object
     store, every block's work on the shard actors: NOTE [parameter-space blocks]); ``close`` ends their actors."""
 
