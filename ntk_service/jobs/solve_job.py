@@ -598,6 +598,8 @@ def run_solve(
         progress=on_progress,
         state=None if resume is None else resume.solver,
     )
+    if result.heldout_curve:  # the method's own (a dense solve reports its one point only here)
+        curve[:] = result.heldout_curve
     report(  # the last word, also for a method without progress reports (dense)
         SolveProgress(
             iterations=result.steps,
