@@ -196,6 +196,37 @@ class SolveJobsClient(BaseClient):
             dict[str, Any], self._send_json("POST", "/v1/solve-jobs", {k: v for k, v in body.items() if v is not None})
         )
 
+    def estimate_ridge(
+        self,
+        model: str,
+        x_train: Any,
+        y_train: Any,
+        *,
+        mode: Literal["full", "trace"] = "full",
+        ridges: list[float] | None = None,
+        rank: int | None = None,
+        version: int | None = None,
+    ) -> dict[str, Any]:
+        """GCV and leave-one-out error along a grid of ridges (POST /v1/models/{name}/ridge-estimate; no solve).
+
+        Args:
+            model: the registered model. x_train: (N, *input) array, or {"dataset", "start", "stop"}.
+            y_train: (N, k) targets. mode: "full" or "trace". ridges: absolute λ's (None: 1e-6 … 1 × the mean
+                diagonal). rank: the Nyström rank cap (None: adaptive). version: None, the latest.
+
+        Returns:
+            dict: ridges, gcv, loo (lists), best_gcv, best_loo (the λ to pass to a solve), method, rank, floor,
+            mean_diagonal.
+
+        Raises:
+            InvalidInput / ShapeMismatch (422): a ridge ≤ 0, y_train not (N, k).
+        """
+        x = dict(x_train) if isinstance(x_train, Mapping) else wire.tensor_to_json(np.asarray(x_train))
+        body = {"x_train": x, "y_train": wire.tensor_to_json(np.asarray(y_train, dtype=np.float64)), "mode": mode,
+                "ridges": ridges, "rank": rank, "version": version}  # fmt: skip
+        path = f"/v1/models/{quote(model, safe='')}/ridge-estimate"
+        return cast(dict[str, Any], self._send_json("POST", path, {k: v for k, v in body.items() if v is not None}))
+
     def solve_job(self, job_id: str) -> dict[str, Any]:
         """The job (GET /v1/solve-jobs/{id}): status, progress {iterations, residual, products, passes,
         elapsed_s}, result (the CG report) once finished, error."""
