@@ -310,7 +310,8 @@ class _BlockRun:
         weights = state.weights
         if weights is not None and np.asarray(weights).shape == (self.j.num_params,) and state.solver == self.name:
             self.w = np.array(weights, dtype=np.float64)
-        self.steps, self.epochs, self.passes = state.steps, state.epochs, state.passes
+        if state.solver == self.name:  # another method's counters are its own (auto sums each method's)
+            self.steps, self.epochs, self.passes = state.steps, state.epochs, state.passes
         if state.solver == self.name and "rng" in state.extras:
             self.rng.bit_generator.state = state.extras["rng"]
         extras = state.extras

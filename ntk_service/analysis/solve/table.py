@@ -178,17 +178,28 @@ class AutoSolver:
         start = time.perf_counter()
         plan = self.plan(problem, options)
         attempts: list[Attempt] = []
+        before: list[tuple[float, float]] = []  # the held-out curves of the methods tried, on one passes axis
         if state is not None:  # resume with the method that wrote the state, then the ones after it
             names = [method.name for method in plan]
             wrote = state.solver
             plan = plan[names.index(wrote) :] if wrote in names else plan
             attempts = [Attempt(str(a[0]), str(a[1]), float(a[2]), float(a[3])) for a in state.extras.get("auto", ())]
+            before = [(float(p), float(v)) for p, v in state.extras.get("auto_curve", ())]
         result: SolverResult | None = None
 
+        def shifted(curve: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+            spent = sum(a.passes for a in attempts)
+            return (*before, *((p + spent, v) for p, v in curve))
+
         def tell(update: Progress) -> None:  # the attempts so far go into every state (NOTE [exact resume])
-            extras = {**update.state.extras, "auto": [[a.solver, a.stop_reason, a.passes, a.time_s] for a in attempts]}
+            extras = {
+                **update.state.extras,
+                "auto": [[a.solver, a.stop_reason, a.passes, a.time_s] for a in attempts],
+                "auto_curve": [list(point) for point in before],
+            }
             assert progress is not None
-            progress(dataclasses.replace(update, state=dataclasses.replace(update.state, extras=extras)))
+            state = dataclasses.replace(update.state, extras=extras)
+            progress(dataclasses.replace(update, state=state, heldout_curve=shifted(update.heldout_curve)))
 
         for position, method in enumerate(plan):
             remaining = options
@@ -200,13 +211,17 @@ class AutoSolver:
             if options.max_passes is None and position + 1 < len(plan) and method.name != "dense":
                 remaining = dataclasses.replace(remaining, max_passes=AUTO_PASS_BUDGET)
             result = method.solve(problem, remaining, progress=None if progress is None else tell, state=state)
+            curve = shifted(result.heldout_curve)
             attempts.append(Attempt(method.name, result.stop_reason, result.passes, result.time_s))
             if result.converged or result.stop_reason == "time_limit":
                 break
+            before = list(curve)
             state = result.state
         assert result is not None
         passes = sum(a.passes for a in attempts)
-        return dataclasses.replace(result, attempts=tuple(attempts), passes=passes, time_s=time.perf_counter() - start)
+        return dataclasses.replace(
+            result, attempts=tuple(attempts), passes=passes, time_s=time.perf_counter() - start, heldout_curve=curve
+        )
 
 
 def _budget(options: SolverOptions) -> int:
