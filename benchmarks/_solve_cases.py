@@ -14,6 +14,8 @@
   the relative difference of the answers and the seconds per pass of each, alternated.
 - ``ridge``: ``estimate_ridge`` on the operator (GCV, LOO along the default grid) against the held-out accuracy
   of a solve at each of a few ridges.
+- ``job``: the solve job's path (``run_solve``, its checkpoints written to disk) against ``solve_kernel`` on the
+  same memory-mapped data, alternated; pcg at each ``--progress-every`` (the job's restarts).
 """
 
 from __future__ import annotations
@@ -229,3 +231,56 @@ def section_ridge(n: int, m: int, ridges: list[float]) -> None:
                               metric="mse"))  # fmt: skip
         print(f"  solve at ridge {rel:.1e} × mean diagonal ({result.solver}): held-out MSE "
               f"{result.heldout_curve[-1][1]:.4f} (LOO: the same error, on the train set)")  # fmt: skip
+
+
+def section_job(n: int, m: int, solvers: list[str], rtol: float, ridge: float, repeats: int, every: list[int]) -> None:
+    """The solve job's path against the library's: ``run_solve`` (what a job runs: every pass through the job's
+    wrapper, each checkpoint written as state.npz) and ``solve_kernel``, both on a ``dataset_operator`` over the
+    same memory-mapped .npy files, alternated ``repeats`` times in one process, for each of ``solvers``; for "pcg"
+    each ``every`` (CG iterations between the job's checkpoints, each a restart) in turn: what the checkpoints cost
+    in passes and wall time."""
+    import tempfile
+
+    from ntk_service.jobs.solve_job import HeldOutRows, SolveOptions, local_operators, run_solve, solver_options
+
+    model = make_mlp()
+    x_all = make_inputs("mlp", n + m)
+    classes = _classes(x_all)
+    folder = Path(tempfile.mkdtemp(prefix="bench-solve-job-"))
+    np.save(folder / "x.npy", x_all[:n].numpy())
+    np.save(folder / "xq.npy", x_all[n:].numpy())
+    x = np.load(folder / "x.npy", mmap_mode="r")
+    xq = np.load(folder / "xq.npy", mmap_mode="r")
+    y, held = _onehot(classes[:n]), classes[n:].astype(np.float64)
+    diag = compute_ntk(model, x_all[:64], mode="example_diagonal").theta.diagonal(dim1=1, dim2=2).mean()
+    lam = ridge * float(diag)
+    print(f"The solve job's path (run_solve, checkpoints to disk) against solve_kernel, MLP 784-512-512-10, FULL, "
+          f"N = {n}, {m} held-out, ridge {ridge:g} × mean diagonal, rtol {rtol:g}, float32, "
+          f"load {_load()}")  # fmt: skip
+    for solver in solvers:
+        for segment in every if solver == "pcg" else every[:1]:
+            spec = SolveOptions(kind="kernel_ridge", dtype="float32", ridge=lam, rtol=rtol, solver=solver,
+                                progress_every=segment, heldout_metric="accuracy")  # fmt: skip
+            for _ in range(repeats):
+                saved = [0, 0]  # checkpoints, bytes
+
+                def keep(state, saved=saved) -> None:  # type: ignore[no-untyped-def]
+                    path = folder / "state.npz"
+                    weights = state.solver.weights
+                    np.savez(path, solution=state.solver.solution, weights=np.zeros(0) if weights is None else weights)
+                    saved[0], saved[1] = saved[0] + 1, saved[1] + path.stat().st_size
+
+                start = time.perf_counter()
+                job = run_solve(spec, model, x, y, None, k=K, heldout=HeldOutRows(xq, held), on_checkpoint=keep)
+                job_wall = time.perf_counter() - start
+                start = time.perf_counter()
+                build = local_operators(model, spec)
+                lib = solve_kernel(build(x, None), y, ridge=lam, options=solver_options(spec),
+                                   heldout=HeldOut(build(xq, x), held))  # fmt: skip
+                lib_wall = time.perf_counter() - start
+                r = job.report
+                print(f"  {solver} (progress_every {segment}): job {job_wall:.1f} s, {r.passes:.1f} passes, "
+                      f"{r.iterations} steps, {saved[0]} checkpoints ({saved[1] / 2**20:.1f} MiB written), "
+                      f"converged {r.converged}, held-out {r.heldout_curve[-1][1] if r.heldout_curve else '-'}; "
+                      f"library {lib_wall:.1f} s, {lib.passes:.1f} passes, {lib.steps} steps; ratio "
+                      f"{job_wall / lib_wall:.2f}, load {_load()}", flush=True)  # fmt: skip

@@ -33,13 +33,15 @@ Sections (``--section``, default ``dense features``; ``scale`` only when asked):
   linear in D, by blocks of columns) and its error is Wick's expectation (NOTE [sketch error]), marked "est".
   ``--sketch-model cnn`` runs the benchmark CNN instead.
 
-- ``auto``, ``solve``, ``trace``, ``ray-solve``, ``ridge``: the solver table (``solve_kernel``; issue 38's cases,
-  benchmarks/_solve_cases.py has each): auto against scipy's Cholesky where dense fits (``--n``), the FULL solve at
-  ``--scale-n`` with ``--heldout`` examples by each of ``--solvers``, a TRACE solve, the solve on Ray against one
-  process, and ``estimate_ridge`` against held-out accuracy.
+- ``auto``, ``solve``, ``trace``, ``ray-solve``, ``ridge``, ``job``: the solver table (``solve_kernel``; issue 38's
+  cases, benchmarks/_solve_cases.py has each): auto against scipy's Cholesky where dense fits (``--n``), the FULL
+  solve at ``--scale-n`` with ``--heldout`` examples by each of ``--solvers``, a TRACE solve, the solve on Ray
+  against one process, ``estimate_ridge`` against held-out accuracy, and the solve job's path (``run_solve`` with
+  its checkpoints on disk) against ``solve_kernel``, alternated, pcg at each ``--progress-every``.
 
     .venv/bin/python benchmarks/bench_solvers.py --n 200 400 --features-n 100          # a small run: seconds
     .venv/bin/python benchmarks/bench_solvers.py --section auto --n 2000 --repeats 2
+    .venv/bin/python benchmarks/bench_solvers.py --section job --scale-n 20000 --heldout 2000 --solvers pcg block
     .venv/bin/python benchmarks/bench_solvers.py --section solve --scale-n 100000 --solvers auto block --max-minutes 10
     .venv/bin/python benchmarks/bench_solvers.py --section dense --mode trace --n 2000 4000 8000
     .venv/bin/python benchmarks/bench_solvers.py --section scale --scale-n 100000 --max-minutes 45 --scale-rtol 3e-5
@@ -66,6 +68,7 @@ import torch  # noqa: E402
 from benchmarks._models import make_cnn, make_inputs, make_mlp  # noqa: E402
 from benchmarks._solve_cases import (  # noqa: E402
     section_auto,
+    section_job,
     section_ray_solve,
     section_ridge,
     section_solve,
@@ -84,7 +87,7 @@ from ntk_service.kernels import compute_ntk, feature_kernel, ntk_features, ntk_o
 
 K = 10
 
-SOLVE_SECTIONS = ["auto", "solve", "trace", "ray-solve", "ridge"]
+SOLVE_SECTIONS = ["auto", "solve", "trace", "ray-solve", "ridge", "job"]
 """The solver table's sections (benchmarks/_solve_cases.py: issue 38's "What must be shown" 1-5)."""
 
 
@@ -492,7 +495,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="--section block: alternations")
     parser.add_argument("--chunk-one", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--heldout", type=int, default=10_000, help="--section solve / ridge: held-out examples")
-    parser.add_argument("--solvers", nargs="+", default=["auto"], help="--section solve: each in turn")
+    parser.add_argument("--solvers", nargs="+", default=["auto"], help="--section solve / job: each in turn")
+    parser.add_argument(
+        "--progress-every", type=int, nargs="+", default=[200, 10**9], help="--section job: pcg's checkpoint spacing"
+    )
     parser.add_argument("--solve-rtol", type=float, default=1e-3, help="--section solve / ray-solve")
     parser.add_argument("--reference-rtol", type=float, default=None, help="--section solve: a float64 reference")
     parser.add_argument("--ridges", type=float, nargs="+", default=[1e-4, 1e-3, 1e-2], help="--section ridge")
@@ -540,6 +546,9 @@ def main() -> None:
         section_ray_solve(args.ray_n, args.shards, args.solve_rtol, args.solvers[0])
     if "ridge" in args.section:
         section_ridge(args.scale_n, args.heldout, args.ridges)
+    if "job" in args.section:
+        section_job(args.scale_n, args.heldout, args.solvers, args.solve_rtol, args.ridge, args.repeats,
+                    args.progress_every)  # fmt: skip
 
 
 if __name__ == "__main__":

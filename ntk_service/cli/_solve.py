@@ -1,7 +1,8 @@
 """``ntk-service solve ...`` and ``ntk-service features ...``: the matrix-free jobs (kernel never formed).
 
 $ ntk-service solve submit mlp --kind kernel_ridge --train dataset:ds_x --targets dataset:ds_y --test dataset:ds_t \\
-      --ridge 1e-3 --watch           # iterations / residual / products printed while it runs
+      --ridge 1e-3 --heldout dataset:ds_v --heldout-targets dataset:ds_vy --watch
+                                     # solver / steps / residual / passes / held-out accuracy while it runs
 $ ntk-service solve result 3f2a... -o solve.npz    # alpha (N, k), predictions (M, k); exit 1 if not converged
 $ ntk-service solve cancel 3f2a...
 $ ntk-service solve delete 3f2a...                  # a finished job and its arrays (frees its disk)
@@ -21,11 +22,13 @@ import typer
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._output import print_record
 from ntk_service.cli.jobs import _dataset_id
+from ntk_service.client._solve import SolverName
 
 __all__ = ["features_app", "solve_app"]
 
 solve_app = typer.Typer(
-    help="Solve jobs: kernel ridge, GP mean or linearized predictions at t = ∞ by CG on the matrix-free kernel.",
+    help="Solve jobs: kernel ridge, GP mean or linearized predictions at t = ∞ by the solver table (auto: dense, "
+    "preconditioned CG or the parameter-space block method).",
     no_args_is_help=True,
     rich_markup_mode=None,
 )
@@ -64,18 +67,41 @@ def solve_submit(
     kind: Annotated[str, typer.Option(help="kernel_ridge, gp_mean or linearized.", show_default=False)],
     train: Annotated[str, typer.Option(help="Train rows: " + _SIDE, show_default=False)],
     targets: Annotated[str, typer.Option(help="y (N, k) or (N,): " + _SIDE, show_default=False)],
+    ridge: Annotated[float, typer.Option(help="λ > 0 on the diagonal (e.g. 1e-3 × Θ's mean diagonal).")],
     test: Annotated[str | None, typer.Option(help="Test rows: " + _SIDE + ". Default: none.")] = None,
     mode: Annotated[str, typer.Option(help="full or trace.")] = "full",
-    ridge: Annotated[float, typer.Option(help="λ ≥ 0 on the diagonal.")] = 0.0,
-    rtol: Annotated[float | None, typer.Option(help="Relative residual to stop at. Default: 1e-8.")] = None,
-    max_iterations: Annotated[int | None, typer.Option(help="CG iterations at most.")] = None,
-    preconditioner: Annotated[str | None, typer.Option(help="auto, nystrom or none.")] = None,
+    solver: Annotated[str, typer.Option(help="auto, dense, pcg or block (docs/analysis.md).")] = "auto",
+    heldout: Annotated[str | None, typer.Option(help="Held-out inputs, scored per epoch: " + _SIDE)] = None,
+    heldout_targets: Annotated[str | None, typer.Option(help="Their targets: " + _SIDE)] = None,
+    metric: Annotated[str, typer.Option(help="The held-out metric: accuracy or mse.")] = "accuracy",
+    patience: Annotated[
+        int | None, typer.Option(min=1, help="Stop when the held-out metric has not improved this many times.")
+    ] = None,
+    rtol: Annotated[
+        float | None, typer.Option(help="Relative residual to stop at. Default: 1e-8 (float64), 1e-4 (float32).")
+    ] = None,
+    max_passes: Annotated[float | None, typer.Option(help="Passes over the train rows at most.")] = None,
+    max_seconds: Annotated[float | None, typer.Option(help="Wall time at most.")] = None,
+    block_size: Annotated[int | None, typer.Option(min=1, help="Examples per block (block).")] = None,
+    landmarks: Annotated[int | None, typer.Option(min=1, help="Nyström rank cap (pcg) or per block (block).")] = None,
+    max_iterations: Annotated[int | None, typer.Option(help="CG iterations at most (pcg).")] = None,
+    preconditioner: Annotated[str | None, typer.Option(help="pcg's: auto, nystrom or none.")] = None,
     version: Annotated[int | None, typer.Option(min=1, help="Model version. Default: the latest.")] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Then print progress until the job ends.")] = False,
     json_output: JsonFlag = False,
 ) -> None:
     """Submit a solve job (needs a write key); prints its id."""
+    if (heldout is None) != (heldout_targets is None):
+        raise UsageError("--heldout and --heldout-targets go together: the held-out inputs and their targets")
     client = state_of(ctx).client()
+    held = None
+    if heldout is not None and heldout_targets is not None:
+        held = {
+            "inputs": _dataset_id(ctx, heldout, option="--heldout"),
+            "targets": _dataset_id(ctx, heldout_targets, option="--heldout-targets"),
+            "metric": metric,
+            "patience": patience,
+        }
     job = client.submit_solve_job(
         model,
         kind=cast(Literal["kernel_ridge", "gp_mean", "linearized"], kind),  # the server refuses others (422)
@@ -88,6 +114,12 @@ def solve_submit(
         max_iterations=max_iterations,
         preconditioner=cast(Literal["auto", "nystrom", "none"] | None, preconditioner),
         version=version,
+        solver=cast(SolverName, solver),  # the server refuses others (422)
+        heldout=held,
+        max_passes=max_passes,
+        max_seconds=max_seconds,
+        block_size=block_size,
+        landmarks=landmarks,
     )
     if not wants_json(ctx, json_output):
         typer.echo(f"submitted solve job {job['id']}")
@@ -103,7 +135,7 @@ def _stderr() -> Any:
 
 @solve_app.command("watch")
 def solve_watch(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Print iterations, residual and products until the solve ends."""
+    """Print the solver, its steps, residual, passes and the held-out metric's last value until the solve ends."""
     client = state_of(ctx).client()
     _finish(
         ctx, client.wait_solve_job(job_id, progress=None if wants_json(ctx, json_output) else _stderr()), json_output

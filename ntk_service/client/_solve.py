@@ -2,8 +2,8 @@
 sets, and sketched NTK features Φ (N, k, D) with kernels from them.
 
     >>> job = client.submit_solve_job("mlp", kind="kernel_ridge", train=x_id, targets=y_id, test=t_id,
-    ...                               ridge=1e-3)                                   # doctest: +SKIP
-    >>> job = client.wait_solve_job(job["id"])     # prints iterations / residual / products on stderr
+    ...                               ridge=1e-3, heldout={"inputs": v_id, "targets": vy_id})  # doctest: +SKIP
+    >>> job = client.wait_solve_job(job["id"])     # prints solver / steps / residual / held-out accuracy on stderr
     >>> result = client.solve_job_result(job["id"])
     >>> result.converged, result.alpha.shape, result.predictions.shape  # True, (N, k), (M, k)
 
@@ -22,7 +22,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO, cast
 from urllib.parse import quote
 
@@ -36,19 +36,24 @@ from ntk_service.errors import JobFailed, NtkServiceError, ServiceUnavailable
 __all__ = ["SolveJobResult", "SolveJobsClient", "format_solve_progress"]
 
 SolveKindName = Literal["kernel_ridge", "gp_mean", "linearized"]
+SolverName = Literal["auto", "dense", "pcg", "block", "cg", "direct"]
 
 _FINISHED = frozenset({"succeeded", "failed", "cancelled"})
 
 
 @dataclass(frozen=True)
 class SolveJobResult:
-    """A finished solve job's arrays and CG report.
+    """A finished solve job's arrays and report.
 
     Attributes:
         alpha: (N, k) float64 weights. predictions: (M, k) float64 test predictions, or None without test rows.
-        converged: every column reached rtol. stop_reason: "converged", "max_iterations" or "breakdown: ...".
-        iterations, products, passes: the cost. residual: the final relative residual per column.
-        time_s: the solve's wall time. preconditioner: its name.
+        converged: every column reached rtol. stop_reason: "converged", "max_passes", "stagnated: ...", ...
+        iterations (the solver's steps), products, passes: the cost. residual: the final relative residual per
+            column. time_s: the solve's wall time. preconditioner: its name.
+        solver: the method that produced alpha. attempts: every method auto tried ({"solver", "stop_reason",
+            "passes", "time_s"}). epochs: block epochs. heldout_metric, heldout_curve: [(passes, value), ...].
+        memory_bytes: the solver's estimate. peak_rss_bytes: the server process's peak resident memory (None
+            where unknown). report: the whole report as sent.
     """
 
     alpha: np.ndarray
@@ -58,23 +63,50 @@ class SolveJobResult:
     iterations: int
     residual: list[float]
     products: int
-    passes: int
+    passes: float
     time_s: float
     preconditioner: str
+    solver: str = "pcg"
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    epochs: int = 0
+    heldout_metric: str | None = None
+    heldout_curve: list[tuple[float, float]] = field(default_factory=list)
+    memory_bytes: int = 0
+    peak_rss_bytes: int | None = None
+    report: dict[str, Any] = field(default_factory=dict)
 
 
 def format_solve_progress(job: Mapping[str, Any]) -> str:
-    """One line: ``running  it 120  residual 3.1e-05  products 122  12.4s`` (``running  rows 512/2048`` for a
-    features job)."""
+    """One line: ``running  block  it 120  epoch 3  residual 3.1e-05  passes 12.5  heldout 0.9312  12.4s`` (the
+    held-out metric's last value where the job has a held-out set; ``running  rows 512/2048`` for a features
+    job)."""
     p = job.get("progress") or {}
     if job.get("job") == "features":
         return f"{job.get('status', '')}  rows {p.get('rows_done', 0)}/{p.get('rows_total', '?')}"
     residual = p.get("residual")
     residual_text = "--" if residual is None else f"{float(residual):.2e}"
-    return (
-        f"{job.get('status', '')}  it {p.get('iterations', 0)}  residual {residual_text}  "
-        f"products {p.get('products', 0)}  {float(p.get('elapsed_s', 0.0)):.1f}s"
-    )
+    parts = [str(job.get("status", ""))]
+    if p.get("solver"):
+        parts.append(str(p["solver"]))
+    parts.append(f"it {p.get('iterations', 0)}")
+    if p.get("epochs"):
+        parts.append(f"epoch {p['epochs']}")
+    parts += [f"residual {residual_text}", f"passes {float(p.get('passes', 0.0)):.1f}"]
+    if p.get("heldout") is not None:
+        parts.append(f"heldout {float(p['heldout']):.4g}")
+    parts.append(f"{float(p.get('elapsed_s', 0.0)):.1f}s")
+    return "  ".join(parts)
+
+
+def _heldout(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    held = dict(value)
+    for side in ("inputs", "targets"):
+        if side not in held:
+            raise ValueError(f"submit_solve_job: heldout needs {side!r} (a data set id or rows), got {sorted(held)}")
+        held[side] = _side(held[side])
+    return held
 
 
 def _side(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -97,7 +129,7 @@ class SolveJobsClient(BaseClient):
         version: int | None = None,
         mode: Literal["full", "trace"] = "full",
         dtype: Literal["float32", "float64"] = "float64",
-        ridge: float = 0.0,
+        ridge: float | None = None,
         rtol: float | None = None,
         max_iterations: int | None = None,
         preconditioner: Literal["auto", "nystrom", "none"] | None = None,
@@ -105,6 +137,13 @@ class SolveJobsClient(BaseClient):
         progress_every: int | None = None,
         params: list[str] | None = None,
         examples_per_chunk: int | None = None,
+        solver: SolverName | None = None,
+        heldout: Mapping[str, Any] | None = None,
+        block_size: int | None = None,
+        inner_steps: int | None = None,
+        max_passes: float | None = None,
+        max_seconds: float | None = None,
+        seed: int | None = None,
     ) -> dict[str, Any]:
         """Queue a solve job (POST /v1/solve-jobs).
 
@@ -112,15 +151,21 @@ class SolveJobsClient(BaseClient):
             model: the registered model. kind: "kernel_ridge", "gp_mean" or "linearized" (t = ∞).
             train, targets, test: a data set id, or {"dataset", "start", "stop"}; targets (N, k) or (N,) aligned
                 with the train rows; test None: alpha only.
-            version, mode, dtype, ridge, rtol, max_iterations, preconditioner, landmarks, progress_every, params,
-                examples_per_chunk: as the route's fields (None: the server's default).
+            ridge: λ > 0 (required by the server; e.g. 1e-3 × the kernel's mean diagonal).
+            solver: "auto" (the server's default), "dense", "pcg" or "block" (docs/analysis.md).
+            heldout: {"inputs": id or rows, "targets": id or rows, "metric": "accuracy" | "mse", "patience",
+                "every"}: scored per epoch, its curve in the progress and the result. Default: None.
+            version, mode, dtype, rtol, max_iterations, preconditioner, landmarks, progress_every, params,
+                examples_per_chunk, block_size, inner_steps, max_passes, max_seconds, seed: as the route's fields
+                (None: the server's default).
 
         Returns:
             dict: the queued job (id, status, spec, progress None).
 
         Raises:
-            InvalidInput / ShapeMismatch (422): a bad ridge, kind, rows or targets shape. ModelNotFound /
-            DatasetNotFound (404).
+            InvalidInput / ShapeMismatch (422): a bad ridge, kind, solver option, rows or targets shape (the
+            message names the field). MemoryEstimateExceeded: the solve's estimate is over the server's budget.
+            ModelNotFound / DatasetNotFound (404).
         """
         body = {
             "kind": kind,
@@ -139,10 +184,48 @@ class SolveJobsClient(BaseClient):
             "progress_every": progress_every,
             "params": params,
             "examples_per_chunk": examples_per_chunk,
+            "solver": solver,
+            "heldout": _heldout(heldout),
+            "block_size": block_size,
+            "inner_steps": inner_steps,
+            "max_passes": max_passes,
+            "max_seconds": max_seconds,
+            "seed": seed,
         }
         return cast(
             dict[str, Any], self._send_json("POST", "/v1/solve-jobs", {k: v for k, v in body.items() if v is not None})
         )
+
+    def estimate_ridge(
+        self,
+        model: str,
+        x_train: Any,
+        y_train: Any,
+        *,
+        mode: Literal["full", "trace"] = "full",
+        ridges: list[float] | None = None,
+        rank: int | None = None,
+        version: int | None = None,
+    ) -> dict[str, Any]:
+        """GCV and leave-one-out error along a grid of ridges (POST /v1/models/{name}/ridge-estimate; no solve).
+
+        Args:
+            model: the registered model. x_train: (N, *input) array, or {"dataset", "start", "stop"}.
+            y_train: (N, k) targets. mode: "full" or "trace". ridges: absolute λ's (None: 1e-6 … 1 × the mean
+                diagonal). rank: the Nyström rank cap (None: adaptive). version: None, the latest.
+
+        Returns:
+            dict: ridges, gcv, loo (lists), best_gcv, best_loo (the λ to pass to a solve), method, rank, floor,
+            mean_diagonal.
+
+        Raises:
+            InvalidInput / ShapeMismatch (422): a ridge ≤ 0, y_train not (N, k).
+        """
+        x = dict(x_train) if isinstance(x_train, Mapping) else wire.tensor_to_json(np.asarray(x_train))
+        body = {"x_train": x, "y_train": wire.tensor_to_json(np.asarray(y_train, dtype=np.float64)), "mode": mode,
+                "ridges": ridges, "rank": rank, "version": version}  # fmt: skip
+        path = f"/v1/models/{quote(model, safe='')}/ridge-estimate"
+        return cast(dict[str, Any], self._send_json("POST", path, {k: v for k, v in body.items() if v is not None}))
 
     def solve_job(self, job_id: str) -> dict[str, Any]:
         """The job (GET /v1/solve-jobs/{id}): status, progress {iterations, residual, products, passes,
@@ -261,7 +344,7 @@ class SolveJobsClient(BaseClient):
                 result says ``converged=False``).
 
         Returns:
-            SolveJobResult: alpha (N, k), predictions (M, k) or None, and the CG report.
+            SolveJobResult: alpha (N, k), predictions (M, k) or None, and the report.
 
         Raises:
             JobNotFinished (409): the job has not succeeded. NtkServiceError: require_converged and not converged.
@@ -273,8 +356,8 @@ class SolveJobsClient(BaseClient):
         if require_converged and not report["converged"]:
             raise NtkServiceError(
                 f"solve_job_result: solve job {job_id} did not converge ({report['stop_reason']}, residual "
-                f"{max(report['residual']):.3g} after {report['iterations']} iterations); raise max_iterations, "
-                "add a ridge or a preconditioner"
+                f"{max(report['residual']):.3g} after {report['iterations']} steps of {report.get('solver', 'cg')}); "
+                "use solver='auto', raise max_passes or max_iterations, or a larger ridge"
             )
         return SolveJobResult(
             alpha=arrays["alpha"],
@@ -284,9 +367,17 @@ class SolveJobsClient(BaseClient):
             iterations=int(report["iterations"]),
             residual=[float(r) for r in report["residual"]],
             products=int(report["products"]),
-            passes=int(report["passes"]),
+            passes=float(report["passes"]),
             time_s=float(report["time_s"]),
             preconditioner=str(report["preconditioner"]),
+            solver=str(report.get("solver", "pcg")),
+            attempts=[dict(a) for a in report.get("attempts", ())],
+            epochs=int(report.get("epochs", 0)),
+            heldout_metric=report.get("heldout_metric"),
+            heldout_curve=[(float(p), float(v)) for p, v in report.get("heldout_curve", ())],
+            memory_bytes=int(report.get("memory_bytes", 0)),
+            peak_rss_bytes=report.get("peak_rss_bytes"),
+            report=report,
         )
 
     # ---- features jobs ----

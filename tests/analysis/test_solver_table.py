@@ -5,6 +5,8 @@ auto's choices and fallbacks; resuming, progress, the held-out curve; bad input 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,11 +140,45 @@ def test_auto_falls_back_from_a_method_that_gives_up() -> None:
     options = SolverOptions(rtol=RTOL, block_size=20, landmarks=4)
     methods = {name: solver for name, solver in SOLVERS.items() if name != "auto"}
     auto = AutoSolver(methods, order=lambda _: ("block", "pcg"))
-    result = auto.solve(make_problem(ntk_operator(model, x), y, ridge=problem.ridge, options=options), options)
+    held = HeldOut(ntk_operator(model, x[:5], x), y[:5], metric="mse")
+    solved = make_problem(ntk_operator(model, x), y, ridge=problem.ridge, options=options, heldout=held)
+    result = auto.solve(solved, options)
     assert [a.solver for a in result.attempts] == ["block", "pcg"]
     assert result.attempts[0].stop_reason.startswith("stagnated")
     assert result.solver == "pcg" and result.passes == pytest.approx(sum(a.passes for a in result.attempts))
+    # one held-out curve over both methods, on one passes axis: CG's points come after the block method's passes
+    passes = [p for p, _ in result.heldout_curve]
+    assert passes == sorted(passes) and passes[-1] <= result.passes + 1e-9
+    assert sum(p <= result.attempts[0].passes for p in passes) >= 2 and passes[-1] > result.attempts[0].passes
     _check_guarantee(problem, result)
+
+
+def test_auto_resumed_at_a_checkpoint_of_its_fallback_repeats_the_rest_bit_for_bit() -> None:
+    """NOTE [exact resume] through auto: cut at a checkpoint of CG after the block method gave up, resumed (extras
+    through JSON): CG alone goes on, and the answer, the attempts and the one held-out curve are the whole run's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 3)).double()  # P = 131 < n = 180
+    x = torch.randn(60, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y = np.random.default_rng(2).standard_normal((60, K))
+    options = SolverOptions(rtol=RTOL, block_size=20, landmarks=4, checkpoint_every=10)
+    auto = AutoSolver({name: s for name, s in SOLVERS.items() if name != "auto"}, order=lambda _: ("block", "pcg"))
+    held = HeldOut(ntk_operator(model, x[:5], x), y[:5], metric="mse")
+    lam = 1e-2 * float(np.mean(np.diag(_example_major(reference_ntk(model, x)))))
+    problem = make_problem(ntk_operator(model, x), y, ridge=lam, options=options, heldout=held)
+    cuts: list[Progress] = []
+    whole = auto.solve(
+        problem, options, progress=lambda p: cuts.append(p) if p.checkpoint and p.solver == "pcg" else None
+    )
+    assert [a.solver for a in whole.attempts] == ["block", "pcg"] and whole.converged and len(cuts) >= 2
+    cut = cuts[1].state
+    assert cuts[1].heldout_curve == whole.heldout_curve[: len(cuts[1].heldout_curve)]  # live: the same one curve
+    stored = dataclasses.replace(cut, extras=json.loads(json.dumps(cut.extras)))
+    rest = auto.solve(problem, options, state=stored)
+    np.testing.assert_array_equal(rest.solution, whole.solution)
+    assert [(a.solver, a.stop_reason, a.passes) for a in rest.attempts] == [
+        (a.solver, a.stop_reason, a.passes) for a in whole.attempts
+    ]
+    assert rest.heldout_curve == whole.heldout_curve and rest.passes == whole.passes and rest.steps == whole.steps
 
 
 def test_the_auto_order(wide: Problem) -> None:
@@ -171,6 +207,36 @@ def test_a_solve_resumes_from_its_state(wide: Problem) -> None:
     rest = solve_kernel(op, wide.y, ridge=wide.ridge, options=options, state=first.state)
     _check_guarantee(wide, rest)
     assert rest.passes > first.passes and rest.epochs > first.epochs  # the counters go on from the state
+
+
+@pytest.mark.parametrize("solver", ["block", "pcg"])
+def test_a_solve_resumed_at_a_checkpoint_repeats_the_rest_of_the_run_bit_for_bit(wide: Problem, solver: str) -> None:
+    """NOTE [exact resume]: a solve cut after its second checkpoint and resumed from it (its extras through JSON,
+    as a job stores them) ends with the uninterrupted run's α, counters and curves, bit for bit."""
+    settings = {**BLOCK, "inner_steps": 2} if solver == "block" else {"checkpoint_every": 4}
+    options = SolverOptions(solver=solver, rtol=RTOL, **settings)  # type: ignore[arg-type]
+    heldout = HeldOut(ntk_operator(wide.model, wide.x_test, wide.x), np.ones((8, K)), metric="mse")
+    op = ntk_operator(wide.model, wide.x)
+    checkpoints: list[Progress] = []
+
+    def keep(p: Progress) -> None:
+        if p.checkpoint:
+            checkpoints.append(p)
+
+    whole = solve_kernel(op, wide.y, ridge=wide.ridge, options=options, heldout=heldout, progress=keep)
+    assert whole.converged and len(checkpoints) >= 3, (whole.stop_reason, len(checkpoints))
+    cut = checkpoints[1].state
+    stored = dataclasses.replace(cut, extras=json.loads(json.dumps(cut.extras)))
+    rest = solve_kernel(op, wide.y, ridge=wide.ridge, options=options, heldout=heldout, state=stored)
+    np.testing.assert_array_equal(rest.solution, whole.solution)
+    assert (rest.steps, rest.epochs, rest.passes, rest.products) == (
+        whole.steps, whole.epochs, whole.passes, whole.products
+    )  # fmt: skip
+    assert rest.heldout_curve == whole.heldout_curve and rest.stop_reason == whole.stop_reason
+    if solver == "block":
+        assert rest.weights is not None and whole.weights is not None
+        np.testing.assert_array_equal(rest.weights, whole.weights)
+        assert rest.residual_curve == whole.residual_curve
 
 
 def test_progress_is_reported_and_a_raise_stops_the_solve(wide: Problem) -> None:

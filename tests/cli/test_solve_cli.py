@@ -62,7 +62,8 @@ def test_solve_and_features_commands(cli: Any, live_server: LiveServer, tmp_path
     with np.load(out) as saved:
         np.testing.assert_allclose(saved["predictions"], expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
 
-    cut = _ok(cli("solve", "submit", name, "--kind", "gp_mean", *common, "--max-iterations", "1", "--watch"))
+    cut = _ok(cli("solve", "submit", name, "--kind", "gp_mean", *common, "--solver", "pcg", "--max-iterations", "1",
+                  "--watch"))  # fmt: skip
     failed = cli("solve", "result", cut.stdout.split()[3], "-o", str(tmp_path / "cut.npz"))
     assert failed.exit_code == 1 and "did not converge (max_iterations)" in failed.stderr
     assert (tmp_path / "cut.npz").exists()  # written anyway: the user decides

@@ -1,6 +1,6 @@
 """The solve and features kinds in one lifecycle (JobManager, local executor, a real registry and data sets): every
 unit of work goes through the manager's compute slot, and a job stopped mid-run goes on at the next start from what
-it recorded (a solve from its last CG segment, features from its chunks) to the bits of an uninterrupted run, never
+it recorded (a solve from its last checkpoint, features from its chunks) to the bits of an uninterrupted run, never
 computing a recorded unit again. The kernel kind's own tests are test_manager.py and test_routes.py."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,13 +26,21 @@ from tests.jobs.conftest import JobsEnv, wait_finished
 
 
 class _Slots:
-    """A run_compute that counts its calls; with ``free``, it blocks the call after ``free`` until ``go``."""
+    """A run_compute that counts its calls; with ``free``, it blocks the call after ``free`` until ``go``. With
+    ``watch`` (a folder), it notes how many calls had run when a solve's checkpoint (``state.npz``) last changed."""
 
-    def __init__(self, free: int | None = None) -> None:
-        self.free, self.calls = free, 0
+    def __init__(self, free: int | None = None, watch: Path | None = None) -> None:
+        self.free, self.calls, self.watch = free, 0, watch
         self.blocked, self.go = threading.Event(), threading.Event()
+        self.seen: tuple[int, int] | None = None
+        self.at_checkpoint = 0
 
     def __call__(self, fn: Callable[[], Any]) -> Any:
+        if self.watch is not None:  # the run writes a checkpoint between two calls, in this thread
+            for path in self.watch.glob("**/solve/*/state.npz"):
+                stat = path.stat()
+                if (stat.st_mtime_ns, stat.st_ino) != self.seen:
+                    self.seen, self.at_checkpoint = (stat.st_mtime_ns, stat.st_ino), self.calls
         self.calls += 1
         if self.free is not None and self.calls > self.free:
             self.blocked.set()
@@ -55,33 +64,45 @@ def targets(jobs_env: JobsEnv) -> str:
     return jobs_env.datasets.create(np.random.default_rng(5).standard_normal((11, 3))).id
 
 
-def test_a_stopped_solve_goes_on_from_its_last_segment_to_the_bits_of_an_uninterrupted_run(
-    jobs_env: JobsEnv, make_manager: Callable[..., JobManager], targets: str
+@pytest.mark.parametrize(
+    ("solver", "settings"),
+    [("pcg", {"progress_every": 3, "preconditioner": "none"}), ("block", {"block_size": 4, "landmarks": 2})],
+)
+def test_a_stopped_solve_goes_on_from_its_last_checkpoint_to_the_bits_of_an_uninterrupted_run(
+    jobs_env: JobsEnv, make_manager: Callable[..., JobManager], targets: str, solver: str, settings: dict[str, Any]
 ) -> None:
+    """NOTE [solve resume]: stopped while a unit waits, the job resumes at the next start from its last checkpoint
+    (CG's restart every 3 iterations; the block method's epoch) to the bits of an uninterrupted run, computing
+    exactly the calls the uninterrupted run made after that checkpoint: none recorded is computed again."""
     request = SolveRequest(
         kind="kernel_ridge", model="tiny", train=DataRows(jobs_env.x1_id), targets=DataRows(targets),
-        test=DataRows(jobs_env.x2_id), ridge=1.0, rtol=1e-8, progress_every=3,
+        test=DataRows(jobs_env.x2_id), ridge=1.0, rtol=1e-6, solver=solver, **settings,
     )  # fmt: skip
-    gate = _Slots(free=11)  # FULL: one product per call; a segment of 3 iterations takes 5, so past two segments
+    gate = _Slots(free=40, watch=jobs_env.data_dir)  # past two checkpoints of either method, far from the end
     first = make_manager(run_compute=gate)
     job = first.create(request)
     _stop_at_the_gate(first, gate)
     stopped = first.get(job.id)
     assert stopped.status is JobStatus.RUNNING and isinstance(stopped.checkpoint, SolveProgress)
-    assert stopped.checkpoint.iterations >= 3 and stopped.checkpoint.iterations % 3 == 0  # a segment's end
-    assert (first.folder(stopped) / "state.npz").is_file()
+    assert stopped.checkpoint.solver == solver and (first.folder(stopped) / "state.npz").is_file()
+    if solver == "pcg":
+        assert stopped.checkpoint.iterations >= 3 and stopped.checkpoint.iterations % 3 == 0  # a restart
+    else:
+        assert stopped.checkpoint.epochs >= 1
+    before_checkpoint = gate.at_checkpoint
 
     counted = _Slots()
     second = make_manager(run_compute=counted)  # the next start
     resumed = wait_finished(second, job.id)
     assert resumed.status is JobStatus.SUCCEEDED, resumed.error
-    products_on_resume = counted.calls
+    on_resume = counted.calls
     fresh = wait_finished(second, second.create(request).id)
+    whole_calls = counted.calls - on_resume
     report, whole = resumed.result, fresh.result
     assert isinstance(report, SolveReport) and isinstance(whole, SolveReport)
-    assert report.converged and report.iterations == whole.iterations and report.products == whole.products
-    # Only what the stop left was computed again: the products after the last recorded segment, not one more.
-    assert products_on_resume == whole.products - stopped.checkpoint.products
+    assert report.converged and report.solver == whole.solver == solver
+    assert (report.iterations, report.epochs, report.passes) == (whole.iterations, whole.epochs, whole.passes)
+    assert on_resume == whole_calls - before_checkpoint  # what the stop left, not one call more
     for mine, theirs in zip(read_solution(second.folder(resumed)), read_solution(second.folder(fresh)), strict=True):
         assert mine is not None and theirs is not None
         np.testing.assert_array_equal(mine, theirs)

@@ -32,7 +32,9 @@ from ntk_service.errors import (
     UnknownMode,
 )
 from ntk_service.jobs.executors import RayNtkOperator, ray_ntk_operator
-from ntk_service.jobs.executors.ray import _command, _descendants
+from ntk_service.jobs.executors.ray import RayExecutor, _command, _descendants
+from ntk_service.jobs.kinds.solve import RayOperators
+from ntk_service.jobs.solve_job import SolveOptions, run_solve
 from ntk_service.kernels import ntk_operator
 from tests.reference import reference_jacobian, reference_ntk
 from tests.server.slow_factory import SlowLinear
@@ -298,3 +300,24 @@ def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         OptionalDependencyMissing, match=r"ray_ntk_operator: needs Ray.*pip install 'ntk-service\[ray\]'"
     ):
         ray_ntk_operator(_mlp(), x)
+
+
+def test_a_solve_job_on_ray_runs_its_solver_on_the_shard_actors(ray_instance: object) -> None:
+    """What a solve job runs where its executor is Ray (``RayOperators``: w replicated, the block method's passes
+    on the shard actors): numpy's dense solve to 1e-6. One operator (two actors): a test set or a held-out set
+    would each ship the model to two more, and their path is the local one's (tests/server/routes)."""
+    model = _mlp()
+    x_train, _, y = _data()
+    lam = 1e-2
+    a = _matrix(model, x_train, None, "full").numpy()
+    alpha = np.linalg.solve(a + lam * np.eye(a.shape[0]), y.reshape(-1))
+    spec = SolveOptions(kind="kernel_ridge", ridge=lam, rtol=1e-9, solver="block", block_size=6, landmarks=2,
+                        inner_steps=4)  # fmt: skip
+    operators = RayOperators(model, spec, RayExecutor(num_cpus=ACTOR_CPUS, actors=2))
+    try:
+        outcome = run_solve(spec, model, x_train.numpy(), y, None, k=K, operators=operators)
+        assert [type(op).__name__ for op in operators.built] == ["RayNtkOperator"]
+    finally:
+        operators.close()
+    assert outcome.report.converged and outcome.report.solver == "block" and outcome.report.epochs >= 1
+    assert _rel(outcome.alpha.reshape(-1), alpha) <= 1e-6

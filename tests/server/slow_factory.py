@@ -6,11 +6,15 @@ operator allows a lab's own models.
 
 A ``gate`` (a file path) holds every forward call until the file exists: a test that must see a job unfinished
 (a page loading, a SIGTERM arriving) releases it when it has looked, instead of racing a sleep against a loaded
-machine.
+machine. A gate file holding a number n lets n forward calls through (counted per gate in this process) and holds
+the next, writing the count to ``<gate>.held`` while it waits: a test steps a job to a point it chose (a solve
+past two checkpoints) and stops it there, whatever the machine's speed. An empty gate file lets every call through.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +23,33 @@ from torch import nn
 
 GATE_TIMEOUT_S = 180.0
 """A gate never opened lets forward calls through after this long, so a failed test cannot hang its server."""
+
+
+_PASSED: dict[str, int] = {}
+"""Forward calls each counted gate has let through in this process."""
+
+_LOCK = threading.Lock()
+
+
+def _pass(gate: Path) -> None:
+    """Wait until ``gate`` lets one more call through (module docstring), or ``GATE_TIMEOUT_S``."""
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    key, told = str(gate), -1
+    while time.monotonic() < deadline:
+        if gate.exists():
+            text = gate.read_text().strip()
+            with _LOCK:
+                passed = _PASSED.get(key, 0)
+                if not text or passed < int(text):
+                    _PASSED[key] = passed + 1
+                    return
+            if told != passed:  # say once per count that a call waits here
+                held = gate.with_name(gate.name + ".held")
+                partial = held.with_name(held.name + ".partial")
+                partial.write_text(str(passed))
+                os.replace(partial, held)
+                told = passed
+        time.sleep(0.005)
 
 
 class SlowLinear(nn.Module):
@@ -33,9 +64,7 @@ class SlowLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None and not x.is_meta:  # shape probes on meta tensors compute nothing: not held
-            deadline = time.monotonic() + GATE_TIMEOUT_S
-            while not self.gate.exists() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            _pass(self.gate)
         time.sleep(self.delay_s)
         # "* 1.0": an operation of its own, so the structured engine must run this forward for every block; a bare
         # pipeline of known layers is captured without calling it (NOTE [sequential chains]), and would not sleep.

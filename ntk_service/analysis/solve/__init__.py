@@ -58,6 +58,7 @@ from ntk_service.analysis.solve.table import (
     auto_order,
     make_problem,
     solve_kernel,
+    solve_memory_bytes,
 )
 
 __all__ = [
@@ -108,5 +109,6 @@ __all__ = [
     "plan_streamed_nystrom",
     "shared_nystrom_preconditioner",
     "solve_kernel",
+    "solve_memory_bytes",
     "streamed_nystrom_preconditioner",
 ]

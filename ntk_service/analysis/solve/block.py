@@ -284,13 +284,16 @@ class _BlockRun:
         self.passes = 0.0
         self.alpha = np.zeros((self.n_examples, self.k))
         self.w: np.ndarray | None = None
-        if state is not None:
-            self._resume(state)
         self.residual_curve: list[tuple[float, float]] = []
         self.heldout_curve: list[tuple[float, float]] = []
         self.heldout = problem.heldout
         self.best_heldout: float | None = None
         self.since_best = 0
+        self.checks: list[float] = []
+        self.exact = False  # resumed from a checkpoint of this method (NOTE [exact resume])
+        self.resumed_stop: str | None = None
+        if state is not None:
+            self._resume(state)
         self.heldout_targets = None
         if self.heldout is not None:
             m = self.heldout.kernel.examples[0] if isinstance(self.heldout.kernel, JacobianOperator) else None
@@ -307,19 +310,44 @@ class _BlockRun:
         weights = state.weights
         if weights is not None and np.asarray(weights).shape == (self.j.num_params,) and state.solver == self.name:
             self.w = np.array(weights, dtype=np.float64)
-        self.steps, self.epochs, self.passes = state.steps, state.epochs, state.passes
+        if state.solver == self.name:  # another method's counters are its own (auto sums each method's)
+            self.steps, self.epochs, self.passes = state.steps, state.epochs, state.passes
         if state.solver == self.name and "rng" in state.extras:
             self.rng.bit_generator.state = state.extras["rng"]
+        extras = state.extras
+        if self.w is not None and "checks" in extras:  # a checkpoint of this method: go on exactly from it
+            self.exact = True
+            self.checks = [float(c) for c in extras["checks"]]
+            self.residual_curve = [(float(p), float(v)) for p, v in extras.get("residual_curve", ())]
+            self.heldout_curve = [(float(p), float(v)) for p, v in extras.get("heldout_curve", ())]
+            best = extras.get("best_heldout")
+            self.best_heldout = None if best is None else float(best)
+            self.since_best = int(extras.get("since_best", 0))
+            self.resumed_stop = self._still(extras.get("stop"))
+
+    def _still(self, stop: str | None) -> str | None:
+        """A checkpoint's stop, if it still holds under these options (a time limit never does: time is new)."""
+        if stop == "converged":
+            return stop if self.checks and self.checks[-1] <= self.problem.rtol else None
+        if stop == "max_passes":
+            limit = self.options.max_passes
+            return stop if limit is not None and self.passes >= limit else None
+        return None if stop == "time_limit" else stop
 
     # --- the loop ------------------------------------------------------------------------------------------
     def run(self) -> SolverResult:
-        if self.w is None:
-            self.w = self.j.vjp(self.alpha) if np.any(self.alpha) else np.zeros(self.j.num_params)
-            self.passes += 0.5 if np.any(self.alpha) else 0.0
-        residual = self._true_residual()
-        stop = "converged" if residual <= self.problem.rtol else None
-        self._report(residual, self._heldout(), None)
-        checks = [residual]
+        checks = self.checks
+        stop: str | None
+        if self.exact:  # NOTE [exact resume]: the state is an epoch's end, w and the checks as they were
+            stop = self.resumed_stop
+        else:
+            if self.w is None:
+                self.w = self.j.vjp(self.alpha) if np.any(self.alpha) else np.zeros(self.j.num_params)
+                self.passes += 0.5 if np.any(self.alpha) else 0.0
+            residual = self._true_residual()
+            checks.append(residual)
+            stop = "converged" if residual <= self.problem.rtol else None
+            self._report(residual, self._heldout(), None, stop)
         while stop is None:
             estimate_sq, stop = 0.0, None
             for block in make_blocks(self.j.partitions(), self.b, self.rng):
@@ -333,7 +361,7 @@ class _BlockRun:
             value = self._heldout_due()
             heldout_stop = self._patience(value)
             if stop is None and heldout_stop is None and estimate > 3 * self.problem.rtol and self.epochs % CHECK_EVERY:
-                self._report(None, value, estimate)
+                self._report(None, value, estimate, None)
                 continue
             residual = self._true_residual()  # also before any stop: the result's residual is its α's
             checks.append(residual)
@@ -346,7 +374,7 @@ class _BlockRun:
                 )
             elif stop is None:
                 stop = heldout_stop
-            self._report(residual, value, estimate)
+            self._report(residual, value, estimate, stop)
         return self._result(stop, checks[-1])
 
     def _step(self, ranges: list[tuple[int, int]]) -> float:
@@ -433,8 +461,18 @@ class _BlockRun:
             self.best_heldout = value
         return value
 
-    def _state(self) -> SolverState:
+    def _state(self, stop: str | None = None) -> SolverState:
+        """A checkpoint (NOTE [exact resume]): everything the loop reads, ``stop`` when the run ends here."""
         assert self.w is not None
+        extras: dict[str, Any] = {
+            "rng": self.rng.bit_generator.state,
+            "checks": list(self.checks),
+            "residual_curve": [list(point) for point in self.residual_curve],
+            "heldout_curve": [list(point) for point in self.heldout_curve],
+            "best_heldout": self.best_heldout,
+            "since_best": self.since_best,
+            "stop": stop,
+        }
         return SolverState(
             solver=self.name,
             solution=self.alpha.reshape(-1, 1).copy(),
@@ -442,10 +480,10 @@ class _BlockRun:
             steps=self.steps,
             epochs=self.epochs,
             passes=self.passes,
-            extras={"rng": self.rng.bit_generator.state},
+            extras=extras,
         )
 
-    def _report(self, residual: float | None, heldout: float | None, estimate: float | None) -> None:
+    def _report(self, residual: float | None, heldout: float | None, estimate: float | None, stop: str | None) -> None:
         if self.progress is None:
             return
         self.progress(
@@ -459,8 +497,10 @@ class _BlockRun:
                 else (self.residual_curve[-1][1] if self.residual_curve else None),
                 heldout=heldout,
                 elapsed_s=time.perf_counter() - self.start,
-                state=self._state(),
+                state=self._state(stop),
                 estimate=estimate,
+                checkpoint=True,
+                heldout_curve=tuple(self.heldout_curve),
             )
         )
 
@@ -483,7 +523,7 @@ class _BlockRun:
             residual_curve=tuple(self.residual_curve),
             heldout_curve=tuple(self.heldout_curve),
             preconditioner=f"block nystrom (b={self.b}, s={min(self.s, self.b)}, inner={self.inner})",
-            state=self._state(),
+            state=self._state(stop),
         )
 
 

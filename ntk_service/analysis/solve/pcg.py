@@ -24,7 +24,14 @@ from ntk_service.analysis.solve.adaptive_nystrom import (
     adaptive_nystrom_preconditioner,
     max_adaptive_rank,
 )
-from ntk_service.analysis.solve.cg import CgOptions, SolveResult, cg_memory_bytes, conjugate_gradients
+from ntk_service.analysis.solve.cg import (
+    DEFAULT_MAX_ITERATIONS,
+    CgOptions,
+    SolveResult,
+    _build_preconditioner,
+    cg_memory_bytes,
+    conjugate_gradients,
+)
 from ntk_service.analysis.solve.operators import KernelOperator, kernel_operator
 from ntk_service.analysis.solve.problem import (
     Progress,
@@ -99,19 +106,49 @@ class PcgSolver:
         start = time.perf_counter()
         op = problem.kernel
         cg = cg_options(options)
+        every = _checkpoint_every(options)
         preconditioner: Any = cg.preconditioner
         if _uses_adaptive(op, cg):
             preconditioner = adaptive_nystrom_preconditioner(
                 op, ridge=problem.ridge, max_rank=max(1, _rank_cap(problem, options)), seed=options.seed
             )
+        chosen = dataclasses.replace(cg, preconditioner=preconditioner)
+        built, products = _build_preconditioner(op, problem.ridge, chosen)  # once, for every segment
         max_seconds = cg.max_seconds if options.max_seconds is None else options.max_seconds
-        if max_seconds is not None:
-            max_seconds = max(1e-3, max_seconds - (time.perf_counter() - start))
-        cg = dataclasses.replace(cg, rtol=problem.rtol, preconditioner=preconditioner, max_seconds=max_seconds)
+        cap = min(10 * op.rows, DEFAULT_MAX_ITERATIONS) if cg.max_iterations is None else cg.max_iterations
+        cg = dataclasses.replace(cg, rtol=problem.rtol, preconditioner="none" if built is None else built)
         watch = _Watch(self.name, problem, options, progress, start, op.passes_per_product)
         x0 = None if state is None else np.asarray(state.solution, dtype=np.float64).reshape(problem.rhs.shape)
-        result = conjugate_gradients(op, problem.rhs, ridge=problem.ridge, options=cg, x0=x0, callback=watch)
+        done = watch.resume(state) if state is not None and state.solver == self.name else 0
+        if done and state is not None:  # the preconditioner built again is the same: its products count once
+            products = int(state.extras.get("products", products))
+        while True:  # segments of ``every`` iterations, each a restart from the last iterate (NOTE [exact resume])
+            left = None if max_seconds is None else max(1e-3, max_seconds - (time.perf_counter() - start))
+            segment = cap - done if every is None else min(every, cap - done)
+            watch.offset = done
+            result = conjugate_gradients(
+                op,
+                problem.rhs,
+                ridge=problem.ridge,
+                options=dataclasses.replace(cg, max_iterations=segment, max_seconds=left),
+                x0=x0,
+                callback=watch,
+            )
+            done, x0, products = done + result.iterations, result.solution, products + result.products
+            if result.stop_reason != "max_iterations" or done >= cap or result.iterations == 0:
+                break
+            watch.checkpoint(x0, done, products, result)
+        result = dataclasses.replace(
+            result, iterations=done, products=products, passes=products * op.passes_per_product
+        )
         return _as_result(self.name, result, problem, watch, self.memory_bytes(problem, options), start)
+
+
+def _checkpoint_every(options: SolverOptions) -> int | None:
+    every = options.checkpoint_every
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise InvalidInput(f"{_OPERATION}: checkpoint_every must be an integer ≥ 1 or None, got {every!r}")
+    return every
 
 
 class _Watch:
@@ -128,6 +165,7 @@ class _Watch:
     ) -> None:
         self.name, self.problem, self.options, self.progress, self.start = name, problem, options, progress, start
         self.per_iteration = problem.rhs.shape[1] * max(passes_per_product, 0)
+        self.offset = 0  # iterations of the segments before this CG run
         self.best: list[float] = []
         self.heldout_curve: list[tuple[float, float]] = []
         self.best_heldout: float | None = None
@@ -143,7 +181,48 @@ class _Watch:
                 kernel, k=problem.kernel.k, name="heldout.kernel", operation=_OPERATION, cols=problem.kernel.n
             )
 
+    def resume(self, state: SolverState) -> int:
+        """Take the counters of a checkpoint (NOTE [exact resume]); returns the iterations done (0: not one)."""
+        extras = state.extras
+        if "best" not in extras:
+            return 0
+        self.best = [float(v) for v in extras["best"]]
+        self.heldout_curve = [(float(p), float(v)) for p, v in extras.get("heldout_curve", ())]
+        best = extras.get("best_heldout")
+        self.best_heldout = None if best is None else float(best)
+        self.since_best = int(extras.get("since_best", 0))
+        return int(state.steps)
+
+    def checkpoint(self, x: np.ndarray, iterations: int, products: int, result: SolveResult) -> None:
+        """Report the end of a segment: a checkpoint (NOTE [exact resume])."""
+        if self.progress is None:
+            return
+        passes = float(iterations * self.per_iteration)
+        extras = {
+            "best": list(self.best),
+            "heldout_curve": [list(point) for point in self.heldout_curve],
+            "best_heldout": self.best_heldout,
+            "since_best": self.since_best,
+            "products": products,
+        }
+        state = SolverState(solver=self.name, solution=x.copy(), steps=iterations, passes=passes, extras=extras)
+        self.progress(
+            Progress(
+                solver=self.name,
+                steps=iterations,
+                epochs=0,
+                passes=passes,
+                residual=float(result.residual.max()) if result.residual.size else 0.0,
+                heldout=self.heldout_curve[-1][1] if self.heldout_curve else None,
+                elapsed_s=time.perf_counter() - self.start,
+                state=state,
+                checkpoint=True,
+                heldout_curve=tuple(self.heldout_curve),
+            )
+        )
+
     def __call__(self, iterations: int, x: np.ndarray, residual: np.ndarray) -> str | None:
+        iterations += self.offset
         worst = float(residual.max()) if residual.size else 0.0
         self.best.append(min(worst, self.best[-1]) if self.best else worst)
         passes = iterations * self.per_iteration
@@ -170,6 +249,7 @@ class _Watch:
                     elapsed_s=time.perf_counter() - self.start,
                     state=state,
                     estimate=worst,
+                    heldout_curve=tuple(self.heldout_curve),
                 )
             )
         if self.options.max_passes is not None and passes >= self.options.max_passes:

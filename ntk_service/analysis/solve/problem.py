@@ -14,6 +14,16 @@ NOTE [float32 floor]
     is refused up front (``check_rtol``), naming float64 products as the fix. Vectors, scalars and sums are float64
     in every solver (CG's recursions, the parameter-space methods' w and α, Ray's shard sums): an accumulation over
     thousands of steps is where float32 would lose digits, and float64 there costs nothing beside a product.
+
+NOTE [exact resume]
+    A ``Progress`` with ``checkpoint=True`` carries a state from which ``solve_kernel(..., state=...)`` repeats
+    the rest of this very run, bit for bit (with the same torch threads): the block method's checkpoints are its
+    epochs' ends (α, w, the generator, the residual checks and curves are in the state, and nothing is recomputed
+    on resume); "pcg" checkpoints where it restarts CG (``SolverOptions.checkpoint_every``; the preconditioner is
+    seeded, so it is built again the same), and ``auto`` adds the attempts made so far and resumes with the method
+    that wrote the state, then the ones after it. A dense solve has no checkpoint: it is one step. A state that is
+    no checkpoint (CG's iterate between restarts, another method's) is a warm start: the solve converges from it,
+    by other steps. Every value in ``extras`` is JSON (a job stores it).
 """
 
 from __future__ import annotations
@@ -108,6 +118,8 @@ class SolverOptions:
         inner_steps: preconditioned CG steps on each block's system (block method). Default: None.
         seed: the generator of block orders and landmarks. Default: 0.
         cg: CG's own options for "pcg" (preconditioner, method, ...). Default: None (``CgOptions()``).
+        checkpoint_every: "pcg" restarts CG from its iterate every this many iterations, each restart a checkpoint
+            (NOTE [exact resume]); None: one CG run, no checkpoint before it ends. Default: None.
     """
 
     solver: str = "auto"
@@ -120,6 +132,7 @@ class SolverOptions:
     inner_steps: int | None = None
     seed: int = 0
     cg: Any = None
+    checkpoint_every: int | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +191,9 @@ class Progress:
         elapsed_s: wall time so far. state: a snapshot to resume from (``SolverState``).
         estimate: a residual read off the work already done, without a product (the block method: the residuals
             seen at the blocks' visits this epoch; CG: its recursive residual), or None.
+        checkpoint: ``state`` is a checkpoint: a solve resumed from it goes on exactly as this one does (NOTE
+            [exact resume]). Default: False.
+        heldout_curve: the method's held-out curve so far, ((passes, metric), ...), as its result will hold it.
     """
 
     solver: str
@@ -189,6 +205,8 @@ class Progress:
     elapsed_s: float
     state: SolverState
     estimate: float | None = None
+    checkpoint: bool = False
+    heldout_curve: tuple[tuple[float, float], ...] = ()
 
 
 ProgressCallback = Callable[[Progress], None]

@@ -41,6 +41,7 @@ from ntk_service.analysis.solve.pcg import PcgSolver
 from ntk_service.analysis.solve.problem import (
     Attempt,
     HeldOut,
+    Progress,
     ProgressCallback,
     SolveProblem,
     SolverOptions,
@@ -65,6 +66,7 @@ __all__ = [
     "make_problem",
     "resolve_solver",
     "solve_kernel",
+    "solve_memory_bytes",
 ]
 
 AUTO_PASS_BUDGET = 1000.0
@@ -175,11 +177,30 @@ class AutoSolver:
     ) -> SolverResult:
         start = time.perf_counter()
         plan = self.plan(problem, options)
-        if state is not None:  # resume with the method that wrote the state, then the rest
-            wrote = state.solver
-            plan = sorted(plan, key=lambda method: method.name != wrote)
         attempts: list[Attempt] = []
+        before: list[tuple[float, float]] = []  # the held-out curves of the methods tried, on one passes axis
+        if state is not None:  # resume with the method that wrote the state, then the ones after it
+            names = [method.name for method in plan]
+            wrote = state.solver
+            plan = plan[names.index(wrote) :] if wrote in names else plan
+            attempts = [Attempt(str(a[0]), str(a[1]), float(a[2]), float(a[3])) for a in state.extras.get("auto", ())]
+            before = [(float(p), float(v)) for p, v in state.extras.get("auto_curve", ())]
         result: SolverResult | None = None
+
+        def shifted(curve: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+            spent = sum(a.passes for a in attempts)
+            return (*before, *((p + spent, v) for p, v in curve))
+
+        def tell(update: Progress) -> None:  # the attempts so far go into every state (NOTE [exact resume])
+            extras = {
+                **update.state.extras,
+                "auto": [[a.solver, a.stop_reason, a.passes, a.time_s] for a in attempts],
+                "auto_curve": [list(point) for point in before],
+            }
+            assert progress is not None
+            state = dataclasses.replace(update.state, extras=extras)
+            progress(dataclasses.replace(update, state=state, heldout_curve=shifted(update.heldout_curve)))
+
         for position, method in enumerate(plan):
             remaining = options
             if options.max_seconds is not None:
@@ -189,14 +210,18 @@ class AutoSolver:
                 remaining = dataclasses.replace(options, max_seconds=max(left, 1e-3))
             if options.max_passes is None and position + 1 < len(plan) and method.name != "dense":
                 remaining = dataclasses.replace(remaining, max_passes=AUTO_PASS_BUDGET)
-            result = method.solve(problem, remaining, progress=progress, state=state)
+            result = method.solve(problem, remaining, progress=None if progress is None else tell, state=state)
+            curve = shifted(result.heldout_curve)
             attempts.append(Attempt(method.name, result.stop_reason, result.passes, result.time_s))
             if result.converged or result.stop_reason == "time_limit":
                 break
+            before = list(curve)
             state = result.state
         assert result is not None
         passes = sum(a.passes for a in attempts)
-        return dataclasses.replace(result, attempts=tuple(attempts), passes=passes, time_s=time.perf_counter() - start)
+        return dataclasses.replace(
+            result, attempts=tuple(attempts), passes=passes, time_s=time.perf_counter() - start, heldout_curve=curve
+        )
 
 
 def _budget(options: SolverOptions) -> int:
@@ -286,15 +311,48 @@ def solve_kernel(
         ShapeMismatch: y or the kernel of the wrong shape. MemoryEstimateExceeded: the method (auto: every
             method) needs more than the budget, before anything runs.
     """
-    operation = "solve_kernel"
     options = options or SolverOptions()
+    solver, problem, _ = _checked(kernel, y, ridge, options, heldout, mode)
+    return solver.solve(problem, options, progress=progress, state=state)
+
+
+def solve_memory_bytes(
+    kernel: Any,
+    y: Any,
+    *,
+    ridge: float,
+    options: SolverOptions | None = None,
+    heldout: HeldOut | None = None,
+    mode: KernelMode | str | None = None,
+) -> int:
+    """What ``solve_kernel`` with these arguments would need (its solver's estimate; auto: the largest of the
+    methods it would try), every input checked as ``solve_kernel`` checks it, and nothing solved: a job's check
+    at submission.
+
+    Raises:
+        As ``solve_kernel`` (MemoryEstimateExceeded when over the budget, the estimate in the message).
+    """
+    return _checked(kernel, y, ridge, options or SolverOptions(), heldout, mode)[2]
+
+
+def _checked(
+    kernel: Any,
+    y: Any,
+    ridge: float,
+    options: SolverOptions,
+    heldout: HeldOut | None,
+    mode: KernelMode | str | None,
+) -> tuple[Solver, SolveProblem, int]:
+    """The solver, the problem and the memory estimate of ``solve_kernel``'s arguments, refused past the budget."""
+    operation = "solve_kernel"
     solver = resolve_solver(options.solver, operation=operation, field="options.solver")
     problem = make_problem(kernel, y, ridge=ridge, options=options, heldout=heldout, mode=mode)
     reason = solver.refusal(problem, options)
     if reason is not None:
         raise InvalidInput(f"{operation}: solver {solver.name!r} cannot solve this problem: {reason}")
+    need = solver.memory_bytes(problem, options)  # auto: its plan, which refuses when no method fits
     if not isinstance(solver, AutoSolver):
-        need, budget = solver.memory_bytes(problem, options), _budget(options)
+        budget = _budget(options)
         if need > budget:
             raise MemoryEstimateExceeded(
                 f"{operation}: solver {solver.name!r} needs about {format_bytes(need)} for {problem.rows} rows, over "
@@ -303,7 +361,7 @@ def solve_kernel(
                 estimate_bytes=need,
                 budget_bytes=budget,
             )
-    return solver.solve(problem, options, progress=progress, state=state)
+    return solver, problem, need
 
 
 def make_problem(

@@ -1,8 +1,11 @@
-"""Solve jobs against a real uvicorn process: kernel ridge, GP mean and linearized predictions at t = ∞ by operator
-CG equal a dense numpy solve on the float64 reference kernel; non-convergence is reported; cancellation; 422s."""
+"""Solve jobs against a real uvicorn process: kernel ridge, GP mean and linearized predictions at t = ∞ by each
+solver (auto, pcg, block) equal a dense numpy solve on the float64 reference kernel; the held-out curve is the
+metric of the predictions; non-convergence is reported; cancellation; 422s naming the field; the memory estimate
+refused at submission."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -15,12 +18,14 @@ import torch
 
 from ntk_service import wire
 from ntk_service.client import Client
+from ntk_service.client._solve import format_solve_progress
 from ntk_service.errors import (
     Conflict,
     DiskEstimateExceeded,
     InvalidInput,
     JobNotFinished,
     JobNotFound,
+    MemoryEstimateExceeded,
     NtkServiceError,
     ShapeMismatch,
 )
@@ -74,19 +79,26 @@ def _dense(model: torch.nn.Module, x: np.ndarray, t: np.ndarray, mode: str) -> t
     return np.kron(a, eye), np.kron(b, eye)
 
 
-@pytest.mark.parametrize(("kind", "mode"), [("kernel_ridge", "full"), ("gp_mean", "trace"), ("linearized", "full")])
+@pytest.mark.parametrize(
+    ("kind", "mode", "solver"),
+    [("kernel_ridge", "full", "auto"), ("gp_mean", "trace", "pcg"), ("linearized", "full", "block")],
+)
 def test_solve_job_predictions_equal_a_dense_solve_on_the_reference_kernel(
-    setup: dict[str, Any], kind: str, mode: str
+    setup: dict[str, Any], kind: str, mode: str, solver: str
 ) -> None:
     client, ids, ridge = setup["client"], setup["ids"], 1e-2
     job = client.submit_solve_job(
-        "tiny", kind=kind, train=ids["x"], targets=ids["y"], test=ids["t"], mode=mode, ridge=ridge, rtol=1e-12
-    )
+        "tiny", kind=kind, train=ids["x"], targets=ids["y"], test=ids["t"], mode=mode, ridge=ridge, rtol=1e-10,
+        solver=solver,
+    )  # fmt: skip
     assert job["status"] in ("queued", "running")
     done = _finished(client, job["id"])
-    assert done["status"] == "succeeded" and done["result"]["converged"] is True
-    assert done["progress"]["iterations"] == done["result"]["iterations"] > 0
-    assert done["progress"]["products"] >= done["result"]["iterations"]
+    report = done["result"]
+    assert done["status"] == "succeeded" and report["converged"] is True, report
+    assert report["solver"] == ("dense" if solver == "auto" else solver)  # auto: 36 rows, a dense solve
+    assert [a["solver"] for a in report["attempts"]] == [report["solver"]] and report["rtol"] == 1e-10
+    assert done["progress"]["iterations"] == report["iterations"] > 0 and report["memory_bytes"] > 0
+    assert max(report["residual"]) <= 1e-10 and report["time_s"] > 0
     result = client.solve_job_result(job["id"], require_converged=True)
     assert result.alpha.shape == (N, K) and result.predictions is not None and result.predictions.shape == (M, K)
 
@@ -104,10 +116,34 @@ def test_solve_job_predictions_equal_a_dense_solve_on_the_reference_kernel(
     np.testing.assert_allclose(result.alpha, alpha.reshape(N, K), rtol=1e-5, atol=1e-6 * np.abs(alpha).max())
 
 
+def test_the_held_out_curve_is_the_metric_of_the_predictions_live_and_in_the_result(setup: dict[str, Any]) -> None:
+    """The held-out rows are the test rows here, so the curve's last point (the final α) is the MSE of the
+    returned predictions against the held-out targets, computed here; the live progress carries the same curve."""
+    client, ids = setup["client"], setup["ids"]
+    held_y = np.random.default_rng(3).standard_normal((M, K))
+    held = client.upload_dataset(held_y)["id"]
+    job = client.submit_solve_job(
+        "tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], test=ids["t"], ridge=1e-2, rtol=1e-8,
+        solver="block", heldout={"inputs": ids["t"], "targets": held, "metric": "mse"},
+    )  # fmt: skip
+    done = _finished(client, job["id"])
+    report = done["result"]
+    assert report["converged"] and report["heldout_metric"] == "mse" and len(report["heldout_curve"]) >= 2
+    assert done["progress"]["heldout_curve"] == report["heldout_curve"]
+    assert done["progress"]["heldout"] == report["heldout_curve"][-1][1]
+    passes = [p for p, _ in report["heldout_curve"]]
+    assert passes == sorted(passes) and passes[-1] <= report["passes"]
+    predictions = client.solve_job_result(job["id"]).predictions
+    assert predictions is not None
+    mse = float(np.mean((predictions - held_y) ** 2))
+    assert report["heldout_curve"][-1][1] == pytest.approx(mse, rel=1e-9)
+    assert "heldout" in format_solve_progress(done)
+
+
 def test_a_solve_cut_at_one_iteration_is_reported_as_not_converged(setup: dict[str, Any]) -> None:
     client, ids = setup["client"], setup["ids"]
     job = client.submit_solve_job(
-        "tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, max_iterations=1
+        "tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, solver="cg", max_iterations=1
     )
     done = _finished(client, job["id"])
     assert done["status"] == "succeeded"
@@ -126,8 +162,9 @@ def test_a_long_solve_shows_progress_and_is_cancelled(server: LiveServer, setup:
     slow = {**SLOW_MODEL, "kwargs": {**SLOW_MODEL["kwargs"], "out_dim": 3}}  # type: ignore[dict-item]
     client.register_model("slow-solve", slow, seed=0)
     job = client.submit_solve_job(
-        "slow-solve", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, examples_per_chunk=1
-    )
+        "slow-solve", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, examples_per_chunk=1,
+        solver="pcg", preconditioner="none", rtol=1e-12,
+    )  # fmt: skip
     deadline = time.monotonic() + 60
     while (client.solve_job(job["id"])["progress"] or {}).get("products", 0) < 1:
         assert time.monotonic() < deadline, "the solve never started"
@@ -145,6 +182,16 @@ def test_a_long_solve_shows_progress_and_is_cancelled(server: LiveServer, setup:
     ("change", "error", "match"),
     [
         ({"ridge": -1.0}, InvalidInput, "ridge"),
+        ({"ridge": 0.0}, InvalidInput, "ridge"),
+        ({"solver": "lu"}, InvalidInput, "solver"),
+        ({"solver": "block", "block_size": 100_000}, InvalidInput, r"block_size 100000 with k = 3 .* ≤ 66666"),
+        ({"solver": "block", "block_size": 4, "landmarks": 8}, InvalidInput, r"landmarks \(8\) must be ≤ block_size"),
+        ({"block_size": 10**9}, InvalidInput, "block_size"),
+        ({"dtype": "float32", "rtol": 1e-7}, InvalidInput, "rtol 1e-07 is below the floor float32 products"),
+        ({"heldout": {"inputs": "t", "targets": "y"}}, ShapeMismatch, r"heldout.targets rows \[0, 12\) are 12 rows"),
+        ({"heldout": {"inputs": "x", "targets": "x"}}, ShapeMismatch, r"heldout.targets has shape \(12, 4\)"),
+        ({"heldout": {"inputs": "x", "targets": "y", "metric": "r2"}}, InvalidInput, "metric"),
+        ({"kind": "linearized", "heldout": {"inputs": "x", "targets": "y"}}, InvalidInput, "heldout.metric 'mse'"),
         ({"kind": "lasso"}, InvalidInput, "kind"),
         ({"mode": "example_diagonal"}, InvalidInput, "mode"),
         ({"preconditioner": "jacobi"}, InvalidInput, "preconditioner"),
@@ -164,6 +211,9 @@ def test_bad_solve_input_is_a_422_saying_what_to_fix(
             change = change | {side: ids[value]}
         elif isinstance(value, dict):
             change = change | {side: value | {"dataset": ids[value["dataset"]]}}
+    if "heldout" in change:
+        held = change["heldout"]
+        change = change | {"heldout": held | {side: {"dataset": ids[held[side]]} for side in ("inputs", "targets")}}
     body: dict[str, Any] = {"kind": "kernel_ridge", "model": "tiny", "ridge": 1e-3} | sides | change
     body = {k: ({"dataset": v} if k in ("train", "targets") and isinstance(v, str) else v) for k, v in body.items()}
     with pytest.raises(error, match=match) as caught:
@@ -171,20 +221,29 @@ def test_bad_solve_input_is_a_422_saying_what_to_fix(
     assert getattr(caught.value, "http_status", None) == 422
 
 
-def test_a_nan_ridge_is_refused_by_the_job_engine(tmp_path: Path) -> None:
-    """JSON cannot carry NaN (the server answers 400 for it), so the engine's own check is tested directly."""
+def test_a_nan_ridge_and_a_solve_over_the_memory_budget_are_refused_by_the_job_engine(tmp_path: Path) -> None:
+    """JSON cannot carry NaN (the server answers 400 for it), so the engine's own check is tested directly; and a
+    solve whose estimate is over the budget is refused at submission, the estimate in the message."""
     registry, datasets = ModelRegistry(tmp_path), DatasetStore(tmp_path)
     registry.register("tiny", TINY_MLP, seed=0)
-    x = datasets.create(np.zeros((3, 4), np.float32)).id
-    jobs = JobManager(data_dir=tmp_path, models=registry, datasets=datasets, executor=LocalExecutor())
+    x = datasets.create(np.zeros((300, 4), np.float32)).id
+    y = datasets.create(np.ones((300, 3))).id
+    jobs = JobManager(data_dir=tmp_path, models=registry, datasets=datasets, executor=LocalExecutor(),
+                      memory_budget_bytes=2**20)  # fmt: skip
     try:
-        with pytest.raises(InvalidInput, match=r"ridge must be a finite number ≥ 0, got nan"):
+        with pytest.raises(InvalidInput, match=r"ridge must be a finite number > 0, got nan"):
             jobs.create(
                 SolveRequest(
-                    kind="kernel_ridge", model="tiny", train=DataRows(x), targets=DataRows(x), ridge=float("nan")
+                    kind="kernel_ridge", model="tiny", train=DataRows(x), targets=DataRows(y), ridge=float("nan")
                 )
             )
-        assert jobs.list() == []
+        request = SolveRequest(kind="kernel_ridge", model="tiny", train=DataRows(x), targets=DataRows(y), ridge=1.0)
+        # 900 rows: dense needs 3 × 900² float64s (18.5 MiB) > 1 MiB, and so does auto, which tries it first
+        with pytest.raises(MemoryEstimateExceeded, match=r"solver 'dense' needs about 18\.5\d* MiB") as caught:
+            jobs.create(dataclasses.replace(request, solver="dense"))
+        assert caught.value.estimate_bytes > caught.value.budget_bytes == 2**20
+        assert jobs.create(dataclasses.replace(request, solver="pcg", preconditioner="none")).spec.estimate_bytes > 0
+        assert len(jobs.list()) == 1
     finally:
         registry.close()
         datasets.close()
@@ -208,14 +267,41 @@ def test_inline_solve_equals_the_dense_solve_and_checks_its_targets(setup: dict[
     expected = (b @ np.linalg.solve(a + ridge * np.eye(N * K), y.reshape(-1))).reshape(M, K)
     predictions = wire.tensor_from_json(out["predictions"], name="predictions")
     np.testing.assert_allclose(predictions, expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
-    cut = client._send_json("POST", "/v1/models/tiny/solve", body | {"max_iterations": 1})
+    cut = client._send_json("POST", "/v1/models/tiny/solve", body | {"solver": "pcg", "max_iterations": 1})
     assert cut["converged"] is False and cut["stop_reason"] == "max_iterations"
     with pytest.raises(ShapeMismatch, match=r"y_train has shape \(11, 3\), expected \(12, 3\)") as caught:
         client._send_json("POST", "/v1/models/tiny/solve", body | {"y_train": wire.tensor_to_json(y[:11])})
     assert caught.value.http_status == 422  # type: ignore[attr-defined]
-    with pytest.raises(InvalidInput, match="ridge") as caught:
-        client._send_json("POST", "/v1/models/tiny/solve", body | {"ridge": -1})
+    for ridge_value in (-1, 0):
+        with pytest.raises(InvalidInput, match="ridge") as caught:
+            client._send_json("POST", "/v1/models/tiny/solve", body | {"ridge": ridge_value})
+        assert caught.value.http_status == 422  # type: ignore[attr-defined]
+
+
+def test_the_ridge_estimate_route_picks_a_ridge_whose_exact_gcv_is_near_its_minimum(setup: dict[str, Any]) -> None:
+    """POST /v1/models/{name}/ridge-estimate scores the default grid (× the kernel's mean diagonal) from a Nyström
+    basis of the operator; the exact GCV of the reference kernel (numpy, here) at its pick is within 20 % of the
+    exact minimum over the grid (the library's guarantee, NOTE [ridge estimate]); bad input is a 422."""
+    client, x, y = setup["client"], setup["x"], setup["y"]
+    est = client.estimate_ridge("tiny", x, y)
+    a, _ = _dense(setup["model"], x, setup["t"], "full")
+    mean_diagonal = float(np.mean(np.diag(a)))
+    grid = np.logspace(-6, 0, 13) * mean_diagonal
+    assert est["method"] == "nystrom" and np.allclose(est["ridges"], grid, rtol=1e-6)
+    theta, vectors = np.linalg.eigh(a)
+    projected = vectors.T @ y.reshape(-1)
+
+    def gcv(lam: float) -> float:  # (1/n) ‖(I − H)y‖² / ((1/n) tr(I − H))²
+        shrink = lam / (np.maximum(theta, 0.0) + lam)
+        return float(np.mean((shrink * projected) ** 2) / np.mean(shrink) ** 2)
+
+    exact = [gcv(lam) for lam in grid]
+    assert gcv(est["best_gcv"]) <= 1.2 * min(exact) and est["best_gcv"] in est["ridges"]
+    with pytest.raises(InvalidInput, match="ridges") as caught:
+        client.estimate_ridge("tiny", x, y, ridges=[-1.0])
     assert caught.value.http_status == 422  # type: ignore[attr-defined]
+    with pytest.raises(ShapeMismatch, match=r"y_train has shape \(11, 3\), expected \(12, 3\)"):
+        client.estimate_ridge("tiny", x, y[:11])
 
 
 def test_a_solve_jobs_event_stream_reports_each_cg_segment_and_ends_with_the_finished_job(
@@ -223,8 +309,9 @@ def test_a_solve_jobs_event_stream_reports_each_cg_segment_and_ends_with_the_fin
 ) -> None:
     client, ids = setup["client"], setup["ids"]
     job = client.submit_solve_job(
-        "tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, rtol=1e-12, progress_every=2
-    )
+        "tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1e-3, rtol=1e-12, progress_every=2,
+        solver="pcg", preconditioner="none",
+    )  # fmt: skip
     events: list[tuple[str, dict[str, Any]]] = []
     with server.client() as http, http.stream("GET", f"/v1/solve-jobs/{job['id']}/events") as stream:
         assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
@@ -271,7 +358,7 @@ def test_finished_solve_and_features_jobs_are_deleted_with_their_files_and_cance
 ) -> None:
     client, ids = setup["client"], setup["ids"]
     solve = _finished(
-        client, client.submit_solve_job("tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"])["id"]
+        client, client.submit_solve_job("tiny", kind="kernel_ridge", train=ids["x"], targets=ids["y"], ridge=1.0)["id"]
     )
     features = client.submit_features_job("tiny", dataset=ids["x"], dim=16, seed=0, dtype="float64")
     features = client.wait_features_job(features["id"], poll_s=0.05, timeout_s=120, progress=None)
