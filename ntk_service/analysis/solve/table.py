@@ -17,9 +17,11 @@ NOTE [auto rule]
       (NOTE [dense from an operator]): at these sizes building the kernel and factoring it costs less than the
       passes any iterative method needs, and it is exact however ill-conditioned the problem (float64, k = 3,
       a few hundred examples, ridge 1e-6 × mean diagonal: CG stopped at 2000 iterations with residual 4.3);
-    - a FULL operator with its model (``ntk_operator``, ``dataset_operator``, ``ray_ntk_operator``): "block"
-      (NOTE [parameter-space blocks]), then "pcg" from its α;
-    - any other operator: "pcg" (NOTE [pcg solver]).
+    - a larger operator: "pcg" (NOTE [pcg solver]; its adaptive Nyström rank), then, for a FULL operator with
+      its model (``ntk_operator``, ``dataset_operator``, ``ray_ntk_operator``), "block" from its α (NOTE
+      [parameter-space blocks]): pcg took fewer passes at every size measured (N = 2000-20,000 FULL), and the
+      block method stalls where n = N·k exceeds P;
+    - "dense" last when it fits, whatever the size.
 
     The numbers that chose ``DENSE_MAX_ROWS`` and the block method are in docs/analysis.md ("How auto chooses")
     and docs/benchmarks.md.
