@@ -13,7 +13,8 @@ Parts (``--parts``, default all three):
 - ``http``: a two-branch class with LayerNorm (``TwoBranch``, k = 4) registered with ``Client.register_module`` on a
   real server (a uvicorn subprocess), its kernel at N = M = ``--n-http`` requested with ``Client.ntk`` (x1 and x2
   sent, theta received: end to end from the client) against ``compute_ntk`` on the same module in this process.
-  Target: HTTP / library <= 1.2.
+  Target: HTTP / library <= 1.2. With ``--base TREE`` a second server runs TREE's ntk_service (e.g. ``git archive
+  HEAD~1 | tar -x -C /tmp/base``) and its requests alternate with this tree's: the A/B of a change to the HTTP path.
 
 Each row prints the median wall seconds and CPU seconds (user + system of this process; the server's own for the
 HTTP rows is not in them) and the median of the per-round ratios (each round's calls ran back to back), with the
@@ -22,6 +23,7 @@ load average beside. Every kernel is checked to agree with the module's (1e-4 of
     .venv/bin/python benchmarks/bench_exported_kernels.py                                  # all parts, idle run
     .venv/bin/python benchmarks/bench_exported_kernels.py --parts programs --models mlp gated_loop --rounds 3
     .venv/bin/python benchmarks/bench_exported_kernels.py --small --rounds 1                # smoke run, small sizes
+    .venv/bin/python benchmarks/bench_exported_kernels.py --parts http --rounds 30 --base /tmp/base  # HTTP A/B
 """
 
 from __future__ import annotations
@@ -260,7 +262,28 @@ def ntk_part(rounds: int, small: bool) -> None:
         print(f"| {label} | {a:.2f}, {b:.2f} |")
 
 
-def http_part(n: int, modes: list[str], rounds: int, small: bool) -> None:
+def _server_from(tree: Path, data_dir: Path) -> Any:
+    """A live server (``tests.conftest.LiveServer``) running ``tree``'s ntk_service: the base of an A/B."""
+    import subprocess
+
+    from tests import conftest
+
+    port = conftest._free_port()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NTK_")}
+    env.update(NTK_HOST="127.0.0.1", NTK_PORT=str(port), NTK_DATA_DIR=str(data_dir), NTK_LOG_LEVEL="warning",
+               NTK_API_KEYS=f"{conftest.READ_KEY}:read,{conftest.WRITE_KEY}:write",
+               NTK_MAX_BODY_BYTES=str(1024 * 2**20), NTK_MAX_JSON_RESPONSE_BYTES=str(1024 * 2**20),
+               PYTHONPATH=str(tree))  # fmt: skip
+    data_dir.mkdir(parents=True)
+    log_path = data_dir.parent / "base-server.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", conftest._SERVE], cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    return conftest.wait_until_ready(conftest.LiveServer(f"http://127.0.0.1:{port}", data_dir, process, log_path))
+
+
+def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | None = None) -> None:
     from ntk_service.client import Client
     from tests.conftest import start_live_server
 
@@ -268,40 +291,61 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool) -> None:
     module = _seeded(lambda: TwoBranch(d=64, hidden=hidden, classes=4))()
     x1, x2 = _floats(64)(n, 1), _floats(64)(n, 2)
     print(f"\n## http: TwoBranch(d=64, hidden={hidden}, k=4) registered with Client.register_module, N = M = {n}")
-    print("| case | contender | auto ran | wall s | CPU s (this process) |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
-        server = start_live_server(
+        servers = {"HTTP Client.ntk_result": start_live_server(
             Path(tmp) / "data", max_body_bytes=str(1024 * 2**20), max_json_response_bytes=str(1024 * 2**20)
-        )
+        )}  # fmt: skip
+        if base is not None:
+            servers["HTTP (base tree)"] = _server_from(base, Path(tmp) / "base-data")
+        clients = {}
         try:
-            client = Client(server.url, api_key=server.write_key, timeout=600.0)
-            info = client.register_module("two-branch", module, input_shape=(64,))
+            for label, server in servers.items():
+                clients[label] = Client(server.url, api_key=server.write_key, timeout=600.0)
+                info = clients[label].register_module("two-branch", module, input_shape=(64,))
             paths: dict[str, Any] = dict(info["parameter_paths"] or {})
             groups = [(g["group"], g["form"]) for g in paths.get("groups", [])]
             print(f"registered: class {info['class_name']}; auto {paths.get('auto')}; paths {groups}")
+            print("| case | contender | auto ran | wall s | CPU s (this process) |\n|---|---|---|---|---|")
             summary = []
             for mode in modes:
                 contenders: dict[str, Callable[[], Any]] = {
                     "library compute_ntk": lambda mode=mode: compute_ntk(module, x1, x2, mode=mode),
-                    "HTTP Client.ntk_result": lambda mode=mode: client.ntk_result(
-                        "two-branch", x1.numpy(), x2.numpy(), mode=mode
-                    ),
                 }
+                for label, client in clients.items():
+                    contenders[label] = lambda mode=mode, client=client: client.ntk_result(
+                        "two-branch", x1.numpy(), x2.numpy(), mode=mode
+                    )
+                # the fixed cost of a request: one example each side, where the compute is the engine's own overhead
+                contenders["library N=1"] = lambda mode=mode: compute_ntk(module, x1[:1], x2[:1], mode=mode)
+                contenders["HTTP N=1"] = lambda mode=mode: clients["HTTP Client.ntk_result"].ntk_result(
+                    "two-branch", x1[:1].numpy(), x2[:1].numpy(), mode=mode
+                )
                 wall, cpu, results = _alternate(contenders, rounds)
+                fixed = {name: results.pop(name) for name in ("library N=1", "HTTP N=1")}
                 _check(results, "library compute_ntk", "http")
+                _check(fixed, "library N=1", "http N=1")
+                results.update(fixed)
                 label = f"TwoBranch N={n} {mode.upper()}"
-                print(f"| {label} | (server-measured compute of the last HTTP call) | | "
-                      f"{results['HTTP Client.ntk_result'].elapsed_ms / 1000:.4f} | |")  # fmt: skip
+                for name in clients:
+                    print(f"| {label} | (server-measured compute of the last {name} call) | | "
+                          f"{results[name].elapsed_ms / 1000:.4f} | |")  # fmt: skip
                 for contender in contenders:
                     _row(label, contender, wall, cpu, str(getattr(results[contender].implementation, "value",
                                                                   results[contender].implementation)))  # fmt: skip
-                summary.append((label, _paired(wall, "HTTP Client.ntk_result", "library compute_ntk")))
-            client.close()
+                ratios = [f"{name} / library {_paired(wall, name, 'library compute_ntk'):.2f}" for name in clients]
+                fixed_ms = statistics.median(a - b for a, b in zip(wall["HTTP N=1"], wall["library N=1"], strict=True))
+                ratios.append(f"fixed cost of a request (HTTP - library at N=1) {1000 * fixed_ms:.1f} ms")
+                if base is not None:
+                    ratios.append(f"this tree / base {_paired(wall, 'HTTP Client.ntk_result', 'HTTP (base tree)'):.2f}")
+                summary.append((label, ", ".join(ratios)))
         finally:
-            server.stop()
+            for client in clients.values():
+                client.close()
+            for server in servers.values():
+                server.stop()
     print(f"\nload average {os.getloadavg()[0]:.1f}; target: HTTP / library <= 1.2 (paired median, wall)")
     for label, ratio in summary:
-        print(f"| {label} | HTTP / library {ratio:.2f} |")
+        print(f"| {label} | {ratio} |")
 
 
 def main() -> None:
@@ -313,6 +357,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["full", "trace"], choices=["full", "trace"])
     parser.add_argument("--rounds", type=int, default=5, help="Timed rounds after one warm-up. Default: 5.")
     parser.add_argument("--small", action="store_true", help="Small sizes for a quick check of the script.")
+    parser.add_argument(
+        "--base", type=Path, help="http part: also a server of this tree (an A/B, e.g. git archive HEAD~1 | tar -x)."
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # torch.export's and transformers' notices, per export
     torch.set_num_threads(2)
@@ -323,7 +370,7 @@ def main() -> None:
     if "ntk" in args.parts:
         ntk_part(args.rounds, args.small)
     if "http" in args.parts:
-        http_part(16 if args.small else args.n_http, args.modes, args.rounds, args.small)
+        http_part(16 if args.small else args.n_http, args.modes, args.rounds, args.small, args.base)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ problem/affine_batchnorm.py), against the independent float64 reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -13,15 +14,18 @@ from torch import nn
 from benchmarks._models import ResNet, randomize_batchnorm
 from ntk_service.kernels.groups import ParameterGroups
 from ntk_service.kernels.jacobian_contraction import (
+    CHUNK_BYTES,
     JacobianContraction,
     contract_groups,
     contract_groups_diagonal,
+    jacobian_chunk,
     jacobian_chunks,
     jacobians,
     split_chunks,
 )
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.affine_batchnorm import affine_batchnorm
+from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel
 
@@ -131,3 +135,24 @@ def test_chunked_sides_contract_per_group(mode: KernelMode) -> None:
         cols = reference_columns(model, members)
         expected = reference_kernel(_reference()[..., cols], j2_ref[..., cols], mode.value)
         assert_matches(got[g], expected, rel=1e-12)
+
+
+def test_a_chunk_keeps_the_largest_cotangent_buffer_under_the_mmap_threshold() -> None:
+    """NOTE [cotangents on the heap]: the probe measures one example's largest saved tensor (here ReLU's output,
+    8 x 6 x 6 float32, written out by hand), and a chunked call keeps k cotangents of it per example under glibc's
+    mmap threshold, as well as its transient under CHUNK_BYTES."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 3))
+    x = torch.randn(4, 2, 6, 6)
+    with prepared_problem(model, x, None, params=None, dtype=None) as prepared:
+        problem = prepared.problem
+    assert problem.largest_saved_bytes == 8 * 6 * 6 * 4
+    for largest in (64 * 2**10, 128 * 2**10, 3 * 2**20):
+        # a transient that outweighs the Jacobian, so the call is chunked
+        chunked = dataclasses.replace(problem, saved_bytes=2 * largest, largest_saved_bytes=largest)
+        chunk = jacobian_chunk(chunked)
+        assert chunk >= 1
+        assert chunk == 1 or chunk * chunked.k * largest <= MMAP_THRESHOLD_BYTES
+        assert (chunk + 1) * chunked.k * largest > MMAP_THRESHOLD_BYTES or (chunk + 1) * 2 * largest * (
+            1 + chunked.k
+        ) > CHUNK_BYTES

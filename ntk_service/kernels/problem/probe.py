@@ -33,20 +33,23 @@ PROBE_EXAMPLES = 4
 """Examples used to probe the model: enough to see examples interact, few enough to cost nothing."""
 
 
-def _counted_forward(problem: NtkProblem, x: Batch) -> tuple[object, float, float]:
+def _counted_forward(problem: NtkProblem, x: Batch) -> tuple[object, float, float, float]:
     """The model on the batch x, with its FLOPs and the bytes autograd saves for backward, per example.
 
     Returns:
-        (output, FLOPs per example, saved bytes per example); the output is detached.
+        (output, FLOPs per example, saved bytes per example, bytes per example of the largest saved tensor); the
+        output is detached.
     """
-    saved = 0
+    saved = largest = 0
     # Weights autograd saves (e.g. for a matmul's input gradient) are shared by every example: not per-example bytes.
     shared = {t.untyped_storage().data_ptr() for t in (*problem.params.values(), *problem.frozen.values())}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
+        nonlocal saved, largest
         if t.untyped_storage().data_ptr() not in shared:
-            saved += t.numel() * t.element_size()
+            size = t.numel() * t.element_size()
+            saved += size
+            largest = max(largest, size)
         return t
 
     params = {name: p.detach().requires_grad_(True) for name, p in problem.params.items()}
@@ -57,7 +60,7 @@ def _counted_forward(problem: NtkProblem, x: Batch) -> tuple[object, float, floa
             out = select_output(out, problem.output)
     n = batch_size(x)
     out = out.detach() if isinstance(out, torch.Tensor) else out
-    return out, counter.get_total_flops() / n, saved / n
+    return out, counter.get_total_flops() / n, saved / n, largest / n
 
 
 def probe_model(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch]] = ()) -> None:
@@ -69,7 +72,7 @@ def probe_model(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch]
     assert isinstance(x, torch.Tensor)
     n = x.shape[0]
     try:
-        batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
+        batched, problem.forward_flops, problem.saved_bytes, problem.largest_saved_bytes = _counted_forward(problem, x)
     except InvalidInput:
         raise
     except Exception as exc:  # the model's own error, e.g. a shape mismatch inside a layer
@@ -106,7 +109,9 @@ def _probe_batch(problem: NtkProblem, x: Batch, sides: Sequence[tuple[str, Batch
     n = batch_size(x)
     with embedding_feeds(problem.module, x) as feeds:
         try:
-            batched, problem.forward_flops, problem.saved_bytes = _counted_forward(problem, x)
+            batched, problem.forward_flops, problem.saved_bytes, problem.largest_saved_bytes = _counted_forward(
+                problem, x
+            )
         except InvalidInput:
             raise
         except Exception as exc:  # the model's own error, e.g. a missing argument or a shape mismatch in a layer

@@ -36,6 +36,7 @@ class NtkProblem:
         dtype: the compute dtype (float32 or float64).
         forward_flops: FLOPs of one example's forward pass, counted by ``FlopCounterMode``.
         saved_bytes: bytes autograd saves for backward in one example's forward pass.
+        largest_saved_bytes: bytes of one example's share of the largest tensor autograd saves (0: not probed).
         owns_module: ``module`` is a private copy (``problem_pool``) whose own parameters and buffers hold the
             values of ``params`` and ``frozen`` (same storage and dtype), so ``f_own`` may call it directly.
         choices: the implementation and block plan chosen per call shape (``choice.choose``), kept with the
@@ -63,6 +64,7 @@ class NtkProblem:
     dtype: torch.dtype
     forward_flops: float
     saved_bytes: float
+    largest_saved_bytes: float = 0.0
     owns_module: bool = False
     choices: dict[Hashable, Any] = field(default_factory=dict)
     analyses: dict[Hashable, Any] = field(default_factory=dict)
