@@ -51,6 +51,7 @@ __all__ = [
     "NtkImplementation",
     "OperatorModeName",
     "Outputs",
+    "SolverName",
     "mode_help",
     "mode_table",
     "parse_any_mode",
@@ -266,6 +267,10 @@ OperatorModeName = Literal["full", "trace", "pseudo"]
 
 ImplementationName = Literal["auto", "jacobian_contraction", "ntk_vector_products", "structured"]
 """An implementation's wire value (``NtkImplementation``); "auto" picks by cost (a result names the one that ran)."""
+
+SolverName = Literal["auto", "dense", "pcg", "block", "cg", "direct"]
+"""A solver's wire value: a name of the solver table (``SOLVERS`` in ``analysis/solve/table.py``) or an older
+spelling it still reads ("cg": "pcg", "direct": "dense"). Here so the client and the CLI name them without numpy."""
 
 
 def parse_any_mode(mode: KernelMode | DerivedMode | str, *, operation: str = "compute_ntk") -> KernelMode | DerivedMode:

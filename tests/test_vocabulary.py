@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ntk_service import vocabulary
+from ntk_service.analysis.solve.table import ALIASES, SOLVERS
 from ntk_service.errors import UnknownImplementation, UnknownMode
 from ntk_service.kernels import compute_ntk
 from ntk_service.vocabulary import MODES, DerivedMode, KernelMode, NtkImplementation
@@ -25,6 +26,7 @@ def test_the_literal_types_name_the_rows_of_the_table() -> None:
     assert get_args(vocabulary.ContractedModeName) == tuple(m.value for m in vocabulary.CONTRACTED_MODES)
     assert get_args(vocabulary.OperatorModeName) == tuple(m.value for m in vocabulary.OPERATOR_MODES)
     assert get_args(vocabulary.ImplementationName) == tuple(i.value for i in NtkImplementation)
+    assert set(get_args(vocabulary.SolverName)) == set(SOLVERS) | set(ALIASES)
     assert {*KernelMode, *DerivedMode} == {spec.mode for spec in MODES.values()}
     assert all(spec.derived == isinstance(spec.mode, DerivedMode) for spec in MODES.values())
     assert all(spec.mode.spec is spec for spec in MODES.values())

@@ -22,7 +22,7 @@ import typer
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._output import print_record
 from ntk_service.cli.jobs import _dataset_id
-from ntk_service.client._solve import SolverName
+from ntk_service.vocabulary import SolverName
 
 __all__ = ["features_app", "solve_app"]
 

@@ -32,11 +32,11 @@ import numpy as np
 from ntk_service import wire
 from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
 from ntk_service.errors import JobFailed, NtkServiceError, ServiceUnavailable
+from ntk_service.vocabulary import SolverName
 
 __all__ = ["SolveJobResult", "SolveJobsClient", "format_solve_progress"]
 
 SolveKindName = Literal["kernel_ridge", "gp_mean", "linearized"]
-SolverName = Literal["auto", "dense", "pcg", "block", "cg", "direct"]
 
 _FINISHED = frozenset({"succeeded", "failed", "cancelled"})
 
