@@ -12,16 +12,15 @@ $ ntk-service attribution list | status | watch | cancel | delete ID
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, cast
 
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
-from ntk_service.cli._output import format_value, print_record, print_table
+from ntk_service.cli._job_commands import JobCommands, add_job_commands, first_found, progress_stream
+from ntk_service.cli._output import format_value, print_table
 from ntk_service.cli.jobs import _dataset_id
-from ntk_service.errors import JobNotFound
 
 __all__ = ["attribution_app"]
 
@@ -52,15 +51,25 @@ def _span(value: str | None, option: str) -> tuple[int, int] | None:
         raise UsageError(f"{option}: expected a:b (two integers), got {value!r}") from None
 
 
-def _progress(ctx: typer.Context, json_output: bool) -> Any:
-    return None if wants_json(ctx, json_output) and not sys.stderr.isatty() else typer.get_text_stream("stderr")
+FEATURES_JOBS = JobCommands(
+    noun="attribution features job",
+    get=lambda client, job_id: client.attribution_features_job(job_id),
+    wait=lambda client, job_id, progress: client.wait_attribution_features(job_id, progress=progress),
+    cancel=lambda client, job_id: client.cancel_attribution_features(job_id),
+    delete=lambda client, job_id: client.delete_attribution_features(job_id),
+    help={},
+    id_arg=JobIdArg,
+)
 
-
-def _show(ctx: typer.Context, job: Any, json_output: bool) -> None:
-    if wants_json(ctx, json_output):
-        print_json(job)
-    else:
-        print_record(job)
+ATTRIBUTION_JOBS = JobCommands(
+    noun="attribution job",
+    get=lambda client, job_id: client.attribution_job(job_id),
+    wait=lambda client, job_id, progress: client.wait_attribution_job(job_id, progress=progress),
+    cancel=lambda client, job_id: client.cancel_attribution_job(job_id),
+    delete=lambda client, job_id: client.delete_attribution_job(job_id),
+    help={},
+    id_arg=JobIdArg,
+)
 
 
 @attribution_app.command("features")
@@ -89,12 +98,7 @@ def features_submit(
         dim=dim,
         seed=seed,
     )  # fmt: skip  (the server refuses other values of loss and features: 422)
-    if not wants_json(ctx, json_output):
-        typer.echo(f"submitted attribution features job {job['id']}")
-    if watch:
-        job = client.wait_attribution_features(job["id"], progress=_progress(ctx, json_output))
-    if watch or wants_json(ctx, json_output):
-        _show(ctx, job, json_output)
+    FEATURES_JOBS.submitted(ctx, job, watch=watch, json_output=json_output)
 
 
 @attribution_app.command("score")
@@ -118,12 +122,7 @@ def score_submit(
         test_labels=None if test_labels is None else _dataset_id(ctx, test_labels, option="--test-labels"),
         ridge=ridge, top_k=top_k, store_scores=store_scores, self_influence=self_influence,
     )  # fmt: skip
-    if not wants_json(ctx, json_output):
-        typer.echo(f"submitted attribution job {job['id']}")
-    if watch:
-        job = client.wait_attribution_job(job["id"], progress=_progress(ctx, json_output))
-    if watch or wants_json(ctx, json_output):
-        _show(ctx, job, json_output)
+    ATTRIBUTION_JOBS.submitted(ctx, job, watch=watch, json_output=json_output)
 
 
 @attribution_app.command("run")
@@ -158,7 +157,7 @@ def run(
         test_labels=None if test_labels is None else _dataset_id(ctx, test_labels, option="--test-labels"),
         versions=chosen, loss=cast(Literal["cross_entropy", "mse"], loss),
         features=cast(Literal["structured", "gaussian", "exact"], features), dim=dim, ridge=ridge, top_k=top_k,
-        self_influence=self_influence, progress=_progress(ctx, json_output),
+        self_influence=self_influence, progress=progress_stream(ctx, json_output),
     )  # fmt: skip
     if output is not None:
         _save(output, result)
@@ -177,15 +176,6 @@ def _save(path: Path, result: Any) -> None:
     names = ("proponents", "proponent_scores", "opponents", "opponent_scores", "total_influence", "self_influence")
     arrays = {name: getattr(result, name) for name in names if getattr(result, name) is not None}
     np.savez(path, **arrays)
-
-
-def _either(ctx: typer.Context, job_id: str, attribution: str, features: str) -> Any:
-    """Call the attribution job's method, else (no such job) the features job's."""
-    client = state_of(ctx).client()
-    try:
-        return getattr(client, attribution)(job_id)
-    except JobNotFound:
-        return getattr(client, features)(job_id)
 
 
 @attribution_app.command("list")
@@ -213,33 +203,23 @@ def list_jobs(ctx: typer.Context, json_output: JsonFlag = False) -> None:
     print_table(rows, ["id", "job", "model", "progress"], empty="no attribution jobs")
 
 
-@attribution_app.command("status")
-def status(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Show one job (either kind)."""
-    _show(ctx, _either(ctx, job_id, "attribution_job", "attribution_features_job"), json_output)
-
-
-@attribution_app.command("watch")
-def watch(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Print progress until the job (either kind) ends."""
-    client = state_of(ctx).client()
-    try:
-        job: Any = client.wait_attribution_job(job_id, progress=_progress(ctx, json_output))
-    except JobNotFound:
-        job = client.wait_attribution_features(job_id, progress=_progress(ctx, json_output))
-    _show(ctx, job, json_output)
-
-
-@attribution_app.command("cancel")
-def cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Cancel a queued or running job (either kind)."""
-    _show(ctx, _either(ctx, job_id, "cancel_attribution_job", "cancel_attribution_features"), json_output)
-
-
-@attribution_app.command("delete")
-def delete(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Delete a finished job and its files (a queued or running one is cancelled instead)."""
-    _show(ctx, _either(ctx, job_id, "delete_attribution_job", "delete_attribution_features"), json_output)
+add_job_commands(
+    attribution_app,
+    JobCommands(
+        noun="job",
+        get=first_found(ATTRIBUTION_JOBS.get, FEATURES_JOBS.get),
+        wait=first_found(ATTRIBUTION_JOBS.wait, FEATURES_JOBS.wait),
+        cancel=first_found(ATTRIBUTION_JOBS.cancel, FEATURES_JOBS.cancel),
+        delete=first_found(ATTRIBUTION_JOBS.delete, FEATURES_JOBS.delete),
+        help={
+            "status": "Show one job (either kind).",
+            "watch": "Print progress until the job (either kind) ends.",
+            "cancel": "Cancel a queued or running job (either kind).",
+            "delete": "Delete a finished job and its files (a queued or running one is cancelled instead).",
+        },
+        id_arg=JobIdArg,
+    ),
+)
 
 
 @attribution_app.command("result")

@@ -15,12 +15,12 @@ $ ntk-service features delete 9c1e...               # a finished job and its Φ
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Literal, cast
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
-from ntk_service.cli._output import print_record
+from ntk_service.cli._app import JsonFlag, UsageError, state_of
+from ntk_service.cli._job_commands import JobCommands, add_job_commands
 from ntk_service.cli.jobs import _dataset_id
 from ntk_service.vocabulary import SolverName
 
@@ -53,11 +53,36 @@ def _rows(value: str | None) -> tuple[int, int] | None:
         raise UsageError(f"--rows: expected a:b (two integers), got {value!r}") from None
 
 
-def _finish(ctx: typer.Context, job: dict[str, Any], json_output: bool) -> None:
-    if wants_json(ctx, json_output):
-        print_json(job)
-    else:
-        print_record(job)
+SOLVE_JOBS = JobCommands(
+    noun="solve job",
+    get=lambda client, job_id: client.solve_job(job_id),
+    wait=lambda client, job_id, progress: client.wait_solve_job(job_id, progress=progress),
+    cancel=lambda client, job_id: client.cancel_solve_job(job_id),
+    delete=lambda client, job_id: client.delete_solve_job(job_id),
+    help={
+        "watch": "Print the solver, its steps, residual, passes and the held-out metric's last value until the "
+        "solve ends.",
+        "status": "Show one solve job.",
+        "cancel": "Cancel a queued or running solve.",
+        "delete": "Delete a finished solve job and its arrays (a queued or running one is cancelled instead).",
+    },
+    id_arg=JobIdArg,
+)
+
+FEATURES_JOBS = JobCommands(
+    noun="features job",
+    get=lambda client, job_id: client.features_job(job_id),
+    wait=lambda client, job_id, progress: client.wait_features_job(job_id, progress=progress),
+    cancel=lambda client, job_id: client.cancel_features_job(job_id),
+    delete=lambda client, job_id: client.delete_features_job(job_id),
+    help={
+        "status": "Show one features job.",
+        "watch": "Print the rows done until the features job ends.",
+        "cancel": "Cancel a queued or running features job.",
+        "delete": "Delete a finished features job and its stored Φ (a queued or running one is cancelled instead).",
+    },
+    id_arg=JobIdArg,
+)
 
 
 @solve_app.command("submit")
@@ -121,43 +146,10 @@ def solve_submit(
         block_size=block_size,
         landmarks=landmarks,
     )
-    if not wants_json(ctx, json_output):
-        typer.echo(f"submitted solve job {job['id']}")
-    if watch:
-        job = client.wait_solve_job(job["id"], progress=None if wants_json(ctx, json_output) else _stderr())
-    if wants_json(ctx, json_output) or watch:
-        _finish(ctx, job, json_output)
+    SOLVE_JOBS.submitted(ctx, job, watch=watch, json_output=json_output)
 
 
-def _stderr() -> Any:
-    return typer.get_text_stream("stderr")
-
-
-@solve_app.command("watch")
-def solve_watch(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Print the solver, its steps, residual, passes and the held-out metric's last value until the solve ends."""
-    client = state_of(ctx).client()
-    _finish(
-        ctx, client.wait_solve_job(job_id, progress=None if wants_json(ctx, json_output) else _stderr()), json_output
-    )
-
-
-@solve_app.command("status")
-def solve_status(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Show one solve job."""
-    _finish(ctx, state_of(ctx).client().solve_job(job_id), json_output)
-
-
-@solve_app.command("cancel")
-def solve_cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Cancel a queued or running solve."""
-    _finish(ctx, state_of(ctx).client().cancel_solve_job(job_id), json_output)
-
-
-@solve_app.command("delete")
-def solve_delete(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Delete a finished solve job and its arrays (a queued or running one is cancelled instead)."""
-    _finish(ctx, state_of(ctx).client().delete_solve_job(job_id), json_output)
+add_job_commands(solve_app, SOLVE_JOBS)
 
 
 @solve_app.command("result")
@@ -202,24 +194,10 @@ def features_submit(
         version=version,
         sketch=cast(Literal["structured", "gaussian"] | None, sketch),
     )
-    if not wants_json(ctx, json_output):
-        typer.echo(f"submitted features job {job['id']}")
-    if watch:
-        job = client.wait_features_job(job["id"], progress=None if wants_json(ctx, json_output) else _stderr())
-    if wants_json(ctx, json_output) or watch:
-        _finish(ctx, job, json_output)
+    FEATURES_JOBS.submitted(ctx, job, watch=watch, json_output=json_output)
 
 
-@features_app.command("cancel")
-def features_cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Cancel a queued or running features job."""
-    _finish(ctx, state_of(ctx).client().cancel_features_job(job_id), json_output)
-
-
-@features_app.command("delete")
-def features_delete(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
-    """Delete a finished features job and its stored Φ (a queued or running one is cancelled instead)."""
-    _finish(ctx, state_of(ctx).client().delete_features_job(job_id), json_output)
+add_job_commands(features_app, FEATURES_JOBS)
 
 
 @features_app.command("result")

@@ -24,8 +24,9 @@ import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._datasets import read_dataset_file
+from ntk_service.cli._job_commands import show_job
 from ntk_service.cli._kernel import Dtype, Implementation
-from ntk_service.cli._output import print_record, print_table
+from ntk_service.cli._output import print_table
 from ntk_service.vocabulary import CONTRACTED_MODES, ContractedModeName, mode_help
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
@@ -119,13 +120,6 @@ def _list_row(job: Mapping[str, Any], now: float) -> dict[str, Any]:
     }
 
 
-def _show(ctx: typer.Context, job: Mapping[str, Any], json_output: bool) -> None:
-    if wants_json(ctx, json_output):
-        print_json(job)
-    else:
-        print_record(job)
-
-
 @jobs_app.command("submit")
 def submit(
     ctx: typer.Context,
@@ -212,7 +206,7 @@ def status(
     if job_id is None:
         list_jobs(ctx, json_output)
         return
-    _show(ctx, state_of(ctx).client().get_job(job_id), json_output)
+    show_job(ctx, state_of(ctx).client().get_job(job_id), json_output)
 
 
 @jobs_app.command("watch")
