@@ -27,6 +27,7 @@ import numpy as np
 
 from ntk_service import wire
 from ntk_service.client._base import _decode_json, _decode_tensors
+from ntk_service.client._job_routes import JobRoute, rows_body
 from ntk_service.client._solve import SolveJobsClient, format_solve_progress
 from ntk_service.client._types import DtypeName, JobStatusName
 
@@ -254,12 +255,6 @@ def format_attribution_progress(job: Mapping[str, Any]) -> str:
     return line
 
 
-def _rows(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if value is None or isinstance(value, Mapping):
-        return None if value is None else dict(value)
-    return {"dataset": value}
-
-
 def _example(data: Mapping[str, Any], score: bool) -> AttributedExample:
     value = data["input"]
     if isinstance(value, Mapping) and "data" not in value:
@@ -269,6 +264,10 @@ def _example(data: Mapping[str, Any], score: bool) -> AttributedExample:
     return AttributedExample(
         index=int(data["index"]), score=float(data["score"]) if score else None, input=inputs, label=data["label"]
     )
+
+
+_FEATURES_ROUTE: JobRoute[AttributionFeaturesJob] = JobRoute("/v1/attribution-features", format_attribution_progress)
+_ATTRIBUTION_ROUTE: JobRoute[AttributionJob] = JobRoute("/v1/attribution-jobs", format_attribution_progress)
 
 
 class AttributionClient(SolveJobsClient):
@@ -308,24 +307,23 @@ class AttributionClient(SolveJobsClient):
             MemoryEstimateExceeded (413). ModelNotFound / DatasetNotFound (404).
         """
         body = {
-            "model": model, "version": version, "train": _rows(train), "labels": _rows(labels), "loss": loss,
+            "model": model, "version": version, "train": rows_body(train), "labels": rows_body(labels), "loss": loss,
             "features": features, "dim": dim, "seed": seed, "params": params, "dtype": dtype,
             "rows_per_chunk": rows_per_chunk,
         }  # fmt: skip
-        sent = {key: value for key, value in body.items() if value is not None}
-        return cast(AttributionFeaturesJob, self._send_json("POST", "/v1/attribution-features", sent))
+        return self._submit_job(_FEATURES_ROUTE, body)
 
     def attribution_features_job(self, job_id: str) -> AttributionFeaturesJob:
         """The features job (GET /v1/attribution-features/{id}), progress {rows_done, rows_total}."""
-        return cast(AttributionFeaturesJob, self._get_json(f"/v1/attribution-features/{quote(job_id, safe='')}"))
+        return self._job(_FEATURES_ROUTE, job_id)
 
     def list_attribution_features(self) -> list[AttributionFeaturesJob]:
         """Every attribution features job, newest first."""
-        return cast(list[AttributionFeaturesJob], self._get_json("/v1/attribution-features")["data"])
+        return self._jobs(_FEATURES_ROUTE)
 
     def cancel_attribution_features(self, job_id: str) -> AttributionFeaturesJob:
         """Cancel a queued or running features job (it stops between chunks); returns the job."""
-        return cast(AttributionFeaturesJob, self._cancel("attribution-features", job_id))
+        return self._cancel_job(_FEATURES_ROUTE, job_id)
 
     def delete_attribution_features(self, job_id: str) -> dict[str, Any]:
         """Delete a finished features job and its stored features; {"id", "deleted", "freed_bytes"} (a queued or
@@ -334,7 +332,7 @@ class AttributionClient(SolveJobsClient):
         Raises:
             JobNotFound (404). Conflict (409): an attribution job is scoring against it.
         """
-        return self._delete("attribution-features", job_id)
+        return self._delete_job(_FEATURES_ROUTE, job_id)
 
     def wait_attribution_features(
         self,
@@ -346,13 +344,7 @@ class AttributionClient(SolveJobsClient):
     ) -> AttributionFeaturesJob:
         """Follow a features job until it ends (``wait_solve_job``'s event stream and polling), printing the rows
         done to ``progress``. Raises JobFailed when it failed."""
-
-        def get(job: str) -> dict[str, Any]:
-            return cast(dict[str, Any], self.attribution_features_job(job))
-
-        route = "/v1/attribution-features"
-        done = self._wait(route, get, job_id, poll_s, timeout_s, progress, format_attribution_progress)
-        return cast(AttributionFeaturesJob, done)
+        return self._wait_job(_FEATURES_ROUTE, job_id, poll_s, timeout_s, progress)
 
     # ---- scoring test sets ----
 
@@ -392,28 +384,27 @@ class AttributionClient(SolveJobsClient):
         """
         ids = [features] if isinstance(features, str) else list(features)
         body = {
-            "features": ids, "test": _rows(test), "test_labels": _rows(test_labels), "ridge": ridge,
+            "features": ids, "test": rows_body(test), "test_labels": rows_body(test_labels), "ridge": ridge,
             "ensemble": ensemble, "top_k": top_k, "store_scores": store_scores, "total_influence": total_influence,
             "self_influence": self_influence, "train_rows": train_rows, "test_rows_per_chunk": test_rows_per_chunk,
         }  # fmt: skip
-        sent = {key: value for key, value in body.items() if value is not None}
-        return cast(AttributionJob, self._send_json("POST", "/v1/attribution-jobs", sent))
+        return self._submit_job(_ATTRIBUTION_ROUTE, body)
 
     def attribution_job(self, job_id: str) -> AttributionJob:
         """The attribution job (GET /v1/attribution-jobs/{id}): progress while it runs, summary once finished."""
-        return cast(AttributionJob, self._get_json(f"/v1/attribution-jobs/{quote(job_id, safe='')}"))
+        return self._job(_ATTRIBUTION_ROUTE, job_id)
 
     def list_attribution_jobs(self) -> list[AttributionJob]:
         """Every attribution job, newest first."""
-        return cast(list[AttributionJob], self._get_json("/v1/attribution-jobs")["data"])
+        return self._jobs(_ATTRIBUTION_ROUTE)
 
     def cancel_attribution_job(self, job_id: str) -> AttributionJob:
         """Cancel a queued or running attribution job (it stops between units); returns the job."""
-        return cast(AttributionJob, self._cancel("attribution-jobs", job_id))
+        return self._cancel_job(_ATTRIBUTION_ROUTE, job_id)
 
     def delete_attribution_job(self, job_id: str) -> dict[str, Any]:
         """Delete a finished attribution job and its arrays (a queued or running one is cancelled instead)."""
-        return self._delete("attribution-jobs", job_id)
+        return self._delete_job(_ATTRIBUTION_ROUTE, job_id)
 
     def wait_attribution_job(
         self,
@@ -425,12 +416,7 @@ class AttributionClient(SolveJobsClient):
     ) -> AttributionJob:
         """Follow an attribution job until it ends, printing ``format_attribution_progress`` lines. Raises
         JobFailed when it failed."""
-
-        def get(job: str) -> dict[str, Any]:
-            return cast(dict[str, Any], self.attribution_job(job))
-
-        done = self._wait("/v1/attribution-jobs", get, job_id, poll_s, timeout_s, progress, format_attribution_progress)
-        return cast(AttributionJob, done)
+        return self._wait_job(_ATTRIBUTION_ROUTE, job_id, poll_s, timeout_s, progress)
 
     def attribution_result(self, job_id: str, *, rows: tuple[int, int] | None = None) -> AttributionResult:
         """A succeeded attribution job's answers (safetensors): the top-k arrays of test ``rows`` (default: all),
@@ -546,7 +532,7 @@ class AttributionClient(SolveJobsClient):
             resolved = int(self._get_json(f"/v1/models/{quote(model, safe='')}")["version"])
 
         def rows_of(value: str | Mapping[str, Any]) -> tuple[str, int, int]:
-            side = cast(dict[str, Any], _rows(value))
+            side = cast(dict[str, Any], rows_body(value))
             stop = side.get("stop")
             if stop is None:
                 stop = int(self._get_json(f"/v1/datasets/{quote(side['dataset'], safe='')}")["shape"][0])

@@ -19,26 +19,22 @@ A solve that did not converge is a succeeded job whose result says so: ``SolveJo
 from __future__ import annotations
 
 import json
-import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO, cast
 from urllib.parse import quote
 
-import httpx
 import numpy as np
 
 from ntk_service import wire
-from ntk_service.client._base import BaseClient, _decode_json, _decode_tensors
-from ntk_service.errors import JobFailed, NtkServiceError, ServiceUnavailable
+from ntk_service.client._base import _decode_tensors
+from ntk_service.client._job_routes import JobRoute, JobRoutesClient, rows_body
+from ntk_service.errors import NtkServiceError
 from ntk_service.vocabulary import SolverName
 
 __all__ = ["SolveJobResult", "SolveJobsClient", "format_solve_progress"]
 
 SolveKindName = Literal["kernel_ridge", "gp_mean", "linearized"]
-
-_FINISHED = frozenset({"succeeded", "failed", "cancelled"})
 
 
 @dataclass(frozen=True)
@@ -105,17 +101,15 @@ def _heldout(value: Mapping[str, Any] | None) -> dict[str, Any] | None:
     for side in ("inputs", "targets"):
         if side not in held:
             raise ValueError(f"submit_solve_job: heldout needs {side!r} (a data set id or rows), got {sorted(held)}")
-        held[side] = _side(held[side])
+        held[side] = rows_body(held[side])
     return held
 
 
-def _side(value: str | Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if value is None or isinstance(value, Mapping):
-        return None if value is None else dict(value)
-    return {"dataset": value}
+_SOLVE_ROUTE: JobRoute[dict[str, Any]] = JobRoute("/v1/solve-jobs", format_solve_progress)
+_FEATURES_ROUTE: JobRoute[dict[str, Any]] = JobRoute("/v1/feature-jobs", format_solve_progress)
 
 
-class SolveJobsClient(BaseClient):
+class SolveJobsClient(JobRoutesClient):
     """The ``/v1/solve-jobs`` methods of ``Client``."""
 
     def submit_solve_job(
@@ -171,9 +165,9 @@ class SolveJobsClient(BaseClient):
             "kind": kind,
             "model": model,
             "version": version,
-            "train": _side(train),
-            "targets": _side(targets),
-            "test": _side(test),
+            "train": rows_body(train),
+            "targets": rows_body(targets),
+            "test": rows_body(test),
             "mode": mode,
             "dtype": dtype,
             "ridge": ridge,
@@ -192,9 +186,7 @@ class SolveJobsClient(BaseClient):
             "max_seconds": max_seconds,
             "seed": seed,
         }
-        return cast(
-            dict[str, Any], self._send_json("POST", "/v1/solve-jobs", {k: v for k, v in body.items() if v is not None})
-        )
+        return self._submit_job(_SOLVE_ROUTE, body)
 
     def estimate_ridge(
         self,
@@ -230,12 +222,12 @@ class SolveJobsClient(BaseClient):
     def solve_job(self, job_id: str) -> dict[str, Any]:
         """The job (GET /v1/solve-jobs/{id}): status, progress {iterations, residual, products, passes,
         elapsed_s}, result (the CG report) once finished, error."""
-        return cast(dict[str, Any], self._get_json(f"/v1/solve-jobs/{quote(job_id, safe='')}"))
+        return self._job(_SOLVE_ROUTE, job_id)
 
     def cancel_solve_job(self, job_id: str) -> dict[str, Any]:
         """Cancel a queued or running solve (DELETE /v1/solve-jobs/{id}?cancel_only=true); returns the job (a
         finished one unchanged)."""
-        return self._cancel("solve-jobs", job_id)
+        return self._cancel_job(_SOLVE_ROUTE, job_id)
 
     def delete_solve_job(self, job_id: str) -> dict[str, Any]:
         """Delete a finished solve job and its arrays; {"id", "deleted", "freed_bytes"} (a queued or running job
@@ -244,15 +236,7 @@ class SolveJobsClient(BaseClient):
         Raises:
             JobNotFound: no such solve job.
         """
-        return self._delete("solve-jobs", job_id)
-
-    def _cancel(self, route: str, job_id: str) -> dict[str, Any]:
-        path = f"/v1/{route}/{quote(job_id, safe='')}"
-        response = self._request("DELETE", path, params={"cancel_only": "true"}, accept=wire.MEDIA_JSON)
-        return cast(dict[str, Any], _decode_json(response))
-
-    def _delete(self, route: str, job_id: str) -> dict[str, Any]:
-        return cast(dict[str, Any], self._send_json("DELETE", f"/v1/{route}/{quote(job_id, safe='')}"))
+        return self._delete_job(_SOLVE_ROUTE, job_id)
 
     def wait_solve_job(
         self,
@@ -275,66 +259,7 @@ class SolveJobsClient(BaseClient):
         Raises:
             JobFailed: the job failed (its error in the message). ServiceUnavailable: timeout_s passed first.
         """
-        return self._wait("/v1/solve-jobs", self.solve_job, job_id, poll_s, timeout_s, progress)
-
-    def _wait(
-        self,
-        route: str,
-        get: Callable[[str], dict[str, Any]],
-        job_id: str,
-        poll_s: float,
-        timeout_s: float | None,
-        progress: TextIO | Literal["stderr"] | None,
-        describe: Callable[[Mapping[str, Any]], str] = format_solve_progress,
-    ) -> dict[str, Any]:
-        # "stderr" is looked up now, not bound when the module was imported: the stream may have been replaced since
-        out = sys.stderr if progress == "stderr" else progress
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        shown = [""]
-
-        def show(job: dict[str, Any]) -> None:
-            line = describe(job)
-            if out is not None and line != shown[0]:
-                out.write(line + "\n")
-                out.flush()
-                shown[0] = line
-
-        while True:
-            job = get(job_id)
-            show(job)
-            if job["status"] not in _FINISHED:
-                job = self._follow(f"{route}/{quote(job_id, safe='')}/events", job, show, deadline)
-            if job["status"] in _FINISHED:
-                if job["status"] == "failed":
-                    raise JobFailed(f"wait: {job.get('job', 'solve')} job {job_id} failed: {job.get('error')}")
-                return job
-            if deadline is not None and time.monotonic() > deadline:
-                raise ServiceUnavailable(
-                    f"wait: job {job_id} is still {job['status']} after {timeout_s} s; wait again "
-                    "or pass a larger timeout_s"
-                )
-            time.sleep(poll_s)
-
-    def _follow(
-        self, path: str, job: dict[str, Any], show: Callable[[dict[str, Any]], None], deadline: float | None
-    ) -> dict[str, Any]:
-        """Read the job's event stream until it ends, the deadline passes or the stream breaks; the latest job."""
-        read_timeout = None if deadline is None else max(1.0, deadline - time.monotonic())
-        try:
-            with self._http.stream(
-                "GET", path, headers={"Accept": "text/event-stream"}, timeout=httpx.Timeout(30.0, read=read_timeout)
-            ) as response:
-                if response.status_code >= 400:
-                    return job  # the caller's next GET raises the mapped error
-                for line in response.iter_lines():
-                    if line.startswith("data:"):
-                        job = dict(json.loads(line[5:]))
-                        show(job)
-                        if job["status"] in _FINISHED or (deadline is not None and time.monotonic() > deadline):
-                            return job
-        except httpx.TransportError:
-            pass  # polled instead: the caller sleeps poll_s and asks again
-        return job
+        return self._wait_job(_SOLVE_ROUTE, job_id, poll_s, timeout_s, progress)
 
     def solve_job_result(self, job_id: str, *, require_converged: bool = False) -> SolveJobResult:
         """Download a succeeded solve job's alpha and predictions (safetensors, the report in its metadata).
@@ -413,7 +338,7 @@ class SolveJobsClient(BaseClient):
         body = {
             "model": model,
             "version": version,
-            "dataset": _side(dataset),
+            "dataset": rows_body(dataset),
             "dim": dim,
             "seed": seed,
             "params": params,
@@ -421,18 +346,15 @@ class SolveJobsClient(BaseClient):
             "rows_per_chunk": rows_per_chunk,
             "sketch": sketch,
         }
-        return cast(
-            dict[str, Any],
-            self._send_json("POST", "/v1/feature-jobs", {k: v for k, v in body.items() if v is not None}),
-        )
+        return self._submit_job(_FEATURES_ROUTE, body)
 
     def features_job(self, job_id: str) -> dict[str, Any]:
         """The features job (GET /v1/feature-jobs/{id}), progress {rows_done, rows_total}."""
-        return cast(dict[str, Any], self._get_json(f"/v1/feature-jobs/{quote(job_id, safe='')}"))
+        return self._job(_FEATURES_ROUTE, job_id)
 
     def cancel_features_job(self, job_id: str) -> dict[str, Any]:
         """Cancel a queued or running features job (it stops between chunks); returns the job."""
-        return self._cancel("feature-jobs", job_id)
+        return self._cancel_job(_FEATURES_ROUTE, job_id)
 
     def delete_features_job(self, job_id: str) -> dict[str, Any]:
         """Delete a finished features job and its stored Φ; {"id", "deleted", "freed_bytes"} (a queued or running
@@ -441,7 +363,7 @@ class SolveJobsClient(BaseClient):
         Raises:
             JobNotFound: no such features job. Conflict: its Φ is being read (retry).
         """
-        return self._delete("feature-jobs", job_id)
+        return self._delete_job(_FEATURES_ROUTE, job_id)
 
     def wait_features_job(
         self,
@@ -452,7 +374,7 @@ class SolveJobsClient(BaseClient):
         progress: TextIO | Literal["stderr"] | None = "stderr",
     ) -> dict[str, Any]:
         """As ``wait_solve_job`` for a features job."""
-        return self._wait("/v1/feature-jobs", self.features_job, job_id, poll_s, timeout_s, progress)
+        return self._wait_job(_FEATURES_ROUTE, job_id, poll_s, timeout_s, progress)
 
     def features_result(self, job_id: str, *, rows: tuple[int, int] | None = None) -> np.ndarray:
         """Φ[rows] (rows, k, D) of a succeeded features job, as .npy.
