@@ -18,7 +18,8 @@ from typing import Annotated, Any, Literal, cast
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
-from ntk_service.cli._job_commands import JobCommands, add_job_commands, first_found, progress_stream
+from ntk_service.cli._inputs import read_span
+from ntk_service.cli._job_commands import JobCommands, JobMethods, add_job_commands, progress_stream
 from ntk_service.cli._output import format_value, print_table
 from ntk_service.cli.jobs import _dataset_id
 
@@ -41,35 +42,17 @@ Ridge = Annotated[float | None, typer.Option(help="λ relative to the mean diago
 Watch = Annotated[bool, typer.Option("--watch", help="Then print progress until the job ends.")]
 
 
-def _span(value: str | None, option: str) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    start, colon, stop = value.partition(":")
-    try:
-        return int(start), int(stop)
-    except ValueError:
-        raise UsageError(f"{option}: expected a:b (two integers), got {value!r}") from None
-
-
-FEATURES_JOBS = JobCommands(
-    noun="attribution features job",
-    get=lambda client, job_id: client.attribution_features_job(job_id),
-    wait=lambda client, job_id, progress: client.wait_attribution_features(job_id, progress=progress),
-    cancel=lambda client, job_id: client.cancel_attribution_features(job_id),
-    delete=lambda client, job_id: client.delete_attribution_features(job_id),
-    help={},
-    id_arg=JobIdArg,
+_FEATURES = JobMethods(
+    "attribution_features_job",
+    "wait_attribution_features",
+    "cancel_attribution_features",
+    "delete_attribution_features",
 )
-
-ATTRIBUTION_JOBS = JobCommands(
-    noun="attribution job",
-    get=lambda client, job_id: client.attribution_job(job_id),
-    wait=lambda client, job_id, progress: client.wait_attribution_job(job_id, progress=progress),
-    cancel=lambda client, job_id: client.cancel_attribution_job(job_id),
-    delete=lambda client, job_id: client.delete_attribution_job(job_id),
-    help={},
-    id_arg=JobIdArg,
-)
+_ATTRIBUTION = JobMethods("attribution_job", "wait_attribution_job", "cancel_attribution_job", "delete_attribution_job")
+FEATURES_JOBS = JobCommands("attribution features job", (_FEATURES,), JobIdArg)
+ATTRIBUTION_JOBS = JobCommands("attribution job", (_ATTRIBUTION,), JobIdArg)
+EITHER_JOBS = JobCommands("job (either kind)", (_ATTRIBUTION, _FEATURES), JobIdArg)
+"""An id of either kind: ``status``, ``watch``, ``cancel`` and ``delete`` try an attribution job first."""
 
 
 @attribution_app.command("features")
@@ -203,23 +186,7 @@ def list_jobs(ctx: typer.Context, json_output: JsonFlag = False) -> None:
     print_table(rows, ["id", "job", "model", "progress"], empty="no attribution jobs")
 
 
-add_job_commands(
-    attribution_app,
-    JobCommands(
-        noun="job",
-        get=first_found(ATTRIBUTION_JOBS.get, FEATURES_JOBS.get),
-        wait=first_found(ATTRIBUTION_JOBS.wait, FEATURES_JOBS.wait),
-        cancel=first_found(ATTRIBUTION_JOBS.cancel, FEATURES_JOBS.cancel),
-        delete=first_found(ATTRIBUTION_JOBS.delete, FEATURES_JOBS.delete),
-        help={
-            "status": "Show one job (either kind).",
-            "watch": "Print progress until the job (either kind) ends.",
-            "cancel": "Cancel a queued or running job (either kind).",
-            "delete": "Delete a finished job and its files (a queued or running one is cancelled instead).",
-        },
-        id_arg=JobIdArg,
-    ),
-)
+add_job_commands(attribution_app, EITHER_JOBS)
 
 
 @attribution_app.command("result")
@@ -230,7 +197,7 @@ def result(
     rows: Annotated[str | None, typer.Option(help="Test rows a:b of the top-k arrays. Default: all.")] = None,
 ) -> None:
     """Write the answers (top-k arrays, total and self influence) to an .npz file."""
-    answers = state_of(ctx).client().attribution_result(job_id, rows=_span(rows, "--rows"))
+    answers = state_of(ctx).client().attribution_result(job_id, rows=read_span(rows, option="--rows"))
     _save(output, answers)
     shape = None if answers.proponents is None else answers.proponents.shape
     typer.echo(f"wrote {output}: top-k {format_value(shape)}, rows {answers.rows[0]}:{answers.rows[1]}")
@@ -247,7 +214,8 @@ def scores(
     """Write a block of the dense scores (a job run with --store-scores) to an .npy file."""
     import numpy as np
 
-    block = state_of(ctx).client().attribution_scores(job_id, rows=_span(rows, "--rows"), cols=_span(cols, "--cols"))
+    span, block_cols = read_span(rows, option="--rows"), read_span(cols, option="--cols")
+    block = state_of(ctx).client().attribution_scores(job_id, rows=span, cols=block_cols)
     np.save(output, block)
     typer.echo(f"wrote {output}: {block.shape} {block.dtype}")
 

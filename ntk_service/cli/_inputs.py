@@ -13,7 +13,7 @@ from ntk_service.errors import NtkServiceError
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["read_named", "read_npy", "read_side"]
+__all__ = ["read_named", "read_npy", "read_side", "read_span"]
 
 _DATASET_REF = re.compile(r"^dataset:(?P<id>[^\[\]]+)(?:\[(?P<start>\d*):(?P<stop>\d*)\])?$")
 
@@ -34,6 +34,21 @@ def read_npy(path: Path, *, option: str) -> np.ndarray:
         return wire.decode_npy(body, name=f"{option} {str(path)!r}")
     except NtkServiceError as exc:
         raise UsageError(f"{exc.message}; save arrays with numpy.save") from exc
+
+
+def read_span(value: str | None, *, option: str) -> tuple[int, int] | None:
+    """``a:b`` as (a, b); None stays None.
+
+    Raises:
+        UsageError: not two integers around a colon.
+    """
+    if value is None:
+        return None
+    start, _, stop = value.partition(":")
+    try:
+        return int(start), int(stop)
+    except ValueError:
+        raise UsageError(f"{option}: expected a:b (two integers), got {value!r}") from None
 
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")

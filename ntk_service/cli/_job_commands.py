@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ParamSpec, TextIO
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, TextIO
 
 import typer
 
@@ -24,15 +24,20 @@ from ntk_service.errors import JobNotFound
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
     from ntk_service.client import Client
 
-__all__ = ["JobCommands", "add_job_commands", "first_found", "progress_stream", "show_job"]
+__all__ = ["JobCommands", "JobIdArg", "JobMethods", "add_job_commands", "progress_stream", "show_job"]
 
-P = ParamSpec("P")
+JobIdArg = Annotated[str, typer.Argument(help="The job id (from `submit`).", show_default=False)]
+"""A job group's id argument (a group whose ids come from other commands names its own)."""
 
-JobCall = Callable[["Client", str], Any]
-"""A client method of one job, e.g. ``lambda client, job_id: client.solve_job(job_id)``."""
 
-JobWait = Callable[["Client", str, "TextIO | None"], Any]
-"""Follow a job until it ends, its progress lines to the stream (None: quiet); returns the finished job."""
+class JobMethods(NamedTuple):
+    """The client's methods of one job kind, by name (``Client`` has each; a test holds it): the job, follow it
+    until it ends (``progress=`` its lines' stream), cancel it, delete it."""
+
+    get: str
+    wait: str
+    cancel: str
+    delete: str
 
 
 def show_job(ctx: typer.Context, job: Mapping[str, Any], json_output: bool) -> None:
@@ -48,38 +53,31 @@ def progress_stream(ctx: typer.Context, json_output: bool) -> TextIO | None:
     return None if wants_json(ctx, json_output) and not sys.stderr.isatty() else typer.get_text_stream("stderr")
 
 
-def first_found(*calls: Callable[P, Any]) -> Callable[P, Any]:
-    """One call over several job kinds that share an id space: the first kind that has the job answers (its
-    ``JobNotFound`` sends the call to the next kind; the last kind's goes to the user)."""
-
-    def call(*args: P.args, **kwargs: P.kwargs) -> Any:
-        for fn in calls[:-1]:
-            try:
-                return fn(*args, **kwargs)
-            except JobNotFound:
-                continue
-        return calls[-1](*args, **kwargs)
-
-    return call
-
-
 @dataclass(frozen=True, slots=True)
 class JobCommands:
-    """What a job kind's commands call on the client and say.
+    """A job group's shared commands: what they call on the client and what their help says.
 
     Attributes:
-        noun: the job in messages ("solve job"). get, cancel, delete: the client's calls for one job.
-        wait: follow a job until it ends. help: each shared command's help, by name ("status", "watch", "cancel",
-            "delete"); ``add_job_commands`` adds those named. id_arg: the ``job_id`` argument's annotation.
+        noun: the job in messages and help ("solve job"). kinds: the kinds the group's ids may name, tried in
+            order (the first that has the job answers). id_arg: the ``job_id`` argument's annotation.
+        files: what deleting a finished job removes. progress: what ``watch`` prints.
     """
 
     noun: str
-    get: JobCall
-    wait: JobWait
-    cancel: JobCall
-    delete: JobCall
-    help: Mapping[str, str]
-    id_arg: Any
+    kinds: tuple[JobMethods, ...]
+    id_arg: Any = JobIdArg
+    files: str = "its files"
+    progress: str = "progress"
+
+    def call(self, client: Client, method: str, job_id: str, **options: Any) -> Any:
+        """``method`` ("get", "wait", "cancel", "delete") of the first kind that has the job (a ``JobNotFound``
+        sends the call to the next kind; the last kind's goes to the user)."""
+        for kind in self.kinds[:-1]:
+            try:
+                return getattr(client, getattr(kind, method))(job_id, **options)
+            except JobNotFound:
+                continue
+        return getattr(client, getattr(self.kinds[-1], method))(job_id, **options)
 
     def submitted(self, ctx: typer.Context, job: Mapping[str, Any], *, watch: bool, json_output: bool) -> None:
         """After a submit: its id (plain output), then with ``watch`` its progress until it ends, and the record
@@ -87,31 +85,36 @@ class JobCommands:
         if not wants_json(ctx, json_output):
             typer.echo(f"submitted {self.noun} {job['id']}")
         if watch:
-            job = self.wait(state_of(ctx).client(), job["id"], progress_stream(ctx, json_output))
+            client = state_of(ctx).client()
+            job = self.call(client, "wait", job["id"], progress=progress_stream(ctx, json_output))
         if watch or wants_json(ctx, json_output):
             show_job(ctx, job, json_output)
 
+    def help(self) -> dict[str, str]:
+        """Each shared command's help."""
+        return {
+            "status": f"Show one {self.noun}.",
+            "watch": f"Print {self.progress} until the {self.noun} ends.",
+            "cancel": f"Cancel a queued or running {self.noun}.",
+            "delete": f"Delete a finished {self.noun} and {self.files} (a queued or running one is cancelled instead).",
+        }
+
 
 def add_job_commands(app: typer.Typer, commands: JobCommands) -> None:
-    """Add ``status``, ``watch``, ``cancel`` and ``delete`` (those ``commands.help`` names) to ``app``; each prints
-    the job's record (or the deletion's answer) as ``show_job`` does."""
-    calls: dict[str, Callable[[typer.Context, Client, str, bool], Any]] = {
-        "status": lambda ctx, client, job_id, _: commands.get(client, job_id),
-        "watch": lambda ctx, client, job_id, json_output: commands.wait(
-            client, job_id, progress_stream(ctx, json_output)
-        ),
-        "cancel": lambda ctx, client, job_id, _: commands.cancel(client, job_id),
-        "delete": lambda ctx, client, job_id, _: commands.delete(client, job_id),
-    }
-    for name, text in commands.help.items():
-        app.command(name, help=text)(_command(name, calls[name], commands.id_arg))
+    """Add ``status``, ``watch``, ``cancel`` and ``delete`` to ``app``; each prints the job's record (or the
+    deletion's answer) as ``show_job`` does."""
+    for name, text in commands.help().items():
+        app.command(name, help=text)(_command(name, commands))
 
 
-def _command(name: str, call: Callable[[typer.Context, Client, str, bool], Any], id_arg: Any) -> Callable[..., None]:
+def _command(name: str, commands: JobCommands) -> Callable[..., None]:
+    method = "get" if name == "status" else name
+
     def command(ctx: typer.Context, job_id: str, json_output: JsonFlag = False) -> None:
-        show_job(ctx, call(ctx, state_of(ctx).client(), job_id, json_output), json_output)
+        options = {"progress": progress_stream(ctx, json_output)} if method == "wait" else {}
+        show_job(ctx, commands.call(state_of(ctx).client(), method, job_id, **options), json_output)
 
     # The id's help differs per group; typer reads annotations, so this one is set on the function itself.
-    command.__annotations__ = {**command.__annotations__, "job_id": id_arg}
+    command.__annotations__ = {**command.__annotations__, "job_id": commands.id_arg}
     command.__name__ = f"{name}_job"
     return command

@@ -20,7 +20,8 @@ from typing import Annotated, Literal, cast
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, state_of
-from ntk_service.cli._job_commands import JobCommands, add_job_commands
+from ntk_service.cli._inputs import read_span
+from ntk_service.cli._job_commands import JobCommands, JobIdArg, JobMethods, add_job_commands
 from ntk_service.cli.jobs import _dataset_id
 from ntk_service.vocabulary import SolverName
 
@@ -38,50 +39,21 @@ features_app = typer.Typer(
     rich_markup_mode=None,
 )
 
-JobIdArg = Annotated[str, typer.Argument(help="The job id (from `submit`).", show_default=False)]
 OutOption = Annotated[Path, typer.Option("-o", "--output", help="Where to write the result.", show_default=False)]
 _SIDE = "a data set id (dataset:<id>, dataset:<id>[a:b]) or a .npy file to upload first"
 
 
-def _rows(value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    start, colon, stop = value.partition(":")
-    try:
-        return int(start), int(stop)
-    except ValueError:
-        raise UsageError(f"--rows: expected a:b (two integers), got {value!r}") from None
-
-
 SOLVE_JOBS = JobCommands(
-    noun="solve job",
-    get=lambda client, job_id: client.solve_job(job_id),
-    wait=lambda client, job_id, progress: client.wait_solve_job(job_id, progress=progress),
-    cancel=lambda client, job_id: client.cancel_solve_job(job_id),
-    delete=lambda client, job_id: client.delete_solve_job(job_id),
-    help={
-        "watch": "Print the solver, its steps, residual, passes and the held-out metric's last value until the "
-        "solve ends.",
-        "status": "Show one solve job.",
-        "cancel": "Cancel a queued or running solve.",
-        "delete": "Delete a finished solve job and its arrays (a queued or running one is cancelled instead).",
-    },
-    id_arg=JobIdArg,
+    "solve job",
+    (JobMethods("solve_job", "wait_solve_job", "cancel_solve_job", "delete_solve_job"),),
+    files="its arrays",
+    progress="the solver, its steps, residual, passes and the held-out metric's last value",
 )
-
 FEATURES_JOBS = JobCommands(
-    noun="features job",
-    get=lambda client, job_id: client.features_job(job_id),
-    wait=lambda client, job_id, progress: client.wait_features_job(job_id, progress=progress),
-    cancel=lambda client, job_id: client.cancel_features_job(job_id),
-    delete=lambda client, job_id: client.delete_features_job(job_id),
-    help={
-        "status": "Show one features job.",
-        "watch": "Print the rows done until the features job ends.",
-        "cancel": "Cancel a queued or running features job.",
-        "delete": "Delete a finished features job and its stored Φ (a queued or running one is cancelled instead).",
-    },
-    id_arg=JobIdArg,
+    "features job",
+    (JobMethods("features_job", "wait_features_job", "cancel_features_job", "delete_features_job"),),
+    files="its stored Φ",
+    progress="the rows done",
 )
 
 
@@ -210,7 +182,7 @@ def features_result(
     """Write Φ[rows] (rows, k, D) to an .npy file."""
     import numpy as np
 
-    phi = state_of(ctx).client().features_result(job_id, rows=_rows(rows))
+    phi = state_of(ctx).client().features_result(job_id, rows=read_span(rows, option="--rows"))
     np.save(output, phi)
     typer.echo(f"wrote {output}: {phi.shape} {phi.dtype}")
 
