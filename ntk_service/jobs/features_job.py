@@ -34,6 +34,7 @@ __all__ = [
     "FEATURES_ARRAY",
     "PAIRED_FIELDS",
     "FeaturesSpec",
+    "RowChunks",
     "check_pairable",
     "compute_chunk",
     "create_features",
@@ -51,8 +52,27 @@ is small, small enough that a chunk is one modest ``ntk_features`` call."""
 _OPERATION = "features job"
 
 
+class RowChunks:
+    """Rows stored (and computed) in chunks of ``rows_per_chunk``, the last one shorter: a mixin for a spec with
+    ``n`` rows (each chunk is a tile of its job)."""
+
+    __slots__ = ()
+    n: int
+    rows_per_chunk: int
+
+    @property
+    def chunks(self) -> int:
+        """How many chunks: ⌈n / rows_per_chunk⌉."""
+        return math.ceil(self.n / self.rows_per_chunk)
+
+    def chunk_rows(self, chunk: int) -> tuple[int, int]:
+        """The rows ``[lo, hi)`` of chunk ``chunk`` (relative to the spec's first row)."""
+        lo = chunk * self.rows_per_chunk
+        return lo, min(self.n, lo + self.rows_per_chunk)
+
+
 @dataclass(frozen=True, slots=True)
-class FeaturesSpec:
+class FeaturesSpec(RowChunks):
     """What a features job computes.
 
     Attributes:
@@ -81,16 +101,6 @@ class FeaturesSpec:
         set_field = object.__setattr__
         set_field(self, "sketch", SketchKind(self.sketch))
         set_field(self, "params", None if self.params is None else tuple(self.params))
-
-    @property
-    def chunks(self) -> int:
-        """Stored chunks of rows_per_chunk rows (the last one shorter)."""
-        return math.ceil(self.n / self.rows_per_chunk)
-
-    def chunk_rows(self, chunk: int) -> tuple[int, int]:
-        """The rows ``[lo, hi)`` of Φ that chunk ``chunk`` holds."""
-        lo = chunk * self.rows_per_chunk
-        return lo, min(self.n, lo + self.rows_per_chunk)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> FeaturesSpec:

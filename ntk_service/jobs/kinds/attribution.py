@@ -398,10 +398,6 @@ class AttributionKind(JobKind[AttributionRequest, AttributionSpec, AttributionPr
     operation: ClassVar[str] = _OPERATION
     route: ClassVar[str] = "/v1/attribution-jobs"
     folder: ClassVar[str] = "attribution"
-    request_type: ClassVar[type] = AttributionRequest
-    spec_type: ClassVar[Any] = AttributionSpec
-    progress_type: ClassVar[Any] = AttributionProgress
-    result_type: ClassVar[Any] = AttributionSummary
 
     def layout(self, spec: AttributionSpec) -> Layout:
         item = 8 if spec.test_dtype == "float64" else 4  # the test features

@@ -57,6 +57,7 @@ from ntk_service.attribution.exact import ExactBasis
 from ntk_service.attribution.rows import budget, compute_dtype, in_dtype, output_shape, refuse
 from ntk_service.attribution.targets import check_labels
 from ntk_service.errors import InvalidInput, ShapeMismatch
+from ntk_service.jobs.features_job import RowChunks
 from ntk_service.jobs.kinds.base import DatasetSource, JobKind, JobStopped, Layout, ModelSource, PlanContext, RunContext
 from ntk_service.jobs.kinds.features import FeaturesProgress
 from ntk_service.jobs.kinds.rows import DataRows, resolve_rows
@@ -113,7 +114,7 @@ class AttributionFeaturesRequest:
 
 
 @dataclass(frozen=True, slots=True)
-class AttributionFeaturesSpec:
+class AttributionFeaturesSpec(RowChunks):
     """What an attribution features job computes, resolved at submission.
 
     Attributes:
@@ -153,16 +154,6 @@ class AttributionFeaturesSpec:
     def options(self) -> AttributionOptions:
         """The training side's options (the default ridge and ensemble: the scoring job sets those)."""
         return AttributionOptions(**{name: getattr(self, name) for name in _OPTION_FIELDS})
-
-    @property
-    def chunks(self) -> int:
-        """Tiles: chunks of ``rows_per_chunk`` training rows (one for exact features)."""
-        return math.ceil(self.n / self.rows_per_chunk)
-
-    def chunk_rows(self, chunk: int) -> tuple[int, int]:
-        """The training rows ``[lo, hi)`` (relative to ``train_start``) of tile ``chunk``."""
-        lo = chunk * self.rows_per_chunk
-        return lo, min(self.n, lo + self.rows_per_chunk)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -248,10 +239,6 @@ class AttributionFeaturesKind(
     operation: ClassVar[str] = _OPERATION
     route: ClassVar[str] = "/v1/attribution-features"
     folder: ClassVar[str] = "attribution"
-    request_type: ClassVar[type] = AttributionFeaturesRequest
-    spec_type: ClassVar[Any] = AttributionFeaturesSpec
-    progress_type: ClassVar[Any] = FeaturesProgress
-    result_type: ClassVar[Any] = AttributionFeaturesSummary
 
     def layout(self, spec: AttributionFeaturesSpec) -> Layout:
         item = 8 if spec.features == FeatureKind.EXACT or spec.dtype == "float64" else 4

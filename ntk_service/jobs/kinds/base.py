@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast, get_args, get_origin
 
 import numpy as np
 from torch import nn
@@ -231,6 +231,9 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
         uses_executor: its runs hand units to the manager's executor (local or Ray) rather than run in-process.
         spec_type, progress_type, result_type: its typed values (None: it records no progress value / no result
             summary).
+
+    The four types are read from the class's parameters, ``JobKind[Request, Spec, Progress, Result]`` (None for
+    no progress value or no result summary), unless its body sets them.
     """
 
     name: ClassVar[str]
@@ -243,6 +246,15 @@ class JobKind(ABC, Generic[RequestT, SpecT, ProgressT, ResultT]):
     spec_type: ClassVar[Any]
     progress_type: ClassVar[Any] = None
     result_type: ClassVar[Any] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            if get_origin(base) is JobKind:
+                names = ("request_type", "spec_type", "progress_type", "result_type")
+                for name, value in zip(names, get_args(base), strict=True):
+                    if name not in cls.__dict__:
+                        setattr(cls, name, None if value is type(None) else value)
 
     # -- the store's boundary ---------------------------------------------------------------------------------------
     # Each typed value writes its stored (JSON) form (``to_dict`` for a spec, ``to_json`` for progress and results)

@@ -114,10 +114,6 @@ class FeaturesJobKind(JobKind[FeaturesRequest, FeaturesSpec, FeaturesProgress, F
     operation: ClassVar[str] = _OPERATION
     route: ClassVar[str] = "/v1/feature-jobs"
     folder: ClassVar[str] = "solve"
-    request_type: ClassVar[type] = FeaturesRequest
-    spec_type: ClassVar[Any] = FeaturesSpec
-    progress_type: ClassVar[Any] = FeaturesProgress
-    result_type: ClassVar[Any] = FeaturesSummary
 
     def layout(self, spec: FeaturesSpec) -> Layout:
         itemsize = 8 if spec.dtype == "float64" else 4

@@ -110,9 +110,7 @@ class KernelKind(JobKind[KernelRequest, JobSpec, None, None]):
     operation: ClassVar[str] = "jobs"
     route: ClassVar[str] = "/v1/jobs"
     folder: ClassVar[str] = ""
-    request_type: ClassVar[type] = KernelRequest
     uses_executor: ClassVar[bool] = True
-    spec_type: ClassVar[Any] = JobSpec
 
     def layout(self, spec: JobSpec) -> Layout:
         plan = plan_of(spec)

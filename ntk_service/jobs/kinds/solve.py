@@ -181,10 +181,6 @@ class SolveJobKind(JobKind[SolveRequest, SolveSpec, SolveProgress, SolveReport])
     operation: ClassVar[str] = _OPERATION
     route: ClassVar[str] = "/v1/solve-jobs"
     folder: ClassVar[str] = "solve"
-    request_type: ClassVar[type] = SolveRequest
-    spec_type: ClassVar[Any] = SolveSpec
-    progress_type: ClassVar[Any] = SolveProgress
-    result_type: ClassVar[Any] = SolveReport
 
     def layout(self, spec: SolveSpec) -> Layout:
         return Layout(
