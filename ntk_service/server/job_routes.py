@@ -157,38 +157,41 @@ class JobRouteText:
     Attributes:
         noun: names the routes' operations: ``submit_{noun}_job``, ``list_{noun}_jobs``, ``get_{noun}_job``,
             ``{noun}_job_events``, ``delete_{noun}_job``. tag: the OpenAPI tag.
-        title: the job in summaries ("solve job"). progress: what its progress events carry.
-        cancel: what cancelling a running job does. delete: what deleting a finished one removes.
+        progress: what its progress events carry. cancel: what cancelling a running job does. delete: what
+            deleting a finished one removes. title: the job in summaries. Default: None, the kind's noun
+            ("solve job").
     """
 
     noun: str
     tag: str
-    title: str
     progress: str
     cancel: str
     delete: str
+    title: str | None = None
 
 
 def job_router(
     kind: JobKind[Any, Any, Any, Any],
     *,
-    prefix: str,
     create: type[BaseModel],
     request_of: Callable[[Any], Any],
     text: JobRouteText,
+    prefix: str | None = None,
 ) -> APIRouter:
     """A kind's standard routes (module docstring) under ``prefix``.
 
     Args:
-        kind: the job kind (``jobs/kinds``). prefix: its routes' path, e.g. "/v1/solve-jobs".
-        create: the route schema of the POST body. request_of: the kind's typed request from a validated body.
-        text: the summaries and names.
+        kind: the job kind (``jobs/kinds``). create: the route schema of the POST body. request_of: the kind's
+            typed request from a validated body. text: the summaries and names.
+        prefix: the routes' path. Default: None, the kind's route (e.g. "/v1/solve-jobs").
 
     Returns:
         An APIRouter; add the kind's own routes (its result) to it.
     """
+    prefix = kind.route if prefix is None else prefix
+    title = kind.noun if text.title is None else text.title
     router = APIRouter(prefix=prefix, tags=[text.tag])
-    not_found: dict[int | str, dict[str, Any]] = {404: {"description": f"No {text.title} with this id."}}
+    not_found: dict[int | str, dict[str, Any]] = {404: {"description": f"No {title} with this id."}}
 
     def describe(manager: JobManager, job_id: str) -> dict[str, Any]:
         return public_job(manager, manager.get(job_id, kind))
@@ -202,12 +205,12 @@ def job_router(
         "",
         status_code=202,
         name=f"submit_{text.noun}_job",
-        summary=f"Submit a {text.title}",
+        summary=f"Submit a {title}",
         openapi_extra=openapi_body(create),
         responses={404: {"description": "The model, version or a data set does not exist."}},
     )
     async def submit(request: Request, _: WriteAccess, manager: JobsDep) -> Response:
-        operation = f"submit {text.title}"
+        operation = f"submit {title}"
         body = validate_body(create, await read_json(request, operation=operation), operation=operation)
         # NOTE [planning off the limiter]
         record = await anyio.to_thread.run_sync(lambda: manager.create(request_of(body)))
@@ -215,14 +218,12 @@ def job_router(
             public_job(manager, record), status_code=202, headers={"Location": f"{prefix}/{record.id}"}
         )
 
-    @router.get("", name=f"list_{text.noun}_jobs", summary=f"List {text.title}s")
+    @router.get("", name=f"list_{text.noun}_jobs", summary=f"List {title}s")
     async def list_jobs(_: ReadAccess, manager: JobsDep) -> Response:
         records = await anyio.to_thread.run_sync(manager.list, kind)
         return collection_response([public_job(manager, record) for record in records])
 
-    @router.get(
-        "/{job_id}", name=f"get_{text.noun}_job", summary=f"A {text.title} and its progress", responses=not_found
-    )
+    @router.get("/{job_id}", name=f"get_{text.noun}_job", summary=f"A {title} and its progress", responses=not_found)
     async def get_job(job_id: JobIdPath, _: ReadAccess, job: dict[str, Any] = Depends(existing)) -> Response:
         return json_response(job)
 
@@ -230,7 +231,7 @@ def job_router(
         "/{job_id}/events",
         name=f"{text.noun}_job_events",
         response_class=EventSourceResponse,
-        summary=f"A {text.title}'s progress as Server-Sent Events until it ends",
+        summary=f"A {title}'s progress as Server-Sent Events until it ends",
         description=f'A "progress" event (data: the job as JSON, {text.progress}) at every change, then one "end" '
         "event.",
         responses=not_found,
@@ -244,7 +245,7 @@ def job_router(
     @router.delete(
         "/{job_id}",
         name=f"delete_{text.noun}_job",
-        summary=f"Cancel a queued or running {text.title}; delete a finished one and {text.delete}",
+        summary=f"Cancel a queued or running {title}; delete a finished one and {text.delete}",
         description=f"A queued or running job is cancelled ({text.cancel}). A finished job is removed with "
         f"{text.delete} (its bytes return to the disk budget), unless cancel_only=true.",
         responses={**not_found, 409: {"description": "Its result is being read; retry when the read is done."}},

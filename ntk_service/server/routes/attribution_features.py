@@ -69,13 +69,11 @@ def _request(body: AttributionFeaturesCreate) -> AttributionFeaturesRequest:
 
 router = job_router(
     ATTRIBUTION_FEATURES_KIND,
-    prefix="/v1/attribution-features",
     create=AttributionFeaturesCreate,
     request_of=_request,
     text=JobRouteText(
         noun="attribution_features",
         tag="attribution",
-        title="attribution features job",
         progress="rows done",
         cancel="it stops between chunks of rows",
         delete="its stored features",

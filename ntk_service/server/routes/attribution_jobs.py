@@ -108,13 +108,11 @@ def _request(body: AttributionJobCreate) -> AttributionRequest:
 
 router = job_router(
     ATTRIBUTION_KIND,
-    prefix="/v1/attribution-jobs",
     create=AttributionJobCreate,
     request_of=_request,
     text=JobRouteText(
         noun="attribution",
         tag="attribution",
-        title="attribution job",
         progress="its stage, units and rows",
         cancel="it stops between units",
         delete="its arrays",

@@ -107,13 +107,11 @@ def _request(body: FeatureJobCreate) -> FeaturesRequest:
 
 router = job_router(
     FEATURES_KIND,
-    prefix="/v1/feature-jobs",
     create=FeatureJobCreate,
     request_of=_request,
     text=JobRouteText(
         noun="feature",
         tag="feature jobs",
-        title="features job",
         progress="rows done",
         cancel="it stops between chunks",
         delete="its stored Φ",

@@ -162,13 +162,11 @@ def _request(body: SolveJobCreate) -> SolveRequest:
 
 router = job_router(
     SOLVE_KIND,
-    prefix="/v1/solve-jobs",
     create=SolveJobCreate,
     request_of=_request,
     text=JobRouteText(
         noun="solve",
         tag="solve jobs",
-        title="solve job",
         progress="its solver progress and held-out curve",
         cancel="the solve stops before its next pass",
         delete="its arrays",
