@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, UsageError, state_of
 from ntk_service.cli._inputs import read_npy
-from ntk_service.cli._output import print_record, print_table
+from ntk_service.cli._output import print_answer, print_table
 
 if TYPE_CHECKING:
     import numpy as np
@@ -81,37 +81,25 @@ def upload(
     """Upload a .npy, .npz or .safetensors file as a data set (needs a write key); prints its id."""
     array = read_dataset_file(path, option="datasets upload")
     record = state_of(ctx).client().upload_dataset(array, name=name)
-    if wants_json(ctx, json_output):
-        print_json(record)
-    else:
-        typer.echo(f"uploaded data set {record['id']}: {_describe(dict(record))}")
+    print_answer(ctx, json_output, record, f"uploaded data set {record['id']}: {_describe(dict(record))}")
 
 
 @datasets_app.command("list")
 def list_datasets(ctx: typer.Context, json_output: JsonFlag = False) -> None:
     """List data sets."""
     records = state_of(ctx).client().list_datasets()
-    if wants_json(ctx, json_output):
-        print_json(records)
-    else:
-        print_table(records, _LIST_COLUMNS, empty="no data sets")
+    print_answer(ctx, json_output, records, lambda: print_table(records, _LIST_COLUMNS, empty="no data sets"))
 
 
 @datasets_app.command("show")
 def show(ctx: typer.Context, dataset_id: IdArg, json_output: JsonFlag = False) -> None:
     """Show a data set's record."""
     record = state_of(ctx).client().get_dataset(dataset_id)
-    if wants_json(ctx, json_output):
-        print_json(record)
-    else:
-        print_record(record)
+    print_answer(ctx, json_output, record)
 
 
 @datasets_app.command("delete")
 def delete(ctx: typer.Context, dataset_id: IdArg, json_output: JsonFlag = False) -> None:
     """Delete a data set (needs a write key)."""
     state_of(ctx).client().delete_dataset(dataset_id)
-    if wants_json(ctx, json_output):
-        print_json({"deleted": dataset_id})
-    else:
-        typer.echo(f"deleted data set {dataset_id}")
+    print_answer(ctx, json_output, {"deleted": dataset_id}, f"deleted data set {dataset_id}")

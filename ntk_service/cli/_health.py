@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, app, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, app, state_of
+from ntk_service.cli._output import print_answer
 
 __all__ = ["health"]
 
@@ -14,7 +15,4 @@ def health(ctx: typer.Context, json_output: JsonFlag = False) -> None:
     """Check that the server answers (GET /healthz, no key needed); exit 1 if it does not."""
     client = state_of(ctx).client()
     status = client.health()
-    if wants_json(ctx, json_output):
-        print_json({"url": client.url, **status})
-    else:
-        typer.echo(f"{client.url}: {status.get('status', 'ok')}")
+    print_answer(ctx, json_output, {"url": client.url, **status}, f"{client.url}: {status.get('status', 'ok')}")

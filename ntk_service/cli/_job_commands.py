@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, TextIO
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, print_json, state_of, wants_json
-from ntk_service.cli._output import print_record
+from ntk_service.cli._app import JsonFlag, state_of, wants_json
+from ntk_service.cli._output import print_answer
 from ntk_service.errors import JobNotFound
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
     from ntk_service.client import Client
 
-__all__ = ["JobCommands", "JobIdArg", "JobMethods", "add_job_commands", "progress_stream", "show_job"]
+__all__ = ["JobCommands", "JobIdArg", "JobMethods", "add_job_commands", "progress_stream"]
 
 JobIdArg = Annotated[str, typer.Argument(help="The job id (from `submit`).", show_default=False)]
 """A job group's id argument (a group whose ids come from other commands names its own)."""
@@ -38,14 +38,6 @@ class JobMethods(NamedTuple):
     wait: str
     cancel: str
     delete: str
-
-
-def show_job(ctx: typer.Context, job: Mapping[str, Any], json_output: bool) -> None:
-    """A job's record: JSON with ``--json``, else ``key: value`` lines."""
-    if wants_json(ctx, json_output):
-        print_json(job)
-    else:
-        print_record(job)
 
 
 def progress_stream(ctx: typer.Context, json_output: bool) -> TextIO | None:
@@ -88,7 +80,7 @@ class JobCommands:
             client = state_of(ctx).client()
             job = self.call(client, "wait", job["id"], progress=progress_stream(ctx, json_output))
         if watch or wants_json(ctx, json_output):
-            show_job(ctx, job, json_output)
+            print_answer(ctx, json_output, job)
 
     def help(self) -> dict[str, str]:
         """Each shared command's help."""
@@ -102,7 +94,7 @@ class JobCommands:
 
 def add_job_commands(app: typer.Typer, commands: JobCommands) -> None:
     """Add ``status``, ``watch``, ``cancel`` and ``delete`` to ``app``; each prints the job's record (or the
-    deletion's answer) as ``show_job`` does."""
+    deletion's answer) as ``print_answer`` does."""
     for name, text in commands.help().items():
         app.command(name, help=text)(_command(name, commands))
 
@@ -112,7 +104,7 @@ def _command(name: str, commands: JobCommands) -> Callable[..., None]:
 
     def command(ctx: typer.Context, job_id: str, json_output: JsonFlag = False) -> None:
         options = {"progress": progress_stream(ctx, json_output)} if method == "wait" else {}
-        show_job(ctx, commands.call(state_of(ctx).client(), method, job_id, **options), json_output)
+        print_answer(ctx, json_output, commands.call(state_of(ctx).client(), method, job_id, **options))
 
     # The id's help differs per group; typer reads annotations, so this one is set on the function itself.
     command.__annotations__ = {**command.__annotations__, "job_id": commands.id_arg}

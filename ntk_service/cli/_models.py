@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
-from ntk_service.cli._output import print_record, print_table
+from ntk_service.cli._output import print_answer, print_table
 
 __all__ = ["models_app"]
 
@@ -140,30 +140,26 @@ def register_program(
 def list_models(ctx: typer.Context, json_output: JsonFlag = False) -> None:
     """List registered models (latest version of each)."""
     records = state_of(ctx).client().list_models()
-    if wants_json(ctx, json_output):
-        print_json(records)
-    else:
-        print_table([_with_family(r) for r in records], _LIST_COLUMNS, empty="no models registered")
+    print_answer(
+        ctx,
+        json_output,
+        records,
+        lambda: print_table([_with_family(r) for r in records], _LIST_COLUMNS, empty="no models registered"),
+    )
 
 
 @models_app.command("show")
 def show(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
     """Show a model's record: architecture, parameters, latest version, weights hash."""
     record = state_of(ctx).client().get_model(name)
-    if wants_json(ctx, json_output):
-        print_json(record)
-    else:
-        print_record(record)
+    print_answer(ctx, json_output, record)
 
 
 @models_app.command("delete")
 def delete(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
     """Delete a model and all its versions (needs a write key)."""
     state_of(ctx).client().delete_model(name)
-    if wants_json(ctx, json_output):
-        print_json({"deleted": name})
-    else:
-        typer.echo(f"deleted model {name}")
+    print_answer(ctx, json_output, {"deleted": name}, f"deleted model {name}")
 
 
 @models_app.command("architectures")
@@ -197,20 +193,21 @@ def upload_weights(
 ) -> None:
     """Upload weights as a new immutable version of a model (needs a write key)."""
     record = state_of(ctx).client().upload_weights(name, weights.read_bytes(), label=label)
-    if wants_json(ctx, json_output):
-        print_json(record)
-    else:
-        typer.echo(f"uploaded {name} version {record['version']} (sha256 {record.get('weights_sha256', '?')})")
+    print_answer(
+        ctx,
+        json_output,
+        record,
+        f"uploaded {name} version {record['version']} (sha256 {record.get('weights_sha256', '?')})",
+    )
 
 
 @models_app.command("versions")
 def versions(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
     """List a model's versions, oldest first: upload time, label, seed, weights hash."""
     records = state_of(ctx).client().list_versions(name)
-    if wants_json(ctx, json_output):
-        print_json(records)
-    else:
-        print_table(records, _VERSION_COLUMNS, empty=f"model {name} has no versions")
+    print_answer(
+        ctx, json_output, records, lambda: print_table(records, _VERSION_COLUMNS, empty=f"model {name} has no versions")
+    )
 
 
 @models_app.command("download-weights")
@@ -235,7 +232,6 @@ def download_weights(
     except OSError as exc:
         raise UsageError(f"--output {str(output)!r}: cannot write it ({exc.strerror or exc})") from exc
     summary = {"name": name, "version": record["version"], "tensors": len(tensors), "path": str(output)}
-    if wants_json(ctx, json_output):
-        print_json(summary)
-    else:
-        typer.echo(f"wrote {len(tensors)} tensors of {name} version {record['version']} to {output}")
+    print_answer(
+        ctx, json_output, summary, f"wrote {len(tensors)} tensors of {name} version {record['version']} to {output}"
+    )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import typer
 
-__all__ = ["format_value", "print_record", "print_table"]
+from ntk_service.cli._app import print_json, wants_json
+
+__all__ = ["format_value", "print_answer", "print_record", "print_table"]
 
 
 def format_value(value: Any) -> str:
@@ -45,3 +47,18 @@ def print_record(record: Mapping[str, Any]) -> None:
         if isinstance(value, Mapping):
             value = ", ".join(f"{k}={format_value(v)}" for k, v in value.items())
         typer.echo(f"{key.ljust(width)}: {format_value(value)}")
+
+
+def print_answer(
+    ctx: typer.Context, json_output: bool, value: Any, text: str | Callable[[], object] | None = None
+) -> None:
+    """A command's answer: ``value`` as JSON with ``--json`` (before or after the command); else ``text`` (a line,
+    or a function that prints, e.g. a table), or without it ``value`` as ``key: value`` lines."""
+    if wants_json(ctx, json_output):
+        print_json(value)
+    elif text is None:
+        print_record(value)
+    elif isinstance(text, str):
+        typer.echo(text)
+    else:
+        text()

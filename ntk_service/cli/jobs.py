@@ -24,9 +24,8 @@ import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._datasets import read_dataset_file
-from ntk_service.cli._job_commands import show_job
 from ntk_service.cli._kernel import Dtype, Implementation
-from ntk_service.cli._output import print_table
+from ntk_service.cli._output import print_answer, print_table
 from ntk_service.vocabulary import CONTRACTED_MODES, ContractedModeName, mode_help
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
@@ -206,17 +205,14 @@ def status(
     if job_id is None:
         list_jobs(ctx, json_output)
         return
-    show_job(ctx, state_of(ctx).client().get_job(job_id), json_output)
+    print_answer(ctx, json_output, state_of(ctx).client().get_job(job_id))
 
 
 @jobs_app.command("watch")
 def watch_job(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
     """Follow a job with a live progress bar and ETA until it ends; exit code 1 if it failed."""
     job = _watch(ctx, job_id, json_output)
-    if wants_json(ctx, json_output):
-        print_json(job)
-    else:
-        typer.echo(f"job {job_id} {job['status']}")
+    print_answer(ctx, json_output, job, f"job {job_id} {job['status']}")
 
 
 @jobs_app.command("result")
@@ -265,10 +261,9 @@ def result(
 def cancel(ctx: typer.Context, job_id: JobIdArg, json_output: JsonFlag = False) -> None:
     """Cancel a job (needs a write key): running tiles finish, no new tile starts."""
     job = state_of(ctx).client().cancel_job(job_id)
-    if wants_json(ctx, json_output):
-        print_json(job)
-    else:
-        typer.echo(f"job {job_id} {job['status']} at {job['tiles_done']}/{job['tiles_total']} tiles")
+    print_answer(
+        ctx, json_output, job, f"job {job_id} {job['status']} at {job['tiles_done']}/{job['tiles_total']} tiles"
+    )
 
 
 @jobs_app.command("delete")
