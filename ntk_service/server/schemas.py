@@ -113,6 +113,22 @@ COUNT_DESCRIPTION = "How many items data holds."
 Globs = Annotated[list[Glob], Field(max_length=MAX_GLOBS)]
 """Glob patterns over parameter names (``fnmatch``), at most MAX_GLOBS."""
 
+ComputeDtype = Annotated[Literal["float32", "float64"] | None, Field(description=DTYPE_DESCRIPTION)]
+"""A request's compute dtype (null: the model's)."""
+
+ModelVersion = Annotated[VersionInt | None, Field(description="Model version. Default: the latest.")]
+"""A request's model version (null: the latest)."""
+
+OutputPath = Annotated[
+    str | None,
+    Field(
+        max_length=MAX_OUTPUT_PATH,
+        description='For a model returning a dict: the tensor f is (as `output` of /ntk), e.g. "logits[:, 0]".',
+        examples=["logits[:, 0]"],
+    ),
+]
+"""Which tensor of a model returning a dict a computation uses (null: the model returns one tensor)."""
+
 GroupName = Annotated[str, Field(min_length=1, max_length=QUERY_MAX_LENGTH)]
 """The name of a parameter group (``groups`` of a kernel request)."""
 
@@ -403,14 +419,9 @@ class NngpOptions(BaseModel):
     layer: LayerName | None = Field(
         default=None, description="A module name: its output's features. null = the outputs."
     )
-    dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
-    version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
-    output: str | None = Field(
-        default=None,
-        max_length=MAX_OUTPUT_PATH,
-        description='For a model returning a dict: the tensor f is (as `output` of /ntk), e.g. "logits[:, 0]".',
-        examples=["logits[:, 0]"],
-    )
+    dtype: ComputeDtype = None
+    version: ModelVersion = None
+    output: OutputPath = None
 
 
 class NngpRequest(NngpOptions):
@@ -478,14 +489,9 @@ class MatvecOptions(BaseModel):
     )
     transpose: bool = Field(default=False, description="Θᵀ w = Θ(x2, x1) w instead of Θ v.")
     params: Globs | None = Field(default=None, description="Glob patterns over parameter names; null = all.")
-    dtype: Literal["float32", "float64"] | None = Field(default=None, description=DTYPE_DESCRIPTION)
-    version: VersionInt | None = Field(default=None, description="Model version. Default: the latest.")
-    output: str | None = Field(
-        default=None,
-        max_length=MAX_OUTPUT_PATH,
-        description='For a model returning a dict: the tensor f is (as `output` of /ntk), e.g. "logits[:, 0]".',
-        examples=["logits[:, 0]"],
-    )
+    dtype: ComputeDtype = None
+    version: ModelVersion = None
+    output: OutputPath = None
 
 
 class MatvecRequest(MatvecOptions):
