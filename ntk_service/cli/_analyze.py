@@ -17,7 +17,7 @@ import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_npy, read_side
-from ntk_service.cli._output import print_record, print_table
+from ntk_service.cli._output import print_answer, print_record, print_table
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
     from ntk_service.client import SpectrumMethodName
@@ -161,10 +161,7 @@ def predict(
         "analysis_ms": result.analysis_ms,
         "output": None if output is None else str(output),
     }
-    if wants_json(ctx, json_output):
-        print_json(summary)
-        return
-    print_record(summary)
+    print_answer(ctx, json_output, summary)
 
 
 @analyze_app.command()
