@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 
 from ntk_service import wire
+from ntk_service._indexing import expand_key, row_groups
 from ntk_service.client import _base
 from ntk_service.client._base import _RETRY_STATUSES, _error_from_response
 from ntk_service.errors import NtkServiceError, OptionalDependencyMissing, ServiceUnavailable
@@ -163,12 +164,7 @@ class RemoteResult:
         return fetch_npy(self._client, self.job_id, params, out)
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        parts = key if isinstance(key, tuple) else (key,)
-        if any(p is Ellipsis for p in parts):
-            at = parts.index(Ellipsis)
-            parts = parts[:at] + (slice(None),) * (self.ndim - len(parts) + 1) + parts[at + 1 :]
-        if len(parts) > self.ndim:
-            raise IndexError(f"RemoteResult: {len(parts)} indices for a result of {self.ndim} dimensions")
+        parts = expand_key(key, self.ndim, owner="RemoteResult")
         example_axes = 2 if MODES[self.mode].pairs else 1
         parts = parts + (slice(None),) * max(0, example_axes - len(parts))
         r0, r1, row_local = _bounds(parts[0], self.shape[0], "rows")
@@ -187,12 +183,8 @@ class RemoteResult:
         wanted = range(r0, r1, step)
         tail = (() if cols is None else (cols[1] - cols[0],)) + self.shape[example_axes:]
         row_bytes = max(1, int(np.prod(tail, dtype=np.int64)) * self.dtype.itemsize)
-        per_fetch = (max(1, self.fetch_block_bytes // row_bytes) - 1) // step + 1  # wanted rows per GET, ≥ 1
         pick = (slice(None, None, step), *col_local, *rest)
-        pieces = [
-            self._fetch((start, min(start + (per_fetch - 1) * step + 1, wanted.stop)), cols)[pick]
-            for start in wanted[::per_fetch]
-        ]
+        pieces = [self._fetch(span, cols)[pick] for span in row_groups(wanted, row_bytes, self.fetch_block_bytes)]
         if not pieces:
             empty: np.ndarray = self._fetch((r0, r0), cols)[pick]
             return empty

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ntk_service._indexing import expand_key, row_groups
 from ntk_service.errors import InvalidInput, OptionalDependencyMissing
 from ntk_service.jobs.results import LEGACY_ARRAY_NAME, RESULT_GROUP_NAME, ResultArray, dimension_names
 from ntk_service.kernels.modes import KernelMode
@@ -117,12 +118,7 @@ class ResultView:
 
         Out-of-range slice bounds are clipped as numpy clips them (``result[10:20]`` of 11 rows has 1 row);
         an out-of-range integer raises IndexError; a negative step raises InvalidInput."""
-        parts = key if isinstance(key, tuple) else (key,)
-        if any(p is Ellipsis for p in parts):
-            at = parts.index(Ellipsis)
-            parts = parts[:at] + (slice(None),) * (self.ndim - len(parts) + 1) + parts[at + 1 :]
-        if len(parts) > self.ndim:
-            raise IndexError(f"ResultView: {len(parts)} indices for a result of {self.ndim} dimensions")
+        parts = expand_key(key, self.ndim, owner="ResultView")
         n_example_axes = 1 if self.cols is None else 2
         example, rest = parts[:n_example_axes], parts[n_example_axes:]
         r0, r1, r_index, r_step = _bounds(example[0] if example else slice(None), self.shape[0], "rows")
@@ -142,12 +138,9 @@ class ResultView:
         wanted = range(self.rows[0] + r0, self.rows[0] + r1, r_step)
         tail = (() if cols is None else (cols[1] - cols[0],)) + self._store.shape[1 if cols is None else 2 :]
         row_bytes = max(1, math.prod(tail) * self.dtype.itemsize)
-        per_read = (max(1, self.read_block_bytes // row_bytes) - 1) // r_step + 1  # wanted rows per read, ≥ 1
         pick = (slice(None, None, r_step), *c_local, *rest)
-        pieces = [
-            self._sub((start, min(start + (per_read - 1) * r_step + 1, wanted.stop)), cols).to_numpy()[pick]
-            for start in wanted[::per_read]
-        ]
+        spans = row_groups(wanted, row_bytes, self.read_block_bytes)
+        pieces = [self._sub(span, cols).to_numpy()[pick] for span in spans]
         if not pieces:
             return self._sub((wanted.start, wanted.start), cols).to_numpy()[pick]
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces, axis=0)
