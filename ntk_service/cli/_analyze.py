@@ -17,7 +17,7 @@ import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_npy, read_side
-from ntk_service.cli._output import print_answer, print_record, print_table
+from ntk_service.cli._output import print_answer, print_record, print_table, write_output
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
     from ntk_service.client import SpectrumMethodName
@@ -81,13 +81,6 @@ def _numbers(text: str, *, option: str, integers: bool = False) -> list[Any]:
     return out
 
 
-def _write(path: Path, write: Any) -> None:
-    try:
-        write(path)
-    except OSError as exc:
-        raise UsageError(f"-o: cannot write {str(path)!r} ({exc.strerror or exc})") from exc
-
-
 _SIDE = "({rows}, *input) .npy, named arrays (.safetensors, .npz: one per input) or dataset:<id>[a:b]."
 
 
@@ -143,7 +136,7 @@ def predict(
         arrays: dict[str, Any] = {"times": result.times, "train": result.train, "f0_train": result.f0_train}
         if result.test is not None and result.f0_test is not None:
             arrays.update(test=result.test, f0_test=result.f0_test)
-        _write(output, lambda path: np.savez(path, **arrays))
+        write_output(output, lambda path: np.savez(path, **arrays))
     summary = {
         "model": result.model,
         "version": result.version,
@@ -198,7 +191,7 @@ def spectrum(
         )
     )
     if output is not None:
-        _write(output, lambda path: np.save(path, result.eigenvalues, allow_pickle=False))
+        write_output(output, lambda path: np.save(path, result.eigenvalues, allow_pickle=False))
     summary = {
         "model": result.model,
         "version": result.version,

@@ -6,13 +6,13 @@ from __future__ import annotations
 import warnings
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_side
-from ntk_service.cli._output import print_table
+from ntk_service.cli._output import print_table, write_output
 from ntk_service.vocabulary import ImplementationName, ModeName, mode_help
 
 __all__ = ["Dtype", "Implementation", "Mode", "kernel"]
@@ -38,6 +38,18 @@ _SIDE_HELP = (
 
 _PRINT_LIMIT = 1000
 """Without -o, a theta of at most this many values is printed; a bigger one needs a file."""
+
+
+def _header(result: Any) -> dict[str, Any]:
+    """What every kernel answer (``KernelResult``, ``GroupKernels``) reports first: the model, its version, the mode,
+    the implementation, the time."""
+    return {
+        "model": result.model,
+        "version": result.version,
+        "mode": result.mode,
+        "implementation": result.implementation,
+        "elapsed_ms": result.elapsed_ms,
+    }
 
 
 @app.command()
@@ -123,18 +135,11 @@ def kernel(
         typer.echo(f"note: {result.note}", err=True)
     theta = result.theta
     if output is not None:
-        try:
-            np.save(output, theta, allow_pickle=False)
-        except OSError as exc:
-            raise UsageError(f"-o: cannot write {str(output)!r} ({exc.strerror or exc})") from exc
+        write_output(output, lambda path: np.save(path, theta, allow_pickle=False))
     elif theta.size > _PRINT_LIMIT and not wants_json(ctx, json_output):
         raise UsageError(f"theta {theta.shape} has {theta.size} values; write it to a file with -o theta.npy")
     summary = {
-        "model": result.model,
-        "version": result.version,
-        "mode": result.mode,
-        "implementation": result.implementation,
-        "elapsed_ms": result.elapsed_ms,
+        **_header(result),
         "shape": list(theta.shape),
         "dtype": str(theta.dtype),
         "output": str(output) if output is not None else None,
@@ -203,10 +208,7 @@ def _kernel_groups(
 
         metadata = {"mode": result.mode, "model": result.model, "version": str(result.version)}
         metadata["parameters"] = json.dumps(result.parameters)
-        try:
-            output.write_bytes(encode_safetensors(result.thetas, metadata))
-        except OSError as exc:
-            raise UsageError(f"-o: cannot write {str(output)!r} ({exc.strerror or exc})") from exc
+        write_output(output, lambda path: path.write_bytes(encode_safetensors(result.thetas, metadata)))
     elif size > _PRINT_LIMIT and not wants_json(ctx, json_output):
         raise UsageError(f"the group kernels have {size} values; write them to a file with -o kernels.safetensors")
     rows = [
@@ -219,11 +221,7 @@ def _kernel_groups(
         for name, theta in result.thetas.items()
     ]
     summary = {
-        "model": result.model,
-        "version": result.version,
-        "mode": result.mode,
-        "implementation": result.implementation,
-        "elapsed_ms": result.elapsed_ms,
+        **_header(result),
         "groups": rows,
         "output": str(output) if output is not None else None,
     }

@@ -18,6 +18,7 @@ import typer
 from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_side
 from ntk_service.cli._kernel import Dtype, Mode
+from ntk_service.cli._output import write_output
 from ntk_service.vocabulary import OPERATOR_MODES, OperatorModeName, mode_help
 
 if TYPE_CHECKING:  # the client (httpx, numpy) is imported when a command runs, not for --help
@@ -56,10 +57,7 @@ OperatorMode = OperatorModeName
 def _save(path: Path, array: Any) -> None:
     import numpy as np
 
-    try:
-        np.save(path, array, allow_pickle=False)
-    except OSError as exc:
-        raise UsageError(f"-o: cannot write {str(path)!r} ({exc.strerror or exc})") from exc
+    write_output(path, lambda path: np.save(path, array, allow_pickle=False))
 
 
 def _emit(

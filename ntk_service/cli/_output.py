@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import typer
 
-from ntk_service.cli._app import print_json, wants_json
+from ntk_service.cli._app import UsageError, print_json, wants_json
 
-__all__ = ["format_value", "print_answer", "print_record", "print_table"]
+__all__ = ["format_value", "print_answer", "print_record", "print_table", "write_output"]
 
 
 def format_value(value: Any) -> str:
@@ -62,3 +63,15 @@ def print_answer(
         typer.echo(text)
     else:
         text()
+
+
+def write_output(path: Path, write: Callable[[Path], object], *, option: str = "-o") -> None:
+    """``write(path)``, an unwritable path (no such folder, no permission, a full disk) a usage error.
+
+    Raises:
+        UsageError: ``{option}: cannot write '<path>' (<reason>)``.
+    """
+    try:
+        write(path)
+    except OSError as exc:
+        raise UsageError(f"{option}: cannot write {str(path)!r} ({exc.strerror or exc})") from exc
