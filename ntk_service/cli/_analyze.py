@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, ModelArg, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_npy, read_side
 from ntk_service.cli._output import print_answer, print_record, print_table, write_output
 
@@ -29,8 +29,6 @@ analyze_app = typer.Typer(
     no_args_is_help=True,
     rich_markup_mode=None,
 )
-
-NameArg = Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)]
 
 
 class AnalysisMode(StrEnum):
@@ -87,7 +85,7 @@ _SIDE = "({rows}, *input) .npy, named arrays (.safetensors, .npz: one per input)
 @analyze_app.command()
 def predict(
     ctx: typer.Context,
-    model: NameArg,
+    model: ModelArg,
     x_train: Annotated[str, typer.Option("--x-train", help=_SIDE.format(rows="N"))],
     y_train: Annotated[
         Path,
@@ -160,7 +158,7 @@ def predict(
 @analyze_app.command()
 def spectrum(
     ctx: typer.Context,
-    model: NameArg,
+    model: ModelArg,
     x: Annotated[str, typer.Option("--x", help=_SIDE.format(rows="N"))],
     top: Annotated[int | None, typer.Option(min=1, help="Only the top eigenvalues. Default: all.")] = None,
     method: Annotated[str, typer.Option(help="auto | eigh | lanczos | operator (matrix-free, needs --top).")] = "auto",
@@ -215,7 +213,7 @@ def spectrum(
 @analyze_app.command()
 def compare(
     ctx: typer.Context,
-    model: NameArg,
+    model: ModelArg,
     x: Annotated[str, typer.Option("--x", help="Probe inputs (N, *input): .npy or dataset:<id>[a:b].")],
     versions: Annotated[str, typer.Option(help="Comma-separated versions (checkpoints), e.g. 1,2,3.")],
     y: Annotated[

@@ -25,6 +25,7 @@ __all__ = [
     "DEFAULT_URL",
     "CliState",
     "JsonFlag",
+    "ModelArg",
     "UsageError",
     "app",
     "fail",
@@ -116,6 +117,9 @@ def state_of(ctx: typer.Context) -> CliState:
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 """``--json`` on a command (the same flag is accepted before the command too)."""
+
+ModelArg = Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)]
+"""A command's MODEL argument."""
 
 
 def wants_json(ctx: typer.Context, flag: bool) -> bool:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, cast
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, ModelArg, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_span
 from ntk_service.cli._job_commands import JobCommands, JobMethods, add_job_commands, progress_stream
 from ntk_service.cli._output import format_value, print_table
@@ -58,7 +58,7 @@ EITHER_JOBS = JobCommands("job (either kind)", (_ATTRIBUTION, _FEATURES), JobIdA
 @attribution_app.command("features")
 def features_submit(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    model: ModelArg,
     train: Annotated[str, typer.Option(help="Training inputs: " + _SIDE, show_default=False)],
     labels: Annotated[str, typer.Option(help="Their labels, aligned rows: " + _SIDE, show_default=False)],
     version: Annotated[int | None, typer.Option(min=1, help="The checkpoint. Default: the latest.")] = None,
@@ -111,7 +111,7 @@ def score_submit(
 @attribution_app.command("run")
 def run(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    model: ModelArg,
     train: Annotated[str, typer.Option(help="Training inputs: " + _SIDE, show_default=False)],
     labels: Annotated[str, typer.Option(help="Their labels: " + _SIDE, show_default=False)],
     test: Annotated[str | None, typer.Option(help="Test inputs: " + _SIDE + ". Default: none (self only).")] = None,

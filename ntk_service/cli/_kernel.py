@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, ModelArg, UsageError, app, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_side
 from ntk_service.cli._output import print_table, write_output
 from ntk_service.vocabulary import ImplementationName, ModeName, mode_help
@@ -55,7 +55,7 @@ def _header(result: Any) -> dict[str, Any]:
 @app.command()
 def kernel(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    model: ModelArg,
     x1: Annotated[str, typer.Option("--x1", help="x1: " + _SIDE_HELP.format(rows="N"), show_default=False)],
     x2: Annotated[
         str | None, typer.Option("--x2", help="x2: " + _SIDE_HELP.format(rows="M") + ". Default: x1.")

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, app, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, ModelArg, UsageError, app, print_json, state_of, wants_json
 from ntk_service.cli._inputs import read_side
 from ntk_service.cli._kernel import Dtype, Mode
 from ntk_service.cli._output import write_output
@@ -33,7 +33,6 @@ _SIDE_HELP = "a .npy file of shape ({rows}, *input), or dataset:<id>[start:stop]
 
 X1Option = Annotated[str, typer.Option("--x1", help="x1: " + _SIDE_HELP.format(rows="N"), show_default=False)]
 X2Option = Annotated[str | None, typer.Option("--x2", help="x2: " + _SIDE_HELP.format(rows="M") + ". Default: x1.")]
-ModelArgument = Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)]
 DtypeOption = Annotated[Dtype | None, typer.Option(help="Compute dtype. Default: the model's.", show_default=False)]
 OutputOption = Annotated[
     Path | None, typer.Option("--output", "-o", help="Write the result to this .npy file.", dir_okay=False)
@@ -117,7 +116,7 @@ def _seeds(text: str) -> list[int]:
 @app.command()
 def nngp(
     ctx: typer.Context,
-    model: ModelArgument,
+    model: ModelArg,
     x1: X1Option,
     x2: X2Option = None,
     layer: Annotated[str | None, typer.Option(help="A module name: its output's features. Default: outputs.")] = None,
@@ -142,7 +141,7 @@ def nngp(
 @app.command("monte-carlo")
 def monte_carlo(
     ctx: typer.Context,
-    model: ModelArgument,
+    model: ModelArg,
     x1: X1Option,
     seeds: Annotated[str, typer.Option(help="Seeds, e.g. 0-15 or 1,2,5: one network of MODEL's architecture each.")],
     x2: X2Option = None,
@@ -180,7 +179,7 @@ def monte_carlo(
 @app.command()
 def matvec(
     ctx: typer.Context,
-    model: ModelArgument,
+    model: ModelArg,
     x1: X1Option,
     v: Annotated[Path, typer.Option("--v", help=".npy vector: (M, k) for full, (M,) for trace and pseudo.")],
     x2: X2Option = None,

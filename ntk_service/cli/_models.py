@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, ModelArg, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._output import print_answer, print_table
 
 __all__ = ["models_app"]
@@ -21,7 +21,6 @@ models_app = typer.Typer(
     rich_markup_mode=None,
 )
 
-NameArg = Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)]
 
 _LIST_COLUMNS = ("name", "version", "family", "num_params", "input_shape", "output_dim")
 _VERSION_COLUMNS = ("version", "created_at", "label", "seed", "weights_sha256")
@@ -84,7 +83,7 @@ def _input_file(help: str) -> Any:
 @models_app.command("register")
 def register(
     ctx: typer.Context,
-    name: NameArg,
+    name: ModelArg,
     architecture: Annotated[
         str,
         typer.Option(
@@ -113,7 +112,7 @@ def register(
 @models_app.command("register-program")
 def register_program(
     ctx: typer.Context,
-    name: NameArg,
+    name: ModelArg,
     program: Annotated[
         Path, _input_file("A torch.export archive (.pt2) written by torch.export.save, the batch dimension dynamic.")
     ],
@@ -149,14 +148,14 @@ def list_models(ctx: typer.Context, json_output: JsonFlag = False) -> None:
 
 
 @models_app.command("show")
-def show(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
+def show(ctx: typer.Context, name: ModelArg, json_output: JsonFlag = False) -> None:
     """Show a model's record: architecture, parameters, latest version, weights hash."""
     record = state_of(ctx).client().get_model(name)
     print_answer(ctx, json_output, record)
 
 
 @models_app.command("delete")
-def delete(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
+def delete(ctx: typer.Context, name: ModelArg, json_output: JsonFlag = False) -> None:
     """Delete a model and all its versions (needs a write key)."""
     state_of(ctx).client().delete_model(name)
     print_answer(ctx, json_output, {"deleted": name}, f"deleted model {name}")
@@ -186,7 +185,7 @@ def architectures(ctx: typer.Context, json_output: JsonFlag = False) -> None:
 @models_app.command("upload-weights")
 def upload_weights(
     ctx: typer.Context,
-    name: NameArg,
+    name: ModelArg,
     weights: Annotated[Path, _input_file("A .safetensors file with every parameter by its named_parameters() name.")],
     label: LabelOption = None,
     json_output: JsonFlag = False,
@@ -202,7 +201,7 @@ def upload_weights(
 
 
 @models_app.command("versions")
-def versions(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -> None:
+def versions(ctx: typer.Context, name: ModelArg, json_output: JsonFlag = False) -> None:
     """List a model's versions, oldest first: upload time, label, seed, weights hash."""
     records = state_of(ctx).client().list_versions(name)
     print_answer(
@@ -213,7 +212,7 @@ def versions(ctx: typer.Context, name: NameArg, json_output: JsonFlag = False) -
 @models_app.command("download-weights")
 def download_weights(
     ctx: typer.Context,
-    name: NameArg,
+    name: ModelArg,
     output: Annotated[
         Path,
         typer.Option("--output", "-o", help="The .safetensors file to write.", dir_okay=False, show_default=False),

@@ -19,7 +19,7 @@ from typing import Annotated, Literal, cast
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, state_of
+from ntk_service.cli._app import JsonFlag, ModelArg, UsageError, state_of
 from ntk_service.cli._inputs import read_span
 from ntk_service.cli._job_commands import JobCommands, JobIdArg, JobMethods, add_job_commands
 from ntk_service.cli.jobs import _dataset_id
@@ -60,7 +60,7 @@ FEATURES_JOBS = JobCommands(
 @solve_app.command("submit")
 def solve_submit(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    model: ModelArg,
     kind: Annotated[str, typer.Option(help="kernel_ridge, gp_mean or linearized.", show_default=False)],
     train: Annotated[str, typer.Option(help="Train rows: " + _SIDE, show_default=False)],
     targets: Annotated[str, typer.Option(help="y (N, k) or (N,): " + _SIDE, show_default=False)],
@@ -145,7 +145,7 @@ def solve_result(ctx: typer.Context, job_id: JobIdArg, output: OutOption) -> Non
 @features_app.command("submit")
 def features_submit(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    model: ModelArg,
     dataset: Annotated[str, typer.Option(help="Rows: " + _SIDE, show_default=False)],
     dim: Annotated[int, typer.Option(help="D, features per output.", show_default=False)],
     seed: Annotated[int, typer.Option(help="The sketch's seed (same seed, D, params: same Φ).")] = 0,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ntk_service.cli._app import JsonFlag, UsageError, print_json, state_of, wants_json
+from ntk_service.cli._app import JsonFlag, ModelArg, UsageError, print_json, state_of, wants_json
 from ntk_service.cli._datasets import read_dataset_file
 from ntk_service.cli._kernel import Dtype, Implementation
 from ntk_service.cli._output import print_answer, print_table
@@ -122,7 +122,7 @@ def _list_row(job: Mapping[str, Any], now: float) -> dict[str, Any]:
 @jobs_app.command("submit")
 def submit(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="The model's registered name.", show_default=False)],
+    model: ModelArg,
     x1: Annotated[str, typer.Option("--x1", help="x1: " + _SIDE_HELP.format(rows="N"), show_default=False)],
     x2: Annotated[
         str | None, typer.Option("--x2", help="x2: " + _SIDE_HELP.format(rows="M") + ". Default: x1 (symmetric).")
