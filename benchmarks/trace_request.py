@@ -440,13 +440,23 @@ def stages(mode: str, n: int, requests: int) -> None:
     print(f"{mode.upper()} N = M = {n}, {requests} requests, load average {os.getloadavg()[0]:.1f}: client wall "
           f"{1000 * median(walls):.2f} ms, library compute_ntk {1000 * median(library):.2f} ms, HTTP / library "
           f"{median(a / b for a, b in zip(walls, library, strict=True)):.3f} (paired)")  # fmt: skip
-    print("| stage | ms (median) | what |\n|---|---|---|")
+    print("| stage | ms: median (mean) | what |\n|---|---|---|")
     for start, stop, what in STAGE_STEPS:
         spans = [(row[stop] - row[start]) / 1e6 for row in rows if start in row and stop in row]
         if spans:
-            print(f"| {start} -> {stop} | {median(spans):.3f} | {what} |")
+            print(f"| {start} -> {stop} | {median(spans):.3f} ({statistics.mean(spans):.3f}) | {what} |")
+    gaps: dict[str, list[float]] = {}  # between consecutive marks: what the named stages leave out
+    for row in rows:
+        ordered = sorted(row.items(), key=lambda item: item[1])
+        for (first, at), (then, later) in zip(ordered, ordered[1:], strict=False):
+            gaps.setdefault(f"{first} -> {then}", []).append((later - at) / 1e6)
+    for span, values in sorted(gaps.items(), key=lambda item: -statistics.median(item[1])):
+        if statistics.median(values) >= 0.1 and span not in {f"{a} -> {b}" for a, b, _ in STAGE_STEPS}:
+            print(f"| {span} | {median(values):.3f} ({statistics.mean(values):.3f}) | (between the stages above) |")
     engine = [(row["kernel>"] - row["kernel<"]) / 1e9 for row in rows]
     in_app = [(row["app>"] - row["app<"]) / 1e9 for row in rows]
+    beside = [1000 * (a - e) for a, e in zip(in_app, engine, strict=True)]
+    print(f"| app - engine | {median(beside):.3f} ({statistics.mean(beside):.3f}) | the server beside the engine |")
     print(
         f"| engine / library (paired) | {median(a / b for a, b in zip(engine, library, strict=True)):.3f} | "
         "the server's compute against the library's |"
