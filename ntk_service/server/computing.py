@@ -7,8 +7,8 @@ under the compute limiter, failures mapped to the caller's errors.
 (data-set rows read) and checks it against the model's input contract (``registry/input_contract.py``); the
 computation itself is a second hop, under the compute limiter, and takes the module of the record already read
 (``ModelRegistry.module``). ``/ntk`` with inline sides, which need no stored data read, loads them in its compute
-hop instead (:func:`prepare_kernel_sides`): a hop costs 0.2-0.4 ms, a few percent of a small kernel. The model's
-failures on the inputs are the caller's 422, not a 500.
+hop instead while a compute slot is free (:func:`prepare_kernel_sides`): a hop costs 0.2-0.4 ms, a few percent of a
+small kernel. The model's failures on the inputs are the caller's 422, not a 500.
 
 The shared side cache holds data-set rows only (keyed by model version, data set and row range). Inline sides
 are not keyed: hashing them costs time, a client rarely resends the same bytes, and an unkeyed kernel with x1 and

@@ -5,9 +5,9 @@ query parameters) or as row ranges of stored data sets. They are checked against
 dtype before anything is computed; the computation runs off the event loop under the compute limiter. The request
 is read once into the sides and the engine's two values, ``KernelSpec`` (what) and ``NtkOptions`` (how)
 (``server/reading.py``); the record is read once, the sides loaded and checked (``server/computing.py``: inline
-sides in the compute hop itself, data-set rows in a hop of their own before it), and the module comes from the
-record already read. The wire schema is ``KernelOptions`` / ``KernelRequest`` in
-``server/schemas.py``.
+sides in the compute hop itself while a slot is free, else and for data-set rows in a hop of their own before
+queueing), and the module comes from the record already read. The wire schema is ``KernelOptions`` /
+``KernelRequest`` in ``server/schemas.py``.
 
 The shared side cache holds data-set rows only, so a repeated request against the same data set reuses that side;
 inline tensors are not keyed. With the cache off (``NTK_SIDE_CACHE_BYTES=0``) the engine never sees it.
@@ -116,9 +116,12 @@ async def compute_kernel(
 
         cap = ctx.settings.max_json_response_bytes
         json_cap = cap if response_type == wire.MEDIA_JSON else None
-        # Inline sides are loaded (the record read, the sides checked) in the compute hop itself: a hop costs
-        # 0.2-0.4 ms. Data-set rows, a read of stored data, are loaded in a hop of their own, outside the slot.
-        loaded = await load_kernel_sides(ctx, name, call, json_cap=json_cap) if reads_sides(call) else None
+        # Inline sides are loaded (the record read, the sides checked) in the compute hop itself while a slot is
+        # free: a hop costs 0.2-0.4 ms. Data-set rows (a read of stored data), or a full limiter, get a hop of their
+        # own first, outside the slot: a request with a bad input or model is refused then without queueing.
+        limiter = ctx.limiter
+        separate = reads_sides(call) or limiter.pending >= limiter.concurrency
+        loaded = await load_kernel_sides(ctx, name, call, json_cap=json_cap) if separate else None
 
         def run() -> tuple[Response, NtkImplementation, str, float]:
             record, x1, x2 = loaded or prepare_kernel_sides(ctx, name, call, json_cap=json_cap)
