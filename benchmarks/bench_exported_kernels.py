@@ -18,7 +18,9 @@ Parts (``--parts``, default all three):
 
 Each row prints the median wall seconds and CPU seconds (user + system of this process; the server's own for the
 HTTP rows is not in them) and the median of the per-round ratios (each round's calls ran back to back), with the
-load average beside. Every kernel is checked to agree with the module's (1e-4 of max|theta|, float32).
+load average beside. The HTTP part also pairs the compute the server measured (``elapsed_ms``) with the library
+call of the same round: the server's compute against the library's, apart from the transport. Every kernel is
+checked to agree with the module's (1e-4 of max|theta|, float32).
 
     .venv/bin/python benchmarks/bench_exported_kernels.py                                  # all parts, idle run
     .venv/bin/python benchmarks/bench_exported_kernels.py --parts programs --models mlp gated_loop --rounds 3
@@ -148,12 +150,13 @@ def _cpu() -> float:
 def _alternate(
     contenders: dict[str, Callable[[], Any]], rounds: int
 ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any]]:
-    """One warm-up call each, then ``rounds`` rounds of one call each in turn: wall s, CPU s, last results."""
+    """One warm-up call each, then ``rounds`` rounds of one call each in turn, every other round in reverse order
+    (a contender's place in the round, e.g. after the heavy one, is no advantage): wall s, CPU s, last results."""
     results = {name: call() for name, call in contenders.items()}
     wall: dict[str, list[float]] = {name: [] for name in contenders}
     cpu: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, call in contenders.items():
+    for index in range(rounds):
+        for name, call in list(contenders.items())[:: -1 if index % 2 else 1]:
             c, t = _cpu(), time.perf_counter()
             results[name] = call()
             wall[name].append(time.perf_counter() - t)
@@ -292,7 +295,8 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
     x1, x2 = _floats(64)(n, 1), _floats(64)(n, 2)
     print(f"\n## http: TwoBranch(d=64, hidden={hidden}, k=4) registered with Client.register_module, N = M = {n}")
     with tempfile.TemporaryDirectory() as tmp:
-        servers = {"HTTP Client.ntk_result": start_live_server(
+        this = "HTTP Client.ntk_result"
+        servers = {this: start_live_server(
             Path(tmp) / "data", max_body_bytes=str(1024 * 2**20), max_json_response_bytes=str(1024 * 2**20)
         )}  # fmt: skip
         if base is not None:
@@ -311,10 +315,15 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
                 contenders: dict[str, Callable[[], Any]] = {
                     "library compute_ntk": lambda mode=mode: compute_ntk(module, x1, x2, mode=mode),
                 }
-                for label, client in clients.items():
-                    contenders[label] = lambda mode=mode, client=client: client.ntk_result(
-                        "two-branch", x1.numpy(), x2.numpy(), mode=mode
-                    )
+                served: dict[str, list[float]] = {label: [] for label in clients}  # the server's compute, per call
+
+                def request(label: str, mode: str = mode, served: dict[str, list[float]] = served) -> Any:
+                    result = clients[label].ntk_result("two-branch", x1.numpy(), x2.numpy(), mode=mode)
+                    served[label].append(result.elapsed_ms / 1000)
+                    return result
+
+                for label in clients:
+                    contenders[label] = lambda label=label: request(label)
                 # the fixed cost of a request: one example each side, where the compute is the engine's own overhead
                 contenders["library N=1"] = lambda mode=mode: compute_ntk(module, x1[:1], x2[:1], mode=mode)
                 contenders["HTTP N=1"] = lambda mode=mode: clients["HTTP Client.ntk_result"].ntk_result(
@@ -326,17 +335,27 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
                 _check(fixed, "library N=1", "http N=1")
                 results.update(fixed)
                 label = f"TwoBranch N={n} {mode.upper()}"
-                for name in clients:
-                    print(f"| {label} | (server-measured compute of the last {name} call) | | "
-                          f"{results[name].elapsed_ms / 1000:.4f} | |")  # fmt: skip
+                for name in clients:  # the warm-up call's first: dropped, as in wall
+                    served[name] = served[name][1:]
+                    print(f"| {label} | (compute measured by the server of {name}) | | "
+                          f"{statistics.median(served[name]):.4f} | |")  # fmt: skip
                 for contender in contenders:
                     _row(label, contender, wall, cpu, str(getattr(results[contender].implementation, "value",
                                                                   results[contender].implementation)))  # fmt: skip
                 ratios = [f"{name} / library {_paired(wall, name, 'library compute_ntk'):.2f}" for name in clients]
+                library = wall["library compute_ntk"]
+                overhead = {}  # what HTTP adds to the server's compute: the A/B of the path, the compute's noise apart
+                for name in clients:
+                    overhead[name] = statistics.median(w - c for w, c in zip(wall[name], served[name], strict=True))
+                    print(f"| {label} | (wall less the server's compute: {name}) | | {overhead[name]:.4f} | |")
+                ratios += [f"its server's compute / library {_paired({'s': served[n], 'l': library}, 's', 'l'):.2f}"
+                           for n in clients]  # fmt: skip
                 fixed_ms = statistics.median(a - b for a, b in zip(wall["HTTP N=1"], wall["library N=1"], strict=True))
                 ratios.append(f"fixed cost of a request (HTTP - library at N=1) {1000 * fixed_ms:.1f} ms")
                 if base is not None:
                     ratios.append(f"this tree / base {_paired(wall, 'HTTP Client.ntk_result', 'HTTP (base tree)'):.2f}")
+                    ratios.append(f"wall less the server's compute: this tree {1000 * overhead[this]:.2f} ms, base "
+                                  f"{1000 * overhead['HTTP (base tree)']:.2f} ms")  # fmt: skip
                 summary.append((label, ", ".join(ratios)))
         finally:
             for client in clients.values():

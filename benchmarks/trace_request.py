@@ -26,8 +26,16 @@ What it counts, per request:
 - **record reads**: calls of ``ModelRegistry.get``.
 - **thread hops**: calls of ``anyio.to_thread.run_sync`` (starlette's ``run_in_threadpool`` goes through it).
 
+With ``--stages`` it times instead where the milliseconds of a request go on a real server (a uvicorn
+subprocess running this file with ``--serve-stages``: the route's steps wrapped with timestamps, the app wrapped by
+an outermost ASGI timer) for issue 37's class (``TwoBranch`` d = 64, hidden 256, k = 4, registered with
+``Client.register_module``, binary sides, a safetensors answer), each request paired with ``compute_ntk`` on the
+same module in this process: median milliseconds of each stage, the engine's against the library's, and the
+client's share (its wall less the server's time in the app).
+
     .venv/bin/python benchmarks/trace_request.py              # both requests, the numbers and the walks
     .venv/bin/python benchmarks/trace_request.py --json       # the numbers as JSON (for commit messages)
+    .venv/bin/python benchmarks/trace_request.py --stages --mode trace --n 256 --requests 30
 """
 
 from __future__ import annotations
@@ -271,11 +279,210 @@ async def _run(data_dir: Path) -> dict[str, Any]:
         threading.setprofile(None)
 
 
+STAGE_STEPS = (
+    ("app<", "read<", "middleware, routing, dependencies"),
+    ("read<", "read>", "reading the body and its options"),
+    ("sides<", "sides>", "a hop of its own for the record and sides (before: every request)"),
+    ("hop<", "thread<", "to the compute worker thread"),
+    ("prepare<", "prepare>", "the record read and the sides checked, in the compute hop"),
+    ("kernel<", "kernel>", "the engine (compute_ntk)"),
+    ("encode<", "encode>", "encoding the answer"),
+    ("thread>", "hop>", "back to the event loop"),
+    ("resp<", "resp>", "sending the answer (its last send returns)"),
+    ("app<", "app>", "the app, in all"),
+)
+"""The stages ``--stages`` prints: (from mark, to mark, what happens between)."""
+
+
+def serve_stages(out: Path) -> None:
+    """Run the server (``Settings()`` from the environment) with each /ntk request's stage marks appended to
+    ``out``, one line per request (``mark=ns`` pairs). Marks of steps this tree lacks are absent."""
+    import functools
+    import time
+
+    from ntk_service.server import app as app_module
+    from ntk_service.server import compute as compute_module
+    from ntk_service.server.routes import kernels as route
+
+    marks: dict[str, int] = {}
+    sink = out.open("a", buffering=1)
+
+    def timed(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(fn):
+
+            async def run_async(*args: Any, **kwargs: Any) -> Any:
+                marks[name + "<"] = time.perf_counter_ns()
+                result = await fn(*args, **kwargs)
+                marks[name + ">"] = time.perf_counter_ns()
+                return result
+
+            return functools.wraps(fn)(run_async)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            marks[name + "<"] = time.perf_counter_ns()
+            result = fn(*args, **kwargs)
+            marks[name + ">"] = time.perf_counter_ns()
+            return result
+
+        return functools.wraps(fn)(run)
+
+    steps = {"read_kernel_request": "read", "load_kernel_sides": "sides", "prepare_kernel_sides": "prepare",
+             "run_kernel": "kernel", "encode_theta": "encode"}  # fmt: skip
+    for attribute, name in steps.items():
+        if hasattr(route, attribute):  # a diagnostic of two trees: the base may lack a step
+            setattr(route, attribute, timed(getattr(route, attribute), name))
+    limited = compute_module.ComputeLimiter.run
+
+    async def run_limited(self: Any, fn: Callable[[], Any], **kwargs: Any) -> Any:
+        return await timed(limited, "hop")(self, timed(fn, "thread"), **kwargs)
+
+    compute_module.ComputeLimiter.run = run_limited  # type: ignore[method-assign]
+    create = app_module.create_app
+
+    def create_app_timed(settings: Settings) -> Any:
+        app = create(settings)
+
+        async def outer(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or not scope["path"].endswith("/ntk"):
+                return await app(scope, receive, send)
+            marks.clear()
+            marks["app<"] = time.perf_counter_ns()
+
+            async def sending(message: Any) -> None:
+                if message["type"] == "http.response.start":
+                    marks["resp<"] = time.perf_counter_ns()
+                await send(message)
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    marks["resp>"] = time.perf_counter_ns()
+
+            await app(scope, receive, sending)
+            marks["app>"] = time.perf_counter_ns()
+            sink.write(" ".join(f"{key}={value}" for key, value in marks.items()) + "\n")
+            return None
+
+        return _Outermost(app, outer)
+
+    app_module.create_app = create_app_timed  # type: ignore[assignment]
+    app_module.serve(Settings())
+
+
+class _Outermost:
+    """The app with ``call`` in front: uvicorn calls the instance; everything else is the app's."""
+
+    def __init__(self, app: Any, call: Callable[..., Any]) -> None:
+        self._app, self._call = app, call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._app, name)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self._call(scope, receive, send)
+
+
+def stages(mode: str, n: int, requests: int) -> None:
+    """Time the stages of ``requests`` /ntk requests on a real server (see the module docstring)."""
+    import os
+    import statistics
+    import subprocess
+    import time
+    import warnings
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from ntk_service.client import Client
+    from ntk_service.kernels import compute_ntk, retain_freed_memory
+    from tests import conftest
+    from tests.registry.exported_models import TwoBranch
+
+    warnings.filterwarnings("ignore")  # torch.export's notices
+    retain_freed_memory()  # as the server
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        module = TwoBranch(d=64, hidden=256, classes=4).eval()
+    generator = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(n, 64, generator=generator), torch.randn(n, 64, generator=generator)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "stages.txt"
+        port = conftest._free_port()
+        env = {key: value for key, value in os.environ.items() if not key.startswith("NTK_")}
+        env.update(NTK_HOST="127.0.0.1", NTK_PORT=str(port), NTK_DATA_DIR=str(Path(tmp) / "data"),
+                   NTK_LOG_LEVEL="warning", NTK_API_KEYS=f"{conftest.READ_KEY}:read,{conftest.WRITE_KEY}:write",
+                   NTK_MAX_BODY_BYTES=str(1024 * 2**20))  # fmt: skip
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, __file__, "--serve-stages", str(out)], cwd=ROOT, env=env, stdout=log,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        launched = conftest.LiveServer(f"http://127.0.0.1:{port}", Path(tmp), process, log_path)
+        server = conftest.wait_until_ready(launched)
+        client = Client(server.url, api_key=server.write_key, timeout=600.0)
+        try:
+            client.register_module("two-branch", module, input_shape=(64,))
+            for _ in range(3):  # warm: caches, lazy imports, the first hop's thread
+                client.ntk_result("two-branch", x1.numpy(), x2.numpy(), mode=mode)
+            out.write_text("")
+            walls, library = [], []
+            for _ in range(requests):
+                start = time.perf_counter()
+                compute_ntk(module, x1, x2, mode=mode)
+                library.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                client.ntk_result("two-branch", x1.numpy(), x2.numpy(), mode=mode)
+                walls.append(time.perf_counter() - start)
+            time.sleep(0.2)  # the server's last line
+            rows = [dict((k, int(v)) for k, v in (kv.split("=") for kv in line.split())) for line in out.open()]
+        finally:
+            client.close()
+            server.stop()
+    median = statistics.median
+    print(f"{mode.upper()} N = M = {n}, {requests} requests, load average {os.getloadavg()[0]:.1f}: client wall "
+          f"{1000 * median(walls):.2f} ms, library compute_ntk {1000 * median(library):.2f} ms, HTTP / library "
+          f"{median(a / b for a, b in zip(walls, library, strict=True)):.3f} (paired)")  # fmt: skip
+    print("| stage | ms: median (mean) | what |\n|---|---|---|")
+    for start, stop, what in STAGE_STEPS:
+        spans = [(row[stop] - row[start]) / 1e6 for row in rows if start in row and stop in row]
+        if spans:
+            print(f"| {start} -> {stop} | {median(spans):.3f} ({statistics.mean(spans):.3f}) | {what} |")
+    gaps: dict[str, list[float]] = {}  # between consecutive marks: what the named stages leave out
+    for row in rows:
+        ordered = sorted(row.items(), key=lambda item: item[1])
+        for (first, at), (then, later) in zip(ordered, ordered[1:], strict=False):
+            gaps.setdefault(f"{first} -> {then}", []).append((later - at) / 1e6)
+    for span, values in sorted(gaps.items(), key=lambda item: -statistics.median(item[1])):
+        if statistics.median(values) >= 0.1 and span not in {f"{a} -> {b}" for a, b, _ in STAGE_STEPS}:
+            print(f"| {span} | {median(values):.3f} ({statistics.mean(values):.3f}) | (between the stages above) |")
+    engine = [(row["kernel>"] - row["kernel<"]) / 1e9 for row in rows]
+    in_app = [(row["app>"] - row["app<"]) / 1e9 for row in rows]
+    beside = [1000 * (a - e) for a, e in zip(in_app, engine, strict=True)]
+    print(f"| app - engine | {median(beside):.3f} ({statistics.mean(beside):.3f}) | the server beside the engine |")
+    print(
+        f"| engine / library (paired) | {median(a / b for a, b in zip(engine, library, strict=True)):.3f} | "
+        "the server's compute against the library's |"
+    )
+    print(
+        f"| client wall - app | {1000 * median(w - a for w, a in zip(walls, in_app, strict=True)):.3f} | the "
+        "client, the socket and uvicorn's parsing |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="Print the numbers as JSON.")
     parser.add_argument("--walk", action="store_true", help="Print each request's walk, module by module.")
+    parser.add_argument("--stages", action="store_true", help="Time the stages of a request on a real server.")
+    parser.add_argument("--mode", default="trace", choices=["full", "trace"], help="--stages. Default: trace.")
+    parser.add_argument("--n", type=int, default=256, help="--stages: N = M. Default: 256.")
+    parser.add_argument("--requests", type=int, default=30, help="--stages: timed requests. Default: 30.")
+    parser.add_argument("--serve-stages", type=Path, help=argparse.SUPPRESS)  # the server --stages starts
     args = parser.parse_args()
+    if args.serve_stages is not None:
+        serve_stages(args.serve_stages)
+        return
+    if args.stages:
+        stages(args.mode, args.n, args.requests)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         result = asyncio.run(_run(Path(tmp)))
     if args.json:

@@ -77,6 +77,9 @@ _SAFETENSORS_ITEMSIZE = {
 }  # fmt: skip
 """Bytes per element of each safetensors dtype, to check a header's shapes before the loader allocates."""
 
+_SAFETENSORS_DTYPE = {"float32": "F32", "float64": "F64", "int64": "I64"}
+"""The safetensors name of each wire dtype (``WIRE_DTYPES``)."""
+
 _MAX_DIMS = 64
 """The most dimensions a wire tensor may have: numpy's own limit (``np.zeros([0] * 65)`` raises)."""
 
@@ -346,17 +349,26 @@ def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] 
         InvalidInput: a tensor's dtype cannot travel on the wire.
         TypeError: a tensor name or a metadata key/value is not a string.
     """
-    import safetensors.numpy
-
     for key, value in (metadata or {}).items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"encode_safetensors: metadata must map str to str, got {key!r}: {value!r}")
-    wire = {}
+    header: dict[str, Any] = {} if not metadata else {"__metadata__": metadata}
+    blocks: list[Any] = []
+    offset = 0
     for key, array in tensors.items():
         if not isinstance(key, str):
             raise TypeError(f"encode_safetensors: tensor names must be strings, got {key!r}")
-        wire[key] = to_wire_dtype(np.asarray(array), name=key)
-    return safetensors.numpy.save(wire, metadata=metadata)
+        if key == "__metadata__":
+            raise TypeError("encode_safetensors: '__metadata__' is the header's own key, not a tensor name")
+        wire = to_wire_dtype(np.asarray(array), name=key)
+        header[key] = {"dtype": _SAFETENSORS_DTYPE[wire.dtype.name], "shape": list(wire.shape),
+                       "data_offsets": [offset, offset + wire.nbytes]}  # fmt: skip
+        little = np.ascontiguousarray(wire, dtype=wire.dtype.newbyteorder("<"))  # safetensors is little-endian
+        blocks.append(little.reshape(-1).view(np.uint8))  # a view: the join below is the only copy
+        offset += wire.nbytes
+    text = orjson.dumps(header)
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors' own writer pads it
+    return b"".join([struct.pack("<Q", len(text)), text, *blocks])
 
 
 def decode_safetensors(body: bytes, *, name: str = "body") -> tuple[dict[str, np.ndarray], dict[str, str]]:

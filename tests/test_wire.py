@@ -183,6 +183,40 @@ def test_safetensors_truncated_data_is_malformed() -> None:
         decode_safetensors(body[:-8])
 
 
+def test_encode_safetensors_is_read_by_the_safetensors_library() -> None:
+    """Our writer (one copy, no safetensors call) against the format's own reader, and its writer's bytes read by
+    ours: mixed dtypes, a non-contiguous and a big-endian array, an empty tensor, metadata and none."""
+    import safetensors.numpy
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "theta": rng.standard_normal((5, 3, 2, 2)).astype(np.float32),
+        "b": rng.standard_normal((7, 4)).T,  # float64, Fortran-ordered view
+        "ids": np.arange(6, dtype=">i8").reshape(2, 3),  # big-endian
+        "empty": np.zeros((0, 3), dtype=np.float32),
+    }
+    for metadata in ({"mode": "full", "elapsed_ms": "1.5"}, None):
+        body = encode_safetensors(tensors, metadata)
+        (size,) = struct.unpack("<Q", body[:8])
+        assert size % 8 == 0
+        read = safetensors.numpy.load(body)
+        assert set(read) == set(tensors)
+        for key, array in tensors.items():
+            assert read[key].dtype == array.dtype.newbyteorder("=")
+            np.testing.assert_array_equal(read[key], array)
+        theirs = safetensors.numpy.save({k: np.ascontiguousarray(v, v.dtype.newbyteorder("=")) for k, v in
+                                         tensors.items()}, metadata=metadata)  # fmt: skip
+        ours, meta = decode_safetensors(theirs)
+        assert meta == (metadata or {})
+        for key, array in tensors.items():
+            np.testing.assert_array_equal(ours[key], array)
+
+
+def test_encode_safetensors_refuses_the_header_key_as_a_name() -> None:
+    with pytest.raises(TypeError, match="__metadata__"):
+        encode_safetensors({"__metadata__": np.zeros(1)})
+
+
 def test_encode_safetensors_refuses_non_string_metadata() -> None:
     with pytest.raises(TypeError, match="metadata must map str to str"):
         encode_safetensors({"x": np.zeros(1)}, {"version": 3})  # type: ignore[dict-item]

@@ -33,6 +33,7 @@ __all__ = [
     "SettingsDep",
     "SideCacheDep",
     "WriteAccess",
+    "app_state",
 ]
 
 _bearer = HTTPBearer(
@@ -41,7 +42,12 @@ _bearer = HTTPBearer(
 )
 
 
-def _state(request: Request, name: str) -> Any:
+def app_state(request: Request, name: str) -> Any:
+    """``app.state.<name>``, the lifespan's object.
+
+    Raises:
+        ServiceUnavailable: the lifespan has not built it (starting or stopping; 503 with Retry-After).
+    """
     value = getattr(request.app.state, name, None)
     if value is None:
         raise ServiceUnavailable(
@@ -55,7 +61,7 @@ def _from_state(name: str) -> Callable[[Request], Awaitable[Any]]:
     """A dependency returning ``app.state.<name>`` (503 while the lifespan has not built it)."""
 
     async def get(request: Request) -> Any:
-        return _state(request, name)
+        return app_state(request, name)
 
     return get
 

@@ -57,6 +57,10 @@ def test_health_answers_during_a_kernel_and_overload_gets_429(start_server: Call
         still_computing = worker.is_alive()
         busy = client.post("/v1/models/slow/ntk", json=body)
         rejected = _gauge(client, "ntk_kernel_computes_rejected_total")
+        # the model and the sides are checked before queueing: a bad request is refused for what it is, not Busy
+        missing = client.post("/v1/models/no-such-model/ntk", json=body)
+        misshapen = client.post("/v1/models/slow/ntk", json={"x1": tensor_json(np.ones((2, 3), np.float32))})
+        computing = worker.is_alive()
         worker.join(timeout=60)
 
     assert health.status_code == 200
@@ -71,6 +75,10 @@ def test_health_answers_during_a_kernel_and_overload_gets_429(start_server: Call
         "retry after the Retry-After delay, or send smaller requests"
     )
     assert rejected == 1
+    assert computing, "the kernel finished before the bad requests: the test proves nothing"
+    assert missing.status_code == 404, missing.text
+    assert misshapen.status_code == 422, misshapen.text
+    assert misshapen.json()["error"]["type"] == "shape_mismatch"
     assert results["slow"].status_code == 200, results["slow"].text
     assert results["slow"].json()["theta"]["shape"] == [2, 2, 2, 2]
     assert "no API keys configured" in server.log()  # the open server said so at startup

@@ -4,9 +4,10 @@ Inputs come inline (JSON tensors, or ``x1``/``x2`` tensors of an .npy / safetens
 query parameters) or as row ranges of stored data sets. They are checked against the model's input shape and
 dtype before anything is computed; the computation runs off the event loop under the compute limiter. The request
 is read once into the sides and the engine's two values, ``KernelSpec`` (what) and ``NtkOptions`` (how)
-(``server/reading.py``); the record is read once, the sides loaded and checked (``server/computing.py``), and the
-module comes from the record already read. The wire schema is ``KernelOptions`` / ``KernelRequest`` in
-``server/schemas.py``.
+(``server/reading.py``); the record is read once, the sides loaded and checked (``server/computing.py``: inline
+sides in the compute hop itself while a slot is free, else and for data-set rows in a hop of their own before
+queueing), and the module comes from the record already read. The wire schema is ``KernelOptions`` /
+``KernelRequest`` in ``server/schemas.py``.
 
 The shared side cache holds data-set rows only, so a repeated request against the same data set reuses that side;
 inline tensors are not keyed. With the cache off (``NTK_SIDE_CACHE_BYTES=0``) the engine never sees it.
@@ -22,7 +23,13 @@ from starlette.responses import Response
 from ntk_service import wire
 from ntk_service.errors import operation_name
 from ntk_service.kernels import NtkGroupsResult, NtkImplementation
-from ntk_service.server.computing import ComputeContextDep, load_kernel_sides, run_kernel
+from ntk_service.server.computing import (
+    ComputeContextDep,
+    load_kernel_sides,
+    prepare_kernel_sides,
+    reads_sides,
+    run_kernel,
+)
 from ntk_service.server.deps import ReadAccess
 from ntk_service.server.group_kernels import (
     GROUP_RESPONSE_TYPES,
@@ -107,14 +114,17 @@ async def compute_kernel(
         offered = RESPONSE_TYPES if spec.groups is None else GROUP_RESPONSE_TYPES
         response_type = negotiate(request, offered)
 
-        json_cap = ctx.settings.max_json_response_bytes
-        record, x1, x2 = await load_kernel_sides(
-            ctx, name, call, json_cap=json_cap if response_type == wire.MEDIA_JSON else None
-        )
-        cap = json_cap
+        cap = ctx.settings.max_json_response_bytes
+        json_cap = cap if response_type == wire.MEDIA_JSON else None
+        # Inline sides are loaded (the record read, the sides checked) in the compute hop itself while a slot is
+        # free: a hop costs 0.2-0.4 ms. Data-set rows (a read of stored data), or a full limiter, get a hop of their
+        # own first, outside the slot: a request with a bad input or model is refused then without queueing.
+        limiter = ctx.limiter
+        separate = reads_sides(call) or limiter.pending >= limiter.concurrency
+        loaded = await load_kernel_sides(ctx, name, call, json_cap=json_cap) if separate else None
 
         def run() -> tuple[Response, NtkImplementation, str, float]:
-            # compute and encode in one worker-thread hop: each hop costs milliseconds on a loaded machine
+            record, x1, x2 = loaded or prepare_kernel_sides(ctx, name, call, json_cap=json_cap)
             module = ctx.registry.module(record)  # the record read above, not read again
             result, seconds = run_kernel(module, x1, x2, spec, call.options, record=record, side_cache=ctx.side_cache)
             computed = str(result.stacked.dtype if isinstance(result, NtkGroupsResult) else result.theta.dtype)
