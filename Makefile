@@ -32,8 +32,15 @@ lint: $(STAMP)
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --quiet
 
+# The suite in TEST_WORKERS processes (pytest-xdist), a whole test file per worker at a time (--dist loadfile), so
+# a module's server, Ray instance or browser still starts once. Most of the slow tests wait on a subprocess (a server
+# importing torch, Ray, Chromium, a slow model's sleeps), so two workers keep both cores busy on a 2-core machine.
+# Every test is isolated (its own port, tmp_path, data directory and Ray session). The longest files go first
+# (HEAVY_FIRST in tests/conftest.py; xdist's own reorder would put them last). `TEST_WORKERS=0` runs serially.
+TEST_WORKERS ?= 2
+
 test: lint docs
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The numerical tests again under the BLAS and vector kernels other x86-64 CPUs take (OpenBLAS's core type, MKL's
 # code path, ATen's instruction set): a tolerance that holds only on this machine's rounding fails here instead of

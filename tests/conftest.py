@@ -122,6 +122,38 @@ def wait_until_ready(server: LiveServer) -> LiveServer:
     raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{server.log()}")
 
 
+HEAVY_FIRST = (
+    "tests/docs/test_snippets.py",
+    "tests/jobs/test_ray_operator.py",
+    "tests/server/test_fuzz.py",
+    "tests/server/test_console.py",
+    "tests/jobs/test_ray.py",
+    "tests/jobs/test_routes.py",
+    "tests/jobs/test_ray_cluster.py",
+    "tests/server/test_job_routes.py",
+    "tests/server/test_compute.py",
+    "tests/jobs/test_named_jobs.py",
+    "tests/server/routes/test_attribution_jobs.py",
+    "tests/jobs/test_attribution_kinds.py",
+    "tests/cli/test_cli.py",
+    "tests/server/test_shutdown_ray.py",
+)
+"""The test files of the longest run time, longest first (per-file sums of a whole-suite run). Under pytest-xdist
+(``make test``: a file per worker at a time, ``--no-loadscope-reorder``) the workers take them first, so the many
+short files even out the end of the run instead of one worker finishing a minute-long file alone."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker, move the files of ``HEAVY_FIRST`` to the front in that order (the rest keep theirs)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    missing = [name for name in HEAVY_FIRST if not (REPO_ROOT / name).is_file()]
+    if missing:
+        raise pytest.UsageError(f"tests/conftest.py HEAVY_FIRST names files that do not exist: {missing}")
+    rank = {name: place for place, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.relative_to(REPO_ROOT).as_posix(), len(rank)))
+
+
 @pytest.fixture(scope="session")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     """One real server for the session: 2 MiB body limit, 64 KiB JSON responses, the slow factory allowed."""
