@@ -32,6 +32,7 @@ PACKAGE_LAYERS: dict[str, tuple[str, ...]] = {
     "errors": (),
     "_tensors": (),  # is_torch_tensor without importing torch
     "_openmp": (),  # the OpenMP wait policy, set before anything imports torch
+    "_indexing": (),  # a result's keys and row groups, shared by the client and the server's views (no torch)
     "root": ("errors", "_openmp"),  # ntk_service/__init__.py: __version__; Client is a lazy re-export (__getattr__)
     "vocabulary": ("errors",),  # torch-free words shared by every layer: modes, implementations
     "wire": ("errors",),
@@ -42,10 +43,10 @@ PACKAGE_LAYERS: dict[str, tuple[str, ...]] = {
     "analysis": ("kernels", "wire", "_tensors"),
     "attribution": ("kernels",),  # data attribution from eNTK features: no HTTP, no SQL
     "registry": ("kernels", "layers", "config", "wire"),
-    "jobs": ("registry", "analysis", "attribution", "config", "wire"),  # attribution jobs run the library
+    "jobs": ("registry", "analysis", "attribution", "config", "wire", "_indexing"),  # attribution jobs run the library
     "results": ("jobs",),
     "server": ("jobs", "root", "config", "wire"),
-    "client": ("root", "vocabulary", "wire", "_tensors"),  # imports without torch or fastapi
+    "client": ("root", "vocabulary", "wire", "_tensors", "_indexing"),  # imports without torch or fastapi
     "cli": ("client", "server", "plot"),
     "main": ("cli",),
 }
