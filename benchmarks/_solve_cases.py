@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from benchmarks._models import make_inputs, make_mlp
+from ntk_service.analysis.blas_guard import large_matrix_blas
 from ntk_service.analysis.solve import HeldOut, SolverOptions, estimate_ridge, solve_kernel
 from ntk_service.jobs.executors import import_ray, ray_ntk_operator
 from ntk_service.kernels import compute_ntk, ntk_operator
@@ -64,7 +65,8 @@ def _cholesky_predictions(model: nn.Module, x: torch.Tensor, xq: torch.Tensor, y
     a = theta.permute(0, 2, 1, 3).reshape(n * k, n * k).numpy()
     del theta
     a[np.diag_indices_from(a)] += lam
-    alpha = scipy.linalg.cho_solve(scipy.linalg.cho_factor(a, lower=True, overwrite_a=True), y.reshape(-1))
+    with large_matrix_blas(n * k):  # NOTE [large blas]: the multithreaded bundled OpenBLAS crashes from n ≈ 16,000
+        alpha = scipy.linalg.cho_solve(scipy.linalg.cho_factor(a, lower=True, overwrite_a=True), y.reshape(-1))
     del a
     cross = compute_ntk(model, xq, x, mode="full", dtype="float64").theta
     m = xq.shape[0]

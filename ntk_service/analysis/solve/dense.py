@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import scipy.linalg
 
+from ntk_service.analysis.blas_guard import large_matrix_blas
 from ntk_service.analysis.eigen import SymmetricEigen
 from ntk_service.analysis.layout import add_to_diagonal
 from ntk_service.analysis.solve.operators import KernelOperator
@@ -57,6 +58,12 @@ def factor_solve(
     """A function rhs -> matrix⁻¹ rhs, the jitter, the path name and λmin (NOTE [gp solve]; NaN unless
     ``with_lambda_min``: it costs an eigensolve beside the factorization); ``matrix`` (n, n) float64 symmetric,
     overwritten."""
+    with large_matrix_blas(matrix.shape[0]):  # NOTE [large blas]: a crash otherwise, from n ≈ 16,000
+        return _factor_solve(matrix, rcond, with_lambda_min=with_lambda_min)
+
+
+def _factor_solve(matrix: np.ndarray, rcond: float | None, *, with_lambda_min: bool) -> tuple[Any, float, str, float]:
+    rows = matrix.shape[0]
     lambda_min = float("nan")
     if with_lambda_min:
         lambda_min = float(scipy.linalg.eigvalsh(matrix, subset_by_index=[0, 0])[0]) if matrix.size else 0.0
@@ -69,11 +76,17 @@ def factor_solve(
             continue
 
         def solve(rhs: np.ndarray, factor: Any = factor) -> np.ndarray:
-            return np.asarray(scipy.linalg.cho_solve(factor, rhs))
+            with large_matrix_blas(rows):
+                return np.asarray(scipy.linalg.cho_solve(factor, rhs))
 
         return solve, jitter, "cholesky" if jitter == 0 else "cholesky+jitter", lambda_min
     eig = SymmetricEigen.of(matrix, rcond=rcond)
-    return eig.pinv_apply, 0.0, "eigen pseudo-inverse", lambda_min
+
+    def pinv_apply(rhs: np.ndarray) -> np.ndarray:
+        with large_matrix_blas(rows):
+            return np.asarray(eig.pinv_apply(rhs))
+
+    return pinv_apply, 0.0, "eigen pseudo-inverse", lambda_min
 
 
 def dense_matrix(op: KernelOperator) -> np.ndarray:
