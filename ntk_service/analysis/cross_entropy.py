@@ -28,6 +28,7 @@ import numpy as np
 from scipy.integrate import solve_ivp
 
 from ntk_service._tensors import is_torch_tensor
+from ntk_service.analysis.blas_guard import large_matrix_blas
 from ntk_service.analysis.layout import to_kernel_matrix, to_targets
 from ntk_service.analysis.ridge import RidgeScale, ridge_value
 from ntk_service.analysis.solve.krylov import operator_lambda_max
@@ -214,7 +215,8 @@ def cross_entropy_dynamics(
     f0 = np.zeros((n, k)) if f0_train is None else to_targets(f0_train, n=n, k=k, name="f0_train", operation=_OPERATION)
     matrix = kernel.matrix
     matrix[np.diag_indices_from(matrix)] += ridge_value(matrix, ridge, ridge_scale, operation=_OPERATION)
-    eigenvalues = np.linalg.eigvalsh(matrix)
+    with large_matrix_blas(matrix.shape[0]):  # NOTE [large blas]
+        eigenvalues = np.linalg.eigvalsh(matrix)
     lambda_min, lambda_max = float(eigenvalues[0]), float(eigenvalues[-1])
     test_matrix, f0_star = _test_side(k_test_train, f0_test, kernel.mode, n=n, k=k, mode=mode)
     full = kernel.mode is KernelMode.FULL

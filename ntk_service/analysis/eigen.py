@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ntk_service.analysis.blas_guard import large_matrix_blas
+
 __all__ = ["DEFAULT_RCOND", "SymmetricEigen", "eigen_tolerance"]
 
 _EPS = float(np.finfo(np.float64).eps)
@@ -53,7 +55,8 @@ class SymmetricEigen:
 
         Cost O(n³) time; memory ~3·n² floats beside the input (LAPACK's copy, the eigenvectors, its workspace).
         """
-        eigenvalues, eigenvectors = np.linalg.eigh(matrix)
+        with large_matrix_blas(matrix.shape[0]):  # NOTE [large blas]
+            eigenvalues, eigenvectors = np.linalg.eigh(matrix)
         return cls(eigenvalues, eigenvectors, eigen_tolerance(eigenvalues, rcond))
 
     @property

@@ -34,6 +34,7 @@ from typing import Any, Literal
 import numpy as np
 
 from ntk_service._tensors import is_torch_tensor
+from ntk_service.analysis.blas_guard import large_matrix_blas
 from ntk_service.analysis.cross_entropy import cross_entropy_dynamics, cross_entropy_on_operator
 from ntk_service.analysis.eigen import DEFAULT_RCOND, SymmetricEigen
 from ntk_service.analysis.layout import to_float64, to_kernel_matrix, to_targets
@@ -198,7 +199,8 @@ def max_learning_rate(
             "(the limit scales with k² through trace / k and the loss's mean over N·k entries)"
         )
     k = kernel.k if kernel.k is not None else int(n_outputs or 1)
-    lambda_max = float(np.linalg.eigvalsh(kernel.matrix)[-1])
+    with large_matrix_blas(kernel.matrix.shape[0]):  # NOTE [large blas]
+        lambda_max = float(np.linalg.eigvalsh(kernel.matrix)[-1])
     return _stable_limit(lambda_max, loss_scale(loss, kernel.n * k))
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 import scipy.sparse.linalg
 
+from ntk_service.analysis.blas_guard import large_matrix_blas
 from ntk_service.analysis.layout import to_kernel_matrix
 from ntk_service.errors import InvalidInput, ShapeMismatch
 from ntk_service.kernels.operators.base import LinearOperator
@@ -215,7 +216,8 @@ def spectrum(
     if chosen == "eigh":
         if matrix is None:
             raise InvalidInput(f"{_OPERATION}: method 'eigh' needs a dense kernel; use method='lanczos' with top=")
-        values, vectors = np.linalg.eigh(matrix) if eigenvectors else (np.linalg.eigvalsh(matrix), None)
+        with large_matrix_blas(matrix.shape[0]):  # NOTE [large blas]
+            values, vectors = np.linalg.eigh(matrix) if eigenvectors else (np.linalg.eigvalsh(matrix), None)
         values = values[::-1]
         vectors = None if vectors is None else vectors[:, ::-1]
         if top is not None:
