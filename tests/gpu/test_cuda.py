@@ -175,7 +175,7 @@ def test_a_ray_job_with_gpus_runs_on_the_gpu_ray_assigned(tmp_path: Path) -> Non
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
         patch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))
-        ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False)
     registry = ModelRegistry(tmp_path, device="cuda")  # the server's copy on its GPU: Ray ships a CPU copy
     datasets = DatasetStore(tmp_path)
     manager = JobManager(

@@ -130,7 +130,8 @@ def ray_cpus() -> float:
 def ray_instance(ray_cpus: float) -> Iterator[Any]:
     """A local Ray instance of ``ray_cpus`` CPUs, shared by a test module and shut down after it."""
     with ray_test_environment() as ray:
-        ray.init(num_cpus=ray_cpus, include_dashboard=False, log_to_driver=False)
+        # "local": its own instance, even while another test file's `ray start` cluster runs (xdist workers)
+        ray.init(address="local", num_cpus=ray_cpus, include_dashboard=False, log_to_driver=False)
         try:
             yield ray
         finally:

@@ -259,7 +259,9 @@ class RayExecutor(Executor):
             if not ray.is_initialized():
                 logger.info("jobs: connecting to Ray at %s", self.address or "a new local instance")
                 self._before_ray = _descendants(os.getpid())
-                ray.init(address=self.address, include_dashboard=False, logging_level=logging.WARNING)
+                # "local": a new instance even where another Ray runs on this machine (``ray start`` writes an
+                # address that a bare ray.init() would join), as the module docstring promises
+                ray.init(address=self.address or "local", include_dashboard=False, logging_level=logging.WARNING)
                 self._owns_ray = True
                 self._note_local_ray()
             self._ray = ray

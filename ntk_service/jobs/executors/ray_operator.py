@@ -471,7 +471,7 @@ def ray_ntk_operator(
             "or use ntk_operator (one process)"
         ) from exc
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING)
     # the weights of a CPU copy: the actors compute on their CPUs (a model on an accelerator is copied once)
     shipped = model if model_device(model).type == "cpu" else place_module(model, torch.device("cpu"))
     packed = ray.put(pack_module(shipped))
