@@ -86,6 +86,13 @@ _REAP_GRACE_S = 1.0
 agents take up to a minute on their own, so waiting longer buys nothing)."""
 
 
+def ray_init_address(address: str | None) -> str:
+    """What to pass to ``ray.init``: ``address``, else the ``RAY_ADDRESS`` environment variable (set by ``ray job
+    submit`` and by users), else "local", a new local instance. A bare ``ray.init()`` would also join a cluster
+    that ``ray start`` left an address file for on this machine, not what "no address" promises here."""
+    return address or os.environ.get("RAY_ADDRESS") or "local"
+
+
 def import_ray() -> Any:
     """The ``ray`` module.
 
@@ -259,9 +266,7 @@ class RayExecutor(Executor):
             if not ray.is_initialized():
                 logger.info("jobs: connecting to Ray at %s", self.address or "a new local instance")
                 self._before_ray = _descendants(os.getpid())
-                # "local": a new instance even where another Ray runs on this machine (``ray start`` writes an
-                # address that a bare ray.init() would join), as the module docstring promises
-                ray.init(address=self.address or "local", include_dashboard=False, logging_level=logging.WARNING)
+                ray.init(address=ray_init_address(self.address), include_dashboard=False, logging_level=logging.WARNING)
                 self._owns_ray = True
                 self._note_local_ray()
             self._ray = ray

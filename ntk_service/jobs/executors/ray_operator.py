@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from ntk_service.errors import InvalidInput, JobFailed, NtkServiceError, OptionalDependencyMissing
-from ntk_service.jobs.executors.ray import batch_as_numpy, import_ray
+from ntk_service.jobs.executors.ray import batch_as_numpy, import_ray, ray_init_address
 from ntk_service.jobs.executors.weights import pack_module, unpack_module
 from ntk_service.kernels import model_device, place_module
 from ntk_service.kernels.modes import DerivedMode, KernelMode
@@ -471,7 +471,7 @@ def ray_ntk_operator(
             "or use ntk_operator (one process)"
         ) from exc
     if not ray.is_initialized():
-        ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(address=ray_init_address(address), include_dashboard=False, logging_level=logging.WARNING)
     # the weights of a CPU copy: the actors compute on their CPUs (a model on an accelerator is copied once)
     shipped = model if model_device(model).type == "cpu" else place_module(model, torch.device("cpu"))
     packed = ray.put(pack_module(shipped))
