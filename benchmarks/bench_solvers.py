@@ -491,6 +491,9 @@ def main() -> None:
     parser.add_argument("--products", type=int, default=3, help="--section chunk and ray")
     parser.add_argument("--ray-n", type=int, default=4000, help="--section ray")
     parser.add_argument("--shards", type=int, default=2, help="--section ray: one-thread actors")
+    parser.add_argument(
+        "--ray-iterations", type=int, default=None, help="--section ray-solve: this many CG iterations each way"
+    )
     parser.add_argument("--block-m", type=int, default=200, help="--section block: the variance's test points")
     parser.add_argument("--repeats", type=int, default=2, help="--section block: alternations")
     parser.add_argument("--chunk-one", type=int, default=None, help=argparse.SUPPRESS)
@@ -543,7 +546,7 @@ def main() -> None:
     if "trace" in args.section:
         section_trace(args.scale_n, args.max_minutes or 10.0, args.ridge)
     if "ray-solve" in args.section:
-        section_ray_solve(args.ray_n, args.shards, args.solve_rtol, args.solvers[0])
+        section_ray_solve(args.ray_n, args.shards, args.solve_rtol, args.solvers[0], args.ray_iterations)
     if "ridge" in args.section:
         section_ridge(args.scale_n, args.heldout, args.ridges)
     if "job" in args.section:
