@@ -433,6 +433,9 @@ def stages(mode: str, n: int, requests: int) -> None:
                 walls.append(time.perf_counter() - start)
             time.sleep(0.2)  # the server's last line
             rows = [dict((k, int(v)) for k, v in (kv.split("=") for kv in line.split())) for line in out.open()]
+            # The last warm request's line can land after the truncation above (the server writes it once the
+            # answer is sent): the timed requests are the last ones.
+            rows = rows[-requests:]
         finally:
             client.close()
             server.stop()
