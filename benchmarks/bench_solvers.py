@@ -544,7 +544,7 @@ def main() -> None:
         section_solve(args.scale_n, args.heldout, args.solvers, args.solve_rtol, args.ridge, args.max_minutes,
                       args.reference_rtol)  # fmt: skip
     if "trace" in args.section:
-        section_trace(args.scale_n, args.max_minutes or 10.0, args.ridge)
+        section_trace(args.scale_n, 10.0 if args.max_minutes is None else args.max_minutes, args.ridge)
     if "ray-solve" in args.section:
         section_ray_solve(args.ray_n, args.shards, args.solve_rtol, args.solvers[0], args.ray_iterations)
     if "ridge" in args.section:
