@@ -3,6 +3,9 @@ numpy references: np.linalg.solve on the kernel of tests/reference.py or on a ke
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -116,3 +119,25 @@ def test_a_solve_past_its_time_limit_stops_and_says_so() -> None:
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(InvalidInput, match="conjugate_gradients: max_seconds must be a positive number"):
             conjugate_gradients(op, b, options=CgOptions(max_seconds=bad))
+
+
+def test_the_time_limit_starts_no_iteration_that_would_end_past_it() -> None:
+    """An iteration starts only while it and the closing true residual fit in the limit: with products of at
+    least 0.5 s (a TRACE operator's are minutes at scale) and a 1.2 s limit, one iteration runs and the solve ends
+    near 1 s. A clock checked alone would start iterations at 0.5 and 1.0 s too and end past 2 s."""
+    rng = np.random.default_rng(1)
+    q, _ = np.linalg.qr(rng.standard_normal((40, 40)))
+    a = (q * np.logspace(3, -3, 40)) @ q.T
+    dense = kernel_operator(a, k=1, name="a", operation="test")
+
+    def slow(v: np.ndarray) -> np.ndarray:
+        time.sleep(0.5)
+        return a @ v
+
+    op = dataclasses.replace(dense, apply=slow, matrix=None)
+    b = rng.standard_normal(40)
+    result = conjugate_gradients(op, b, options=CgOptions(rtol=1e-12, preconditioner="none", max_seconds=1.2))
+    assert result.stop_reason == "time_limit" and not result.converged
+    assert result.iterations == 1 and result.products == 2  # the iteration and the closing residual
+    true = np.linalg.norm(b - a @ result.solution[:, 0]) / np.linalg.norm(b)
+    assert result.residual[0] == pytest.approx(true, rel=1e-9)

@@ -108,7 +108,8 @@ class SolverOptions:
         solver: a name of the table (``SOLVERS`` in ``table.py``: "auto", "dense", "pcg", "block"). Default: "auto".
         rtol: stop at a true relative residual ‖y − (Θ + λI) α‖ / ‖y‖ ≤ rtol per column. Default: None, meaning
             ``DEFAULT_RTOL`` (1e-8) on float64 products and ``DEFAULT_RTOL_FLOAT32`` on float32 ones.
-        max_seconds: stop after this much wall time ("time_limit", not converged unless the residual made it).
+        max_seconds: stop within this much wall time ("time_limit", not converged unless the residual made it;
+            pcg starts an iteration only while it and the closing residual fit: ``CgOptions.max_seconds``).
         max_passes: a budget of passes over the data (one pass: a VJP and a JVP over all N examples); a method
             that spends it without converging gives up (auto then falls back). Default: None (the method's own).
         memory_budget_bytes: the solve's estimate (``memory_bytes`` of its solver) is refused above it. Default:
