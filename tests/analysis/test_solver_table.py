@@ -183,7 +183,8 @@ def test_auto_resumed_at_a_checkpoint_of_its_fallback_repeats_the_rest_bit_for_b
 
 def test_the_auto_order(wide: Problem) -> None:
     """NOTE [auto rule]: a dense kernel is factored; an operator of ≤ DENSE_MAX_ROWS rows too, then CG, the block
-    method (FULL, with its model), dense; past DENSE_MAX_ROWS dense comes last, where it fits the budget."""
+    method (FULL, with its model), dense; past DENSE_MAX_ROWS dense comes last, where it fits the budget, except
+    for a TRACE operator, whose iterations cost k passes per column."""
     options = SolverOptions()
     dense = make_problem(wide.matrix.reshape(120, 3, 120, 3).transpose(0, 2, 1, 3), wide.y, ridge=1.0, options=options)
     assert auto_order(dense) == ("dense", "pcg")
@@ -195,6 +196,11 @@ def test_the_auto_order(wide: Problem) -> None:
     assert auto_order(large) == ("pcg", "dense")
     result = solve_kernel(identity, np.ones(rows), ridge=1.0)  # (I + I) α = 1: CG in one step; dense never runs
     assert result.solver == "pcg" and result.converged and np.allclose(result.solution, 0.5)
+    # a TRACE operator of a model costs k passes per column: dense first at any size, where it fits
+    trace = make_problem(ntk_operator(wide.model, wide.x, mode="trace"), wide.y, ridge=1.0, options=options)
+    large_trace = dataclasses.replace(trace.kernel, rows=rows, cols=rows, n=rows, m=rows)
+    assert large_trace.passes_per_product == 3  # k
+    assert auto_order(dataclasses.replace(trace, kernel=large_trace)) == ("dense", "pcg")
 
 
 def test_a_solve_resumes_from_its_state(wide: Problem) -> None:

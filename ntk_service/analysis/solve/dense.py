@@ -57,7 +57,7 @@ def factor_solve(
 ) -> tuple[Any, float, str, float]:
     """A function rhs -> matrix⁻¹ rhs, the jitter, the path name and λmin (NOTE [gp solve]; NaN unless
     ``with_lambda_min``: it costs an eigensolve beside the factorization); ``matrix`` (n, n) float64 symmetric,
-    overwritten."""
+    only read: the factor is a copy with the jitter on its diagonal, so a failed factorization can try again."""
     with large_matrix_blas(matrix.shape[0]):  # NOTE [large blas]: a crash otherwise, from n ≈ 16,000
         return _factor_solve(matrix, rcond, with_lambda_min=with_lambda_min)
 
@@ -138,8 +138,9 @@ class DenseSolver:
         matrix = dense_matrix(op)
         built_by_products = op.matrix is None and op.source is None
         matrix[np.diag_indices_from(matrix)] += problem.ridge
-        # the copy becomes the factor; the true residual is read off the matrix itself, no product
-        solve, jitter, path, _ = factor_solve(matrix.copy(), None, with_lambda_min=False)
+        # factor_solve factors a copy (two n² arrays at the peak: the matrix and its factor); the true residual is
+        # read off the matrix itself, no product
+        solve, jitter, path, _ = factor_solve(matrix, None, with_lambda_min=False)
         x = solve(b)
         r = b - matrix @ x
         del matrix
