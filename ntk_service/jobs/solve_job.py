@@ -129,7 +129,7 @@ class _Slotted(JacobianOperator):
         self._inner, self._run, self._stop = inner, run, stop
         self.shape, self.dtype, self.mode, self.k = inner.shape, inner.dtype, inner.mode, inner.k
         self.is_symmetric, self.num_params, self.examples = inner.is_symmetric, inner.num_params, inner.examples
-        self.estimate_bytes = int(getattr(inner, "estimate_bytes", 0))
+        self.estimate_bytes = inner.estimate_bytes
 
     def _call(self, fn: Callable[[], T]) -> T:
         if self._stop():

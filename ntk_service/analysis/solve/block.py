@@ -221,7 +221,7 @@ class BlockSolver:
         bk, sk = b * k, s * k
         own = (4 * jacobian.num_params + 5 * n) * 8  # w, Δw, J_Bᵀp and a spare; α, y, r, temporaries
         block = (4 * bk * sk + 3 * b * k * k + 8 * bk + 3 * sk * sk) * 8 + b * s * k * k * 8
-        product = int(getattr(jacobian, "estimate_bytes", 0))
+        product = jacobian.estimate_bytes
         return own + block + product
 
     def solve(

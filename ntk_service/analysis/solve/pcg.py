@@ -93,7 +93,7 @@ class PcgSolver:
         if _uses_adaptive(op, cg_options(options)):
             estimate += BYTES_PER_ENTRY * op.n * _rank_cap(problem, options)
         source = op.source
-        return estimate + int(getattr(source, "estimate_bytes", 0) if source is not None else 0)
+        return estimate + (0 if source is None else source.estimate_bytes)
 
     def solve(
         self,

@@ -142,10 +142,13 @@ class JacobianOperator(LinearOperator):
     """Θ = J(x1) J(x2)ᵀ with its Jacobian applied by halves (NOTE [jacobian operator]).
 
     Attributes (beside ``LinearOperator``'s): num_params: P. examples: (N, M), the examples of x1 and x2.
+    estimate_bytes: the planned peak memory of one product in this process (what the solvers add to their own
+    estimate); 0 where the products run elsewhere (Ray's shard actors).
     """
 
     num_params: int
     examples: tuple[int, int]
+    estimate_bytes: int = 0
 
     def partitions(self) -> list[tuple[int, int]]:
         """The example ranges of x2 that run in parallel (one for an in-process operator). Default: [(0, M)]."""
