@@ -134,6 +134,15 @@ class Outputs(StrEnum):
     SUM = "sum"
     """(): Σ_a Θ_aa, the plain sum of the diagonal."""
 
+    def entries(self, k: int) -> int:
+        """Numbers per entry of the result for k outputs: k² all, k the diagonal, 1 its sum."""
+        return {Outputs.ALL: k * k, Outputs.DIAGONAL: k, Outputs.SUM: 1}[self]
+
+    def products(self, k: int) -> int:
+        """Output pairs (a, b) whose products J_a · J_b an entry's contraction takes: k² for all of them, k for the
+        diagonal and for its sum (the cost models' count)."""
+        return k * k if self is Outputs.ALL else k
+
 
 _OUTPUT_AXES = {Outputs.ALL: ("k", "k"), Outputs.DIAGONAL: ("k",), Outputs.SUM: ()}
 _OUTPUT_NAMES = {Outputs.ALL: ("out1", "out2"), Outputs.DIAGONAL: ("out",), Outputs.SUM: ()}
@@ -167,6 +176,11 @@ class ModeSpec:
     def derived(self) -> bool:
         """A kernel of a derived model (``base``), not a contraction of the implementations."""
         return self.base is not None
+
+    @property
+    def axes(self) -> tuple[Examples, Outputs]:
+        """(examples, outputs): what the implementations key their contractions to (NOTE [mode contractions])."""
+        return self.examples, self.outputs
 
     @property
     def pairs(self) -> bool:
@@ -204,13 +218,13 @@ class ModeSpec:
 
     @property
     def contraction(self) -> KernelMode:
-        """What the implementations contract for it (NOTE [mode contractions]): the mode itself for the four of
-        the engine, EXAMPLE_DIAGONAL for any other per-example mode (its outputs then reduced per example); a
-        derived mode's base."""
+        """What the implementations contract for it (NOTE [mode contractions]): a mode of example pairs itself (they
+        read its axes), a per-example mode the contracted mode of the per-example blocks of all outputs (its own
+        outputs then reduced per example); a derived mode its base."""
         if self.base is not None:
             return self.base
         if not self.pairs:
-            return KernelMode.EXAMPLE_DIAGONAL
+            return KernelMode(_PER_EXAMPLE_BLOCKS)
         return KernelMode(self.name)
 
     def result_shape(self, n: int, m: int, k: int) -> tuple[int, ...]:
@@ -228,6 +242,9 @@ _CONTRACTED_ROWS = (
     ),
 )
 """The contracted modes: (wire name, example axes, output axes, entry)."""
+
+_PER_EXAMPLE_BLOCKS = next(row.name for row in _CONTRACTED_ROWS if row.axes == (Examples.SAME, Outputs.ALL))
+"""The contracted mode of the per-example blocks of all outputs (``NtkAlgorithm.diagonal``)."""
 
 _DERIVED_ROWS = ((DerivedMode.PSEUDO, KernelMode.TRACE, "(1/k) Σ_ab Θ[n, m, a, b], the pseudo-NTK"),)
 """The derived modes: (mode, base mode, entry); the axes are the base mode's."""
