@@ -76,6 +76,8 @@ class KernelMode(StrEnum):
     """(N, k, k): Θ(x1_n, x1_n) for each example of x1 alone; needs only N per-example terms."""
     OUTPUT_DIAGONAL = "output_diagonal"
     """(N, M, k): Θ_aa for every example pair; the torch.func tutorial's ``compute='diagonal'``."""
+    EXAMPLE_OUTPUT_DIAGONAL = "example_output_diagonal"
+    """(N, k): Θ(x1_n, x1_n)_aa for each example of x1 alone: the prior variance of each output."""
     EXAMPLE_TRACE = "example_trace"
     """(N,): Σ_a Θ(x1_n, x1_n)_aa = ‖J(x1_n)‖²_F for each example of x1 alone: the GP prior variance of the
     summed outputs, the denominator of a leverage score."""
@@ -243,6 +245,7 @@ _CONTRACTED_ROWS = (
     ModeSpec(
         "output_diagonal", Examples.PAIRS, Outputs.DIAGONAL, 'Θ[n, m, a, a] (the torch.func tutorial\'s "diagonal")'
     ),
+    ModeSpec("example_output_diagonal", Examples.SAME, Outputs.DIAGONAL, "Θ(x1[n], x1[n])[a, a], per example"),
     ModeSpec("example_trace", Examples.SAME, Outputs.SUM, "Σ_a Θ(x1[n], x1[n])[a, a] = ‖J(x1[n])‖², per example"),
 )
 """The contracted modes: (wire name, example axes, output axes, entry)."""
@@ -276,11 +279,15 @@ DERIVED_MODES: tuple[DerivedMode, ...] = tuple(DerivedMode(s.name) for s in MODE
 OPERATOR_MODES: tuple[KernelMode | DerivedMode, ...] = tuple(s.mode for s in MODES.values() if s.is_matrix)
 """The modes whose kernel is a matrix, so a linear operator between the sides (Θ·v): not the diagonals."""
 
-ModeName = Literal["full", "trace", "example_diagonal", "output_diagonal", "example_trace", "pseudo"]
+ModeName = Literal[
+    "full", "trace", "example_diagonal", "output_diagonal", "example_output_diagonal", "example_trace", "pseudo"
+]
 """A mode's wire value (``MODE_NAMES``): "full" (N, M, k, k), "trace" (N, M), "example_diagonal" (N, k, k),
 "output_diagonal" (N, M, k), "example_trace" (N,), "pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
 
-ContractedModeName = Literal["full", "trace", "example_diagonal", "output_diagonal", "example_trace"]
+ContractedModeName = Literal[
+    "full", "trace", "example_diagonal", "output_diagonal", "example_output_diagonal", "example_trace"
+]
 """A contracted mode's wire value (``CONTRACTED_MODES``): the modes a batch job stores."""
 
 OperatorModeName = Literal["full", "trace", "pseudo"]

@@ -108,6 +108,8 @@ def reference_kernel(j1: torch.Tensor, j2: torch.Tensor, mode: str = "full") -> 
         return full.sum(dim=(2, 3)) / full.shape[2]
     if mode == "example_diagonal":
         return torch.einsum("naf,nbf->nab", j1, j1)
+    if mode == "example_output_diagonal":  # ‖J_a(x1_n)‖² per output, written out
+        return (j1 * j1).sum(dim=2)
     if mode == "example_trace":  # ‖J(x1_n)‖²_F, written out
         return (j1 * j1).sum(dim=(1, 2))
     raise ValueError(mode)

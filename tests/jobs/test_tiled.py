@@ -79,7 +79,14 @@ def test_per_example_modes(tmp_path: Path, x: torch.Tensor, mode: KernelMode) ->
     model = _model()
     view = compute_ntk_tiled(model, x, out=tmp_path / "d.zarr", mode=mode, tile_size=4, dtype="float64", progress=False)
     dense = reference_ntk(model, x, mode=mode.value).numpy()
-    assert view.dims == {"example_diagonal": ("x1", "out1", "out2"), "example_trace": ("x1",)}[mode.value]
+    assert (
+        view.dims
+        == {
+            "example_diagonal": ("x1", "out1", "out2"),
+            "example_trace": ("x1",),
+            "example_output_diagonal": ("x1", "out"),
+        }[mode.value]
+    )
     np.testing.assert_allclose(np.asarray(view[3:10]), dense[3:10], rtol=1e-10, atol=1e-12)
 
 
