@@ -87,7 +87,7 @@ def reference_ntk(
     params: Sequence[str] | None = None,
     output: Callable[[Any], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Θ(x1, x2) in float64 for ``mode`` ("full", "trace", "example_diagonal", "output_diagonal", "example_trace",
+    """Θ(x1, x2) in float64 for ``mode`` (a mode's wire value, its entry written out in ``reference_kernel``;
     "pseudo": the FULL kernel summed over both output axes, divided by k); inputs and ``output`` as
     ``reference_jacobian``."""
     j1 = reference_jacobian(model, x1, params, output)
