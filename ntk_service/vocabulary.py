@@ -23,7 +23,9 @@ mode is the kernel, in a contracted mode (``base``), of a model whose outputs ar
 
 Adding a mode: a member of ``KernelMode`` (contracted) or ``DerivedMode`` (derived), its row in ``MODES``, its name
 in the ``Literal`` types below (``tests/test_vocabulary.py`` checks they agree), and for a derived mode its output
-map in ``kernels/derived.py``. Its axes must be a combination the engine knows (``Examples`` × ``Outputs``).
+map in ``kernels/derived.py``. A contracted mode's axes are any of ``Examples`` × ``Outputs``: the implementations
+key their contractions to the axes (NOTE [mode contractions] in ``kernels/modes.py``), so this file is the only one
+(docs/development.md, "Adding a mode"; its float64 reference goes into ``tests/reference.py``).
 """
 
 from __future__ import annotations
@@ -245,8 +247,18 @@ _CONTRACTED_ROWS = (
     ModeSpec(
         "output_diagonal", Examples.PAIRS, Outputs.DIAGONAL, 'Θ[n, m, a, a] (the torch.func tutorial\'s "diagonal")'
     ),
-    ModeSpec("example_output_diagonal", Examples.SAME, Outputs.DIAGONAL, "Θ(x1[n], x1[n])[a, a], per example"),
-    ModeSpec("example_trace", Examples.SAME, Outputs.SUM, "Σ_a Θ(x1[n], x1[n])[a, a] = ‖J(x1[n])‖², per example"),
+    ModeSpec(
+        "example_output_diagonal",
+        Examples.SAME,
+        Outputs.DIAGONAL,
+        "Θ(x1[n], x1[n])[a, a]: the diagonal of each `example_diagonal` block (x2 unused)",
+    ),
+    ModeSpec(
+        "example_trace",
+        Examples.SAME,
+        Outputs.SUM,
+        "Σ_a Θ(x1[n], x1[n])[a, a] = ‖J(x1[n])‖²: the trace of each `example_diagonal` block (x2 unused)",
+    ),
 )
 """The contracted modes: (wire name, example axes, output axes, entry)."""
 

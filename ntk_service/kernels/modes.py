@@ -13,7 +13,7 @@ their sum (``NtkAlgorithm.pair``, which reads the outputs axis), and the per-exa
 (``NtkAlgorithm.diagonal``). A mode's ``contraction`` is the mode they are given: a mode of example pairs itself, a
 per-example mode the contracted mode of the per-example blocks of all outputs, reduced per example to its own
 outputs (``blocks.reduce_outputs``: an n·k² block, never a block of pairs), a derived mode its base. So a new
-contracted mode whose axes are one of these combinations is a row of the table: no implementation names a mode.
+contracted mode whose axes are one of these combinations is a row of the table: no implementation chooses by mode.
 A new axis value is a new contraction in each implementation (docs/development.md, "Adding a mode").
 """
 
