@@ -23,7 +23,9 @@ mode is the kernel, in a contracted mode (``base``), of a model whose outputs ar
 
 Adding a mode: a member of ``KernelMode`` (contracted) or ``DerivedMode`` (derived), its row in ``MODES``, its name
 in the ``Literal`` types below (``tests/test_vocabulary.py`` checks they agree), and for a derived mode its output
-map in ``kernels/derived.py``. Its axes must be a combination the engine knows (``Examples`` × ``Outputs``).
+map in ``kernels/derived.py``. A contracted mode's axes are any of ``Examples`` × ``Outputs``: the implementations
+key their contractions to the axes (NOTE [mode contractions] in ``kernels/modes.py``), so this file is the only one
+(docs/development.md, "Adding a mode"; its float64 reference goes into ``tests/reference.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,11 @@ class KernelMode(StrEnum):
     """(N, k, k): Θ(x1_n, x1_n) for each example of x1 alone; needs only N per-example terms."""
     OUTPUT_DIAGONAL = "output_diagonal"
     """(N, M, k): Θ_aa for every example pair; the torch.func tutorial's ``compute='diagonal'``."""
+    EXAMPLE_OUTPUT_DIAGONAL = "example_output_diagonal"
+    """(N, k): Θ(x1_n, x1_n)_aa for each example of x1 alone: the prior variance of each output."""
+    EXAMPLE_TRACE = "example_trace"
+    """(N,): Σ_a Θ(x1_n, x1_n)_aa = ‖J(x1_n)‖²_F for each example of x1 alone: the GP prior variance of the
+    summed outputs, the denominator of a leverage score."""
 
     @property
     def spec(self) -> ModeSpec:
@@ -134,6 +141,15 @@ class Outputs(StrEnum):
     SUM = "sum"
     """(): Σ_a Θ_aa, the plain sum of the diagonal."""
 
+    def entries(self, k: int) -> int:
+        """Numbers per entry of the result for k outputs: k² all, k the diagonal, 1 its sum."""
+        return {Outputs.ALL: k * k, Outputs.DIAGONAL: k, Outputs.SUM: 1}[self]
+
+    def products(self, k: int) -> int:
+        """Output pairs (a, b) whose products J_a · J_b an entry's contraction takes: k² for all of them, k for the
+        diagonal and for its sum (the cost models' count)."""
+        return k * k if self is Outputs.ALL else k
+
 
 _OUTPUT_AXES = {Outputs.ALL: ("k", "k"), Outputs.DIAGONAL: ("k",), Outputs.SUM: ()}
 _OUTPUT_NAMES = {Outputs.ALL: ("out1", "out2"), Outputs.DIAGONAL: ("out",), Outputs.SUM: ()}
@@ -167,6 +183,11 @@ class ModeSpec:
     def derived(self) -> bool:
         """A kernel of a derived model (``base``), not a contraction of the implementations."""
         return self.base is not None
+
+    @property
+    def axes(self) -> tuple[Examples, Outputs]:
+        """(examples, outputs): what the implementations key their contractions to (NOTE [mode contractions])."""
+        return self.examples, self.outputs
 
     @property
     def pairs(self) -> bool:
@@ -204,13 +225,13 @@ class ModeSpec:
 
     @property
     def contraction(self) -> KernelMode:
-        """What the implementations contract for it (NOTE [mode contractions]): the mode itself for the four of
-        the engine, EXAMPLE_DIAGONAL for any other per-example mode (its outputs then reduced per example); a
-        derived mode's base."""
+        """What the implementations contract for it (NOTE [mode contractions]): a mode of example pairs itself (they
+        read its axes), a per-example mode the contracted mode of the per-example blocks of all outputs (its own
+        outputs then reduced per example); a derived mode its base."""
         if self.base is not None:
             return self.base
         if not self.pairs:
-            return KernelMode.EXAMPLE_DIAGONAL
+            return KernelMode(_PER_EXAMPLE_BLOCKS)
         return KernelMode(self.name)
 
     def result_shape(self, n: int, m: int, k: int) -> tuple[int, ...]:
@@ -226,8 +247,23 @@ _CONTRACTED_ROWS = (
     ModeSpec(
         "output_diagonal", Examples.PAIRS, Outputs.DIAGONAL, 'Θ[n, m, a, a] (the torch.func tutorial\'s "diagonal")'
     ),
+    ModeSpec(
+        "example_output_diagonal",
+        Examples.SAME,
+        Outputs.DIAGONAL,
+        "Θ(x1[n], x1[n])[a, a]: the diagonal of each `example_diagonal` block (x2 unused)",
+    ),
+    ModeSpec(
+        "example_trace",
+        Examples.SAME,
+        Outputs.SUM,
+        "Σ_a Θ(x1[n], x1[n])[a, a] = ‖J(x1[n])‖²: the trace of each `example_diagonal` block (x2 unused)",
+    ),
 )
 """The contracted modes: (wire name, example axes, output axes, entry)."""
+
+_PER_EXAMPLE_BLOCKS = next(row.name for row in _CONTRACTED_ROWS if row.axes == (Examples.SAME, Outputs.ALL))
+"""The contracted mode of the per-example blocks of all outputs (``NtkAlgorithm.diagonal``)."""
 
 _DERIVED_ROWS = ((DerivedMode.PSEUDO, KernelMode.TRACE, "(1/k) Σ_ab Θ[n, m, a, b], the pseudo-NTK"),)
 """The derived modes: (mode, base mode, entry); the axes are the base mode's."""
@@ -255,11 +291,15 @@ DERIVED_MODES: tuple[DerivedMode, ...] = tuple(DerivedMode(s.name) for s in MODE
 OPERATOR_MODES: tuple[KernelMode | DerivedMode, ...] = tuple(s.mode for s in MODES.values() if s.is_matrix)
 """The modes whose kernel is a matrix, so a linear operator between the sides (Θ·v): not the diagonals."""
 
-ModeName = Literal["full", "trace", "example_diagonal", "output_diagonal", "pseudo"]
+ModeName = Literal[
+    "full", "trace", "example_diagonal", "output_diagonal", "example_output_diagonal", "example_trace", "pseudo"
+]
 """A mode's wire value (``MODE_NAMES``): "full" (N, M, k, k), "trace" (N, M), "example_diagonal" (N, k, k),
-"output_diagonal" (N, M, k), "pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
+"output_diagonal" (N, M, k), "example_trace" (N,), "pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
 
-ContractedModeName = Literal["full", "trace", "example_diagonal", "output_diagonal"]
+ContractedModeName = Literal[
+    "full", "trace", "example_diagonal", "output_diagonal", "example_output_diagonal", "example_trace"
+]
 """A contracted mode's wire value (``CONTRACTED_MODES``): the modes a batch job stores."""
 
 OperatorModeName = Literal["full", "trace", "pseudo"]

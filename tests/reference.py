@@ -87,8 +87,9 @@ def reference_ntk(
     params: Sequence[str] | None = None,
     output: Callable[[Any], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Θ(x1, x2) in float64 for ``mode`` ("full", "trace", "example_diagonal", "output_diagonal", "pseudo": the
-    FULL kernel summed over both output axes, divided by k); inputs and ``output`` as ``reference_jacobian``."""
+    """Θ(x1, x2) in float64 for ``mode`` (a mode's wire value, its entry written out in ``reference_kernel``;
+    "pseudo": the FULL kernel summed over both output axes, divided by k); inputs and ``output`` as
+    ``reference_jacobian``."""
     j1 = reference_jacobian(model, x1, params, output)
     j2 = j1 if x2 is None else reference_jacobian(model, x2, params, output)
     return reference_kernel(j1, j2, mode)
@@ -107,6 +108,10 @@ def reference_kernel(j1: torch.Tensor, j2: torch.Tensor, mode: str = "full") -> 
         return full.sum(dim=(2, 3)) / full.shape[2]
     if mode == "example_diagonal":
         return torch.einsum("naf,nbf->nab", j1, j1)
+    if mode == "example_output_diagonal":  # ‖J_a(x1_n)‖² per output, written out
+        return (j1 * j1).sum(dim=2)
+    if mode == "example_trace":  # ‖J(x1_n)‖²_F, written out
+        return (j1 * j1).sum(dim=(1, 2))
     raise ValueError(mode)
 
 

@@ -44,6 +44,23 @@ def test_shapes_and_dimension_names_follow_the_axes() -> None:
     assert vocabulary.mode_help(("full", "trace")) == "full (N, M, k, k) | trace (N, M)"
 
 
+def test_a_modes_contraction_follows_from_its_axes() -> None:
+    """NOTE [mode contractions]: a mode of example pairs is contracted as itself, a per-example one as the blocks of
+    all outputs of each example (then reduced), a derived one as its base; the implementations read the axes."""
+    examples, outputs = vocabulary.Examples, vocabulary.Outputs
+    for spec in MODES.values():
+        core = spec.contraction.spec
+        if spec.derived:
+            assert core.mode is spec.base and core.axes == spec.axes
+        elif spec.pairs:
+            assert core is spec
+        else:
+            assert core.axes == (examples.SAME, outputs.ALL)
+    # written out for k = 3: entries per example (pair), and the output pairs (a, b) their contraction takes
+    assert [outputs.ALL.entries(3), outputs.DIAGONAL.entries(3), outputs.SUM.entries(3)] == [9, 3, 1]
+    assert [outputs.ALL.products(3), outputs.DIAGONAL.products(3), outputs.SUM.products(3)] == [9, 3, 3]
+
+
 @pytest.fixture(scope="module")
 def mlp() -> nn.Module:
     torch.manual_seed(0)

@@ -79,8 +79,8 @@ class KernelResult:
     """A kernel block and how it was computed.
 
     Attributes:
-        theta: (N, M, k, k) for mode "full"; (N, M) for "trace"; (N, k, k) for "example_diagonal";
-            (N, M, k) for "output_diagonal". numpy by default, torch with ``as_torch=True``.
+        theta: the mode's shape (``vocabulary.MODES``), e.g. (N, M, k, k) for mode "full", (N, M) for "trace",
+            (N,) for "example_trace". numpy by default, torch with ``as_torch=True``.
         mode: the kernel mode's wire value.
         implementation: the implementation that actually ran (never "auto").
         model: the model's name.
@@ -402,7 +402,8 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AttributionClient, An
                 ``{"input_ids": ids, "attention_mask": mask}``, each (N, ...).
             x2: (M, *input), same forms; ``None`` means x2 = x1 (computed once, exactly symmetric).
                 Default: None.
-            mode (str): "full" | "trace" | "example_diagonal" | "output_diagonal" | "pseudo". Default: "full".
+            mode (str): a mode of ``vocabulary.MODE_NAMES`` ("full", "trace", ...; their shapes: docs/concepts.md,
+                "Modes"). Default: "full".
             implementation (str): "auto" | "jacobian_contraction" | "ntk_vector_products" | "structured".
                 Default: "auto".
             params (Sequence[str] | None): glob patterns over parameter names, e.g. ``["head.*"]``.
@@ -416,8 +417,7 @@ class Client(KernelFamilyClient, GroupsClient, JobsClient, AttributionClient, An
                 Default: None (the model returns one tensor).
 
         Returns:
-            theta: (N, M, k, k) for "full"; (N, M) for "trace"; (N, k, k) for "example_diagonal";
-            (N, M, k) for "output_diagonal".
+            theta: the mode's shape (``vocabulary.MODES``), e.g. (N, M, k, k) for "full", (N, M) for "trace".
 
         Raises:
             ModelNotFound, DatasetNotFound: no such model, version or data set (404).

@@ -31,8 +31,8 @@ class GroupKernels:
 
     Attributes:
         thetas: group name -> Θ_g, in the order of the request (``"modules"``: the model's module order), each
-            shaped as the mode's kernel ((N, M, k, k) "full", (N, M) "trace" / "pseudo", (N, k, k)
-            "example_diagonal", (N, M, k) "output_diagonal"); numpy, or torch with ``as_torch=True``.
+            shaped as the mode's kernel (``vocabulary.MODES``, e.g. (N, M, k, k) "full", (N, M) "trace"); numpy,
+            or torch with ``as_torch=True``.
         parameters: group name -> the parameter names in it.
         mode, implementation, model, version, elapsed_ms: how it was computed.
     """

@@ -273,12 +273,12 @@ class JobsClient(BaseClient):
         Args:
             job_id (str): the job id.
             rows: row range as ``"a:b"``, ``(a, b)`` or ``slice(a, b)``. Default: all N rows.
-            cols: column range, same forms. Default: all M columns (not for "example_diagonal").
+            cols: column range, same forms. Default: all M columns (none for a per-example mode).
             as_torch (bool): return a torch tensor. Default: False (numpy).
 
         Returns:
-            theta: (b-a, d-c, k, k) full; (b-a, d-c) trace; (b-a, k, k) example_diagonal; (b-a, d-c, k)
-            output_diagonal.
+            theta: the mode's shape (``vocabulary.MODES``) for rows b-a and columns d-c: e.g. (b-a, d-c, k, k)
+            full, (b-a, d-c) trace, (b-a, k, k) example_diagonal.
 
         Raises:
             JobNotFinished: 409 while the job has not succeeded. JobNotFound. InvalidInput: a bad range.

@@ -34,8 +34,8 @@ class NngpKernel:
     """``client.nngp_result``'s answer.
 
     Attributes:
-        kernel: (N, M, d, d) "full", (N, M) "trace" / "pseudo", (N, d, d) "example_diagonal", (N, M, d)
-            "output_diagonal"; d = k for the outputs, the layer's flattened size for a layer.
+        kernel: the mode's shape (``vocabulary.MODES``) with d for k, e.g. (N, M, d, d) "full", (N, M) "trace";
+            d = k for the outputs, the layer's flattened size for a layer.
         mode, layer, features (d), model, version, elapsed_ms: how it was computed.
     """
 
@@ -140,7 +140,7 @@ class KernelFamilyClient(BaseClient):
             model (str): the model's name.
             x1, x2: (N, *input), (M, *input) arrays or data set slices; x2 None means x2 = x1. Default: None.
             layer (str | None): a module name (e.g. "activation"): its output's features. Default: the outputs.
-            mode (str): "full" | "trace" | "example_diagonal" | "output_diagonal" | "pseudo". Default: "full".
+            mode (str): a mode of ``vocabulary.MODE_NAMES`` (docs/concepts.md, "Modes"). Default: "full".
             dtype (str | None): "float32" or "float64". Default: the model's.
             version (int | None): the model version. Default: the latest.
             as_torch (bool): torch tensors instead of numpy arrays. Default: False.

@@ -44,8 +44,8 @@ __all__ = [
 ]
 
 KernelModeName = ModeName
-"""A kernel mode (``ntk_service.vocabulary.MODES``): "full" (N, M, k, k), "trace" (N, M), "example_diagonal"
-(N, k, k), "output_diagonal" (N, M, k), "pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
+"""A kernel mode, a row of ``ntk_service.vocabulary.MODES`` (its shape there): e.g. "full" (N, M, k, k), "trace"
+(N, M), "pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
 
 JobModeName = ContractedModeName
 """The modes a batch job stores (the contracted modes: every kernel mode but "pseudo")."""

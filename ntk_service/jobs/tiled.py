@@ -139,7 +139,7 @@ def compute_ntk_tiled(
             diagonal are computed; reads mirror the rest). Default: None.
         out (str | Path): the result group to write, e.g. ``"kernel.zarr"`` (a folder; ``xarray.open_zarr`` and
             ``zarr.open_group`` open it, ``open_result`` reads it with the symmetry).
-        mode: "full", "trace", "output_diagonal" or "example_diagonal". Default: "full".
+        mode: a contracted mode (``vocabulary.CONTRACTED_MODES``), e.g. "full", "trace". Default: "full".
         tile_size (int): examples per tile side. Default: ``DEFAULT_TILE_SIZE``.
         implementation, dtype, params, output: as for ``compute_ntk``. Default: "auto", "float32", all
             parameters, None (forward returns a tensor).

@@ -68,7 +68,7 @@ class ResultView:
     """A block ``rows × cols`` of a stored kernel (at first the whole of it), read only when converted.
 
     Attributes:
-        shape: (R, C, k, k) FULL, (R, C) TRACE, (R, C, k) OUTPUT_DIAGONAL, (R, k, k) EXAMPLE_DIAGONAL.
+        shape: the mode's shape (``ModeSpec.shape``) for R rows and C columns, e.g. (R, C, k, k) FULL.
         dtype, ndim: as numpy's.
         dims: the dimension names, e.g. ("x1", "x2", "out1", "out2").
         mode: the KernelMode. symmetric: x2 was omitted (only the upper tiles are stored).
@@ -212,8 +212,7 @@ def open_result(
             one row. Default: ``READ_BLOCK_BYTES`` (64 MiB).
 
     Returns:
-        ResultView of the whole kernel: (N, M, k, k) FULL, (N, M) TRACE, (N, M, k) OUTPUT_DIAGONAL, (N, k, k)
-        EXAMPLE_DIAGONAL.
+        ResultView of the whole kernel, in the mode's shape (``ModeSpec.shape``), e.g. (N, M, k, k) FULL.
 
     Raises:
         InvalidInput: no result at ``path``, a result of an unknown format version, a bare array of an older

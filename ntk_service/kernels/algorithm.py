@@ -73,8 +73,10 @@ class GroupKernels(Protocol):
 
 class NtkAlgorithm(Protocol):
     """One NTK implementation. All sizes are in bytes, all costs in FLOPs (see ``planning.py``). The engine asks it
-    for the four contractions of NOTE [mode contractions] (modes.py): ``pair`` with FULL, TRACE or
-    OUTPUT_DIAGONAL, ``diagonal`` for EXAMPLE_DIAGONAL; ``pair_bytes`` and ``flops`` get those modes too."""
+    for the contractions of NOTE [mode contractions] (modes.py), each keyed to the axes of the mode it is given
+    (``mode.spec.examples``, ``mode.spec.outputs``), never to which mode it is: ``pair`` for a block of example
+    pairs with all outputs, their diagonal or their sum, ``diagonal`` for the per-example blocks of all outputs;
+    ``pair_bytes`` and ``flops`` read the same axes (a per-example mode: its blocks of all outputs)."""
 
     implementation: NtkImplementation
 
@@ -100,11 +102,12 @@ class NtkAlgorithm(Protocol):
         ...
 
     def pair(self, problem: NtkProblem, left: Side, right: Side, mode: KernelMode) -> torch.Tensor:
-        """One block of theta: (n, m, k, k) FULL, (n, m) TRACE, (n, m, k) OUTPUT_DIAGONAL."""
+        """One block of theta for a mode of example pairs, by its outputs axis: (n, m, k, k) all outputs (FULL),
+        (n, m, k) their diagonal (OUTPUT_DIAGONAL), (n, m) their sum (TRACE)."""
         ...
 
     def diagonal(self, problem: NtkProblem, left: Side) -> torch.Tensor:
-        """EXAMPLE_DIAGONAL of a block: (n, k, k)."""
+        """The per-example blocks of all outputs Θ(x_n, x_n) (EXAMPLE_DIAGONAL): (n, k, k)."""
         ...
 
     def side_bytes(self, problem: NtkProblem, n: int, *, left: bool) -> tuple[float, float]:

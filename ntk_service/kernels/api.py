@@ -81,10 +81,10 @@ def compute_ntk(
             model's dtype and device, half the available memory, no TF32, every fast path on).
         side_cache (SideCache, optional): reuse per-side intermediates across calls, for sides with a key.
         x1_key, x2_key (hashable, optional): keys naming the model version and the content of x1 / x2.
-        mode (KernelMode or str): shorthand for ``spec.mode``: "full" (N, M, k, k), "trace" (N, M) (the plain sum
-            over outputs; neural-tangents divides by k), "example_diagonal" (N, k, k), "output_diagonal"
-            (N, M, k), "pseudo" (N, M): the pseudo-NTK (1/k) Σ_ab Θ_ab from one gradient per example
-            (``derived.py``). Default: "full".
+        mode (KernelMode or str): shorthand for ``spec.mode``: a row of ``vocabulary.MODES`` (its shape there),
+            e.g. "full" (N, M, k, k), "trace" (N, M) (the plain sum over outputs; neural-tangents divides by k),
+            "example_diagonal" (N, k, k), "pseudo" (N, M): the pseudo-NTK (1/k) Σ_ab Θ_ab from one gradient per
+            example (``derived.py``). Default: "full".
         params (list of str, optional): shorthand for ``spec.params``: glob patterns over parameter names, e.g.
             ``["head.*"]``: the kernel of that subset only. Tied weights count once. Default: None (all).
         output (str, optional): shorthand for ``spec.output``: which tensor of forward's return value is f: a key

@@ -109,8 +109,8 @@ def run_blocks(
             algorithm's ``group_kernels``.
 
     Returns:
-        theta: the mode's shape ((N, M, k, k) FULL, (N, M) TRACE, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k)
-        OUTPUT_DIAGONAL); with ``groups`` (G, *that), one per group.
+        theta: the mode's shape (``ModeSpec.shape``, e.g. (N, M, k, k) FULL, (N,) EXAMPLE_TRACE); with
+        ``groups`` (G, *that), one per group.
 
     Raises:
         UnknownImplementation: ``groups`` for an algorithm without ``group_kernels``.

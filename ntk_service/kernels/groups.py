@@ -222,8 +222,8 @@ class NtkGroupsResult:
     """What ``compute_ntk_groups`` returns.
 
     Attributes:
-        thetas: group name -> Θ_g, each shaped like ``compute_ntk``'s theta for the mode: (N, M, k, k) FULL,
-            (N, M) TRACE and PSEUDO, (N, k, k) EXAMPLE_DIAGONAL, (N, M, k) OUTPUT_DIAGONAL (views of ``stacked``).
+        thetas: group name -> Θ_g, each shaped like ``compute_ntk``'s theta for the mode (``ModeSpec.shape``,
+            e.g. (N, M, k, k) FULL), views of ``stacked``.
         stacked: (G, *theta) every group's kernel, in the order of ``thetas``.
         parameters: group name -> its parameters (canonical names, ``named_parameters()`` order).
         mode: the mode computed.

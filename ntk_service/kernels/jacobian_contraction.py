@@ -64,7 +64,7 @@ from torch.func import jacrev, vmap
 
 from ntk_service.kernels.algorithm import GroupKernels, JointPass
 from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import KernelMode, Outputs
 from ntk_service.kernels.problem.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.problem.batch import Batch, batch_size, concat, one_example, take
 from ntk_service.kernels.problem.math_attention import math_attention
@@ -205,21 +205,25 @@ def _shape(side: JacobianChunks) -> tuple[int, int]:
 
 
 def contract(j1: Jacobians, j2: Jacobians, mode: KernelMode) -> torch.Tensor:
-    """Contract the Jacobians of two sides, chunk pair by chunk pair into one accumulator, for ``mode``.
+    """Contract the Jacobians of two sides, chunk pair by chunk pair into one accumulator, for ``mode``'s outputs.
 
     Args:
         j1: the Jacobians of n examples, name -> (n, k, p) or chunks of them (``JacobianChunks``).
         j2: the Jacobians of m examples, likewise.
-        mode: FULL, TRACE or OUTPUT_DIAGONAL.
+        mode: a mode of example pairs: its outputs axis picks the contraction (NOTE [mode contractions]).
 
     Returns:
-        (n, m, k, k) FULL, (n, m) TRACE, (n, m, k) OUTPUT_DIAGONAL.
+        (n, m, k, k) all outputs (FULL), (n, m) their sum (TRACE), (n, m, k) their diagonal (OUTPUT_DIAGONAL).
+
+    Raises:
+        ValueError: a per-example mode (``contract_diagonal`` contracts its blocks).
     """
+    outputs = _pair_outputs(mode, "contract")
     j1, j2 = _chunked(j1), _chunked(j2)
     n, k = _shape(j1)
     m = _shape(j2)[0]
     first = next(iter(j1[0].values()))
-    if mode is KernelMode.FULL:
+    if outputs is Outputs.ALL:
         full = first.new_zeros(n * k, m * k)
         for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
             for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
@@ -227,7 +231,7 @@ def contract(j1: Jacobians, j2: Jacobians, mode: KernelMode) -> torch.Tensor:
                 for name, ja in a.items():
                     out.addmm_(ja.reshape((i1 - i0) * k, -1), b[name].reshape((l1 - l0) * k, -1).T)
         return full.view(n, k, m, k).permute(0, 2, 1, 3)
-    if mode is KernelMode.TRACE:
+    if outputs is Outputs.SUM:
         trace = first.new_zeros(n, m)
         for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
             for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
@@ -235,7 +239,7 @@ def contract(j1: Jacobians, j2: Jacobians, mode: KernelMode) -> torch.Tensor:
                 for name, ja in a.items():
                     out.addmm_(ja.reshape(i1 - i0, -1), b[name].reshape(l1 - l0, -1).T)
         return trace
-    if mode is KernelMode.OUTPUT_DIAGONAL:
+    if outputs is Outputs.DIAGONAL:
         diag = first.new_zeros(k, n, m)
         for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
             for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
@@ -243,7 +247,15 @@ def contract(j1: Jacobians, j2: Jacobians, mode: KernelMode) -> torch.Tensor:
                 for name, ja in a.items():
                     out.baddbmm_(ja.transpose(0, 1), b[name].permute(1, 2, 0))
         return diag.permute(1, 2, 0)
-    raise ValueError(f"contract: mode {mode} is contracted by contract_diagonal")
+    raise ValueError(f"contract: outputs {outputs} of mode {mode} have no contraction")
+
+
+def _pair_outputs(mode: KernelMode, operation: str) -> Outputs:
+    """The outputs axis of a mode of example pairs, which picks its contraction (NOTE [mode contractions] in
+    modes.py); a per-example mode here is a caller's bug: its blocks are ``{operation}_diagonal``'s."""
+    if not mode.spec.pairs:
+        raise ValueError(f"{operation}: mode {mode} is per example; its blocks are {operation}_diagonal's")
+    return mode.spec.outputs
 
 
 def contract_diagonal(j1: Jacobians) -> torch.Tensor:
@@ -261,14 +273,19 @@ def contract_groups(j1: JacobianChunks, j2: JacobianChunks, mode: KernelMode, gr
     """``contract`` per parameter group: each parameter's product goes into its group's accumulator.
 
     Returns:
-        (G, n, m, k, k) FULL, (G, n, m) TRACE, (G, n, m, k) OUTPUT_DIAGONAL, in the order of ``groups.names``.
+        (G, n, m, k, k) all outputs, (G, n, m) their sum, (G, n, m, k) their diagonal, in the order of
+        ``groups.names``.
+
+    Raises:
+        ValueError: a per-example mode (``contract_groups_diagonal`` contracts its blocks).
     """
+    outputs = _pair_outputs(mode, "contract_groups")
     j1, j2 = _chunked(j1), _chunked(j2)
     n, k = _shape(j1)
     m = _shape(j2)[0]
     first = next(iter(j1[0].values()))
     of, count = groups.index, len(groups)
-    if mode is KernelMode.FULL:
+    if outputs is Outputs.ALL:
         full = first.new_zeros(count, n * k, m * k)
         for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
             for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
@@ -277,21 +294,21 @@ def contract_groups(j1: JacobianChunks, j2: JacobianChunks, mode: KernelMode, gr
                         ja.reshape((i1 - i0) * k, -1), b[name].reshape((l1 - l0) * k, -1).T
                     )
         return full.view(count, n, k, m, k).permute(0, 1, 3, 2, 4)
-    if mode is KernelMode.TRACE:
+    if outputs is Outputs.SUM:
         trace = first.new_zeros(count, n, m)
         for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
             for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
                 for name, ja in a.items():
                     trace[of[name], i0:i1, l0:l1].addmm_(ja.reshape(i1 - i0, -1), b[name].reshape(l1 - l0, -1).T)
         return trace
-    if mode is KernelMode.OUTPUT_DIAGONAL:
+    if outputs is Outputs.DIAGONAL:
         diag = first.new_zeros(count, k, n, m)
         for a, (i0, i1) in zip(j1, _offsets(j1), strict=True):
             for b, (l0, l1) in zip(j2, _offsets(j2), strict=True):
                 for name, ja in a.items():
                     diag[of[name], :, i0:i1, l0:l1].baddbmm_(ja.transpose(0, 1), b[name].permute(1, 2, 0))
         return diag.permute(0, 2, 3, 1)
-    raise ValueError(f"contract_groups: mode {mode} is contracted by contract_groups_diagonal")
+    raise ValueError(f"contract_groups: outputs {outputs} of mode {mode} have no contraction")
 
 
 def contract_groups_diagonal(j1: Jacobians, groups: ParameterGroups) -> torch.Tensor:
@@ -344,22 +361,17 @@ class JacobianContraction:
         return kept + transient, kept
 
     def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
-        k = problem.k
-        per_pair = {KernelMode.FULL: k * k, KernelMode.TRACE: 1, KernelMode.OUTPUT_DIAGONAL: k}.get(mode, 0)
-        if mode is KernelMode.EXAMPLE_DIAGONAL:
+        k, spec = problem.k, mode.spec
+        if not spec.pairs:  # the per-example blocks of all outputs
             return n * k * k * problem.itemsize
-        return 2 * n * m * per_pair * problem.itemsize  # the accumulator and its copy into theta
+        return 2 * n * m * spec.outputs.entries(k) * problem.itemsize  # the accumulator and its copy into theta
 
     def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
-        k, p = problem.k, problem.num_params
-        sides = (n if mode is KernelMode.EXAMPLE_DIAGONAL else n + m) * problem.forward_flops * (1 + 2 * k)
-        contraction = {
-            KernelMode.FULL: 2 * n * m * k * k * p,
-            KernelMode.TRACE: 2 * n * m * k * p,
-            KernelMode.OUTPUT_DIAGONAL: 2 * n * m * k * p,
-            KernelMode.EXAMPLE_DIAGONAL: 2 * n * k * k * p,
-        }[mode]
-        return sides + contraction
+        k, p, spec = problem.k, problem.num_params, mode.spec
+        sides = (n + m if spec.pairs else n) * problem.forward_flops * (1 + 2 * k)
+        if not spec.pairs:  # the per-example blocks of all outputs
+            return sides + 2 * n * k * k * p
+        return sides + 2 * n * m * spec.outputs.products(k) * p
 
     def cost_weight(self, problem: NtkProblem) -> float:
         return JACOBIAN_CONTRACTION_WEIGHT

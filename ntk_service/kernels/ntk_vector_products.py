@@ -20,7 +20,7 @@ import torch
 from torch.func import jvp, vmap
 
 from ntk_service.kernels.jacobian_contraction import jacobians
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import KernelMode, Outputs
 from ntk_service.kernels.problem.batch import Batch, batch_size
 from ntk_service.kernels.problem.embedding_padding import padding_as_constant
 from ntk_service.kernels.problem.forward_mode import FORWARD_AD_LOCK, forward_mode
@@ -87,6 +87,7 @@ class NtkVectorProducts:
     def pair(self, problem: NtkProblem, left: VjpRows, right: Batch, mode: KernelMode) -> torch.Tensor:
         x1, rows = left
         n, k, m = batch_size(x1), problem.k, batch_size(right)
+        outputs = mode.spec.outputs  # what a row keeps (NOTE [mode contractions] in modes.py)
         flat_rows = {name: r.reshape(n * k, *r.shape[2:]) for name, r in rows.items()}
         basis = torch.eye(k, dtype=problem.dtype).repeat(n, 1)  # (n·k, k): e_c for row (i, c)
 
@@ -94,14 +95,14 @@ class NtkVectorProducts:
             # One jvp of the batched model: the examples are independent (checked by the probe), so this is
             # J(x2_j) u_{i,c} for every j at once: (m, k) = Θ(x1_i, x2_j)[c, :].
             product: torch.Tensor = jvp(lambda p: problem.f_batch(p, right), (problem.params,), (row,))[1]
-            return product if mode is KernelMode.FULL else product @ e_c
+            return product if outputs is Outputs.ALL else product @ e_c
 
         with _forward_ad():
             products = vmap(one)(flat_rows, basis)  # (n·k, m[, k])
-        if mode is KernelMode.FULL:
+        if outputs is Outputs.ALL:
             return products.view(n, k, m, k).permute(0, 2, 1, 3)
         per_output = products.view(n, k, m).permute(0, 2, 1)  # (n, m, k)
-        return per_output if mode is KernelMode.OUTPUT_DIAGONAL else per_output.sum(-1)
+        return per_output if outputs is Outputs.DIAGONAL else per_output.sum(-1)
 
     def diagonal(self, problem: NtkProblem, left: VjpRows) -> torch.Tensor:
         x1, rows = left
@@ -120,13 +121,13 @@ class NtkVectorProducts:
 
     def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
         k = problem.k
-        m = 1 if mode is KernelMode.EXAMPLE_DIAGONAL else m
+        m = m if mode.spec.pairs else 1
         # forward-mode: primal and tangent activations of every (row, x2 example) at once, and the products.
         return n * k * m * (2 * problem.saved_bytes + 2 * k * problem.itemsize)
 
     def flops(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
         k, fp = problem.k, problem.forward_flops
-        pairs = n if mode is KernelMode.EXAMPLE_DIAGONAL else n * m
+        pairs = n * m if mode.spec.pairs else n
         return n * fp * (1 + 2 * k) + 2 * pairs * k * fp
 
     def cost_weight(self, problem: NtkProblem) -> float:

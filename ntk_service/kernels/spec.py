@@ -128,7 +128,7 @@ class KernelSpec:
     """What to compute; every field has the default a plain ``compute_ntk(model, x1)`` uses.
 
     Attributes:
-        mode: "full" (N, M, k, k), "trace" (N, M), "example_diagonal" (N, k, k), "output_diagonal" (N, M, k) or
+        mode: a row of ``vocabulary.MODES`` (its shape there), e.g. "full" (N, M, k, k), "trace" (N, M) or
             "pseudo" (N, M) (a ``KernelMode`` or ``DerivedMode``, or its value). Default: "full".
         params: glob patterns over parameter names (a list or tuple of str): the kernel of that subset. Default:
             None, every parameter.

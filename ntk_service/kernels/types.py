@@ -20,8 +20,8 @@ class NtkResult:
     """What ``compute_ntk`` returns.
 
     Attributes:
-        theta: the kernel block; shape (N, M, k, k) for FULL, (N, M) for TRACE, (N, k, k) for
-            EXAMPLE_DIAGONAL, (N, M, k) for OUTPUT_DIAGONAL, (N, M) for PSEUDO.
+        theta: the kernel block in the mode's shape (``ModeSpec.shape``), e.g. (N, M, k, k) for FULL, (N, M)
+            for TRACE.
         mode: the mode computed.
         implementation: the implementation that ran (never AUTO).
         estimate_bytes: the planned peak memory of the computation, result included.

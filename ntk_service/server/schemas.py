@@ -250,10 +250,7 @@ class KernelRequest(KernelOptions):
 class KernelPublic(BaseModel):
     """The JSON kernel response."""
 
-    theta: TensorJson = Field(
-        description="Θ(x1, x2): (N, M, k, k) full, (N, M) trace and pseudo, (N, k, k) example_diagonal, "
-        "(N, M, k) output_diagonal."
-    )
+    theta: TensorJson = Field(description="Θ(x1, x2) in the mode's shape: " + mode_help() + ".")
     mode: KernelModeValue = Field(description="The mode computed.")
     implementation: NtkImplementation = Field(description='The implementation that ran (never "auto").')
     model: str = Field(description="The model's name.")

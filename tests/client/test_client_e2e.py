@@ -16,6 +16,7 @@ import torch
 
 from ntk_service import errors
 from ntk_service.client import Client
+from ntk_service.vocabulary import CONTRACTED_MODES
 from tests.conftest import LiveServer
 from tests.reference import reference_ntk
 from tests.server.support import TINY_ARCHITECTURES, assert_close_to_reference, rebuild, sample_inputs
@@ -47,7 +48,7 @@ def test_kernels_in_every_transport_format_match_the_reference(
     with Client(live_server.url, api_key=live_server.read_key, transport_format=transport_format) as reader:
         reference = _reference_model(reader, model)
         x1, x2 = sample_inputs(model, 4, seed=1), sample_inputs(model, 3, seed=2)
-        for mode in ("full", "trace", "example_diagonal", "output_diagonal"):
+        for mode in (m.value for m in CONTRACTED_MODES):  # every contracted mode of the table
             result = reader.ntk_result(model["name"], x1, x2, mode=mode)
             assert_close_to_reference(
                 result.theta, reference_ntk(reference, torch.from_numpy(x1), torch.from_numpy(x2), mode)

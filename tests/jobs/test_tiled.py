@@ -74,13 +74,19 @@ def test_every_slice_equals_the_dense_reference(tmp_path: Path, x: torch.Tensor,
     assert picked.dims == view.dims and picked.attrs["format_version"] == FORMAT_VERSION
 
 
-def test_example_diagonal(tmp_path: Path, x: torch.Tensor) -> None:
+@pytest.mark.parametrize("mode", [mode for mode in KernelMode if not mode.spec.pairs], ids=str)
+def test_per_example_modes(tmp_path: Path, x: torch.Tensor, mode: KernelMode) -> None:
     model = _model()
-    view = compute_ntk_tiled(
-        model, x, out=tmp_path / "d.zarr", mode="example_diagonal", tile_size=4, dtype="float64", progress=False
+    view = compute_ntk_tiled(model, x, out=tmp_path / "d.zarr", mode=mode, tile_size=4, dtype="float64", progress=False)
+    dense = reference_ntk(model, x, mode=mode.value).numpy()
+    assert (
+        view.dims
+        == {
+            "example_diagonal": ("x1", "out1", "out2"),
+            "example_trace": ("x1",),
+            "example_output_diagonal": ("x1", "out"),
+        }[mode.value]
     )
-    dense = reference_ntk(model, x, mode="example_diagonal").numpy()
-    assert view.dims == ("x1", "out1", "out2")
     np.testing.assert_allclose(np.asarray(view[3:10]), dense[3:10], rtol=1e-10, atol=1e-12)
 
 

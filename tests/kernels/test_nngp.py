@@ -22,6 +22,10 @@ def _by_hand(f1: torch.Tensor, f2: torch.Tensor, mode: str) -> torch.Tensor:
     m = f2.shape[0]
     if mode == "example_diagonal":
         return torch.stack([torch.outer(f1[i], f1[i]) for i in range(n)])
+    if mode == "example_output_diagonal":
+        return f1 * f1
+    if mode == "example_trace":
+        return torch.stack([f1[i] @ f1[i] for i in range(n)])
     full = torch.empty(n, m, d, d, dtype=torch.float64)
     for i in range(n):
         for j in range(m):

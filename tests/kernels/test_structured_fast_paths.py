@@ -32,7 +32,7 @@ def test_output_layer_delta_shared_by_all_examples_is_contracted_as_an_outer_pro
     theta = compute_ntk(model, x1, x2, mode=mode, implementation="structured").theta
     expected = reference_ntk(model, x1, x2, mode.value)
     assert_matches(theta, expected)
-    if mode is not KernelMode.EXAMPLE_DIAGONAL:  # the diagonal has its own contraction
+    if mode.spec.pairs:  # the per-example blocks have their own contraction
         assert shared_deltas and torch.equal(shared_deltas[0], torch.eye(3, dtype=torch.float64))
     shared_deltas.clear()
     off = structured_ntk(model, x1, x2, mode, options=StructuredOptions(shared_delta=False))
@@ -135,7 +135,7 @@ def test_batched_capture_is_exact_when_outputs_are_modified_in_place(name: str) 
 
 
 def _run(alg: Structured, problem: NtkProblem, x1: torch.Tensor, x2: torch.Tensor, mode: KernelMode) -> torch.Tensor:
-    symmetric = mode is KernelMode.EXAMPLE_DIAGONAL
+    symmetric = not mode.spec.pairs
     plan = plan_blocks(alg, problem, x1.shape[0], x2.shape[0], mode, symmetric=symmetric, budget_bytes=2**30)
     return run_blocks(alg, problem, x1, None if symmetric else x2, mode, plan)
 

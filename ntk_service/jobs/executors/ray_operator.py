@@ -266,7 +266,7 @@ class RayNtkOperator(JacobianOperator):
         ray = self._ready("kernel_block")
         ranges = check_ranges(cols, self.examples[1], operation=f"{_OPERATION}.kernel_block")
         other = None
-        if mode is not KernelMode.EXAMPLE_DIAGONAL:
+        if mode.spec.pairs:  # a per-example mode has no column side
             if landmarks is None:
                 landmarks = np.concatenate([np.arange(a, b) for a, b in ranges])
             index = np.asarray(landmarks, dtype=np.int64)

@@ -367,7 +367,7 @@ class NtkOperator(JacobianOperator):
         """Θ(x2[cols], x2[landmarks]) by ``compute_ntk`` on this operator's model, parameters and output, float64:
         (b, s, k, k) FULL, (b, s) TRACE; landmarks None: Θ(x2[cols], x2[cols]), symmetric; EXAMPLE_DIAGONAL: the
         (b, k, k) blocks of x2[cols]."""
-        other = None if landmarks is None or mode is KernelMode.EXAMPLE_DIAGONAL else self.select_columns(landmarks)
+        other = None if landmarks is None or not mode.spec.pairs else self.select_columns(landmarks)
         return self.kernel_against(cols, other, mode)
 
     def select_columns(self, index: np.ndarray) -> Batch:

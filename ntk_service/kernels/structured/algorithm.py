@@ -35,7 +35,7 @@ import torch
 
 from ntk_service.kernels.algorithm import GroupKernels, JointPass
 from ntk_service.kernels.groups import ParameterGroups
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import KernelMode, Outputs
 from ntk_service.kernels.problem.batch import Batch, batch_size, concat, take
 from ntk_service.kernels.problem.math_attention import attention_scope
 from ntk_service.kernels.problem.problem import NtkProblem
@@ -154,8 +154,8 @@ class Structured:
         return True
 
     def pair(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode) -> torch.Tensor:
-        if mode is KernelMode.FULL:
-            return self._full_block(problem, left, right)
+        if mode.spec.outputs is Outputs.ALL:  # the outputs pick the contraction (NOTE [mode contractions])
+            return self._full_block(problem, left, right, mode)
         return finish(self._accumulate(problem, left, right, mode))
 
     def _new_accumulator(
@@ -192,15 +192,17 @@ class Structured:
             add_jacobian(acc, j1, right.jacobians[name])
         return acc
 
-    def _full_block(self, problem: NtkProblem, left: StructuredSide, right: StructuredSide) -> torch.Tensor:
-        """The FULL block (n, m, k, k), contiguous; its last plain factored term added in the pass that writes
-        that layout (``fused_finish``)."""
+    def _full_block(
+        self, problem: NtkProblem, left: StructuredSide, right: StructuredSide, mode: KernelMode
+    ) -> torch.Tensor:
+        """The block of all outputs (n, m, k, k) of ``mode``, contiguous; its last plain factored term added in the
+        pass that writes that layout (``fused_finish``)."""
         terms = self.terms(problem)
         held = None
         if self.options.fused_finish:
             pairs = zip(left.factored, right.factored, strict=True)
             held = next((i for i, (lf, rf) in enumerate(pairs) if fusable(lf, rf)), None)
-        acc = self._accumulate(problem, left, right, KernelMode.FULL, held=held)
+        acc = self._accumulate(problem, left, right, mode, held=held)
         if held is None:
             return finish(acc).contiguous()
         return finish_with_factored(
@@ -242,9 +244,10 @@ class Structured:
         jacobians: list[list[tuple[JacobianSide, JacobianSide]]] = [[] for _ in groups.names]
         for name, j1 in left.jacobians.items():
             jacobians[of[name]].append((j1, right.jacobians[name]))
-        fuse = mode is KernelMode.FULL and self.options.fused_finish
-        out = None  # FULL: the (G, n, m, k, k) result, each group's block written into it once
-        if mode is KernelMode.FULL:
+        every_output = mode.spec.outputs is Outputs.ALL  # the outputs pick the contraction (NOTE [mode contractions])
+        fuse = every_output and self.options.fused_finish
+        out = None  # all outputs: the (G, n, m, k, k) result, each group's block written into it once
+        if every_output:
             out = torch.empty(
                 len(groups.names), left.examples, right.examples, problem.k, problem.k, dtype=problem.dtype
             )
@@ -300,16 +303,17 @@ class Structured:
 
     def pair_bytes(self, problem: NtkProblem, n: int, m: int, mode: KernelMode) -> float:
         terms = self.terms(problem)
-        k, item = problem.k, problem.itemsize
-        if mode is KernelMode.EXAMPLE_DIAGONAL:
+        k, item, spec = problem.k, problem.itemsize, mode.spec
+        if not spec.pairs:  # the per-example blocks of all outputs
             m, result = 1, n * k * k
         else:
-            result = n * m * {KernelMode.FULL: k * k, KernelMode.TRACE: 1, KernelMode.OUTPUT_DIAGONAL: k}[mode]
+            result = n * m * spec.outputs.entries(k)
+        # the δ Gram's entries per example pair: as the result's for example pairs, k for the per-example blocks
+        per_output = spec.outputs.entries(k) if spec.pairs else k
         largest = 0.0
         for term in terms.factored:
             g, t, _, _ = term.dims
             grams = g * n * t * m * t
-            per_output = {KernelMode.FULL: k * k, KernelMode.TRACE: 1}.get(mode, k)
             largest = max(largest, grams * (1 + per_output))
         return (2 * result + largest) * item
 
@@ -322,16 +326,13 @@ class Structured:
         terms = self.terms(problem)
         k = problem.k
         p_fallback = sum(problem.params[name].numel() for name in terms.fallback)
-        sides_n = n if mode is KernelMode.EXAMPLE_DIAGONAL else n + m
+        spec = mode.spec
+        sides_n = n + m if spec.pairs else n
         fallback_share = p_fallback / max(problem.num_params, 1)
         sides = sides_n * problem.forward_flops * (1 + k + 2 * k * fallback_share)
         sides += sides_n * sum(jt.build_flops for jt in terms.jacobian)
-        pairs, outputs = {
-            KernelMode.FULL: (n * m, k * k),
-            KernelMode.TRACE: (n * m, k),
-            KernelMode.OUTPUT_DIAGONAL: (n * m, k),
-            KernelMode.EXAMPLE_DIAGONAL: (n, k * k),
-        }[mode]
+        pairs = n * m if spec.pairs else n  # the per-example blocks take all outputs
+        outputs = spec.outputs.products(k) if spec.pairs else Outputs.ALL.products(k)
         contraction = 0.0
         for term in terms.factored:
             g, t, da, dd = term.dims

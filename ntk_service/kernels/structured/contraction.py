@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ntk_service.kernels.modes import KernelMode
+from ntk_service.kernels.modes import Examples, KernelMode, Outputs
 from ntk_service.kernels.structured.descriptors import Delta, FactorSide, JacobianSide, Layout
 
 __all__ = [
@@ -51,13 +51,10 @@ __all__ = [
 
 
 def accumulator_shape(mode: KernelMode, n: int, m: int, k: int) -> tuple[int, ...]:
-    """The accumulator's shape in the layout above (m is unused for EXAMPLE_DIAGONAL)."""
-    return {
-        KernelMode.FULL: (k, n, k, m),
-        KernelMode.TRACE: (n, m),
-        KernelMode.OUTPUT_DIAGONAL: (k, n, m),
-        KernelMode.EXAMPLE_DIAGONAL: (n, k, k),
-    }[mode]
+    """The accumulator's shape in the layout above, from the mode's axes (m is unused per example)."""
+    if not mode.spec.pairs:  # the per-example blocks of all outputs
+        return (n, k, k)
+    return {Outputs.ALL: (k, n, k, m), Outputs.SUM: (n, m), Outputs.DIAGONAL: (k, n, m)}[mode.spec.outputs]
 
 
 @dataclass(frozen=True)
@@ -70,13 +67,19 @@ class Accumulator:
     mode: KernelMode
     example_major: bool = False
 
+    @property
+    def outputs(self) -> Outputs | None:
+        """The outputs axis of a block of example pairs, which picks each term's contraction (NOTE [mode
+        contractions] in modes.py); None for the per-example blocks."""
+        return self.mode.spec.outputs if self.mode.spec.pairs else None
+
 
 def new_accumulator(
     mode: KernelMode, n: int, m: int, k: int, dtype: torch.dtype, *, example_major: bool = False
 ) -> Accumulator:
     """A zero accumulator of the shape above; FULL with ``example_major`` in (n, k, m, k) memory (NOTE
     [accumulator memory])."""
-    if mode is KernelMode.FULL and example_major:
+    if mode.spec.axes == (Examples.PAIRS, Outputs.ALL) and example_major:
         return Accumulator(torch.zeros((n, k, m, k), dtype=dtype).permute(1, 0, 3, 2), mode, True)
     return Accumulator(torch.zeros(accumulator_shape(mode, n, m, k), dtype=dtype), mode, False)
 
@@ -89,9 +92,9 @@ def prefers_example_major(layouts: list[Layout]) -> bool:
 
 def finish(acc: Accumulator) -> torch.Tensor:
     """The accumulator as a theta block: (n, m, k, k), (n, m), (n, m, k) or (n, k, k)."""
-    if acc.mode is KernelMode.FULL:
+    if acc.outputs is Outputs.ALL:
         return acc.tensor.permute(1, 3, 0, 2)
-    if acc.mode is KernelMode.OUTPUT_DIAGONAL:
+    if acc.outputs is Outputs.DIAGONAL:
         return acc.tensor.permute(1, 2, 0)
     return acc.tensor
 
@@ -101,7 +104,7 @@ def add_jacobian(acc: Accumulator, left: JacobianSide, right: JacobianSide) -> N
     t, j1, j2 = acc.tensor, left.tensor, right.tensor
     n, k, _ = j1.shape
     m = j2.shape[0]
-    if acc.mode is KernelMode.FULL:
+    if acc.outputs is Outputs.ALL:
         output_major = left.layout is Layout.OUTPUT_MAJOR and right.layout is Layout.OUTPUT_MAJOR
         if output_major and not acc.example_major:
             t.view(k * n, k * m).addmm_(j1.transpose(0, 1).reshape(k * n, -1), j2.transpose(0, 1).reshape(k * m, -1).T)
@@ -110,7 +113,7 @@ def add_jacobian(acc: Accumulator, left: JacobianSide, right: JacobianSide) -> N
         else:  # example-major J (rule Jacobians, jacrev): one Gram in that order, added permuted
             gram = j1.reshape(n * k, -1) @ j2.reshape(m * k, -1).T
             t.add_(gram.view(n, k, m, k).permute(1, 0, 3, 2))
-    elif acc.mode is KernelMode.TRACE:
+    elif acc.outputs is Outputs.SUM:
         if left.layout is Layout.OUTPUT_MAJOR and right.layout is Layout.OUTPUT_MAJOR and k > 1:
             for c in range(k):  # each output's rows are one contiguous matrix: no copy of J
                 t.addmm_(j1[:, c], j2[:, c].T)
@@ -212,12 +215,12 @@ def add_factored(
     """
     a1, d1 = left
     a2, d2 = right
-    t, mode = acc.tensor, acc.mode
+    t, outputs = acc.tensor, acc.outputs
     n, k, g, tt, dd = d1.tensor.shape
     m, s = d2.tensor.shape[0], d2.tensor.shape[3]
     gram_a = _gram_a(a1, a2, index, plus, d1.tensor.dtype)  # (G, n·T, m·S)
     shared = shared_gram(d1, d2) if shared_delta else None
-    if mode is KernelMode.FULL and (shared is not None or g == tt == s == 1):  # one (k, n, k, m) product
+    if outputs is Outputs.ALL and (shared is not None or g == tt == s == 1):  # one (k, n, k, m) product
         if acc.example_major:
             _add_example_major(acc, d1, d2, shared, gram_a.view(n, m))
             return
@@ -225,7 +228,7 @@ def add_factored(
         t.addcmul_(gram_d, gram_a.view(1, n, 1, m))
         return
     if shared is not None:  # G^A (n, m) times one k×k Δ
-        if mode is KernelMode.TRACE:
+        if outputs is Outputs.SUM:
             t.add_(gram_a.view(n, m) * shared.trace())
         else:
             t.addcmul_(shared.diagonal().view(k, 1, 1), gram_a.view(1, n, m))
@@ -235,17 +238,17 @@ def add_factored(
 
 def _add_general(acc: Accumulator, d1: torch.Tensor, d2: torch.Tensor, gram_a: torch.Tensor) -> None:
     """acc += Σ_g Σ_{t,s} G^D ⊙ G^A for δ's with groups or positions (and OUTPUT_DIAGONAL/TRACE's plain case)."""
-    t, mode = acc.tensor, acc.mode
+    t, outputs = acc.tensor, acc.outputs
     n, k, g, tt, dd = d1.shape
     m, s = d2.shape[0], d2.shape[3]
-    if mode is KernelMode.FULL:
+    if outputs is Outputs.ALL:
         dl = d1.permute(2, 1, 0, 3, 4).reshape(g, k * n * tt, dd)  # rows (c, example, position): δ's memory order
         dr = d2.permute(2, 1, 0, 3, 4).reshape(g, k * m * s, dd)
         gram_d = torch.bmm(dl, dr.transpose(1, 2)).view(g, k, n, tt, k, m, s)
         gram_d.mul_(gram_a.view(g, 1, n, tt, 1, m, s))
         t.add_(gram_d.sum((0, 3, 6)))
         return
-    if mode is KernelMode.TRACE:
+    if outputs is Outputs.SUM:
         dl = d1.permute(2, 0, 3, 1, 4).reshape(g, n * tt, k * dd)
         dr = d2.permute(2, 0, 3, 1, 4).reshape(g, m * s, k * dd)
         gram_d = torch.bmm(dl, dr.transpose(1, 2))  # (G, n·T, m·S), summed over c

@@ -318,7 +318,7 @@ function drawSpectrum(job) {
 }
 
 async function computeSpectrum(job) {
-  const side = job.result_shape[0] * (job.mode === "full" ? job.result_shape[2] : 1);
+  const side = job.result_shape[0] * outputsPerRow(job);
   const what = `computing the top 20 eigenvalues of the ${side} × ${side} kernel (Lanczos, reading the stored kernel)`;
   const started = Date.now();
   views.figureProgress("spectrum-figure", what, started);

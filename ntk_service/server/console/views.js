@@ -2,6 +2,7 @@
 // (textContent), never parsed as HTML: model names, labels and error messages are other people's input.
 
 import * as fmt from "./format.js";
+import { MODES } from "./modes.js";
 
 export const FINISHED = new Set(["succeeded", "failed", "cancelled"]);
 
@@ -256,7 +257,7 @@ function durationText(job) {
   const ran = fmt.seconds(job.started_at, FINISHED.has(job.status) ? job.finished_at : null);
   if (ran === null) return "not started";
   const [n, m] = job.result_shape;
-  const entries = job.mode === "example_diagonal" ? n : n * m;
+  const entries = MODES[job.mode]?.pairs === false ? n : n * m; // a per-example mode has no x2 axis
   const done = entries * (job.tiles_done / Math.max(1, job.tiles_total));
   return `${fmt.elapsed(ran)}: ${fmt.rate(job.tiles_done, ran, "tiles")}, ${fmt.rate(done, ran, "kernel entries")}`;
 }

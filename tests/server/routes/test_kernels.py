@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ntk_service import wire
+from ntk_service.vocabulary import CONTRACTED_MODES
 from tests.conftest import LiveServer
 from tests.reference import reference_ntk
 from tests.server.support import (
@@ -23,7 +24,8 @@ from tests.server.support import (
     tensor_json,
 )
 
-MODES = ("full", "trace", "example_diagonal", "output_diagonal")
+MODES = tuple(mode.value for mode in CONTRACTED_MODES)
+"""The contracted modes, read off the table (the derived ones have their own tests)."""
 
 CASES = [("mlp", mode, fmt) for mode in MODES for fmt in FORMATS] + [
     (family, mode, FORMATS[(i + offset) % len(FORMATS)])
