@@ -295,7 +295,8 @@ ModeName = Literal[
     "full", "trace", "example_diagonal", "output_diagonal", "example_output_diagonal", "example_trace", "pseudo"
 ]
 """A mode's wire value (``MODE_NAMES``): "full" (N, M, k, k), "trace" (N, M), "example_diagonal" (N, k, k),
-"output_diagonal" (N, M, k), "example_trace" (N,), "pseudo" (N, M) = (1/k) Σ_ab Θ_ab."""
+"output_diagonal" (N, M, k), "example_output_diagonal" (N, k), "example_trace" (N,), "pseudo" (N, M) =
+(1/k) Σ_ab Θ_ab."""
 
 ContractedModeName = Literal[
     "full", "trace", "example_diagonal", "output_diagonal", "example_output_diagonal", "example_trace"
