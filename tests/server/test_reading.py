@@ -13,6 +13,7 @@ from ntk_service.errors import InvalidInput, MemoryEstimateExceeded
 from ntk_service.kernels import DerivedMode, KernelMode, NtkImplementation
 from ntk_service.server import computing, media, reading
 from ntk_service.server.schemas import KernelModeValue, KernelOptions, NngpOptions, validate_body
+from ntk_service.vocabulary import MODE_NAMES
 
 
 def test_mode_is_validated_once_and_held_as_its_enum() -> None:
@@ -21,9 +22,8 @@ def test_mode_is_validated_once_and_held_as_its_enum() -> None:
     assert validate_body(NngpOptions, {"mode": "trace"}, operation="op").mode is KernelMode.TRACE
     with pytest.raises(InvalidInput) as info:
         validate_body(KernelOptions, {"mode": "diagonal"}, operation="op")
-    assert str(info.value) == (
-        "op: mode: Input should be 'full', 'trace', 'example_diagonal', 'output_diagonal' or 'pseudo'"
-    )
+    *first, last = (f"'{name}'" for name in MODE_NAMES)  # every mode of the table, in its order
+    assert str(info.value) == f"op: mode: Input should be {', '.join(first)} or {last}"
     schema = KernelOptions.model_json_schema()["properties"]["mode"]
     assert schema["enum"] == list(KernelModeValue.__args__) and schema["default"] == "full"
 
