@@ -13,10 +13,10 @@ program's graph alike; every other call runs as it is. ``pointwise_scope(module)
 a ``Conv2d`` or a graph calling those ops, and a no-op for the rest.
 
 NOTE [strided pointwise convolution]: measured on the Jacobian contraction's two sides (``jacobian_chunks``), one
-process, alternating, 7 rounds, CPU time with the rewrite / without (docs/benchmarks.md, "Issue 37, round 5"):
-0.93 / 0.92 on the benchmark ResNet at N = M = 16 / 32, 0.94 / 0.99 with GroupNorm, 0.97 / 0.94 two blocks
-deep. Stride-1 1x1 convolutions are left alone (not measured to pay), and so are the other rewrites tried
-(every convolution through ``unfold``: 1.35-1.99x; channels-last: 1.02-1.15x).
+process, alternating, 7 rounds, CPU time with the rewrite / without, on the benchmark ResNet and its variants
+(GroupNorm, two blocks per width, twice the width) at N = M = 16 and 32: 0.91-1.05 in 14 cells of two runs, median
+0.95 (docs/benchmarks.md, "Issue 37, round 5"). Stride-1 1x1 convolutions are left alone (not measured to pay),
+and so are the other rewrites tried (every convolution through ``unfold``: 1.35-1.99x; channels-last: 1.02-1.15x).
 """
 
 from __future__ import annotations
