@@ -9,7 +9,9 @@ FULL (n·k, f) @ (f, m·k); TRACE (n, k·f) @ (k·f, m); OUTPUT_DIAGONAL k matmu
 EXAMPLE_DIAGONAL n matmuls (k, f) @ (f, k).
 
 Attention runs on its math path (``math_attention``): the CPU flash kernel has no vmap batching rule, so
-``vmap(jacrev)`` would run it example by example.
+``vmap(jacrev)`` would run it example by example. Eval BatchNorm runs as its affine map (``affine_batchnorm``) and
+strided 1x1 convolutions as a slice and a matmul (``strided_pointwise_convolution``): both differentiate under
+``vmap(jacrev)`` into cheaper batched ops than their own kernels' backward.
 
 NOTE [joint pass of Jacobians]: one ``vmap(jacrev)`` over x1 and x2 together does the same FLOPs as two, and
 spares only the per-call overhead of the second; its buffers are twice as large, and past glibc's mmap threshold
@@ -68,6 +70,7 @@ from ntk_service.kernels.modes import KernelMode, Outputs
 from ntk_service.kernels.problem.affine_batchnorm import batchnorm_scope
 from ntk_service.kernels.problem.batch import Batch, batch_size, concat, one_example, take
 from ntk_service.kernels.problem.math_attention import math_attention
+from ntk_service.kernels.problem.pointwise_convolution import pointwise_scope
 from ntk_service.kernels.problem.problem import NtkProblem
 from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.types import NamedTensors, NtkImplementation
@@ -110,7 +113,7 @@ as ``vmap(jacrev)`` returned them (NOTE [Jacobian chunks]: never copied into one
 
 
 def jacobian_chunks(
-    problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True
+    problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True, pointwise: bool = True
 ) -> JacobianChunks:
     """Per-example Jacobians of the selected parameters, one ``vmap(jacrev)`` call per chunk of examples.
 
@@ -119,6 +122,8 @@ def jacobian_chunks(
         x: (n, *input).
         chunk: examples per ``vmap(jacrev)`` call. Default: ``jacobian_chunk(problem)``.
         affine_bn: run eval BatchNorm as its affine map (``affine_batchnorm``). Default: True.
+        pointwise: run strided 1x1 convolutions as a slice and a matmul (``strided_pointwise_convolution``).
+            Default: True.
 
     Returns:
         The chunks in order, each name -> (c, k, p) with p = numel of that parameter; the c sum to n, and
@@ -129,8 +134,9 @@ def jacobian_chunks(
     calls = -(-n // max(1, chunk))
     size = -(-n // calls)
     scope = batchnorm_scope(problem.module) if affine_bn else contextlib.nullcontext()
+    convolution = pointwise_scope(problem.module) if pointwise else contextlib.nullcontext()
     build = vmap(jacrev(problem.f_single), (None, 0)) if not problem.per_example_loop else _looped(problem)
-    with math_attention(), scope:
+    with math_attention(), scope, convolution:
         return tuple(
             {name: j.reshape(j.shape[0], k, -1) for name, j in build(problem.params, take(x, i0, i0 + size)).items()}
             for i0 in range(0, n, size)
@@ -148,17 +154,19 @@ def _looped(problem: NtkProblem) -> Callable[[NamedTensors, Batch], NamedTensors
     return build
 
 
-def jacobians(problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True) -> NamedTensors:
+def jacobians(
+    problem: NtkProblem, x: Batch, *, chunk: int | None = None, affine_bn: bool = True, pointwise: bool = True
+) -> NamedTensors:
     """Per-example Jacobians of the selected parameters as one tensor per parameter (``jacobian_chunks``
     concatenated when there is more than one chunk).
 
     Args:
-        problem, x, chunk, affine_bn: as for ``jacobian_chunks``.
+        problem, x, chunk, affine_bn, pointwise: as for ``jacobian_chunks``.
 
     Returns:
         name -> (n, k, p) with p = numel of that parameter.
     """
-    chunks = jacobian_chunks(problem, x, chunk=chunk, affine_bn=affine_bn)
+    chunks = jacobian_chunks(problem, x, chunk=chunk, affine_bn=affine_bn, pointwise=pointwise)
     if len(chunks) == 1:
         return chunks[0]
     return {name: torch.cat([c[name] for c in chunks]) for name in chunks[0]}

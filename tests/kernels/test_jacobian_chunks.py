@@ -1,5 +1,6 @@
-"""The Jacobian build in chunks of examples and with eval BatchNorm as its affine map (jacobian_contraction.py,
-problem/affine_batchnorm.py), against the independent float64 reference."""
+"""The Jacobian build in chunks of examples, with eval BatchNorm as its affine map and strided 1x1 convolutions as
+a slice and a matmul (jacobian_contraction.py, problem/affine_batchnorm.py, problem/pointwise_convolution.py),
+against the independent float64 reference."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ntk_service.kernels.jacobian_contraction import (
 )
 from ntk_service.kernels.modes import KernelMode
 from ntk_service.kernels.problem.affine_batchnorm import affine_batchnorm
+from ntk_service.kernels.problem.pointwise_convolution import pointwise_scope, strided_pointwise_convolution
 from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
 from tests.reference import assert_matches, reference_columns, reference_jacobian, reference_kernel
@@ -47,13 +49,14 @@ def _resnet() -> tuple[nn.Module, torch.Tensor]:
 
 
 @pytest.mark.parametrize("chunk", [2, 7])
-@pytest.mark.parametrize("affine_bn", [True, False])
-def test_chunked_jacobians_match_the_reference(chunk: int, affine_bn: bool) -> None:
-    """A ragged last chunk and one chunk larger than n both give the reference J, example by example."""
+@pytest.mark.parametrize(("affine_bn", "pointwise"), [(True, True), (False, False), (False, True)])
+def test_chunked_jacobians_match_the_reference(chunk: int, affine_bn: bool, pointwise: bool) -> None:
+    """A ragged last chunk and one chunk larger than n both give the reference J, example by example, with and
+    without the rewrites (the ResNet's shortcuts are strided 1x1 convolutions, 6 -> 3 -> 2 pixels)."""
     model, x = _resnet()
     expected = _reference()
     with prepared_problem(model.double(), x.double(), None, params=None, dtype=torch.float64) as prepared:
-        got = jacobians(prepared.problem, prepared.x1, chunk=chunk, affine_bn=affine_bn)
+        got = jacobians(prepared.problem, prepared.x1, chunk=chunk, affine_bn=affine_bn, pointwise=pointwise)
     flat = torch.cat([got[name].reshape(5, 3, -1) for name, _ in model.named_parameters()], dim=2)
     assert flat.shape == expected.shape
     assert (flat - expected).abs().max().item() <= 1e-12 * expected.abs().max().item()
@@ -72,6 +75,58 @@ def test_affine_batchnorm_is_eval_batch_norm() -> None:
         train = F.batch_norm(x, mean.clone(), var.clone(), w, b, training=True)
     assert (got - expected).abs().max().item() <= 1e-14
     assert (train - F.batch_norm(x, mean.clone(), var.clone(), w, b, training=True)).abs().max().item() == 0.0
+
+
+_CONVOLUTIONS = [  # (stride, padding, groups, kernel, rewritten)
+    (2, 0, 1, 1, True),
+    ((2, 3), (0, 0), 1, 1, True),
+    (1, 0, 1, 1, False),  # stride 1: left alone
+    (2, 1, 1, 1, False),  # padded
+    (2, 0, 2, 1, False),  # grouped
+    (2, 1, 1, 3, False),  # 3x3
+]
+
+
+@pytest.mark.parametrize(("stride", "padding", "groups", "kernel", "rewritten"), _CONVOLUTIONS)
+@pytest.mark.parametrize("op", ["F.conv2d", "aten.conv2d", "aten.convolution"])
+def test_strided_pointwise_convolution_is_conv2d(
+    stride: object, padding: object, groups: int, kernel: int, rewritten: bool, op: str
+) -> None:
+    """The mode's slice and matmul is conv2d (float64, odd sizes, with a bias), for ``F.conv2d`` and for
+    ``aten.conv2d`` / ``aten.convolution`` (an exported program's ops); the calls it must not rewrite still reach
+    the convolution."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 4, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 4 // groups, kernel, kernel, generator=g, dtype=torch.float64)
+    b = torch.randn(6, generator=g, dtype=torch.float64)
+    expected = F.conv2d(x, w, b, stride, padding, 1, groups)
+
+    def pair(v: object) -> list[int]:
+        return list(v) if isinstance(v, tuple) else [v, v]  # type: ignore[list-item]
+
+    with strided_pointwise_convolution():
+        if op == "aten.conv2d":
+            got = torch.ops.aten.conv2d.default(x, w, b, pair(stride), pair(padding), [1, 1], groups)
+        elif op == "aten.convolution":
+            got = torch.ops.aten.convolution.default(
+                x, w, b, pair(stride), pair(padding), [1, 1], False, [0, 0], groups
+            )
+        else:
+            got = F.conv2d(x, w, b, stride, padding, 1, groups)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-13 * expected.abs().max().item()
+    assert (type(got.grad_fn).__name__ == "ConvolutionBackward0") is not rewritten
+
+
+def test_pointwise_scope_only_for_models_with_strided_1x1_convolutions() -> None:
+    """The scope is the mode for the ResNet (strided shortcuts) and an exported program calling a convolution, and a
+    no-op for a model without them."""
+    model, _ = _resnet()
+    assert isinstance(pointwise_scope(model), strided_pointwise_convolution)
+    plain = nn.Sequential(nn.Conv2d(2, 3, 1), nn.Conv2d(3, 3, 3, stride=2))
+    assert not isinstance(pointwise_scope(plain), strided_pointwise_convolution)
+    program = torch.export.export(nn.Conv2d(2, 3, 1, stride=2), (torch.randn(1, 2, 5, 5),)).module()
+    assert isinstance(pointwise_scope(program), strided_pointwise_convolution)  # its graph calls aten.conv2d
 
 
 _X2_CHUNK = 3  # x2's side in chunks of 3, 3 (of 6 examples) while x1's are of 2, 2, 1: no chunk pair lines up
