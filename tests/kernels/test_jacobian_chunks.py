@@ -25,7 +25,7 @@ from ntk_service.kernels.jacobian_contraction import (
     split_chunks,
 )
 from ntk_service.kernels.modes import KernelMode
-from ntk_service.kernels.problem.affine_batchnorm import affine_batchnorm
+from ntk_service.kernels.problem.affine_batchnorm import affine_batchnorm, batchnorm_scope
 from ntk_service.kernels.problem.pointwise_convolution import pointwise_scope, strided_pointwise_convolution
 from ntk_service.kernels.runtime.allocator import MMAP_THRESHOLD_BYTES
 from ntk_service.kernels.runtime.problem_pool import prepared_problem
@@ -127,6 +127,18 @@ def test_pointwise_scope_only_for_models_with_strided_1x1_convolutions() -> None
     assert not isinstance(pointwise_scope(plain), strided_pointwise_convolution)
     program = torch.export.export(nn.Conv2d(2, 3, 1, stride=2), (torch.randn(1, 2, 5, 5),)).module()
     assert isinstance(pointwise_scope(program), strided_pointwise_convolution)  # its graph calls aten.conv2d
+    wrapped = nn.Sequential(program)  # a program inside a module of the user's: its graph is still seen
+    assert isinstance(pointwise_scope(wrapped), strided_pointwise_convolution)
+
+
+def test_batchnorm_scope_sees_modules_and_exported_programs() -> None:
+    """affine_batchnorm's scope: a model with BatchNorm modules, or a program whose graph calls aten.batch_norm."""
+    bn = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    assert isinstance(batchnorm_scope(bn), affine_batchnorm)
+    assert not isinstance(batchnorm_scope(nn.Linear(3, 4)), affine_batchnorm)
+    program = torch.export.export(bn, (torch.randn(2, 3),)).module()
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in program.modules())
+    assert isinstance(batchnorm_scope(program), affine_batchnorm)
 
 
 _X2_CHUNK = 3  # x2's side in chunks of 3, 3 (of 6 examples) while x1's are of 2, 2, 1: no chunk pair lines up

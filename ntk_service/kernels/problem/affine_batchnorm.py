@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ntk_service.kernels.problem.graph_calls import graph_calls
+
 __all__ = ["affine_batchnorm", "batchnorm_scope"]
 
 _ARGS = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
@@ -76,7 +78,4 @@ def batchnorm_scope(module: nn.Module) -> contextlib.AbstractContextManager[obje
     """``affine_batchnorm()`` when ``module`` has BatchNorm modules or is a graph module calling ``aten.batch_norm``
     (an exported program), else a no-op context."""
     has = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
-    graph = getattr(module, "graph", None)
-    if not has and isinstance(graph, torch.fx.Graph):
-        has = any(node.op == "call_function" and node.target is _ATEN for node in graph.nodes)
-    return affine_batchnorm() if has else contextlib.nullcontext()
+    return affine_batchnorm() if has or graph_calls(module, (_ATEN,)) else contextlib.nullcontext()

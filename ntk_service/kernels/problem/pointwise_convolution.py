@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ntk_service.kernels.problem.graph_calls import graph_calls
+
 __all__ = ["pointwise_scope", "strided_pointwise_convolution"]
 
 _CONV2D = (F.conv2d, torch.ops.aten.conv2d.default)
@@ -93,8 +95,5 @@ def pointwise_scope(module: nn.Module) -> contextlib.AbstractContextManager[obje
     """``strided_pointwise_convolution()`` when ``module`` has a strided 1x1 ``Conv2d`` or is a graph module calling
     ``aten.conv2d`` or ``aten.convolution`` (an exported program), else a no-op context."""
     has = any(isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.stride != (1, 1) for m in module.modules())
-    graph = getattr(module, "graph", None)
-    if not has and isinstance(graph, torch.fx.Graph):
-        targets = (*_CONV2D, _ATEN)
-        has = any(node.op == "call_function" and node.target in targets for node in graph.nodes)
+    has = has or graph_calls(module, (*_CONV2D, _ATEN))
     return strided_pointwise_convolution() if has else contextlib.nullcontext()
