@@ -144,6 +144,33 @@ def test_one_block_kernels_build_both_sides_in_one_pass() -> None:
     assert_matches(result.theta, expected)
 
 
+class _TokenPool(nn.Module):
+    """A Linear over t tokens, mean-pooled, then a head: the first Linear is a factored term of t tokens (wide
+    enough that the plan factors it rather than building its Jacobian)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(64, 64), nn.Linear(64, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(x)).mean(-2))
+
+
+def test_the_per_example_blocks_estimate_counts_their_gram() -> None:
+    """The structured per-example blocks build a (n·g, k·t, k·t) Gram of the output cotangents per factored term
+    (``add_factored_diagonal``), beside the (n, g, t, t) Gram of the inputs: the block's estimate covers both,
+    counted here by hand for a Linear over t = 7 tokens (g = 1), k = 5 outputs, n = 4 examples."""
+    n, t, k = 4, 7, 5
+    x = torch.randn(n, t, 64, dtype=torch.float64)
+    with problem_pool.prepared_problem(_TokenPool(k).double(), x, None, params=None, dtype=None) as prepared:
+        problem = prepared.problem
+        alg = ALGORITHMS[NtkImplementation.STRUCTURED]
+        dims = [term.dims[:2] for term in alg.terms(problem).factored]
+        estimate = alg.pair_bytes(problem, n, 1, KernelMode.EXAMPLE_DIAGONAL)
+    assert problem.k == k and (1, t) in dims  # the embedding's term: g = 1 group of t tokens
+    assert estimate >= n * t * t * (1 + k * k) * 8  # the inputs' Gram and the k² cotangent Gram, float64
+
+
 def test_kept_choices_are_the_plans_a_fresh_problem_would_make(monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [auto choice]: a kept problem reuses its plan for a call shape only while the budget gives the same
     answer; every call's plan equals the one a never-seen model (a fresh problem) gets, and repeats plan nothing."""

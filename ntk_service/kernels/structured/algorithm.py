@@ -308,8 +308,9 @@ class Structured:
             m, result = 1, n * k * k
         else:
             result = n * m * spec.outputs.entries(k)
-        # the δ Gram's entries per example pair: as the result's for example pairs, k for the per-example blocks
-        per_output = spec.outputs.entries(k) if spec.pairs else k
+        # the δ Gram's entries per example pair: as the result's for example pairs; k² for the per-example blocks
+        # (``add_factored_diagonal``'s (n·g, k·t, k·t) Gram)
+        per_output = spec.outputs.entries(k) if spec.pairs else k * k
         largest = 0.0
         for term in terms.factored:
             g, t, _, _ = term.dims
