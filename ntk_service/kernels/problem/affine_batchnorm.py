@@ -21,9 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from ntk_service.kernels.problem.graph_calls import graph_calls
+from ntk_service.kernels.problem.rewrites import ArgumentRewrite, graph_calls
 
 __all__ = ["affine_batchnorm", "batchnorm_scope"]
 
@@ -53,25 +52,18 @@ def _eval_batch_norm(
     return out
 
 
-class affine_batchnorm(TorchFunctionMode):  # noqa: N801 - used like a function: ``with affine_batchnorm():``
+class affine_batchnorm(ArgumentRewrite):  # noqa: N801 - used like a function: ``with affine_batchnorm():``
     """Run eval-mode ``F.batch_norm`` as its affine map inside the ``with`` block (see the module docstring)."""
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is F.batch_norm or func is _ATEN:
-            bound = dict(zip(_ARGS if func is F.batch_norm else _ATEN_ARGS, args, strict=False)) | kwargs
-            mean, var = bound.get("running_mean"), bound.get("running_var")
-            if not bound.get("training", False) and mean is not None and var is not None:
-                return _eval_batch_norm(
-                    bound["input"], mean, var, bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5)
-                )
-        return func(*args, **kwargs)
+    signatures = {F.batch_norm: _ARGS, _ATEN: _ATEN_ARGS}
+
+    def rewrite(self, bound: dict[str, Any]) -> torch.Tensor | None:
+        mean, var = bound.get("running_mean"), bound.get("running_var")
+        if bound.get("training", False) or mean is None or var is None:
+            return None
+        return _eval_batch_norm(
+            bound["input"], mean, var, bound.get("weight"), bound.get("bias"), bound.get("eps", 1e-5)
+        )
 
 
 def batchnorm_scope(module: nn.Module) -> contextlib.AbstractContextManager[object]:

@@ -27,9 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from ntk_service.kernels.problem.graph_calls import graph_calls
+from ntk_service.kernels.problem.rewrites import ArgumentRewrite, graph_calls
 
 __all__ = ["pointwise_scope", "strided_pointwise_convolution"]
 
@@ -72,23 +71,14 @@ def _pointwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out if bias is None else out + bias.view(1, -1, 1, 1)
 
 
-class strided_pointwise_convolution(TorchFunctionMode):  # noqa: N801 - used like a function
+class strided_pointwise_convolution(ArgumentRewrite):  # noqa: N801 - used like a function
     """Run strided 1x1 convolutions as a slice and a matmul inside the ``with`` block (see the module docstring)."""
 
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in _CONV2D or func is _ATEN:
-            bound = dict(zip(_CONV2D_ARGS if func in _CONV2D else _ATEN_ARGS, args, strict=False)) | kwargs
-            stride = _stride(bound)
-            if stride is not None:
-                return _pointwise(bound["input"], bound["weight"], bound.get("bias"), stride)
-        return func(*args, **kwargs)
+    signatures = {**dict.fromkeys(_CONV2D, _CONV2D_ARGS), _ATEN: _ATEN_ARGS}
+
+    def rewrite(self, bound: dict[str, Any]) -> torch.Tensor | None:
+        stride = _stride(bound)
+        return None if stride is None else _pointwise(bound["input"], bound["weight"], bound.get("bias"), stride)
 
 
 def pointwise_scope(module: nn.Module) -> contextlib.AbstractContextManager[object]:
