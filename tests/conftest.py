@@ -8,6 +8,7 @@ overload) and stops them after the test. Each server gets its own data directory
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -31,10 +32,34 @@ STARTUP_TIMEOUT_S = 90.0
 _SERVE = "from ntk_service.config import Settings; from ntk_service.server import serve; serve(Settings())"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+PORT_RANGE = (20000, 32768)
+"""Where test servers listen: below Linux's default ephemeral range (32768-60999, where every outbound connection
+and every ``bind(port=0)`` lands) and above Ray's worker ports (10002-19999). A port chosen from the ephemeral
+range could be taken by anyone's outbound connection in the seconds before the server (importing torch) binds it:
+CI lost a run that way ("address already in use", stop 45)."""
+
+BIND_RETRIES = 3
+"""How many times a server whose port was chosen here is relaunched on another after "address already in use"."""
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now, drawn at random from ``PORT_RANGE`` (a random draw, not a
+    counter: two pytest runs on one machine must not walk the same sequence)."""
+    low, high = PORT_RANGE
+    for _ in range(100):
+        port = random.randrange(low, high)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among 100 drawn from {low}-{high - 1}")
+
+
+def lost_its_port(log: str) -> bool:
+    """Whether a server's log says it exited because another process took its port first."""
+    return "address already in use" in log
 
 
 @dataclass
@@ -48,6 +73,8 @@ class LiveServer:
     read_key: str = READ_KEY
     write_key: str = WRITE_KEY
     env: dict[str, str] = field(default_factory=dict)
+    relaunch: Callable[[], LiveServer] | None = None
+    """Launch the same server on another free port (None: the caller chose the port, so it cannot move)."""
 
     def client(self, key: str | None = "write", *, timeout: float = 60.0) -> httpx.Client:
         """An httpx client for this server; ``key`` is "read", "write", None (no header) or a literal key."""
@@ -84,7 +111,8 @@ def start_live_server(data_dir: Path, *, keys: bool = True, port: int | None = N
 def launch_live_server(data_dir: Path, *, keys: bool = True, port: int | None = None, **settings: str) -> LiveServer:
     """``start_live_server`` without the wait: the process starts while the caller does other work; call
     ``wait_until_ready`` before using it."""
-    port = port or _free_port()
+    chosen = port is not None
+    port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NTK_")}
     env.update(
         NTK_HOST="127.0.0.1",
@@ -102,21 +130,31 @@ def launch_live_server(data_dir: Path, *, keys: bool = True, port: int | None = 
         process = subprocess.Popen(
             [sys.executable, "-c", _SERVE], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
-    return LiveServer(f"http://127.0.0.1:{port}", data_dir, process, log_path, env=env)
+    relaunch = None if chosen else lambda: launch_live_server(data_dir, keys=keys, **settings)
+    return LiveServer(f"http://127.0.0.1:{port}", data_dir, process, log_path, env=env, relaunch=relaunch)
 
 
 def wait_until_ready(server: LiveServer) -> LiveServer:
-    """Wait until a launched server's ``/readyz`` answers 200 (stopping it and raising if it never does)."""
-    process = server.process
+    """Wait until a launched server's ``/readyz`` answers 200 (stopping it and raising if it never does).
+
+    A server that lost its port to another process before binding it is relaunched on another port (up to
+    ``BIND_RETRIES`` times, only where the port was chosen here); use the server this returns.
+    """
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    retries = BIND_RETRIES
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} during startup:\n{server.log()}")
+        if server.process.poll() is not None:
+            if server.relaunch is not None and retries > 0 and lost_its_port(server.log()):
+                retries -= 1
+                server = server.relaunch()
+                continue
+            raise RuntimeError(f"server exited with {server.process.returncode} during startup:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200:
-                return server
+            ready = httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200
         except httpx.TransportError:
-            pass
+            ready = False
+        if ready and server.process.poll() is None:  # a server that has exited did not answer: who took its port did
+            return server
         time.sleep(0.2)
     server.stop()
     raise RuntimeError(f"server not ready after {STARTUP_TIMEOUT_S} s:\n{server.log()}")
