@@ -271,7 +271,7 @@ def _server_from(tree: Path, data_dir: Path) -> Any:
 
     from tests import conftest
 
-    port = conftest._free_port()
+    port = conftest.free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("NTK_")}
     env.update(NTK_HOST="127.0.0.1", NTK_PORT=str(port), NTK_DATA_DIR=str(data_dir), NTK_LOG_LEVEL="warning",
                NTK_API_KEYS=f"{conftest.READ_KEY}:read,{conftest.WRITE_KEY}:write",

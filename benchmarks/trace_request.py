@@ -404,7 +404,7 @@ def stages(mode: str, n: int, requests: int) -> None:
     x1, x2 = torch.randn(n, 64, generator=generator), torch.randn(n, 64, generator=generator)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "stages.txt"
-        port = conftest._free_port()
+        port = conftest.free_port()
         env = {key: value for key, value in os.environ.items() if not key.startswith("NTK_")}
         env.update(NTK_HOST="127.0.0.1", NTK_PORT=str(port), NTK_DATA_DIR=str(Path(tmp) / "data"),
                    NTK_LOG_LEVEL="warning", NTK_API_KEYS=f"{conftest.READ_KEY}:read,{conftest.WRITE_KEY}:write",
