@@ -13,8 +13,11 @@ Parts (``--parts``, default all three):
 - ``http``: a two-branch class with LayerNorm (``TwoBranch``, k = 4) registered with ``Client.register_module`` on a
   real server (a uvicorn subprocess), its kernel at N = M = ``--n-http`` requested with ``Client.ntk`` (x1 and x2
   sent, theta received: end to end from the client) against ``compute_ntk`` on the same module in this process.
-  Target: HTTP / library <= 1.2. With ``--base TREE`` a second server runs TREE's ntk_service (e.g. ``git archive
-  HEAD~1 | tar -x -C /tmp/base``) and its requests alternate with this tree's: the A/B of a change to the HTTP path.
+  Target: HTTP / library <= 1.2. Beside them, the stack's floor: the same bytes each way (x1 and x2 in, theta out)
+  through the same httpx client and uvicorn, to a bare ASGI app that does nothing else (``_bare_asgi.py``); (library
+  + its round trip) / library is the best HTTP / library this stack allows. With ``--base TREE`` a second server
+  runs TREE's ntk_service (e.g. ``git archive HEAD~1 | tar -x -C /tmp/base``) and its requests alternate with this
+  tree's: the A/B of a change to the HTTP path.
 
 Each row prints the median wall seconds and CPU seconds (user + system of this process; the server's own for the
 HTTP rows is not in them) and the median of the per-round ratios (each round's calls ran back to back), with the
@@ -53,6 +56,7 @@ from _models import ResNet, TransformerClassifier, make_cnn, make_mlp, randomize
 from torch import nn  # noqa: E402
 from torchfunc_tutorial import tutorial_ntk  # noqa: E402
 
+from ntk_service import wire  # noqa: E402
 from ntk_service.client._export import export_module  # noqa: E402
 from ntk_service.kernels import compute_ntk, retain_freed_memory  # noqa: E402
 from ntk_service.layers import NtkLinear  # noqa: E402
@@ -286,6 +290,56 @@ def _server_from(tree: Path, data_dir: Path) -> Any:
     return conftest.wait_until_ready(conftest.LiveServer(f"http://127.0.0.1:{port}", data_dir, process, log_path))
 
 
+@dataclass
+class _BareServer:
+    """``_bare_asgi.py`` on uvicorn in a subprocess, and an httpx client for it (what ``Client`` uses)."""
+
+    process: Any
+    client: Any
+
+    def post(self, body: bytes, answer_bytes: int) -> bytes:
+        """Send ``body`` as a kernel request's sides travel; receive ``answer_bytes`` as theta would."""
+        headers = {"content-type": wire.MEDIA_SAFETENSORS}
+        return bytes(self.client.post("/", params={"bytes": answer_bytes}, content=body, headers=headers).content)
+
+    def stop(self) -> None:
+        self.client.close()
+        self.process.terminate()
+        self.process.wait(timeout=20)
+
+
+def _bare_server() -> _BareServer:
+    import subprocess
+
+    import httpx
+
+    from tests import conftest
+
+    port = conftest.free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "_bare_asgi:app", "--app-dir", str(ROOT), "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning"]
+    )  # fmt: skip
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client.post("/", params={"bytes": 1}, content=b"")
+            return _BareServer(process, client)
+        except httpx.TransportError:
+            if time.monotonic() > deadline or process.poll() is not None:
+                process.kill()
+                raise
+            time.sleep(0.2)
+
+
+def results_bytes(module: nn.Module, x1: torch.Tensor, x2: torch.Tensor, mode: str) -> int:
+    """theta's float32 bytes: (N, M, k, k) FULL, (N, M) TRACE."""
+    k = int(module(x1[:1]).shape[-1])
+    entries = x1.shape[0] * x2.shape[0] * (k * k if mode == "full" else 1)
+    return 4 * entries
+
+
 def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | None = None) -> None:
     from ntk_service.client import Client
     from tests.conftest import start_live_server
@@ -302,6 +356,7 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
         if base is not None:
             servers["HTTP (base tree)"] = _server_from(base, Path(tmp) / "base-data")
         clients = {}
+        bare = _bare_server()
         try:
             for label, server in servers.items():
                 clients[label] = Client(server.url, api_key=server.write_key, timeout=600.0)
@@ -324,6 +379,10 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
 
                 for label in clients:
                     contenders[label] = lambda label=label: request(label)
+                # the stack's floor: the same bytes each way through httpx and uvicorn, nothing else
+                body = wire.encode_safetensors({"x1": x1.numpy(), "x2": x2.numpy()})
+                theta_bytes = results_bytes(module, x1, x2, mode)
+                contenders["bare uvicorn + httpx, same bytes"] = lambda b=body, size=theta_bytes: bare.post(b, size)
                 # the fixed cost of a request: one example each side, where the compute is the engine's own overhead
                 contenders["library N=1"] = lambda mode=mode: compute_ntk(module, x1[:1], x2[:1], mode=mode)
                 contenders["HTTP N=1"] = lambda mode=mode: clients["HTTP Client.ntk_result"].ntk_result(
@@ -331,6 +390,8 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
                 )
                 wall, cpu, results = _alternate(contenders, rounds)
                 fixed = {name: results.pop(name) for name in ("library N=1", "HTTP N=1")}
+                answered = len(results.pop("bare uvicorn + httpx, same bytes"))
+                assert answered == theta_bytes, f"the bare server answered {answered} bytes, not {theta_bytes}"
                 _check(results, "library compute_ntk", "http")
                 _check(fixed, "library N=1", "http N=1")
                 results.update(fixed)
@@ -340,8 +401,8 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
                     print(f"| {label} | (compute measured by the server of {name}) | | "
                           f"{statistics.median(served[name]):.4f} | |")  # fmt: skip
                 for contender in contenders:
-                    _row(label, contender, wall, cpu, str(getattr(results[contender].implementation, "value",
-                                                                  results[contender].implementation)))  # fmt: skip
+                    chose = getattr(results.get(contender), "implementation", "")
+                    _row(label, contender, wall, cpu, str(getattr(chose, "value", chose)))
                 ratios = [f"{name} / library {_paired(wall, name, 'library compute_ntk'):.2f}" for name in clients]
                 library = wall["library compute_ntk"]
                 overhead = {}  # what HTTP adds to the server's compute: the A/B of the path, the compute's noise apart
@@ -350,6 +411,11 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
                     print(f"| {label} | (wall less the server's compute: {name}) | | {overhead[name]:.4f} | |")
                 ratios += [f"its server's compute / library {_paired({'s': served[n], 'l': library}, 's', 'l'):.2f}"
                            for n in clients]  # fmt: skip
+                floor = wall["bare uvicorn + httpx, same bytes"]
+                floor_ms = 1000 * statistics.median(floor)
+                best = statistics.median((lib + bare_s) / lib for lib, bare_s in zip(library, floor, strict=True))
+                ratios.append(f"the stack's floor: bare round trip {floor_ms:.2f} ms, (library + it) / library "
+                              f"{best:.2f}")  # fmt: skip
                 fixed_ms = statistics.median(a - b for a, b in zip(wall["HTTP N=1"], wall["library N=1"], strict=True))
                 ratios.append(f"fixed cost of a request (HTTP - library at N=1) {1000 * fixed_ms:.1f} ms")
                 if base is not None:
@@ -358,6 +424,7 @@ def http_part(n: int, modes: list[str], rounds: int, small: bool, base: Path | N
                                   f"{1000 * overhead['HTTP (base tree)']:.2f} ms")  # fmt: skip
                 summary.append((label, ", ".join(ratios)))
         finally:
+            bare.stop()
             for client in clients.values():
                 client.close()
             for server in servers.values():
