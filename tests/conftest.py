@@ -35,8 +35,8 @@ _SERVE = "from ntk_service.config import Settings; from ntk_service.server impor
 PORT_RANGE = (20000, 32768)
 """Where test servers listen: below Linux's default ephemeral range (32768-60999, where every outbound connection
 and every ``bind(port=0)`` lands) and above Ray's worker ports (10002-19999). A port chosen from the ephemeral
-range could be taken by anyone's outbound connection in the seconds before the server (importing torch) binds it:
-CI lost a run that way ("address already in use", stop 45)."""
+range can be taken by any outbound connection in the seconds the server spends importing torch before it binds, and
+the server then exits with "address already in use"."""
 
 BIND_RETRIES = 3
 """How many times a server whose port was chosen here is relaunched on another after "address already in use"."""
@@ -153,7 +153,7 @@ def wait_until_ready(server: LiveServer) -> LiveServer:
             ready = httpx.get(f"{server.url}/readyz", timeout=2.0).status_code == 200
         except httpx.TransportError:
             ready = False
-        if ready and server.process.poll() is None:  # a server that has exited did not answer: who took its port did
+        if ready and server.process.poll() is None:  # if ours has exited, whoever took its port answered
             return server
         time.sleep(0.2)
     server.stop()
