@@ -4,6 +4,7 @@ sees an exported program, whose layers are ATen calls rather than ``nn.Module`` 
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Collection, Mapping
 from typing import Any, ClassVar
 
@@ -14,16 +15,16 @@ from torch.overrides import TorchFunctionMode
 __all__ = ["ArgumentRewrite", "graph_calls"]
 
 
-class ArgumentRewrite(TorchFunctionMode):
+class ArgumentRewrite(TorchFunctionMode, abc.ABC):
     """A thread-local rewrite of the functions in ``signatures`` (function -> its parameter names in order): a call
     of one of them goes to ``rewrite`` with its arguments bound by name; every other call, and one ``rewrite``
     declines (None), runs as it is."""
 
     signatures: ClassVar[Mapping[Any, tuple[str, ...]]] = {}
 
+    @abc.abstractmethod
     def rewrite(self, bound: dict[str, Any]) -> Any:
         """The result of the call whose arguments are ``bound``, or None to run the call as it is."""
-        raise NotImplementedError
 
     def __torch_function__(
         self,
